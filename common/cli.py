@@ -1,0 +1,121 @@
+"""`tpla` command line: one sub-command per entry point (DESIGN §3)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from common.settings import Settings, load_settings
+
+
+def _configure_torch(settings: Settings) -> None:
+    import torch
+
+    torch.set_num_threads(settings.torch_threads)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as exc:
+        raise SystemExit(f"--prompt-ids must be comma-separated integers: {exc}") from exc
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from common.generate import generate
+    from common.model.attn_backend import select_backend
+    from common.model.loader import load_model
+    from common.sampling import SamplingParams
+    from common.tokenizer import Tokenizer
+
+    settings = load_settings(
+        model=args.model, dtype=args.dtype, device=args.device, torch_threads=args.threads
+    )
+    _configure_torch(settings)
+    model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
+    model.prefill_backend = select_backend(settings.attention_backend, settings.device)
+    tokenizer = None
+    if args.prompt is not None:
+        tokenizer = Tokenizer.from_dir(settings.model)
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = _parse_ids(args.prompt_ids)
+    eos = set(model.config.eos_token_ids)
+    if tokenizer is not None:
+        eos |= tokenizer.eos_token_ids
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    result = generate(model, prompt_ids, params, eos_ids=sorted(eos), path=args.path)
+    text = None
+    if tokenizer is None:
+        try:
+            tokenizer = Tokenizer.from_dir(settings.model)
+        except ValueError:
+            tokenizer = None  # a weights-only directory still generates ids
+    if tokenizer is not None:
+        text = tokenizer.decode(result.token_ids)
+    if args.json:
+        print(
+            json.dumps(
+                {"token_ids": result.token_ids, "text": text, "finish_reason": result.finish_reason}
+            )
+        )
+    else:
+        print(
+            args.prompt + text
+            if args.prompt is not None and text is not None
+            else (text if text is not None else " ".join(map(str, result.token_ids)))
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpla", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from a model in one process (no services)")
+    gen.add_argument("--model", help="model directory (default: TPLA_MODEL or models/demo)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--path",
+        choices=["absorbed", "expanded"],
+        default="absorbed",
+        help="absorbed: latent-cache decode; expanded: full recompute reference",
+    )
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device")
+    gen.add_argument("--threads", type=int, help="torch threads (default TPLA_TORCH_THREADS or 1)")
+    gen.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        # Config, checkpoint, tokenizer and sampling errors are all ValueErrors with a message
+        # meant for the user; print it instead of a traceback.
+        print(f"tpla {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

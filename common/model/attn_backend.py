@@ -1,0 +1,83 @@
+"""Causal varlen attention backends for the expanded (prefill) MLA path.
+
+`SdpaBackend` runs everywhere and is the reference. `FlashAttnBackend` is a thin GPU path
+that is chosen only when CUDA and the `flash_attn` package are both present; importing this
+module never imports flash_attn.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class PrefillAttentionBackend(abc.ABC):
+    """Causal self-attention over packed sequences delimited by `cu_seqlens`."""
+
+    name: str
+
+    @abc.abstractmethod
+    def causal(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
+    ) -> Tensor:
+        """q, k: [T, H, d_qk]; v: [T, H, d_v] -> [T, H, d_v]."""
+
+
+class SdpaBackend(PrefillAttentionBackend):
+    """torch SDPA, one call per sequence (no cross-sequence mask memory)."""
+
+    name = "sdpa"
+
+    def causal(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
+    ) -> Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for start, end in pairwise(cu_seqlens):
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
+class FlashAttnBackend(PrefillAttentionBackend):
+    """flash-attn varlen kernel (CUDA only; fp16/bf16)."""
+
+    name = "flash-attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func  # GPU-only import, deferred on purpose
+
+        self._fn = flash_attn_varlen_func
+
+    def causal(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
+    ) -> Tensor:
+        cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+        max_len = max(e - s for s, e in pairwise(cu_seqlens))
+        return self._fn(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def select_backend(
+    name: str = "auto", device: torch.device | str = "cpu"
+) -> PrefillAttentionBackend:
+    """`auto` picks flash-attn on a CUDA device when installed, else SDPA."""
+    if name == "sdpa":
+        return SdpaBackend()
+    if name == "flash-attn":
+        if not flash_attn_available():
+            raise RuntimeError("flash-attn backend requested but CUDA or flash_attn is missing")
+        return FlashAttnBackend()
+    if name != "auto":
+        raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, flash-attn)")
+    if torch.device(device).type == "cuda" and flash_attn_available():
+        return FlashAttnBackend()
+    return SdpaBackend()

@@ -1,0 +1,137 @@
+"""Multi-head Latent Attention: weights, the expanded path (prefill) and the absorbed path.
+
+Names follow DESIGN §1: `n` is the normalized latent (d_c) and `k_pe` the shared rotated key
+(d_r); together they are the whole per-token cache. `W_UK` [H, d_n, d_c] and `W_UV`
+[H, d_v, d_c] are views of `kv_b_proj.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from common.model.args import ModelConfig
+from common.model.attn_backend import PrefillAttentionBackend
+from common.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalize in fp32 like the reference; the weight multiplies after the cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """One layer's MLA weights, named like the HF checkpoint so loading is a plain mapping."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.d_c, self.d_r, self.d_n, self.d_v = (
+            c.kv_lora_rank,
+            c.qk_rope_head_dim,
+            c.qk_nope_head_dim,
+            c.v_head_dim,
+        )
+        self.scale = c.softmax_scale
+        q_out = c.num_attention_heads * c.qk_head_dim
+        self.q_lora = c.q_lora_rank is not None
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False
+        )
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
+
+    # -- projections shared by every path -------------------------------------------------
+
+    def queries(
+        self, h: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """h [T, D] -> q_nope [T, H, d_n], rotated q_pe [T, H, d_r]."""
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        else:
+            q = self.q_proj(h)
+        q = q.view(h.shape[0], self.num_heads, self.d_n + self.d_r)
+        q_nope, q_pe = q.split([self.d_n, self.d_r], dim=-1)
+        return q_nope, rope.apply(q_pe, cos[:, None], sin[:, None])
+
+    def latents(
+        self, h: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """h [T, D] -> n [T, d_c] (normalized latent), k_pe [T, d_r] (rotated)."""
+        x, k_r = self.kv_a_proj_with_mqa(h).split([self.d_c, self.d_r], dim=-1)
+        return self.kv_a_layernorm(x), rope.apply(k_r, cos, sin)
+
+    def w_uk(self) -> Tensor:
+        return self.kv_b_proj.weight.view(self.num_heads, self.d_n + self.d_v, self.d_c)[
+            :, : self.d_n
+        ]
+
+    def w_uv(self) -> Tensor:
+        return self.kv_b_proj.weight.view(self.num_heads, self.d_n + self.d_v, self.d_c)[
+            :, self.d_n :
+        ]
+
+    def output(self, o: Tensor) -> Tensor:
+        """Per-head values o [T, H, d_v] -> hidden [T, D]."""
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+    # -- the two attention paths ------------------------------------------------------------
+
+    def expanded(
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        n: Tensor,
+        k_pe: Tensor,
+        cu_seqlens: list[int],
+        backend: PrefillAttentionBackend,
+    ) -> Tensor:
+        """Training-style attention: per-head K/V up-projected from n. Returns [T, H, d_v]."""
+        kv = F.linear(n, self.kv_b_proj.weight).view(
+            n.shape[0], self.num_heads, self.d_n + self.d_v
+        )
+        k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)), dim=-1)
+        return backend.causal(q, k, v.contiguous(), cu_seqlens, self.scale)
+
+    def absorb_query(self, q_nope: Tensor) -> Tensor:
+        """q~^h = W_UK^h^T q_nope^h: [..., H, d_n] -> [..., H, d_c]."""
+        return torch.einsum("...hn,hnc->...hc", q_nope, self.w_uk())
+
+    def absorbed(
+        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
+    ) -> Tensor:
+        """Attention computed in the latent space, for a batch of queries over a latent cache.
+
+        q_nope [B, Q, H, d_n], q_pe [B, Q, H, d_r]; n [B, T, d_c], k_pe [B, T, d_r];
+        valid [B, Q, T] bool (causality and padding). Returns [B, Q, H, d_v].
+        """
+        q_lat = self.absorb_query(q_nope)
+        scores = torch.einsum("bqhc,btc->bqht", q_lat, n) + torch.einsum(
+            "bqhr,btr->bqht", q_pe, k_pe
+        )
+        scores = (scores * self.scale).masked_fill(~valid[:, :, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(n.dtype)
+        u = torch.einsum("bqht,btc->bqhc", probs, n)
+        return torch.einsum("bqhc,hvc->bqhv", u, self.w_uv())

@@ -1,0 +1,194 @@
+"""The DeepSeek-V2/V3 causal LM: exact expanded prefill and absorbed decode over a latent cache.
+
+Parameter names mirror the HF checkpoint (`model.layers.N.self_attn.kv_b_proj.weight`, ...)
+so loading is a name mapping. The cache is reached only through the small `LatentKV`
+protocol, so the engine can back it with a paged pool without touching this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from common.model.args import ModelConfig
+from common.model.attn_backend import PrefillAttentionBackend, SdpaBackend
+from common.model.mla import MLAttention, RMSNorm
+from common.model.moe import MLP, MoE
+from common.model.rope import RotaryEmbedding
+
+
+class LatentKV(Protocol):
+    """Where a decode step stores new latents and reads each sequence's whole latent history."""
+
+    def write(self, layer: int, positions: Tensor, n: Tensor, k_pe: Tensor) -> None:
+        """Store one new token per sequence: n [B, d_c], k_pe [B, d_r] at `positions` [B]."""
+
+    def read(self, layer: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Return n [B, T, d_c], k_pe [B, T, d_r] and valid [B, T] covering 0..positions[b]."""
+
+
+@dataclass
+class PrefillOutput:
+    logits: Tensor  # [num_seqs, V] at each prompt's last token, or [T, V] with all_logits
+    n: list[Tensor]  # per layer, packed [T, d_c]
+    k_pe: list[Tensor]  # per layer, packed [T, d_r]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(config)
+            if config.is_moe_layer(layer)
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
+
+    def feed_forward(self, h: Tensor) -> Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(config)
+        self.prefill_backend: PrefillAttentionBackend = SdpaBackend()
+
+    def to_device(self, device: torch.device | str) -> DeepseekForCausalLM:
+        self.to(device)
+        self.rope = RotaryEmbedding(self.config, device)
+        return self
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.model.norm(h))
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        input_ids: Tensor,
+        seq_lens: list[int],
+        *,
+        all_logits: bool = False,
+        absorbed: bool = False,
+    ) -> PrefillOutput:
+        """Exact MLA over packed prompts (each starting at position 0).
+
+        `absorbed=True` runs the latent-space path instead of the expanded one (a reference
+        for tests; prefill is compute-bound, so the expanded path is the fast one).
+        """
+        cu = [0]
+        for length in seq_lens:
+            cu.append(cu[-1] + length)
+        if cu[-1] != input_ids.shape[0] or min(seq_lens, default=0) <= 0:
+            raise ValueError("seq_lens must be positive and sum to len(input_ids)")
+        positions = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens])
+        cos, sin = self.rope.cos_sin(positions)
+        h = self.model.embed_tokens(input_ids)
+        all_n, all_k_pe = [], []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q_nope, q_pe = attn.queries(x, self.rope, cos, sin)
+            n, k_pe = attn.latents(x, self.rope, cos, sin)
+            if absorbed:
+                o = _absorbed_causal(attn, q_nope, q_pe, n, k_pe, cu)
+            else:
+                o = attn.expanded(q_nope, q_pe, n, k_pe, cu, self.prefill_backend)
+            h = layer.feed_forward(h + attn.output(o))
+            all_n.append(n)
+            all_k_pe.append(k_pe)
+        last = h if all_logits else h[torch.tensor(cu[1:], device=h.device) - 1]
+        return PrefillOutput(self.logits(last), all_n, all_k_pe)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: Tensor, positions: Tensor, kv: LatentKV) -> Tensor:
+        """One decode step for B sequences (one new token each) -> logits [B, V]."""
+        cos, sin = self.rope.cos_sin(positions)
+        h = self.model.embed_tokens(token_ids)
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q_nope, q_pe = attn.queries(x, self.rope, cos, sin)
+            n_new, k_pe_new = attn.latents(x, self.rope, cos, sin)
+            kv.write(i, positions, n_new, k_pe_new)
+            n, k_pe, valid = kv.read(i, positions)
+            o = attn.absorbed(q_nope[:, None], q_pe[:, None], n, k_pe, valid[:, None])[:, 0]
+            h = layer.feed_forward(h + attn.output(o))
+        return self.logits(h)
+
+
+def _absorbed_causal(
+    attn: MLAttention, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, cu: list[int]
+) -> Tensor:
+    out = []
+    for start, end in pairwise(cu):
+        length = end - start
+        causal = torch.ones(length, length, dtype=torch.bool, device=n.device).tril()
+        o = attn.absorbed(
+            q_nope[None, start:end],
+            q_pe[None, start:end],
+            n[None, start:end],
+            k_pe[None, start:end],
+            causal[None],
+        )
+        out.append(o[0])
+    return torch.cat(out)
+
+
+class ContiguousLatentCache:
+    """A preallocated [B, max_len] latent cache per layer: the simple, unpaged `LatentKV`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        layers = config.num_hidden_layers
+        self.n = torch.zeros(
+            layers, batch, max_len, config.kv_lora_rank, dtype=dtype, device=device
+        )
+        self.k_pe = torch.zeros(
+            layers, batch, max_len, config.qk_rope_head_dim, dtype=dtype, device=device
+        )
+        self.max_len = max_len
+
+    def load_prefill(self, row: int, out: PrefillOutput, start: int, end: int) -> None:
+        """Copy one prompt's packed prefill latents [start:end) into cache row `row`."""
+        for layer, (n, k_pe) in enumerate(zip(out.n, out.k_pe, strict=True)):
+            self.n[layer, row, : end - start] = n[start:end]
+            self.k_pe[layer, row, : end - start] = k_pe[start:end]
+
+    def write(self, layer: int, positions: Tensor, n: Tensor, k_pe: Tensor) -> None:
+        if int(positions.max()) >= self.max_len:
+            raise IndexError(f"position {int(positions.max())} exceeds cache length {self.max_len}")
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        self.n[layer, rows, positions] = n
+        self.k_pe[layer, rows, positions] = k_pe
+
+    def read(self, layer: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        length = int(positions.max()) + 1
+        batch = positions.shape[0]
+        valid = torch.arange(length, device=positions.device)[None] <= positions[:, None]
+        return self.n[layer, :batch, :length], self.k_pe[layer, :batch, :length], valid

@@ -1,0 +1,81 @@
+"""Rotary position embedding for the decoupled rope part of MLA, with YaRN.
+
+Both checkpoint layouts produce the same output layout: the rotated vector is returned as
+`[x_even_rotated | x_odd_rotated]` halves. Only dot products between rotated queries and
+keys matter, so a consistent output layout is all the cache needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from common.model.args import ModelConfig, YarnScaling
+
+
+def _yarn_correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
+    return (dim * math.log(max_pos / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def yarn_inv_freq(dim: int, base: float, yarn: YarnScaling) -> Tensor:
+    """Blend interpolated and extrapolated frequencies with YaRN's linear ramp."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    extrapolated = 1.0 / (base**exponents)
+    interpolated = 1.0 / (yarn.factor * base**exponents)
+    low = max(
+        math.floor(
+            _yarn_correction_dim(yarn.beta_fast, dim, base, yarn.original_max_position_embeddings)
+        ),
+        0,
+    )
+    high = min(
+        math.ceil(
+            _yarn_correction_dim(yarn.beta_slow, dim, base, yarn.original_max_position_embeddings)
+        ),
+        dim - 1,
+    )
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    keep_extrapolated = 1.0 - ramp
+    return interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions, computed on demand from inv_freq (no max-length cache).
+
+    Frequencies are computed on the CPU explicitly, so building a model under
+    `torch.device("meta")` (as the loader does) still yields real tables.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        dim = config.qk_rope_head_dim
+        if config.rope_scaling is None:
+            exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+            inv_freq = 1.0 / (config.rope_theta**exponents)
+            self.attention_factor = 1.0
+        else:
+            inv_freq = yarn_inv_freq(dim, config.rope_theta, config.rope_scaling)
+            self.attention_factor = config.rope_scaling.rope_attention_factor
+        self.inv_freq = inv_freq.to(device)
+        self.interleaved = config.rope_interleave
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin of shape [*positions.shape, d_r / 2], in float32."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate x [..., T, (heads,) d_r]; cos/sin broadcast as [T, 1, d_r/2] or [T, d_r/2]."""
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        x1f, x2f = x1.float(), x2.float()
+        out = torch.cat((x1f * cos - x2f * sin, x2f * cos + x1f * sin), dim=-1)
+        return out.to(x.dtype)

@@ -1,0 +1,532 @@
+"""Tokenizer, chat-template rendering and streaming detokenization.
+
+Wraps a HuggingFace ``tokenizers`` tokenizer loaded from a model directory
+(``tokenizer.json`` plus the optional ``tokenizer_config.json`` and
+``generation_config.json``) so the rest of the server never depends on
+``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+__all__ = [
+    "CHAT_ROLES",
+    "ChatMessage",
+    "IncrementalDetokenizer",
+    "Tokenizer",
+    "TokenizerError",
+]
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# transformers >= 4.43 may save the template here instead of inside tokenizer_config.json.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+
+# What the ByteLevel decoder (and lossy UTF-8 decoding in general) produces for bytes that do
+# not (yet) form a complete character.
+_REPLACEMENT_CHAR = "\ufffd"
+
+# How many prompt ids the detokenizer decodes as left context (same value vLLM uses): enough
+# for context-sensitive decoders to render the first generated token the way it would appear
+# after the prompt, while keeping each decode call O(1).
+_CONTEXT_TOKENS = 5
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory/file is unusable, or chat-template input is invalid."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat turn passed to a chat template.
+
+    Attributes:
+        role: One of ``"system"``, ``"user"``, ``"assistant"`` or ``"tool"``.
+        content: The message text.
+    """
+
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:
+            raise TokenizerError(
+                f"invalid chat role {self.role!r}; expected one of {sorted(CHAT_ROLES)}"
+            )
+        if not isinstance(self.content, str):
+            raise TokenizerError(
+                f"chat message content must be a str, got {type(self.content).__name__}"
+            )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with path.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any, field: str, source: Path) -> str | None:
+    # HF configs store special tokens either as plain strings or as serialized AddedToken
+    # dicts ({"__type": "AddedToken", "content": ...}).
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(
+        f"{source}: {field!r} must be a string or an object with a string 'content', got {value!r}"
+    )
+
+
+def _chat_template_from_config(value: Any, source: Path) -> tuple[str | None, list[str]]:
+    """Return the default template (or None) and the names of the other named templates."""
+    if value is None or isinstance(value, str):
+        return value, []
+    if isinstance(value, list):
+        names: list[str] = []
+        for entry in value:
+            if not (
+                isinstance(entry, Mapping)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
+                raise TokenizerError(
+                    f"{source}: 'chat_template' list entries must be objects with string "
+                    f"'name' and 'template', got {entry!r}"
+                )
+            if entry["name"] == "default":
+                return entry["template"], []
+            names.append(entry["name"])
+        # Not fatal: the model can still serve plain completions without a chat template.
+        return None, names
+    raise TokenizerError(
+        f"{source}: 'chat_template' must be a string or a list of named templates, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _eos_ids_from_generation_config(value: Any, source: Path) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    # bool is an int subclass; a JSON true/false here is a config bug, not token id 1/0.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(value)
+    raise TokenizerError(
+        f"{source}: 'eos_token_id' must be an int or a list of ints, got {value!r}"
+    )
+
+
+def _raise_template_exception(message: str) -> NoReturn:
+    raise TokenizerError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # Jinja's built-in tojson HTML-escapes <, >, & and '; HF templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class Tokenizer:
+    """A ``tokenizers`` tokenizer plus the HF config needed to serve chat models.
+
+    Build it with :meth:`from_dir`. Its state is fixed after construction (the chat template
+    is compiled on first use, which is idempotent), so one instance can be shared between
+    threads.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+        extra_eos_token_ids: Sequence[int] = (),
+        source: str = "<in-memory tokenizer>",
+        named_templates: Sequence[str] = (),
+    ) -> None:
+        """Wrap ``backend``.
+
+        Args:
+            backend: The loaded ``tokenizers.Tokenizer``.
+            chat_template: Jinja chat template source, or None if the model has none.
+            bos_token: Text of the BOS token, or None.
+            eos_token: Text of the EOS token, or None.
+            add_bos_token: Whether :meth:`encode` prepends BOS by default.
+            extra_eos_token_ids: Further stop ids (e.g. from ``generation_config.json``).
+            source: Where the tokenizer came from, used in error messages.
+            named_templates: Names of named templates found when none is called
+                ``"default"``; only used to explain the missing template.
+
+        Raises:
+            TokenizerError: If a special token is not in the vocabulary, an eos id is out of
+                range, or ``add_bos_token`` is set without a BOS token.
+        """
+        self._backend = backend
+        self._source = source
+        self._chat_template = chat_template
+        self._other_templates = tuple(named_templates)
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+        self._bos_token_id = self._require_id(bos_token, "bos_token")
+        if add_bos_token and self._bos_token_id is None:
+            raise TokenizerError(f"{source}: add_bos_token is true but no bos_token is set")
+        self._add_bos_token = add_bos_token
+
+        eos_ids = set(extra_eos_token_ids)
+        eos_token_id = self._require_id(eos_token, "eos_token")
+        if eos_token_id is not None:
+            eos_ids.add(eos_token_id)
+        bad = sorted(i for i in eos_ids if not 0 <= i < self._vocab_size)
+        if bad:
+            raise TokenizerError(
+                f"{source}: eos token ids {bad} are outside the vocabulary "
+                f"(size {self._vocab_size})"
+            )
+        self._eos_token_ids = frozenset(eos_ids)
+
+        # Compiled lazily so a broken template only affects chat requests, and the error
+        # surfaces as a TokenizerError from apply_chat_template.
+        self._compiled_template: jinja2.Template | None = None
+
+    def _require_id(self, token: str | None, field: str) -> int | None:
+        if token is None:
+            return None
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(f"{self._source}: {field} {token!r} is not in the vocabulary")
+        return token_id
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load a tokenizer from a HF model directory.
+
+        Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (optional: chat
+        template, bos/eos tokens, ``add_bos_token``), ``chat_template.jinja`` (optional,
+        takes precedence over the config's template, as in ``transformers``) and
+        ``generation_config.json`` (optional: extra ``eos_token_id`` stop ids).
+
+        Raises:
+            TokenizerError: If the directory or ``tokenizer.json`` is missing, or any file
+                is malformed.
+        """
+        directory = Path(path)
+        if not directory.is_dir():
+            raise TokenizerError(f"tokenizer directory {directory} does not exist")
+        tokenizer_file = directory / TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"no {TOKENIZER_FILE} in {directory}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust binding raises bare Exception on parse errors
+            raise TokenizerError(f"cannot load {tokenizer_file}: {exc}") from exc
+        # Some tokenizer.json files ship truncation/padding settings meant for training; in
+        # serving they would silently cut or pad prompts.
+        backend.no_truncation()
+        backend.no_padding()
+
+        config_file = directory / TOKENIZER_CONFIG_FILE
+        config = _read_json(config_file) if config_file.is_file() else {}
+        chat_template, other_templates = _chat_template_from_config(
+            config.get("chat_template"), config_file
+        )
+        template_file = directory / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            try:
+                chat_template = template_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise TokenizerError(f"cannot read {template_file}: {exc}") from exc
+
+        add_bos_token = config.get("add_bos_token", False)
+        if not isinstance(add_bos_token, bool):
+            raise TokenizerError(
+                f"{config_file}: 'add_bos_token' must be a boolean, got {add_bos_token!r}"
+            )
+
+        generation_file = directory / GENERATION_CONFIG_FILE
+        generation = _read_json(generation_file) if generation_file.is_file() else {}
+        extra_eos = _eos_ids_from_generation_config(generation.get("eos_token_id"), generation_file)
+
+        return cls(
+            backend,
+            chat_template=chat_template,
+            bos_token=_token_text(config.get("bos_token"), "bos_token", config_file),
+            eos_token=_token_text(config.get("eos_token"), "eos_token", config_file),
+            add_bos_token=add_bos_token,
+            extra_eos_token_ids=extra_eos,
+            source=str(directory),
+            named_templates=other_templates,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, including added/special tokens."""
+        return self._vocab_size
+
+    @property
+    def bos_token(self) -> str | None:
+        """Text of the BOS token, or None."""
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        """Text of the EOS token, or None."""
+        return self._eos_token
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """Id of the BOS token, or None if the tokenizer has none."""
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """All ids that end generation (config ``eos_token`` plus generation-config ids)."""
+        return self._eos_token_ids
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether :meth:`encode` prepends BOS when ``add_bos`` is not given."""
+        return self._add_bos_token
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether a chat template is available for :meth:`apply_chat_template`."""
+        return self._chat_template is not None
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Encode ``text`` to token ids.
+
+        Args:
+            text: Text to encode; special-token strings in it map to their ids.
+            add_bos: Prepend the BOS id. Defaults to the config's ``add_bos_token``.
+
+        Raises:
+            TokenizerError: If ``add_bos`` is true but the tokenizer has no BOS token.
+        """
+        if add_bos is None:
+            add_bos = self._add_bos_token
+        # The backend's post-processor may add its own specials; we manage BOS ourselves so
+        # it is never added twice.
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        if add_bos:
+            if self._bos_token_id is None:
+                raise TokenizerError(f"{self._source}: add_bos requested but no bos_token is set")
+            ids.insert(0, self._bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Decode token ids to text.
+
+        Ids outside the vocabulary are silently dropped (the ``tokenizers`` behaviour), which
+        matters for models whose embedding table is padded beyond the tokenizer vocabulary.
+
+        Raises:
+            TokenizerError: If an id is negative.
+        """
+        try:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except OverflowError as exc:
+            raise TokenizerError(f"invalid token id in {list(ids)!r}: {exc}") from exc
+
+    def _template(self) -> jinja2.Template:
+        if self._compiled_template is not None:
+            return self._compiled_template
+        if self._chat_template is None:
+            if self._other_templates:
+                raise TokenizerError(
+                    f"{self._source}: no chat template named 'default' (found "
+                    f"{list(self._other_templates)})"
+                )
+            raise TokenizerError(
+                f"{self._source}: the tokenizer has no chat template (no 'chat_template' in "
+                f"{TOKENIZER_CONFIG_FILE} and no {CHAT_TEMPLATE_FILE})"
+            )
+        # Templates come from downloaded model repos, so they are untrusted code: sandbox them.
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols],
+        )
+        env.globals["raise_exception"] = _raise_template_exception
+        env.filters["tojson"] = _tojson
+        try:
+            template = env.from_string(self._chat_template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerError(
+                f"{self._source}: chat template syntax error at line {exc.lineno}: {exc.message}"
+            ) from exc
+        self._compiled_template = template
+        return template
+
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` with the model's chat template.
+
+        Args:
+            messages: The conversation so far.
+            add_generation_prompt: Append the prefix that starts an assistant turn.
+
+        Returns:
+            The rendered prompt text (special tokens appear as their text).
+
+        Raises:
+            TokenizerError: If there is no template, it does not compile or fails to render,
+                or it calls ``raise_exception`` (e.g. to reject a role order).
+        """
+        template = self._template()
+        for message in messages:
+            if not isinstance(message, ChatMessage):
+                raise TokenizerError(
+                    f"messages must be ChatMessage instances, got {type(message).__name__}"
+                )
+        try:
+            return template.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                bos_token=self._bos_token or "",
+                eos_token=self._eos_token or "",
+                add_generation_prompt=add_generation_prompt,
+            )
+        except TokenizerError:
+            raise  # from raise_exception(): already says what the template rejected
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as exc:
+            # Template bugs triggered by request content must surface as bad input, not as
+            # internal server errors.
+            raise TokenizerError(f"{self._source}: chat template failed to render: {exc}") from exc
+
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render ``messages`` with the chat template and encode the result.
+
+        BOS is prepended per the config's ``add_bos_token`` unless the template already
+        emitted it, so the prompt never starts with two BOS tokens.
+
+        Raises:
+            TokenizerError: As for :meth:`apply_chat_template`.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        add_bos: bool | None = None
+        if self._bos_token and text.startswith(self._bos_token):
+            add_bos = False
+        return self.encode(text, add_bos=add_bos)
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of generated token ids into text deltas.
+
+    Byte-level BPE tokens can end in the middle of a multi-byte UTF-8 character; such text is
+    held back until the character completes, so no delta ever contains a partial character.
+    Each :meth:`push` decodes only a small window of recent ids, so the cost per token does
+    not grow with the sequence length.
+
+    For byte-level tokenizers, ``"".join(pushes) + flush()`` equals
+    ``tokenizer.decode(generated_ids, skip_special_tokens=...)`` exactly.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        """Start a stream.
+
+        Args:
+            tokenizer: The tokenizer that produced the ids.
+            prompt_ids: The prompt; its last few ids are decoded as left context, which lets
+                context-sensitive decoders (e.g. SentencePiece-style leading spaces) render
+                the first generated token as it appears after the prompt.
+            skip_special_tokens: Drop special tokens from the text, as in
+                :meth:`Tokenizer.decode`.
+        """
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # int() so numpy/torch integer ids work as well as Python ints.
+        context = [int(i) for i in prompt_ids[-_CONTEXT_TOKENS:]]
+        context_text = self._decode(context)
+        if context_text.endswith(_REPLACEMENT_CHAR):
+            # The prompt ends inside a character: its trailing bytes would merge with the
+            # first generated bytes, which decode(generated_ids) alone never does.
+            context, context_text = [], ""
+        # Only the undecided tail of the stream is kept: _ids[:_read_offset] is already
+        # emitted (kept as decoding context), _ids[_read_offset:] is held back.
+        self._ids: list[int] = context
+        self._read_offset = len(context)
+        self._prefix_text = context_text
+        self._chunks: list[str] = []
+        self._finished = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _emit(self, new_text: str) -> str:
+        delta = new_text[len(self._prefix_text) :]
+        # The just-emitted ids become the next window's context; older ones are no longer
+        # needed because the emitted text ended on a character boundary.
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        if delta:
+            self._chunks.append(delta)
+        return delta
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token and return the text it completes (possibly ``""``).
+
+        Raises:
+            RuntimeError: If called after :meth:`flush`.
+        """
+        if self._finished:
+            raise RuntimeError("IncrementalDetokenizer.push() called after flush()")
+        self._ids.append(int(token_id))
+        new_text = self._decode(self._ids)
+        # A trailing U+FFFD means the last bytes are (so far) an incomplete character; and no
+        # growth means only skipped special tokens arrived. Either way, wait for more ids.
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        return self._emit(new_text)
+
+    def flush(self) -> str:
+        """End the stream and return any held-back text.
+
+        A trailing byte sequence that never formed a valid character comes out as U+FFFD,
+        exactly as :meth:`Tokenizer.decode` renders it. Calling it again returns ``""``.
+        """
+        if self._finished:
+            return ""
+        self._finished = True
+        new_text = self._decode(self._ids)
+        if len(new_text) <= len(self._prefix_text):
+            return ""
+        return self._emit(new_text)
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)

@@ -1,0 +1,112 @@
+"""Tiny random DeepSeek-V2/V3 checkpoints built with HF transformers inside the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BASE: dict[str, Any] = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "rope_theta": 10000.0,
+}
+
+# name -> (model class name, config overrides). Together they cover q_lora_rank null/set, the
+# three gating methods (noaux_tc with a non-zero correction bias), YaRN, dense-then-MoE layers
+# and both rope layouts.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v2-greedy": ("v2", dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0)),
+    "v2-group-yarn": (
+        "v2",
+        dict(
+            q_lora_rank=24,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            rope_parameters=YARN,
+        ),
+    ),
+    "v3-noaux-yarn": (
+        "v3",
+        dict(
+            q_lora_rank=24,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_parameters=YARN,
+        ),
+    ),
+    "v3-qnull-halfrope": (
+        "v3",
+        dict(
+            q_lora_rank=None,
+            n_group=2,
+            topk_group=1,
+            rope_interleave=False,
+            first_k_dense_replace=2,
+        ),
+    ),
+}
+
+
+def build_hf(variant: str, seed: int = 0, std: float = 0.15, **config: Any) -> torch.nn.Module:
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
+
+    kind, overrides = VARIANTS[variant]
+    cfg_cls, model_cls = (
+        (DeepseekV2Config, DeepseekV2ForCausalLM)
+        if kind == "v2"
+        else (DeepseekV3Config, DeepseekV3ForCausalLM)
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**{**BASE, **overrides, **config})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)  # non-trivial gammas, so folding them is tested too
+            else:
+                p.normal_(0.0, std)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0.0, 0.3)
+    return model
+
+
+def save_hf(variant: str, out: Path, **kwargs: Any) -> torch.nn.Module:
+    model = build_hf(variant, **kwargs)
+    model.save_pretrained(out)
+    return model

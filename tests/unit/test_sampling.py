@@ -1,0 +1,60 @@
+"""Sampling math: greedy, filters, seeds, logprobs, parameter validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.sampling import SamplingError, SamplingParams, filtered_logits, make_generator, sample
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def test_greedy_takes_argmax_and_reports_logprob() -> None:
+    tok = sample(
+        LOGITS, SamplingParams(temperature=0.0, logprobs=2), make_generator(SamplingParams())
+    )
+    assert tok.token_id == 0
+    assert tok.logprob == pytest.approx(torch.log_softmax(LOGITS, -1)[0].item())
+    assert [t for t, _ in tok.top_logprobs] == [0, 1]
+
+
+def test_top_k_and_top_p_keep_the_right_support() -> None:
+    kept_k = torch.isfinite(filtered_logits(LOGITS, SamplingParams(top_k=2))).nonzero().flatten()
+    assert kept_k.tolist() == [0, 1]
+    probs = LOGITS.softmax(-1)  # ~[0.57, 0.21, 0.13, 0.08, ...]
+    kept_p = torch.isfinite(filtered_logits(LOGITS, SamplingParams(top_p=0.7))).nonzero().flatten()
+    assert kept_p.tolist() == [0, 1]  # 0.57 < 0.7, so the second token is needed, not the third
+    assert probs[:2].sum() >= 0.7
+    tiny_p = filtered_logits(LOGITS, SamplingParams(top_p=1e-6))
+    assert torch.isfinite(tiny_p).sum() == 1  # the top token always survives
+
+
+def test_seeded_sampling_reproduces_and_respects_support() -> None:
+    params = SamplingParams(temperature=1.0, top_k=3, seed=1234)
+
+    def draw() -> list[int]:
+        gen = make_generator(params)
+        return [sample(LOGITS, params, gen).token_id for _ in range(200)]
+
+    first = draw()
+    assert first == draw()
+    assert set(first) <= {0, 1, 2}
+    assert len(set(first)) == 3  # temperature 1 over three tokens: all appear in 200 draws
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_tokens=0),
+        dict(temperature=-1),
+        dict(temperature=3),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(logprobs=21),
+    ],
+)
+def test_invalid_params_raise(bad: dict) -> None:
+    with pytest.raises(SamplingError):
+        SamplingParams(**bad)
