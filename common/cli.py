@@ -9,6 +9,20 @@ from collections.abc import Sequence
 
 from common.settings import Settings, load_settings
 
+# A trainer smoke-test architecture: same family and proportions, minimal size.
+TINY_ARCH_FIELDS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+)
+
 
 def _configure_torch(settings: Settings) -> None:
     import torch
@@ -77,6 +91,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from common.demo.train import DemoArch, TrainConfig, train
+
+    settings = load_settings(torch_threads=args.threads)
+    _configure_torch(settings)
+    arch = DemoArch() if args.arch == "demo" else DemoArch(**TINY_ARCH_FIELDS)
+    cfg = TrainConfig(
+        out=Path(args.out),
+        work_dir=Path(args.work_dir or Path("runs") / "train-demo"),
+        corpus_root=Path(args.corpus) if args.corpus else None,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        eval_every=args.eval_every,
+        card_eval_chars=args.card_eval_chars,
+        arch=arch,
+    )
+    report = train(cfg)
+    print(json.dumps({"steps": report["steps"], "metrics": report["metrics"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpla", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +142,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, help="torch threads (default TPLA_TORCH_THREADS or 1)")
     gen.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     gen.set_defaults(func=cmd_generate)
+
+    td = sub.add_parser("train-demo", help="train the small demo model on CPU (offline)")
+    td.add_argument("--out", default="models/demo", help="HF-format output directory")
+    td.add_argument("--corpus", help="folder of .py files (default: this Python's stdlib)")
+    td.add_argument("--work-dir", help="tokenizer, token cache and resumable checkpoint")
+    td.add_argument("--minutes", type=float, default=40.0, help="wall-clock training budget")
+    td.add_argument("--max-steps", type=int)
+    td.add_argument("--seq-len", type=int, default=1024)
+    td.add_argument("--batch-size", type=int, default=4)
+    td.add_argument("--eval-every", type=int, default=50)
+    td.add_argument("--card-eval-chars", type=int, default=200_000)
+    td.add_argument(
+        "--arch",
+        choices=["demo", "tiny"],
+        default="demo",
+        help="tiny: a minimal model for smoke tests of the trainer",
+    )
+    td.add_argument("--threads", type=int)
+    td.set_defaults(func=cmd_train_demo)
     return parser
 
 

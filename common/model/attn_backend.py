@@ -36,11 +36,17 @@ class SdpaBackend(PrefillAttentionBackend):
     def causal(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
     ) -> Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        d_v = v.shape[-1]
+        if d_v < q.shape[-1]:
+            # MLA has d_v < d_qk; torch's fused CPU kernel needs equal widths and otherwise
+            # falls back to the unfused math path (~2x slower). Zero columns change nothing.
+            v = F.pad(v, (0, q.shape[-1] - d_v))
+        out = q.new_empty(q.shape[0], q.shape[1], d_v)
         for start, end in pairwise(cu_seqlens):
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            # [1, H, T, d]: the fused CPU kernel accepts only 4-D inputs.
+            qs, ks, vs = (t[None, start:end].transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o[0].transpose(0, 1)[..., :d_v]
         return out
 
 

@@ -90,7 +90,18 @@ class DeepseekForCausalLM(nn.Module):
         all_logits: bool = False,
         absorbed: bool = False,
     ) -> PrefillOutput:
-        """Exact MLA over packed prompts (each starting at position 0).
+        """Exact MLA over packed prompts (each starting at position 0), without autograd."""
+        return self(input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        seq_lens: list[int],
+        *,
+        all_logits: bool = False,
+        absorbed: bool = False,
+    ) -> PrefillOutput:
+        """Packed prompts -> logits and per-layer latents (differentiable; used for training).
 
         `absorbed=True` runs the latent-space path instead of the expanded one (a reference
         for tests; prefill is compute-bound, so the expanded path is the fast one).
