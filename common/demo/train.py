@@ -389,19 +389,24 @@ def export(
 
 
 def model_card(r: dict[str, Any]) -> str:
-    m, a = r["metrics"], r["arch"]
     import platform
 
-    return f"""# tpla-serve demo model (DeepSeek-V2 architecture, {r["parameters"] / 1e6:.1f}M parameters)
+    m, a = r["metrics"], r["arch"]
+    params = r["parameters"] / 1e6
+    d_n = a["qk_nope_head_dim"]
+    experts = (
+        f"{a['n_routed_experts']} routed experts, top-{a['experts_per_token']}, "
+        f"{a['n_shared_experts']} shared"
+    )
+    return f"""# tpla-serve demo model (DeepSeek-V2 architecture, {params:.1f}M parameters)
 
 A small MLA + MoE model trained from scratch on CPU by `tpla train-demo`, so the serving
 stack, TPLA fidelity measurements and demos work offline. It writes Python, not prose.
 
 ## Architecture
 DeepSeek-V2 (`model_type: deepseek_v2`): {a["num_layers"]} layers (1 dense, then MoE with
-{a["n_routed_experts"]} routed experts, top-{a["experts_per_token"]}, {a["n_shared_experts"]} shared),
-hidden {a["hidden_size"]}, {a["num_heads"]} heads, MLA with `kv_lora_rank` {4 * a["qk_nope_head_dim"]}
-(= 4 x `qk_nope_head_dim` {a["qk_nope_head_dim"]}), `qk_rope_head_dim` {a["qk_rope_head_dim"]},
+{experts}), hidden {a["hidden_size"]}, {a["num_heads"]} heads, MLA with `kv_lora_rank`
+{4 * d_n} (= 4 x `qk_nope_head_dim` {d_n}), `qk_rope_head_dim` {a["qk_rope_head_dim"]},
 `v_head_dim` {a["v_head_dim"]}, `q_lora_rank` null, vocab {a["vocab_size"]} (byte-level BPE),
 context {a["max_position_embeddings"]}. Weights stored in bf16; load as fp32.
 
