@@ -1,0 +1,138 @@
+"""TPLA: attention over one contiguous slice of the (rotated) latent, per DESIGN §1.
+
+Rank (i, j) of a decode group holds `n_t[S_i]` and the replicated `k_pe_t`, and the heads of
+group j. It computes
+
+    s^h_{i,t} = scale * (q~^h[S_i] . n_t[S_i] / beta_i + q_pe^h . k_pe_t)
+    u^h_i     = sum_t softmax_t(s^h_i) n_t[S_i]
+    y_i,j     = sum_{h in group j} W_o^h W_UV^h[:, S_i] u^h_i
+
+and the group all-reduces y. With one latent group (r = 1, beta = 1) this is exactly MLA.
+The single-process oracle and the distributed engine both call `shard_attention`, so there is
+one implementation of the math. GLA (head group i sees only S_i, no beta) is here too, as
+the lossy baseline of the paper's comparison.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from common.model.mla import MLAttention
+
+
+class RmsNormMode(enum.Enum):
+    """How a rank normalizes the latent of a newly generated token."""
+
+    EXACT = "exact"  # compute the full small projection, normalize exactly, keep the slice
+    SLICED = "sliced"  # see only x[S_i]: rms(x) ~ rms(x[S_i]) * sqrt(1 / (r e_i))
+
+
+@dataclass(frozen=True)
+class LatentShard:
+    """Slice i of r of the latent and the constants derived for it."""
+
+    index: int
+    groups: int
+    start: int
+    end: int
+    energy: float  # e_i: this slice's share of E[|n|^2] (1/r without calibration)
+
+    @property
+    def beta(self) -> float:
+        """Softmax slicing factor: the partial score is rescaled to estimate the full one."""
+        return self.energy if self.groups > 1 else 1.0
+
+    @property
+    def rms_correction(self) -> float:
+        """rms(x) / rms(x[S_i]) in expectation: sqrt(1 / (r e_i))."""
+        return math.sqrt(1.0 / (self.groups * self.energy)) if self.groups > 1 else 1.0
+
+    @property
+    def width(self) -> int:
+        return self.end - self.start
+
+
+def latent_shards(d_c: int, groups: int, spectrum: Tensor | None = None) -> list[LatentShard]:
+    """Contiguous equal slices of the latent; energies from a per-dimension spectrum.
+
+    `spectrum` holds E[n_k^2] per latent dimension in the (rotated) basis the cache uses;
+    without it every slice gets e_i = 1/r.
+    """
+    if groups < 1 or d_c % groups:
+        raise ValueError(f"latent width {d_c} is not divisible into {groups} groups")
+    width = d_c // groups
+    if spectrum is None:
+        energies = [1.0 / groups] * groups
+    else:
+        if spectrum.shape != (d_c,):
+            raise ValueError(f"spectrum has shape {tuple(spectrum.shape)}, expected ({d_c},)")
+        total = float(spectrum.double().sum())
+        energies = [
+            float(spectrum[i * width : (i + 1) * width].double().sum()) / total
+            for i in range(groups)
+        ]
+    return [LatentShard(i, groups, i * width, (i + 1) * width, energies[i]) for i in range(groups)]
+
+
+def normalize_latent_slice(attn: MLAttention, x_slice: Tensor, shard: LatentShard) -> Tensor:
+    """Sliced RMSNorm of x[S_i] (pre-norm latent slice), with the layer's gamma slice."""
+    xf = x_slice.float()
+    rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + attn.kv_a_layernorm.eps)
+    gamma = attn.kv_a_layernorm.weight[shard.start : shard.end]
+    return gamma * (xf / (rms * shard.rms_correction)).to(x_slice.dtype)
+
+
+def new_token_latent(
+    attn: MLAttention, h: Tensor, shard: LatentShard, mode: RmsNormMode, rope_k: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Latent slice n[S_i] and rotated k_pe of new tokens h [T, D] on rank i.
+
+    `rope_k` is the already-rotated k_pe (computed from the shared rope columns), so only the
+    normalization differs between modes.
+    """
+    w = attn.kv_a_proj_with_mqa.weight
+    if mode is RmsNormMode.EXACT:
+        x = torch.nn.functional.linear(h, w[: attn.d_c])
+        return attn.kv_a_layernorm(x)[..., shard.start : shard.end], rope_k
+    x_slice = torch.nn.functional.linear(h, w[shard.start : shard.end])
+    return normalize_latent_slice(attn, x_slice, shard), rope_k
+
+
+def shard_attention(
+    attn: MLAttention,
+    q_nope: Tensor,
+    q_pe: Tensor,
+    n_slice: Tensor,
+    k_pe: Tensor,
+    valid: Tensor,
+    shard: LatentShard,
+    heads: slice,
+    beta: float | None = None,
+) -> Tensor:
+    """Per-head values from one latent slice, for a subset of heads.
+
+    q_nope [B, Q, h, d_n], q_pe [B, Q, h, d_r] for the heads in `heads`; n_slice [B, T, |S_i|];
+    k_pe [B, T, d_r]; valid [B, Q, T]. Returns W_UV^h[:, S_i] u^h_i as [B, Q, h, d_v]: summing
+    its o_proj image over slices and head groups gives the layer output.
+    """
+    beta = shard.beta if beta is None else beta
+    w_uk = attn.w_uk()[heads, :, shard.start : shard.end]
+    w_uv = attn.w_uv()[heads, :, shard.start : shard.end]
+    q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
+    scores = torch.einsum("bqhc,btc->bqht", q_lat, n_slice) / beta
+    scores = (scores + torch.einsum("bqhr,btr->bqht", q_pe, k_pe)) * attn.scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(n_slice.dtype)
+    u = torch.einsum("bqht,btc->bqhc", probs, n_slice)
+    return torch.einsum("bqhc,hvc->bqhv", u, w_uv)
+
+
+def head_output(attn: MLAttention, o: Tensor, heads: slice) -> Tensor:
+    """o_proj restricted to a head group: o [..., h, d_v] -> partial hidden [..., D]."""
+    w_o = attn.o_proj.weight.view(attn.o_proj.weight.shape[0], attn.num_heads, attn.d_v)
+    return torch.einsum("...hv,dhv->...d", o, w_o[:, heads])
