@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from common.settings import Settings, load_settings
+from common.tpla.cli import add_convert_parser, add_eval_parser, add_generate_mode_arguments
 
 # A trainer smoke-test architecture: same family and proportions, minimal size.
 TINY_ARCH_FIELDS = dict(
@@ -67,7 +68,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    result = generate(model, prompt_ids, params, eos_ids=sorted(eos), path=args.path)
+    if args.mode is not None:
+        from common.tpla.cli import generate_with_mode
+
+        result = generate_with_mode(model, settings.model, prompt_ids, params, sorted(eos), args)
+    else:
+        result = generate(model, prompt_ids, params, eos_ids=sorted(eos), path=args.path)
     text = None
     if tokenizer is None:
         try:
@@ -141,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device")
     gen.add_argument("--threads", type=int, help="torch threads (default TPLA_TORCH_THREADS or 1)")
     gen.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
+    add_generate_mode_arguments(gen)
     gen.set_defaults(func=cmd_generate)
+    add_convert_parser(sub)
+    add_eval_parser(sub)
 
     td = sub.add_parser("train-demo", help="train the small demo model on CPU (offline)")
     td.add_argument("--out", default="models/demo", help="HF-format output directory")

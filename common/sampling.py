@@ -52,12 +52,17 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+def make_generator(
+    params: SamplingParams, device: torch.device | str = "cpu", stream: int = 0
+) -> torch.Generator:
+    """A request's generator. `stream` separates the draws of different stages (the prefill
+    worker samples the first token with stream 0, the decode leader the rest with stream 1)
+    so a seeded request never reuses a random draw."""
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(params.seed * 1_000_003 + stream)
     return gen
 
 

@@ -79,12 +79,19 @@ def latent_shards(d_c: int, groups: int, spectrum: Tensor | None = None) -> list
     return [LatentShard(i, groups, i * width, (i + 1) * width, energies[i]) for i in range(groups)]
 
 
+def sliced_rmsnorm(
+    x_slice: Tensor, gamma_slice: Tensor, eps: float, rms_correction: float
+) -> Tensor:
+    """RMSNorm of a latent slice using only that slice: rms(x) ~ rms(x[S_i]) * correction."""
+    xf = x_slice.float()
+    rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return gamma_slice * (xf / (rms * rms_correction)).to(x_slice.dtype)
+
+
 def normalize_latent_slice(attn: MLAttention, x_slice: Tensor, shard: LatentShard) -> Tensor:
     """Sliced RMSNorm of x[S_i] (pre-norm latent slice), with the layer's gamma slice."""
-    xf = x_slice.float()
-    rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + attn.kv_a_layernorm.eps)
     gamma = attn.kv_a_layernorm.weight[shard.start : shard.end]
-    return gamma * (xf / (rms * shard.rms_correction)).to(x_slice.dtype)
+    return sliced_rmsnorm(x_slice, gamma, attn.kv_a_layernorm.eps, shard.rms_correction)
 
 
 def new_token_latent(
@@ -103,6 +110,32 @@ def new_token_latent(
     return normalize_latent_slice(attn, x_slice, shard), rope_k
 
 
+def latent_slice_attention(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    n_slice: Tensor,
+    k_pe: Tensor,
+    valid: Tensor,
+    w_uk: Tensor,
+    w_uv: Tensor,
+    scale: float,
+    beta: float,
+) -> Tensor:
+    """The TPLA kernel on explicit weight slices (what a decode rank holds).
+
+    w_uk [h, d_n, |S_i|], w_uv [h, d_v, |S_i|]; other shapes as in `shard_attention`.
+    """
+    q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
+    scores = torch.einsum("bqhc,btc->bqht", q_lat, n_slice)
+    if beta != 1.0:
+        scores = scores / beta
+    scores = (scores + torch.einsum("bqhr,btr->bqht", q_pe, k_pe)) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(n_slice.dtype)
+    u = torch.einsum("bqht,btc->bqhc", probs, n_slice)
+    return torch.einsum("bqhc,hvc->bqhv", u, w_uv)
+
+
 def shard_attention(
     attn: MLAttention,
     q_nope: Tensor,
@@ -114,22 +147,23 @@ def shard_attention(
     heads: slice,
     beta: float | None = None,
 ) -> Tensor:
-    """Per-head values from one latent slice, for a subset of heads.
+    """Per-head values from one latent slice, for a subset of heads, from full weights.
 
     q_nope [B, Q, h, d_n], q_pe [B, Q, h, d_r] for the heads in `heads`; n_slice [B, T, |S_i|];
     k_pe [B, T, d_r]; valid [B, Q, T]. Returns W_UV^h[:, S_i] u^h_i as [B, Q, h, d_v]: summing
     its o_proj image over slices and head groups gives the layer output.
     """
-    beta = shard.beta if beta is None else beta
-    w_uk = attn.w_uk()[heads, :, shard.start : shard.end]
-    w_uv = attn.w_uv()[heads, :, shard.start : shard.end]
-    q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
-    scores = torch.einsum("bqhc,btc->bqht", q_lat, n_slice) / beta
-    scores = (scores + torch.einsum("bqhr,btr->bqht", q_pe, k_pe)) * attn.scale
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(n_slice.dtype)
-    u = torch.einsum("bqht,btc->bqhc", probs, n_slice)
-    return torch.einsum("bqhc,hvc->bqhv", u, w_uv)
+    return latent_slice_attention(
+        q_nope,
+        q_pe,
+        n_slice,
+        k_pe,
+        valid,
+        attn.w_uk()[heads, :, shard.start : shard.end],
+        attn.w_uv()[heads, :, shard.start : shard.end],
+        attn.scale,
+        shard.beta if beta is None else beta,
+    )
 
 
 def head_output(attn: MLAttention, o: Tensor, heads: slice) -> Tensor:

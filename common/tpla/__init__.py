@@ -1,0 +1,1 @@
+"""TPLA reparameterization (calibration, transforms, convert), the oracle, and fidelity eval."""

@@ -1,0 +1,143 @@
+"""Calibration: per-layer second moments E[n n^T] of the cached latent over real text.
+
+The latent the cache stores after gamma folding is `n = x / rms(x)` (no gamma), where `x` is
+the latent half of `kv_a_proj_with_mqa`. A forward pre-hook on each layer's
+`kv_a_layernorm` sees exactly that `x` during the model's own prefill, so the statistics
+come from the real forward without touching the model code. Accumulation is float64: the
+PCA basis and the per-shard energies are derived from these sums.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from common.demo import corpus
+from common.model.model import DeepseekForCausalLM
+
+DEFAULT_CALIB_CHARS = 60_000
+
+
+class CalibrationError(ValueError):
+    """Calibration input is missing, unreadable or too short."""
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Text to calibrate or evaluate on and a human-readable note of where it came from."""
+
+    text: str
+    source: str
+
+
+@dataclass(frozen=True)
+class LatentStatistics:
+    """Per layer: sum over tokens of n n^T (float64, d_c x d_c), and the token count."""
+
+    sums: tuple[Tensor, ...]
+    tokens: int
+    source: str
+
+    def second_moments(self) -> list[Tensor]:
+        """E[n n^T] per layer."""
+        if self.tokens == 0:
+            raise CalibrationError("no calibration tokens were seen")
+        return [s / self.tokens for s in self.sums]
+
+    def diagonal_spectra(self) -> list[Tensor]:
+        """E[n_k^2] per layer in the checkpoint's own (unrotated) basis."""
+        return [torch.diagonal(c).clone() for c in self.second_moments()]
+
+
+def load_text(
+    path: str | Path | None, max_chars: int, split: corpus.Split = corpus.Split.CALIBRATION
+) -> TextSource:
+    """Text from a file, a folder (its files, sorted) or, by default, a demo corpus split."""
+    if max_chars <= 0:
+        raise CalibrationError(f"max_chars must be positive, got {max_chars}")
+    if path is None:
+        text = corpus.split_text(split, max_chars=max_chars)
+        source = f"demo corpus {split.value} split, first {max_chars} chars"
+    else:
+        root = Path(path)
+        if root.is_file():
+            files = [root]
+        elif root.is_dir():
+            files = sorted(p for p in root.rglob("*") if p.is_file())
+        else:
+            raise CalibrationError(f"text path {root} does not exist")
+        parts: list[str] = []
+        size = 0
+        for file in files:
+            try:
+                part = file.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # binary or unreadable files in a folder are not text
+            parts.append(part)
+            size += len(part)
+            if size >= max_chars:
+                break
+        text = corpus.FILE_SEPARATOR.join(parts)[:max_chars]
+        source = f"{root}, first {max_chars} chars"
+    if not text.strip():
+        raise CalibrationError(f"the text is empty ({source})")
+    return TextSource(text, source)
+
+
+def token_windows(ids: Sequence[int], window: int, min_len: int = 2) -> list[Tensor]:
+    """Non-overlapping windows of at most `window` tokens (the last may be shorter)."""
+    if window < 1:
+        raise CalibrationError(f"window must be positive, got {window}")
+    out = [
+        torch.tensor(list(ids[start : start + window]), dtype=torch.long)
+        for start in range(0, len(ids), window)
+    ]
+    return [w for w in out if len(w) >= min_len]
+
+
+def collect_latent_statistics(
+    model: DeepseekForCausalLM,
+    windows: Sequence[Tensor],
+    *,
+    source: str = "",
+    progress: bool = True,
+) -> LatentStatistics:
+    """Run exact prefill over `windows` and accumulate sum n n^T per layer (float64)."""
+    if not windows:
+        raise CalibrationError("no calibration windows (is the text shorter than 2 tokens?)")
+    d_c = model.config.kv_lora_rank
+    sums = [torch.zeros(d_c, d_c, dtype=torch.float64) for _ in model.model.layers]
+    handles = []
+
+    def make_hook(index: int, norm: nn.Module) -> Any:
+        eps = float(norm.eps)
+
+        def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            x = args[0].detach().to(torch.float64).reshape(-1, d_c)
+            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            sums[index] += (n.T @ n).cpu()
+
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        norm = layer.self_attn.kv_a_layernorm
+        handles.append(norm.register_forward_pre_hook(make_hook(i, norm)))
+    tokens = 0
+    device = model.lm_head.weight.device
+    try:
+        for window in tqdm(
+            windows, desc="calibrate", unit="win", file=sys.stderr, disable=not progress
+        ):
+            model.prefill(window.to(device), [len(window)])
+            tokens += len(window)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return LatentStatistics(tuple(sums), tokens, source)

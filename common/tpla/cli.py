@@ -1,0 +1,184 @@
+"""`tpla convert`, `tpla eval` and the TPLA modes of `tpla generate` (registered by common.cli).
+
+Heavy imports (torch, the model) happen inside the command functions so `tpla --help` stays
+fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.settings import load_settings
+
+if TYPE_CHECKING:
+    from common.generate import Generation
+    from common.model.model import DeepseekForCausalLM
+    from common.sampling import SamplingParams
+
+METHODS = ("identity", "hadamard", "pca")
+MODES = ("mla", "tpla", "tpla-pd", "gla")
+RMSNORM_MODES = ("exact", "sliced")
+
+
+def _threads(count: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(load_settings(torch_threads=count).torch_threads)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from common.model.loader import load_model
+    from common.tokenizer import Tokenizer
+    from common.tpla.calibration import collect_latent_statistics, load_text, token_windows
+    from common.tpla.convert import (
+        build_reparameterization,
+        convert_checkpoint,
+        save_side_file,
+        side_file_name,
+    )
+    from common.tpla.transforms import Method
+
+    _threads(args.threads)
+    model_dir = Path(load_settings(model=args.model).model)
+    method = Method(args.method)
+    model = load_model(model_dir)
+    text = load_text(args.calib, args.calib_chars)
+    ids = Tokenizer.from_dir(model_dir).encode(text.text, add_bos=False)
+    window = min(args.window, model.config.max_position_embeddings)
+    stats = collect_latent_statistics(
+        model, token_windows(ids, window), source=text.source, progress=not args.quiet
+    )
+    side = build_reparameterization(model, method, stats, seed=args.seed)
+    if args.out:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        convert_checkpoint(model_dir, args.out, side, dtype=dtype.get(args.dtype or ""))
+        written = Path(args.out) / side_file_name(method)
+    else:
+        written = Path(args.side_file) if args.side_file else model_dir / side_file_name(method)
+        save_side_file(written, side)
+    shares = [
+        round(float(s[: len(s) // 2].sum() / s.sum()), 4) for s in side.spectra()
+    ]  # what r = 2 would see per layer
+    print(
+        json.dumps(
+            {
+                "method": method.value,
+                "side_file": str(written),
+                "checkpoint": args.out,
+                "calibration_tokens": stats.tokens,
+                "first_half_energy_per_layer": shares,
+            }
+        )
+    )
+    return 0
+
+
+def add_convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `tpla convert`."""
+    p = sub.add_parser(
+        "convert",
+        help="calibrate and reparameterize (fold gamma, rotate the latent) for TPLA",
+        description="Without --out only the side file is written (applied at load time).",
+    )
+    p.add_argument("--model", help="source model directory (default: TPLA_MODEL or models/demo)")
+    p.add_argument("--out", help="write a reparameterized HF checkpoint here")
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--calib", help="calibration text file or folder (default: demo corpus split)")
+    p.add_argument("--calib-chars", type=int, default=60_000, help="calibration text budget")
+    p.add_argument("--window", type=int, default=1024, help="calibration window (tokens)")
+    p.add_argument("--seed", type=int, default=0, help="Hadamard sign seed")
+    p.add_argument("--side-file", help="side file path when --out is absent")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the converted checkpoint (default: the source's)",
+    )
+    p.add_argument("--threads", type=int)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from common.tpla.eval import EvalConfig, evaluate, format_table
+
+    _threads(args.threads)
+    model_dir = load_settings(model=args.model).model
+    config = EvalConfig(
+        groups=args.groups,
+        prefill_len=args.prefill_len,
+        max_tokens=args.max_tokens_eval,
+        window=args.window,
+        seed=args.seed,
+        calib_path=args.calib,
+        calib_chars=args.calib_chars,
+        eval_path=args.eval_text,
+        progress=not args.quiet,
+    )
+    report = evaluate(model_dir, config)
+    print(format_table(report), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(report.contract()))
+    return 0
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `tpla eval`."""
+    p = sub.add_parser("eval", help="perplexity of MLA, GLA, TPLA and TPLA-PD (single process)")
+    p.add_argument("--model", help="model directory (default: TPLA_MODEL or models/demo)")
+    p.add_argument("--groups", type=int, required=True, help="latent groups r")
+    p.add_argument("--prefill-len", type=int, default=256, help="exact prompt tokens per window")
+    p.add_argument("--max-tokens-eval", type=int, default=8192, help="eval token budget")
+    p.add_argument("--window", type=int, help="window length (default: training length)")
+    p.add_argument("--eval-text", help="eval text file or folder (default: demo eval split)")
+    p.add_argument("--calib", help="calibration text when a side file is missing")
+    p.add_argument("--calib-chars", type=int, default=60_000)
+    p.add_argument("--seed", type=int, default=0, help="Hadamard sign seed when calibrating")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
+    p.set_defaults(func=cmd_eval)
+
+
+def add_generate_mode_arguments(p: argparse.ArgumentParser) -> None:
+    """The TPLA options of `tpla generate` (absent --mode keeps the plain engine path)."""
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        help="run the single-process oracle: mla, tpla (prompt sliced too), tpla-pd (exact "
+        "prompt, sliced decode, as the served engine), gla",
+    )
+    p.add_argument("--latent-groups", type=int, default=2, help="latent groups r for tpla/gla")
+    p.add_argument("--method", choices=METHODS, default="pca", help="latent basis (side file)")
+    p.add_argument("--rmsnorm", choices=RMSNORM_MODES, default="exact")
+
+
+def generate_with_mode(
+    model: DeepseekForCausalLM,
+    model_dir: str | Path,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    eos_ids: Sequence[int],
+    args: argparse.Namespace,
+) -> Generation:
+    """`tpla generate --mode ...`: reparameterize from the side file, generate with the oracle."""
+    from common.model.tpla import RmsNormMode
+    from common.tpla.convert import load_reparameterization
+    from common.tpla.reference import AttentionSpec, ReferenceModel, Variant, generate
+    from common.tpla.transforms import Method
+
+    variant = Variant(args.mode)
+    groups = 1 if variant is Variant.MLA else args.latent_groups
+    spectra = None
+    if variant.sliced_latents:
+        spectra = load_reparameterization(model, model_dir, Method(args.method))
+    oracle = ReferenceModel(
+        model, AttentionSpec(variant, groups, RmsNormMode(args.rmsnorm)), spectra
+    )
+    return generate(oracle, prompt_ids, params, eos_ids=eos_ids)

@@ -1,0 +1,361 @@
+"""The decode engine: a leader (rank 0, in this process) driving a TP group of ranks.
+
+API (thread-safe; the decode gRPC servicer is a thin shell over it):
+    reserve(request_id, prompt_len, max_tokens) -> Reservation    blocks on every rank, leased
+    write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
+    generate(request_id, first_token, params) -> TokenStream      streams tokens as sampled
+    abort(request_id)                          at any time; blocks are freed
+    load() -> Load                             running, waiting, blocks used / total
+
+All collectives run on one loop thread: callers enqueue commands and wait on futures. Each
+loop iteration applies commands, expires leases, and runs one decode step for every running
+sequence (continuous batching: requests join and leave between steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from common.kv.block_pool import BlockPool
+from common.model.args import ModelConfig
+from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from services.decode.plan import DecodePlan, WritePlan, send_plan
+from services.decode.runtime import EngineConfig, RankRuntime, init_group
+from services.decode.scheduler import Scheduler, SchedulerError, SeqState
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineError(RuntimeError):
+    """The decode group failed; pending and future requests get this error."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    block_size: int
+    block_tables: list[list[int]]  # one per rank (identical: block ids name the same slots)
+    latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: SampledToken | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
+    logits: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+    reserved: int
+    blocks_used: int
+    blocks_total: int
+    block_size: int
+
+
+class TokenStream:
+    """Iterator over a request's TokenEvents; ends after the event with a finish_reason."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[TokenEvent] = queue.Queue()
+
+    def put(self, event: TokenEvent) -> None:
+        self._q.put(event)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            event = self._q.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def get(self, timeout: float | None = None) -> TokenEvent:
+        return self._q.get(timeout=timeout)
+
+
+@dataclass
+class _Active:
+    params: SamplingParams
+    stream: TokenStream
+    generator: torch.Generator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class DecodeEngine:
+    def __init__(self, cfg: EngineConfig, *, eos_token_ids: tuple[int, ...] | None = None) -> None:
+        if cfg.parallel.tp > 1 and cfg.master_port == 0:
+            cfg = replace(cfg, master_port=free_port())
+        self.cfg = cfg
+        self._followers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "services.decode.runtime", cfg.to_json(), str(rank)]
+            )
+            for rank in range(1, cfg.parallel.tp)
+        ]
+        try:
+            init_group(cfg, 0)
+            self.runtime = RankRuntime(cfg, 0)
+            if cfg.parallel.tp > 1:
+                dist.barrier()
+        except BaseException:
+            self._kill_followers()
+            raise
+        model_cfg: ModelConfig = self.runtime.model.config
+        self.vocab_size = model_cfg.vocab_size
+        self.eos_token_ids = frozenset(
+            eos_token_ids if eos_token_ids is not None else model_cfg.eos_token_ids
+        )
+        max_len = cfg.max_model_len or model_cfg.max_position_embeddings
+        self.pool = BlockPool(self.runtime.cache.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.pool, cfg.max_batch, max_len)
+        self._active: dict[str, _Active] = {}
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.step_seconds: list[float] = []  # recent step times, for load reports and bench
+        self._thread = threading.Thread(target=self._loop, name="decode-leader", daemon=True)
+        self._thread.start()
+
+    # -- public API --------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, prompt_len: int, max_tokens: int) -> Reservation:
+        def run() -> Reservation:
+            deadline = time.monotonic() + self.cfg.lease_seconds
+            blocks = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline)
+            width = self.runtime.layout.latent_width
+            return Reservation(
+                request_id,
+                self.cfg.block_size,
+                [blocks] * self.cfg.parallel.tp,
+                [width] * self.cfg.parallel.tp,
+            )
+
+        return self._call(run)
+
+    def write_kv(self, request_id: str, rank: int, n: Tensor, k_pe: Tensor) -> None:
+        """Write rank `rank`'s shard of the prompt: n [L, N, w], k_pe [L, N, d_r] (N = prompt)."""
+
+        def run() -> None:
+            seq = self.scheduler.seqs.get(request_id)
+            if seq is None or seq.state is not SeqState.RESERVED:
+                raise SchedulerError(f"request {request_id!r} has no open reservation")
+            layout = self.runtime.layout
+            expected = (layout.num_layers, seq.prompt_len, layout.latent_width)
+            expected_rope = (*expected[:2], layout.rope_width)
+            if tuple(n.shape) != expected or tuple(k_pe.shape) != expected_rope:
+                raise SchedulerError(
+                    f"KV shard for rank {rank} has shape {tuple(n.shape)}, expected {expected}"
+                )
+            if not 0 <= rank < self.cfg.parallel.tp:
+                raise SchedulerError(f"rank {rank} is outside the group of {self.cfg.parallel.tp}")
+            slots = self._slots(request_id, seq.prompt_len)
+            n_, k_ = n.to(layout.dtype).contiguous(), k_pe.to(layout.dtype).contiguous()
+            if rank == 0:
+                self.runtime.cache.write_all_layers(slots, n_, k_)
+            else:
+                send_plan(WritePlan(rank, slots))
+                dist.send(n_, dst=rank)
+                dist.send(k_, dst=rank)
+
+        self._call(run)
+
+    def generate(self, request_id: str, first_token: int, params: SamplingParams) -> TokenStream:
+        stream = TokenStream()
+
+        def run() -> None:
+            seq = self.scheduler.start(request_id, first_token)
+            self._active[request_id] = _Active(params, stream, make_generator(params, stream=1))
+            if self._stops(first_token, params):
+                self._finish(request_id, "stop")
+            elif seq.max_tokens <= 1:
+                self._finish(request_id, "length")
+
+        self._call(run)
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        def run() -> bool:
+            found = self.scheduler.abort(request_id)
+            active = self._active.pop(request_id, None)
+            if active is not None:
+                active.stream.put(TokenEvent(None, "abort"))
+            return found
+
+        return self._call(run)
+
+    def load(self) -> Load:
+        def run() -> Load:
+            reserved = sum(s.state is SeqState.RESERVED for s in self.scheduler.seqs.values())
+            return Load(
+                self.scheduler.num_running,
+                self.scheduler.num_waiting,
+                reserved,
+                self.pool.num_used,
+                self.pool.num_blocks,
+                self.cfg.block_size,
+            )
+
+        return self._call(run)
+
+    def parameter_bytes(self) -> int:
+        return self.runtime.model.parameter_bytes()
+
+    def shutdown(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(timeout=30)
+        self._kill_followers()
+
+    def __enter__(self) -> DecodeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if self._error is not None:
+            raise EngineError(f"decode group failed: {self._error}")
+        if self._stop.is_set():
+            raise EngineError("decode engine is shut down")
+        fut: Future[Any] = Future()
+        self._commands.put((fn, fut))
+        return fut.result()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.scheduler.has_work())
+                for rid in self.scheduler.expire_leases(time.monotonic()):
+                    self._active.pop(rid, None)
+                batch = self.scheduler.schedule()
+                if batch:
+                    self._step(batch)
+            if self.cfg.parallel.tp > 1:
+                send_plan(None)
+        except BaseException as exc:  # a rank died or a collective timed out
+            self._error = exc
+            for active in self._active.values():
+                active.stream.put(TokenEvent(None, f"error: {exc}"))
+            self._active.clear()
+        finally:
+            self._fail_pending_commands()
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except (SchedulerError, ValueError, RuntimeError) as exc:
+                fut.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(EngineError(f"decode group stopped: {self._error or 'shutdown'}"))
+
+    def _slots(self, request_id: str, num_tokens: int) -> Tensor:
+        blocks = torch.tensor(self.pool.table(request_id).blocks, dtype=torch.int64)
+        pos = torch.arange(num_tokens)
+        return blocks[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
+
+    def _step(self, batch: list) -> None:
+        t0 = time.perf_counter()
+        tables = [self.pool.table(s.request_id).blocks for s in batch]
+        width = max(len(t) for t in tables)
+        block_tables = torch.full((len(batch), width), -1, dtype=torch.int64)
+        for row, t in enumerate(tables):
+            block_tables[row, : len(t)] = torch.tensor(t)
+        plan = DecodePlan(
+            torch.tensor([s.last_token for s in batch]),
+            torch.tensor([s.next_position for s in batch]),
+            block_tables,
+        )
+        tp = self.cfg.parallel.tp
+        if tp > 1:
+            send_plan(plan)
+        local = self.runtime.step(plan)
+        if tp > 1:
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.gather(local, parts, dst=0)
+            logits = torch.cat(parts, dim=1)
+        else:
+            logits = local
+        logits = self._unpad_vocab(logits)
+        for row, seq in enumerate(batch):
+            active = self._active[seq.request_id]
+            tok = sample(logits[row], active.params, active.generator)
+            stop = self._stops(tok.token_id, active.params)
+            done_len = len(seq.generated) + 1 >= seq.max_tokens
+            reason = "stop" if stop else ("length" if done_len else None)
+            kept = logits[row].clone() if self.cfg.record_logits else None
+            active.stream.put(TokenEvent(tok, reason, kept))
+            self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)
+            if reason is not None:
+                del self._active[seq.request_id]
+        self.step_seconds = [*self.step_seconds[-99:], time.perf_counter() - t0]
+
+    def _unpad_vocab(self, logits: Tensor) -> Tensor:
+        sizes = [
+            len(c) for c in torch.tensor_split(torch.arange(self.vocab_size), self.cfg.parallel.tp)
+        ]
+        padded = self.runtime.model.vocab_size_padded
+        return torch.cat(
+            [logits[:, k * padded : k * padded + size] for k, size in enumerate(sizes)], dim=1
+        )
+
+    def _stops(self, token: int, params: SamplingParams) -> bool:
+        return token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        self.scheduler.finish(request_id)
+        active = self._active.pop(request_id)
+        active.stream.put(TokenEvent(None, reason))
+
+    def _kill_followers(self) -> None:
+        for proc in self._followers:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)

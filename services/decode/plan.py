@@ -1,0 +1,77 @@
+"""The leader -> ranks step plan, as int64 tensors over the group's broadcast (no pickle).
+
+Every plan is a fixed 8-word header, then an op-specific int64 payload:
+    DECODE    tokens [B], positions [B], block_tables [B, max_blocks] (-1 padded)
+    WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
+    SHUTDOWN  nothing
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+HEADER_WORDS = 8
+
+
+class Op(enum.IntEnum):
+    DECODE = 1
+    WRITE_KV = 2
+    SHUTDOWN = 3
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    tokens: Tensor  # [B] int64
+    positions: Tensor  # [B] int64
+    block_tables: Tensor  # [B, max_blocks] int64
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    target: int
+    slots: Tensor  # [N] int64
+
+
+Plan = DecodePlan | WritePlan | None  # None = shutdown
+
+
+def send_plan(plan: Plan) -> None:
+    """Leader side: broadcast a plan from rank 0."""
+    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    if plan is None:
+        header[0] = Op.SHUTDOWN
+        dist.broadcast(header, src=0)
+        return
+    if isinstance(plan, DecodePlan):
+        b, m = plan.block_tables.shape
+        header[:3] = torch.tensor([Op.DECODE, b, m])
+        payload = torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()])
+    else:
+        header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
+        header[4] = plan.target
+        payload = plan.slots
+    dist.broadcast(header, src=0)
+    dist.broadcast(payload.to(torch.int64).contiguous(), src=0)
+
+
+def recv_plan() -> Plan:
+    """Rank side: receive the next plan from rank 0."""
+    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    op = Op(int(header[0]))
+    if op is Op.SHUTDOWN:
+        return None
+    if op is Op.DECODE:
+        b, m = int(header[1]), int(header[2])
+        payload = torch.empty(b * (2 + m), dtype=torch.int64)
+        dist.broadcast(payload, src=0)
+        return DecodePlan(payload[:b], payload[b : 2 * b], payload[2 * b :].view(b, m))
+    n = int(header[3])
+    payload = torch.empty(n, dtype=torch.int64)
+    dist.broadcast(payload, src=0)
+    return WritePlan(int(header[4]), payload)

@@ -1,0 +1,254 @@
+"""One decode rank's share of the model and its decode step.
+
+Rank (i, j) of a group with `tp = r * m` ranks holds latent slice i and head group j
+(DESIGN §1 "TPLA decode"): the W_UK / W_UV columns of S_i for its heads, its heads' rows of
+the query projection and columns of o_proj, a 1/tp slice of every FFN (dense MLP, each routed
+expert and the shared experts) and a 1/tp slice of the vocabulary. Norms, the router, the
+small kv_a projection and the embedding are replicated. Each layer does two all-reduces of
+the hidden state (after attention, after the FFN); logits are gathered to the leader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from common.kv.paged_cache import CacheLayout, PagedLatentCache
+from common.model.mla import RMSNorm
+from common.model.model import DeepseekForCausalLM
+from common.model.moe import MLP, MoE
+from common.model.rope import RotaryEmbedding
+from common.model.tpla import LatentShard, RmsNormMode, latent_slice_attention, sliced_rmsnorm
+
+AllReduce = Callable[[Tensor], None]
+
+
+class ParallelError(ValueError):
+    """The requested parallel layout does not fit the model."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tp = latent_groups (r) x head_groups (m). r = 1 is MLA-TP; r = tp is full TPLA."""
+
+    tp: int = 1
+    latent_groups: int = 1
+    rmsnorm: RmsNormMode = RmsNormMode.EXACT
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
+            raise ParallelError(
+                f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}"
+            )
+
+    @property
+    def head_groups(self) -> int:
+        return self.tp // self.latent_groups
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(latent group i, head group j) of a rank."""
+        return rank // self.head_groups, rank % self.head_groups
+
+
+def _split(total: int, parts: int, index: int, what: str) -> slice:
+    if total % parts:
+        raise ParallelError(f"{what} ({total}) is not divisible by {parts}")
+    size = total // parts
+    return slice(index * size, (index + 1) * size)
+
+
+def rank_latent_columns(parallel: ParallelConfig, rank: int, d_c: int) -> slice:
+    """The latent columns rank `rank` caches: slice S_i of its latent group i."""
+    i, _ = parallel.coords(rank)
+    return _split(d_c, parallel.latent_groups, i, "kv_lora_rank")
+
+
+class RankAttention(nn.Module):
+    def __init__(
+        self, full: nn.Module, heads: slice, shard: LatentShard, mode: RmsNormMode
+    ) -> None:
+        super().__init__()
+        a = full
+        self.d_n, self.d_r, self.d_v, self.d_c = a.d_n, a.d_r, a.d_v, a.d_c
+        self.num_heads = heads.stop - heads.start
+        self.scale = a.scale
+        self.shard = shard
+        self.mode = mode
+        qk = a.d_n + a.d_r
+        rows = slice(heads.start * qk, heads.stop * qk)
+        if a.q_lora:
+            self.q_a = nn.Parameter(a.q_a_proj.weight.detach().clone())
+            self.q_a_norm = RMSNorm(a.q_a_proj.weight.shape[0], a.q_a_layernorm.eps)
+            self.q_a_norm.weight = nn.Parameter(a.q_a_layernorm.weight.detach().clone())
+            self.q_b = nn.Parameter(a.q_b_proj.weight[rows].detach().clone())
+        else:
+            self.q_a, self.q_a_norm = None, None
+            self.q_b = nn.Parameter(a.q_proj.weight[rows].detach().clone())
+        w_kva = a.kv_a_proj_with_mqa.weight.detach()
+        # Exact mode needs the whole (small) latent projection to normalize exactly; sliced
+        # mode holds only its slice's rows. The rope rows are replicated either way.
+        latent_rows = (
+            slice(0, a.d_c) if mode is RmsNormMode.EXACT else slice(shard.start, shard.end)
+        )
+        self.kv_a_latent = nn.Parameter(w_kva[latent_rows].clone())
+        self.kv_a_rope = nn.Parameter(w_kva[a.d_c :].clone())
+        self.gamma = nn.Parameter(a.kv_a_layernorm.weight.detach().clone())
+        self.eps = a.kv_a_layernorm.eps
+        cols = slice(shard.start, shard.end)
+        self.w_uk = nn.Parameter(a.w_uk()[heads, :, cols].detach().clone())
+        self.w_uv = nn.Parameter(a.w_uv()[heads, :, cols].detach().clone())
+        w_o = a.o_proj.weight.detach().view(-1, a.num_heads, a.d_v)
+        self.w_o = nn.Parameter(w_o[:, heads].reshape(w_o.shape[0], -1).clone())
+
+    def queries(
+        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        if self.q_a is not None:
+            x = self.q_a_norm(F.linear(x, self.q_a))
+        q = F.linear(x, self.q_b).view(x.shape[0], self.num_heads, self.d_n + self.d_r)
+        q_nope, q_pe = q.split([self.d_n, self.d_r], dim=-1)
+        return q_nope, rope.apply(q_pe, cos[:, None], sin[:, None])
+
+    def new_latent(
+        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """This rank's slice n[S_i] and the rotated k_pe of new tokens."""
+        k_pe = rope.apply(F.linear(x, self.kv_a_rope), cos, sin)
+        lat = F.linear(x, self.kv_a_latent)
+        s = self.shard
+        if self.mode is RmsNormMode.EXACT:
+            lf = lat.float()
+            n = lf * torch.rsqrt(lf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.gamma * n.to(x.dtype))[:, s.start : s.end], k_pe
+        return sliced_rmsnorm(lat, self.gamma[s.start : s.end], self.eps, s.rms_correction), k_pe
+
+    def attend(
+        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
+    ) -> Tensor:
+        """[B, h, *] queries over gathered [B, T, *] cache -> partial hidden [B, D]."""
+        o = latent_slice_attention(
+            q_nope[:, None],
+            q_pe[:, None],
+            n,
+            k_pe,
+            valid[:, None],
+            self.w_uk,
+            self.w_uv,
+            self.scale,
+            self.shard.beta,
+        )[:, 0]
+        return F.linear(o.reshape(o.shape[0], -1), self.w_o)
+
+
+def _shard_ffn(module: nn.Module, config, rank: int, tp: int) -> nn.Module:
+    """A 1/tp slice of a dense MLP or of every expert of a MoE (intermediate dimension)."""
+    if isinstance(module, MoE):
+        inter = config.moe_intermediate_size
+        cols = _split(inter, tp, rank, "moe_intermediate_size")
+        local = MoE(dataclasses.replace(config, moe_intermediate_size=cols.stop - cols.start))
+        local.gate.load_state_dict(module.gate.state_dict())
+        gu = module.experts.gate_up_proj.detach()
+        local.experts.gate_up_proj = nn.Parameter(
+            torch.cat((gu[:, :inter][:, cols], gu[:, inter:][:, cols]), dim=1).clone()
+        )
+        local.experts.down_proj = nn.Parameter(
+            module.experts.down_proj.detach()[:, :, cols].clone()
+        )
+        if module.shared_experts is not None:
+            local.shared_experts = _shard_ffn(module.shared_experts, config, rank, tp)
+        return local
+    inter = module.gate_proj.weight.shape[0]
+    cols = _split(inter, tp, rank, "intermediate_size")
+    local = MLP(module.gate_proj.weight.shape[1], cols.stop - cols.start)
+    local.gate_proj.weight = nn.Parameter(module.gate_proj.weight.detach()[cols].clone())
+    local.up_proj.weight = nn.Parameter(module.up_proj.weight.detach()[cols].clone())
+    local.down_proj.weight = nn.Parameter(module.down_proj.weight.detach()[:, cols].clone())
+    return local
+
+
+class RankLayer(nn.Module):
+    def __init__(self, attn: RankAttention, layer: nn.Module, ffn: nn.Module) -> None:
+        super().__init__()
+        self.input_norm = layer.input_layernorm
+        self.attn = attn
+        self.post_norm = layer.post_attention_layernorm
+        self.ffn = ffn
+
+
+class RankModel(nn.Module):
+    """Everything one rank needs for decode; built from the full model, which is then freed."""
+
+    def __init__(
+        self,
+        full: DeepseekForCausalLM,
+        parallel: ParallelConfig,
+        rank: int,
+        shards_per_layer: list[list[LatentShard]],
+    ) -> None:
+        super().__init__()
+        c = full.config
+        self.config, self.parallel, self.rank = c, parallel, rank
+        i, j = parallel.coords(rank)
+        heads = _split(c.num_attention_heads, parallel.head_groups, j, "num_attention_heads")
+        self.layers = nn.ModuleList(
+            RankLayer(
+                RankAttention(layer.self_attn, heads, shards_per_layer[n][i], parallel.rmsnorm),
+                layer,
+                _shard_ffn(layer.mlp, c, rank, parallel.tp),
+            )
+            for n, layer in enumerate(full.model.layers)
+        )
+        self.embed = full.model.embed_tokens
+        self.norm = full.model.norm
+        vocab = torch.tensor_split(torch.arange(c.vocab_size), parallel.tp)
+        self.vocab_size_padded = max(len(v) for v in vocab)
+        self.lm_head = nn.Parameter(full.lm_head.weight.detach()[vocab[rank]].clone())
+        self.rope = full.rope
+        self.latent_width = shards_per_layer[0][i].width
+
+    def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
+        return CacheLayout(
+            self.config.num_hidden_layers,
+            self.latent_width,
+            self.config.qk_rope_head_dim,
+            block_size,
+            dtype,
+        )
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    @torch.inference_mode()
+    def decode_step(
+        self,
+        token_ids: Tensor,
+        positions: Tensor,
+        write_slots: Tensor,
+        slots: Tensor,
+        valid: Tensor,
+        cache: PagedLatentCache,
+        all_reduce: AllReduce,
+    ) -> Tensor:
+        """One token per sequence -> this rank's padded vocab slice of logits [B, V/tp]."""
+        cos, sin = self.rope.cos_sin(positions)
+        h = self.embed(token_ids)
+        for index, layer in enumerate(self.layers):
+            x = layer.input_norm(h)
+            q_nope, q_pe = layer.attn.queries(x, self.rope, cos, sin)
+            n_new, k_pe_new = layer.attn.new_latent(x, self.rope, cos, sin)
+            cache.write(index, write_slots, n_new, k_pe_new)
+            n, k_pe = cache.gather(index, slots)
+            y = layer.attn.attend(q_nope, q_pe, n, k_pe, valid)
+            all_reduce(y)
+            h = h + y
+            f = layer.ffn(layer.post_norm(h))
+            all_reduce(f)
+            h = h + f
+        logits = F.linear(self.norm(h), self.lm_head)
+        pad = self.vocab_size_padded - logits.shape[1]
+        return F.pad(logits, (0, pad)) if pad else logits
