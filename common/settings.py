@@ -2,22 +2,52 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TPLA_", extra="ignore")
 
+    # -- model and compute ----------------------------------------------------------------
     model: str = Field("models/demo", description="HF-format model directory")
+    served_model_name: str = Field("tpla-demo", description="the `model` name clients use")
     dtype: str = Field("float32", description="float32 | bfloat16 | float16")
     device: str = Field("cpu", description="cpu | cuda | cuda:N")
     # The local stack runs several processes on a small machine: each process gets a fixed
     # intra-op thread budget instead of torch's default of one thread per core.
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process")
-    attention_backend: str = Field(
-        "auto", description="prefill attention: auto | sdpa | flash-attn"
-    )
+    attention_backend: str = Field("auto", description="auto | sdpa | flash-attn (prefill)")
+
+    # -- decode group -----------------------------------------------------------------------
+    tp: int = Field(2, ge=1, description="decode ranks per group")
+    latent_groups: int = Field(2, ge=1, description="TPLA latent groups r (1 = MLA-TP)")
+    parallel: str = Field("tpla", description="decode parallel mode: tpla | mla-tp | sp")
+    rmsnorm: str = Field("exact", description="TPLA RMSNorm for new tokens: exact | sliced")
+    reparam: str | None = Field("tpla_pca", description="side file in the model dir, or none")
+    block_size: int = Field(16, ge=1)
+    kv_budget_mb: float = Field(256.0, gt=0, description="KV pool per decode rank")
+    max_batch: int = Field(32, ge=1, description="decode batch limit per group")
+    lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
+
+    # -- network ---------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="interface the services bind")
+    router_port: int = Field(8000)
+    prefill_port: int = Field(50051)
+    decode_port: int = Field(50061)
+    kv_port_base: int = Field(50071, description="decode rank k receives KV on base + k")
+    dist_port: int = Field(29500, description="decode group rendezvous port")
+    redis_url: str | None = Field(None, description="unset: `tpla serve` embeds a Redis")
+    transport: str = Field("grpc", description="KV transfer: grpc | torch")
+    internal_token: SecretStr | None = Field(None, description="shared token on internal gRPC")
+    api_keys: str | None = Field(None, description="comma-separated router API keys")
+
+    # -- router admission --------------------------------------------------------------------
+    max_inflight: int = Field(64, ge=1, description="requests in flight per router")
+    request_timeout_s: float = Field(300.0, gt=0)
+    heartbeat_s: float = Field(2.0, gt=0)
+    worker_ttl_s: float = Field(10.0, gt=0)
+    log_prompts: bool = Field(False, description="log prompts and outputs (off by default)")
 
 
 def load_settings(**overrides: object) -> Settings:

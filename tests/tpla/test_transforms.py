@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.model.model import DeepseekForCausalLM
+from common.model.tpla import latent_shards
+from common.tpla.convert import build_reparameterization
 from common.tpla.transforms import (
     Method,
     TransformError,
@@ -13,6 +16,7 @@ from common.tpla.transforms import (
     rotated_spectrum,
     rotation,
 )
+from tests.tpla.conftest import calibrate
 
 
 def _psd(d: int, seed: int = 0) -> torch.Tensor:
@@ -56,3 +60,30 @@ def test_hadamard_spreads_diagonal_energy_exactly() -> None:
     spectrum = rotated_spectrum(random_hadamard(64, 0), c)
     torch.testing.assert_close(spectrum, torch.full_like(spectrum, float(torch.trace(c)) / 64))
     assert float(torch.diagonal(c)[:32].sum() / torch.trace(c)) > 0.95  # identity: lopsided
+
+
+def test_methods_on_a_model_with_structured_latents(tiny_model: DeepseekForCausalLM) -> None:
+    """Real calibration: PCA concentrates energy in shard 0, Hadamard evens it out."""
+    d_c = tiny_model.config.kv_lora_rank
+    with torch.no_grad():  # make a few latent directions dominate, as in trained models
+        for layer in tiny_model.model.layers:
+            w = layer.self_attn.kv_a_proj_with_mqa.weight
+            w[:d_c] *= torch.logspace(0, -1.5, d_c)[:, None]
+    stats = calibrate(tiny_model)
+    energies = {}
+    for method in Method:
+        side = build_reparameterization(tiny_model, method, stats, seed=0)
+        energies[method] = {
+            r: [[s.energy for s in latent_shards(d_c, r, sp)] for sp in side.spectra()]
+            for r in (2, 4)
+        }
+        if method is Method.PCA:
+            for spectrum in side.spectra():
+                assert torch.all(spectrum[:-1] >= spectrum[1:])
+    for layer in range(tiny_model.config.num_hidden_layers):
+        identity, hadamard, pca = (energies[m][2][layer] for m in Method)
+        assert identity[0] > 0.8  # the checkpoint's basis is lopsided
+        assert pca[0] >= identity[0] - 1e-12  # PCA's leading shard holds the most energy
+        for r in (2, 4):
+            assert energies[Method.HADAMARD][r][layer] == pytest.approx([1 / r] * r, abs=0.05)
+        assert hadamard[0] == pytest.approx(0.5, abs=0.05)

@@ -1,0 +1,88 @@
+"""Typed errors and their one mapping to HTTP (OpenAI error bodies) and gRPC status codes.
+
+Services raise these; the router's exception handler and the gRPC servicers translate them
+here and nowhere else. `from_grpc` turns a peer's status back into the same type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+
+class TplaError(Exception):
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def openai_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(TplaError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(TplaError):
+    http_status = 401
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    error_type = "authentication_error"
+
+
+class NotFound(TplaError):
+    http_status = 404
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    error_type = "not_found_error"
+
+
+class Overloaded(TplaError):
+    """Admission limits or the KV pool are full; the client should retry later."""
+
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    error_type = "rate_limit_error"
+
+
+class Unavailable(TplaError):
+    """No healthy worker, or a worker failed mid-request."""
+
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "service_unavailable"
+
+
+class DeadlineExceeded(TplaError):
+    http_status = 504
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    error_type = "timeout_error"
+
+
+_BY_GRPC = {
+    cls.grpc_code: cls
+    for cls in (InvalidRequest, Unauthorized, NotFound, Overloaded, Unavailable, DeadlineExceeded)
+}
+
+
+def from_grpc(exc: grpc.RpcError) -> TplaError:
+    """A peer's gRPC failure as our typed error (connection failures become Unavailable)."""
+    # Every RpcError a stub raises (sync or aio) is also a Call carrying code and details.
+    code = exc.code()  # type: ignore[attr-defined]
+    details = exc.details()  # type: ignore[attr-defined]
+    cls = _BY_GRPC.get(code, Unavailable if code is grpc.StatusCode.CANCELLED else TplaError)
+    return cls(details or code.name)

@@ -1,0 +1,192 @@
+"""Typed asyncio clients for the prefill and decode services (used by the router).
+
+They speak dataclasses to callers and protos to the wire, and turn gRPC failures into the
+typed errors of common.errors. Message-size limits are set deliberately on every channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from common.errors import from_grpc
+from common.rpc.convert import (
+    ReservationInfo,
+    params_to_pb,
+    reservation_from_pb,
+    target_to_pb,
+    token_from_pb,
+    token_to_pb,
+)
+from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from common.sampling import SampledToken, SamplingParams
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+TOKEN_METADATA_KEY = "x-tpla-token"
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_METADATA_KEY, token),) if token else ()
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    token: SampledToken | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class DecodeLoadInfo:
+    running: int
+    waiting: int
+    reserved: int
+    blocks_used: int
+    blocks_total: int
+    block_size: int
+    tp: int
+    latent_groups: int
+    parallel: str
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: SampledToken
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
+
+
+class DecodeClient:
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = decode_pb2_grpc.DecodeStub(self._channel)
+        self._md = _metadata(token)
+
+    async def reserve(
+        self, request_id: str, prompt_len: int, max_tokens: int, timeout: float = 10.0
+    ) -> ReservationInfo:
+        try:
+            msg = await self._stub.Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id=request_id, prompt_len=prompt_len, max_tokens=max_tokens
+                ),
+                timeout=timeout,
+                metadata=self._md,
+            )
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        return reservation_from_pb(msg)
+
+    async def generate(
+        self,
+        request_id: str,
+        first_token: SampledToken,
+        params: SamplingParams,
+        idle_timeout: float = 60.0,
+    ) -> AsyncIterator[DecodeEvent]:
+        """Stream the request's tokens; `idle_timeout` bounds the wait for each event."""
+        call = self._stub.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=request_id,
+                first_token=token_to_pb(first_token),
+                params=params_to_pb(params),
+            ),
+            metadata=self._md,
+        )
+        try:
+            while True:
+                msg = await asyncio.wait_for(call.read(), timeout=idle_timeout)
+                if msg is grpc.aio.EOF:
+                    return
+                token = token_from_pb(msg.token) if msg.HasField("token") else None
+                yield DecodeEvent(token, msg.finish_reason or None)
+                if msg.finish_reason:
+                    return
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        try:
+            resp = await self._stub.Abort(
+                decode_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self._md
+            )
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        return resp.found
+
+    async def load(self, timeout: float = 5.0) -> DecodeLoadInfo:
+        try:
+            m = await self._stub.GetLoad(common_pb2.Empty(), timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        return DecodeLoadInfo(
+            m.running,
+            m.waiting,
+            m.reserved,
+            m.blocks_used,
+            m.blocks_total,
+            m.block_size,
+            m.tp,
+            m.latent_groups,
+            m.parallel,
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class PrefillClient:
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = prefill_pb2_grpc.PrefillStub(self._channel)
+        self._md = _metadata(token)
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        reservation: ReservationInfo,
+        transport: str = "grpc",
+        timeout: float = 60.0,
+    ) -> PrefillResult:
+        req = prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params_to_pb(params),
+            block_size=reservation.block_size,
+            num_layers=reservation.num_layers,
+            rope_width=reservation.rope_width,
+            dtype=reservation.dtype,
+            targets=[target_to_pb(t) for t in reservation.targets],
+            transport=transport,
+            deadline_seconds=timeout,
+        )
+        try:
+            m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        return PrefillResult(
+            token_from_pb(m.first_token), m.prefill_seconds, m.transfer_seconds, m.transfer_bytes
+        )
+
+    async def load(self, timeout: float = 5.0) -> tuple[int, int]:
+        try:
+            m = await self._stub.GetLoad(common_pb2.Empty(), timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        return m.queued_requests, m.queued_tokens
+
+    async def close(self) -> None:
+        await self._channel.close()
