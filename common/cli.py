@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     td.add_argument("--threads", type=int)
     td.set_defaults(func=cmd_train_demo)
+    from services.cli import add_service_parsers
+
+    add_service_parsers(sub)
     return parser
 
 

@@ -116,6 +116,7 @@ class DecodeEngine:
         try:
             init_group(cfg, 0)
             self.runtime = RankRuntime(cfg, 0)
+            self._receiver = self.runtime.start_kv_receiver()
             if cfg.parallel.tp > 1:
                 dist.barrier()
         except BaseException:
@@ -221,10 +222,24 @@ class DecodeEngine:
     def parameter_bytes(self) -> int:
         return self.runtime.model.parameter_bytes()
 
+    def follower_alive(self) -> list[bool]:
+        """Whether each rank's process is running (rank 0 is this process)."""
+        return [self._error is None] + [p.poll() is None for p in self._followers]
+
+    @property
+    def follower_pids(self) -> list[int]:
+        return [p.pid for p in self._followers]
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._error
+
     def shutdown(self) -> None:
         if not self._stop.is_set():
             self._stop.set()
             self._thread.join(timeout=30)
+        if self._receiver is not None:
+            self._receiver.stop(grace=1)
         self._kill_followers()
 
     def __enter__(self) -> DecodeEngine:

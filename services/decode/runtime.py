@@ -11,19 +11,28 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import grpc
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.paged_cache import PagedLatentCache, slot_table
+from common.kv.transfer import KvReceiverServicer, TransferError, shard_slots
 from common.model.loader import load_model
 from common.model.tpla import RmsNormMode, latent_shards
+from common.rpc.clients import CHANNEL_OPTIONS
+from common.rpc.gen import kv_pb2, kv_pb2_grpc
 from services.decode.plan import DecodePlan, WritePlan, recv_plan
 from services.decode.rank_model import ParallelConfig, RankModel
+
+TORCH_PORT_OFFSET = 100
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,19 @@ class EngineConfig:
     master_port: int = 29500
     collective_timeout_s: float = 120.0
     record_logits: bool = False  # keep each step's logits on token events (tests, eval)
+    # KV receivers: rank k serves KvReceiver on kv_port_base + k and, for the torch
+    # transport, a TCPStore on kv_port_base + TORCH_PORT_OFFSET + k. None: no receivers.
+    host: str = "127.0.0.1"
+    kv_port_base: int | None = None
+    internal_token: str | None = None
+
+    def kv_addresses(self, rank: int) -> tuple[str, str]:
+        """(gRPC receiver, torch TCPStore) addresses of a rank's KV endpoints."""
+        assert self.kv_port_base is not None
+        return (
+            f"{self.host}:{self.kv_port_base + rank}",
+            f"{self.host}:{self.kv_port_base + TORCH_PORT_OFFSET + rank}",
+        )
 
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
@@ -95,6 +117,53 @@ class RankRuntime:
             plan.tokens, positions, write_slots, slots, valid, self.cache, self.all_reduce
         )
 
+    def write_shard(self, header: kv_pb2.KvHeader, n: Tensor, k_pe: Tensor) -> None:
+        """KV receiver sink: validate a transferred shard and write it into its blocks.
+
+        Safe beside the step loop: the blocks belong to a reservation that is not running.
+        """
+        lay = self.layout
+        if header.rank != self.rank:
+            raise TransferError(f"shard for rank {header.rank} sent to rank {self.rank}")
+        if (header.num_layers, header.latent_width, header.rope_width) != (
+            lay.num_layers,
+            lay.latent_width,
+            lay.rope_width,
+        ):
+            raise TransferError(
+                f"shard shape (L={header.num_layers}, w={header.latent_width}, "
+                f"d_r={header.rope_width}) does not match this rank's cache (L={lay.num_layers}, "
+                f"w={lay.latent_width}, d_r={lay.rope_width})"
+            )
+        if header.block_size != lay.block_size:
+            raise TransferError(f"block size {header.block_size} != {lay.block_size}")
+        slots = shard_slots(header)
+        if len(slots) and int(slots.max()) >= self.cache.num_blocks * lay.block_size:
+            raise TransferError("shard addresses blocks outside this rank's pool")
+        self.cache.write_all_layers(slots, n.to(lay.dtype), k_pe.to(lay.dtype))
+
+    def start_kv_receiver(self) -> grpc.Server | None:
+        """Serve KvReceiver (and a TCPStore for the torch transport) for this rank."""
+        if self.cfg.kv_port_base is None:
+            return None
+        grpc_addr, torch_addr = self.cfg.kv_addresses(self.rank)
+        host, port = torch_addr.rsplit(":", 1)
+        store = dist.TCPStore(
+            host,
+            int(port),
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.cfg.collective_timeout_s),
+        )
+        server = grpc.server(ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
+        self.receiver = KvReceiverServicer(self.write_shard, store, self.cfg.internal_token)
+        kv_pb2_grpc.add_KvReceiverServicer_to_server(self.receiver, server)
+        if server.add_insecure_port(grpc_addr) == 0:
+            raise RuntimeError(f"cannot bind the KV receiver on {grpc_addr}")
+        server.start()
+        self._store = store  # keep the TCPStore server alive with the receiver
+        return server
+
     def receive_write(self, plan: WritePlan) -> None:
         """Follower side of a local KV write: receive the shard from the leader."""
         if plan.target != self.rank:
@@ -120,10 +189,24 @@ def init_group(cfg: EngineConfig, rank: int) -> None:
     )
 
 
+def _exit_with_parent() -> None:
+    """A follower whose leader died must not linger in a collective until its timeout."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def follower_main(cfg: EngineConfig, rank: int) -> None:
     """A follower rank: execute the leader's plans until shutdown."""
+    _exit_with_parent()
     init_group(cfg, rank)
     runtime = RankRuntime(cfg, rank)
+    receiver = runtime.start_kv_receiver()
     dist.barrier()  # the leader waits until every rank has loaded its share
     while True:
         plan = recv_plan()
@@ -134,6 +217,8 @@ def follower_main(cfg: EngineConfig, rank: int) -> None:
             dist.gather(logits, dst=0)
         else:
             runtime.receive_write(plan)
+    if receiver is not None:
+        receiver.stop(grace=1)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,162 @@
+"""Sub-commands that run services: `tpla decode | prefill | router | serve`."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.model.tpla import RmsNormMode
+from common.settings import Settings, load_settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    fields = (
+        "model",
+        "tp",
+        "latent_groups",
+        "rmsnorm",
+        "reparam",
+        "transport",
+        "redis_url",
+        "host",
+        "router_port",
+        "prefill_port",
+        "decode_port",
+        "kv_port_base",
+        "dist_port",
+        "kv_budget_mb",
+        "max_batch",
+        "torch_threads",
+    )
+    over = {f: getattr(args, f, None) for f in fields}
+    if getattr(args, "port", None) is not None:
+        over[args.port_field] = args.port
+    if over.get("reparam") == "none":
+        over["reparam"] = ""
+    return load_settings(**over)
+
+
+def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is heavy)
+    from services.decode.rank_model import ParallelConfig
+    from services.decode.runtime import EngineConfig
+
+    latent_groups = 1 if s.parallel == "mla-tp" else s.latent_groups
+    return EngineConfig(
+        model=s.model,
+        parallel=ParallelConfig(
+            tp=s.tp, latent_groups=latent_groups, rmsnorm=RmsNormMode(s.rmsnorm)
+        ),
+        reparam=s.reparam or None,
+        block_size=s.block_size,
+        kv_budget_mb=s.kv_budget_mb,
+        max_batch=s.max_batch,
+        dtype=s.dtype,
+        lease_seconds=s.lease_seconds,
+        torch_threads=s.torch_threads,
+        master_port=s.dist_port,
+        host=s.host,
+        kv_port_base=s.kv_port_base,
+        internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
+    )
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.decode.service import serve_decode
+
+    s = _settings(args)
+    torch.set_num_threads(s.torch_threads)
+    serve_decode(
+        engine_config(s),
+        s.decode_port,
+        s.redis_url,
+        heartbeat_s=s.heartbeat_s,
+        worker_ttl_s=s.worker_ttl_s,
+    )
+    return 0
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.prefill.service import serve_prefill
+
+    s = _settings(args)
+    torch.set_num_threads(s.torch_threads)
+    token = s.internal_token.get_secret_value() if s.internal_token else None
+    serve_prefill(
+        s.model,
+        s.reparam or None,
+        s.host,
+        s.prefill_port,
+        s.redis_url,
+        transport=s.transport,
+        token=token,
+        dtype=s.dtype,
+        heartbeat_s=s.heartbeat_s,
+        worker_ttl_s=s.worker_ttl_s,
+    )
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from services.router.app import run_router
+
+    run_router(_settings(args))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.serve import serve_stack
+
+    return serve_stack(_settings(args), smoke=args.smoke)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (TPLA_MODEL)")
+    p.add_argument("--redis-url", help="TPLA_REDIS_URL")
+    p.add_argument("--host", help="interface to bind (TPLA_HOST, default 127.0.0.1)")
+    p.add_argument("--torch-threads", type=int)
+    p.add_argument("--reparam", help="TPLA side file in the model dir (tpla_pca, ...) or none")
+
+
+def _decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, help="decode ranks (TPLA_TP)")
+    p.add_argument("--latent-groups", type=int, help="TPLA latent groups r (1 = MLA-TP)")
+    p.add_argument("--rmsnorm", choices=["exact", "sliced"])
+    p.add_argument("--kv-port-base", type=int)
+    p.add_argument("--dist-port", type=int)
+    p.add_argument("--kv-budget-mb", type=float)
+    p.add_argument("--max-batch", type=int)
+
+
+def add_service_parsers(sub: argparse._SubParsersAction) -> None:
+    dec = sub.add_parser("decode", help="run a decode group (leader + ranks) serving gRPC")
+    _common(dec)
+    _decode_args(dec)
+    dec.add_argument("--port", type=int, help="Decode gRPC port (default 50061)")
+    dec.set_defaults(func=cmd_decode, port_field="decode_port")
+
+    pre = sub.add_parser("prefill", help="run a prefill worker serving gRPC")
+    _common(pre)
+    pre.add_argument("--port", type=int, help="Prefill gRPC port (default 50051)")
+    pre.add_argument("--transport", choices=["grpc", "torch"])
+    pre.set_defaults(func=cmd_prefill, port_field="prefill_port")
+
+    rtr = sub.add_parser("router", help="run the OpenAI-compatible HTTP router")
+    _common(rtr)
+    rtr.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    rtr.add_argument("--transport", choices=["grpc", "torch"])
+    rtr.set_defaults(func=cmd_router, port_field="router_port")
+
+    srv = sub.add_parser("serve", help="the whole stack locally: Redis, prefill, decode, router")
+    _common(srv)
+    _decode_args(srv)
+    srv.add_argument("--port", type=int, help="router HTTP port (default 8000)")
+    srv.add_argument("--transport", choices=["grpc", "torch"])
+    srv.add_argument(
+        "--smoke",
+        action="store_true",
+        help="start, send one chat request, print it, stop (used by tests)",
+    )
+    srv.set_defaults(func=cmd_serve, port_field="router_port")

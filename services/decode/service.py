@@ -1,0 +1,233 @@
+"""`tpla decode`: the decode group's leader process, serving the Decode gRPC API.
+
+Lifecycle: start the rank group (followers are child processes) -> serve Reserve / Generate /
+Abort / GetLoad and every rank's KV receiver -> publish one registry record per rank with
+heartbeats -> on SIGTERM/SIGINT stop accepting, abort live requests, shut the group down.
+The servicer only translates protocol types; the engine holds all the logic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import redis
+
+from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
+from common.kv.block_pool import OutOfBlocks
+from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
+from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
+from common.rpc.convert import params_from_pb, token_from_pb, token_to_pb
+from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
+from common.sampling import SamplingError
+from services.decode.engine import DecodeEngine, EngineError
+from services.decode.rank_model import rank_latent_columns
+from services.decode.runtime import EngineConfig
+from services.decode.scheduler import SchedulerError
+
+
+def as_tpla_error(exc: Exception) -> TplaError:
+    """Engine exceptions as the typed errors that map to gRPC codes in one place."""
+    if isinstance(exc, TplaError):
+        return exc
+    if isinstance(exc, OutOfBlocks):
+        return Overloaded(f"KV cache full: {exc}")
+    if isinstance(exc, SchedulerError | SamplingError | ValueError):
+        return InvalidRequest(str(exc))
+    if isinstance(exc, EngineError):
+        return Unavailable(str(exc))
+    return TplaError(str(exc))
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: DecodeEngine, token: str | None = None) -> None:
+        self.engine = engine
+        self.token = token
+
+    def _guard(self, context: grpc.ServicerContext) -> None:
+        if self.token and dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != self.token:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+
+    def _fail(self, context: grpc.ServicerContext, exc: Exception) -> None:
+        err = as_tpla_error(exc)
+        context.abort(err.grpc_code, err.message)
+
+    def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.ReserveResponse:
+        self._guard(context)
+        try:
+            res = self.engine.reserve(request.request_id, request.prompt_len, request.max_tokens)
+        except Exception as exc:  # every failure becomes a typed status
+            self._fail(context, exc)
+        cfg = self.engine.cfg
+        layout = self.engine.runtime.layout
+        d_c = self.engine.runtime.model.config.kv_lora_rank
+        targets = []
+        for rank, blocks in enumerate(res.block_tables):
+            cols = rank_latent_columns(cfg.parallel, rank, d_c)
+            grpc_addr, torch_addr = cfg.kv_addresses(rank)
+            targets.append(
+                common_pb2.KvTarget(
+                    rank=rank,
+                    grpc_address=grpc_addr,
+                    torch_address=torch_addr,
+                    latent_start=cols.start,
+                    latent_width=cols.stop - cols.start,
+                    block_ids=blocks,
+                )
+            )
+        return decode_pb2.ReserveResponse(
+            request_id=res.request_id,
+            block_size=res.block_size,
+            num_layers=layout.num_layers,
+            rope_width=layout.rope_width,
+            dtype=cfg.dtype,
+            lease_seconds=cfg.lease_seconds,
+            targets=targets,
+        )
+
+    def Generate(
+        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.GenerateEvent]:
+        self._guard(context)
+        rid = request.request_id
+        try:
+            params = params_from_pb(request.params)
+            stream = self.engine.generate(rid, token_from_pb(request.first_token).token_id, params)
+        except Exception as exc:
+            self._fail(context, exc)
+        # A client that goes away (router abort, disconnect) frees the request's blocks.
+        context.add_callback(lambda: self._abort_quietly(rid))
+        for event in stream:
+            msg = decode_pb2.GenerateEvent(finish_reason=event.finish_reason or "")
+            if event.token is not None:
+                msg.token.CopyFrom(token_to_pb(event.token))
+            yield msg
+
+    def _abort_quietly(self, request_id: str) -> None:
+        # The group may be gone; its requests then already ended with an error.
+        with contextlib.suppress(EngineError):
+            self.engine.abort(request_id)
+
+    def Abort(
+        self, request: decode_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.AbortResponse:
+        self._guard(context)
+        try:
+            return decode_pb2.AbortResponse(found=self.engine.abort(request.request_id))
+        except Exception as exc:
+            self._fail(context, exc)
+            raise
+
+    def GetLoad(
+        self, request: common_pb2.Empty, context: grpc.ServicerContext
+    ) -> decode_pb2.DecodeLoad:
+        self._guard(context)
+        try:
+            load = self.engine.load()
+        except Exception as exc:
+            self._fail(context, exc)
+            raise
+        par = self.engine.cfg.parallel
+        mode = "mla-tp" if par.latent_groups == 1 else "tpla"
+        return decode_pb2.DecodeLoad(
+            running=load.running,
+            waiting=load.waiting,
+            reserved=load.reserved,
+            blocks_used=load.blocks_used,
+            blocks_total=load.blocks_total,
+            block_size=load.block_size,
+            tp=par.tp,
+            latent_groups=par.latent_groups,
+            parallel=mode,
+        )
+
+
+def rank_records(
+    engine: DecodeEngine, address: str, group_id: str, model: str
+) -> list[WorkerRecord]:
+    """One registry record per rank process of the group (the leader reports for all)."""
+    try:
+        load = engine.load()
+        used, total = load.blocks_used, load.blocks_total
+    except EngineError:
+        used, total = 0, engine.pool.num_blocks
+    par = engine.cfg.parallel
+    pids = [os.getpid(), *engine.follower_pids]
+    alive = engine.follower_alive()
+    return [
+        WorkerRecord(
+            worker_id=f"{group_id}/rank{rank}",
+            role=WorkerRole.DECODE,
+            address=address,
+            rank=rank,
+            pid=pid,
+            group_id=group_id,
+            healthy=ok and engine.failed is None,
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            tp=par.tp,
+            latent_groups=par.latent_groups,
+            parallel="mla-tp" if par.latent_groups == 1 else "tpla",
+            model=model,
+        )
+        for rank, (pid, ok) in enumerate(zip(pids, alive, strict=True))
+    ]
+
+
+def serve_decode(
+    cfg: EngineConfig,
+    port: int,
+    redis_url: str | None,
+    *,
+    heartbeat_s: float = 2.0,
+    worker_ttl_s: float = 10.0,
+    ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Run the leader until SIGINT/SIGTERM (or `stop`); blocks."""
+    engine = DecodeEngine(cfg)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=cfg.max_batch * 2 + 16), options=CHANNEL_OPTIONS
+    )
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, cfg.internal_token), server)
+    address = f"{cfg.host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        engine.shutdown()
+        raise RuntimeError(f"cannot bind the decode service on {address}")
+    server.start()
+    stop = stop or threading.Event()
+    heartbeat = None
+    if redis_url:
+        group_id = f"decode-{uuid.uuid4().hex[:8]}"
+        registry = WorkerRegistry(redis.Redis.from_url(redis_url), ttl_s=worker_ttl_s)
+        heartbeat = Heartbeat(
+            registry, lambda: rank_records(engine, address, group_id, cfg.model), heartbeat_s
+        ).start()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    print(
+        f"decode leader serving on {address} (tp={cfg.parallel.tp}, "
+        f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks)",
+        flush=True,
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        while not stop.wait(0.5):
+            if engine.failed is not None:
+                print(f"decode group failed: {engine.failed}", flush=True)
+                break
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        server.stop(grace=2)
+        engine.shutdown()

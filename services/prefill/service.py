@@ -1,0 +1,139 @@
+"""`tpla prefill`: a prefill worker serving the Prefill gRPC API.
+
+Lifecycle: load the model in the decode group's latent basis -> serve Prefill / GetLoad ->
+publish a registry record (queued tokens) with heartbeats -> drain on SIGINT/SIGTERM.
+The servicer only translates protocol types; `PrefillWorker` does the work.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import redis
+
+from common.errors import DeadlineExceeded, InvalidRequest, TplaError, Unavailable
+from common.kv.transfer import TransferError, make_sender
+from common.model.loader import load_model
+from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
+from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
+from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
+from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.prefill.worker import PrefillJob, PrefillWorker
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker, token: str | None = None) -> None:
+        self.worker = worker
+        self.token = token
+
+    def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        if self.token and dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != self.token:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+        deadline = request.deadline_seconds or 60.0
+        try:
+            job = PrefillJob(
+                request.request_id,
+                list(request.prompt_ids),
+                params_from_pb(request.params),
+                tuple(target_from_pb(t) for t in request.targets),
+                request.block_size,
+                deadline,
+            )
+            if not job.targets:
+                raise InvalidRequest("no KV targets: reserve on a decode group first")
+            done = self.worker.submit(job).result(timeout=deadline)
+        except TimeoutError:
+            err: TplaError = DeadlineExceeded(f"prefill of {request.request_id} timed out")
+            context.abort(err.grpc_code, err.message)
+        except TransferError as exc:
+            err = Unavailable(str(exc))
+            context.abort(err.grpc_code, err.message)
+        except (InvalidRequest, ValueError) as exc:
+            err = exc if isinstance(exc, TplaError) else InvalidRequest(str(exc))
+            context.abort(err.grpc_code, err.message)
+        return prefill_pb2.PrefillResponse(
+            first_token=token_to_pb(done.first_token),
+            prefill_seconds=done.prefill_seconds,
+            transfer_seconds=done.transfer_seconds,
+            transfer_bytes=done.transfer_bytes,
+        )
+
+    def GetLoad(
+        self, request: common_pb2.Empty, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefillLoad:
+        return prefill_pb2.PrefillLoad(
+            queued_requests=self.worker.queued_requests, queued_tokens=self.worker.queued_tokens
+        )
+
+
+def load_prefill_model(model_dir: str, reparam: str | None, dtype: str = "float32"):
+    """The exact model, rotated into the same latent basis as the decode ranks."""
+    model = load_model(model_dir, dtype=dtype)
+    if reparam:
+        from common.tpla.convert import apply_reparameterization
+
+        apply_reparameterization(model, Path(model_dir) / reparam)
+    return model
+
+
+def serve_prefill(
+    model_dir: str,
+    reparam: str | None,
+    host: str,
+    port: int,
+    redis_url: str | None,
+    *,
+    transport: str = "grpc",
+    token: str | None = None,
+    dtype: str = "float32",
+    heartbeat_s: float = 2.0,
+    worker_ttl_s: float = 10.0,
+    stop: threading.Event | None = None,
+) -> None:
+    """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
+    worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
+    model = load_prefill_model(model_dir, reparam, dtype)
+    worker = PrefillWorker(model, make_sender(transport, worker_id, token))
+    server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"cannot bind the prefill service on {address}")
+    server.start()
+    stop = stop or threading.Event()
+    heartbeat = None
+    if redis_url:
+        registry = WorkerRegistry(redis.Redis.from_url(redis_url), ttl_s=worker_ttl_s)
+        heartbeat = Heartbeat(
+            registry,
+            lambda: [
+                WorkerRecord(
+                    worker_id=worker_id,
+                    role=WorkerRole.PREFILL,
+                    address=address,
+                    pid=os.getpid(),
+                    queued_tokens=worker.queued_tokens,
+                    model=model_dir,
+                )
+            ],
+            heartbeat_s,
+        ).start()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    print(f"prefill worker {worker_id} serving on {address} ({transport} KV transport)", flush=True)
+    try:
+        stop.wait()
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        server.stop(grace=2)
+        worker.close()

@@ -1,0 +1,167 @@
+"""The prefill worker's core: batch prompts, run exact MLA, sample, ship per-rank shards.
+
+Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
+one packed exact prefill -> first token sampled with the request's params -> the latent cut
+into each decode rank's shard (its latent columns, or its token ranges in SP mode) and pushed
+over the chosen transport, all ranks in parallel -> the job's future resolves. A failed push
+fails only its job; the decode side frees the reservation by lease or by the router's abort.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from common.kv.transfer import KvSender, Shard, TransferError
+from common.model.model import DeepseekForCausalLM, PrefillOutput
+from common.rpc.convert import KvTargetInfo
+from common.sampling import SampledToken, SamplingParams, make_generator, sample
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    targets: tuple[KvTargetInfo, ...]
+    block_size: int
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    first_token: SampledToken
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
+
+
+def cut_shard(
+    out: PrefillOutput, start: int, end: int, target: KvTargetInfo, request_id: str, block_size: int
+) -> Shard:
+    """The part of one prompt's latents [start, end) that `target` caches."""
+    cols = slice(target.latent_start, target.latent_start + target.latent_width)
+    positions: list[int] = []
+    if target.token_ranges:  # SP: whole latent width, only this rank's token chunks
+        for lo, hi in zip(target.token_ranges[::2], target.token_ranges[1::2], strict=True):
+            positions.extend(range(lo, min(hi, end - start)))
+        index = torch.tensor(positions, dtype=torch.long) + start
+        n = torch.stack([layer[index][:, cols] for layer in out.n])
+        k_pe = torch.stack([layer[index] for layer in out.k_pe])
+    else:
+        n = torch.stack([layer[start:end, cols] for layer in out.n])
+        k_pe = torch.stack([layer[start:end] for layer in out.k_pe])
+    return Shard(
+        request_id,
+        target.rank,
+        n.contiguous(),
+        k_pe.contiguous(),
+        block_size,
+        target.block_ids,
+        tuple(positions),
+    )
+
+
+class PrefillWorker:
+    def __init__(
+        self, model: DeepseekForCausalLM, sender: KvSender, max_batch_tokens: int = 8192
+    ) -> None:
+        self.model = model
+        self.sender = sender
+        self.max_batch_tokens = max_batch_tokens
+        self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillDone]] | None] = queue.Queue()
+        self._pushers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-push")
+        self.queued_tokens = 0
+        self.transfer_bytes_total = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="prefill-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: PrefillJob) -> Future[PrefillDone]:
+        vocab = self.model.config.vocab_size
+        if not job.prompt_ids or min(job.prompt_ids) < 0 or max(job.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
+        if len(job.prompt_ids) > self.model.config.max_position_embeddings:
+            raise ValueError("prompt exceeds the model's context length")
+        fut: Future[PrefillDone] = Future()
+        with self._lock:
+            self.queued_tokens += len(job.prompt_ids)
+        self._jobs.put((job, fut))
+        return fut
+
+    @property
+    def queued_requests(self) -> int:
+        return self._jobs.qsize()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+        self._pushers.shutdown(wait=False, cancel_futures=True)
+        self.sender.close()
+
+    def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillDone]]] | None:
+        first = self._jobs.get()
+        if first is None:
+            return None
+        batch, tokens = [first], len(first[0].prompt_ids)
+        while tokens < self.max_batch_tokens:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._jobs.put(None)  # finish this batch, then stop
+                break
+            batch.append(item)
+            tokens += len(item[0].prompt_ids)
+        return batch
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._prefill(batch)
+            except Exception as exc:  # one bad batch must not kill the worker
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+            finally:
+                with self._lock:
+                    self.queued_tokens -= sum(len(job.prompt_ids) for job, _ in batch)
+
+    def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillDone]]]) -> None:
+        t0 = time.perf_counter()
+        lens = [len(job.prompt_ids) for job, _ in batch]
+        ids = torch.tensor([t for job, _ in batch for t in job.prompt_ids], dtype=torch.long)
+        out = self.model.prefill(ids, lens)
+        prefill_s = time.perf_counter() - t0
+        start = 0
+        for row, (job, fut) in enumerate(batch):
+            end = start + len(job.prompt_ids)
+            first = sample(out.logits[row], job.params, make_generator(job.params, stream=0))
+            t1 = time.perf_counter()
+            try:
+                sent = self._push(out, start, end, job)
+            except TransferError as exc:
+                fut.set_exception(exc)
+            else:
+                self.transfer_bytes_total += sent
+                fut.set_result(PrefillDone(first, prefill_s, time.perf_counter() - t1, sent))
+            start = end
+
+    def _push(self, out: PrefillOutput, start: int, end: int, job: PrefillJob) -> int:
+        futures = [
+            self._pushers.submit(
+                self.sender.send,
+                cut_shard(out, start, end, t, job.request_id, job.block_size),
+                t.grpc_address,
+                t.torch_address,
+                job.deadline_s,
+            )
+            for t in job.targets
+        ]
+        return sum(f.result() for f in futures)

@@ -1,0 +1,179 @@
+"""`tpla serve` / `make serve`: the whole stack on one machine, supervised.
+
+Starts an embedded redis-server when TPLA_REDIS_URL is unset, then a decode group, a
+prefill worker and the router as child processes (each in its own process group, so a stop
+reaches every rank), waits for the router's /ready, and prints how to use it. A child that
+dies is reported and restarted (a few times; every service re-registers with Redis on start).
+SIGINT/SIGTERM stops every child within a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from common.embedded_redis import EmbeddedRedis
+from common.settings import Settings
+
+STOP_GRACE_S = 5.0
+MAX_RESTARTS = 3
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", *self.args], env=env, start_new_session=True
+        )
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        _signal_group(self.proc, signal.SIGTERM)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _env(s: Settings, redis_url: str) -> dict[str, str]:
+    env = dict(os.environ)
+    values = {
+        "MODEL": s.model,
+        "REDIS_URL": redis_url,
+        "HOST": s.host,
+        "TP": s.tp,
+        "LATENT_GROUPS": s.latent_groups,
+        "PARALLEL": s.parallel,
+        "RMSNORM": s.rmsnorm,
+        "REPARAM": s.reparam or "",
+        "TRANSPORT": s.transport,
+        "ROUTER_PORT": s.router_port,
+        "PREFILL_PORT": s.prefill_port,
+        "DECODE_PORT": s.decode_port,
+        "KV_PORT_BASE": s.kv_port_base,
+        "DIST_PORT": s.dist_port,
+        "TORCH_THREADS": s.torch_threads,
+        "KV_BUDGET_MB": s.kv_budget_mb,
+        "MAX_BATCH": s.max_batch,
+    }
+    env.update({f"TPLA_{k}": str(v) for k, v in values.items()})
+    env.setdefault("OMP_NUM_THREADS", str(s.torch_threads))
+    return env
+
+
+def wait_ready(url: str, children: list[Child], timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for child in children:
+            if child.proc is not None and child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with code {child.proc.returncode} during start-up"
+                )
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s")
+
+
+def _smoke(url: str, model: str) -> None:
+    body = {
+        "model": model,
+        "max_tokens": 24,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Write a Python function `add`"}],
+    }
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    print(resp.text, flush=True)
+    resp.raise_for_status()
+
+
+def serve_stack(s: Settings, *, smoke: bool = False) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    redis_server = None
+    redis_url = s.redis_url
+    if not redis_url:
+        redis_server = EmbeddedRedis(port=6399 if s.router_port == 8000 else s.router_port + 1399)
+        redis_url = redis_server.url
+        print(f"embedded redis-server on {redis_url}", flush=True)
+    env = _env(s, redis_url)
+    children = [
+        Child("decode", ["decode"]),
+        Child("prefill", ["prefill"]),
+        Child("router", ["router"]),
+    ]
+    url = f"http://{s.host}:{s.router_port}"
+    code = 0
+    try:
+        for child in children:
+            child.start(env)
+        wait_ready(url, children)
+        print(
+            f"\ntpla-serve is ready: {url}  (model {s.served_model_name!r}, decode tp={s.tp}, "
+            f"latent groups={s.latent_groups}, {s.transport} KV transport)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{s.served_model_name}", "messages": [{{"role": '
+            f'"user", "content": "Write a Python function `fib`"}}]}}\'\n'
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        if smoke:
+            _smoke(url, s.served_model_name)
+            return 0
+        while not stop.wait(1.0):
+            _supervise(children, env)
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+        print(f"tpla serve: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        _stop_all(children)
+        if redis_server is not None:
+            redis_server.stop()
+    return code
+
+
+def _supervise(children: list[Child], env: dict[str, str]) -> None:
+    for child in children:
+        if child.proc is None or child.proc.poll() is None:
+            continue
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < 60]
+        print(f"tpla serve: {child.name} exited with code {child.proc.returncode}", flush=True)
+        _signal_group(child.proc, signal.SIGKILL)  # its ranks, if any, go with it
+        if len(child.restarts) >= MAX_RESTARTS:
+            raise RuntimeError(f"{child.name} keeps failing; giving up")
+        child.restarts.append(now)
+        print(f"tpla serve: restarting {child.name}", flush=True)
+        child.start(env)
+
+
+def _stop_all(children: list[Child]) -> None:
+    for child in children:
+        child.stop()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        if child.proc is None:
+            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        _signal_group(child.proc, signal.SIGKILL)  # ranks of a stuck group, stragglers
+        child.proc.wait(timeout=5)

@@ -1,0 +1,146 @@
+"""Prefill and decode services over real gRPC, both KV transports, a real Redis registry."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+
+from common.embedded_redis import EmbeddedRedis
+from common.errors import InvalidRequest
+from common.generate import generate
+from common.model.loader import load_model
+from common.redis_state import WorkerRegistry, WorkerRole
+from common.rpc.clients import DecodeClient, PrefillClient
+from common.sampling import SamplingParams
+from services.decode.engine import free_port
+from services.decode.rank_model import ParallelConfig
+from services.decode.runtime import EngineConfig
+from services.decode.service import serve_decode
+from services.prefill.service import serve_prefill
+from tests.model.tiny import save_hf
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    model_dir = tmp_path_factory.mktemp("svc-model")
+    save_hf("v2-group-yarn", model_dir, std=0.08)
+    redis_server = EmbeddedRedis(free_port())
+    stop = threading.Event()
+    ready = threading.Event()
+    decode_port, kv_base = free_port(), free_port()
+    cfg = EngineConfig(
+        model=str(model_dir),
+        parallel=ParallelConfig(tp=2, latent_groups=1),
+        master_port=free_port(),
+        kv_budget_mb=4,
+        block_size=8,
+        kv_port_base=kv_base,
+    )
+    decode = threading.Thread(
+        target=serve_decode,
+        args=(cfg, decode_port, redis_server.url),
+        kwargs={"ready": ready, "stop": stop, "heartbeat_s": 0.5},
+        daemon=True,
+    )
+    decode.start()
+    prefills = {}
+    for transport in ("grpc", "torch"):
+        port = free_port()
+        t = threading.Thread(
+            target=serve_prefill,
+            args=(str(model_dir), None, "127.0.0.1", port, redis_server.url),
+            kwargs={"transport": transport, "stop": stop, "heartbeat_s": 0.5},
+            daemon=True,
+        )
+        t.start()
+        prefills[transport] = f"127.0.0.1:{port}"
+    assert ready.wait(120), "decode group did not start"
+    yield model_dir, f"127.0.0.1:{decode_port}", prefills, redis_server
+    stop.set()
+    decode.join(timeout=30)
+    redis_server.stop()
+
+
+async def _run(
+    decode_addr: str, prefill_addr: str, rid: str, prompt: list[int], transport: str
+) -> list[int]:
+    decode, prefill = DecodeClient(decode_addr), PrefillClient(prefill_addr)
+    try:
+        for _ in range(100):  # the prefill worker may still be loading
+            try:
+                await prefill.load()
+                break
+            except Exception:  # noqa: BLE001
+                await asyncio.sleep(0.1)
+        res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens)
+        assert [t.rank for t in res.targets] == [0, 1]
+        out = await prefill.prefill(rid, prompt, GREEDY, res, transport=transport)
+        assert out.transfer_bytes > 0
+        tokens = [out.first_token.token_id]
+        async for event in decode.generate(rid, out.first_token, GREEDY):
+            if event.token is not None:
+                tokens.append(event.token.token_id)
+        assert event.finish_reason == "length"
+        return tokens
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+def test_disaggregated_greedy_equals_single_process(stack, transport: str) -> None:
+    model_dir, decode_addr, prefills, _ = stack
+    prompt = list(range(3, 40))
+    expected = generate(load_model(model_dir), prompt, GREEDY).token_ids
+    got = asyncio.run(_run(decode_addr, prefills[transport], f"req-{transport}", prompt, transport))
+    assert got == expected
+
+
+def test_registry_and_load(stack) -> None:
+    _, decode_addr, _, redis_server = stack
+    registry = WorkerRegistry(redis.Redis.from_url(redis_server.url))
+    decode = [r for r in registry.list(WorkerRole.DECODE)]
+    assert sorted(r.rank for r in decode) == [0, 1] and all(r.healthy for r in decode)
+    assert len({r.pid for r in decode}) == 2 and decode[0].kv_blocks_total > 0
+    assert len(registry.list(WorkerRole.PREFILL)) == 2
+
+    async def check() -> None:
+        client = DecodeClient(decode_addr)
+        try:
+            load = await client.load()
+            assert (load.tp, load.latent_groups, load.blocks_used) == (2, 1, 0)
+            with pytest.raises(InvalidRequest, match="context limit"):
+                await client.reserve("too-long", 1000, 100)
+            await client.reserve("dropped", 5, 5)
+            assert (await client.load()).reserved == 1
+            assert await client.abort("dropped")
+            assert (await client.load()).blocks_used == 0
+        finally:
+            await client.close()
+
+    asyncio.run(check())
+
+
+def test_bad_shard_is_rejected_and_nothing_leaks(stack) -> None:
+    """A prefill whose targets do not match the reservation fails cleanly."""
+    _, decode_addr, prefills, _ = stack
+
+    async def check() -> None:
+        decode, prefill = DecodeClient(decode_addr), PrefillClient(prefills["grpc"])
+        try:
+            res = await decode.reserve("short", 4, 2)
+            with pytest.raises(Exception, match="overflows|rejected"):
+                await prefill.prefill("short", list(range(1, 60)), GREEDY, res)
+            assert await decode.abort("short")
+            assert (await decode.load()).blocks_used == 0
+        finally:
+            await decode.close()
+            await prefill.close()
+
+    asyncio.run(check())
