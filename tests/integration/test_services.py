@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 
 import pytest
 import redis
@@ -76,7 +75,7 @@ async def _run(
             try:
                 await prefill.load()
                 break
-            except Exception:  # noqa: BLE001
+            except Exception:  # the worker is not up yet
                 await asyncio.sleep(0.1)
         res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens)
         assert [t.rank for t in res.targets] == [0, 1]
@@ -135,7 +134,7 @@ def test_bad_shard_is_rejected_and_nothing_leaks(stack) -> None:
         decode, prefill = DecodeClient(decode_addr), PrefillClient(prefills["grpc"])
         try:
             res = await decode.reserve("short", 4, 2)
-            with pytest.raises(Exception, match="overflows|rejected"):
+            with pytest.raises(Exception, match=r"overflows|rejected"):
                 await prefill.prefill("short", list(range(1, 60)), GREEDY, res)
             assert await decode.abort("short")
             assert (await decode.load()).blocks_used == 0
