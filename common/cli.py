@@ -68,7 +68,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    if args.mode is not None:
+    if args.tp is not None:
+        from services.decode.local import generate_distributed
+
+        result = generate_distributed(settings.model, prompt_ids, params, sorted(eos), args)
+    elif args.mode is not None:
         from common.tpla.cli import generate_with_mode
 
         result = generate_with_mode(model, settings.model, prompt_ids, params, sorted(eos), args)
@@ -147,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device")
     gen.add_argument("--threads", type=int, help="torch threads (default TPLA_TORCH_THREADS or 1)")
     gen.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
+    gen.add_argument(
+        "--tp",
+        type=int,
+        help="run the distributed decode engine with this many "
+        "ranks (TPLA with --latent-groups; --latent-groups 1 is MLA-TP)",
+    )
     add_generate_mode_arguments(gen)
     gen.set_defaults(func=cmd_generate)
     add_convert_parser(sub)

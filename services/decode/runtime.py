@@ -16,7 +16,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import grpc
 import torch
@@ -25,10 +24,10 @@ from torch import Tensor
 
 from common.kv.paged_cache import PagedLatentCache, slot_table
 from common.kv.transfer import KvReceiverServicer, TransferError, shard_slots
-from common.model.loader import load_model
 from common.model.tpla import RmsNormMode, latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
+from common.serving_model import load_serving_model
 from services.decode.plan import DecodePlan, WritePlan, recv_plan
 from services.decode.rank_model import ParallelConfig, RankModel
 
@@ -39,7 +38,7 @@ TORCH_PORT_OFFSET = 100
 class EngineConfig:
     model: str
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    reparam: str | None = None  # side file name in the model dir, e.g. "tpla_pca"
+    reparam: str | None = None  # TPLA side file in the model dir, e.g. "tpla_pca"
     block_size: int = 16
     kv_budget_mb: float = 256.0  # per rank
     max_batch: int = 32
@@ -77,23 +76,13 @@ class EngineConfig:
         return cls(parallel=ParallelConfig(**par), **raw)
 
 
-def layer_spectra(cfg: EngineConfig, model: torch.nn.Module) -> list[Tensor | None]:
-    """Per-layer latent spectra (and, if needed, the rotation applied to the weights)."""
-    if cfg.reparam is None:
-        return [None] * model.config.num_hidden_layers
-    from common.tpla.convert import apply_reparameterization
-
-    return list(apply_reparameterization(model, Path(cfg.model) / cfg.reparam))
-
-
 class RankRuntime:
     """One rank's model share and KV pool; `step` runs a decode plan on this rank."""
 
     def __init__(self, cfg: EngineConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
         torch.set_num_threads(cfg.torch_threads)
-        full = load_model(cfg.model, dtype=cfg.dtype)
-        spectra = layer_spectra(cfg, full)
+        full, spectra = load_serving_model(cfg.model, cfg.reparam, cfg.dtype)
         r = cfg.parallel.latent_groups
         shards = [latent_shards(full.config.kv_lora_rank, r, s) for s in spectra]
         self.model = RankModel(full, cfg.parallel, rank, shards)

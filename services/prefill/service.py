@@ -12,18 +12,17 @@ import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import redis
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, Unavailable
 from common.kv.transfer import TransferError, make_sender
-from common.model.loader import load_model
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
+from common.serving_model import load_serving_model
 from services.prefill.worker import PrefillJob, PrefillWorker
 
 
@@ -74,16 +73,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
 
 
-def load_prefill_model(model_dir: str, reparam: str | None, dtype: str = "float32"):
-    """The exact model, rotated into the same latent basis as the decode ranks."""
-    model = load_model(model_dir, dtype=dtype)
-    if reparam:
-        from common.tpla.convert import apply_reparameterization
-
-        apply_reparameterization(model, Path(model_dir) / reparam)
-    return model
-
-
 def serve_prefill(
     model_dir: str,
     reparam: str | None,
@@ -100,7 +89,7 @@ def serve_prefill(
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
-    model = load_prefill_model(model_dir, reparam, dtype)
+    model, _ = load_serving_model(model_dir, reparam, dtype)
     worker = PrefillWorker(model, make_sender(transport, worker_id, token))
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)

@@ -1,0 +1,39 @@
+"""Load a model in the latent basis the serving stack uses (prefill and decode must agree).
+
+`reparam` names a TPLA side file in the model directory (`tpla_pca` -> `tpla_pca.json`). It
+folds gamma and rotates the latent exactly, and supplies per-layer spectra from which each
+decode rank derives its shard constants. Without one, TPLA uses the identity basis with
+e_i = 1/r.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import Tensor
+
+from common.model.loader import load_model
+from common.model.model import DeepseekForCausalLM
+
+
+def side_file_path(model_dir: str | Path, reparam: str) -> Path:
+    name = reparam if reparam.endswith(".json") else f"{reparam}.json"
+    return Path(model_dir) / name
+
+
+def load_serving_model(
+    model_dir: str | Path, reparam: str | None, dtype: str = "float32"
+) -> tuple[DeepseekForCausalLM, list[Tensor | None]]:
+    """The model (rotated when `reparam` is set) and its per-layer latent spectra."""
+    model = load_model(model_dir, dtype=dtype)
+    if not reparam:
+        return model, [None] * model.config.num_hidden_layers
+    from common.tpla.convert import apply_reparameterization, load_side_file
+
+    path = side_file_path(model_dir, reparam)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"TPLA side file {path} not found (run `tpla convert`, or set "
+            "reparam to none for the identity basis)"
+        )
+    return model, list(apply_reparameterization(model, load_side_file(path)))

@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible HTTP API over disaggregated prefill/decode (DESIGN §2)."""

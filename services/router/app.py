@@ -1,0 +1,258 @@
+"""The router's HTTP shell: an OpenAI-compatible FastAPI app over the request pipeline.
+
+Lifecycle of the app: `create_app` loads the tokenizer and context limit and wires Redis,
+the worker directory, the routing policy and the metrics; startup loads the registry and
+starts its background refresh; shutdown stops it and closes every channel and connection.
+Routes only translate: body -> GenerationRequest (prepare.py) -> Pipeline.run -> OpenAI
+bodies or SSE (responses.py). Every error leaves as an OpenAI error body (common.errors).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import redis
+import redis.asyncio as aioredis
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from common.errors import NotFound, TplaError
+from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
+from common.settings import Settings
+from common.tokenizer import Tokenizer
+from services.router import prepare, schemas
+from services.router.edge import (
+    MAX_BODY_BYTES,
+    GuardMiddleware,
+    SSEResponse,
+    install_error_handlers,
+    require_json,
+)
+from services.router.metrics import RouterMetrics
+from services.router.pipeline import Delta, Done, GenerationRequest, Pipeline, PipelineConfig
+from services.router.policy import LeastLoadedPolicy, RoutingPolicy
+from services.router.responses import DONE_LINE, ChatFormat, CompletionFormat, sse_error
+from services.router.workers import WorkerDirectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterState:
+    settings: Settings
+    info: prepare.ModelInfo
+    pipeline: Pipeline
+    directory: WorkerDirectory
+    requests: RequestLog
+    metrics: RouterMetrics
+    aredis: aioredis.Redis
+    sync_redis: redis.Redis
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+async def _serve(
+    request: Request, req: GenerationRequest, fmt: ChatFormat | CompletionFormat
+) -> Response:
+    st = _state(request)
+    outputs = st.pipeline.run(req)
+    try:
+        await anext(outputs)  # Started: admission, routing and Reserve succeeded (or raised)
+    except BaseException:
+        await outputs.aclose()
+        raise
+    if req.stream:
+        return SSEResponse(_sse_body(outputs, fmt), on_close=outputs.aclose)
+    async with aclosing(outputs):
+        deltas: list[Delta] = []
+        done: Done | None = None
+        async with anyio.create_task_group() as tg:
+            # The client may leave while we wait for the whole completion: watch for it.
+            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+            async for out in outputs:
+                if isinstance(out, Delta):
+                    deltas.append(out)
+                elif isinstance(out, Done):
+                    done = out
+            tg.cancel_scope.cancel()
+    if done is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(fmt.full(deltas, done).model_dump(mode="json"))
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _sse_body(
+    outputs: AsyncIterator[object], fmt: ChatFormat | CompletionFormat
+) -> AsyncIterator[str]:
+    for line in fmt.opening():
+        yield line
+    try:
+        async for out in outputs:
+            if isinstance(out, Delta):
+                yield fmt.delta(out)
+            elif isinstance(out, Done):
+                for line in fmt.closing(out):
+                    yield line
+    except TplaError as exc:
+        yield sse_error(exc)
+    yield DONE_LINE
+
+
+def _worker_json(r: WorkerRecord) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "worker_id": r.worker_id,
+        "role": r.role.value,
+        "rank": r.rank,
+        "pid": r.pid,
+        "healthy": r.healthy,
+        "address": r.address,
+        "group_id": r.group_id,
+        "updated_at": r.updated_at,
+    }
+    if r.role is WorkerRole.DECODE:
+        entry |= {"kv_blocks_used": r.kv_blocks_used, "kv_blocks_total": r.kv_blocks_total}
+    else:
+        entry["queued_tokens"] = r.queued_tokens
+    return entry
+
+
+def _routes() -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/chat/completions", dependencies=[Depends(require_json)])
+    async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        st, arrival = _state(request), time.monotonic()
+        req = await anyio.to_thread.run_sync(prepare.prepare_chat, body, st.info, arrival)
+        fmt = ChatFormat(req.request_id, st.info.served_name, body.logprobs, body.include_usage)
+        return await _serve(request, req, fmt)
+
+    @api.post("/v1/completions", dependencies=[Depends(require_json)])
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        st, arrival = _state(request), time.monotonic()
+        req = await anyio.to_thread.run_sync(prepare.prepare_completion, body, st.info, arrival)
+        want = body.logprobs is not None
+        fmt = CompletionFormat(req.request_id, st.info.served_name, want, body.include_usage)
+        return await _serve(request, req, fmt)
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> schemas.ModelList:
+        info = _state(request).info
+        return schemas.ModelList(
+            data=[schemas.ModelCard(id=info.served_name, max_model_len=info.max_model_len)]
+        )
+
+    @api.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        directory = _state(request).directory
+        reason = directory.snapshot.not_ready_reason()
+        if reason is None:
+            return JSONResponse({"status": "ready"})
+        if directory.last_error:
+            reason = f"{reason} ({directory.last_error})"
+        return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+
+    @api.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        m = _state(request).metrics
+        return Response(m.render(), media_type=m.CONTENT_TYPE)
+
+    @api.get("/admin/requests/{request_id}")
+    async def request_record(request_id: str, request: Request) -> dict[str, Any]:
+        record = await _state(request).requests.get(request_id)
+        if record is None:
+            raise NotFound(f"no request {request_id!r}", param="request_id")
+        return {"request_id": request_id, **record}
+
+    @api.get("/admin/workers")
+    async def workers(request: Request) -> list[dict[str, Any]]:
+        records = await _state(request).directory.refresh()
+        return [_worker_json(r) for r in records.records]
+
+    return api
+
+
+def create_app(
+    settings: Settings,
+    *,
+    redis_url: str,
+    policy: RoutingPolicy | None = None,
+    refresh_s: float = 0.5,
+) -> FastAPI:
+    """The router app. `policy` defaults to least-loaded; `refresh_s` paces registry reads."""
+    model_dir = settings.model
+    info = prepare.ModelInfo(
+        served_name=settings.served_model_name,
+        tokenizer=Tokenizer.from_dir(model_dir),
+        max_model_len=prepare.context_limit(model_dir),
+        log_prompts=settings.log_prompts,
+    )
+    token = settings.internal_token.get_secret_value() if settings.internal_token else None
+    sync_redis = redis.Redis.from_url(redis_url)
+    aredis = aioredis.Redis.from_url(redis_url)
+    directory = WorkerDirectory(
+        WorkerRegistry(sync_redis, ttl_s=settings.worker_ttl_s), token=token, refresh_s=refresh_s
+    )
+    requests = RequestLog(aredis)
+    metrics = RouterMetrics(settings.served_model_name)
+    pipeline = Pipeline(
+        PipelineConfig(
+            model=settings.served_model_name,
+            transport=settings.transport,
+            max_inflight=settings.max_inflight,
+            request_timeout_s=settings.request_timeout_s,
+            log_prompts=settings.log_prompts,
+        ),
+        info.tokenizer,
+        directory,
+        policy or LeastLoadedPolicy(),
+        requests,
+        metrics,
+    )
+    state = RouterState(settings, info, pipeline, directory, requests, metrics, aredis, sync_redis)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await directory.start()
+        try:
+            yield
+        finally:
+            await directory.stop()
+            await aredis.aclose()
+            sync_redis.close()
+
+    app = FastAPI(title="tpla-serve router", lifespan=lifespan)
+    app.state.router = state
+    app.include_router(_routes())
+    install_error_handlers(app)
+    keys = tuple(k.strip().encode() for k in (settings.api_keys or "").split(",") if k.strip())
+    app.add_middleware(GuardMiddleware, api_keys=keys, max_body=MAX_BODY_BYTES)
+    return app
+
+
+def run_router(settings: Settings) -> None:
+    """Serve the router on settings.host:settings.router_port until interrupted."""
+    if not settings.redis_url:
+        raise ValueError("the router needs TPLA_REDIS_URL (or run `tpla serve`)")
+    app = create_app(settings, redis_url=settings.redis_url)
+    uvicorn.run(app, host=settings.host, port=settings.router_port, log_level="info")
+
+
+__all__ = ["create_app", "run_router"]

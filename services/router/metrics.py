@@ -1,0 +1,94 @@
+"""The router's Prometheus metrics (prefix `tpla:`), held in a per-app CollectorRegistry so
+several apps in one process (tests, `tpla serve`) never share or collide on counters."""
+
+from __future__ import annotations
+
+import enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Latency buckets in seconds: sub-millisecond inter-token gaps up to multi-minute requests.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Outcome(enum.Enum):
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+class RouterMetrics:
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self._model = model_name
+        self.ttft = Histogram(
+            "tpla:time_to_first_token_seconds",
+            "Time from request arrival to the first token (prefill returned).",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "tpla:inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tpla:e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "tpla:requests",
+            "Requests by outcome.",
+            [*labels, "outcome"],
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "tpla:num_requests_running",
+            "Requests admitted by this router and not yet finished.",
+            labels,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tpla:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "tpla:generation_tokens", "Tokens generated.", labels, registry=self.registry
+        )
+        # Pre-create every outcome so dashboards see zeros instead of missing series.
+        for outcome in Outcome:
+            self.requests.labels(model_name, outcome.value)
+
+    def outcome(self, outcome: Outcome) -> None:
+        self.requests.labels(self._model, outcome.value).inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.labels(self._model).observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.labels(self._model).observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self.e2e.labels(self._model).observe(seconds)
+
+    def add_tokens(self, prompt: int, generated: int) -> None:
+        self.prompt_tokens.labels(self._model).inc(prompt)
+        self.generation_tokens.labels(self._model).inc(generated)
+
+    def set_running(self, n: int) -> None:
+        self.running.labels(self._model).set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,169 @@
+"""Routing policy: which decode group and which prefill worker serve a request (pure logic).
+
+The router keeps a `WorkerSnapshot` built from the Redis registry (refreshed in the
+background) and asks a `RoutingPolicy` for one decode group and one prefill worker per
+request. A policy never does I/O; "no healthy worker" raises `Unavailable` (HTTP 503).
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from common.errors import Unavailable
+from common.redis_state import WorkerRecord, WorkerRole
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """One decode group as the router sees it: its leader's address and its KV pool."""
+
+    group_id: str
+    address: str
+    kv_blocks_used: int
+    kv_blocks_total: int
+    healthy: bool
+
+    @property
+    def free_blocks(self) -> int:
+        return max(self.kv_blocks_total - self.kv_blocks_used, 0)
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """The registry at one moment, split into decode groups and prefill workers."""
+
+    decode_groups: tuple[DecodeGroup, ...] = ()
+    prefill: tuple[WorkerRecord, ...] = ()
+    records: tuple[WorkerRecord, ...] = ()
+
+    @classmethod
+    def from_records(cls, records: Iterable[WorkerRecord]) -> WorkerSnapshot:
+        records = tuple(records)
+        decode = [r for r in records if r.role is WorkerRole.DECODE]
+        # A group is usable only if every rank that reports in is healthy: one dead follower
+        # stalls the whole group's collectives.
+        sick = {r.group_id or r.worker_id for r in decode if not r.healthy}
+        groups = tuple(
+            DecodeGroup(
+                group_id=r.group_id or r.worker_id,
+                address=r.address,
+                kv_blocks_used=r.kv_blocks_used,
+                kv_blocks_total=r.kv_blocks_total,
+                healthy=r.healthy and (r.group_id or r.worker_id) not in sick,
+            )
+            for r in decode
+            if r.rank == 0
+        )
+        prefill = tuple(r for r in records if r.role is WorkerRole.PREFILL)
+        return cls(groups, prefill, records)
+
+    def healthy_groups(self) -> list[DecodeGroup]:
+        return [g for g in self.decode_groups if g.healthy]
+
+    def healthy_prefill(self, exclude: frozenset[str] = frozenset()) -> list[WorkerRecord]:
+        return [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
+
+    def not_ready_reason(self) -> str | None:
+        """Why no request could be served right now, or None when it could."""
+        if not self.healthy_prefill():
+            return "no healthy prefill worker is registered"
+        if not self.healthy_groups():
+            return "no healthy decode group is registered"
+        return None
+
+
+class RoutingPolicy(abc.ABC):
+    """Chooses workers from a snapshot. `pending` maps a worker id / group id to the work this
+    router has sent there since the snapshot was taken (prompt tokens for prefill workers,
+    requests for decode groups), so bursts between registry refreshes still spread out."""
+
+    name: str
+
+    @abc.abstractmethod
+    def pick_decode(
+        self, groups: Sequence[DecodeGroup], pending: Mapping[str, int]
+    ) -> DecodeGroup: ...
+
+    @abc.abstractmethod
+    def pick_prefill(
+        self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
+    ) -> WorkerRecord: ...
+
+    def choose(
+        self,
+        snapshot: WorkerSnapshot,
+        pending: Mapping[str, int],
+        exclude_prefill: frozenset[str] = frozenset(),
+    ) -> tuple[DecodeGroup, WorkerRecord]:
+        groups = snapshot.healthy_groups()
+        if not groups:
+            raise Unavailable("no healthy decode group is available", code="no_decode_worker")
+        return self.pick_decode(groups, pending), self.choose_prefill(
+            snapshot, pending, exclude_prefill
+        )
+
+    def choose_prefill(
+        self,
+        snapshot: WorkerSnapshot,
+        pending: Mapping[str, int],
+        exclude: frozenset[str] = frozenset(),
+    ) -> WorkerRecord:
+        workers = snapshot.healthy_prefill(exclude)
+        if not workers:
+            raise Unavailable("no healthy prefill worker is available", code="no_prefill_worker")
+        return self.pick_prefill(workers, pending)
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """Decode group with the most free KV blocks; prefill worker with the fewest queued tokens.
+    Ties go to the candidate this router has loaded least, then to the lowest id (stable)."""
+
+    name = "least-loaded"
+
+    def pick_decode(self, groups: Sequence[DecodeGroup], pending: Mapping[str, int]) -> DecodeGroup:
+        return min(groups, key=lambda g: (-g.free_blocks, pending.get(g.group_id, 0), g.group_id))
+
+    def pick_prefill(
+        self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
+    ) -> WorkerRecord:
+        return min(
+            workers, key=lambda w: (w.queued_tokens + pending.get(w.worker_id, 0), w.worker_id)
+        )
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Cycles through the healthy candidates in id order, ignoring load."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._decode_turn = itertools.count()
+        self._prefill_turn = itertools.count()
+
+    def pick_decode(self, groups: Sequence[DecodeGroup], pending: Mapping[str, int]) -> DecodeGroup:
+        ordered = sorted(groups, key=lambda g: g.group_id)
+        return ordered[next(self._decode_turn) % len(ordered)]
+
+    def pick_prefill(
+        self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
+    ) -> WorkerRecord:
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        return ordered[next(self._prefill_turn) % len(ordered)]
+
+
+POLICIES: Mapping[str, type[RoutingPolicy]] = types.MappingProxyType(
+    {LeastLoadedPolicy.name: LeastLoadedPolicy, RoundRobinPolicy.name: RoundRobinPolicy}
+)
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}"
+        ) from None

@@ -1,0 +1,163 @@
+"""OpenAI request bodies -> `GenerationRequest` (the boundary where pydantic ends).
+
+Checks what only the server can check (model name, context length, token id range),
+renders the chat template, tokenizes, and fills defaults: max_tokens = min(256, context
+left); stop token ids = the tokenizer's EOS ids unless ignore_eos.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.errors import InvalidRequest, NotFound
+from common.sampling import SamplingError, SamplingParams
+from common.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from services.router.pipeline import GenerationRequest
+from services.router.schemas import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_MAX_TOKENS = 256
+_FALLBACK_CONTEXT = 4096  # ModelConfig's default when config.json does not say
+
+
+def context_limit(model_dir: str | Path) -> int:
+    """The model's context length: config.json's max_position_embeddings, further capped by
+    tokenizer_config.json's model_max_length when that is a real (not sentinel) value."""
+    directory = Path(model_dir)
+    limit = _FALLBACK_CONTEXT
+    config = directory / "config.json"
+    if config.is_file():
+        limit = int(json.loads(config.read_text()).get("max_position_embeddings", limit))
+    tok_config = directory / "tokenizer_config.json"
+    if tok_config.is_file():
+        cap = json.loads(tok_config.read_text()).get("model_max_length")
+        # HF writes ~1e30 when the tokenizer has no limit of its own.
+        if isinstance(cap, int) and 0 < cap < 10**9:
+            limit = min(limit, cap)
+    return limit
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    served_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    log_prompts: bool = False
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -> GenerationRequest:
+    _check_model(body.model, info)
+    try:
+        messages = [ChatMessage(m.role, m.text) for m in body.messages]
+        prompt_ids = info.tokenizer.encode_chat(messages)
+    except TokenizerError as exc:
+        raise InvalidRequest(str(exc), param="messages") from exc
+    top = body.top_logprobs or 0
+    text = "\n".join(m.text for m in body.messages) if info.log_prompts else ""
+    return _build(
+        "chatcmpl", body, prompt_ids, body.token_limit, body.logprobs, top, info, arrival, text
+    )
+
+
+def prepare_completion(
+    body: CompletionRequest, info: ModelInfo, arrival: float
+) -> GenerationRequest:
+    _check_model(body.model, info)
+    if isinstance(body.prompt, str):
+        prompt_ids = info.tokenizer.encode(body.prompt)
+        text = body.prompt
+    else:
+        bad = [t for t in body.prompt if t >= info.tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token ids {bad[:5]} are outside the vocabulary "
+                f"(size {info.tokenizer.vocab_size})",
+                param="prompt",
+            )
+        prompt_ids, text = list(body.prompt), ""
+    want = body.logprobs is not None
+    return _build(
+        "cmpl",
+        body,
+        prompt_ids,
+        body.token_limit,
+        want,
+        body.logprobs or 0,
+        info,
+        arrival,
+        text if info.log_prompts else "",
+    )
+
+
+def _check_model(model: str, info: ModelInfo) -> None:
+    if model != info.served_name:
+        raise NotFound(
+            f"The model `{model}` does not exist. Available: `{info.served_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _build(
+    prefix: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    want_logprobs: bool,
+    top_logprobs: int,
+    info: ModelInfo,
+    arrival: float,
+    prompt_text: str,
+) -> GenerationRequest:
+    limit = info.max_model_len
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if len(prompt_ids) >= limit:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"has {len(prompt_ids)} tokens. Please reduce the length of the prompt.",
+            param="messages" if prefix == "chatcmpl" else "prompt",
+            code="context_length_exceeded",
+        )
+    left = limit - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, left)
+    elif max_tokens > left:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
+            "max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    stop_ids = () if body.ignore_eos else tuple(sorted(info.tokenizer.eos_token_ids))
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k, 0),
+            seed=body.seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=top_logprobs,
+        )
+    except SamplingError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return GenerationRequest(
+        request_id=new_request_id(prefix),
+        prompt_ids=tuple(prompt_ids),
+        params=params,
+        stops=body.stop_list,
+        stream=body.stream,
+        want_logprobs=want_logprobs,
+        arrival=arrival,
+        prompt_text=prompt_text,
+    )

@@ -1,0 +1,89 @@
+"""The router's view of the workers: a cached registry snapshot and pooled gRPC clients.
+
+Lifecycle: `WorkerDirectory.start()` loads the registry once and then refreshes the snapshot
+every `refresh_s` in a background task, so requests never wait on Redis to route; `stop()`
+ends the task and closes every pooled channel. While Redis is unreachable the last snapshot
+is kept (workers that were healthy a moment ago most likely still are), and `last_error`
+says why the view may be stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+
+import redis
+
+from common.redis_state import WorkerRegistry
+from common.rpc.clients import DecodeClient, PrefillClient
+from services.router.policy import WorkerSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDirectory:
+    def __init__(
+        self, registry: WorkerRegistry, token: str | None = None, refresh_s: float = 0.5
+    ) -> None:
+        self._registry = registry
+        self._token = token
+        self._refresh_s = refresh_s
+        self.snapshot = WorkerSnapshot()
+        self.last_error: str | None = None
+        # Work sent since the last refresh, per prefill worker id / decode group id; a
+        # refresh resets it because the workers' own load reports then include that work.
+        self.pending: Counter[str] = Counter()
+        self._decode: dict[str, DecodeClient] = {}
+        self._prefill: dict[str, PrefillClient] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> WorkerSnapshot:
+        try:
+            # WorkerRegistry speaks synchronous redis; keep it off the event loop.
+            records = await asyncio.to_thread(self._registry.list)
+        except (redis.RedisError, OSError) as exc:
+            self.last_error = f"worker registry unreachable: {exc}"
+            log.warning(self.last_error)
+            return self.snapshot
+        self.snapshot = WorkerSnapshot.from_records(records)
+        self.pending.clear()
+        self.last_error = None
+        return self.snapshot
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="worker-directory")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            await self.refresh()
+
+    def decode_client(self, address: str) -> DecodeClient:
+        client = self._decode.get(address)
+        if client is None:
+            client = self._decode[address] = DecodeClient(address, token=self._token)
+        return client
+
+    def prefill_client(self, address: str) -> PrefillClient:
+        client = self._prefill.get(address)
+        if client is None:
+            client = self._prefill[address] = PrefillClient(address, token=self._token)
+        return client
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        clients: list[DecodeClient | PrefillClient] = [
+            *self._decode.values(),
+            *self._prefill.values(),
+        ]
+        self._decode.clear()
+        self._prefill.clear()
+        for client in clients:
+            await client.close()
