@@ -18,9 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import redis
+from prometheus_client import CollectorRegistry
 
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
+from common.metrics import METRICS_PORT_OFFSET, GaugeCallback, serve_metrics
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import params_from_pb, token_from_pb, token_to_pb
@@ -182,6 +184,32 @@ def rank_records(
     ]
 
 
+def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
+    registry = CollectorRegistry()
+
+    def read() -> dict[str, float]:
+        load = engine.load()
+        steps = engine.step_seconds[-20:]
+        return {
+            "tpla:num_requests_running": load.running,
+            "tpla:num_requests_waiting": load.waiting,
+            "tpla:kv_cache_usage_ratio": load.blocks_used / max(load.blocks_total, 1),
+            "tpla:kv_blocks_total": load.blocks_total,
+            "tpla:decode_step_seconds_recent": sum(steps) / len(steps) if steps else 0.0,
+        }
+
+    registry.register(
+        GaugeCallback(
+            read,
+            {
+                "tpla:kv_cache_usage_ratio": "fraction of KV blocks in use on each rank",
+                "tpla:decode_step_seconds_recent": "mean time of the last 20 decode steps",
+            },
+        )
+    )
+    serve_metrics(registry, host, port)
+
+
 def serve_decode(
     cfg: EngineConfig,
     port: int,
@@ -203,6 +231,7 @@ def serve_decode(
         engine.shutdown()
         raise RuntimeError(f"cannot bind the decode service on {address}")
     server.start()
+    _serve_decode_metrics(engine, cfg.host, port + METRICS_PORT_OFFSET)
     stop = stop or threading.Event()
     heartbeat = None
     if redis_url:

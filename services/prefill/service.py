@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import redis
+from prometheus_client import CollectorRegistry
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, Unavailable
 from common.kv.transfer import TransferError, make_sender
+from common.metrics import METRICS_PORT_OFFSET, PrefillMetrics, serve_metrics
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
@@ -90,13 +92,17 @@ def serve_prefill(
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
     model, _ = load_serving_model(model_dir, reparam, dtype)
-    worker = PrefillWorker(model, make_sender(transport, worker_id, token))
+    registry = CollectorRegistry()
+    worker = PrefillWorker(
+        model, make_sender(transport, worker_id, token), metrics=PrefillMetrics(registry)
+    )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)
     address = f"{host}:{port}"
     if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"cannot bind the prefill service on {address}")
     server.start()
+    serve_metrics(registry, host, port + METRICS_PORT_OFFSET)
     stop = stop or threading.Event()
     heartbeat = None
     if redis_url:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.kv.transfer import KvSender, Shard, TransferError
+from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
@@ -69,9 +70,14 @@ def cut_shard(
 
 class PrefillWorker:
     def __init__(
-        self, model: DeepseekForCausalLM, sender: KvSender, max_batch_tokens: int = 8192
+        self,
+        model: DeepseekForCausalLM,
+        sender: KvSender,
+        max_batch_tokens: int = 8192,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         self.model = model
+        self.metrics = metrics
         self.sender = sender
         self.max_batch_tokens = max_batch_tokens
         self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillDone]] | None] = queue.Queue()
@@ -139,6 +145,8 @@ class PrefillWorker:
         ids = torch.tensor([t for job, _ in batch for t in job.prompt_ids], dtype=torch.long)
         out = self.model.prefill(ids, lens)
         prefill_s = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.prefill_seconds.observe(prefill_s)
         start = 0
         for row, (job, fut) in enumerate(batch):
             end = start + len(job.prompt_ids)
@@ -149,8 +157,12 @@ class PrefillWorker:
             except TransferError as exc:
                 fut.set_exception(exc)
             else:
+                transfer_s = time.perf_counter() - t1
                 self.transfer_bytes_total += sent
-                fut.set_result(PrefillDone(first, prefill_s, time.perf_counter() - t1, sent))
+                if self.metrics is not None:
+                    self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
+                    self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
+                fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
             start = end
 
     def _push(self, out: PrefillOutput, start: int, end: int, job: PrefillJob) -> int:

@@ -143,3 +143,28 @@ def test_bad_shard_is_rejected_and_nothing_leaks(stack) -> None:
             await prefill.close()
 
     asyncio.run(check())
+
+
+def test_worker_metrics_parse(stack) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from common.metrics import METRICS_PORT_OFFSET
+
+    _, decode_addr, prefills, _ = stack
+
+    def scrape(address: str) -> dict[str, float]:
+        host, port = address.rsplit(":", 1)
+        text = httpx.get(f"http://{host}:{int(port) + METRICS_PORT_OFFSET}/metrics").text
+        return {
+            s.name + str(sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+
+    decode = scrape(decode_addr)
+    assert decode["tpla:kv_cache_usage_ratio[]"] == 0.0
+    assert decode["tpla:kv_blocks_total[]"] > 0
+    prefill = scrape(prefills["grpc"])
+    # The disaggregated tests above pushed shards through this worker.
+    assert prefill["tpla:kv_transfer_bytes_total[('transport', 'grpc')]"] > 0

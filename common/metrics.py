@@ -1,0 +1,68 @@
+"""Worker-side Prometheus metrics (prefix `tpla:`); the router defines the client-facing ones.
+
+Each worker serves its own registry over HTTP on its gRPC port + METRICS_PORT_OFFSET.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+METRICS_PORT_OFFSET = 1000
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class GaugeCallback(Collector):
+    """Gauges read at scrape time, so the hot path never updates them."""
+
+    def __init__(self, read: Callable[[], dict[str, float]], help_text: dict[str, str]) -> None:
+        self.read = read
+        self.help_text = help_text
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            values = self.read()
+        except Exception:  # a failing worker reports no gauges rather than a 500
+            return
+        for name, value in values.items():
+            yield GaugeMetricFamily(name, self.help_text.get(name, name), value=value)
+
+
+class PrefillMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.transfer_bytes = Counter(
+            "tpla:kv_transfer_bytes_total",
+            "KV shard bytes pushed to decode ranks",
+            ["transport"],
+            registry=registry,
+        )
+        self.transfer_seconds = Histogram(
+            "tpla:kv_transfer_seconds",
+            "time to push one request's shards to every rank",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_seconds = Histogram(
+            "tpla:prefill_seconds",
+            "exact MLA prefill of a batch",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.step_seconds = Histogram(
+            "tpla:decode_step_seconds",
+            "one decode step of a batch",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:
+    start_http_server(port, addr=host, registry=registry)
