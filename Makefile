@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test lint format clean
+.PHONY: install test serve lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ install: $(VENV)/.installed
 test: install
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+# The whole stack on the embedded defaults: demo model, embedded Redis, CPU, decode tp=2 r=2.
+serve: install
+	OMP_NUM_THREADS=1 $(BIN)/tpla serve
 
 lint: install
 	$(BIN)/ruff check .

@@ -8,6 +8,7 @@ e_i = 1/r.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from torch import Tensor
@@ -32,8 +33,11 @@ def load_serving_model(
 
     path = side_file_path(model_dir, reparam)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"TPLA side file {path} not found (run `tpla convert`, or set "
-            "reparam to none for the identity basis)"
+        # Serving still works, just with the paper's weakest basis: say so loudly.
+        warnings.warn(
+            f"TPLA side file {path} not found: using the identity basis with "
+            "e_i = 1/r (run `tpla convert` to calibrate)",
+            stacklevel=2,
         )
+        return model, [None] * model.config.num_hidden_layers
     return model, list(apply_reparameterization(model, load_side_file(path)))
