@@ -112,6 +112,51 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_stack(_settings(args), smoke=args.smoke)
 
 
+def cmd_bench_decode_step(args: argparse.Namespace) -> int:
+    import json
+
+    from services.decode.bench import measure
+
+    rows = []
+    for r in args.latent_groups:
+        rows += measure(
+            args.model, args.tp, r, args.batch, args.context, args.steps, args.reparam, args.threads
+        )
+    base = {(row.batch): row.median_ms for row in rows if row.latent_groups == 1}
+    print(
+        f"{'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} {'vs MLA-TP':>10} "
+        f"{'cache B/tok/layer':>18} {'rank0 param MB':>15}"
+    )
+    out = []
+    for row in rows:
+        ratio = base.get(row.batch, float("nan")) / row.median_ms
+        print(
+            f"{row.tp:>3} {row.latent_groups:>3} {row.batch:>6} {row.context:>8} "
+            f"{row.median_ms:>9.2f} {ratio:>9.2f}x {row.cache_bytes_per_token_layer:>18} "
+            f"{row.parameter_bytes_rank0 / 2**20:>15.1f}"
+        )
+        out.append({**row.__dict__, "speedup_vs_mla_tp": ratio})
+    if args.json:
+        print(json.dumps({"rows": out}))
+    return 0
+
+
+def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (results as ratios from one run)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    ds = bsub.add_parser("decode-step", help="real engine step time: MLA-TP vs TPLA")
+    ds.add_argument("--model", default="models/demo")
+    ds.add_argument("--tp", type=int, default=2)
+    ds.add_argument("--latent-groups", type=int, nargs="+", default=[1, 2])
+    ds.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ds.add_argument("--context", type=int, default=1024)
+    ds.add_argument("--steps", type=int, default=12)
+    ds.add_argument("--reparam", default="tpla_pca")
+    ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ds.add_argument("--json", action="store_true")
+    ds.set_defaults(func=cmd_bench_decode_step)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (TPLA_MODEL)")
     p.add_argument("--redis-url", help="TPLA_REDIS_URL")
@@ -131,6 +176,7 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_service_parsers(sub: argparse._SubParsersAction) -> None:
+    add_bench_parsers(sub)
     dec = sub.add_parser("decode", help="run a decode group (leader + ranks) serving gRPC")
     _common(dec)
     _decode_args(dec)

@@ -1,0 +1,85 @@
+"""`tpla bench decode-step`: the real engine's step time, MLA-TP and TPLA side by side.
+
+Synthetic latents are written into reserved blocks (the step cost does not depend on their
+values), then every request decodes with ignore_eos. Each configuration reports the median
+step time per batch size; ratios against MLA-TP (r = 1) come from the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from common.model.tpla import RmsNormMode
+from common.sampling import SamplingParams
+from services.decode.engine import DecodeEngine
+from services.decode.rank_model import ParallelConfig
+from services.decode.runtime import EngineConfig
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tp: int
+    latent_groups: int
+    batch: int
+    context: int
+    median_ms: float
+    cache_bytes_per_token_layer: int
+    parameter_bytes_rank0: int
+
+
+def measure(
+    model: str,
+    tp: int,
+    r: int,
+    batches: list[int],
+    context: int,
+    steps: int,
+    reparam: str | None,
+    threads: int = 1,
+) -> list[StepResult]:
+    cfg = EngineConfig(
+        model=model,
+        parallel=ParallelConfig(tp, r, RmsNormMode.EXACT),
+        reparam=reparam if r > 1 else None,
+        master_port=0,
+        max_batch=max(batches),
+        kv_budget_mb=512,
+        torch_threads=threads,
+    )
+    results = []
+    with DecodeEngine(cfg) as engine:
+        layout = engine.runtime.layout
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+        for batch in batches:
+            streams = []
+            for _ in range(batch):
+                rid = uuid.uuid4().hex
+                engine.reserve(rid, context, params.max_tokens)
+                for rank in range(tp):
+                    n = torch.randn(layout.num_layers, context, layout.latent_width) * 0.1
+                    k_pe = torch.randn(layout.num_layers, context, layout.rope_width) * 0.1
+                    engine.write_kv(rid, rank, n, k_pe)
+                streams.append((rid, params))
+            engine.step_seconds.clear()
+            # Start all at once so every step runs the full batch.
+            running = [engine.generate(rid, 1, p) for rid, p in streams]
+            for stream in running:
+                for _ in stream:
+                    pass
+            times = engine.step_seconds[2:] or engine.step_seconds  # skip warm-up steps
+            results.append(
+                StepResult(
+                    tp,
+                    r,
+                    batch,
+                    context,
+                    1000 * statistics.median(times),
+                    layout.bytes_per_token_per_layer,
+                    engine.parameter_bytes(),
+                )
+            )
+    return results
