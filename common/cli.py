@@ -152,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, help="torch threads (default TPLA_TORCH_THREADS or 1)")
     gen.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     gen.add_argument(
+        "--parallel",
+        choices=["tpla", "mla-tp", "sp"],
+        default="tpla",
+        help="with --tp: split the cache by latent columns (tpla), not at all (mla-tp), "
+        "or by token chunks (sp, exact)",
+    )
+    gen.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
+    gen.add_argument(
         "--tp",
         type=int,
         help="run the distributed decode engine with this many "

@@ -25,6 +25,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         "dist_port",
         "kv_budget_mb",
         "max_batch",
+        "parallel",
+        "chunk_size",
         "torch_threads",
     )
     over = {f: getattr(args, f, None) for f in fields}
@@ -36,14 +38,21 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is heavy)
-    from services.decode.rank_model import ParallelConfig
+    from services.decode.rank_model import ParallelConfig, ParallelMode
     from services.decode.runtime import EngineConfig
 
-    latent_groups = 1 if s.parallel == "mla-tp" else s.latent_groups
+    if s.parallel not in ("tpla", "mla-tp", "sp"):
+        raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
+    latent_groups = s.latent_groups if s.parallel == "tpla" else 1
+    mode = ParallelMode.SP if s.parallel == "sp" else ParallelMode.TPLA
     return EngineConfig(
         model=s.model,
         parallel=ParallelConfig(
-            tp=s.tp, latent_groups=latent_groups, rmsnorm=RmsNormMode(s.rmsnorm)
+            tp=s.tp,
+            latent_groups=latent_groups,
+            rmsnorm=RmsNormMode(s.rmsnorm),
+            mode=mode,
+            chunk_size=s.chunk_size,
         ),
         reparam=s.reparam or None,
         block_size=s.block_size,
@@ -169,6 +178,8 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="decode ranks (TPLA_TP)")
     p.add_argument("--latent-groups", type=int, help="TPLA latent groups r (1 = MLA-TP)")
     p.add_argument("--rmsnorm", choices=["exact", "sliced"])
+    p.add_argument("--parallel", choices=["tpla", "mla-tp", "sp"], help="decode parallel mode")
+    p.add_argument("--chunk-size", type=int, help="SP: tokens per round-robin chunk")
     p.add_argument("--kv-port-base", type=int)
     p.add_argument("--dist-port", type=int)
     p.add_argument("--kv-budget-mb", type=float)

@@ -15,6 +15,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.kv.chunks import local_length
+
 
 class BlockState(enum.Enum):
     FREE = "free"
@@ -120,3 +122,54 @@ class BlockPool:
                 self._free.append(block)
                 released += 1
         return released
+
+
+class RankPools:
+    """The leader's view of every rank's pool.
+
+    TPLA / MLA-TP: every rank caches every token, so one allocator serves all ranks and the
+    block tables are identical. SP: rank k caches only its chunks, so each rank has its own
+    allocator and table, sized by how many of the request's tokens it owns.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, ranks: int, chunk_size: int | None = None
+    ) -> None:
+        self.ranks = ranks
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        count = 1 if chunk_size is None else ranks
+        self.pools = [BlockPool(num_blocks, block_size) for _ in range(count)]
+
+    def local_tokens(self, rank: int, total: int) -> int:
+        if self.chunk_size is None:
+            return total
+        return local_length(total, rank, self.chunk_size, self.ranks)
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[list[int]]:
+        """Reserve on every rank (all-or-nothing); returns each rank's block table."""
+        done: list[BlockPool] = []
+        try:
+            for k, pool in enumerate(self.pools):
+                pool.allocate(request_id, self.local_tokens(k, num_tokens))
+                done.append(pool)
+        except OutOfBlocks:
+            for pool in done:
+                pool.free(request_id)
+            raise
+        return self.tables(request_id)
+
+    def free(self, request_id: str) -> int:
+        return sum(pool.free(request_id) for pool in self.pools)
+
+    def tables(self, request_id: str) -> list[list[int]]:
+        tables = [list(pool.table(request_id).blocks) for pool in self.pools]
+        return tables * self.ranks if len(tables) == 1 else tables
+
+    @property
+    def num_used(self) -> int:
+        return sum(pool.num_used for pool in self.pools)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(pool.num_blocks for pool in self.pools)

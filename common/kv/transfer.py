@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
+from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
 
 CHUNK_BYTES = 2**20
@@ -68,6 +69,38 @@ class Shard:
             positions=list(self.positions),
             peer=peer,
         )
+
+
+def cut_shard(
+    n_layers: list[Tensor],
+    k_pe_layers: list[Tensor],
+    start: int,
+    end: int,
+    target: KvTargetInfo,
+    request_id: str,
+    block_size: int,
+) -> Shard:
+    """The part of one prompt's packed latents [start, end) that `target` caches.
+
+    TPLA / MLA-TP: every token, the target's latent columns. SP: the target's token chunks
+    (`token_ranges`, prompt positions) at full width, in the rank's contiguous local order.
+    """
+    cols = slice(target.latent_start, target.latent_start + target.latent_width)
+    if target.token_ranges:
+        pairs = zip(target.token_ranges[::2], target.token_ranges[1::2], strict=True)
+        index = (
+            torch.tensor(
+                [p for lo, hi in pairs for p in range(lo, min(hi, end - start))], dtype=torch.long
+            )
+            + start
+        )
+    else:
+        index = torch.arange(start, end)
+    n = torch.stack([layer[index][:, cols] for layer in n_layers])
+    k_pe = torch.stack([layer[index] for layer in k_pe_layers])
+    return Shard(
+        request_id, target.rank, n.contiguous(), k_pe.contiguous(), block_size, target.block_ids
+    )
 
 
 def shard_slots(header: kv_pb2.KvHeader) -> Tensor:

@@ -30,10 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from common.kv.block_pool import BlockPool
+from common.kv.block_pool import RankPools
+from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
+from common.rpc.convert import KvTargetInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 from services.decode.plan import DecodePlan, WritePlan, send_plan
+from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import EngineConfig, RankRuntime, init_group
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 
@@ -48,7 +51,7 @@ class EngineError(RuntimeError):
 class Reservation:
     request_id: str
     block_size: int
-    block_tables: list[list[int]]  # one per rank (identical: block ids name the same slots)
+    block_tables: list[list[int]]  # one per rank (identical unless SP splits tokens)
     latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
 
 
@@ -128,7 +131,13 @@ class DecodeEngine:
             eos_token_ids if eos_token_ids is not None else model_cfg.eos_token_ids
         )
         max_len = cfg.max_model_len or model_cfg.max_position_embeddings
-        self.pool = BlockPool(self.runtime.cache.num_blocks, cfg.block_size)
+        par = cfg.parallel
+        self.pool = RankPools(
+            self.runtime.cache.num_blocks,
+            cfg.block_size,
+            par.tp,
+            par.chunk_size if par.sp else None,
+        )
         self.scheduler = Scheduler(self.pool, cfg.max_batch, max_len)
         self._active: dict[str, _Active] = {}
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
@@ -143,34 +152,63 @@ class DecodeEngine:
     def reserve(self, request_id: str, prompt_len: int, max_tokens: int) -> Reservation:
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
-            blocks = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline)
+            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline)
             width = self.runtime.layout.latent_width
             return Reservation(
-                request_id,
-                self.cfg.block_size,
-                [blocks] * self.cfg.parallel.tp,
-                [width] * self.cfg.parallel.tp,
+                request_id, self.cfg.block_size, tables, [width] * self.cfg.parallel.tp
             )
 
         return self._call(run)
 
+    def kv_targets(self, reservation: Reservation, prompt_len: int) -> list[KvTargetInfo]:
+        """Where each rank's shard of a reserved request goes, and which part it is."""
+        cfg, par = self.cfg, self.cfg.parallel
+        d_c = self.runtime.model.config.kv_lora_rank
+        targets = []
+        for rank, blocks in enumerate(reservation.block_tables):
+            cols = rank_latent_columns(par, rank, d_c)
+            ranges: tuple[int, ...] = ()
+            if par.sp:
+                owned = owned_ranges(prompt_len, rank, par.chunk_size, par.tp)
+                # An empty list means "every token" on the wire, so "none" is (0, 0).
+                ranges = tuple(x for pair in owned for x in pair) or (0, 0)
+            grpc_addr, torch_addr = cfg.kv_addresses(rank) if cfg.kv_port_base else ("", "")
+            targets.append(
+                KvTargetInfo(
+                    rank,
+                    grpc_addr,
+                    torch_addr,
+                    cols.start,
+                    cols.stop - cols.start,
+                    tuple(blocks),
+                    ranges,
+                )
+            )
+        return targets
+
     def write_kv(self, request_id: str, rank: int, n: Tensor, k_pe: Tensor) -> None:
-        """Write rank `rank`'s shard of the prompt: n [L, N, w], k_pe [L, N, d_r] (N = prompt)."""
+        """Write rank `rank`'s shard of the prompt: n [L, N, w], k_pe [L, N, d_r].
+
+        N is the prompt length, or in SP mode the number of prompt tokens the rank owns.
+        """
 
         def run() -> None:
             seq = self.scheduler.seqs.get(request_id)
             if seq is None or seq.state is not SeqState.RESERVED:
                 raise SchedulerError(f"request {request_id!r} has no open reservation")
+            if not 0 <= rank < self.cfg.parallel.tp:
+                raise SchedulerError(f"rank {rank} is outside the group of {self.cfg.parallel.tp}")
             layout = self.runtime.layout
-            expected = (layout.num_layers, seq.prompt_len, layout.latent_width)
+            tokens = self.pool.local_tokens(rank, seq.prompt_len)
+            expected = (layout.num_layers, tokens, layout.latent_width)
             expected_rope = (*expected[:2], layout.rope_width)
             if tuple(n.shape) != expected or tuple(k_pe.shape) != expected_rope:
                 raise SchedulerError(
                     f"KV shard for rank {rank} has shape {tuple(n.shape)}, expected {expected}"
                 )
-            if not 0 <= rank < self.cfg.parallel.tp:
-                raise SchedulerError(f"rank {rank} is outside the group of {self.cfg.parallel.tp}")
-            slots = self._slots(request_id, seq.prompt_len)
+            if tokens == 0:
+                return  # an SP rank that owns none of a short prompt
+            slots = self._slots(request_id, rank, tokens)
             n_, k_ = n.to(layout.dtype).contiguous(), k_pe.to(layout.dtype).contiguous()
             if rank == 0:
                 self.runtime.cache.write_all_layers(slots, n_, k_)
@@ -307,18 +345,21 @@ class DecodeEngine:
                 return
             fut.set_exception(EngineError(f"decode group stopped: {self._error or 'shutdown'}"))
 
-    def _slots(self, request_id: str, num_tokens: int) -> Tensor:
-        blocks = torch.tensor(self.pool.table(request_id).blocks, dtype=torch.int64)
+    def _slots(self, request_id: str, rank: int, num_tokens: int) -> Tensor:
+        blocks = torch.tensor(self.pool.tables(request_id)[rank], dtype=torch.int64)
         pos = torch.arange(num_tokens)
         return blocks[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
 
     def _step(self, batch: list) -> None:
         t0 = time.perf_counter()
-        tables = [self.pool.table(s.request_id).blocks for s in batch]
-        width = max(len(t) for t in tables)
-        block_tables = torch.full((len(batch), width), -1, dtype=torch.int64)
-        for row, t in enumerate(tables):
-            block_tables[row, : len(t)] = torch.tensor(t)
+        # [R, B, max_blocks]: one table per rank in SP mode, one shared table otherwise.
+        per_seq = [self.pool.tables(s.request_id) for s in batch]
+        ranks = self.cfg.parallel.tp if self.cfg.parallel.sp else 1
+        width = max(max(len(t) for t in tables) for tables in per_seq)
+        block_tables = torch.full((ranks, len(batch), width), -1, dtype=torch.int64)
+        for row, tables in enumerate(per_seq):
+            for k in range(ranks):
+                block_tables[k, row, : len(tables[k])] = torch.tensor(tables[k], dtype=torch.int64)
         plan = DecodePlan(
             torch.tensor([s.last_token for s in batch]),
             torch.tensor([s.next_position for s in batch]),

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from common.generate import Generation
-from common.model.model import DeepseekForCausalLM, PrefillOutput
+from common.kv.transfer import cut_shard
+from common.model.model import DeepseekForCausalLM
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 from common.serving_model import load_serving_model, side_file_path
 from services.decode.engine import DecodeEngine, TokenEvent, TokenStream
-from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import EngineConfig
 
 
@@ -36,16 +36,6 @@ def load_prefill_model(cfg: EngineConfig) -> DeepseekForCausalLM:
     return load_serving_model(cfg.model, cfg.reparam, cfg.dtype)[0]
 
 
-def shard_prefill(
-    out: PrefillOutput, start: int, end: int, engine: DecodeEngine, rank: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s layer-major shard of one prompt's latents: n[S_i] [L, N, w], k_pe."""
-    cols = rank_latent_columns(engine.cfg.parallel, rank, out.n[0].shape[-1])
-    n = torch.stack([layer[start:end, cols] for layer in out.n])
-    k_pe = torch.stack([layer[start:end] for layer in out.k_pe])
-    return n, k_pe
-
-
 def submit(
     engine: DecodeEngine,
     prefill: DeepseekForCausalLM,
@@ -59,11 +49,12 @@ def submit(
     start = 0
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = uuid.uuid4().hex
-        engine.reserve(rid, len(prompt), p.max_tokens)
-        for rank in range(engine.cfg.parallel.tp):
-            engine.write_kv(
-                rid, rank, *shard_prefill(out, start, start + len(prompt), engine, rank)
+        reservation = engine.reserve(rid, len(prompt), p.max_tokens)
+        for target in engine.kv_targets(reservation, len(prompt)):
+            shard = cut_shard(
+                out.n, out.k_pe, start, start + len(prompt), target, rid, reservation.block_size
             )
+            engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
         first = sample(out.logits[row], p, make_generator(p, stream=0))
         started.append((first, engine.generate(rid, first.token_id, p)))
         start += len(prompt)
@@ -85,9 +76,10 @@ def generate_distributed(
 ) -> Generation:
     """`tpla generate --tp G --latent-groups R`: exact prefill here, decode in a rank group."""
     from common.model.tpla import RmsNormMode
-    from services.decode.rank_model import ParallelConfig
+    from services.decode.rank_model import ParallelConfig, ParallelMode
 
-    r = args.latent_groups if args.mode in (None, "tpla") else 1
+    sp = args.parallel == "sp"
+    r = args.latent_groups if args.mode in (None, "tpla") and args.parallel == "tpla" else 1
     reparam = None
     if r > 1 and args.method != "identity":
         side = side_file_path(model_dir, f"tpla_{args.method}")
@@ -100,7 +92,13 @@ def generate_distributed(
             )
     cfg = EngineConfig(
         model=model_dir,
-        parallel=ParallelConfig(tp=args.tp, latent_groups=r, rmsnorm=RmsNormMode(args.rmsnorm)),
+        parallel=ParallelConfig(
+            tp=args.tp,
+            latent_groups=r,
+            rmsnorm=RmsNormMode(args.rmsnorm),
+            mode=ParallelMode.SP if sp else ParallelMode.TPLA,
+            chunk_size=args.chunk_size,
+        ),
         reparam=reparam,
         master_port=0,
         torch_threads=args.threads or 1,

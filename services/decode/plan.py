@@ -1,7 +1,8 @@
 """The leader -> ranks step plan, as int64 tensors over the group's broadcast (no pickle).
 
 Every plan is a fixed 8-word header, then an op-specific int64 payload:
-    DECODE    tokens [B], positions [B], block_tables [B, max_blocks] (-1 padded)
+    DECODE    tokens [B], positions [B], block_tables [R, B, max_blocks] (-1 padded;
+              R = 1 when every rank shares the tables, R = tp in SP mode)
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
     SHUTDOWN  nothing
 """
@@ -28,7 +29,7 @@ class Op(enum.IntEnum):
 class DecodePlan:
     tokens: Tensor  # [B] int64
     positions: Tensor  # [B] int64
-    block_tables: Tensor  # [B, max_blocks] int64
+    block_tables: Tensor  # [R, B, max_blocks] int64
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ def send_plan(plan: Plan) -> None:
         dist.broadcast(header, src=0)
         return
     if isinstance(plan, DecodePlan):
-        b, m = plan.block_tables.shape
-        header[:3] = torch.tensor([Op.DECODE, b, m])
+        r, b, m = plan.block_tables.shape
+        header[:4] = torch.tensor([Op.DECODE, b, m, 0])
+        header[5] = r
         payload = torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()])
     else:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
@@ -67,10 +69,10 @@ def recv_plan() -> Plan:
     if op is Op.SHUTDOWN:
         return None
     if op is Op.DECODE:
-        b, m = int(header[1]), int(header[2])
-        payload = torch.empty(b * (2 + m), dtype=torch.int64)
+        b, m, r = int(header[1]), int(header[2]), int(header[5])
+        payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
         dist.broadcast(payload, src=0)
-        return DecodePlan(payload[:b], payload[b : 2 * b], payload[2 * b :].view(b, m))
+        return DecodePlan(payload[:b], payload[b : 2 * b], payload[2 * b :].view(r, b, m))
     n = int(header[3])
     payload = torch.empty(n, dtype=torch.int64)
     dist.broadcast(payload, src=0)

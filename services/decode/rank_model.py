@@ -11,10 +11,11 @@ the hidden state (after attention, after the FFN); logits are gathered to the le
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import enum
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -23,28 +24,54 @@ from common.model.mla import RMSNorm
 from common.model.model import DeepseekForCausalLM
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
+from common.model.sp import merge_partials, partial_attention
 from common.model.tpla import LatentShard, RmsNormMode, latent_slice_attention, sliced_rmsnorm
-
-AllReduce = Callable[[Tensor], None]
 
 
 class ParallelError(ValueError):
     """The requested parallel layout does not fit the model."""
 
 
+class ParallelMode(enum.Enum):
+    """How a decode group splits the latent cache over its ranks."""
+
+    TPLA = "tpla"  # by latent columns (r groups); r = 1 is MLA-TP, the exact baseline
+    SP = "sp"  # by token chunks, round-robin, full width; exact (log-sum-exp merge)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """tp = latent_groups (r) x head_groups (m). r = 1 is MLA-TP; r = tp is full TPLA."""
+    """tp = latent_groups (r) x head_groups (m). r = 1 is MLA-TP; r = tp is full TPLA.
+
+    In SP mode r = 1 and m = tp: projections are split by heads as in MLA-TP, and the cache
+    by chunks of `chunk_size` tokens.
+    """
 
     tp: int = 1
     latent_groups: int = 1
     rmsnorm: RmsNormMode = RmsNormMode.EXACT
+    mode: ParallelMode = ParallelMode.TPLA
+    chunk_size: int = 256
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
             raise ParallelError(
                 f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}"
             )
+        if self.mode is ParallelMode.SP and self.latent_groups != 1:
+            raise ParallelError("sequence parallelism keeps the full latent: latent_groups=1")
+        if self.chunk_size < 1:
+            raise ParallelError("chunk_size must be positive")
+
+    @property
+    def sp(self) -> bool:
+        return self.mode is ParallelMode.SP
+
+    @property
+    def name(self) -> str:
+        if self.sp:
+            return "sp"
+        return "mla-tp" if self.latent_groups == 1 else "tpla"
 
     @property
     def head_groups(self) -> int:
@@ -53,6 +80,29 @@ class ParallelConfig:
     def coords(self, rank: int) -> tuple[int, int]:
         """(latent group i, head group j) of a rank."""
         return rank // self.head_groups, rank % self.head_groups
+
+
+class Comm:
+    """The collectives a rank's step uses; a no-op group of one when tp = 1."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def sum_(self, t: Tensor) -> None:
+        if self.tp > 1:
+            dist.all_reduce(t)
+
+    def max_(self, t: Tensor) -> None:
+        if self.tp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    def gather_heads(self, t: Tensor) -> Tensor:
+        """Concatenate every rank's head group along dim 1 (rank order = head order)."""
+        if self.tp == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=1)
 
 
 def _split(total: int, parts: int, index: int, what: str) -> slice:
@@ -76,6 +126,7 @@ class RankAttention(nn.Module):
         a = full
         self.d_n, self.d_r, self.d_v, self.d_c = a.d_n, a.d_r, a.d_v, a.d_c
         self.num_heads = heads.stop - heads.start
+        self.head_offset = heads.start
         self.scale = a.scale
         self.shard = shard
         self.mode = mode
@@ -128,9 +179,9 @@ class RankAttention(nn.Module):
         return sliced_rmsnorm(lat, self.gamma[s.start : s.end], self.eps, s.rms_correction), k_pe
 
     def attend(
-        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
+        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor, comm: Comm
     ) -> Tensor:
-        """[B, h, *] queries over gathered [B, T, *] cache -> partial hidden [B, D]."""
+        """TPLA / MLA-TP: [B, h, *] queries over this rank's latent slice -> partial [B, D]."""
         o = latent_slice_attention(
             q_nope[:, None],
             q_pe[:, None],
@@ -143,6 +194,26 @@ class RankAttention(nn.Module):
             self.shard.beta,
         )[:, 0]
         return F.linear(o.reshape(o.shape[0], -1), self.w_o)
+
+    def attend_sp(
+        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor, comm: Comm
+    ) -> Tensor:
+        """SP: every head over this rank's token chunks, merged exactly across ranks."""
+        b = q_nope.shape[0]
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, self.w_uk)
+        # Every rank needs every head's query for its own tokens: gather the head groups.
+        q_all = comm.gather_heads(torch.cat((q_lat, q_pe), dim=-1))
+        q_lat_all, q_pe_all = q_all.split([self.d_c, self.d_r], dim=-1)
+        u, m, l = partial_attention(q_lat_all, q_pe_all, n, k_pe, valid, self.scale)
+        global_max = m.clone()
+        comm.max_(global_max)
+        u, l = merge_partials(u, m, l, global_max)
+        packed = torch.cat((u, l[..., None].to(u.dtype)), dim=-1)
+        comm.sum_(packed)
+        heads = slice(self.head_offset, self.head_offset + self.num_heads)
+        u_mine = packed[:, heads, : self.d_c] / packed[:, heads, self.d_c :]
+        o = torch.einsum("bhc,hvc->bhv", u_mine, self.w_uv)
+        return F.linear(o.reshape(b, -1), self.w_o)
 
 
 def _shard_ffn(module: nn.Module, config, rank: int, tp: int) -> nn.Module:
@@ -210,6 +281,7 @@ class RankModel(nn.Module):
         self.lm_head = nn.Parameter(full.lm_head.weight.detach()[vocab[rank]].clone())
         self.rope = full.rope
         self.latent_width = shards_per_layer[0][i].width
+        self.attend = RankAttention.attend_sp if parallel.sp else RankAttention.attend
 
     def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
         return CacheLayout(
@@ -232,22 +304,27 @@ class RankModel(nn.Module):
         slots: Tensor,
         valid: Tensor,
         cache: PagedLatentCache,
-        all_reduce: AllReduce,
+        comm: Comm,
     ) -> Tensor:
-        """One token per sequence -> this rank's padded vocab slice of logits [B, V/tp]."""
+        """One token per sequence -> this rank's padded vocab slice of logits [B, V/tp].
+
+        `write_slots` [B] is where each new token's latent goes on this rank (-1: another
+        rank owns it, in SP mode); `slots`/`valid` [B, T] address the cached history.
+        """
         cos, sin = self.rope.cos_sin(positions)
         h = self.embed(token_ids)
+        keep = write_slots >= 0
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             q_nope, q_pe = layer.attn.queries(x, self.rope, cos, sin)
             n_new, k_pe_new = layer.attn.new_latent(x, self.rope, cos, sin)
-            cache.write(index, write_slots, n_new, k_pe_new)
+            cache.write(index, write_slots[keep], n_new[keep], k_pe_new[keep])
             n, k_pe = cache.gather(index, slots)
-            y = layer.attn.attend(q_nope, q_pe, n, k_pe, valid)
-            all_reduce(y)
+            y = self.attend(layer.attn, q_nope, q_pe, n, k_pe, valid, comm)
+            comm.sum_(y)
             h = h + y
             f = layer.ffn(layer.post_norm(h))
-            all_reduce(f)
+            comm.sum_(f)
             h = h + f
         logits = F.linear(self.norm(h), self.lm_head)
         pad = self.vocab_size_padded - logits.shape[1]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import PagedLatentCache, slot_table
 from common.kv.transfer import KvReceiverServicer, TransferError, shard_slots
 from common.model.tpla import RmsNormMode, latent_shards
@@ -29,7 +30,7 @@ from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
 from common.serving_model import load_serving_model
 from services.decode.plan import DecodePlan, WritePlan, recv_plan
-from services.decode.rank_model import ParallelConfig, RankModel
+from services.decode.rank_model import Comm, ParallelConfig, ParallelMode, RankModel
 
 TORCH_PORT_OFFSET = 100
 
@@ -66,6 +67,7 @@ class EngineConfig:
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
         raw["parallel"]["rmsnorm"] = self.parallel.rmsnorm.value
+        raw["parallel"]["mode"] = self.parallel.mode.value
         return json.dumps(raw)
 
     @classmethod
@@ -73,6 +75,7 @@ class EngineConfig:
         raw = json.loads(text)
         par = raw.pop("parallel")
         par["rmsnorm"] = RmsNormMode(par["rmsnorm"])
+        par["mode"] = ParallelMode(par["mode"])
         return cls(parallel=ParallelConfig(**par), **raw)
 
 
@@ -90,20 +93,31 @@ class RankRuntime:
         self.layout = self.model.cache_layout(cfg.block_size, getattr(torch, cfg.dtype))
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
         self.cache = PagedLatentCache(self.layout, num_blocks)
-
-    def all_reduce(self, t: Tensor) -> None:
-        if self.cfg.parallel.tp > 1:
-            dist.all_reduce(t)
+        self.comm = Comm(cfg.parallel.tp)
 
     def step(self, plan: DecodePlan) -> Tensor:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]."""
-        bs = self.cfg.block_size
+        bs, par = self.cfg.block_size, self.cfg.parallel
         positions = plan.positions
+        tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
+        if par.sp:
+            # This rank caches only its chunks: local lengths, and the new token only if owned.
+            c = par.chunk_size
+            lengths = local_length(positions + 1, self.rank, c, par.tp)
+            local = local_index(positions, c, par.tp)
+            owned = chunk_owner(positions, c, par.tp) == self.rank
+        else:
+            lengths, local = positions + 1, positions
+            owned = torch.ones_like(positions, dtype=torch.bool)
         rows = torch.arange(len(positions))
-        write_slots = plan.block_tables[rows, positions // bs] * bs + positions % bs
-        slots, valid = slot_table(plan.block_tables, positions + 1, bs)
+        # Non-owned rows may index past this rank's table: clamp, then mask them out.
+        block = (local // bs).clamp(max=tables.shape[1] - 1)
+        write_slots = tables[rows, block] * bs + local % bs
+        write_slots = torch.where(owned, write_slots, torch.full_like(write_slots, -1))
+        slots, valid = slot_table(tables, lengths.clamp(min=1), bs)
+        valid &= lengths[:, None] > 0  # an SP rank may hold none of a short sequence
         return self.model.decode_step(
-            plan.tokens, positions, write_slots, slots, valid, self.cache, self.all_reduce
+            plan.tokens, positions, write_slots, slots, valid, self.cache, self.comm
         )
 
     def write_shard(self, header: kv_pb2.KvHeader, n: Tensor, k_pe: Tensor) -> None:

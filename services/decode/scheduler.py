@@ -18,7 +18,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.kv.block_pool import BlockPool, OutOfBlocks
+from common.kv.block_pool import OutOfBlocks, RankPools
 
 
 class SeqState(enum.Enum):
@@ -53,7 +53,7 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int, max_model_len: int) -> None:
+    def __init__(self, pool: RankPools, max_batch: int, max_model_len: int) -> None:
         self.pool = pool
         self.max_batch = max_batch
         self.max_model_len = max_model_len
@@ -63,7 +63,8 @@ class Scheduler:
 
     def reserve(
         self, request_id: str, prompt_len: int, max_tokens: int, deadline: float
-    ) -> list[int]:
+    ) -> list[list[int]]:
+        """Hold blocks for the whole request on every rank; returns each rank's table."""
         if request_id in self.seqs:
             raise SchedulerError(f"request {request_id!r} already exists")
         if prompt_len < 1 or max_tokens < 1:
@@ -75,11 +76,11 @@ class Scheduler:
                 f"context limit of {self.max_model_len} tokens"
             )
         # The last generated token is never fed back, so it needs no slot.
-        blocks = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
+        tables = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
         self.seqs[request_id] = Sequence(
             request_id, prompt_len, max_tokens, lease_deadline=deadline
         )
-        return list(blocks)
+        return tables
 
     def start(self, request_id: str, first_token: int) -> Sequence:
         seq = self._get(request_id)

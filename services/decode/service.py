@@ -25,11 +25,10 @@ from common.kv.block_pool import OutOfBlocks
 from common.metrics import METRICS_PORT_OFFSET, GaugeCallback, serve_metrics
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
-from common.rpc.convert import params_from_pb, token_from_pb, token_to_pb
+from common.rpc.convert import params_from_pb, target_to_pb, token_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.sampling import SamplingError
 from services.decode.engine import DecodeEngine, EngineError
-from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import EngineConfig
 from services.decode.scheduler import SchedulerError
 
@@ -70,21 +69,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._fail(context, exc)
         cfg = self.engine.cfg
         layout = self.engine.runtime.layout
-        d_c = self.engine.runtime.model.config.kv_lora_rank
-        targets = []
-        for rank, blocks in enumerate(res.block_tables):
-            cols = rank_latent_columns(cfg.parallel, rank, d_c)
-            grpc_addr, torch_addr = cfg.kv_addresses(rank)
-            targets.append(
-                common_pb2.KvTarget(
-                    rank=rank,
-                    grpc_address=grpc_addr,
-                    torch_address=torch_addr,
-                    latent_start=cols.start,
-                    latent_width=cols.stop - cols.start,
-                    block_ids=blocks,
-                )
-            )
+        targets = [target_to_pb(t) for t in self.engine.kv_targets(res, request.prompt_len)]
         return decode_pb2.ReserveResponse(
             request_id=res.request_id,
             block_size=res.block_size,
@@ -138,7 +123,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._fail(context, exc)
             raise
         par = self.engine.cfg.parallel
-        mode = "mla-tp" if par.latent_groups == 1 else "tpla"
+        mode = par.name
         return decode_pb2.DecodeLoad(
             running=load.running,
             waiting=load.waiting,
@@ -177,7 +162,7 @@ def rank_records(
             kv_blocks_total=total,
             tp=par.tp,
             latent_groups=par.latent_groups,
-            parallel="mla-tp" if par.latent_groups == 1 else "tpla",
+            parallel=par.name,
             model=model,
         )
         for rank, (pid, ok) in enumerate(zip(pids, alive, strict=True))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv.transfer import KvSender, Shard, TransferError
+from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.rpc.convert import KvTargetInfo
@@ -40,32 +40,6 @@ class PrefillDone:
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
-
-
-def cut_shard(
-    out: PrefillOutput, start: int, end: int, target: KvTargetInfo, request_id: str, block_size: int
-) -> Shard:
-    """The part of one prompt's latents [start, end) that `target` caches."""
-    cols = slice(target.latent_start, target.latent_start + target.latent_width)
-    positions: list[int] = []
-    if target.token_ranges:  # SP: whole latent width, only this rank's token chunks
-        for lo, hi in zip(target.token_ranges[::2], target.token_ranges[1::2], strict=True):
-            positions.extend(range(lo, min(hi, end - start)))
-        index = torch.tensor(positions, dtype=torch.long) + start
-        n = torch.stack([layer[index][:, cols] for layer in out.n])
-        k_pe = torch.stack([layer[index] for layer in out.k_pe])
-    else:
-        n = torch.stack([layer[start:end, cols] for layer in out.n])
-        k_pe = torch.stack([layer[start:end] for layer in out.k_pe])
-    return Shard(
-        request_id,
-        target.rank,
-        n.contiguous(),
-        k_pe.contiguous(),
-        block_size,
-        target.block_ids,
-        tuple(positions),
-    )
 
 
 class PrefillWorker:
@@ -94,6 +68,18 @@ class PrefillWorker:
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
         if len(job.prompt_ids) > self.model.config.max_position_embeddings:
             raise ValueError("prompt exceeds the model's context length")
+        if any(t.token_ranges for t in job.targets):
+            # SP targets name the prompt positions they cache; together they must be the prompt.
+            covered = sum(
+                hi - lo
+                for t in job.targets
+                for lo, hi in zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True)
+            )
+            if covered != len(job.prompt_ids):
+                raise ValueError(
+                    f"the KV targets cover {covered} prompt tokens, the prompt has "
+                    f"{len(job.prompt_ids)}: reserve for this prompt"
+                )
         fut: Future[PrefillDone] = Future()
         with self._lock:
             self.queued_tokens += len(job.prompt_ids)
@@ -166,14 +152,15 @@ class PrefillWorker:
             start = end
 
     def _push(self, out: PrefillOutput, start: int, end: int, job: PrefillJob) -> int:
+        shards = [
+            (cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size), t)
+            for t in job.targets
+        ]
         futures = [
             self._pushers.submit(
-                self.sender.send,
-                cut_shard(out, start, end, t, job.request_id, job.block_size),
-                t.grpc_address,
-                t.torch_address,
-                job.deadline_s,
+                self.sender.send, shard, t.grpc_address, t.torch_address, job.deadline_s
             )
-            for t in job.targets
+            for shard, t in shards
+            if shard.n.shape[1]  # an SP rank may own none of a short prompt
         ]
         return sum(f.result() for f in futures)

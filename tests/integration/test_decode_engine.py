@@ -10,12 +10,13 @@ import torch
 
 from common.generate import generate
 from common.model.loader import load_model
+from common.model.model import ContiguousLatentCache
 from common.model.tpla import RmsNormMode
 from common.sampling import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.engine import DecodeEngine
 from services.decode.local import collect, load_prefill_model, submit
-from services.decode.rank_model import ParallelConfig
+from services.decode.rank_model import ParallelConfig, ParallelMode
 from services.decode.runtime import EngineConfig
 from tests.model.tiny import save_hf
 
@@ -83,13 +84,18 @@ def test_tpla_logits_match_oracle(model_dir: Path, tp: int, r: int, mode: RmsNor
     assert result.token_ids != mla  # TPLA at r = 2 is an approximation, visibly so here
 
 
-def test_continuous_batching_and_aborts(model_dir: Path) -> None:
+SP = {"mode": ParallelMode.SP, "chunk_size": 4}
+
+
+@pytest.mark.parametrize("layout", ["tpla", "sp"])
+def test_continuous_batching_and_aborts(model_dir: Path, layout: str) -> None:
     """8 requests joining at different steps decode exactly as each does alone."""
     lengths = [5, 31, 12, 20, 8, 27, 16, 3]
     prompts = [_prompt(n, 10 + i) for i, n in enumerate(lengths)]
     params = [SamplingParams(max_tokens=6 + i, temperature=0.0, ignore_eos=True) for i in range(8)]
     sampled = SamplingParams(max_tokens=9, temperature=0.9, top_p=0.9, seed=42, ignore_eos=True)
-    with _engine(model_dir, tp=2, r=2) as engine:
+    kw = SP if layout == "sp" else {}
+    with _engine(model_dir, tp=2, r=1 if layout == "sp" else 2, **kw) as engine:
         prefill = load_prefill_model(engine.cfg)
         alone = [
             collect(*submit(engine, prefill, [p], [sp])[0]).token_ids
@@ -144,3 +150,28 @@ def test_cache_bytes_leases_and_bad_input(model_dir: Path) -> None:
                     engine.write_kv("shape", 1, torch.zeros(3, 2, 16), torch.zeros(3, 2, 8))
                 assert engine.abort("shape")
                 _assert_pool_free(engine)
+
+
+def test_sp_is_exact_and_splits_the_cache(model_dir: Path) -> None:
+    """tp=4 SP over prompts several chunks long: logits equal single-process MLA."""
+    prompt = _prompt(29, 3)
+    model = load_model(model_dir)
+    with _engine(model_dir, tp=4, r=1, **SP) as engine:
+        cfg = model.config
+        assert engine.runtime.layout.latent_width == cfg.kv_lora_rank  # full width per token
+        [(first, stream)] = submit(engine, load_prefill_model(engine.cfg), [prompt], [GREEDY])
+        result = collect(first, stream)
+        _assert_pool_free(engine)
+        res = engine.reserve("split", prompt_len=29, max_tokens=4)
+        # 32 tokens in chunks of 4 over 4 ranks: every rank holds 8 (two blocks of 4).
+        assert [len(t) for t in res.block_tables] == [2, 2, 2, 2]
+        assert len({tuple(t) for t in res.block_tables}) >= 1
+        assert engine.abort("split")
+    cache = ContiguousLatentCache(cfg, 1, len(prompt) + GREEDY.max_tokens)
+    out = model.prefill(torch.tensor(prompt), [len(prompt)])
+    cache.load_prefill(0, out, 0, len(prompt))
+    fed = result.token_ids[:-1]
+    for step, (token, event) in enumerate(zip(fed, result.events, strict=True)):
+        pos = torch.tensor([len(prompt) + step])
+        expected = model.decode(torch.tensor([token]), pos, cache)[0]
+        torch.testing.assert_close(event.logits, expected, atol=1e-5, rtol=0)

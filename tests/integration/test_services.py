@@ -16,7 +16,7 @@ from common.redis_state import WorkerRegistry, WorkerRole
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.sampling import SamplingParams
 from services.decode.engine import free_port
-from services.decode.rank_model import ParallelConfig
+from services.decode.rank_model import ParallelConfig, ParallelMode
 from services.decode.runtime import EngineConfig
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill
@@ -25,8 +25,8 @@ from tests.model.tiny import save_hf
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=["mla-tp", "sp"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     model_dir = tmp_path_factory.mktemp("svc-model")
     save_hf("v2-group-yarn", model_dir, std=0.08)
     redis_server = EmbeddedRedis(free_port())
@@ -35,7 +35,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     decode_port, kv_base = free_port(), free_port()
     cfg = EngineConfig(
         model=str(model_dir),
-        parallel=ParallelConfig(tp=2, latent_groups=1),
+        parallel=ParallelConfig(
+            tp=2, latent_groups=1, mode=ParallelMode(request.param), chunk_size=8
+        )
+        if request.param == "sp"
+        else ParallelConfig(tp=2, latent_groups=1),
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
@@ -59,7 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         )
         t.start()
         prefills[transport] = f"127.0.0.1:{port}"
-    assert ready.wait(120), "decode group did not start"
+    assert ready.wait(300), "decode group did not start"
     yield model_dir, f"127.0.0.1:{decode_port}", prefills, redis_server
     stop.set()
     decode.join(timeout=30)
@@ -134,7 +138,7 @@ def test_bad_shard_is_rejected_and_nothing_leaks(stack) -> None:
         decode, prefill = DecodeClient(decode_addr), PrefillClient(prefills["grpc"])
         try:
             res = await decode.reserve("short", 4, 2)
-            with pytest.raises(Exception, match=r"overflows|rejected"):
+            with pytest.raises(Exception, match=r"overflows|rejected|reserve for this prompt"):
                 await prefill.prefill("short", list(range(1, 60)), GREEDY, res)
             assert await decode.abort("short")
             assert (await decode.load()).blocks_used == 0
