@@ -36,8 +36,9 @@ from services.router.edge import (
     require_json,
 )
 from services.router.metrics import RouterMetrics
-from services.router.pipeline import Delta, Done, GenerationRequest, Pipeline, PipelineConfig
+from services.router.pipeline import Pipeline, PipelineConfig
 from services.router.policy import LeastLoadedPolicy, RoutingPolicy
+from services.router.request import Delta, Done, GenerationRequest
 from services.router.responses import DONE_LINE, ChatFormat, CompletionFormat, sse_error
 from services.router.workers import WorkerDirectory
 
@@ -72,18 +73,23 @@ async def _serve(
         raise
     if req.stream:
         return SSEResponse(_sse_body(outputs, fmt), on_close=outputs.aclose)
-    async with aclosing(outputs):
-        deltas: list[Delta] = []
-        done: Done | None = None
-        async with anyio.create_task_group() as tg:
-            # The client may leave while we wait for the whole completion: watch for it.
-            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+    deltas: list[Delta] = []
+    done: Done | None = None
+    error: TplaError | None = None
+    async with aclosing(outputs), anyio.create_task_group() as tg:
+        # The client may leave while we wait for the whole completion: watch for it.
+        tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+        try:
             async for out in outputs:
                 if isinstance(out, Delta):
                     deltas.append(out)
                 elif isinstance(out, Done):
                     done = out
-            tg.cancel_scope.cancel()
+        except TplaError as exc:  # caught here so it is not wrapped in an ExceptionGroup
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
     if done is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return JSONResponse(fmt.full(deltas, done).model_dump(mode="json"))

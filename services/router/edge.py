@@ -9,6 +9,7 @@ routing error into an OpenAI error body; `SSEResponse` guarantees its pipeline i
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -19,6 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import InvalidRequest, NotFound, Overloaded, TplaError, Unauthorized
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 1
@@ -141,6 +144,11 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(MethodNotAllowed(str(exc.detail)))
         return error_response(InvalidRequest(str(exc.detail)))
 
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in the router", exc_info=exc)
+        return error_response(TplaError(f"internal error: {type(exc).__name__}"))
+
     app.add_exception_handler(TplaError, tpla_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

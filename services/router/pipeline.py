@@ -26,28 +26,17 @@ from common.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
 from common.redis_state import RequestLog, RequestState, WorkerRecord
 from common.rpc.clients import DecodeClient, PrefillResult
 from common.rpc.convert import ReservationInfo
-from common.sampling import SamplingParams
+from common.sampling import SampledToken
 from common.tokenizer import Tokenizer
 from services.router.metrics import Outcome, RouterMetrics
 from services.router.policy import DecodeGroup, RoutingPolicy
-from services.router.text import TextStream, TokenLogprob
+from services.router.request import Delta, Done, GenerationRequest, Output, Started
+from services.router.text import TextStream
 from services.router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
 
 _CLEANUP_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str  # chatcmpl-<hex> / cmpl-<hex>: the same id in Redis and on gRPC
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    stops: tuple[str, ...]
-    stream: bool
-    want_logprobs: bool
-    arrival: float  # time.monotonic() when the HTTP request arrived
-    prompt_text: str = ""  # only for logging, and only when log_prompts is on
 
 
 @dataclass(frozen=True)
@@ -59,25 +48,15 @@ class PipelineConfig:
     log_prompts: bool = False
 
 
-@dataclass(frozen=True)
-class Started:
-    request_id: str
+@dataclass
+class _Run:
+    """One request's bookkeeping, shared by the lifecycle steps and the cleanup."""
 
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Done:
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
-    completion_tokens: int
-
-
-Output = Started | Delta | Done
+    req: GenerationRequest
+    decode: DecodeClient | None = None
+    decode_live: bool = False  # the leader holds blocks for us that Abort must free
+    reason: str | None = None  # the leader's finish_reason
+    finished: bool = False
 
 
 class Pipeline:
@@ -119,9 +98,9 @@ class Pipeline:
             self.metrics.set_running(self.inflight)
 
     async def _lifecycle(self, req: GenerationRequest) -> AsyncIterator[Output]:
-        rid = req.request_id
+        run = _Run(req)
         await self._record(
-            rid,
+            req.request_id,
             None,
             model=self.config.model,
             prompt_tokens=len(req.prompt_ids),
@@ -129,33 +108,18 @@ class Pipeline:
             stream=int(req.stream),
         )
         if self.config.log_prompts:
-            log.info("request %s prompt: %r", rid, req.prompt_text)
-        decode: DecodeClient | None = None
-        decode_live = False  # Decode holds blocks for us that Abort must free
-        finished = False
+            log.info("request %s prompt: %r", req.request_id, req.prompt_text)
         try:
             group, worker = self.policy.choose(self.directory.snapshot, self.directory.pending)
             self.directory.pending[group.group_id] += 1
-            decode = self.directory.decode_client(group.address)
-            reservation = await decode.reserve(
-                rid, len(req.prompt_ids), req.params.max_tokens, timeout=10.0
+            run.decode = self.directory.decode_client(group.address)
+            reservation = await run.decode.reserve(
+                req.request_id, len(req.prompt_ids), req.params.max_tokens, timeout=10.0
             )
-            decode_live = True
-            yield Started(rid)
+            run.decode_live = True
+            yield Started(req.request_id)
 
-            result = await self._prefill(req, reservation, group, worker)
-            ttft = time.monotonic() - req.arrival
-            self.metrics.observe_ttft(ttft)
-            await self._record(
-                rid,
-                RequestState.TRANSFERRING,
-                transfer_bytes=result.transfer_bytes,
-                transfer_seconds=result.transfer_seconds,
-                prefill_seconds=result.prefill_seconds,
-                ttft_seconds=round(ttft, 6),
-            )
-            await self._record(rid, RequestState.DECODING)
-
+            first = await self._prefill(req, reservation, group, worker)
             text = TextStream(
                 self.tokenizer,
                 req.prompt_ids,
@@ -163,78 +127,97 @@ class Pipeline:
                 req.params.stop_token_ids,
                 self._token_text if req.want_logprobs else None,
             )
-            out = text.push(result.first_token)
-            if out is not None:
-                yield Delta(*out)
-            reason = "stop" if text.stopped else None
-            last = time.monotonic()
-            deadline = req.arrival + self.config.request_timeout_s
-            if reason is None:
-                # Generate runs even when the first token already ends the request: the leader
-                # then finishes it at once and frees its blocks.
-                async for event in decode.generate(rid, result.first_token, req.params):
-                    now = time.monotonic()
-                    if event.token is not None:
-                        self.metrics.observe_itl(now - last)
-                        last = now
-                        out = text.push(event.token)
-                        if out is not None:
-                            yield Delta(*out)
-                    if event.finish_reason is not None:
-                        decode_live = False
-                        reason = _checked_reason(event.finish_reason)
-                        break
+            async with contextlib.aclosing(self._tokens(run, first)) as tokens:
+                async for token in tokens:
+                    out = text.push(token)
+                    if out is not None:
+                        yield Delta(*out)
                     if text.stopped:
-                        reason = "stop"
                         break
-                    if now > deadline:
-                        raise DeadlineExceeded(
-                            f"request exceeded {self.config.request_timeout_s:g} s"
-                        )
-                if reason is None:
-                    decode_live = False
-                    raise Unavailable("decode stream ended without a finish reason")
-            if decode_live:  # stopped on a stop string: the leader is still generating
-                decode_live = False
-                await self._abort(decode, rid)
+            if run.decode_live:  # stopped on a stop string: the leader is still generating
+                run.decode_live = False
+                await self._abort(run.decode, req.request_id)
             out = text.finish()
             if out is not None:
                 yield Delta(*out)
-            if text.stopped:
-                reason = "stop"
+            reason = "stop" if text.stopped else run.reason
+            assert reason is not None, "the token stream ends with a reason or raises"
             await self._record(
-                rid,
+                req.request_id,
                 RequestState.FINISHED,
                 completion_tokens=text.count,
                 finish_reason=reason,
                 e2e_seconds=round(time.monotonic() - req.arrival, 6),
             )
-            finished = True
+            run.finished = True
             self._finish_metrics(req, text.count, Outcome.FINISHED)
             if self.config.log_prompts:
-                log.info("request %s output: %r", rid, text.text)
+                log.info("request %s output: %r", req.request_id, text.text)
             yield Done(reason, len(req.prompt_ids), text.count)
         except BaseException as exc:
-            if finished:  # the consumer closed us after Done: nothing left to clean up
+            if run.finished:  # the consumer closed us after Done: nothing left to clean up
                 raise
             error = _as_tpla_error(exc)
             with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT_S):
-                if decode is not None and decode_live:
-                    await self._abort(decode, rid)
-                if error is None:
-                    await self._record_quietly(rid, RequestState.ABORTED, reason="client_gone")
-                    self._finish_metrics(req, 0, Outcome.ABORTED)
-                else:
-                    await self._record_quietly(
-                        rid, RequestState.FAILED, error=error.message, error_type=error.error_type
-                    )
-                    self._finish_metrics(req, 0, Outcome.FAILED)
+                await self._cleanup(run, error)
             if error is not None and error is not exc:
                 raise error from exc
             raise
 
+    async def _tokens(self, run: _Run, first: PrefillResult) -> AsyncIterator[SampledToken]:
+        """The prefill's first token, then Decode.Generate's; sets run.reason at the end."""
+        req = run.req
+        ttft = time.monotonic() - req.arrival
+        self.metrics.observe_ttft(ttft)
+        await self._record(
+            req.request_id,
+            RequestState.TRANSFERRING,
+            transfer_bytes=first.transfer_bytes,
+            transfer_seconds=first.transfer_seconds,
+            prefill_seconds=first.prefill_seconds,
+            ttft_seconds=round(ttft, 6),
+        )
+        await self._record(req.request_id, RequestState.DECODING)
+        yield first.first_token
+        assert run.decode is not None
+        deadline = req.arrival + self.config.request_timeout_s
+        last = time.monotonic()
+        # Generate runs even when the first token already ends the request: the leader then
+        # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
+        # client gone) cancels the call right away.
+        events = run.decode.generate(req.request_id, first.first_token, req.params)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                now = time.monotonic()
+                if event.finish_reason is not None:
+                    run.decode_live = False
+                    run.reason = _checked_reason(event.finish_reason)
+                if event.token is not None:
+                    self.metrics.observe_itl(now - last)
+                    last = now
+                    yield event.token
+                if run.reason is not None:
+                    return
+                if now > deadline:
+                    raise DeadlineExceeded(f"request exceeded {self.config.request_timeout_s:g} s")
+        raise Unavailable("the decode stream ended without a finish reason")
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _cleanup(self, run: _Run, error: TplaError | None) -> None:
+        """Free the reservation and close the record: FAILED on error, else ABORTED."""
+        rid = run.req.request_id
+        if run.decode is not None and run.decode_live:
+            await self._abort(run.decode, rid)
+        if error is None:
+            await self._record_quietly(rid, RequestState.ABORTED, reason="client_gone")
+            self._finish_metrics(run.req, 0, Outcome.ABORTED)
+        else:
+            await self._record_quietly(
+                rid, RequestState.FAILED, error=error.message, error_type=error.error_type
+            )
+            self._finish_metrics(run.req, 0, Outcome.FAILED)
 
     async def _prefill(
         self,

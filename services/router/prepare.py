@@ -15,7 +15,7 @@ from pathlib import Path
 from common.errors import InvalidRequest, NotFound
 from common.sampling import SamplingError, SamplingParams
 from common.tokenizer import ChatMessage, Tokenizer, TokenizerError
-from services.router.pipeline import GenerationRequest
+from services.router.request import GenerationRequest
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256

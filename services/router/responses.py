@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from common.errors import TplaError
 from services.router import schemas as s
-from services.router.pipeline import Delta, Done
+from services.router.request import Delta, Done
 from services.router.text import TokenLogprob
 
 DONE_LINE = "data: [DONE]\n\n"

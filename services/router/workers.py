@@ -44,8 +44,10 @@ class WorkerDirectory:
             # WorkerRegistry speaks synchronous redis; keep it off the event loop.
             records = await asyncio.to_thread(self._registry.list)
         except (redis.RedisError, OSError) as exc:
-            self.last_error = f"worker registry unreachable: {exc}"
-            log.warning(self.last_error)
+            error = f"worker registry unreachable: {exc}"
+            if error != self.last_error:  # once per outage, not every refresh
+                log.warning(error)
+            self.last_error = error
             return self.snapshot
         self.snapshot = WorkerSnapshot.from_records(records)
         self.pending.clear()

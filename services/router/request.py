@@ -1,0 +1,45 @@
+"""The router's in-process request and output types (no pydantic, no I/O).
+
+`prepare.py` builds a `GenerationRequest` from an OpenAI body; `Pipeline.run` yields
+`Started`, then `Delta`s, then `Done`; `responses.py` turns those into OpenAI bodies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.sampling import SamplingParams
+from services.router.text import TokenLogprob
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str  # chatcmpl-<hex> / cmpl-<hex>: the same id in Redis and on gRPC
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+    want_logprobs: bool
+    arrival: float  # time.monotonic() when the HTTP request arrived
+    prompt_text: str = ""  # only for logging, and only when log_prompts is on
+
+
+@dataclass(frozen=True)
+class Started:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Output = Started | Delta | Done

@@ -1,0 +1,262 @@
+"""Router test rig: a real redis-server, real grpc.aio Decode/Prefill servers with scripted
+tokens, and the router on a real uvicorn socket, all on 127.0.0.1 in the test's event loop.
+
+The fake services are a deterministic token source, not models: prefill returns the script's
+first token, decode streams the rest. They record what the router sent them (request ids,
+sampling params, aborts, the internal token) so tests can check the router's protocol use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import redis
+import uvicorn
+
+from common.embedded_redis import EmbeddedRedis
+from common.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
+from common.rpc.clients import TOKEN_METADATA_KEY
+from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from common.settings import Settings
+from common.tokenizer import Tokenizer
+from services.router.app import create_app
+from tests.unit.test_tokenizer import CORPUS, TEMPLATE, _train
+
+MAX_POSITIONS = 64
+INTERNAL_TOKEN = "internal-secret"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tokenizer + chat template + a config.json with a small context (64 tokens)."""
+    path = tmp_path_factory.mktemp("router-model")
+    _train(400, CORPUS).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE})
+    )
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": MAX_POSITIONS}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(free_port()) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return redis_server.url
+
+
+@dataclass
+class Script:
+    """The tokens the fake stack generates: ids[0] from prefill, the rest from decode."""
+
+    ids: list[int]
+    delay_s: float = 0.0  # between decode tokens
+    final: str = ""  # decode's finish_reason after the last scripted token ("" = none)
+
+
+def _token(token_id: int, top: int) -> common_pb2.TokenInfo:
+    alts = [common_pb2.TopLogprob(token_id=token_id + k, logprob=-1.0 - k) for k in range(top)]
+    return common_pb2.TokenInfo(token_id=token_id, logprob=-0.25, top_logprobs=alts)
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.reserved: list[decode_pb2.ReserveRequest] = []
+        self.generated: list[decode_pb2.GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.tokens_seen: list[str | None] = []
+
+    def _note_token(self, context: grpc.aio.ServicerContext) -> None:
+        md = dict(context.invocation_metadata() or ())
+        self.tokens_seen.append(md.get(TOKEN_METADATA_KEY))
+
+    async def Reserve(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._note_token(context)
+        self.reserved.append(request)
+        target = common_pb2.KvTarget(rank=0, grpc_address="127.0.0.1:1", latent_width=16)
+        return decode_pb2.ReserveResponse(
+            request_id=request.request_id,
+            block_size=16,
+            num_layers=2,
+            rope_width=8,
+            dtype="float32",
+            lease_seconds=30.0,
+            targets=[target],
+        )
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self.generated.append(request)
+        params, rid = request.params, request.request_id
+        stops = set(params.stop_token_ids)
+        if request.first_token.token_id in stops:
+            yield decode_pb2.GenerateEvent(finish_reason="stop")
+            return
+        count = 1
+        for tok in self.script.ids[1:]:
+            if count >= params.max_tokens:
+                break
+            await asyncio.sleep(self.script.delay_s)
+            if rid in self.aborted:
+                return
+            count += 1
+            reason = "stop" if tok in stops else ("length" if count >= params.max_tokens else "")
+            yield decode_pb2.GenerateEvent(token=_token(tok, params.logprobs), finish_reason=reason)
+            if reason:
+                return
+        yield decode_pb2.GenerateEvent(finish_reason=self.script.final or "length")
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.aborted.append(request.request_id)
+        return decode_pb2.AbortResponse(found=True)
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, script: Script, fail: bool = False) -> None:
+        self.script = script
+        self.fail = fail
+        self.calls: list[prefill_pb2.PrefillRequest] = []
+
+    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls.append(request)
+        if self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is down")
+        return prefill_pb2.PrefillResponse(
+            first_token=_token(self.script.ids[0], request.params.logprobs),
+            prefill_seconds=0.01,
+            transfer_seconds=0.002,
+            transfer_bytes=4096,
+        )
+
+
+@dataclass
+class Stack:
+    base_url: str
+    client: httpx.AsyncClient
+    script: Script
+    decode: FakeDecode
+    prefills: list[FakePrefill]
+    registry: WorkerRegistry
+    settings: Settings
+    servers: list[grpc.aio.Server] = field(default_factory=list)
+
+    async def record(self, request_id: str) -> dict[str, Any]:
+        resp = await self.client.get(f"/admin/requests/{request_id}")
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    async def wait_state(self, request_id: str, state: str, timeout: float = 5.0) -> dict[str, Any]:
+        for _ in range(int(timeout / 0.05)):
+            record = await self.record(request_id)
+            if record["state"] == state:
+                return record
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{request_id} never reached {state}: {record}")
+
+
+async def _grpc_server(servicer: Any, add: Any) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def run_stack(
+    model_dir: Path,
+    redis_url: str,
+    script: Script,
+    *,
+    prefill_fail: tuple[bool, ...] = (False, False),
+    with_decode: bool = True,
+    api_keys: str | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Stack]:
+    """Fake workers registered in Redis, and the router serving on a real socket."""
+    registry = WorkerRegistry(redis.Redis.from_url(redis_url))
+    decode = FakeDecode(script)
+    prefills = [FakePrefill(script, fail) for fail in prefill_fail]
+    servers: list[grpc.aio.Server] = []
+    for i, fake in enumerate(prefills):
+        server, address = await _grpc_server(fake, prefill_pb2_grpc.add_PrefillServicer_to_server)
+        servers.append(server)
+        # Worker ids sort in list order and queued_tokens rise with it, so least-loaded tries
+        # prefill-0 first.
+        registry.publish(WorkerRecord(f"prefill-{i}", WorkerRole.PREFILL, address, queued_tokens=i))
+    if with_decode:
+        server, address = await _grpc_server(decode, decode_pb2_grpc.add_DecodeServicer_to_server)
+        servers.append(server)
+        for rank in (0, 1):  # a tp=2 group: the router must route to the leader only
+            registry.publish(
+                WorkerRecord(
+                    f"decode-g0-r{rank}",
+                    WorkerRole.DECODE,
+                    address if rank == 0 else "127.0.0.1:9",
+                    rank=rank,
+                    group_id="g0",
+                    kv_blocks_used=10,
+                    kv_blocks_total=100,
+                )
+            )
+    settings = Settings(
+        model=str(model_dir),
+        served_model_name="tpla-test",
+        internal_token=INTERNAL_TOKEN,
+        api_keys=api_keys,
+        **overrides,
+    )
+    app = create_app(settings, redis_url=redis_url, refresh_s=0.1)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(200):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    base = f"http://127.0.0.1:{port}"
+    client = httpx.AsyncClient(base_url=base, timeout=10.0)
+    try:
+        yield Stack(base, client, script, decode, prefills, registry, settings, servers)
+    finally:
+        await client.aclose()
+        server.should_exit = True
+        await asyncio.wait_for(task, timeout=10)
+        sock.close()
+        for s in servers:
+            await s.stop(grace=None)
+        registry.client.close()

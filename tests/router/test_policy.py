@@ -1,0 +1,96 @@
+"""Routing policies over registry snapshots (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import Unavailable
+from common.redis_state import WorkerRecord, WorkerRole
+from services.router.policy import (
+    LeastLoadedPolicy,
+    RoundRobinPolicy,
+    WorkerSnapshot,
+    make_policy,
+)
+
+
+def decode(
+    group: str, rank: int = 0, used: int = 0, total: int = 100, **kw: object
+) -> WorkerRecord:
+    return WorkerRecord(
+        f"{group}-r{rank}",
+        WorkerRole.DECODE,
+        f"{group}:1",
+        rank=rank,
+        group_id=group,
+        kv_blocks_used=used,
+        kv_blocks_total=total,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def prefill(name: str, queued: int = 0, healthy: bool = True) -> WorkerRecord:
+    return WorkerRecord(
+        name, WorkerRole.PREFILL, f"{name}:1", queued_tokens=queued, healthy=healthy
+    )
+
+
+SNAP = WorkerSnapshot.from_records(
+    [
+        decode("g1", used=80),
+        decode("g1", rank=1),
+        decode("g2", used=30),
+        decode("g2", rank=1),
+        prefill("p1", queued=500),
+        prefill("p2", queued=100),
+        prefill("p3", queued=0, healthy=False),
+    ]
+)
+
+
+def test_snapshot_groups_are_leaders_only() -> None:
+    assert [(g.group_id, g.address, g.free_blocks) for g in SNAP.decode_groups] == [
+        ("g1", "g1:1", 20),
+        ("g2", "g2:1", 70),
+    ]
+    assert SNAP.not_ready_reason() is None
+
+
+def test_least_loaded_picks_most_free_blocks_and_fewest_queued_tokens() -> None:
+    group, worker = LeastLoadedPolicy().choose(SNAP, {})
+    assert group.group_id == "g2"
+    assert worker.worker_id == "p2"  # p3 has nothing queued but is unhealthy
+    # Work this router sent since the snapshot counts against a worker.
+    _, worker = LeastLoadedPolicy().choose(SNAP, {"p2": 1000})
+    assert worker.worker_id == "p1"
+    # Excluding the worker that just failed (the retry path).
+    assert LeastLoadedPolicy().choose_prefill(SNAP, {}, frozenset({"p2"})).worker_id == "p1"
+
+
+def test_group_with_an_unhealthy_rank_is_skipped() -> None:
+    snap = WorkerSnapshot.from_records(
+        [decode("g1"), decode("g1", rank=1, healthy=False), decode("g2", used=99), prefill("p")]
+    )
+    assert LeastLoadedPolicy().choose(snap, {})[0].group_id == "g2"
+
+
+def test_round_robin_cycles() -> None:
+    policy = make_policy("round-robin")
+    assert isinstance(policy, RoundRobinPolicy)
+    picks = [policy.choose(SNAP, {}) for _ in range(4)]
+    assert [g.group_id for g, _ in picks] == ["g1", "g2", "g1", "g2"]
+    assert [w.worker_id for _, w in picks] == ["p1", "p2", "p1", "p2"]
+
+
+def test_no_workers_is_unavailable() -> None:
+    empty = WorkerSnapshot()
+    assert empty.not_ready_reason() == "no healthy prefill worker is registered"
+    for policy in (LeastLoadedPolicy(), RoundRobinPolicy()):
+        with pytest.raises(Unavailable, match="decode"):
+            policy.choose(empty, {})
+        only_decode = WorkerSnapshot.from_records([decode("g1")])
+        assert only_decode.not_ready_reason() == "no healthy prefill worker is registered"
+        with pytest.raises(Unavailable, match="prefill"):
+            policy.choose(only_decode, {})
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")

@@ -1,0 +1,123 @@
+"""Bad requests -> 4xx OpenAI error bodies, checked through the app (no workers needed: every
+case is rejected before Redis or gRPC is touched, so the Redis URL is never dialled)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from common.settings import Settings
+from services.router.app import create_app
+from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from tests.router.conftest import MAX_POSITIONS
+
+pytestmark = pytest.mark.anyio
+
+UNUSED_REDIS = "redis://127.0.0.1:1/0"
+
+
+@pytest.fixture
+async def client(model_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(
+        Settings(model=str(model_dir), served_model_name="tpla-test"), redis_url=UNUSED_REDIS
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        yield c
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "tpla-test", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (chat(n=2), "n", "n > 1 is not supported"),
+        (chat(temperature=2.5), "temperature", "less than or equal to 2"),
+        (chat(top_p=0), "top_p", "greater than 0"),
+        (chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+        (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+        (chat(top_logprobs=3), None, "requires logprobs"),
+        (chat(messages=[]), "messages", "at least 1"),
+        (chat(messages=[{"role": "robot", "content": "x"}]), "messages.0.role", "'system'"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            "messages.0.content",
+            "only 'text'",
+        ),
+        (chat(stream_options={"include_usage": True}), None, "only allowed when stream"),
+        (chat(presence_penalty=0.5), "presence_penalty", "not supported"),
+        ({"model": "tpla-test", "prompt": ["a", "b"]}, "prompt", "batched prompts"),
+        ({"model": "tpla-test", "prompt": 3}, "prompt", "list of token ids"),
+        ({"model": "tpla-test", "prompt": "x", "echo": True}, "echo", "echo is not supported"),
+    ],
+)
+async def test_invalid_params_are_400(
+    client: httpx.AsyncClient, body: dict[str, Any], param: str | None, fragment: str
+) -> None:
+    route = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    resp = await client.post(route, json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert fragment in error["message"]
+
+
+async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat(model="gpt-4"))
+    assert resp.status_code == 404
+    assert resp.json()["error"]["code"] == "model_not_found"
+
+
+async def test_context_limits(client: httpx.AsyncClient) -> None:
+    long_prompt = list(range(10, 10 + MAX_POSITIONS))
+    resp = await client.post("/v1/completions", json={"model": "tpla-test", "prompt": long_prompt})
+    assert resp.status_code == 400
+    assert f"maximum context length is {MAX_POSITIONS} tokens" in resp.json()["error"]["message"]
+    body = {"model": "tpla-test", "prompt": [5, 6], "max_tokens": MAX_POSITIONS}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+    resp = await client.post("/v1/completions", json={"model": "tpla-test", "prompt": [10**6]})
+    assert resp.status_code == 400 and "outside the vocabulary" in resp.json()["error"]["message"]
+
+
+async def test_transport_level_errors(client: httpx.AsyncClient) -> None:
+    bad_json = await client.post(
+        "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
+    assert bad_json.status_code == 400
+    assert bad_json.json()["error"]["message"] == "request body is not valid JSON"
+    text = await client.post(
+        "/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}
+    )
+    assert text.status_code == 415
+    assert text.json()["error"]["type"] == "invalid_request_error"
+    huge = await client.post("/v1/completions", json={"model": "tpla-test", "prompt": "x" * 2**20})
+    assert huge.status_code == 413
+    missing = await client.get("/v1/nothing-here")
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert (await client.get("/v1/chat/completions")).status_code == 405
+
+
+def test_models_convert_cleanly() -> None:
+    req = ChatCompletionRequest.model_validate(
+        chat(
+            stop="x",
+            max_completion_tokens=5,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+        )
+    )
+    assert req.stop_list == ("x",) and req.token_limit == 5 and req.messages[0].text == "ab"
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "stop": None})
+    assert comp.stop_list == () and comp.token_limit is None and not comp.include_usage
