@@ -39,6 +39,18 @@ class InvalidRequest(TplaError):
     error_type = "invalid_request_error"
 
 
+class PayloadTooLarge(InvalidRequest):
+    http_status = 413
+
+
+class UnsupportedMediaType(InvalidRequest):
+    http_status = 415
+
+
+class MethodNotAllowed(InvalidRequest):
+    http_status = 405
+
+
 class Unauthorized(TplaError):
     http_status = 401
     grpc_code = grpc.StatusCode.UNAUTHENTICATED

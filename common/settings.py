@@ -45,6 +45,7 @@ class Settings(BaseSettings):
 
     # -- router admission --------------------------------------------------------------------
     max_inflight: int = Field(64, ge=1, description="requests in flight per router")
+    routing_policy: str = Field("least-loaded", description="least-loaded | round-robin")
     request_timeout_s: float = Field(300.0, gt=0)
     heartbeat_s: float = Field(2.0, gt=0)
     worker_ttl_s: float = Field(10.0, gt=0)

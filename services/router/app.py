@@ -37,7 +37,7 @@ from services.router.edge import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.pipeline import Pipeline, PipelineConfig
-from services.router.policy import LeastLoadedPolicy, RoutingPolicy
+from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Delta, Done, GenerationRequest
 from services.router.responses import DONE_LINE, ChatFormat, CompletionFormat, sse_error
 from services.router.workers import WorkerDirectory
@@ -202,7 +202,8 @@ def create_app(
     policy: RoutingPolicy | None = None,
     refresh_s: float = 0.5,
 ) -> FastAPI:
-    """The router app. `policy` defaults to least-loaded; `refresh_s` paces registry reads."""
+    """The router app. `policy` defaults to settings.routing_policy; `refresh_s` paces
+    registry reads."""
     model_dir = settings.model
     info = prepare.ModelInfo(
         served_name=settings.served_model_name,
@@ -228,7 +229,7 @@ def create_app(
         ),
         info.tokenizer,
         directory,
-        policy or LeastLoadedPolicy(),
+        policy or make_policy(settings.routing_policy),
         requests,
         metrics,
     )

@@ -19,7 +19,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.errors import InvalidRequest, NotFound, Overloaded, TplaError, Unauthorized
+from common.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    TplaError,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +41,8 @@ def error_response(exc: TplaError) -> JSONResponse:
     return JSONResponse(exc.openai_body(), status_code=exc.http_status, headers=headers)
 
 
-class PayloadTooLarge(InvalidRequest):
-    http_status = 413
-
-
-class UnsupportedMediaType(InvalidRequest):
-    http_status = 415
-
-
-class MethodNotAllowed(InvalidRequest):
-    http_status = 405
-
-
 class GuardMiddleware:
-    """Before any route: API-key check on /v1/* (401) and the request body limit (413)."""
+    """Before any route: API-key check on /v1/* and /admin/* (401) and the body limit (413)."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[bytes, ...], max_body: int) -> None:
         self.app, self.api_keys, self.max_body = app, api_keys, max_body
@@ -54,7 +51,9 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
-        if self.api_keys and scope["path"].startswith("/v1/") and not self._authorized(headers):
+        # Admin endpoints expose request records and worker pids: same keys as the API.
+        protected = scope["path"].startswith(("/v1/", "/admin/"))
+        if self.api_keys and protected and not self._authorized(headers):
             err = Unauthorized("missing or invalid API key", code="invalid_api_key")
             return await error_response(err)(scope, receive, send)
         too_large = PayloadTooLarge(

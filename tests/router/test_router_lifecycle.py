@@ -313,6 +313,9 @@ async def test_api_keys(model_dir: Path, redis_url: str, tokenizer: Tokenizer) -
         assert (await stack.client.get("/health", headers={"Authorization": ""})).status_code == 200
         resp = await stack.client.post("/v1/chat/completions", json=chat_body(), headers=good)
         assert resp.status_code == 200
+        # Request records and worker pids are behind the same keys.
+        assert (await stack.client.get("/admin/workers")).status_code == 401
+        assert (await stack.client.get("/admin/workers", headers=good)).status_code == 200
 
 
 async def test_metrics_count_ttft(model_dir: Path, redis_url: str, tokenizer: Tokenizer) -> None:
