@@ -1,0 +1,160 @@
+"""End to end through the HTTP API with the official `openai` client, real processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.tokenizer import ChatMessage, Tokenizer
+from tests.e2e.conftest import MODEL_NAME, Stack, start_stack, stop_stack
+
+MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _reference_text(stack: Stack, max_tokens: int) -> tuple[str, list[int]]:
+    """`tpla generate` greedy on the same chat prompt, same mode (TPLA tp=2, r=2)."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    ids = tok.encode_chat([ChatMessage(m["role"], m["content"]) for m in MESSAGES])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "generate",
+            "--model",
+            str(stack.model_dir),
+            "--prompt-ids",
+            ",".join(map(str, ids)),
+            "--max-tokens",
+            str(max_tokens),
+            "--tp",
+            "2",
+            "--latent-groups",
+            "2",
+            "--method",
+            "identity",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["text"], out["token_ids"]
+
+
+def _chat(stack: Stack, **kw: object):
+    return _client(stack).chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, **kw
+    )
+
+
+def test_non_streaming_greedy_equals_tpla_generate(stack: Stack) -> None:
+    resp = _chat(stack, max_tokens=12)
+    expected_text, expected_ids = _reference_text(stack, 12)
+    assert resp.choices[0].message.content == expected_text
+    assert resp.usage.completion_tokens == len(expected_ids)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(stack: Stack) -> None:
+    full = _chat(stack, max_tokens=10).choices[0].message.content
+    chunks = list(_chat(stack, max_tokens=10, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_sixteen_concurrent_streams_complete(stack: Stack) -> None:
+    def one(i: int) -> str:
+        stream = _client(stack).chat.completions.create(
+            model=MODEL_NAME,
+            stream=True,
+            max_tokens=8 + i % 5,
+            temperature=0.7,
+            seed=i,
+            messages=[{"role": "user", "content": f"request number {i}"}],
+        )
+        reasons = [c.choices[0].finish_reason for c in stream if c.choices]
+        return reasons[-1]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        reasons = list(pool.map(one, range(16)))
+    assert all(r in ("stop", "length") for r in reasons)
+
+
+def test_redis_record_walks_the_state_machine(stack: Stack) -> None:
+    resp = _chat(stack, max_tokens=4)
+    record = httpx.get(f"{stack.url}/admin/requests/{resp.id}", timeout=10).json()
+    states = [h["state"] for h in record["history"]]
+    assert states == ["QUEUED", "PREFILLING", "TRANSFERRING", "DECODING", "FINISHED"]
+
+
+def test_metrics_count_ttft(stack: Stack) -> None:
+    def ttft_count() -> float:
+        text = httpx.get(f"{stack.url}/metrics", timeout=10).text
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "tpla:time_to_first_token_seconds_count"
+        )
+
+    before = ttft_count()
+    for _ in range(3):
+        _chat(stack, max_tokens=3)
+    assert ttft_count() == before + 3
+
+
+def test_bad_requests_get_openai_errors(stack: Stack) -> None:
+    client = _client(stack)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=100_000)
+
+
+def test_workers_listed_and_sigint_stops_everything(tiny_model) -> None:
+    """Both transports serve; after SIGINT no process of the stack remains."""
+    s = start_stack(tiny_model, "torch")
+    try:
+        expected_text, _ = _reference_text(s, 8)
+        assert _chat(s, max_tokens=8).choices[0].message.content == expected_text
+        workers = httpx.get(f"{s.url}/admin/workers", timeout=10).json()
+        roles = sorted((w["role"], w["rank"]) for w in workers)
+        assert roles == [("decode", 0), ("decode", 1), ("prefill", 0)]
+        pids = [w["pid"] for w in workers]
+    finally:
+        stop_stack(s.proc)
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.2)
+    assert not alive, f"processes left after SIGINT: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie awaiting its reaper counts as gone: it holds no resources)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
