@@ -119,6 +119,7 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         eval_every=args.eval_every,
         card_eval_chars=args.card_eval_chars,
+        prior_cpu_seconds=args.prior_cpu_minutes * 60,
         arch=arch,
     )
     report = train(cfg)
@@ -187,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny: a minimal model for smoke tests of the trainer",
     )
     td.add_argument("--threads", type=int)
+    td.add_argument(
+        "--prior-cpu-minutes",
+        type=float,
+        default=0.0,
+        help="CPU time of a resumed run's earlier part, if its checkpoint lacks it",
+    )
     td.set_defaults(func=cmd_train_demo)
     from services.cli import add_service_parsers
 

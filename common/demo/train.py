@@ -105,6 +105,8 @@ class TrainConfig:
     checkpoint_minutes: float = 5.0
     card_eval_chars: int = 200_000
     seed: int = 0
+    # CPU seconds spent before CPU time was recorded in the checkpoint (older runs).
+    prior_cpu_seconds: float = 0.0
     arch: DemoArch = field(default_factory=DemoArch)
 
 
@@ -222,12 +224,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         betas=(0.9, 0.95),
     )
     state_path = cfg.work_dir / "train_state.pt"
-    step, elapsed, history = 0, 0.0, []
+    step, elapsed, cpu, history = 0, 0.0, 0.0, []
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        cpu = state.get("cpu_seconds", cfg.prior_cpu_seconds)
         print(f"resumed at step {step} ({elapsed / 60:.1f} min trained)")
     rng = random.Random(cfg.seed * 1_000_003 + step)
     eval_rng = random.Random(12345)
@@ -250,7 +253,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     model.train()
     while elapsed < budget and (cfg.max_steps is None or step < cfg.max_steps):
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step, elapsed / budget)
         windows = _batch(streams["train"], cfg.batch_size, cfg.seq_len, rng)
@@ -262,6 +265,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         opt.step()
         step += 1
         elapsed += time.monotonic() - t0
+        cpu += time.process_time() - c0
         bar.update(1)
         bar.set_postfix(
             loss=f"{loss.item():.3f}", aux=f"{aux.item():.3f}", min=f"{elapsed / 60:.1f}"
@@ -283,7 +287,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             last_ckpt = time.monotonic()
     bar.close()
     save_state()
-    return export(cfg, model, tok, hf_config, streams, step, elapsed, history)
+    return export(cfg, model, tok, hf_config, streams, step, elapsed, history, cpu)
 
 
 def _bits_per_byte_model(model: DeepseekForCausalLM, ids: torch.Tensor, seq: int) -> float:
@@ -331,6 +335,7 @@ def export(
     steps: int,
     elapsed: float,
     history: list[dict[str, Any]],
+    cpu_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """Write HF-format files (bf16 weights, per-expert layout) and a measured model card."""
     out = cfg.out
@@ -375,6 +380,7 @@ def export(
     report = {
         "steps": steps,
         "minutes": round(elapsed / 60, 1),
+        "cpu_minutes": round(cpu_seconds / 60, 1),
         "parameters": params,
         "tokens_seen": steps * cfg.batch_size * cfg.seq_len,
         "metrics": metrics,
@@ -420,8 +426,10 @@ something.
 
 ## Training
 {r["steps"]} steps of {r["train"]["batch_size"]} x {r["train"]["seq_len"]} tokens
-({r["tokens_seen"] / 1e6:.2f}M tokens), {r["minutes"]} minutes on 2 CPU cores, AdamW
-(peak lr {r["train"]["lr"]}, warmup then cosine), expert balance loss 0.01.
+({r["tokens_seen"] / 1e6:.2f}M tokens): {r["minutes"]} minutes of wall-clock step time and
+{r.get("cpu_minutes", 0)} CPU-minutes (2 torch threads; the machine's 2 cores were shared with
+other work during training, so wall-clock minutes overstate the compute). AdamW (peak lr
+{r["train"]["lr"]}, warmup then cosine over the time budget), expert balance loss 0.01.
 
 ## Held-out evaluation
 First {int(m["eval_bytes"]):,} bytes of the {r["eval_source"]} ({int(m["eval_tokens"]):,} tokens),
