@@ -10,20 +10,6 @@ from collections.abc import Sequence
 from common.settings import Settings, load_settings
 from common.tpla.cli import add_convert_parser, add_eval_parser, add_generate_mode_arguments
 
-# A trainer smoke-test architecture: same family and proportions, minimal size.
-TINY_ARCH_FIELDS = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    n_routed_experts=4,
-)
-
 
 def _configure_torch(settings: Settings) -> None:
     import torch
@@ -108,7 +94,7 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
 
     settings = load_settings(torch_threads=args.threads)
     _configure_torch(settings)
-    arch = DemoArch() if args.arch == "demo" else DemoArch(**TINY_ARCH_FIELDS)
+    arch = DemoArch() if args.arch == "demo" else DemoArch.tiny()
     cfg = TrainConfig(
         out=Path(args.out),
         work_dir=Path(args.work_dir or Path("runs") / "train-demo"),

@@ -127,24 +127,38 @@ def cmd_bench_decode_step(args: argparse.Namespace) -> int:
     from services.decode.bench import measure
 
     rows = []
-    for r in args.latent_groups:
+    for layout in args.layouts:
+        r = args.tp if layout == "tpla" else 1
         rows += measure(
-            args.model, args.tp, r, args.batch, args.context, args.steps, args.reparam, args.threads
+            args.model,
+            layout,
+            args.tp,
+            r,
+            args.batch,
+            args.context,
+            args.steps,
+            args.reparam,
+            args.threads,
+            args.chunk_size,
         )
-    base = {(row.batch): row.median_ms for row in rows if row.latent_groups == 1}
+    base = {row.batch: row for row in rows if row.layout == "mla-tp"}
     print(
-        f"{'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} {'vs MLA-TP':>10} "
-        f"{'cache B/tok/layer':>18} {'rank0 param MB':>15}"
+        f"{'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
+        f"{'speedup':>8} {'cache KiB/seq':>14} {'vs MLA-TP':>10} {'comm KiB/step':>14} "
+        f"{'rank0 MB':>9}"
     )
     out = []
     for row in rows:
-        ratio = base.get(row.batch, float("nan")) / row.median_ms
+        ref = base.get(row.batch)
+        speed = ref.median_ms / row.median_ms if ref else float("nan")
+        mem = ref.cache_bytes_per_sequence / row.cache_bytes_per_sequence if ref else float("nan")
         print(
-            f"{row.tp:>3} {row.latent_groups:>3} {row.batch:>6} {row.context:>8} "
-            f"{row.median_ms:>9.2f} {ratio:>9.2f}x {row.cache_bytes_per_token_layer:>18} "
-            f"{row.parameter_bytes_rank0 / 2**20:>15.1f}"
+            f"{row.layout:>7} {row.tp:>3} {row.latent_groups:>3} {row.batch:>6} "
+            f"{row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
+            f"{row.cache_bytes_per_sequence / 1024:>14.1f} {mem:>9.2f}x "
+            f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f}"
         )
-        out.append({**row.__dict__, "speedup_vs_mla_tp": ratio})
+        out.append({**row.__dict__, "speedup_vs_mla_tp": speed, "cache_saving_vs_mla_tp": mem})
     if args.json:
         print(json.dumps({"rows": out}))
     return 0
@@ -153,10 +167,17 @@ def cmd_bench_decode_step(args: argparse.Namespace) -> int:
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (results as ratios from one run)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    ds = bsub.add_parser("decode-step", help="real engine step time: MLA-TP vs TPLA")
+    ds = bsub.add_parser("decode-step", help="real engine step: MLA-TP vs TPLA vs SP")
     ds.add_argument("--model", default="models/demo")
     ds.add_argument("--tp", type=int, default=2)
-    ds.add_argument("--latent-groups", type=int, nargs="+", default=[1, 2])
+    ds.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["mla-tp", "tpla", "sp"],
+        default=["mla-tp", "tpla", "sp"],
+        help="tpla uses r = tp",
+    )
+    ds.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
     ds.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ds.add_argument("--context", type=int, default=1024)
     ds.add_argument("--steps", type=int, default=12)

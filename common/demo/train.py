@@ -47,6 +47,23 @@ class DemoArch:
     experts_per_token: int = 2
     max_position_embeddings: int = 4096
 
+    @classmethod
+    def tiny(cls, **overrides: int) -> DemoArch:
+        """Same family and proportions at minimal size: trainer smoke tests."""
+        fields = dict(
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+        )
+        return cls(**{**fields, **overrides})
+
     def hf_config(self, bos: int, eos: int) -> dict[str, Any]:
         return {
             "architectures": ["DeepseekV2ForCausalLM"],

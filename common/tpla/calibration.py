@@ -22,7 +22,7 @@ from tqdm import tqdm
 from common.demo import corpus
 from common.model.model import DeepseekForCausalLM
 
-DEFAULT_CALIB_CHARS = 60_000
+DEFAULT_CALIB_CHARS = 200_000
 
 
 class CalibrationError(ValueError):

@@ -36,7 +36,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from common.model.loader import load_model
     from common.tokenizer import Tokenizer
-    from common.tpla.calibration import collect_latent_statistics, load_text, token_windows
+    from common.tpla.calibration import (
+        DEFAULT_CALIB_CHARS,
+        collect_latent_statistics,
+        load_text,
+        token_windows,
+    )
     from common.tpla.convert import (
         build_reparameterization,
         convert_checkpoint,
@@ -49,7 +54,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model_dir = Path(load_settings(model=args.model).model)
     method = Method(args.method)
     model = load_model(model_dir)
-    text = load_text(args.calib, args.calib_chars)
+    text = load_text(args.calib, args.calib_chars or DEFAULT_CALIB_CHARS)
     ids = Tokenizer.from_dir(model_dir).encode(text.text, add_bos=False)
     window = min(args.window, model.config.max_position_embeddings)
     stats = collect_latent_statistics(
@@ -91,7 +96,7 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--out", help="write a reparameterized HF checkpoint here")
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--calib", help="calibration text file or folder (default: demo corpus split)")
-    p.add_argument("--calib-chars", type=int, default=60_000, help="calibration text budget")
+    p.add_argument("--calib-chars", type=int, help="calibration text budget (default 200000)")
     p.add_argument("--window", type=int, default=1024, help="calibration window (tokens)")
     p.add_argument("--seed", type=int, default=0, help="Hadamard sign seed")
     p.add_argument("--side-file", help="side file path when --out is absent")
@@ -138,7 +143,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--window", type=int, help="window length (default: training length)")
     p.add_argument("--eval-text", help="eval text file or folder (default: demo eval split)")
     p.add_argument("--calib", help="calibration text when a side file is missing")
-    p.add_argument("--calib-chars", type=int, default=60_000)
+    p.add_argument("--calib-chars", type=int, help="calibration text budget (default 200000)")
     p.add_argument("--seed", type=int, default=0, help="Hadamard sign seed when calibrating")
     p.add_argument("--threads", type=int)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

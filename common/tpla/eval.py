@@ -61,7 +61,7 @@ class EvalConfig:
     window: int | None = None  # None: the training length from training_report.json, or 1024
     seed: int = 0
     calib_path: str | None = None
-    calib_chars: int = DEFAULT_CALIB_CHARS
+    calib_chars: int | None = None  # None: DEFAULT_CALIB_CHARS
     eval_path: str | None = None
     progress: bool = True
 
@@ -95,7 +95,7 @@ class EvalReport:
     window: int
     prefill_len: int
     scored_tokens: int
-    bases: dict[str, str]  # method -> where its basis came from
+    bases: tuple[tuple[str, str], ...]  # (method, where its basis and spectrum came from)
     results: tuple[VariantResult, ...]
 
     def contract(self) -> dict[str, Any]:
@@ -144,30 +144,34 @@ def window_nll(logits: Tensor, ids: Tensor, prefill_len: int) -> tuple[float, in
 
 
 def _method_models(
-    base: DeepseekForCausalLM, model_dir: Path, config: EvalConfig, windows: list[Tensor]
-) -> tuple[dict[Method, tuple[DeepseekForCausalLM, list[Tensor]]], dict[str, str]]:
+    base: DeepseekForCausalLM, model_dir: Path, config: EvalConfig, window: int
+) -> tuple[dict[Method, tuple[DeepseekForCausalLM, list[Tensor]]], tuple[tuple[str, str], ...]]:
     stats: LatentStatistics | None = None
     models: dict[Method, tuple[DeepseekForCausalLM, list[Tensor]]] = {}
-    bases: dict[str, str] = {}
+    bases: list[tuple[str, str]] = []
     for method in Method:
         path = model_dir / side_file_name(method)
         if path.is_file():
             side = load_side_file(path)
-            bases[method.value] = f"side file {path.name} ({side.calibration_tokens} tokens)"
+            bases.append(
+                (method.value, f"side file {path.name} ({side.calibration_tokens} tokens)")
+            )
         else:
             if stats is None:
-                text = load_text(config.calib_path, config.calib_chars)
+                text = load_text(config.calib_path, config.calib_chars or DEFAULT_CALIB_CHARS)
                 tok = Tokenizer.from_dir(model_dir)
-                calib = token_windows(tok.encode(text.text, add_bos=False), windows[0].numel())
+                calib = token_windows(tok.encode(text.text, add_bos=False), window)
                 stats = collect_latent_statistics(
                     base, calib, source=text.source, progress=config.progress
                 )
             side = build_reparameterization(base, method, stats, seed=config.seed)
-            bases[method.value] = f"calibrated now ({stats.tokens} tokens of {stats.source})"
+            bases.append(
+                (method.value, f"calibrated now ({stats.tokens} tokens of {stats.source})")
+            )
         model = copy.deepcopy(base)
         spectra = apply_reparameterization(model, side)
         models[method] = (model, spectra)
-    return models, bases
+    return models, tuple(bases)
 
 
 def evaluate(model_dir: str | Path, config: EvalConfig) -> EvalReport:
@@ -175,6 +179,11 @@ def evaluate(model_dir: str | Path, config: EvalConfig) -> EvalReport:
     model_dir = Path(model_dir)
     base = load_model(model_dir)
     c = base.config
+    if c.kv_lora_rank % config.groups or c.num_attention_heads % config.groups:
+        raise ValueError(
+            f"--groups {config.groups} must divide the latent width {c.kv_lora_rank} and the "
+            f"{c.num_attention_heads} heads (GLA splits both)"
+        )
     window = config.window or default_window(model_dir, c.max_position_embeddings)
     if window > c.max_position_embeddings:
         raise ValueError(f"--window {window} exceeds the context of {c.max_position_embeddings}")
@@ -191,7 +200,7 @@ def evaluate(model_dir: str | Path, config: EvalConfig) -> EvalReport:
             f"the eval text has {len(ids)} tokens: too few to score after --prefill-len "
             f"{config.prefill_len}"
         )
-    models, bases = _method_models(base, model_dir, config, windows)
+    models, bases = _method_models(base, model_dir, config, window)
     keys = variant_grid()
     results = []
     bar = tqdm(
@@ -232,5 +241,5 @@ def format_table(report: EvalReport) -> str:
             f"{k.variant.value:<9} {(k.method.value if k.method else '-'):<9} "
             f"{(k.rmsnorm.value if k.rmsnorm else '-'):<8} {r.ppl:>10.4f}"
         )
-    lines += [f"basis {m}: {src}" for m, src in report.bases.items()]
+    lines += [f"basis {m}: {src}" for m, src in report.bases]
     return "\n".join(lines)

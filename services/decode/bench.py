@@ -16,23 +16,27 @@ import torch
 from common.model.tpla import RmsNormMode
 from common.sampling import SamplingParams
 from services.decode.engine import DecodeEngine
-from services.decode.rank_model import ParallelConfig
+from services.decode.rank_model import ParallelConfig, ParallelMode
 from services.decode.runtime import EngineConfig
 
 
 @dataclass(frozen=True)
 class StepResult:
+    layout: str  # mla-tp | tpla | sp
     tp: int
     latent_groups: int
     batch: int
     context: int
     median_ms: float
-    cache_bytes_per_token_layer: int
+    cache_bytes_per_token_layer: int  # per rank, per cached token (SP: a rank caches ~1/tp)
+    cache_bytes_per_sequence: int  # rank 0's share of one sequence's cache at `context`
+    comm_bytes_per_step: int  # payload rank 0 puts into collectives per step (measured)
     parameter_bytes_rank0: int
 
 
 def measure(
     model: str,
+    layout: str,
     tp: int,
     r: int,
     batches: list[int],
@@ -40,10 +44,14 @@ def measure(
     steps: int,
     reparam: str | None,
     threads: int = 1,
+    chunk_size: int = 256,
 ) -> list[StepResult]:
+    """Median step time per batch size for one layout, with its cache and comm footprint."""
+    mode = ParallelMode.SP if layout == "sp" else ParallelMode.TPLA
+    par = ParallelConfig(tp, r, RmsNormMode.EXACT, mode, chunk_size)
     cfg = EngineConfig(
         model=model,
-        parallel=ParallelConfig(tp, r, RmsNormMode.EXACT),
+        parallel=par,
         reparam=reparam if r > 1 else None,
         master_port=0,
         max_batch=max(batches),
@@ -52,7 +60,8 @@ def measure(
     )
     results = []
     with DecodeEngine(cfg) as engine:
-        layout = engine.runtime.layout
+        cache = engine.runtime.layout
+        comm = engine.runtime.comm
         params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         for batch in batches:
             streams = []
@@ -60,25 +69,36 @@ def measure(
                 rid = uuid.uuid4().hex
                 engine.reserve(rid, context, params.max_tokens)
                 for rank in range(tp):
-                    n = torch.randn(layout.num_layers, context, layout.latent_width) * 0.1
-                    k_pe = torch.randn(layout.num_layers, context, layout.rope_width) * 0.1
+                    tokens = engine.pool.local_tokens(rank, context)
+                    n = torch.randn(cache.num_layers, tokens, cache.latent_width) * 0.1
+                    k_pe = torch.randn(cache.num_layers, tokens, cache.rope_width) * 0.1
                     engine.write_kv(rid, rank, n, k_pe)
                 streams.append((rid, params))
             engine.step_seconds.clear()
+            comm_before = comm.bytes
             # Start all at once so every step runs the full batch.
             running = [engine.generate(rid, 1, p) for rid, p in streams]
             for stream in running:
                 for _ in stream:
                     pass
             times = engine.step_seconds[2:] or engine.step_seconds  # skip warm-up steps
+            per_step = (comm.bytes - comm_before) // max(len(engine.step_seconds), 1)
+            per_seq = (
+                cache.bytes_per_token_per_layer
+                * cache.num_layers
+                * engine.pool.local_tokens(0, context)
+            )
             results.append(
                 StepResult(
+                    layout,
                     tp,
                     r,
                     batch,
                     context,
                     1000 * statistics.median(times),
-                    layout.bytes_per_token_per_layer,
+                    cache.bytes_per_token_per_layer,
+                    per_seq,
+                    per_step,
                     engine.parameter_bytes(),
                 )
             )

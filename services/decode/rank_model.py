@@ -87,19 +87,23 @@ class Comm:
 
     def __init__(self, tp: int) -> None:
         self.tp = tp
+        self.bytes = 0  # payload this rank put into collectives (for `tpla bench`)
 
     def sum_(self, t: Tensor) -> None:
         if self.tp > 1:
+            self.bytes += t.numel() * t.element_size()
             dist.all_reduce(t)
 
     def max_(self, t: Tensor) -> None:
         if self.tp > 1:
+            self.bytes += t.numel() * t.element_size()
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
 
     def gather_heads(self, t: Tensor) -> Tensor:
         """Concatenate every rank's head group along dim 1 (rank order = head order)."""
         if self.tp == 1:
             return t
+        self.bytes += t.numel() * t.element_size()
         parts = [torch.empty_like(t) for _ in range(self.tp)]
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts, dim=1)

@@ -12,19 +12,7 @@ from common.demo.train import DemoArch, TrainConfig, train
 from common.model.loader import load_model
 from common.tokenizer import ChatMessage, Tokenizer
 
-TINY = DemoArch(
-    vocab_size=400,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    n_routed_experts=4,
-    max_position_embeddings=512,
-)
+TINY = DemoArch.tiny(vocab_size=400, max_position_embeddings=512)
 
 
 def _make_corpus(root: Path) -> None:
