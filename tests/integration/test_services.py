@@ -63,11 +63,13 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         )
         t.start()
         prefills[transport] = f"127.0.0.1:{port}"
-    assert ready.wait(300), "decode group did not start"
-    yield model_dir, f"127.0.0.1:{decode_port}", prefills, redis_server
-    stop.set()
-    decode.join(timeout=30)
-    redis_server.stop()
+    try:
+        assert ready.wait(300), "decode group did not start"
+        yield model_dir, f"127.0.0.1:{decode_port}", prefills, redis_server
+    finally:
+        stop.set()  # also when start-up failed: nothing may outlive the test
+        decode.join(timeout=30)
+        redis_server.stop()
 
 
 async def _run(
