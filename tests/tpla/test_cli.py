@@ -19,6 +19,7 @@ from common.model.loader import load_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from common.tpla.convert import load_side_file
+from common.tpla.eval import EvalConfig, evaluate
 from common.tpla.transforms import Method
 from tests.unit.test_tokenizer import CORPUS
 
@@ -103,9 +104,11 @@ def test_convert_writes_a_side_file_then_eval_prints_the_contract(
 def test_eval_bad_input_is_a_clear_error(model_dir: Path, text_file: Path) -> None:
     proc = _tpla(
         "eval", "--model", str(model_dir), "--groups", "3", "--eval-text", str(text_file),
-        "--window", "32", "--prefill-len", "31",
     )  # fmt: skip
-    assert proc.returncode == 2 and "leaves nothing to score" in proc.stderr
+    assert proc.returncode == 2 and "must divide the latent width 32" in proc.stderr
+    config = EvalConfig(groups=2, window=32, prefill_len=31, eval_path=str(text_file))
+    with pytest.raises(ValueError, match="leaves nothing to score in windows of 32"):
+        evaluate(model_dir, config)
 
 
 def test_generate_modes(model_dir: Path) -> None:
