@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve lint format clean
+.PHONY: install test serve loadtest lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ test: install
 # The whole stack on the embedded defaults: demo model, embedded Redis, CPU, decode tp=2 r=2.
 serve: install
 	OMP_NUM_THREADS=1 $(BIN)/tpla serve
+
+# Locust headless against LOADTEST_HOST; starts `tpla serve` first if nothing answers /ready there.
+# Reports in loadtest/results/. e.g. make loadtest LOADTEST_ARGS="--users 16 --run-time 5m"
+LOADTEST_HOST ?= http://127.0.0.1:8000
+LOADTEST_ARGS ?=
+loadtest: install
+	OMP_NUM_THREADS=1 $(BIN)/python loadtest/run.py --host $(LOADTEST_HOST) $(LOADTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,15 +15,9 @@ import httpx
 import pytest
 
 from services.decode.engine import free_port
-from tests.model.tiny import save_hf
-from tests.unit.test_tokenizer import CORPUS, _train
+from tests.model.tiny import save_tiny_chat_model
 
 MODEL_NAME = "tiny-e2e"
-# Turn-based template like the demo model's, with a chat-end token that stops generation.
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 @dataclass
@@ -34,15 +27,6 @@ class Stack:
     proc: subprocess.Popen
     env: dict[str, str]
     transport: str
-
-
-def make_model_dir(path: Path) -> Path:
-    save_hf("v2-greedy", path, vocab_size=320, std=0.08)
-    _train(320, CORPUS).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE})
-    )
-    return path
 
 
 def start_stack(model_dir: Path, transport: str) -> Stack:
@@ -100,7 +84,7 @@ def stop_stack(proc: subprocess.Popen) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model_dir(tmp_path_factory.mktemp("e2e-model"))
+    return save_tiny_chat_model(tmp_path_factory.mktemp("e2e-model"), std=0.08)
 
 
 @pytest.fixture(scope="module")

