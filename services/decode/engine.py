@@ -310,10 +310,12 @@ class DecodeEngine:
                 send_plan(None)
         except BaseException as exc:  # a rank died or a collective timed out
             self._error = exc
-            for active in self._active.values():
-                active.stream.put(TokenEvent(None, f"error: {exc}"))
-            self._active.clear()
         finally:
+            # No stream may wait forever: every live request ends, whatever stopped the loop.
+            reason = f"error: {self._error}" if self._error else "error: decode engine shut down"
+            for active in self._active.values():
+                active.stream.put(TokenEvent(None, reason))
+            self._active.clear()
             self._fail_pending_commands()
             if dist.is_initialized():
                 with contextlib.suppress(Exception):

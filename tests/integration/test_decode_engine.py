@@ -175,3 +175,17 @@ def test_sp_is_exact_and_splits_the_cache(model_dir: Path) -> None:
         pos = torch.tensor([len(prompt) + step])
         expected = model.decode(torch.tensor([token]), pos, cache)[0]
         torch.testing.assert_close(event.logits, expected, atol=1e-5, rtol=0)
+
+
+def test_shutdown_ends_live_streams(model_dir: Path) -> None:
+    """A stream open when the engine stops gets a final event instead of blocking forever."""
+    engine = _engine(model_dir, tp=1, r=1)
+    try:
+        prefill = load_prefill_model(engine.cfg)
+        long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        [(_, stream)] = submit(engine, prefill, [_prompt(8, 5)], [long])
+    finally:
+        engine.shutdown()
+    events = list(stream)  # returns: the last event carries a finish reason
+    assert events[-1].finish_reason == "error: decode engine shut down"
+    assert len(events) < long.max_tokens
