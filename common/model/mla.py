@@ -23,8 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalize in fp32 like the reference; the weight multiplies after the cast back.
-        xf = x.float()
+        # Normalize in at least fp32 like the reference (bf16 serving), fp64 stays fp64; the
+        # weight multiplies after the cast back.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -132,6 +133,8 @@ class MLAttention(nn.Module):
             "bqhr,btr->bqht", q_pe, k_pe
         )
         scores = (scores * self.scale).masked_fill(~valid[:, :, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(n.dtype)
+        probs = torch.softmax(
+            scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1
+        ).to(n.dtype)
         u = torch.einsum("bqht,btc->bqhc", probs, n)
         return torch.einsum("bqhc,hvc->bqhv", u, self.w_uv())

@@ -282,7 +282,11 @@ def generate(
     *,
     eos_ids: Sequence[int] = (),
 ) -> Generation:
-    """Generate with the oracle: prefill the prompt, then one `decode` per new token."""
+    """Generate with the oracle: prefill the prompt, then one `decode` per new token.
+
+    Sampling uses the served stack's generator streams (first token: stream 0, the rest:
+    stream 1), so a seeded request reproduces the engine's tokens, not `common.generate`'s.
+    """
     if not prompt_ids:
         raise ValueError("prompt must contain at least one token")
     config = oracle.model.config
@@ -295,7 +299,9 @@ def generate(
         )
     device = oracle.model.lm_head.weight.device
     eos = frozenset(eos_ids)
-    gen = make_generator(params, device)
+    # Same random streams as the served stack: the prefill worker samples the first token
+    # from stream 0, the decode leader the rest from stream 1, so seeded requests match.
+    gen = make_generator(params, device, stream=0)
     state = oracle.start()
     logits = oracle.prefill(state, torch.tensor(list(prompt_ids), dtype=torch.long, device=device))[
         -1
@@ -310,5 +316,7 @@ def generate(
         if len(tokens) >= params.max_tokens:
             reason = "length"
             break
+        if len(tokens) == 1:
+            gen = make_generator(params, device, stream=1)
         logits = oracle.decode(state, tok.token_id)
     return Generation([t.token_id for t in tokens], tokens, reason)
