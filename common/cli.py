@@ -6,8 +6,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from common.settings import Settings, load_settings
+
+if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
+    from common.generate import Generation
+    from common.tokenizer import Tokenizer
 from common.tpla.cli import add_convert_parser, add_eval_parser, add_generate_mode_arguments
 
 
@@ -26,6 +31,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from common.generate import generate
+    from common.model.args import ModelConfig
     from common.model.attn_backend import select_backend
     from common.model.loader import load_model
     from common.sampling import SamplingParams
@@ -35,15 +41,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, device=args.device, torch_threads=args.threads
     )
     _configure_torch(settings)
-    model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
-    model.prefill_backend = select_backend(settings.attention_backend, settings.device)
+    config = ModelConfig.from_dir(settings.model)
     tokenizer = None
     if args.prompt is not None:
         tokenizer = Tokenizer.from_dir(settings.model)
         prompt_ids = tokenizer.encode(args.prompt)
     else:
         prompt_ids = _parse_ids(args.prompt_ids)
-    eos = set(model.config.eos_token_ids)
+    eos = set(config.eos_token_ids)
     if tokenizer is not None:
         eos |= tokenizer.eos_token_ids
     params = SamplingParams(
@@ -54,16 +59,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    if args.tp is not None:
+    if args.tp is not None:  # the engine's ranks load their own shares of the weights
         from services.decode.local import generate_distributed
 
         result = generate_distributed(settings.model, prompt_ids, params, sorted(eos), args)
-    elif args.mode is not None:
+        return _print_generation(args, settings, tokenizer, result)
+    model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
+    model.prefill_backend = select_backend(settings.attention_backend, settings.device)
+    if args.mode is not None:
         from common.tpla.cli import generate_with_mode
 
         result = generate_with_mode(model, settings.model, prompt_ids, params, sorted(eos), args)
     else:
         result = generate(model, prompt_ids, params, eos_ids=sorted(eos), path=args.path)
+    return _print_generation(args, settings, tokenizer, result)
+
+
+def _print_generation(
+    args: argparse.Namespace, settings: Settings, tokenizer: Tokenizer | None, result: Generation
+) -> int:
+    from common.tokenizer import Tokenizer
+
     text = None
     if tokenizer is None:
         try:
