@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,62 +34,14 @@ from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
 from common.rpc.convert import KvTargetInfo
-from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from common.sampling import SamplingParams, make_generator, sample
 from services.decode.plan import DecodePlan, WritePlan, send_plan
 from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import EngineConfig, RankRuntime, init_group
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
+from services.decode.stream import EngineError, Load, Reservation, TokenEvent, TokenStream
 
 _IDLE_WAIT_S = 0.05
-
-
-class EngineError(RuntimeError):
-    """The decode group failed; pending and future requests get this error."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    request_id: str
-    block_size: int
-    block_tables: list[list[int]]  # one per rank (identical unless SP splits tokens)
-    latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token: SampledToken | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
-    logits: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Load:
-    running: int
-    waiting: int
-    reserved: int
-    blocks_used: int
-    blocks_total: int
-    block_size: int
-
-
-class TokenStream:
-    """Iterator over a request's TokenEvents; ends after the event with a finish_reason."""
-
-    def __init__(self) -> None:
-        self._q: queue.Queue[TokenEvent] = queue.Queue()
-
-    def put(self, event: TokenEvent) -> None:
-        self._q.put(event)
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        while True:
-            event = self._q.get()
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    def get(self, timeout: float | None = None) -> TokenEvent:
-        return self._q.get(timeout=timeout)
 
 
 @dataclass

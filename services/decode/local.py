@@ -20,8 +20,9 @@ from common.kv.transfer import cut_shard
 from common.model.model import DeepseekForCausalLM
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 from common.serving_model import load_serving_model, side_file_path
-from services.decode.engine import DecodeEngine, TokenEvent, TokenStream
+from services.decode.engine import DecodeEngine
 from services.decode.runtime import EngineConfig
+from services.decode.stream import TokenEvent, TokenStream
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,10 @@ from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import params_from_pb, target_to_pb, token_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.sampling import SamplingError
-from services.decode.engine import DecodeEngine, EngineError
+from services.decode.engine import DecodeEngine
 from services.decode.runtime import EngineConfig
 from services.decode.scheduler import SchedulerError
+from services.decode.stream import EngineError
 
 
 def as_tpla_error(exc: Exception) -> TplaError:

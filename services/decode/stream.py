@@ -1,0 +1,63 @@
+"""What the decode engine hands its callers: reservations, token events and streams, load.
+
+Plain data, shared by the engine, its gRPC servicer and the local driver.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from common.sampling import SampledToken
+
+
+class EngineError(RuntimeError):
+    """The decode group failed; pending and future requests get this error."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    block_size: int
+    block_tables: list[list[int]]  # one per rank (identical unless SP splits tokens)
+    latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: SampledToken | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
+    logits: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+    reserved: int
+    blocks_used: int
+    blocks_total: int
+    block_size: int
+
+
+class TokenStream:
+    """Iterator over a request's TokenEvents; ends after the event with a finish_reason."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[TokenEvent] = queue.Queue()
+
+    def put(self, event: TokenEvent) -> None:
+        self._q.put(event)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            event = self._q.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def get(self, timeout: float | None = None) -> TokenEvent:
+        return self._q.get(timeout=timeout)
