@@ -13,8 +13,9 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 import redis
@@ -32,6 +33,8 @@ from services.decode.engine import DecodeEngine
 from services.decode.runtime import EngineConfig
 from services.decode.scheduler import SchedulerError
 from services.decode.stream import EngineError
+
+T = TypeVar("T")
 
 
 def as_tpla_error(exc: Exception) -> TplaError:
@@ -56,18 +59,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.token and dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != self.token:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
 
-    def _fail(self, context: grpc.ServicerContext, exc: Exception) -> None:
-        err = as_tpla_error(exc)
-        context.abort(err.grpc_code, err.message)
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        """Check the caller, run an engine call; any failure aborts with its typed status."""
+        self._guard(context)
+        try:
+            return fn()
+        except Exception as exc:  # every failure becomes a typed status
+            err = as_tpla_error(exc)
+            context.abort(err.grpc_code, err.message)
+            raise  # unreachable: abort raises; kept so the type checker sees no fall-through
 
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveResponse:
-        self._guard(context)
-        try:
-            res = self.engine.reserve(request.request_id, request.prompt_len, request.max_tokens)
-        except Exception as exc:  # every failure becomes a typed status
-            self._fail(context, exc)
+        res = self._call(
+            context,
+            lambda: self.engine.reserve(request.request_id, request.prompt_len, request.max_tokens),
+        )
         cfg = self.engine.cfg
         layout = self.engine.runtime.layout
         targets = [target_to_pb(t) for t in self.engine.kv_targets(res, request.prompt_len)]
@@ -84,13 +92,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.GenerateEvent]:
-        self._guard(context)
         rid = request.request_id
-        try:
-            params = params_from_pb(request.params)
-            stream = self.engine.generate(rid, token_from_pb(request.first_token).token_id, params)
-        except Exception as exc:
-            self._fail(context, exc)
+        stream = self._call(
+            context,
+            lambda: self.engine.generate(
+                rid, token_from_pb(request.first_token).token_id, params_from_pb(request.params)
+            ),
+        )
         # A client that goes away (router abort, disconnect) frees the request's blocks.
         context.add_callback(lambda: self._abort_quietly(rid))
         for event in stream:
@@ -107,24 +115,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Abort(
         self, request: decode_pb2.AbortRequest, context: grpc.ServicerContext
     ) -> decode_pb2.AbortResponse:
-        self._guard(context)
-        try:
-            return decode_pb2.AbortResponse(found=self.engine.abort(request.request_id))
-        except Exception as exc:
-            self._fail(context, exc)
-            raise
+        found = self._call(context, lambda: self.engine.abort(request.request_id))
+        return decode_pb2.AbortResponse(found=found)
 
     def GetLoad(
         self, request: common_pb2.Empty, context: grpc.ServicerContext
     ) -> decode_pb2.DecodeLoad:
-        self._guard(context)
-        try:
-            load = self.engine.load()
-        except Exception as exc:
-            self._fail(context, exc)
-            raise
+        load = self._call(context, self.engine.load)
         par = self.engine.cfg.parallel
-        mode = par.name
         return decode_pb2.DecodeLoad(
             running=load.running,
             waiting=load.waiting,
@@ -134,7 +132,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             block_size=load.block_size,
             tp=par.tp,
             latent_groups=par.latent_groups,
-            parallel=mode,
+            parallel=par.name,
         )
 
 
