@@ -20,9 +20,17 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     protos = sorted(str(p.name) for p in (ROOT / "proto").glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
-    code = protoc.main(["protoc", f"-I{ROOT / 'proto'}", f"-I{include}",
-                        f"--python_out={OUT}", f"--grpc_python_out={OUT}",
-                        f"--pyi_out={OUT}", *protos])
+    code = protoc.main(
+        [
+            "protoc",
+            f"-I{ROOT / 'proto'}",
+            f"-I{include}",
+            f"--python_out={OUT}",
+            f"--grpc_python_out={OUT}",
+            f"--pyi_out={OUT}",
+            *protos,
+        ]
+    )
     if code:
         return code
     for path in OUT.glob("*_pb2*.py*"):
