@@ -18,8 +18,11 @@ def test_round_robin_bookkeeping(total: int, chunk: int, ranks: int) -> None:
         owner = chunk_owner(pos, chunk, ranks)
         assert local_index(pos, chunk, ranks) == len(seen[owner])  # contiguous local order
         seen[owner].append(pos)
+    lengths = [local_length(total, r, chunk, ranks) for r in range(ranks)]
+    # A growing sequence stays balanced: no rank holds more than one chunk more than another.
+    assert max(lengths) - min(lengths) <= chunk
     for r in range(ranks):
-        assert local_length(total, r, chunk, ranks) == len(seen[r])
+        assert lengths[r] == len(seen[r])
         flat = [p for lo, hi in owned_ranges(total, r, chunk, ranks) for p in range(lo, hi)]
         assert flat == seen[r]
 
