@@ -25,12 +25,6 @@ class Generation:
     finish_reason: str  # "stop" (eos / stop id) or "length"
 
 
-def _finished(tok: SampledToken, params: SamplingParams, eos_ids: frozenset[int]) -> bool:
-    return tok.token_id in params.stop_token_ids or (
-        not params.ignore_eos and tok.token_id in eos_ids
-    )
-
-
 def generate(
     model: DeepseekForCausalLM,
     prompt_ids: Sequence[int],
@@ -69,7 +63,7 @@ def generate(
         tok = sample(logits, params, gen)
         tokens.append(tok)
         seq.append(tok.token_id)
-        if _finished(tok, params, eos):
+        if params.is_stop(tok.token_id, eos):
             reason = "stop"
             break
         if len(tokens) >= params.max_tokens:

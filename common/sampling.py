@@ -7,6 +7,7 @@ which other requests share its batch.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def is_stop(self, token_id: int, eos_ids: Collection[int]) -> bool:
+        """Whether generating `token_id` ends the request (stop ids, or EOS unless ignored)."""
+        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in eos_ids)
 
 
 @dataclass(frozen=True)

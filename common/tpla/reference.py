@@ -310,7 +310,7 @@ def generate(
     while True:
         tok = sample(logits, params, gen)
         tokens.append(tok)
-        if tok.token_id in params.stop_token_ids or (not params.ignore_eos and tok.token_id in eos):
+        if params.is_stop(tok.token_id, eos):
             reason = "stop"
             break
         if len(tokens) >= params.max_tokens:
