@@ -81,8 +81,9 @@ def measure(
             for stream in running:
                 for _ in stream:
                     pass
-            times = engine.step_seconds[2:] or engine.step_seconds  # skip warm-up steps
-            per_step = (comm.bytes - comm_before) // max(len(engine.step_seconds), 1)
+            recorded = list(engine.step_seconds)
+            times = recorded[2:] or recorded  # skip warm-up steps
+            per_step = (comm.bytes - comm_before) // max(len(recorded), 1)
             per_seq = (
                 cache.bytes_per_token_per_layer
                 * cache.num_layers

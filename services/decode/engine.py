@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -95,7 +96,19 @@ class DecodeEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self.step_seconds: list[float] = []  # recent step times, for load reports and bench
+        # Recent step times (metrics, bench); bounded so the loop never grows or copies it.
+        self.step_seconds: deque[float] = deque(maxlen=100)
+        # Rank k's logits are padded to a common width for the gather; these columns of the
+        # gathered row are the real vocabulary, in order. Computed once, used every step.
+        padded = self.runtime.model.vocab_size_padded
+        self._vocab_columns = torch.cat(
+            [
+                k * padded + torch.arange(len(chunk))
+                for k, chunk in enumerate(
+                    torch.tensor_split(torch.arange(self.vocab_size), cfg.parallel.tp)
+                )
+            ]
+        )
         self._thread = threading.Thread(target=self._loop, name="decode-leader", daemon=True)
         self._thread.start()
 
@@ -177,7 +190,7 @@ class DecodeEngine:
         def run() -> None:
             seq = self.scheduler.start(request_id, first_token)
             self._active[request_id] = _Active(params, stream, make_generator(params, stream=1))
-            if self._stops(first_token, params):
+            if params.is_stop(first_token, self.eos_token_ids):
                 self._finish(request_id, "stop")
             elif seq.max_tokens <= 1:
                 self._finish(request_id, "length")
@@ -329,11 +342,11 @@ class DecodeEngine:
             logits = torch.cat(parts, dim=1)
         else:
             logits = local
-        logits = self._unpad_vocab(logits)
+        logits = logits[:, self._vocab_columns]
         for row, seq in enumerate(batch):
             active = self._active[seq.request_id]
             tok = sample(logits[row], active.params, active.generator)
-            stop = self._stops(tok.token_id, active.params)
+            stop = active.params.is_stop(tok.token_id, self.eos_token_ids)
             done_len = len(seq.generated) + 1 >= seq.max_tokens
             reason = "stop" if stop else ("length" if done_len else None)
             kept = logits[row].clone() if self.cfg.record_logits else None
@@ -341,21 +354,7 @@ class DecodeEngine:
             self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)
             if reason is not None:
                 del self._active[seq.request_id]
-        self.step_seconds = [*self.step_seconds[-99:], time.perf_counter() - t0]
-
-    def _unpad_vocab(self, logits: Tensor) -> Tensor:
-        sizes = [
-            len(c) for c in torch.tensor_split(torch.arange(self.vocab_size), self.cfg.parallel.tp)
-        ]
-        padded = self.runtime.model.vocab_size_padded
-        return torch.cat(
-            [logits[:, k * padded : k * padded + size] for k, size in enumerate(sizes)], dim=1
-        )
-
-    def _stops(self, token: int, params: SamplingParams) -> bool:
-        return token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        )
+        self.step_seconds.append(time.perf_counter() - t0)
 
     def _finish(self, request_id: str, reason: str) -> None:
         self.scheduler.finish(request_id)

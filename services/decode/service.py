@@ -173,7 +173,7 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
 
     def read() -> dict[str, float]:
         load = engine.load()
-        steps = engine.step_seconds[-20:]
+        steps = list(engine.step_seconds)[-20:]
         return {
             "tpla:num_requests_running": load.running,
             "tpla:num_requests_waiting": load.waiting,
