@@ -86,7 +86,13 @@ async def _run(
         res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens)
         assert [t.rank for t in res.targets] == [0, 1]
         out = await prefill.prefill(rid, prompt, GREEDY, res, transport=transport)
-        assert out.transfer_bytes > 0
+        # Exactly each rank's part: its tokens (SP: its chunks) x its latent width + d_r, fp32.
+        expected = 0
+        for t in res.targets:
+            ranges = list(zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True))
+            tokens = sum(hi - lo for lo, hi in ranges) if ranges else len(prompt)
+            expected += tokens * res.num_layers * (t.latent_width + res.rope_width) * 4
+        assert out.transfer_bytes == expected
         tokens = [out.first_token.token_id]
         async for event in decode.generate(rid, out.first_token, GREEDY):
             if event.token is not None:
