@@ -185,6 +185,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ds.add_argument("--json", action="store_true")
     ds.set_defaults(func=cmd_bench_decode_step)
+    from common.bench.cli import add_bench_commands
+
+    add_bench_commands(bsub)
 
 
 def _common(p: argparse.ArgumentParser) -> None:

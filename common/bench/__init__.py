@@ -1,0 +1,1 @@
+"""`tpla bench …`: measurements reported as ratios from one run on one machine."""
