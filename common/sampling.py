@@ -67,7 +67,8 @@ def make_generator(
     if params.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed * 1_000_003 + stream)
+        # Mixed into torch's 64-bit seed space: any int64 seed is valid, none overflows.
+        gen.manual_seed((params.seed * 1_000_003 + stream) % 2**64)
     return gen
 
 

@@ -3,19 +3,24 @@
 Everything here runs before or around a route: `GuardMiddleware` rejects unauthenticated
 /v1/* calls (401) and oversized bodies (413) before any parsing; `require_json` rejects other
 content types (415); `install_error_handlers` turns every TplaError, validation error and
-routing error into an OpenAI error body; `SSEResponse` guarantees its pipeline is closed.
+routing error into an OpenAI error body, and makes /openapi.json say so;
+`SSEResponse` guarantees its pipeline is closed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,8 +32,10 @@ from common.errors import (
     PayloadTooLarge,
     TplaError,
     Unauthorized,
+    Unavailable,
     UnsupportedMediaType,
 )
+from services.router.responses import DOCUMENTED_MODELS, SUCCESS_DOCS
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +43,9 @@ MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 1
 
 
-def error_response(exc: TplaError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, Overloaded) else None
+def error_response(exc: TplaError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if isinstance(exc, Overloaded):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(exc.openai_body(), status_code=exc.http_status, headers=headers)
 
 
@@ -45,7 +53,10 @@ class GuardMiddleware:
     """Before any route: API-key check on /v1/* and /admin/* (401) and the body limit (413)."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[bytes, ...], max_body: int) -> None:
-        self.app, self.api_keys, self.max_body = app, api_keys, max_body
+        self.app, self.max_body = app, max_body
+        # Digests, not keys: equal-length values to compare, so timing reveals not even a
+        # key's length, and the keys themselves are not kept in this object.
+        self._key_digests = tuple(hashlib.sha256(k).digest() for k in api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -53,9 +64,10 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         # Admin endpoints expose request records and worker pids: same keys as the API.
         protected = scope["path"].startswith(("/v1/", "/admin/"))
-        if self.api_keys and protected and not self._authorized(headers):
+        if self._key_digests and protected and not self._authorized(headers):
             err = Unauthorized("missing or invalid API key", code="invalid_api_key")
-            return await error_response(err)(scope, receive, send)
+            challenge = {"WWW-Authenticate": "Bearer"}
+            return await error_response(err, challenge)(scope, receive, send)
         too_large = PayloadTooLarge(
             f"request body exceeds {self.max_body} bytes", code="body_too_large"
         )
@@ -87,10 +99,11 @@ class GuardMiddleware:
 
     def _authorized(self, headers: dict[str, bytes]) -> bool:
         scheme, _, key = headers.get("authorization", b"").partition(b" ")
+        digest = hashlib.sha256(key.strip()).digest()
         # Compare against every key without early exit: timing reveals nothing.
         ok = False
-        for candidate in self.api_keys:
-            ok |= hmac.compare_digest(key.strip(), candidate)
+        for candidate in self._key_digests:
+            ok |= hmac.compare_digest(digest, candidate)
         return ok and scheme.lower() == b"bearer"
 
 
@@ -119,6 +132,38 @@ async def require_json(request: Request) -> None:
         )
 
 
+# Type-mismatch errors pydantic reports for each member of a union ("not a string", "not a
+# list"): when another error explains the failure better, that one is reported.
+_MISMATCH_TYPES = frozenset(
+    {"string_type", "list_type", "dict_type", "int_type", "float_type", "bool_type", "model_type"}
+)
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _param(loc: Sequence[int | str]) -> str | None:
+    # pydantic names union members in locations (`str`, `list[int]`, `function-after[...]`);
+    # they are not parameter names.
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p))
+    ]
+    return ".".join(parts) or None
+
+
+def validation_error_body(exc: RequestValidationError) -> InvalidRequest:
+    """The one error a client sees for a body that failed validation."""
+    errors = list(exc.errors())
+    if not errors:
+        return InvalidRequest("invalid request")
+    if errors[0].get("type") == "json_invalid":
+        return InvalidRequest("request body is not valid JSON")
+    best = next((e for e in errors if e.get("type") not in _MISMATCH_TYPES), errors[0])
+    param = _param(best.get("loc", ()))
+    msg = str(best.get("msg", "invalid request")).removeprefix("Value error, ")
+    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def tpla_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, TplaError)
@@ -126,22 +171,27 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error_response(InvalidRequest("request body is not valid JSON"))
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        param = ".".join(loc) or None
-        text = f"{param}: {msg}" if param else msg
-        return error_response(InvalidRequest(text, param=param))
+        return error_response(validation_error_body(exc))
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        headers = dict(exc.headers) if exc.headers else None  # e.g. Allow on a 405
         if exc.status_code == 404:
-            return error_response(NotFound(str(exc.detail)))
+            return error_response(NotFound(str(exc.detail)), headers)
         if exc.status_code == 405:
-            return error_response(MethodNotAllowed(str(exc.detail)))
-        return error_response(InvalidRequest(str(exc.detail)))
+            return error_response(MethodNotAllowed(str(exc.detail)), headers)
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # Invalid UTF-8, JSON nested too deeply, a number too long to parse.
+            return error_response(
+                InvalidRequest("request body is not valid UTF-8 JSON (or is nested too deeply)")
+            )
+        return error_response(InvalidRequest(str(exc.detail)), headers)
+
+    async def redis_error(_: Request, exc: Exception) -> JSONResponse:
+        # Request records live in Redis: while it is unreachable (or refuses our password)
+        # that is an unavailable dependency, not a bug in the router.
+        log.warning("Redis error in the router: %s", exc)
+        return error_response(Unavailable(f"request store unavailable ({type(exc).__name__})"))
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in the router", exc_info=exc)
@@ -150,4 +200,64 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(TplaError, tpla_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(redis.RedisError, redis_error)
     app.add_exception_handler(Exception, unexpected)
+    document_responses(app)
+
+
+# -- /openapi.json ----------------------------------------------------------------------------
+
+_ERROR_DOCS = {
+    "400": "invalid request (bad JSON, parameter, context length); never 422",
+    "401": "missing or invalid API key (when TPLA_API_KEYS is set)",
+    "404": "unknown model (code model_not_found) or record",
+    "413": f"request body larger than {MAX_BODY_BYTES} bytes",
+    "415": "Content-Type is not application/json",
+    "429": "admission limit reached; retry after Retry-After seconds",
+    "500": "internal error",
+    "503": "no healthy worker, or a worker failed",
+    "504": "the request timed out",
+}
+
+
+def _errors_for(path: str, op: dict[str, Any]) -> list[str]:
+    statuses = ["500"]
+    if path.startswith(("/v1/", "/admin/")):
+        statuses += ["401", "503"]  # 503: Redis (records, registry) unreachable
+    if "parameters" in op or "requestBody" in op:
+        statuses += ["400", "404"]
+    if "requestBody" in op:  # the generation routes
+        statuses += ["413", "415", "429", "503", "504"]
+    return statuses
+
+
+def document_responses(app: FastAPI) -> None:
+    """Make /openapi.json describe what the routes and the handlers above really send: OpenAI
+    error bodies (never FastAPI's 422) and the success bodies in responses.SUCCESS_DOCS."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()  # FastAPI caches this very dict in app.openapi_schema
+        _, defs = models_json_schema(
+            [(m, "serialization") for m in DOCUMENTED_MODELS],
+            ref_template="#/components/schemas/{model}",
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs.get("$defs", {}))
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+        for path, ops in schema.get("paths", {}).items():
+            for method, op in ops.items():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                responses.update(SUCCESS_DOCS.get((method, path), {}))
+                for status in _errors_for(path, op):
+                    responses.setdefault(
+                        status, {"description": _ERROR_DOCS[status], "content": error}
+                    )
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -20,6 +20,7 @@ from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256
 _FALLBACK_CONTEXT = 4096  # ModelConfig's default when config.json does not say
+MAX_ECHOED_NAME = 128  # an error message need not repeat a megabyte of model name
 
 
 def context_limit(model_dir: str | Path) -> int:
@@ -54,7 +55,7 @@ def new_request_id(prefix: str) -> str:
 def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -> GenerationRequest:
     _check_model(body.model, info)
     try:
-        messages = [ChatMessage(m.role, m.text) for m in body.messages]
+        messages = [ChatMessage(m.template_role, m.text) for m in body.messages]
         prompt_ids = info.tokenizer.encode_chat(messages)
     except TokenizerError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
@@ -97,8 +98,9 @@ def prepare_completion(
 
 def _check_model(model: str, info: ModelInfo) -> None:
     if model != info.served_name:
+        shown = model if len(model) <= MAX_ECHOED_NAME else model[:MAX_ECHOED_NAME] + "..."
         raise NotFound(
-            f"The model `{model}` does not exist. Available: `{info.served_name}`.",
+            f"The model `{shown}` does not exist. Available: `{info.served_name}`.",
             param="model",
             code="model_not_found",
         )
@@ -117,7 +119,9 @@ def _build(
 ) -> GenerationRequest:
     limit = info.max_model_len
     if not prompt_ids:
-        raise InvalidRequest("the prompt is empty", param="prompt")
+        raise InvalidRequest(
+            "the prompt is empty", param="messages" if prefix == "chatcmpl" else "prompt"
+        )
     if len(prompt_ids) >= limit:
         raise InvalidRequest(
             f"This model's maximum context length is {limit} tokens. However, your prompt "
@@ -156,7 +160,7 @@ def _build(
         prompt_ids=tuple(prompt_ids),
         params=params,
         stops=body.stop_list,
-        stream=body.stream,
+        stream=bool(body.stream),
         want_logprobs=want_logprobs,
         arrival=arrival,
         prompt_text=prompt_text,

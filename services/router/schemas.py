@@ -1,48 +1,103 @@
 """OpenAI-compatible request and response bodies (pydantic lives here, at the HTTP edge only).
 
 Requests are validated here and converted by the pipeline into `SamplingParams` and plain
-dataclasses; nothing past the route handlers sees a pydantic model. Unknown fields are
-ignored (as vLLM does), but fields we cannot honour (n > 1, echo, penalties) are rejected
-with a clear 400 instead of being silently dropped.
+dataclasses; nothing past the route handlers sees a pydantic model. Validation is strict, as
+OpenAI's is: `true`, `"5"` or `5.0` is not an integer and `"true"` is not a boolean. Unknown
+fields are ignored (as vLLM does), but OpenAI fields we cannot honour (n > 1, echo, penalties,
+tools, response formats, logit bias, ...) are rejected with a clear 400 instead of being
+silently dropped. Strings must be valid Unicode: JSON can smuggle lone surrogates (`"\\ud800"`)
+that no tokenizer, log line or Redis record can encode.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed travels as a protobuf int64
+
+
+def _valid_unicode(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (lone surrogates are not allowed)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+# OpenAI parameters we do not implement, and the values that mean "not used" (accepted).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+def _unsupported(description: str) -> Any:
+    return Field(None, description=f"not supported: {description}")
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="default 1.0")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="default 1.0")
-    top_k: int = Field(0, ge=-1, description="vLLM extension; 0 or -1 = disabled")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, allow_inf_nan=False, description="default 1.0"
+    )
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, allow_inf_nan=False, description="default 1.0"
+    )
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="vLLM extension; 0 or -1 = disabled")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Text | list[Text] | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
-    n: int = 1
+    user: Text | None = Field(None, max_length=256)
+    n: int | None = Field(1, description="only 1 is supported")
     ignore_eos: bool = Field(False, description="vLLM extension")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(
+        0.0, allow_inf_nan=False, description="only 0 is supported"
+    )
+    frequency_penalty: float | None = Field(
+        0.0, allow_inf_nan=False, description="only 0 is supported"
+    )
+    logit_bias: dict[str, Any] | None = _unsupported("only {} or null")
 
     @field_validator("n")
     @classmethod
-    def _single_choice(cls, v: int) -> int:
-        if v != 1:
+    def _single_choice(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
             raise ValueError("n > 1 is not supported" if v > 1 else "n must be 1")
         return v
 
@@ -58,9 +113,17 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
+    def _no_penalties(cls, v: float | None) -> float | None:
+        if v:
             raise ValueError("presence/frequency penalties are not supported")
+        return v
+
+    @field_validator(*_UNSUPPORTED, mode="after", check_fields=False)
+    @classmethod
+    def _not_implemented(cls, v: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        if v not in _UNSUPPORTED[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by this server")
         return v
 
     @model_validator(mode="after")
@@ -79,14 +142,19 @@ class _SamplingRequest(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessageIn(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    # "developer" is OpenAI's newer name for "system"; the chat template sees "system".
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -94,10 +162,14 @@ class ChatMessageIn(BaseModel):
         if isinstance(v, list):
             for part in v:
                 if isinstance(part, dict) and part.get("type") != "text":
-                    raise ValueError(
-                        f"content part type {part.get('type')!r} is not supported; only 'text'"
-                    )
+                    kind = part.get("type")
+                    shown = repr(kind) if isinstance(kind, str) and kind.isprintable() else "?"
+                    raise ValueError(f"content part type {shown} is not supported; only 'text'")
         return v
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
     @property
     def text(self) -> str:
@@ -111,6 +183,16 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = _unsupported("only [] or null")
+    tool_choice: Any = _unsupported('only "none" or null')
+    parallel_tool_calls: bool | None = Field(None, description="accepted; no tools are called")
+    functions: list[Any] | None = _unsupported("only [] or null")
+    function_call: Any = _unsupported('only "none" or null')
+    response_format: dict[str, Any] | None = _unsupported('only {"type": "text"} or null')
+    audio: Any = _unsupported("only null")
+    modalities: list[Any] | None = _unsupported('only ["text"] or null')
+    prediction: Any = _unsupported("only null")
+    web_search_options: Any = _unsupported("only null")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -124,16 +206,19 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False
+    best_of: int | None = _unsupported("only 1 or null")
+    suffix: Text | None = _unsupported('only "" or null')
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, v: Any) -> Any:
         if isinstance(v, str):
             return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and t >= 0 for t in v):
+        # bool is an int subclass, but `true` is not a token id.
+        if isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v):
             return v
         if isinstance(v, list) and v and all(isinstance(t, str) for t in v):
             raise ValueError("batched prompts are not supported; send one prompt per request")
@@ -141,7 +226,7 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
+    def _no_echo(cls, v: bool | None) -> bool | None:
         if v:
             raise ValueError("echo is not supported")
         return v
@@ -247,3 +332,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx the router sends (and an SSE error event): OpenAI's error body."""
+
+    error: ErrorDetail

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from common.settings import Settings
 from services.router.app import create_app
@@ -121,3 +122,23 @@ def test_models_convert_cleanly() -> None:
     assert req.stop_list == ("x",) and req.token_limit == 5 and req.messages[0].text == "ab"
     comp = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "stop": None})
     assert comp.stop_list == () and comp.token_limit is None and not comp.include_usage
+
+
+def test_developer_role_strict_types_and_unicode_at_the_model_level() -> None:
+    req = ChatCompletionRequest.model_validate(
+        chat(messages=[{"role": "developer", "content": "x"}], n=None, stream=None)
+    )
+    assert req.messages[0].template_role == "system" and req.messages[0].role == "developer"
+    assert req.n is None and not req.stream and not req.include_usage
+    for bad in (
+        chat(max_tokens=True),
+        chat(max_tokens="3"),
+        chat(stream=1),
+        chat(temperature=float("nan")),
+        chat(messages=[{"role": "user", "content": "\udc00"}]),
+        chat(tools=[{"type": "function"}]),
+    ):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(bad)
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": [1, False]})
