@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve loadtest lint format clean
+.PHONY: install test serve loadtest soak lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ LOADTEST_HOST ?= http://127.0.0.1:8000
 LOADTEST_ARGS ?=
 loadtest: install
 	OMP_NUM_THREADS=1 $(BIN)/python loadtest/run.py --host $(LOADTEST_HOST) $(LOADTEST_ARGS)
+
+# 10 minutes of mixed load with a kill -9 every minute; report in benchmarks/soak.{md,json}.
+SOAK_ARGS ?=
+soak: install
+	OMP_NUM_THREADS=1 $(BIN)/python loadtest/soak.py $(SOAK_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

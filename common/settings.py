@@ -5,6 +5,10 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# A decode rank k receives KV over gRPC on kv_port_base + k and, for the torch transport,
+# serves a TCPStore on kv_port_base + TORCH_PORT_OFFSET + k.
+TORCH_PORT_OFFSET = 100
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TPLA_", extra="ignore")
@@ -31,6 +35,10 @@ class Settings(BaseSettings):
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
     lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
 
+    # -- local stack (`tpla serve`) ------------------------------------------------------------
+    decode_groups: int = Field(1, ge=1, description="decode groups `tpla serve` starts")
+    prefill_workers: int = Field(1, ge=1, description="prefill workers `tpla serve` starts")
+
     # -- network ---------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="interface the services bind")
     router_port: int = Field(8000)
@@ -41,12 +49,19 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(None, description="unset: `tpla serve` embeds a Redis")
     transport: str = Field("grpc", description="KV transfer: grpc | torch")
     internal_token: SecretStr | None = Field(None, description="shared token on internal gRPC")
-    api_keys: str | None = Field(None, description="comma-separated router API keys")
+    api_keys: SecretStr | None = Field(None, description="comma-separated router API keys")
 
     # -- router admission --------------------------------------------------------------------
     max_inflight: int = Field(64, ge=1, description="requests in flight per router")
+    max_waiting: int = Field(256, ge=0, description="admitted requests waiting for a slot")
+    queue_timeout_s: float = Field(30.0, gt=0, description="longest wait for a slot or KV")
+    max_inflight_per_group: int = Field(64, ge=1, description="per decode group, per router")
     routing_policy: str = Field("least-loaded", description="least-loaded | round-robin")
     request_timeout_s: float = Field(300.0, gt=0)
+    # A stream that stalls this long (a hung rank, a stopped process) fails instead of hanging.
+    token_timeout_s: float = Field(30.0, gt=0, description="longest gap between two tokens")
+    transfer_timeout_s: float = Field(30.0, gt=0, description="deadline of one KV push")
+    migrate: bool = Field(True, description="move a stream to another group if its group dies")
     heartbeat_s: float = Field(2.0, gt=0)
     worker_ttl_s: float = Field(10.0, gt=0)
     log_prompts: bool = Field(False, description="log prompts and outputs (off by default)")

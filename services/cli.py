@@ -75,14 +75,13 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     torch.set_num_threads(s.torch_threads)
-    serve_decode(
+    return serve_decode(
         engine_config(s),
         s.decode_port,
         s.redis_url,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
     )
-    return 0
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
@@ -104,6 +103,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         dtype=s.dtype,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
+        transfer_timeout_s=s.transfer_timeout_s,
     )
     return 0
 

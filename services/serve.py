@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from common.embedded_redis import EmbeddedRedis
-from common.settings import Settings
+from common.metrics import METRICS_PORT_OFFSET
+from common.ports import free_port
+from common.settings import TORCH_PORT_OFFSET, Settings
 
 STOP_GRACE_S = 5.0
 MAX_RESTARTS = 3
@@ -76,6 +79,45 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
     return env
 
 
+# Port strides between the instances of one kind, so groups and workers never collide: a
+# decode group uses its gRPC port (+1000 metrics), tp KV receivers and tp TCPStores
+# (kv base + rank, + 100 + rank) and one rendezvous port.
+DECODE_PORT_STRIDE = 1
+KV_PORT_STRIDE = 200
+DIST_PORT_STRIDE = 10
+PREFILL_PORT_STRIDE = 1
+
+
+def stack_children(s: Settings) -> list[Child]:
+    """The local stack's processes: decode groups, prefill workers, then the router."""
+    decode = [s.decode_port + i * DECODE_PORT_STRIDE for i in range(s.decode_groups)]
+    kv = [s.kv_port_base + i * KV_PORT_STRIDE for i in range(s.decode_groups)]
+    dist = [s.dist_port + i * DIST_PORT_STRIDE for i in range(s.decode_groups)]
+    prefill = [s.prefill_port + j * PREFILL_PORT_STRIDE for j in range(s.prefill_workers)]
+    used = [
+        s.router_port,
+        *decode,
+        *(p + METRICS_PORT_OFFSET for p in (*decode, *prefill)),
+        *(base + off + r for base in kv for off in (0, TORCH_PORT_OFFSET) for r in range(s.tp)),
+        *dist,
+        *prefill,
+    ]
+    if len(set(used)) != len(used):
+        raise ValueError(
+            f"{s.decode_groups} decode groups and {s.prefill_workers} prefill workers need "
+            "more room between the configured ports (TPLA_*_PORT, TPLA_KV_PORT_BASE)"
+        )
+    groups = [
+        Child(
+            f"decode-{i}",
+            ["decode", "--port", str(d), "--kv-port-base", str(k), "--dist-port", str(m)],
+        )
+        for i, (d, k, m) in enumerate(zip(decode, kv, dist, strict=True))
+    ]
+    workers = [Child(f"prefill-{j}", ["prefill", "--port", str(p)]) for j, p in enumerate(prefill)]
+    return [*groups, *workers, Child("router", ["router"])]
+
+
 def wait_ready(url: str, children: list[Child], timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -112,15 +154,22 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
     redis_server = None
     redis_url = s.redis_url
     if not redis_url:
-        redis_server = EmbeddedRedis(port=6399 if s.router_port == 8000 else s.router_port + 1399)
+        # The default stack's Redis has a well-known port; any other stack (tests, benchmarks
+        # on free ports) takes a free one.
+        # A random password: any local user can reach a loopback port. Children get the URL
+        # in their environment, never on a command line.
+        redis_server = EmbeddedRedis(
+            port=6399 if s.router_port == 8000 else free_port(),
+            password=secrets.token_urlsafe(24),
+        )
         redis_url = redis_server.url
-        print(f"embedded redis-server on {redis_url}", flush=True)
+        print(
+            f"embedded redis-server on 127.0.0.1:{redis_server.port} (password in the "
+            "children's TPLA_REDIS_URL)",
+            flush=True,
+        )
     env = _env(s, redis_url)
-    children = [
-        Child("decode", ["decode"]),
-        Child("prefill", ["prefill"]),
-        Child("router", ["router"]),
-    ]
+    children = stack_children(s)
     url = f"http://{s.host}:{s.router_port}"
     code = 0
     try:
@@ -128,7 +177,8 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
             child.start(env)
         wait_ready(url, children)
         print(
-            f"\ntpla-serve is ready: {url}  (model {s.served_model_name!r}, decode tp={s.tp}, "
+            f"\ntpla-serve is ready: {url}  (model {s.served_model_name!r}, "
+            f"{s.decode_groups} decode group(s) of tp={s.tp}, {s.prefill_workers} prefill, "
             f"latent groups={s.latent_groups}, {s.transport} KV transport)\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f'    -d \'{{"model": "{s.served_model_name}", "messages": [{{"role": '
@@ -140,6 +190,10 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
             _smoke(url, s.served_model_name)
             return 0
         while not stop.wait(1.0):
+            if redis_server is not None and redis_server.proc.poll() is not None:
+                # Workers re-register with their next heartbeat; records start empty.
+                print("tpla serve: embedded redis-server exited; restarting it", flush=True)
+                redis_server = EmbeddedRedis(redis_server.port, redis_server.password)
             _supervise(children, env)
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
         print(f"tpla serve: {exc}", file=sys.stderr, flush=True)

@@ -15,8 +15,8 @@ sequence (continuous batching: requests join and leave between steps).
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,11 +35,12 @@ from torch import Tensor
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
+from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample
 from services.decode.plan import DecodePlan, WritePlan, send_plan
 from services.decode.rank_model import rank_latent_columns
-from services.decode.runtime import EngineConfig, RankRuntime, init_group
+from services.decode.runtime import CONFIG_ENV, EngineConfig, RankRuntime, init_group
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.stream import EngineError, Load, Reservation, TokenEvent, TokenStream
 
@@ -52,12 +54,6 @@ class _Active:
     generator: torch.Generator
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class DecodeEngine:
     def __init__(self, cfg: EngineConfig, *, eos_token_ids: tuple[int, ...] | None = None) -> None:
         if cfg.parallel.tp > 1 and cfg.master_port == 0:
@@ -65,7 +61,8 @@ class DecodeEngine:
         self.cfg = cfg
         self._followers = [
             subprocess.Popen(
-                [sys.executable, "-m", "services.decode.runtime", cfg.to_json(), str(rank)]
+                [sys.executable, "-m", "services.decode.runtime", str(rank)],
+                env={**os.environ, CONFIG_ENV: cfg.to_json()},
             )
             for rank in range(1, cfg.parallel.tp)
         ]
@@ -96,6 +93,7 @@ class DecodeEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._step_started: float | None = None  # time.monotonic() of the running step
         # Recent step times (metrics, bench); bounded so the loop never grows or copies it.
         self.step_seconds: deque[float] = deque(maxlen=100)
         # Rank k's logits are padded to a common width for the gather; these columns of the
@@ -208,7 +206,9 @@ class DecodeEngine:
 
         return self._call(run)
 
-    def load(self) -> Load:
+    def load(self, timeout: float | None = None) -> Load:
+        """The group's load; EngineError if the loop does not answer within `timeout`."""
+
         def run() -> Load:
             reserved = sum(s.state is SeqState.RESERVED for s in self.scheduler.seqs.values())
             return Load(
@@ -220,7 +220,7 @@ class DecodeEngine:
                 self.cfg.block_size,
             )
 
-        return self._call(run)
+        return self._call(run, timeout)
 
     def parameter_bytes(self) -> int:
         return self.runtime.model.parameter_bytes()
@@ -236,6 +236,12 @@ class DecodeEngine:
     @property
     def failed(self) -> BaseException | None:
         return self._error
+
+    def step_running_for(self) -> float:
+        """Seconds the current decode step has been running (0 between steps): a step that
+        never ends means a rank hangs, and the group reports itself unhealthy."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def shutdown(self) -> None:
         if not self._stop.is_set():
@@ -253,18 +259,22 @@ class DecodeEngine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         if self._error is not None:
             raise EngineError(f"decode group failed: {self._error}")
         if self._stop.is_set():
             raise EngineError("decode engine is shut down")
         fut: Future[Any] = Future()
         self._commands.put((fn, fut))
-        return fut.result()
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            raise EngineError(f"the decode loop did not answer within {timeout:g} s") from None
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                self._check_ranks()
                 self._drain_commands(block=not self.scheduler.has_work())
                 for rid in self.scheduler.expire_leases(time.monotonic()):
                     self._active.pop(rid, None)
@@ -285,6 +295,14 @@ class DecodeEngine:
             if dist.is_initialized():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
+
+    def _check_ranks(self) -> None:
+        """A follower that died fails the group now, not at the next collective: an idle
+        group would otherwise accept reservations it can never serve."""
+        for rank, proc in enumerate(self._followers, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise EngineError(f"rank {rank} exited with code {code}")
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -318,6 +336,13 @@ class DecodeEngine:
         return blocks[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
 
     def _step(self, batch: list) -> None:
+        self._step_started = time.monotonic()
+        try:
+            self._run_step(batch)
+        finally:
+            self._step_started = None
+
+    def _run_step(self, batch: list) -> None:
         t0 = time.perf_counter()
         # [R, B, max_blocks]: one table per rank in SP mode, one shared table otherwise.
         per_seq = [self.pool.tables(s.request_id) for s in batch]

@@ -1,8 +1,9 @@
 """What every decode rank runs: its config, its model share and KV pool, and its step.
 
 The leader (rank 0) and follower ranks share `RankRuntime`; only the leader schedules. A
-follower is a separate OS process started as `python -m services.decode.runtime CONFIG_JSON
-RANK`, so nothing but JSON and tensors crosses a process boundary.
+follower is a separate OS process started as `python -m services.decode.runtime RANK` with
+its config as JSON in TPLA_ENGINE_CONFIG, so nothing but JSON and tensors crosses a process
+boundary.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from common.model.tpla import RmsNormMode, latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
 from common.serving_model import load_serving_model
+from common.settings import TORCH_PORT_OFFSET
 from services.decode.plan import DecodePlan, WritePlan, recv_plan
 from services.decode.rank_model import Comm, ParallelConfig, ParallelMode, RankModel
-
-TORCH_PORT_OFFSET = 100
 
 
 @dataclass(frozen=True)
@@ -225,5 +225,9 @@ def follower_main(cfg: EngineConfig, rank: int) -> None:
     dist.destroy_process_group()
 
 
+# The leader hands a follower its config in the environment, not on the command line: the
+# config holds the internal token, and any local user can read a process's arguments.
+CONFIG_ENV = "TPLA_ENGINE_CONFIG"
+
 if __name__ == "__main__":
-    follower_main(EngineConfig.from_json(sys.argv[1]), int(sys.argv[2]))
+    follower_main(EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]))

@@ -9,6 +9,7 @@ The servicer only translates protocol types; the engine holds all the logic.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import signal
 import threading
@@ -56,7 +57,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.token = token
 
     def _guard(self, context: grpc.ServicerContext) -> None:
-        if self.token and dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != self.token:
+        if not self.token:
+            return
+        got = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) or ""
+        # Constant time: how long a wrong token takes to reject says nothing about the right one.
+        if not hmac.compare_digest(str(got).encode(), self.token.encode()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
 
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -136,15 +141,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
 
+# A decode step this long means a rank hangs (a step takes milliseconds to a second): the
+# group reports unhealthy so routers stop sending it work while its collective times out.
+STALLED_STEP_S = 10.0
+
+
 def rank_records(
     engine: DecodeEngine, address: str, group_id: str, model: str
 ) -> list[WorkerRecord]:
     """One registry record per rank process of the group (the leader reports for all)."""
+    stalled = engine.step_running_for() >= STALLED_STEP_S
     try:
-        load = engine.load()
+        # Bounded: a loop stuck in a collective must not stop the heartbeat that reports it.
+        load = engine.load(timeout=1.0)
         used, total = load.blocks_used, load.blocks_total
     except EngineError:
-        used, total = 0, engine.pool.num_blocks
+        used, total, stalled = 0, engine.pool.num_blocks, True
     par = engine.cfg.parallel
     pids = [os.getpid(), *engine.follower_pids]
     alive = engine.follower_alive()
@@ -156,7 +168,7 @@ def rank_records(
             rank=rank,
             pid=pid,
             group_id=group_id,
-            healthy=ok and engine.failed is None,
+            healthy=ok and engine.failed is None and not stalled,
             kv_blocks_used=used,
             kv_blocks_total=total,
             tp=par.tp,
@@ -203,8 +215,10 @@ def serve_decode(
     worker_ttl_s: float = 10.0,
     ready: threading.Event | None = None,
     stop: threading.Event | None = None,
-) -> None:
-    """Run the leader until SIGINT/SIGTERM (or `stop`); blocks."""
+) -> int:
+    """Run the leader until SIGINT/SIGTERM (or `stop`); blocks. Returns the exit code: 0
+    after a requested stop, 1 when the group failed (a rank died or a collective timed
+    out), so a supervisor restarts the whole group."""
     engine = DecodeEngine(cfg)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_batch * 2 + 16), options=CHANNEL_OPTIONS
@@ -234,13 +248,16 @@ def serve_decode(
     )
     if ready is not None:
         ready.set()
+    code = 0
     try:
-        while not stop.wait(0.5):
+        while not stop.wait(0.2):
             if engine.failed is not None:
                 print(f"decode group failed: {engine.failed}", flush=True)
+                code = 1
                 break
     finally:
         if heartbeat is not None:
             heartbeat.stop()
         server.stop(grace=2)
         engine.shutdown()
+    return code

@@ -7,6 +7,7 @@ The servicer only translates protocol types; `PrefillWorker` does the work.
 
 from __future__ import annotations
 
+import hmac
 import os
 import signal
 import threading
@@ -33,11 +34,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.worker = worker
         self.token = token
 
+    def _guard(self, context: grpc.ServicerContext) -> None:
+        if not self.token:
+            return
+        got = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) or ""
+        # Constant time: how long a wrong token takes to reject says nothing about the right one.
+        if not hmac.compare_digest(str(got).encode(), self.token.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
-        if self.token and dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != self.token:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+        self._guard(context)
         deadline = request.deadline_seconds or 60.0
         try:
             job = PrefillJob(
@@ -70,6 +78,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def GetLoad(
         self, request: common_pb2.Empty, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefillLoad:
+        self._guard(context)  # the load is internal state too (the router sends the token)
         return prefill_pb2.PrefillLoad(
             queued_requests=self.worker.queued_requests, queued_tokens=self.worker.queued_tokens
         )
@@ -87,6 +96,7 @@ def serve_prefill(
     dtype: str = "float32",
     heartbeat_s: float = 2.0,
     worker_ttl_s: float = 10.0,
+    transfer_timeout_s: float = 30.0,
     stop: threading.Event | None = None,
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
@@ -94,7 +104,10 @@ def serve_prefill(
     model, _ = load_serving_model(model_dir, reparam, dtype)
     registry = CollectorRegistry()
     worker = PrefillWorker(
-        model, make_sender(transport, worker_id, token), metrics=PrefillMetrics(registry)
+        model,
+        make_sender(transport, worker_id, token),
+        metrics=PrefillMetrics(registry),
+        transfer_timeout_s=transfer_timeout_s,
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)

@@ -49,8 +49,12 @@ class PrefillWorker:
         sender: KvSender,
         max_batch_tokens: int = 8192,
         metrics: PrefillMetrics | None = None,
+        transfer_timeout_s: float = 30.0,
     ) -> None:
         self.model = model
+        # One push may take at most this long even when the request allows more: a hung
+        # decode rank must fail the request, not hold this worker's pushers for minutes.
+        self.transfer_timeout_s = transfer_timeout_s
         self.metrics = metrics
         self.sender = sender
         self.max_batch_tokens = max_batch_tokens
@@ -156,10 +160,9 @@ class PrefillWorker:
             (cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size), t)
             for t in job.targets
         ]
+        timeout = min(job.deadline_s, self.transfer_timeout_s)
         futures = [
-            self._pushers.submit(
-                self.sender.send, shard, t.grpc_address, t.torch_address, job.deadline_s
-            )
+            self._pushers.submit(self.sender.send, shard, t.grpc_address, t.torch_address, timeout)
             for shard, t in shards
             if shard.n.shape[1]  # an SP rank may own none of a short prompt
         ]

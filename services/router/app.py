@@ -224,7 +224,13 @@ def create_app(
             model=settings.served_model_name,
             transport=settings.transport,
             max_inflight=settings.max_inflight,
+            max_waiting=settings.max_waiting,
+            queue_timeout_s=settings.queue_timeout_s,
+            max_inflight_per_group=settings.max_inflight_per_group,
             request_timeout_s=settings.request_timeout_s,
+            token_timeout_s=settings.token_timeout_s,
+            migrate=settings.migrate,
+            quarantine_s=settings.worker_ttl_s,
             log_prompts=settings.log_prompts,
         ),
         info.tokenizer,
@@ -249,7 +255,8 @@ def create_app(
     app.state.router = state
     app.include_router(_routes())
     install_error_handlers(app)
-    keys = tuple(k.strip().encode() for k in (settings.api_keys or "").split(",") if k.strip())
+    raw_keys = settings.api_keys.get_secret_value() if settings.api_keys else ""
+    keys = tuple(k.strip().encode() for k in raw_keys.split(",") if k.strip())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body=MAX_BODY_BYTES)
     return app
 

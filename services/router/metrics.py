@@ -61,6 +61,18 @@ class RouterMetrics:
             labels,
             registry=self.registry,
         )
+        self.waiting = Gauge(
+            "tpla:num_requests_waiting",
+            "Requests waiting in this router for an in-flight slot.",
+            labels,
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "tpla:request_migrations",
+            "Streams moved to another decode group after theirs failed.",
+            labels,
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "tpla:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
         )
@@ -87,8 +99,12 @@ class RouterMetrics:
         self.prompt_tokens.labels(self._model).inc(prompt)
         self.generation_tokens.labels(self._model).inc(generated)
 
-    def set_running(self, n: int) -> None:
-        self.running.labels(self._model).set(n)
+    def set_load(self, running: int, waiting: int) -> None:
+        self.running.labels(self._model).set(running)
+        self.waiting.labels(self._model).set(waiting)
+
+    def migrated(self) -> None:
+        self.migrations.labels(self._model).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,33 +1,42 @@
 """One request's life through the disaggregated stack (DESIGN §2), as an async generator.
 
-    admit (429 over max_inflight) -> Redis QUEUED -> pick decode group + prefill worker
-    -> Decode.Reserve                                  yield Started (HTTP headers go out)
+    admission (a slot, or a bounded FIFO wait; else 429) -> Redis QUEUED
+    -> place: a decode group with room + Decode.Reserve   yield Started (HTTP headers go out)
+       (a full group is skipped; when every group is full the request waits for room, up to
+       queue_timeout_s; a group that fails Reserve is quarantined and another one tried)
     -> PREFILLING: Prefill.Prefill (one retry on another worker if Unavailable)
     -> TRANSFERRING (KV already pushed when Prefill returns; TTFT ends) -> DECODING
     -> Decode.Generate: detokenize, apply stop strings  yield Delta ...
+       (the group dies or stalls mid-stream: migrate — re-prefill prompt + the tokens
+       generated so far on another group and continue the stream, no token lost or repeated)
     -> FINISHED                                        yield Done
 Any error -> Decode.Abort (blocks freed) + FAILED; the consumer going away (client
 disconnect, cancellation, aclose) -> Decode.Abort + ABORTED. Cleanup is shielded from
-cancellation so a disconnect can never leak a reservation or leave a record live.
+cancellation so a disconnect can never leak a reservation or leave a record live. Every
+wait is bounded: admission and room by queue_timeout_s, each token by token_timeout_s, the
+whole request by request_timeout_s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 import redis
 
 from common.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
-from common.redis_state import RequestLog, RequestState, WorkerRecord
+from common.redis_state import InvalidTransition, RequestLog, RequestState
 from common.rpc.clients import DecodeClient, PrefillResult
 from common.rpc.convert import ReservationInfo
-from common.sampling import SampledToken
+from common.sampling import SampledToken, SamplingParams
 from common.tokenizer import Tokenizer
+from services.router.admission import Admission
 from services.router.metrics import Outcome, RouterMetrics
 from services.router.policy import DecodeGroup, RoutingPolicy
 from services.router.request import Delta, Done, GenerationRequest, Output, Started
@@ -37,6 +46,8 @@ from services.router.workers import WorkerDirectory
 log = logging.getLogger(__name__)
 
 _CLEANUP_TIMEOUT_S = 5.0
+_RESERVE_TIMEOUT_S = 10.0
+_MAX_MIGRATIONS = 2  # per request: a stream that keeps killing groups is not moved forever
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,14 @@ class PipelineConfig:
     model: str
     transport: str = "grpc"
     max_inflight: int = 64
+    max_waiting: int = 256
+    queue_timeout_s: float = 30.0
+    max_inflight_per_group: int = 64
     request_timeout_s: float = 300.0
+    token_timeout_s: float = 30.0
+    migrate: bool = True
+    # How long a failed worker or group is skipped: by then its registry record has expired.
+    quarantine_s: float = 10.0
     log_prompts: bool = False
 
 
@@ -53,10 +71,13 @@ class _Run:
     """One request's bookkeeping, shared by the lifecycle steps and the cleanup."""
 
     req: GenerationRequest
+    group: DecodeGroup | None = None  # the decode group holding the request now
     decode: DecodeClient | None = None
+    reservation: ReservationInfo | None = None
     decode_live: bool = False  # the leader holds blocks for us that Abort must free
     reason: str | None = None  # the leader's finish_reason
     finished: bool = False
+    migrations: int = 0
 
 
 class Pipeline:
@@ -75,18 +96,26 @@ class Pipeline:
         self.policy = policy
         self.requests = requests
         self.metrics = metrics
-        self.inflight = 0
+        self.admission = Admission(config.max_inflight, config.max_waiting, config.queue_timeout_s)
+        # Requests this router has on each decode group right now (the per-group limit).
+        self.group_load: Counter[str] = Counter()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def inflight(self) -> int:
+        return self.admission.running
 
     async def run(self, req: GenerationRequest) -> AsyncIterator[Output]:
         """The request's outputs: Started, then Deltas, then Done. Raises TplaError."""
-        if self.inflight >= self.config.max_inflight:
+        try:
+            slot = self.admission.slot()
+            self._publish_load(waiting=1)
+            await slot.__aenter__()
+        except Overloaded:
             self.metrics.outcome(Outcome.REJECTED)
-            raise Overloaded(
-                f"too many requests in flight (limit {self.config.max_inflight})",
-                code="too_many_requests",
-            )
-        self.inflight += 1
-        self.metrics.set_running(self.inflight)
+            raise
+        finally:
+            self._publish_load()
         try:
             # aclosing: when our consumer closes us, the lifecycle must see it at once (and
             # abort), not whenever the garbage collector finalizes it.
@@ -94,32 +123,33 @@ class Pipeline:
                 async for out in outputs:
                     yield out
         finally:
-            self.inflight -= 1
-            self.metrics.set_running(self.inflight)
+            await slot.__aexit__(None, None, None)
+            self._publish_load()
+
+    def _publish_load(self, waiting: int = 0) -> None:
+        self.metrics.set_load(self.admission.running, self.admission.waiting + waiting)
 
     async def _lifecycle(self, req: GenerationRequest) -> AsyncIterator[Output]:
         run = _Run(req)
-        await self._record(
-            req.request_id,
-            None,
-            model=self.config.model,
-            prompt_tokens=len(req.prompt_ids),
-            max_tokens=req.params.max_tokens,
-            stream=int(req.stream),
-        )
+        try:
+            await self.requests.create(
+                req.request_id,
+                model=self.config.model,
+                prompt_tokens=len(req.prompt_ids),
+                max_tokens=req.params.max_tokens,
+                stream=int(req.stream),
+            )
+        except (redis.RedisError, OSError) as exc:
+            # Without its record a request could be lost without trace: refuse it instead.
+            self.metrics.outcome(Outcome.FAILED)
+            raise Unavailable(f"request store unavailable: {exc}") from exc
         if self.config.log_prompts:
             log.info("request %s prompt: %r", req.request_id, req.prompt_text)
         try:
-            group, worker = self.policy.choose(self.directory.snapshot, self.directory.pending)
-            self.directory.pending[group.group_id] += 1
-            run.decode = self.directory.decode_client(group.address)
-            reservation = await run.decode.reserve(
-                req.request_id, len(req.prompt_ids), req.params.max_tokens, timeout=10.0
-            )
-            run.decode_live = True
+            await self._place(run, len(req.prompt_ids), req.params.max_tokens)
             yield Started(req.request_id)
 
-            first = await self._prefill(req, reservation, group, worker)
+            first = await self._prefill(run, req.prompt_ids, req.params)
             text = TextStream(
                 self.tokenizer,
                 req.prompt_ids,
@@ -136,6 +166,7 @@ class Pipeline:
                         break
             if run.decode_live:  # stopped on a stop string: the leader is still generating
                 run.decode_live = False
+                assert run.decode is not None
                 await self._abort(run.decode, req.request_id)
             out = text.finish()
             if out is not None:
@@ -147,9 +178,11 @@ class Pipeline:
                 RequestState.FINISHED,
                 completion_tokens=text.count,
                 finish_reason=reason,
+                migrations=run.migrations,
                 e2e_seconds=round(time.monotonic() - req.arrival, 6),
             )
             run.finished = True
+            self._leave_group(run)
             self._finish_metrics(req, text.count, Outcome.FINISHED)
             if self.config.log_prompts:
                 log.info("request %s output: %r", req.request_id, text.text)
@@ -164,8 +197,68 @@ class Pipeline:
                 raise error from exc
             raise
 
+    async def _place(self, run: _Run, prompt_len: int, max_tokens: int) -> None:
+        """Reserve KV on a decode group with room; wait for room up to queue_timeout_s.
+
+        Full groups (this router's per-group limit, or their KV pool) are skipped; a group
+        that fails Reserve is quarantined and the next one tried. Unavailable only when no
+        healthy group exists at all.
+        """
+        rid = run.req.request_id
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        while True:
+            full = {
+                g for g, n in self.group_load.items() if n >= self.config.max_inflight_per_group
+            }
+            skip = set(self.directory.quarantined()) | full
+            while True:
+                try:
+                    group = self.policy.choose_decode(
+                        self.directory.snapshot, self.directory.pending, frozenset(skip)
+                    )
+                except Unavailable:
+                    if not self._healthy_groups_exist():
+                        raise
+                    break  # every healthy group is full: wait for room
+                self.directory.pending[group.group_id] += 1
+                client = self.directory.decode_client(group.address)
+                try:
+                    run.reservation = await client.reserve(
+                        rid, prompt_len, max_tokens, timeout=_RESERVE_TIMEOUT_S
+                    )
+                except Overloaded:  # its KV pool is full right now
+                    skip.add(group.group_id)
+                    continue
+                except (Unavailable, DeadlineExceeded) as exc:
+                    log.warning(
+                        "request %s: decode group %s failed Reserve: %s",
+                        rid,
+                        group.group_id,
+                        exc.message,
+                    )
+                    self.directory.quarantine(group.group_id, self.config.quarantine_s)
+                    skip.add(group.group_id)
+                    continue
+                run.group, run.decode, run.decode_live = group, client, True
+                self.group_load[group.group_id] += 1
+                return
+            await self.admission.room(deadline)
+
+    def _healthy_groups_exist(self) -> bool:
+        bad = self.directory.quarantined()
+        return any(g.group_id not in bad for g in self.directory.snapshot.healthy_groups())
+
+    def _leave_group(self, run: _Run) -> None:
+        if run.group is not None:
+            self.group_load[run.group.group_id] -= 1
+            if self.group_load[run.group.group_id] <= 0:
+                del self.group_load[run.group.group_id]
+            run.group = None
+            self.admission.released()
+
     async def _tokens(self, run: _Run, first: PrefillResult) -> AsyncIterator[SampledToken]:
-        """The prefill's first token, then Decode.Generate's; sets run.reason at the end."""
+        """The prefill's first token, then Decode.Generate's, migrating to another group if
+        the decode group fails mid-stream; sets run.reason at the end."""
         req = run.req
         ttft = time.monotonic() - req.arrival
         self.metrics.observe_ttft(ttft)
@@ -178,29 +271,113 @@ class Pipeline:
             ttft_seconds=round(ttft, 6),
         )
         await self._record(req.request_id, RequestState.DECODING)
-        yield first.first_token
-        assert run.decode is not None
+        generated = [first.first_token.token_id]
+        feed = first.first_token
+        yield feed
+        while True:
+            params = replace(req.params, max_tokens=req.params.max_tokens - len(generated) + 1)
+            try:
+                async with contextlib.aclosing(self._decode_stream(run, feed, params)) as tokens:
+                    async for token in tokens:
+                        generated.append(token.token_id)
+                        yield token
+                return
+            except Unavailable as exc:
+                if not self._may_migrate(run, generated):
+                    raise
+                feed = await self._migrate(run, generated, exc)
+                generated.append(feed.token_id)
+                yield feed
+
+    async def _decode_stream(
+        self, run: _Run, feed: SampledToken, params: SamplingParams
+    ) -> AsyncIterator[SampledToken]:
+        """Decode.Generate on the current group from `feed`. A group that dies, or sends
+        nothing for token_timeout_s, raises Unavailable (which may migrate the request)."""
+        req = run.req
+        assert run.decode is not None and run.group is not None
         deadline = req.arrival + self.config.request_timeout_s
         last = time.monotonic()
         # Generate runs even when the first token already ends the request: the leader then
         # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
         # client gone) cancels the call right away.
-        events = run.decode.generate(req.request_id, first.first_token, req.params)
-        async with contextlib.aclosing(events):
-            async for event in events:
-                now = time.monotonic()
-                if event.finish_reason is not None:
-                    run.decode_live = False
-                    run.reason = _checked_reason(event.finish_reason)
-                if event.token is not None:
-                    self.metrics.observe_itl(now - last)
-                    last = now
-                    yield event.token
-                if run.reason is not None:
-                    return
-                if now > deadline:
-                    raise DeadlineExceeded(f"request exceeded {self.config.request_timeout_s:g} s")
+        events = run.decode.generate(
+            req.request_id, feed, params, idle_timeout=self.config.token_timeout_s
+        )
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    now = time.monotonic()
+                    if event.finish_reason is not None:
+                        run.decode_live = False
+                        run.reason = _checked_reason(event.finish_reason)
+                    if event.token is not None:
+                        self.metrics.observe_itl(now - last)
+                        last = now
+                        yield event.token
+                    if run.reason is not None:
+                        return
+                    if now > deadline:
+                        raise DeadlineExceeded(
+                            f"request exceeded {self.config.request_timeout_s:g} s"
+                        )
+        except TimeoutError:
+            raise Unavailable(
+                f"decode group {run.group.group_id} sent nothing for "
+                f"{self.config.token_timeout_s:g} s"
+            ) from None
         raise Unavailable("the decode stream ended without a finish reason")
+
+    def _may_migrate(self, run: _Run, generated: list[int]) -> bool:
+        return (
+            self.config.migrate
+            and run.migrations < _MAX_MIGRATIONS
+            and len(generated) < run.req.params.max_tokens
+            and time.monotonic() < run.req.arrival + self.config.request_timeout_s
+        )
+
+    async def _migrate(self, run: _Run, generated: list[int], cause: Unavailable) -> SampledToken:
+        """Move the stream to another decode group: re-prefill prompt + generated tokens
+        there and return the next token. Raises `cause` when no other group can take it."""
+        req, old = run.req, run.group
+        assert old is not None and run.decode is not None
+        self.directory.quarantine(old.group_id, self.config.quarantine_s)
+        if run.decode_live:  # a stalled (not dead) group may still hold our blocks
+            run.decode_live = False
+            # In the background: a stalled leader answers only once its step ends, and the
+            # stream must not wait for that.
+            task = asyncio.create_task(self._abort(run.decode, req.request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        self._leave_group(run)
+        if not self._healthy_groups_exist():
+            raise cause
+        run.migrations += 1
+        self.metrics.migrated()
+        log.warning(
+            "request %s: decode group %s failed after %d tokens (%s); migrating",
+            req.request_id,
+            old.group_id,
+            len(generated),
+            cause.message,
+        )
+        await self._record(
+            req.request_id, RequestState.QUEUED, retry_reason=f"migration: {cause.message}"
+        )
+        context = (*req.prompt_ids, *generated)
+        remaining = req.params.max_tokens - len(generated)
+        try:
+            await self._place(run, len(context), remaining)
+            result = await self._prefill(run, context, replace(req.params, max_tokens=remaining))
+        except TplaError as exc:
+            raise cause from exc
+        await self._record(
+            req.request_id,
+            RequestState.TRANSFERRING,
+            migrated_to=run.group.group_id if run.group else "",
+        )
+        await self._record(req.request_id, RequestState.DECODING)
+        return result.first_token
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -209,25 +386,27 @@ class Pipeline:
         """Free the reservation and close the record: FAILED on error, else ABORTED."""
         rid = run.req.request_id
         if run.decode is not None and run.decode_live:
+            run.decode_live = False
             await self._abort(run.decode, rid)
+        self._leave_group(run)
         if error is None:
-            await self._record_quietly(rid, RequestState.ABORTED, reason="client_gone")
+            await self._record(rid, RequestState.ABORTED, reason="client_gone")
             self._finish_metrics(run.req, 0, Outcome.ABORTED)
         else:
-            await self._record_quietly(
+            await self._record(
                 rid, RequestState.FAILED, error=error.message, error_type=error.error_type
             )
             self._finish_metrics(run.req, 0, Outcome.FAILED)
 
     async def _prefill(
-        self,
-        req: GenerationRequest,
-        reservation: ReservationInfo,
-        group: DecodeGroup,
-        worker: WorkerRecord,
+        self, run: _Run, prompt_ids: tuple[int, ...], params: SamplingParams
     ) -> PrefillResult:
-        """Prefill on `worker`; if it is unavailable, once more on another worker."""
+        """Prefill into run's reservation on a chosen worker; if that worker is unavailable,
+        once more on another one (the new push overwrites whatever the first one wrote)."""
+        req, group, reservation = run.req, run.group, run.reservation
+        assert group is not None and reservation is not None
         tried: set[str] = set()
+        worker = self.policy.choose_prefill(self.directory.snapshot, self.directory.pending)
         remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
         while True:
             await self._record(
@@ -237,13 +416,13 @@ class Pipeline:
                 decode_group=group.group_id,
                 attempt=len(tried) + 1,
             )
-            self.directory.pending[worker.worker_id] += len(req.prompt_ids)
+            self.directory.pending[worker.worker_id] += len(prompt_ids)
             client = self.directory.prefill_client(worker.address)
             try:
                 return await client.prefill(
                     req.request_id,
-                    list(req.prompt_ids),
-                    req.params,
+                    list(prompt_ids),
+                    params,
                     reservation,
                     transport=self.config.transport,
                     timeout=max(remaining, 1.0),
@@ -267,18 +446,14 @@ class Pipeline:
         except TplaError as exc:  # the lease frees the blocks if the leader is unreachable
             log.warning("request %s: abort failed: %s", request_id, exc.message)
 
-    async def _record(self, rid: str, state: RequestState | None, **fields: object) -> None:
+    async def _record(self, rid: str, state: RequestState, **fields: object) -> None:
+        """Best effort once the request exists: a Redis outage must not fail requests that
+        are already being served: their record then misses the transitions it could not
+        write — or is gone, when Redis restarted empty)."""
         try:
-            if state is None:
-                await self.requests.create(rid, **fields)
-            else:
-                await self.requests.transition(rid, state, **fields)
-        except (redis.RedisError, OSError) as exc:
-            raise Unavailable(f"request store unavailable: {exc}") from exc
-
-    async def _record_quietly(self, rid: str, state: RequestState, **fields: object) -> None:
-        with contextlib.suppress(Exception):  # best effort: the request is already lost
-            await self._record(rid, state, **fields)
+            await self.requests.transition(rid, state, **fields)
+        except (redis.RedisError, OSError, InvalidTransition) as exc:
+            log.warning("request %s: could not record %s: %s", rid, state.value, exc)
 
     def _finish_metrics(self, req: GenerationRequest, generated: int, outcome: Outcome) -> None:
         self.metrics.outcome(outcome)

@@ -93,18 +93,16 @@ class RoutingPolicy(abc.ABC):
         self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
     ) -> WorkerRecord: ...
 
-    def choose(
+    def choose_decode(
         self,
         snapshot: WorkerSnapshot,
         pending: Mapping[str, int],
-        exclude_prefill: frozenset[str] = frozenset(),
-    ) -> tuple[DecodeGroup, WorkerRecord]:
-        groups = snapshot.healthy_groups()
+        exclude: frozenset[str] = frozenset(),
+    ) -> DecodeGroup:
+        groups = [g for g in snapshot.healthy_groups() if g.group_id not in exclude]
         if not groups:
             raise Unavailable("no healthy decode group is available", code="no_decode_worker")
-        return self.pick_decode(groups, pending), self.choose_prefill(
-            snapshot, pending, exclude_prefill
-        )
+        return self.pick_decode(groups, pending)
 
     def choose_prefill(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 
 import redis
@@ -35,6 +36,9 @@ class WorkerDirectory:
         # Work sent since the last refresh, per prefill worker id / decode group id; a
         # refresh resets it because the workers' own load reports then include that work.
         self.pending: Counter[str] = Counter()
+        # Workers and groups this router saw fail, until when (time.monotonic()): the
+        # registry may list a dead worker until its record's TTL runs out.
+        self._quarantine: dict[str, float] = {}
         self._decode: dict[str, DecodeClient] = {}
         self._prefill: dict[str, PrefillClient] = {}
         self._task: asyncio.Task[None] | None = None
@@ -62,6 +66,16 @@ class WorkerDirectory:
         while True:
             await asyncio.sleep(self._refresh_s)
             await self.refresh()
+
+    def quarantine(self, worker_id: str, seconds: float) -> None:
+        """Route nothing to `worker_id` (a prefill worker or decode group) for `seconds`."""
+        self._quarantine[worker_id] = time.monotonic() + seconds
+
+    def quarantined(self) -> frozenset[str]:
+        now = time.monotonic()
+        for wid in [w for w, until in self._quarantine.items() if until <= now]:
+            del self._quarantine[wid]
+        return frozenset(self._quarantine)
 
     def decode_client(self, address: str) -> DecodeClient:
         client = self._decode.get(address)

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.tokenizer import ChatMessage, Tokenizer
-from tests.e2e.conftest import MODEL_NAME, Stack, start_stack, stop_stack
+from tests.stack import MODEL_NAME, Stack, start_stack, stop_stack
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
 
@@ -142,7 +142,7 @@ def test_workers_listed_and_sigint_stops_everything(tiny_model) -> None:
         assert roles == [("decode", 0), ("decode", 1), ("prefill", 0)]
         pids = [w["pid"] for w in workers]
     finally:
-        stop_stack(s.proc)
+        stop_stack(s)
     deadline = time.monotonic() + 10
     alive = pids
     while alive and time.monotonic() < deadline:

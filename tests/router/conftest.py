@@ -97,6 +97,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.generated: list[decode_pb2.GenerateRequest] = []
         self.aborted: list[str] = []
         self.tokens_seen: list[str | None] = []
+        self.full_reserves = 0  # answer this many Reserves with "KV cache full" first
 
     def _note_token(self, context: grpc.aio.ServicerContext) -> None:
         md = dict(context.invocation_metadata() or ())
@@ -104,6 +105,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     async def Reserve(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._note_token(context)
+        if self.full_reserves > 0:
+            self.full_reserves -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full")
         self.reserved.append(request)
         target = common_pb2.KvTarget(rank=0, grpc_address="127.0.0.1:1", latent_width=16)
         return decode_pb2.ReserveResponse(

@@ -57,12 +57,15 @@ def test_snapshot_groups_are_leaders_only() -> None:
 
 
 def test_least_loaded_picks_most_free_blocks_and_fewest_queued_tokens() -> None:
-    group, worker = LeastLoadedPolicy().choose(SNAP, {})
-    assert group.group_id == "g2"
-    assert worker.worker_id == "p2"  # p3 has nothing queued but is unhealthy
+    policy = LeastLoadedPolicy()
+    assert policy.choose_decode(SNAP, {}).group_id == "g2"
+    assert policy.choose_prefill(SNAP, {}).worker_id == "p2"  # p3 is idle but unhealthy
     # Work this router sent since the snapshot counts against a worker.
-    _, worker = LeastLoadedPolicy().choose(SNAP, {"p2": 1000})
-    assert worker.worker_id == "p1"
+    assert policy.choose_prefill(SNAP, {"p2": 1000}).worker_id == "p1"
+    # Excluded groups (full, or quarantined after a failure) are skipped.
+    assert policy.choose_decode(SNAP, {}, frozenset({"g2"})).group_id == "g1"
+    with pytest.raises(Unavailable):
+        policy.choose_decode(SNAP, {}, frozenset({"g1", "g2"}))
     # Excluding the worker that just failed (the retry path).
     assert LeastLoadedPolicy().choose_prefill(SNAP, {}, frozenset({"p2"})).worker_id == "p1"
 
@@ -71,15 +74,16 @@ def test_group_with_an_unhealthy_rank_is_skipped() -> None:
     snap = WorkerSnapshot.from_records(
         [decode("g1"), decode("g1", rank=1, healthy=False), decode("g2", used=99), prefill("p")]
     )
-    assert LeastLoadedPolicy().choose(snap, {})[0].group_id == "g2"
+    assert LeastLoadedPolicy().choose_decode(snap, {}).group_id == "g2"
 
 
 def test_round_robin_cycles() -> None:
     policy = make_policy("round-robin")
     assert isinstance(policy, RoundRobinPolicy)
-    picks = [policy.choose(SNAP, {}) for _ in range(4)]
-    assert [g.group_id for g, _ in picks] == ["g1", "g2", "g1", "g2"]
-    assert [w.worker_id for _, w in picks] == ["p1", "p2", "p1", "p2"]
+    groups = [policy.choose_decode(SNAP, {}).group_id for _ in range(4)]
+    workers = [policy.choose_prefill(SNAP, {}).worker_id for _ in range(4)]
+    assert groups == ["g1", "g2", "g1", "g2"]
+    assert workers == ["p1", "p2", "p1", "p2"]
 
 
 def test_no_workers_is_unavailable() -> None:
@@ -87,10 +91,10 @@ def test_no_workers_is_unavailable() -> None:
     assert empty.not_ready_reason() == "no healthy prefill worker is registered"
     for policy in (LeastLoadedPolicy(), RoundRobinPolicy()):
         with pytest.raises(Unavailable, match="decode"):
-            policy.choose(empty, {})
+            policy.choose_decode(empty, {})
         only_decode = WorkerSnapshot.from_records([decode("g1")])
         assert only_decode.not_ready_reason() == "no healthy prefill worker is registered"
         with pytest.raises(Unavailable, match="prefill"):
-            policy.choose(only_decode, {})
+            policy.choose_prefill(only_decode, {})
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random")

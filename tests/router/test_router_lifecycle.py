@@ -278,16 +278,20 @@ async def test_ready_with_workers(model_dir: Path, redis_url: str, tokenizer: To
         assert (await stack.client.get("/admin/requests/chatcmpl-nope")).status_code == 404
 
 
-async def test_max_inflight_gives_429(
+async def _until_generating(stack) -> None:
+    for _ in range(100):
+        if stack.decode.generated:
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_max_inflight_without_queue_gives_429(
     model_dir: Path, redis_url: str, tokenizer: Tokenizer
 ) -> None:
     script = script_for(tokenizer, delay_s=0.05)
-    async with run_stack(model_dir, redis_url, script, max_inflight=1) as stack:
+    async with run_stack(model_dir, redis_url, script, max_inflight=1, max_waiting=0) as stack:
         first = asyncio.create_task(stack.client.post("/v1/chat/completions", json=chat_body()))
-        for _ in range(100):
-            if stack.decode.generated:
-                break
-            await asyncio.sleep(0.02)
+        await _until_generating(stack)
         resp = await stack.client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 429
         assert resp.headers["retry-after"] == "1"
@@ -298,6 +302,79 @@ async def test_max_inflight_gives_429(
         assert (
             await stack.client.post("/v1/chat/completions", json=chat_body())
         ).status_code == 200
+
+
+async def test_waiting_queue_is_bounded_in_size_and_time(
+    model_dir: Path, redis_url: str, tokenizer: Tokenizer
+) -> None:
+    """One runs, one waits for its slot and is served; a third finds the queue full (429
+    at once); with the runner slow, a waiter gives up after queue_timeout_s (429)."""
+    script = script_for(tokenizer, delay_s=0.05)
+    async with run_stack(
+        model_dir, redis_url, script, max_inflight=1, max_waiting=1, queue_timeout_s=30
+    ) as stack:
+        first = asyncio.create_task(stack.client.post("/v1/chat/completions", json=chat_body()))
+        await _until_generating(stack)
+        second = asyncio.create_task(stack.client.post("/v1/chat/completions", json=chat_body()))
+        for _ in range(100):
+            if (
+                'tpla:num_requests_waiting{model_name="tpla-test"} 1.0'
+                in (await stack.client.get("/metrics")).text
+            ):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the second request never waited")
+        third = await stack.client.post("/v1/chat/completions", json=chat_body())
+        assert third.status_code == 429
+        assert "waiting" in third.json()["error"]["message"]
+        assert (await first).status_code == 200
+        assert (await second).status_code == 200
+    slow = script_for(tokenizer, delay_s=0.5)
+    async with run_stack(
+        model_dir, redis_url, slow, max_inflight=1, max_waiting=4, queue_timeout_s=0.3
+    ) as stack:
+        first = asyncio.create_task(stack.client.post("/v1/chat/completions", json=chat_body()))
+        await _until_generating(stack)
+        late = await stack.client.post("/v1/chat/completions", json=chat_body())
+        assert late.status_code == 429
+        assert "within 0.3 s" in late.json()["error"]["message"]
+        assert (await first).status_code == 200
+
+
+async def test_full_kv_pool_waits_for_room_then_serves_or_429s(
+    model_dir: Path, redis_url: str, tokenizer: Tokenizer
+) -> None:
+    """A decode group whose pool is full answers Reserve RESOURCE_EXHAUSTED: the request waits
+    for room (re-trying) and is served once blocks free up, or gets 429 after the timeout."""
+    async with run_stack(model_dir, redis_url, script_for(tokenizer), queue_timeout_s=5) as stack:
+        stack.decode.full_reserves = 3
+        resp = await stack.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 200, resp.text
+        assert stack.decode.full_reserves == 0 and len(stack.decode.reserved) == 1
+    async with run_stack(model_dir, redis_url, script_for(tokenizer), queue_timeout_s=0.5) as stack:
+        stack.decode.full_reserves = 10**6
+        resp = await stack.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 429
+        assert resp.headers["retry-after"] == "1"
+        assert "no decode group had room" in resp.json()["error"]["message"]
+
+
+async def test_per_group_limit_queues_the_next_request(
+    model_dir: Path, redis_url: str, tokenizer: Tokenizer
+) -> None:
+    script = script_for(tokenizer, delay_s=0.05)
+    async with run_stack(
+        model_dir, redis_url, script, max_inflight_per_group=1, queue_timeout_s=30
+    ) as stack:
+        first = asyncio.create_task(stack.client.post("/v1/chat/completions", json=chat_body()))
+        await _until_generating(stack)
+        second = asyncio.create_task(stack.client.post("/v1/chat/completions", json=chat_body()))
+        await asyncio.sleep(0.3)
+        assert len(stack.decode.reserved) == 1  # the second waits for the group's slot
+        assert (await first).status_code == 200
+        assert (await second).status_code == 200
+        assert len(stack.decode.reserved) == 2
 
 
 async def test_api_keys(model_dir: Path, redis_url: str, tokenizer: Tokenizer) -> None:
