@@ -36,6 +36,7 @@ from services.router.edge import (
     require_json,
 )
 from services.router.metrics import RouterMetrics
+from services.router.openapi import document_responses
 from services.router.pipeline import Pipeline, PipelineConfig
 from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Delta, Done, GenerationRequest
@@ -255,6 +256,7 @@ def create_app(
     app.state.router = state
     app.include_router(_routes())
     install_error_handlers(app)
+    document_responses(app)
     raw_keys = settings.api_keys.get_secret_value() if settings.api_keys else ""
     keys = tuple(k.strip().encode() for k in raw_keys.split(",") if k.strip())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body=MAX_BODY_BYTES)

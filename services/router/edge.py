@@ -3,8 +3,7 @@
 Everything here runs before or around a route: `GuardMiddleware` rejects unauthenticated
 /v1/* calls (401) and oversized bodies (413) before any parsing; `require_json` rejects other
 content types (415); `install_error_handlers` turns every TplaError, validation error and
-routing error into an OpenAI error body, and makes /openapi.json say so;
-`SSEResponse` guarantees its pipeline is closed.
+routing error into an OpenAI error body; `SSEResponse` guarantees its pipeline is closed.
 """
 
 from __future__ import annotations
@@ -13,14 +12,12 @@ import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
 
 import anyio
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,7 +32,6 @@ from common.errors import (
     Unavailable,
     UnsupportedMediaType,
 )
-from services.router.responses import DOCUMENTED_MODELS, SUCCESS_DOCS
 
 log = logging.getLogger(__name__)
 
@@ -202,62 +198,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(redis.RedisError, redis_error)
     app.add_exception_handler(Exception, unexpected)
-    document_responses(app)
-
-
-# -- /openapi.json ----------------------------------------------------------------------------
-
-_ERROR_DOCS = {
-    "400": "invalid request (bad JSON, parameter, context length); never 422",
-    "401": "missing or invalid API key (when TPLA_API_KEYS is set)",
-    "404": "unknown model (code model_not_found) or record",
-    "413": f"request body larger than {MAX_BODY_BYTES} bytes",
-    "415": "Content-Type is not application/json",
-    "429": "admission limit reached; retry after Retry-After seconds",
-    "500": "internal error",
-    "503": "no healthy worker, or a worker failed",
-    "504": "the request timed out",
-}
-
-
-def _errors_for(path: str, op: dict[str, Any]) -> list[str]:
-    statuses = ["500"]
-    if path.startswith(("/v1/", "/admin/")):
-        statuses += ["401", "503"]  # 503: Redis (records, registry) unreachable
-    if "parameters" in op or "requestBody" in op:
-        statuses += ["400", "404"]
-    if "requestBody" in op:  # the generation routes
-        statuses += ["413", "415", "429", "503", "504"]
-    return statuses
-
-
-def document_responses(app: FastAPI) -> None:
-    """Make /openapi.json describe what the routes and the handlers above really send: OpenAI
-    error bodies (never FastAPI's 422) and the success bodies in responses.SUCCESS_DOCS."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = generate()  # FastAPI caches this very dict in app.openapi_schema
-        _, defs = models_json_schema(
-            [(m, "serialization") for m in DOCUMENTED_MODELS],
-            ref_template="#/components/schemas/{model}",
-        )
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components.update(defs.get("$defs", {}))
-        for name in ("HTTPValidationError", "ValidationError"):
-            components.pop(name, None)
-        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
-        for path, ops in schema.get("paths", {}).items():
-            for method, op in ops.items():
-                responses = op.setdefault("responses", {})
-                responses.pop("422", None)
-                responses.update(SUCCESS_DOCS.get((method, path), {}))
-                for status in _errors_for(path, op):
-                    responses.setdefault(
-                        status, {"description": _ERROR_DOCS[status], "content": error}
-                    )
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -152,71 +151,3 @@ ResponseFormat = ChatFormat | CompletionFormat
 
 
 # -- OpenAPI ------------------------------------------------------------------------------------
-
-
-def _ref(model: type[BaseModel]) -> dict[str, Any]:
-    return {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
-
-
-def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
-    """One SSE event: a JSON chunk, an in-band error body, or the closing [DONE]."""
-    json_data = {
-        "type": "string",
-        "contentMediaType": "application/json",
-        "contentSchema": {"anyOf": [_ref(chunk)["schema"], _ref(s.ErrorBody)["schema"]]},
-    }
-    event = {
-        "type": "object",
-        "required": ["data"],
-        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
-    }
-    return {"text/event-stream": {"schema": event}}
-
-
-_READY = {
-    "type": "object",
-    "properties": {"status": {"type": "string"}, "reason": {"type": "string"}},
-    "required": ["status"],
-}
-
-# The routes return raw Responses (JSON or SSE, chosen per request), which FastAPI cannot
-# describe; /openapi.json takes their success bodies from here (see edge.document_responses).
-DOCUMENTED_MODELS: tuple[type[BaseModel], ...] = (
-    s.ChatCompletionResponse,
-    s.ChatCompletionChunk,
-    s.CompletionResponse,
-    s.ErrorBody,
-)
-SUCCESS_DOCS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
-    ("post", "/v1/chat/completions"): {
-        "200": {
-            "description": "the completion, or SSE chunks when stream is true",
-            "content": {
-                "application/json": _ref(s.ChatCompletionResponse),
-                **_sse(s.ChatCompletionChunk),
-            },
-        }
-    },
-    ("post", "/v1/completions"): {
-        "200": {
-            "description": "the completion, or SSE chunks when stream is true",
-            "content": {
-                "application/json": _ref(s.CompletionResponse),
-                **_sse(s.CompletionResponse),
-            },
-        }
-    },
-    ("get", "/metrics"): {
-        "200": {
-            "description": "Prometheus text exposition",
-            "content": {"text/plain": {"schema": {"type": "string"}}},
-        }
-    },
-    ("get", "/ready"): {
-        "200": {"description": "ready", "content": {"application/json": {"schema": _READY}}},
-        "503": {
-            "description": "no healthy prefill worker or decode group",
-            "content": {"application/json": {"schema": _READY}},
-        },
-    },
-}
