@@ -9,7 +9,6 @@ The servicer only translates protocol types; the engine holds all the logic.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import os
 import signal
 import threading
@@ -26,7 +25,8 @@ from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
 from common.metrics import METRICS_PORT_OFFSET, GaugeCallback, serve_metrics
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
-from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
+from common.rpc.auth import require_token
+from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, target_to_pb, token_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.sampling import SamplingError
@@ -57,12 +57,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.token = token
 
     def _guard(self, context: grpc.ServicerContext) -> None:
-        if not self.token:
-            return
-        got = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) or ""
-        # Constant time: how long a wrong token takes to reject says nothing about the right one.
-        if not hmac.compare_digest(str(got).encode(), self.token.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+        require_token(context, self.token)
 
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         """Check the caller, run an engine call; any failure aborts with its typed status."""

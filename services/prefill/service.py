@@ -7,7 +7,6 @@ The servicer only translates protocol types; `PrefillWorker` does the work.
 
 from __future__ import annotations
 
-import hmac
 import os
 import signal
 import threading
@@ -22,7 +21,8 @@ from common.errors import DeadlineExceeded, InvalidRequest, TplaError, Unavailab
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import METRICS_PORT_OFFSET, PrefillMetrics, serve_metrics
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
-from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
+from common.rpc.auth import require_token
+from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.serving_model import load_serving_model
@@ -35,12 +35,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.token = token
 
     def _guard(self, context: grpc.ServicerContext) -> None:
-        if not self.token:
-            return
-        got = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) or ""
-        # Constant time: how long a wrong token takes to reject says nothing about the right one.
-        if not hmac.compare_digest(str(got).encode(), self.token.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+        require_token(context, self.token)
 
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext

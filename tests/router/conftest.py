@@ -264,3 +264,22 @@ async def run_stack(
         for s in servers:
             await s.stop(grace=None)
         registry.client.close()
+
+
+UNUSED_REDIS = "redis://127.0.0.1:1/0"
+
+
+@pytest.fixture
+async def client(model_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """The router app in process with no workers and an unreachable Redis: for requests that
+    must be rejected before anything is routed."""
+    app = create_app(
+        Settings(model=str(model_dir), served_model_name="tpla-test"), redis_url=UNUSED_REDIS
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        yield c
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "tpla-test", "messages": [{"role": "user", "content": "hi"}], **kw}

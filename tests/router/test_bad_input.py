@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +18,11 @@ import pytest
 from common.settings import Settings
 from common.tokenizer import Tokenizer
 from services.router.app import create_app
-from tests.router.conftest import Script, run_stack
+from tests.router.conftest import UNUSED_REDIS, Script, chat, run_stack
 
 pytestmark = pytest.mark.anyio
 
-UNUSED_REDIS = "redis://127.0.0.1:1/0"
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture
-async def client(model_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(
-        Settings(model=str(model_dir), served_model_name="tpla-test"), redis_url=UNUSED_REDIS
-    )
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
-        yield c
-
-
-def chat(**kw: Any) -> dict[str, Any]:
-    return {"model": "tpla-test", "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
 def completion(**kw: Any) -> dict[str, Any]:

@@ -3,36 +3,16 @@ case is rejected before Redis or gRPC is touched, so the Redis URL is never dial
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
-from common.settings import Settings
-from services.router.app import create_app
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
-from tests.router.conftest import MAX_POSITIONS
+from tests.router.conftest import MAX_POSITIONS, chat
 
 pytestmark = pytest.mark.anyio
-
-UNUSED_REDIS = "redis://127.0.0.1:1/0"
-
-
-@pytest.fixture
-async def client(model_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(
-        Settings(model=str(model_dir), served_model_name="tpla-test"), redis_url=UNUSED_REDIS
-    )
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
-        yield c
-
-
-def chat(**kw: Any) -> dict[str, Any]:
-    return {"model": "tpla-test", "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
 @pytest.mark.parametrize(
