@@ -11,18 +11,18 @@ a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from common.ports import free_port
+from common.ports import free_port, wait_ready
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
@@ -41,15 +41,20 @@ class LocalStack:
         """Start `tpla serve` on free ports with TPLA_<KEY>=value for each keyword (e.g.
         DECODE_GROUPS="2") and the embedded Redis; return once /ready answers 200."""
         router_port = free_port()
+        # Room for what the services derive from each port (metrics on +1000, rank k's KV
+        # receiver on base + k, torch stores on +100, a second group or worker on the
+        # strides of services/serve.py).
+        workers = (0, 1, 1000, 1001)
+        kv = tuple(g * 200 + off + r for g in (0, 1) for off in (0, 100) for r in range(4))
         env = {
             **os.environ,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "TPLA_MODEL": str(model_dir),
             "TPLA_ROUTER_PORT": str(router_port),
-            "TPLA_PREFILL_PORT": str(free_port()),
-            "TPLA_DECODE_PORT": str(free_port()),
-            "TPLA_KV_PORT_BASE": str(free_port()),
-            "TPLA_DIST_PORT": str(free_port()),
+            "TPLA_PREFILL_PORT": str(free_port(workers)),
+            "TPLA_DECODE_PORT": str(free_port(workers)),
+            "TPLA_KV_PORT_BASE": str(free_port(kv)),
+            "TPLA_DIST_PORT": str(free_port((0, 10))),
         }
         env.update({f"TPLA_{k}": str(v) for k, v in settings.items()})
         env.pop("TPLA_REDIS_URL", None)  # the embedded redis-server
@@ -70,17 +75,12 @@ class LocalStack:
         return stack
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tpla serve exited early:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s")
+        def died() -> str | None:
+            if self.proc.poll() is None:
+                return None
+            return f"tpla serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+
+        wait_ready(self.url, died, timeout_s)
 
     def log(self) -> str:
         """Everything the stack printed so far."""
@@ -90,13 +90,23 @@ class LocalStack:
         return httpx.get(f"{self.url}/admin/workers", timeout=10).json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        """SIGINT (the supervisor stops every child), SIGKILL after the grace period; then
+        any child left over — they run in sessions of their own — is killed too."""
+        if self.proc.poll() is not None:
+            return
+        import psutil  # a dev dependency, like every user of this module
+
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                    child.kill()
 
     def __enter__(self) -> LocalStack:
         return self

@@ -23,10 +23,11 @@ import httpx
 
 from common.embedded_redis import EmbeddedRedis
 from common.metrics import METRICS_PORT_OFFSET
-from common.ports import free_port
+from common.ports import free_port, wait_ready
 from common.settings import TORCH_PORT_OFFSET, Settings
 
 STOP_GRACE_S = 5.0
+READY_TIMEOUT_S = 300.0
 MAX_RESTARTS = 3
 
 
@@ -118,21 +119,11 @@ def stack_children(s: Settings) -> list[Child]:
     return [*groups, *workers, Child("router", ["router"])]
 
 
-def wait_ready(url: str, children: list[Child], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for child in children:
-            if child.proc is not None and child.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{child.name} exited with code {child.proc.returncode} during start-up"
-                )
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s")
+def _exited(children: list[Child]) -> str | None:
+    for child in children:
+        if child.proc is not None and child.proc.poll() is not None:
+            return f"{child.name} exited with code {child.proc.returncode} during start-up"
+    return None
 
 
 def _smoke(url: str, model: str) -> None:
@@ -175,7 +166,7 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
     try:
         for child in children:
             child.start(env)
-        wait_ready(url, children)
+        wait_ready(url, lambda: _exited(children), READY_TIMEOUT_S)
         print(
             f"\ntpla-serve is ready: {url}  (model {s.served_model_name!r}, "
             f"{s.decode_groups} decode group(s) of tp={s.tp}, {s.prefill_workers} prefill, "

@@ -10,68 +10,29 @@ and checks that every process it had started is gone.
 from __future__ import annotations
 
 import csv
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from services.local_stack import LocalStack
 from tests.model.tiny import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-smoke"
 MAX_TOKENS = 16
-READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
-
-
-def free_port(offsets: tuple[int, ...] = (0,), attempts: int = 50) -> int:
-    """A port p with every p + offset free on 127.0.0.1 right now (bounded tries)."""
-    for _ in range(attempts):
-        held: list[socket.socket] = []
-        try:
-            first = socket.socket()
-            held.append(first)
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            for off in offsets[1:]:
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", base + off))
-            return base
-        except OSError:  # an offset port is taken (or out of range): try another base
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no free port with offsets {offsets} in {attempts} tries")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("smoke-model"))
-
-
-def _wait_ready(stack: Stack) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        code = stack.proc.poll()
-        assert code is None, f"tpla serve exited with {code} during start-up{stack.tail()}"
-        try:
-            if httpx.get(f"{stack.url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"/ready not 200 within {READY_TIMEOUT_S:.0f} s{stack.tail()}")
 
 
 def _cmdline(p: psutil.Process) -> str:
@@ -81,70 +42,21 @@ def _cmdline(p: psutil.Process) -> str:
         return ""
 
 
-@dataclass
-class Stack:
-    url: str
-    proc: subprocess.Popen[bytes]
-    env: dict[str, str]
-    log: Path
-
-    def tail(self) -> str:
-        """The end of the stack's output, for failure messages."""
-        return "\n--- tpla serve output ---\n" + self.log.read_text(errors="replace")[-4000:]
-
-
 @pytest.fixture
-def stack(model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
-    # Ports derived from the configured ones must be free too: `tpla serve` puts its
-    # embedded Redis on router port + 1399, workers serve metrics on gRPC port + 1000, and
-    # the decode ranks receive KV on kv_base + rank (the torch transport's stores at +100
-    # are not opened: this stack uses gRPC).
-    router = free_port((0, 1399))
-    prefill = free_port((0, 1000))
-    decode = free_port((0, 1000))
-    kv_base = free_port((0, 1))
-    dist = free_port()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TPLA_MODEL": str(model_dir),
-        "TPLA_REPARAM": "",
-        "TPLA_TP": "2",
-        "TPLA_LATENT_GROUPS": "2",
-        "TPLA_SERVED_MODEL_NAME": MODEL_NAME,
-        "TPLA_HOST": "127.0.0.1",
-        "TPLA_ROUTER_PORT": str(router),
-        "TPLA_PREFILL_PORT": str(prefill),
-        "TPLA_DECODE_PORT": str(decode),
-        "TPLA_KV_PORT_BASE": str(kv_base),
-        "TPLA_DIST_PORT": str(dist),
-        "TPLA_KV_BUDGET_MB": "16",
-    }
-    env.pop("TPLA_REDIS_URL", None)  # the stack embeds its own
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "serve"],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+def stack(model_dir: Path) -> Iterator[LocalStack]:
+    s = LocalStack.start(
+        model_dir,
+        REPARAM="",
+        TP="2",
+        LATENT_GROUPS="2",
+        SERVED_MODEL_NAME=MODEL_NAME,
+        HOST="127.0.0.1",
+        KV_BUDGET_MB="16",
+    )
     try:
-        yield Stack(f"http://127.0.0.1:{router}", proc, env, log)
+        yield s
     finally:
-        if proc.poll() is None:  # a failed test: still stop everything
-            # The children run in sessions of their own: find them before the parent goes.
-            children = psutil.Process(proc.pid).children(recursive=True)
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-            for child in _alive(children):
-                child.kill()
+        s.stop()  # a failed test still stops everything
 
 
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -158,16 +70,19 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+def _tail(stack: LocalStack) -> str:
+    return "\n--- tpla serve output ---\n" + stack.log()[-4000:]
+
+
 def _stats(path: Path) -> dict[str, dict[str, str]]:
     with path.open(newline="") as handle:
         return {f"{row['Type']} {row['Name']}": row for row in csv.DictReader(handle)}
 
 
-def test_locust_smoke_20s_zero_failures(stack: Stack, tmp_path: Path) -> None:
+def test_locust_smoke_20s_zero_failures(stack: LocalStack, tmp_path: Path) -> None:
     url, proc = stack.url, stack.proc
-    _wait_ready(stack)
     for role in ("router", "prefill", "decode"):  # the image's HEALTHCHECK, on the real stack
-        assert _healthcheck(role, stack.env) == 0, role + stack.tail()
+        assert _healthcheck(role, stack.env) == 0, role + _tail(stack)
     processes = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(_cmdline(p) for p in processes)
     assert "redis-server" in names and "services.decode.runtime" in names, names  # all of it
@@ -199,7 +114,7 @@ def test_locust_smoke_20s_zero_failures(stack: Stack, tmp_path: Path) -> None:
         "120",
     ]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + stack.tail()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + _tail(stack)
     assert "starting" not in run.stdout  # it used the running stack
 
     stats = _stats(tmp_path / "smoke_stats.csv")
@@ -215,7 +130,7 @@ def test_locust_smoke_20s_zero_failures(stack: Stack, tmp_path: Path) -> None:
     assert httpx.get(f"{url}/ready", timeout=5).status_code == 200  # left running
 
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stack.tail()
+    assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, _tail(stack)
     deadline = time.monotonic() + 10
     alive = _alive(processes)
     while alive and time.monotonic() < deadline:
