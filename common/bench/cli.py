@@ -8,7 +8,12 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES: tuple[str, ...] = ()
+BENCH_MODULES: tuple[str, ...] = (
+    "common.bench.roofline",
+    "common.bench.decode_attn",
+    "common.bench.prefill",
+    "common.bench.capacity",
+)
 
 
 def add_bench_commands(bsub: argparse._SubParsersAction) -> None:

@@ -40,16 +40,22 @@ class PagedLatentCache:
         self.layout = layout
         self.num_blocks = num_blocks
         slots = num_blocks * layout.block_size
-        self.n = torch.zeros(
-            layout.num_layers, slots, layout.latent_width, dtype=layout.dtype, device=device
+        w = layout.latent_width
+        # One buffer with n and k_pe adjacent per token: a block of tokens is one contiguous
+        # [block_size, w + d_r] tile, so the decode kernel copies whole blocks and computes
+        # q~.n + q_pe.k_pe as a single matmul. `n` / `k_pe` are views of it.
+        self.kv = torch.zeros(
+            layout.num_layers, slots, w + layout.rope_width, dtype=layout.dtype, device=device
         )
-        self.k_pe = torch.zeros(
-            layout.num_layers, slots, layout.rope_width, dtype=layout.dtype, device=device
-        )
+        self.n = self.kv[..., :w]
+        self.k_pe = self.kv[..., w:]
+        # Reused destination of `gather_blocks`: a fresh multi-MB tensor per layer would be
+        # page-faulted in on every step, which costs more than the copy itself.
+        self._workspace = torch.empty(0, dtype=layout.dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.n.nbytes + self.k_pe.nbytes
+        return self.kv.nbytes
 
     def write(self, layer: int, slots: Tensor, n: Tensor, k_pe: Tensor) -> None:
         """Store tokens' latents at flat slot indices [N]."""
@@ -63,8 +69,63 @@ class PagedLatentCache:
 
     def gather(self, layer: int, slot_table: Tensor) -> tuple[Tensor, Tensor]:
         """Padded per-sequence views: slot_table [B, T] (pad with any valid slot) ->
-        n [B, T, w], k_pe [B, T, d_r]."""
+        n [B, T, w], k_pe [B, T, d_r]. The per-token reference of `gather_blocks`."""
         return self.n[layer][slot_table], self.k_pe[layer][slot_table]
+
+    def gather_blocks(self, layer: int, block_ids: Tensor) -> Tensor:
+        """Whole blocks, n and k_pe adjacent: block_ids [B, nb] -> [B, nb * block_size, w + d_r].
+
+        Token t of sequence b sits at row t; rows past the sequence's length hold whatever the
+        padding block holds and must be masked by the caller. Copying [block_size, w + d_r]
+        tiles is a plain memcpy per block, where a per-token gather indexes every row. The
+        result is a view of a workspace that the next gather overwrites.
+        """
+        return self.rows(layer, block_ids).read(0, block_ids.shape[1] * self.layout.block_size)
+
+    def rows(self, layer: int, block_ids: Tensor) -> BlockRows:
+        """A chunked reader of a batch's cache rows (see `BlockRows`)."""
+        return BlockRows(self, layer, block_ids)
+
+    def chunk_tokens(self, batch: int) -> int:
+        """Tokens per sequence per chunk so one chunk of the batch stays cache-resident.
+
+        The decode kernel reads each chunk twice (scores, then values); a chunk of about
+        CHUNK_BYTES (a few MB, well inside a server L3) is read from DRAM once.
+        """
+        per_token = batch * self.kv.shape[-1] * self.kv.element_size()
+        blocks = max(CHUNK_BYTES // (per_token * self.layout.block_size), 1)
+        return blocks * self.layout.block_size
+
+    def _gather_into(self, layer: int, block_ids: Tensor) -> Tensor:
+        bs, width = self.layout.block_size, self.kv.shape[-1]
+        blocks = self.kv[layer].view(self.num_blocks, bs * width)
+        b, nb = block_ids.shape
+        size = b * nb * bs * width
+        if self._workspace.numel() < size:
+            self._workspace = torch.empty(size, dtype=self.kv.dtype, device=self.kv.device)
+        out = self._workspace[:size].view(b * nb, bs * width)
+        torch.index_select(blocks, 0, block_ids.reshape(-1), out=out)
+        return out.view(b, nb * bs, width)
+
+
+CHUNK_BYTES = 4 * 2**20
+
+
+class BlockRows:
+    """Rows [t0, t1) of every sequence of a batch, copied out of the pool chunk by chunk.
+
+    `total` is the padded length (a whole number of blocks); chunk edges must be multiples of
+    the block size. Each `read` overwrites the previous one's workspace.
+    """
+
+    def __init__(self, cache: PagedLatentCache, layer: int, block_ids: Tensor) -> None:
+        self.cache, self.layer, self.block_ids = cache, layer, block_ids
+        self.total = block_ids.shape[1] * cache.layout.block_size
+
+    def read(self, t0: int, t1: int) -> Tensor:
+        bs = self.cache.layout.block_size
+        assert t0 % bs == 0 and (t1 % bs == 0 or t1 == self.total)
+        return self.cache._gather_into(self.layer, self.block_ids[:, t0 // bs : -(-t1 // bs)])
 
 
 def slot_table(block_tables: Tensor, lengths: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
@@ -81,3 +142,13 @@ def slot_table(block_tables: Tensor, lengths: Tensor, block_size: int) -> tuple[
     )
     slots = blocks * block_size + pos % block_size
     return slots.masked_fill(~valid | (blocks < 0), 0), valid
+
+
+def block_ids_from_slots(slots: Tensor, block_size: int) -> Tensor:
+    """Block table [B, ceil(T / block_size)] back from a `slot_table` [B, T].
+
+    `slot_table` puts token t at offset t % block_size of block t // block_size, so the first
+    token of each block names the block; blocks past a sequence's end come out as block 0
+    (their tokens are masked).
+    """
+    return torch.div(slots[:, ::block_size], block_size, rounding_mode="floor")

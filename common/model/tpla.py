@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,92 @@ def latent_slice_attention(
     probs = torch.softmax(scores.float(), dim=-1).to(n_slice.dtype)
     u = torch.einsum("bqht,btc->bqhc", probs, n_slice)
     return torch.einsum("bqhc,hvc->bqhv", u, w_uv)
+
+
+# exp(s - max) is floored at e^-_EXP_FLOOR in `fused_slice_attention` (see there).
+_EXP_FLOOR = 30.0
+
+
+def absorbed_queries(
+    q_nope: Tensor, q_pe: Tensor, w_uk: Tensor, scale: float, beta: float
+) -> Tensor:
+    """[q~ * scale / beta | q_pe * scale] as one [B, h, |S_i| + d_r] query.
+
+    q_nope [B, h, d_n], q_pe [B, h, d_r], w_uk [h, d_n, |S_i|]. Folding scale and beta into
+    the query (B*h*(w + d_r) multiplies) instead of the scores (B*h*T) and keeping the two
+    parts adjacent lets one matmul against the cache's [n | k_pe] rows give the final scores.
+    """
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, w]
+    return torch.cat((q_lat * (scale / beta), q_pe * scale), dim=-1)
+
+
+def fused_slice_attention(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    read: Callable[[int, int], Tensor],
+    total: int,
+    chunk: int,
+    lengths: Tensor,
+    w_uk: Tensor,
+    w_uv: Tensor,
+    scale: float,
+    beta: float,
+) -> Tensor:
+    """The fast TPLA / MLA-TP decode kernel; `latent_slice_attention` is its reference.
+
+    q_nope [B, h, d_n], q_pe [B, h, d_r] (one query per sequence). `read(t0, t1)` returns
+    cache rows [B, t1 - t0, |S_i| + d_r] with n[S_i] and k_pe adjacent per token (as
+    `PagedLatentCache.rows` does), for t0 < t1 <= total on multiples of `chunk`; token t of
+    sequence b is valid iff t < lengths[b] (>= 1). w_uk [h, d_n, |S_i|], w_uv [h, d_v, |S_i|].
+    Returns W_UV^h[:, S_i] u^h_i as [B, h, d_v].
+
+    Every product is a batched matmul with a contiguous reduction dimension: the scores are
+    one bmm of the fused query against the cache rows, the values read the n columns of the
+    same rows in place. Long caches go chunk by chunk (split-K, as in flash-decoding) so the
+    second read of each chunk hits the CPU cache; the chunks' partial softmaxes are merged
+    exactly with log-sum-exp. Only chunks that reach past the shortest sequence are masked.
+    """
+    b, h, _ = q_nope.shape
+    width = w_uk.shape[-1]
+    q = absorbed_queries(q_nope, q_pe, w_uk, scale, beta)
+    shortest = int(lengths.min())
+    starts = range(0, total, chunk)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    us = q.new_empty(len(starts), b, h, width)
+    maxes = torch.empty(len(starts), b, h, dtype=acc, device=q.device)
+    sums = torch.empty(len(starts), b, h, dtype=acc, device=q.device)
+    for c, t0 in enumerate(starts):
+        t1 = min(t0 + chunk, total)
+        kv = read(t0, t1)
+        s = torch.bmm(q, kv.transpose(1, 2)).to(acc)  # [B, h, C]
+        pad = _padding(lengths, t0, t1)[:, None] if t1 > shortest else None
+        if pad is not None:
+            s.masked_fill_(pad, float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        maxes[c] = m[..., 0]
+        if pad is not None:
+            # A sequence with no valid row here: its -inf max gives the chunk zero weight in
+            # the merge; subtract 0 instead so no NaN appears.
+            m = m.masked_fill(torch.isinf(m), 0.0)
+        # Weights below e^-30 (under fp32 resolution of a sum that is >= 1) are raised to
+        # e^-30: an exp that underflows into denormals, and a matmul fed denormals, take
+        # microcode assists on x86 cores that made this kernel ~10x slower.
+        s.sub_(m).clamp_(min=-_EXP_FLOOR).exp_()
+        if pad is not None:
+            s.masked_fill_(pad, 0.0)
+        sums[c] = s.sum(dim=-1)
+        torch.bmm(s.to(q.dtype), kv[..., :width], out=us[c])
+    if len(starts) == 1:
+        u = us[0] / sums[0][..., None].to(q.dtype)
+    else:
+        weights = torch.exp(maxes - maxes.amax(dim=0))  # [chunks, B, h]; chunk 0 is valid
+        u = (us * weights[..., None].to(q.dtype)).sum(dim=0)
+        u = u / (weights * sums).sum(dim=0)[..., None].to(q.dtype)
+    return torch.bmm(u.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def _padding(lengths: Tensor, t0: int, t1: int) -> Tensor:
+    return torch.arange(t0, t1, device=lengths.device)[None] >= lengths[:, None]
 
 
 def shard_attention(

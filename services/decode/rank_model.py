@@ -19,13 +19,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.kv.paged_cache import CacheLayout, PagedLatentCache
+from common.kv.paged_cache import (
+    BlockRows,
+    CacheLayout,
+    PagedLatentCache,
+    block_ids_from_slots,
+)
 from common.model.mla import RMSNorm
 from common.model.model import DeepseekForCausalLM
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials, partial_attention
-from common.model.tpla import LatentShard, RmsNormMode, latent_slice_attention, sliced_rmsnorm
+from common.model.tpla import (
+    LatentShard,
+    RmsNormMode,
+    fused_slice_attention,
+    latent_slice_attention,
+    sliced_rmsnorm,
+)
 
 
 class ParallelError(ValueError):
@@ -183,9 +194,31 @@ class RankAttention(nn.Module):
         return sliced_rmsnorm(lat, self.gamma[s.start : s.end], self.eps, s.rms_correction), k_pe
 
     def attend(
-        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor, comm: Comm
+        self, q_nope: Tensor, q_pe: Tensor, rows: BlockRows, chunk: int, lengths: Tensor
     ) -> Tensor:
-        """TPLA / MLA-TP: [B, h, *] queries over this rank's latent slice -> partial [B, D]."""
+        """TPLA / MLA-TP: [B, h, *] queries over this rank's latent slice -> partial [B, D].
+
+        `rows` reads the sequences' cache blocks, token t of sequence b valid iff
+        t < lengths[b]. `attend_reference` is the same math unfused.
+        """
+        o = fused_slice_attention(
+            q_nope,
+            q_pe,
+            rows.read,
+            rows.total,
+            chunk,
+            lengths,
+            self.w_uk,
+            self.w_uv,
+            self.scale,
+            self.shard.beta,
+        )
+        return F.linear(o.reshape(o.shape[0], -1), self.w_o)
+
+    def attend_reference(
+        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
+    ) -> Tensor:
+        """`attend` on per-token gathered n [B, T, w], k_pe [B, T, d_r] and a mask [B, T]."""
         o = latent_slice_attention(
             q_nope[:, None],
             q_pe[:, None],
@@ -285,7 +318,6 @@ class RankModel(nn.Module):
         self.lm_head = nn.Parameter(full.lm_head.weight.detach()[vocab[rank]].clone())
         self.rope = full.rope
         self.latent_width = shards_per_layer[0][i].width
-        self.attend = RankAttention.attend_sp if parallel.sp else RankAttention.attend
 
     def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
         return CacheLayout(
@@ -318,13 +350,21 @@ class RankModel(nn.Module):
         cos, sin = self.rope.cos_sin(positions)
         h = self.embed(token_ids)
         keep = write_slots >= 0
+        # TPLA / MLA-TP read whole blocks; the table is the same for every layer.
+        block_ids = block_ids_from_slots(slots, cache.layout.block_size)
+        lengths = valid.sum(dim=1)
+        chunk = cache.chunk_tokens(len(token_ids))
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             q_nope, q_pe = layer.attn.queries(x, self.rope, cos, sin)
             n_new, k_pe_new = layer.attn.new_latent(x, self.rope, cos, sin)
             cache.write(index, write_slots[keep], n_new[keep], k_pe_new[keep])
-            n, k_pe = cache.gather(index, slots)
-            y = self.attend(layer.attn, q_nope, q_pe, n, k_pe, valid, comm)
+            if self.parallel.sp:
+                n, k_pe = cache.gather(index, slots)
+                y = layer.attn.attend_sp(q_nope, q_pe, n, k_pe, valid, comm)
+            else:
+                rows = cache.rows(index, block_ids)
+                y = layer.attn.attend(q_nope, q_pe, rows, chunk, lengths)
             comm.sum_(y)
             h = h + y
             f = layer.ffn(layer.post_norm(h))
