@@ -9,6 +9,8 @@ import argparse
 import importlib
 
 BENCH_MODULES: tuple[str, ...] = (
+    "common.bench.kv_transfer",
+    "common.bench.serve",
     "common.bench.roofline",
     "common.bench.decode_attn",
     "common.bench.prefill",

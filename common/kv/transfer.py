@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
@@ -119,18 +120,39 @@ def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
     return blocks[index] * header.block_size + positions % header.block_size
 
 
-def _empty_pair(h: kv_pb2.KvHeader) -> tuple[Tensor, Tensor]:
+def _check_dtype(h: kv_pb2.KvHeader) -> torch.dtype:
     if h.dtype not in DTYPES:
         raise TransferError(f"unknown dtype {h.dtype!r}")
-    dt = DTYPES[h.dtype]
-    return (
-        torch.empty(h.num_layers, h.num_tokens, h.latent_width, dtype=dt),
-        torch.empty(h.num_layers, h.num_tokens, h.rope_width, dtype=dt),
+    return DTYPES[h.dtype]
+
+
+def _payload_bytes(h: kv_pb2.KvHeader) -> tuple[int, int]:
+    """Bytes of n and of k_pe that a shard with header `h` carries."""
+    item = torch.empty((), dtype=_check_dtype(h)).element_size()
+    tokens = h.num_layers * h.num_tokens
+    return tokens * h.latent_width * item, tokens * h.rope_width * item
+
+
+def _views(h: kv_pb2.KvHeader, raw: Tensor) -> tuple[Tensor, Tensor]:
+    """n [L, N, w] and k_pe [L, N, d_r] as views of a flat byte buffer (no copy)."""
+    n_bytes, k_bytes = _payload_bytes(h)
+    dt = _check_dtype(h)
+    n = raw[:n_bytes].view(dt).view(h.num_layers, h.num_tokens, h.latent_width)
+    k_pe = raw[n_bytes : n_bytes + k_bytes].view(dt).view(h.num_layers, h.num_tokens, h.rope_width)
+    return n, k_pe
+
+
+def _byte_views(shard: Shard) -> tuple[memoryview, memoryview]:
+    """The shard's payload as zero-copy byte views of its tensors."""
+    return tuple(  # type: ignore[return-value]
+        memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for t in (shard.n, shard.k_pe)
     )
 
 
 # -- receiver ------------------------------------------------------------------------------------
 
+# Validates a shard and copies it into the cache. The tensors it gets may view a receive
+# buffer that the next shard reuses, so a sink must copy, never keep them.
 Sink = Callable[[kv_pb2.KvHeader, Tensor, Tensor], None]
 
 
@@ -150,43 +172,44 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         self.timeout = timedelta(seconds=timeout_s)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._locks: dict[str, threading.Lock] = {}
+        self._staging: dict[str, Tensor] = {}
         self.bytes_received = 0
 
-    def _check(self, context: grpc.ServicerContext) -> bool:
-        if not self.token:
-            return True
-        md = dict(context.invocation_metadata())
-        if md.get(TOKEN_METADATA_KEY) == self.token:
-            return True
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
-        return False
+    def _check(self, context: grpc.ServicerContext) -> None:
+        require_token(context, self.token)
 
     def Push(
         self, request_iterator: Iterator[kv_pb2.KvChunk], context: grpc.ServicerContext
     ) -> kv_pb2.KvAck:
         self._check(context)
         header: kv_pb2.KvHeader | None = None
-        buf = bytearray()
-        for chunk in request_iterator:
-            if header is None:
-                if not chunk.HasField("header"):
-                    return kv_pb2.KvAck(ok=False, error="first chunk carries no header")
-                header = chunk.header
-            buf += chunk.data
-        if header is None:
-            return kv_pb2.KvAck(ok=False, error="empty stream")
+        received, total = 0, 0
         try:
-            n, k_pe = _empty_pair(header)
-            if len(buf) != n.nbytes + k_pe.nbytes:
-                raise TransferError(f"got {len(buf)} bytes, header says {n.nbytes + k_pe.nbytes}")
-            raw = torch.frombuffer(buf, dtype=torch.uint8)
-            n.view(-1).view(torch.uint8).copy_(raw[: n.nbytes])
-            k_pe.view(-1).view(torch.uint8).copy_(raw[n.nbytes :])
+            for chunk in request_iterator:
+                if header is None:
+                    if not chunk.HasField("header"):
+                        return kv_pb2.KvAck(ok=False, error="first chunk carries no header")
+                    header = chunk.header
+                    total = sum(_payload_bytes(header))
+                    # Chunks are copied once, straight into the buffer the shard's tensors
+                    # view: no growing bytearray, no second copy into fresh tensors.
+                    raw = torch.empty(total, dtype=torch.uint8)
+                    dest = memoryview(raw.numpy())
+                data = chunk.data
+                if received + len(data) > total:
+                    raise TransferError(f"got more than the {total} bytes the header says")
+                dest[received : received + len(data)] = data
+                received += len(data)
+            if header is None:
+                return kv_pb2.KvAck(ok=False, error="empty stream")
+            if received != total:
+                raise TransferError(f"got {received} bytes, header says {total}")
+            n, k_pe = _views(header, raw)
             self.sink(header, n, k_pe)
         except (TransferError, ValueError) as exc:
             return kv_pb2.KvAck(ok=False, error=str(exc))
-        self.bytes_received += len(buf)
-        return kv_pb2.KvAck(ok=True, bytes=len(buf))
+        self.bytes_received += received
+        return kv_pb2.KvAck(ok=True, bytes=received)
 
     def ConnectTorch(
         self, request: kv_pb2.TorchPeer, context: grpc.ServicerContext
@@ -208,11 +231,18 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         if group is None:
             return kv_pb2.KvAck(ok=False, error=f"unknown torch peer {request.peer!r}")
         try:
-            n, k_pe = _empty_pair(request)
+            n_bytes, k_bytes = _payload_bytes(request)
             with self._locks[request.peer]:
+                # One staging buffer per peer, reused: a fresh one per shard would pay its
+                # page faults on every transfer. The sink copies out of it under the lock.
+                staging = self._staging.get(request.peer)
+                if staging is None or staging.numel() < n_bytes + k_bytes:
+                    staging = torch.empty(n_bytes + k_bytes, dtype=torch.uint8)
+                    self._staging[request.peer] = staging
+                n, k_pe = _views(request, staging)
                 group.recv([n], 1, 0).wait()
                 group.recv([k_pe], 1, 1).wait()
-            self.sink(request, n, k_pe)
+                self.sink(request, n, k_pe)
         except (TransferError, ValueError, RuntimeError) as exc:
             return kv_pb2.KvAck(ok=False, error=str(exc))
         self.bytes_received += n.nbytes + k_pe.nbytes
@@ -237,21 +267,33 @@ class KvSender(abc.ABC):
 class _Channels:
     token: str | None
     stubs: dict[str, kv_pb2_grpc.KvReceiverStub] = field(default_factory=dict)
-    channels: list[grpc.Channel] = field(default_factory=list)
+    pushes: dict[str, grpc.StreamUnaryMultiCallable] = field(default_factory=dict)
+    channels: dict[str, grpc.Channel] = field(default_factory=dict)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if address not in self.channels:
+            self.channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self.channels[address]
 
     def stub(self, address: str) -> kv_pb2_grpc.KvReceiverStub:
         if address not in self.stubs:
-            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.channels.append(channel)
-            self.stubs[address] = kv_pb2_grpc.KvReceiverStub(channel)
+            self.stubs[address] = kv_pb2_grpc.KvReceiverStub(self._channel(address))
         return self.stubs[address]
+
+    def push(self, address: str) -> grpc.StreamUnaryMultiCallable:
+        """`KvReceiver.Push` taking pre-serialized chunks (see `encode_chunks`)."""
+        if address not in self.pushes:
+            self.pushes[address] = self._channel(address).stream_unary(
+                _PUSH_METHOD, request_serializer=None, response_deserializer=kv_pb2.KvAck.FromString
+            )
+        return self.pushes[address]
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((TOKEN_METADATA_KEY, self.token),) if self.token else ()
 
     def close(self) -> None:
-        for channel in self.channels:
+        for channel in self.channels.values():
             channel.close()
 
 
@@ -263,6 +305,39 @@ def _ack(ack: kv_pb2.KvAck, shard: Shard) -> int:
     return int(ack.bytes)
 
 
+_PUSH_METHOD = "/{}/Push".format(kv_pb2.DESCRIPTOR.services_by_name["KvReceiver"].full_name)
+_DATA_TAG = b"\x12"  # KvChunk.data: field 2, length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_chunks(shard: Shard, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The shard as serialized `KvChunk` messages, built straight from views of its tensors.
+
+    Wire-identical to `KvChunk(header=..., data=...).SerializeToString()`, but each chunk
+    costs one copy: constructing the message copies the payload and serializing copies it
+    again, and in a sender whose GIL drives every rank's stream those copies are the cost.
+    """
+    header = shard.header().SerializeToString()
+    head = b"\x0a" + _varint(len(header)) + header  # KvChunk.header: field 1
+    first = True
+    for view in _byte_views(shard):
+        for start in range(0, len(view), chunk_bytes):
+            data = view[start : start + chunk_bytes]
+            prefix = _DATA_TAG + _varint(len(data))
+            yield b"".join((head, prefix, data) if first else (prefix, data))
+            first = False
+    if first:  # an empty shard still announces itself
+        yield head
+
+
 class GrpcKvSender(KvSender):
     name = "grpc"
 
@@ -270,19 +345,9 @@ class GrpcKvSender(KvSender):
         self._ch = _Channels(token)
 
     def send(self, shard: Shard, grpc_address: str, torch_address: str, deadline_s: float) -> int:
-        payload = memoryview(
-            shard.n.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            + shard.k_pe.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        )
-
-        def chunks() -> Iterator[kv_pb2.KvChunk]:
-            yield kv_pb2.KvChunk(header=shard.header(), data=bytes(payload[:CHUNK_BYTES]))
-            for start in range(CHUNK_BYTES, len(payload), CHUNK_BYTES):
-                yield kv_pb2.KvChunk(data=bytes(payload[start : start + CHUNK_BYTES]))
-
         try:
-            ack = self._ch.stub(grpc_address).Push(
-                chunks(), timeout=deadline_s, metadata=self._ch.metadata
+            ack = self._ch.push(grpc_address)(
+                encode_chunks(shard), timeout=deadline_s, metadata=self._ch.metadata
             )
         except grpc.RpcError as exc:
             raise TransferError(
@@ -304,7 +369,14 @@ class TorchKvSender(KvSender):
         self._ch = _Channels(token)
         self.timeout = timedelta(seconds=timeout_s)
         self._groups: dict[str, dist.ProcessGroup] = {}
-        self._lock = threading.Lock()
+        # One transfer at a time per decode rank keeps that pair's tags ordered; shards for
+        # different ranks travel in parallel (a worker-wide lock serialized them).
+        self._pair_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()  # guards the lock table
+
+    def _pair_lock(self, torch_address: str) -> threading.Lock:
+        with self._lock:
+            return self._pair_locks.setdefault(torch_address, threading.Lock())
 
     def _group(
         self, grpc_address: str, torch_address: str, deadline_s: float
@@ -328,7 +400,7 @@ class TorchKvSender(KvSender):
             raise TransferError(f"rank {shard.rank} offers no torch transport address")
         start = time.monotonic()
         try:
-            with self._lock:  # one transfer at a time per worker keeps the pair's tags ordered
+            with self._pair_lock(torch_address):
                 group, peer = self._group(grpc_address, torch_address, deadline_s)
                 left = max(deadline_s - (time.monotonic() - start), 1.0)
                 ack_future = self._ch.stub(grpc_address).ExpectTorch.future(

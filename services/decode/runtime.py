@@ -192,8 +192,9 @@ def init_group(cfg: EngineConfig, rank: int) -> None:
     )
 
 
-def _exit_with_parent() -> None:
-    """A follower whose leader died must not linger in a collective until its timeout."""
+def exit_with_parent() -> None:
+    """A child process (a follower rank, a bench receiver) whose parent died must not linger
+    in a collective or on its ports until a timeout: exit as soon as the parent is gone."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -206,7 +207,7 @@ def _exit_with_parent() -> None:
 
 def follower_main(cfg: EngineConfig, rank: int) -> None:
     """A follower rank: execute the leader's plans until shutdown."""
-    _exit_with_parent()
+    exit_with_parent()
     init_group(cfg, rank)
     runtime = RankRuntime(cfg, rank)
     receiver = runtime.start_kv_receiver()

@@ -3,11 +3,7 @@ formulas, never timing thresholds (timings on a shared CPU are noise)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,34 +11,20 @@ import pytest
 from common.bench.capacity import cache_shapes, expected_ratio, measure_capacity
 from common.bench.decode_attn import DeviceWork, device_work, shapes
 from common.bench.prefill import prefill_work
+from tests.bench.runner import run_bench
 
 ROOT = Path(__file__).resolve().parents[2]
-MAIN = "import sys; from common.cli import main; sys.exit(main())"
-
-
-def _bench(*args: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", MAIN, "bench", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_roofline_json() -> None:
-    r = _bench("roofline", "--json", "--gemm-size", "256", "--stream-mb", "16", "--repeats", "2")
+    r = run_bench("roofline", "--json", "--gemm-size", "256", "--stream-mb", "16", "--repeats", "2")
     assert r["flops_per_s"] > 0 and r["bytes_per_s"] > 0 and r["threads"] >= 1
     assert math.isclose(r["ridge_flop_per_byte"], r["flops_per_s"] / r["bytes_per_s"])
 
 
 def test_decode_attn_quick_json(tmp_path: Path) -> None:
     plot = tmp_path / "fig.png"
-    result = _bench("decode-attn", "--quick", "--json", "--shapes", "demo", "--plot", str(plot))
+    result = run_bench("decode-attn", "--quick", "--json", "--shapes", "demo", "--plot", str(plot))
     rows = result["rows"]
     assert {(r["mode"], r["context"], r["batch"]) for r in rows} == {
         (m, c, b) for m in ("mla-tp", "tpla") for c in (1024, 4096) for b in (1, 4)
@@ -81,7 +63,7 @@ def test_decode_attn_counts_by_hand() -> None:
 
 
 def test_prefill_json_and_flops() -> None:
-    result = _bench("prefill", "--json", "--prompt", "64", "--shapes", "demo", "--repeats", "1")
+    result = run_bench("prefill", "--json", "--prompt", "64", "--shapes", "demo", "--repeats", "1")
     rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == {"mla-sep", "tpla"}
     tpla, mla = rows["tpla"], rows["mla-sep"]
@@ -94,7 +76,7 @@ def test_prefill_json_and_flops() -> None:
 
 
 def test_capacity_json_matches_formula() -> None:
-    result = _bench("capacity", "--json", "--budget-mb", "32")
+    result = run_bench("capacity", "--json", "--budget-mb", "32")
     rows = result["rows"]
     assert {(r["shape"], r["latent_groups"]) for r in rows} == {
         (s, r) for s in ("demo", "deepseek-v3") for r in (1, 2, 4)

@@ -1,0 +1,78 @@
+"""Per-request serving timings and their summary: throughput, TTFT and TPOT percentiles.
+
+Definitions follow the common serving benchmarks: TTFT is from the request's submission to
+its first output token as the client sees it; TPOT is (end-to-end - TTFT) / (tokens - 1),
+the mean gap between a request's later tokens; throughput is every completed output token
+of a run over the run's wall time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    expected_tokens: int
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.output_tokens == self.expected_tokens
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    requests: int
+    completed: int  # finished without error, with exactly the expected token count
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    completion_tokens: tuple[int, ...]
+    errors: tuple[str, ...]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(timings: Sequence[RequestTiming], wall_s: float) -> LoadSummary:
+    ok = [t for t in timings if t.ok]
+    ttft = [1e3 * t.ttft_s for t in ok]
+    tpot = [1e3 * s for t in ok if (s := t.tpot_s) is not None]
+    tokens = sum(t.output_tokens for t in ok)
+    return LoadSummary(
+        requests=len(timings),
+        completed=len(ok),
+        output_tokens=tokens,
+        wall_s=wall_s,
+        output_tok_s=tokens / wall_s if wall_s > 0 else math.nan,
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p99_ms=percentile(ttft, 99),
+        tpot_p50_ms=percentile(tpot, 50),
+        tpot_p99_ms=percentile(tpot, 99),
+        completion_tokens=tuple(t.output_tokens for t in timings),
+        errors=tuple(t.error for t in timings if t.error),
+    )
