@@ -14,8 +14,7 @@ requests exist in the router at once.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 import anyio
 
@@ -27,10 +26,17 @@ _RECHECK_S = 0.25
 
 
 class Admission:
-    def __init__(self, max_inflight: int, max_waiting: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        max_inflight: int,
+        max_waiting: int,
+        timeout_s: float,
+        on_change: Callable[[int, int], None] = lambda running, waiting: None,
+    ) -> None:
         self.max_inflight = max_inflight
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
+        self._on_change = on_change  # (running, waiting), e.g. to export gauges
         self._slots = anyio.Semaphore(max_inflight)
         self._room = anyio.Event()
         self.waiting = 0
@@ -39,9 +45,9 @@ class Admission:
     def running(self) -> int:
         return self.max_inflight - self._slots.value
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one of the router's in-flight slots for the body of the `async with`."""
+    async def acquire(self) -> None:
+        """Take one of the router's in-flight slots, waiting in line if need be; Overloaded
+        when the line is full or the wait times out. Pair with `release()`."""
         if self._slots.value == 0 and self.waiting >= self.max_waiting:
             raise Overloaded(
                 f"{self.max_inflight} requests in flight and {self.waiting} waiting "
@@ -49,6 +55,7 @@ class Admission:
                 code="too_many_requests",
             )
         self.waiting += 1
+        self._changed()
         try:
             with anyio.fail_after(self.timeout_s):
                 await self._slots.acquire()
@@ -59,11 +66,12 @@ class Admission:
             ) from None
         finally:
             self.waiting -= 1
-        try:
-            yield
-        finally:
-            self._slots.release()
-            self.released()
+            self._changed()
+
+    def release(self) -> None:
+        self._slots.release()
+        self._changed()
+        self.released()
 
     def released(self) -> None:
         """Some capacity came back (a request ended or left a group): wake the waiters."""
@@ -81,3 +89,6 @@ class Admission:
             )
         with anyio.move_on_after(min(left, _RECHECK_S)):
             await self._room.wait()
+
+    def _changed(self) -> None:
+        self._on_change(self.running, self.waiting)

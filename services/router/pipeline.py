@@ -96,26 +96,20 @@ class Pipeline:
         self.policy = policy
         self.requests = requests
         self.metrics = metrics
-        self.admission = Admission(config.max_inflight, config.max_waiting, config.queue_timeout_s)
+        self.admission = Admission(
+            config.max_inflight, config.max_waiting, config.queue_timeout_s, metrics.set_load
+        )
         # Requests this router has on each decode group right now (the per-group limit).
         self.group_load: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
 
-    @property
-    def inflight(self) -> int:
-        return self.admission.running
-
     async def run(self, req: GenerationRequest) -> AsyncIterator[Output]:
         """The request's outputs: Started, then Deltas, then Done. Raises TplaError."""
         try:
-            slot = self.admission.slot()
-            self._publish_load(waiting=1)
-            await slot.__aenter__()
+            await self.admission.acquire()
         except Overloaded:
             self.metrics.outcome(Outcome.REJECTED)
             raise
-        finally:
-            self._publish_load()
         try:
             # aclosing: when our consumer closes us, the lifecycle must see it at once (and
             # abort), not whenever the garbage collector finalizes it.
@@ -123,11 +117,7 @@ class Pipeline:
                 async for out in outputs:
                     yield out
         finally:
-            await slot.__aexit__(None, None, None)
-            self._publish_load()
-
-    def _publish_load(self, waiting: int = 0) -> None:
-        self.metrics.set_load(self.admission.running, self.admission.waiting + waiting)
+            self.admission.release()
 
     async def _lifecycle(self, req: GenerationRequest) -> AsyncIterator[Output]:
         run = _Run(req)
