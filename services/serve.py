@@ -146,9 +146,8 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
     redis_url = s.redis_url
     if not redis_url:
         # The default stack's Redis has a well-known port; any other stack (tests, benchmarks
-        # on free ports) takes a free one.
-        # A random password: any local user can reach a loopback port. Children get the URL
-        # in their environment, never on a command line.
+        # on free ports) takes a free one. A random password, since any local user can reach
+        # a loopback port; children get the URL in their environment, never on a command line.
         redis_server = EmbeddedRedis(
             port=6399 if s.router_port == 8000 else free_port(),
             password=secrets.token_urlsafe(24),
@@ -184,6 +183,7 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
             if redis_server is not None and redis_server.proc.poll() is not None:
                 # Workers re-register with their next heartbeat; records start empty.
                 print("tpla serve: embedded redis-server exited; restarting it", flush=True)
+                redis_server.stop()  # removes its data directory
                 redis_server = EmbeddedRedis(redis_server.port, redis_server.password)
             _supervise(children, env)
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:

@@ -68,7 +68,7 @@ class ColocatedServer:
         # The engine runs queued commands on its loop thread between steps (its only way to
         # touch engine state); a prefill queued there stalls decoding exactly as in a
         # colocated server that interleaves whole prefills with decode steps.
-        return self.engine._call(run)
+        return self.engine.run_between_steps(run)
 
     def request(self, prompt: Sequence[int], max_tokens: int) -> RequestTiming:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

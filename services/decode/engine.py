@@ -222,6 +222,11 @@ class DecodeEngine:
 
         return self._call(run, timeout)
 
+    def run_between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the loop thread between two decode steps and return its result: every
+        running sequence waits for it (a colocated server's prefill does exactly this)."""
+        return self._call(fn)
+
     def parameter_bytes(self) -> int:
         return self.runtime.model.parameter_bytes()
 
