@@ -79,6 +79,13 @@ class Unavailable(TplaError):
     error_type = "service_unavailable"
 
 
+class TransferFailed(Unavailable):
+    """A prefill worker could not push a request's KV to its decode group (the group died
+    or hangs): the prefill worker is fine, the request needs another decode group."""
+
+    grpc_code = grpc.StatusCode.ABORTED
+
+
 class DeadlineExceeded(TplaError):
     http_status = 504
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -87,7 +94,15 @@ class DeadlineExceeded(TplaError):
 
 _BY_GRPC = {
     cls.grpc_code: cls
-    for cls in (InvalidRequest, Unauthorized, NotFound, Overloaded, Unavailable, DeadlineExceeded)
+    for cls in (
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        Overloaded,
+        Unavailable,
+        TransferFailed,
+        DeadlineExceeded,
+    )
 }
 
 

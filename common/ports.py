@@ -2,31 +2,43 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
 
-def free_port(offsets: tuple[int, ...] = (0,), attempts: int = 50) -> int:
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(offsets: tuple[int, ...] = (0,), attempts: int = 200) -> int:
     """A port p on 127.0.0.1 with every p + offset free right now (services derive ports:
-    metrics on +1000, KV receivers on +rank). A race with another process is possible but
-    rare; the search is bounded."""
+    metrics on +1000, KV receivers on +rank).
+
+    Chosen below the OS's ephemeral range: a listening port picked from that range (as
+    binding port 0 does) can be taken a moment later as the source port of any outgoing
+    connection — a gloo pair, a Redis client — and a service that binds it late (a restarted
+    decode group) then fails with EADDRINUSE. The search is bounded."""
+    low, _ = _ephemeral_range()
+    top = max(low - 1 - max(offsets), 10_001)
     for _ in range(attempts):
+        base = random.randint(10_000, top)
         held: list[socket.socket] = []
         try:
-            first = socket.socket()
-            held.append(first)
-            first.bind(("127.0.0.1", 0))
-            base = int(first.getsockname()[1])
             for off in offsets:
-                if off:
-                    sock = socket.socket()
-                    held.append(sock)
-                    sock.bind(("127.0.0.1", base + off))
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", base + off))
             return base
-        except OSError:  # an offset port is taken (or out of range): try another base
+        except OSError:  # taken: try another base
             continue
         finally:
             for sock in held:

@@ -17,7 +17,7 @@ import grpc
 import redis
 from prometheus_client import CollectorRegistry
 
-from common.errors import DeadlineExceeded, InvalidRequest, TplaError, Unavailable
+from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import METRICS_PORT_OFFSET, PrefillMetrics, serve_metrics
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
@@ -58,7 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             err: TplaError = DeadlineExceeded(f"prefill of {request.request_id} timed out")
             context.abort(err.grpc_code, err.message)
         except TransferError as exc:
-            err = Unavailable(str(exc))
+            err = TransferFailed(str(exc))
             context.abort(err.grpc_code, err.message)
         except (InvalidRequest, ValueError) as exc:
             err = exc if isinstance(exc, TplaError) else InvalidRequest(str(exc))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import anyio
 import redis
 
-from common.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
+from common.errors import DeadlineExceeded, Overloaded, TplaError, TransferFailed, Unavailable
 from common.redis_state import InvalidTransition, RequestLog, RequestState
 from common.rpc.clients import DecodeClient, PrefillResult
 from common.rpc.convert import ReservationInfo
@@ -139,7 +139,7 @@ class Pipeline:
             await self._place(run, len(req.prompt_ids), req.params.max_tokens)
             yield Started(req.request_id)
 
-            first = await self._prefill(run, req.prompt_ids, req.params)
+            first = await self._prefill_anywhere(run, req.prompt_ids, req.params)
             text = TextStream(
                 self.tokenizer,
                 req.prompt_ids,
@@ -330,16 +330,8 @@ class Pipeline:
         """Move the stream to another decode group: re-prefill prompt + generated tokens
         there and return the next token. Raises `cause` when no other group can take it."""
         req, old = run.req, run.group
-        assert old is not None and run.decode is not None
-        self.directory.quarantine(old.group_id, self.config.quarantine_s)
-        if run.decode_live:  # a stalled (not dead) group may still hold our blocks
-            run.decode_live = False
-            # In the background: a stalled leader answers only once its step ends, and the
-            # stream must not wait for that.
-            task = asyncio.create_task(self._abort(run.decode, req.request_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        self._leave_group(run)
+        assert old is not None
+        self._drop_group(run)
         if not self._healthy_groups_exist():
             raise cause
         run.migrations += 1
@@ -358,7 +350,8 @@ class Pipeline:
         remaining = req.params.max_tokens - len(generated)
         try:
             await self._place(run, len(context), remaining)
-            result = await self._prefill(run, context, replace(req.params, max_tokens=remaining))
+            params = replace(req.params, max_tokens=remaining)
+            result = await self._prefill_anywhere(run, context, params)
         except TplaError as exc:
             raise cause from exc
         await self._record(
@@ -387,6 +380,40 @@ class Pipeline:
                 rid, RequestState.FAILED, error=error.message, error_type=error.error_type
             )
             self._finish_metrics(run.req, 0, Outcome.FAILED)
+
+    def _drop_group(self, run: _Run) -> None:
+        """Leave a decode group that failed us: quarantine it and abort our request there in
+        the background (a stalled leader answers only once its step ends; nobody waits)."""
+        assert run.group is not None and run.decode is not None
+        self.directory.quarantine(run.group.group_id, self.config.quarantine_s)
+        if run.decode_live:
+            run.decode_live = False
+            task = asyncio.create_task(self._abort(run.decode, run.req.request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        self._leave_group(run)
+
+    async def _prefill_anywhere(
+        self, run: _Run, prompt_ids: tuple[int, ...], params: SamplingParams
+    ) -> PrefillResult:
+        """`_prefill`; if the KV push to the request's decode group fails (that group died or
+        hangs, the prefill worker is fine), once more on another group."""
+        try:
+            return await self._prefill(run, prompt_ids, params)
+        except TransferFailed as exc:
+            self._drop_group(run)
+            if not self._healthy_groups_exist():
+                raise
+            log.warning(
+                "request %s: KV push failed (%s); placing it on another decode group",
+                run.req.request_id,
+                exc.message,
+            )
+            await self._record(
+                run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
+            )
+            await self._place(run, len(prompt_ids), params.max_tokens)
+            return await self._prefill(run, prompt_ids, params)
 
     async def _prefill(
         self, run: _Run, prompt_ids: tuple[int, ...], params: SamplingParams
@@ -417,6 +444,8 @@ class Pipeline:
                     transport=self.config.transport,
                     timeout=max(remaining, 1.0),
                 )
+            except TransferFailed:
+                raise  # the decode group's fault: another prefill worker would fail the same
             except Unavailable as exc:
                 tried.add(worker.worker_id)
                 if len(tried) > 1:

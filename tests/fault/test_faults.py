@@ -333,6 +333,36 @@ def test_stalled_rank_times_out_the_transfer_and_frees_blocks(stack: Stack) -> N
     wait_recovered(stack)
 
 
+def test_push_to_a_stalled_group_moves_the_request_to_another_group(stack: Stack) -> None:
+    """SIGSTOP one group's follower: a KV push there times out, the prefill worker reports a
+    transfer failure, and the router re-places the request on the other group — the client
+    sees a normal answer. Which group a request lands on is the policy's choice, so a few
+    requests are sent until one has been re-placed (the stopped group is quarantined after
+    that, so the rest go straight to the healthy one)."""
+    groups = decode_groups(stack.url)
+    follower = groups[min(groups)][1]["pid"]
+    os.kill(follower, signal.SIGSTOP)
+    histories = []
+    try:
+        for i in range(4):
+            time.sleep(1.0)  # a registry refresh: this router's per-group counts start afresh
+            resp = httpx.post(
+                f"{stack.url}/v1/chat/completions",
+                json=Client(stack.url, f"moved {i}", 8).body(stream=False),
+                timeout=CLIENT_TIMEOUT_S,
+            )
+            assert resp.status_code == 200, resp.text
+            rid = resp.json()["id"]
+            histories.append(httpx.get(f"{stack.url}/admin/requests/{rid}", timeout=10).json())
+            if any("transfer:" in h.get("retry_reason", "") for h in histories[-1]["history"]):
+                break
+        else:
+            raise AssertionError(f"no request was placed on the stopped group: {histories}")
+    finally:
+        os.kill(follower, signal.SIGCONT)
+    wait_recovered(stack)
+
+
 def test_the_stack_is_whole_after_the_faults(stack: Stack) -> None:
     """After all of the above, the stack is still one supervisor with its children and the
     Redis server, none of them a zombie."""
