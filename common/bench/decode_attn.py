@@ -120,13 +120,18 @@ class DeviceWork:
         return float(itemsize * (cache + weights + queries + out))
 
 
-def device_work(shape: AttnShape, mode: str, batch: int, context: int) -> DeviceWork:
+def per_device(shape: AttnShape, mode: str, ranks: int = TP) -> tuple[int, int]:
+    """(heads, latent width) on one device: head-parallel MLA ("mla-tp") splits the heads,
+    TPLA ("tpla") splits the latent."""
     if mode == "mla-tp":
-        heads, width = shape.heads // TP, shape.d_c
-    elif mode == "tpla":
-        heads, width = shape.heads, shape.d_c // TP
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
+        return shape.heads // ranks, shape.d_c
+    if mode == "tpla":
+        return shape.heads, shape.d_c // ranks
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def device_work(shape: AttnShape, mode: str, batch: int, context: int) -> DeviceWork:
+    heads, width = per_device(shape, mode)
     return DeviceWork(heads, width, shape.d_r, shape.d_n, shape.d_v, batch, context)
 
 

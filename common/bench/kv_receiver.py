@@ -103,7 +103,8 @@ class CacheSink:
         self.cache.write_all_layers(slots, n.to(lay.dtype), k_pe.to(lay.dtype))
 
 
-def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+def recv_exact(conn: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket (recv returns whatever has arrived so far)."""
     got = 0
     while got < len(view):
         n = conn.recv_into(view[got:])
@@ -122,17 +123,17 @@ def _serve_raw(conn: socket.socket, sink: CacheSink, stop: threading.Event) -> N
             if not op:
                 return
             if op == b"P":
-                _recv_exact(conn, memoryview(head))
+                recv_exact(conn, memoryview(head))
                 (length,) = struct.unpack("<Q", head)
                 if len(buf) < length:
                     buf = bytearray(length)  # reused across messages, like a staging buffer
-                _recv_exact(conn, memoryview(buf)[:length])
+                recv_exact(conn, memoryview(buf)[:length])
                 conn.sendall(struct.pack("<Q", length))
             elif op == b"C":
-                _recv_exact(conn, memoryview(head)[:4])
+                recv_exact(conn, memoryview(head)[:4])
                 (length,) = struct.unpack("<I", head[:4])
                 body = bytearray(length)
-                _recv_exact(conn, memoryview(body))
+                recv_exact(conn, memoryview(body))
                 query = json.loads(body)
                 header = kv_pb2.KvHeader(
                     num_tokens=query["num_tokens"],

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from common.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig
+from common.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig, recv_exact
 from common.kv.transfer import CHUNK_BYTES, KvSender, Shard, cut_shard, make_sender
 from common.ports import free_port
 from common.rpc.clients import CHANNEL_OPTIONS
@@ -210,7 +210,7 @@ class Receivers:
         for part in (shard.n, shard.k_pe):
             sock.sendall(part.contiguous().view(-1).view(torch.uint8).numpy())
         ack = bytearray(8)
-        _recv_exact(sock, memoryview(ack))
+        recv_exact(sock, memoryview(ack))
         return int(struct.unpack("<Q", ack)[0])
 
     def raw_grpc_send(self, shard: Shard) -> int:
@@ -238,20 +238,11 @@ class Receivers:
         ).encode()
         sock.sendall(b"C" + struct.pack("<I", len(query)) + query)
         head = bytearray(4)
-        _recv_exact(sock, memoryview(head))
+        recv_exact(sock, memoryview(head))
         body = bytearray(struct.unpack("<I", head)[0])
-        _recv_exact(sock, memoryview(body))
+        recv_exact(sock, memoryview(body))
         reply = json.loads(body)
         return str(reply["sha256"]), [float(x) for x in reply["sink_seconds"]]
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("receiver closed the connection")
-        got += n
 
 
 # -- the measurement -----------------------------------------------------------------------------

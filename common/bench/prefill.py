@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.bench.decode_attn import AttnShape, shapes
+from common.bench.decode_attn import AttnShape, per_device, shapes
 from common.model.args import ModelConfig
 from common.model.attn_backend import SdpaBackend
 from common.model.mla import MLAttention
@@ -50,12 +50,8 @@ class PrefillWork:
 
 
 def prefill_work(shape: AttnShape, mode: str, tokens: int) -> PrefillWork:
-    if mode == "mla-sep":
-        heads, latent = shape.heads // RANKS, shape.d_c
-    elif mode == "tpla":
-        heads, latent = shape.heads, shape.d_c // RANKS
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
+    # "mla-sep" (the paper's TPLA (sep.)) is head-parallel MLA prefill.
+    heads, latent = per_device(shape, "mla-tp" if mode == "mla-sep" else mode, RANKS)
     return PrefillWork(heads, latent, shape.d_r, shape.d_n, shape.d_v, tokens)
 
 
