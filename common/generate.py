@@ -63,11 +63,7 @@ def generate(
         tok = sample(logits, params, gen)
         tokens.append(tok)
         seq.append(tok.token_id)
-        if params.is_stop(tok.token_id, eos):
-            reason = "stop"
-            break
-        if len(tokens) >= params.max_tokens:
-            reason = "length"
+        if (reason := params.finish_reason(tok.token_id, len(tokens), eos)) is not None:
             break
         if cache is not None:
             pos = torch.tensor([len(seq) - 1], device=device)

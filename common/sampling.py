@@ -49,6 +49,15 @@ class SamplingParams:
         """Whether generating `token_id` ends the request (stop ids, or EOS unless ignored)."""
         return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in eos_ids)
 
+    def finish_reason(
+        self, token_id: int, generated: int, eos_ids: Collection[int], limit: int | None = None
+    ) -> str | None:
+        """Why `token_id`, the request's `generated`-th token, ends it: "stop", "length" at
+        `limit` tokens (default max_tokens), or None when generation goes on."""
+        if self.is_stop(token_id, eos_ids):
+            return "stop"
+        return "length" if generated >= (self.max_tokens if limit is None else limit) else None
+
 
 @dataclass(frozen=True)
 class SampledToken:

@@ -310,11 +310,7 @@ def generate(
     while True:
         tok = sample(logits, params, gen)
         tokens.append(tok)
-        if params.is_stop(tok.token_id, eos):
-            reason = "stop"
-            break
-        if len(tokens) >= params.max_tokens:
-            reason = "length"
+        if (reason := params.finish_reason(tok.token_id, len(tokens), eos)) is not None:
             break
         if len(tokens) == 1:
             gen = make_generator(params, device, stream=1)

@@ -188,10 +188,9 @@ class DecodeEngine:
         def run() -> None:
             seq = self.scheduler.start(request_id, first_token)
             self._active[request_id] = _Active(params, stream, make_generator(params, stream=1))
-            if params.is_stop(first_token, self.eos_token_ids):
-                self._finish(request_id, "stop")
-            elif seq.max_tokens <= 1:
-                self._finish(request_id, "length")
+            reason = params.finish_reason(first_token, 1, self.eos_token_ids, seq.max_tokens)
+            if reason is not None:
+                self._finish(request_id, reason)
 
         self._call(run)
         return stream
@@ -376,9 +375,9 @@ class DecodeEngine:
         for row, seq in enumerate(batch):
             active = self._active[seq.request_id]
             tok = sample(logits[row], active.params, active.generator)
-            stop = active.params.is_stop(tok.token_id, self.eos_token_ids)
-            done_len = len(seq.generated) + 1 >= seq.max_tokens
-            reason = "stop" if stop else ("length" if done_len else None)
+            reason = active.params.finish_reason(
+                tok.token_id, len(seq.generated) + 1, self.eos_token_ids, seq.max_tokens
+            )
             kept = logits[row].clone() if self.cfg.record_logits else None
             active.stream.put(TokenEvent(tok, reason, kept))
             self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)

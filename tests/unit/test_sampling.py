@@ -58,3 +58,16 @@ def test_seeded_sampling_reproduces_and_respects_support() -> None:
 def test_invalid_params_raise(bad: dict) -> None:
     with pytest.raises(SamplingError):
         SamplingParams(**bad)
+
+
+def test_finish_reason_is_the_one_stop_rule() -> None:
+    eos = {7}
+    p = SamplingParams(max_tokens=3, stop_token_ids=(5,))
+    assert p.finish_reason(1, 1, eos) is None
+    assert p.finish_reason(5, 1, eos) == "stop"  # a stop id
+    assert p.finish_reason(7, 1, eos) == "stop"  # EOS
+    assert p.finish_reason(7, 3, eos) == "stop"  # a stop wins over the length limit
+    assert p.finish_reason(1, 3, eos) == "length"
+    assert p.finish_reason(1, 2, eos, limit=2) == "length"  # the engine's reserved limit
+    ignoring = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert ignoring.finish_reason(7, 1, eos) is None
