@@ -10,8 +10,6 @@ from services.local_stack import LocalStack
 
 MODEL_NAME = "tiny-e2e"
 
-Stack = LocalStack
-
 
 def start_stack(model_dir: Path, transport: str, **settings: str) -> LocalStack:
     """The tiny model's stack: TPLA tp=2 r=2, no side file, 8 MiB KV per rank, fast
@@ -26,7 +24,3 @@ def start_stack(model_dir: Path, transport: str, **settings: str) -> LocalStack:
         "HEARTBEAT_S": "0.5",
     }
     return LocalStack.start(model_dir, **{**defaults, **settings})
-
-
-def stop_stack(stack: LocalStack) -> None:
-    stack.stop()

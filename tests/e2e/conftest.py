@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from services.local_stack import LocalStack
 from tests.model.tiny import save_tiny_chat_model
-from tests.stack import Stack, start_stack, stop_stack
+from tests.stack import start_stack
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +18,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model: Path) -> Iterator[Stack]:
+def stack(tiny_model: Path) -> Iterator[LocalStack]:
     s = start_stack(tiny_model, "grpc")
     yield s
-    stop_stack(s)
+    s.stop()

@@ -15,16 +15,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.tokenizer import ChatMessage, Tokenizer
-from tests.stack import MODEL_NAME, Stack, start_stack, stop_stack
+from services.local_stack import LocalStack
+from tests.stack import MODEL_NAME, start_stack
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
 
 
-def _client(stack: Stack) -> openai.OpenAI:
+def _client(stack: LocalStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _reference_text(stack: Stack, max_tokens: int) -> tuple[str, list[int]]:
+def _reference_text(stack: LocalStack, max_tokens: int) -> tuple[str, list[int]]:
     """`tpla generate` greedy on the same chat prompt, same mode (TPLA tp=2, r=2)."""
     tok = Tokenizer.from_dir(stack.model_dir)
     ids = tok.encode_chat([ChatMessage(m["role"], m["content"]) for m in MESSAGES])
@@ -58,13 +59,13 @@ def _reference_text(stack: Stack, max_tokens: int) -> tuple[str, list[int]]:
     return out["text"], out["token_ids"]
 
 
-def _chat(stack: Stack, **kw: object):
+def _chat(stack: LocalStack, **kw: object):
     return _client(stack).chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, temperature=0, **kw
     )
 
 
-def test_non_streaming_greedy_equals_tpla_generate(stack: Stack) -> None:
+def test_non_streaming_greedy_equals_tpla_generate(stack: LocalStack) -> None:
     resp = _chat(stack, max_tokens=12)
     expected_text, expected_ids = _reference_text(stack, 12)
     assert resp.choices[0].message.content == expected_text
@@ -72,7 +73,7 @@ def test_non_streaming_greedy_equals_tpla_generate(stack: Stack) -> None:
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
-def test_streaming_matches_non_streaming_and_reports_usage(stack: Stack) -> None:
+def test_streaming_matches_non_streaming_and_reports_usage(stack: LocalStack) -> None:
     full = _chat(stack, max_tokens=10).choices[0].message.content
     chunks = list(_chat(stack, max_tokens=10, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -80,7 +81,7 @@ def test_streaming_matches_non_streaming_and_reports_usage(stack: Stack) -> None
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
-def test_sixteen_concurrent_streams_complete(stack: Stack) -> None:
+def test_sixteen_concurrent_streams_complete(stack: LocalStack) -> None:
     def one(i: int) -> str:
         stream = _client(stack).chat.completions.create(
             model=MODEL_NAME,
@@ -98,14 +99,14 @@ def test_sixteen_concurrent_streams_complete(stack: Stack) -> None:
     assert all(r in ("stop", "length") for r in reasons)
 
 
-def test_redis_record_walks_the_state_machine(stack: Stack) -> None:
+def test_redis_record_walks_the_state_machine(stack: LocalStack) -> None:
     resp = _chat(stack, max_tokens=4)
     record = httpx.get(f"{stack.url}/admin/requests/{resp.id}", timeout=10).json()
     states = [h["state"] for h in record["history"]]
     assert states == ["QUEUED", "PREFILLING", "TRANSFERRING", "DECODING", "FINISHED"]
 
 
-def test_metrics_count_ttft(stack: Stack) -> None:
+def test_metrics_count_ttft(stack: LocalStack) -> None:
     def ttft_count() -> float:
         text = httpx.get(f"{stack.url}/metrics", timeout=10).text
         return sum(
@@ -121,7 +122,7 @@ def test_metrics_count_ttft(stack: Stack) -> None:
     assert ttft_count() == before + 3
 
 
-def test_bad_requests_get_openai_errors(stack: Stack) -> None:
+def test_bad_requests_get_openai_errors(stack: LocalStack) -> None:
     client = _client(stack)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
@@ -142,7 +143,7 @@ def test_workers_listed_and_sigint_stops_everything(tiny_model) -> None:
         assert roles == [("decode", 0), ("decode", 1), ("prefill", 0)]
         pids = [w["pid"] for w in workers]
     finally:
-        stop_stack(s)
+        s.stop()
     deadline = time.monotonic() + 10
     alive = pids
     while alive and time.monotonic() < deadline:

@@ -22,8 +22,9 @@ import httpx
 import psutil
 import pytest
 
+from services.local_stack import LocalStack
 from tests.model.tiny import save_tiny_chat_model
-from tests.stack import MODEL_NAME, Stack, start_stack, stop_stack
+from tests.stack import MODEL_NAME, start_stack
 
 CLIENT_TIMEOUT_S = 60.0  # a client that waits longer than this counts as hung
 RECOVERY_TIMEOUT_S = 90.0
@@ -114,7 +115,7 @@ def decode_groups(url: str) -> dict[str, list[dict]]:
     return {g: sorted(ranks, key=lambda w: w["rank"]) for g, ranks in groups.items()}
 
 
-def wait_recovered(stack: Stack, groups: int = 2, prefill: int = 2) -> None:
+def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None:
     """Both groups (all ranks healthy) and every prefill worker registered, no KV block in
     use anywhere, and the stack answers."""
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
@@ -168,7 +169,7 @@ def kill(pid: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     model = save_tiny_chat_model(tmp_path_factory.mktemp("fault-model"), std=0.08)
     s = start_stack(
         model,
@@ -185,16 +186,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         wait_recovered(s)
         yield s
     finally:
-        stop_stack(s)
+        s.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(stack: Stack) -> dict[str, str]:
+def reference(stack: LocalStack) -> dict[str, str]:
     """Each prompt's greedy answer on the undisturbed stack."""
     return {p: complete(stack.url, p) for p in PROMPTS}
 
 
-def _killed_mid_stream(stack: Stack, reference: dict[str, str], victim: str) -> None:
+def _killed_mid_stream(stack: LocalStack, reference: dict[str, str], victim: str) -> None:
     clients = [Client(stack.url, p) for p in PROMPTS]
     pool, futures = run_clients(clients)
     wait_progress(clients, 4)
@@ -215,19 +216,19 @@ def _killed_mid_stream(stack: Stack, reference: dict[str, str], victim: str) -> 
 
 
 def test_kill_decode_follower_under_streaming_load_migrates(
-    stack: Stack, reference: dict[str, str]
+    stack: LocalStack, reference: dict[str, str]
 ) -> None:
     _killed_mid_stream(stack, reference, "follower")
 
 
 def test_kill_decode_leader_under_streaming_load_migrates(
-    stack: Stack, reference: dict[str, str]
+    stack: LocalStack, reference: dict[str, str]
 ) -> None:
     _killed_mid_stream(stack, reference, "leader")
 
 
 def test_hung_rank_mid_stream_migrates_after_the_token_timeout(
-    stack: Stack, reference: dict[str, str]
+    stack: LocalStack, reference: dict[str, str]
 ) -> None:
     """SIGSTOP a follower mid-stream: its group's step never ends, so after the token timeout
     the streams move to the other group and finish; the stopped group reports itself
@@ -251,7 +252,7 @@ def test_hung_rank_mid_stream_migrates_after_the_token_timeout(
     wait_recovered(stack)
 
 
-def test_kill_prefill_worker_retries_on_the_other(stack: Stack) -> None:
+def test_kill_prefill_worker_retries_on_the_other(stack: LocalStack) -> None:
     victim = next(w for w in workers(stack.url) if w["role"] == "prefill")
     kill(victim["pid"])
     # The registry still lists the dead worker for a moment: requests sent to it now retry.
@@ -263,7 +264,7 @@ def test_kill_prefill_worker_retries_on_the_other(stack: Stack) -> None:
     wait_recovered(stack)
 
 
-def test_redis_restart(stack: Stack) -> None:
+def test_redis_restart(stack: LocalStack) -> None:
     """In-flight streams finish while Redis is down (records are best effort once a request
     exists); new requests get a clean 503 until it is back; then everything serves again and
     workers have re-registered."""
@@ -295,7 +296,7 @@ def test_redis_restart(stack: Stack) -> None:
     assert record["state"] == "FINISHED"
 
 
-def test_client_disconnects_mid_stream_free_their_blocks(stack: Stack) -> None:
+def test_client_disconnects_mid_stream_free_their_blocks(stack: LocalStack) -> None:
     for prompt in PROMPTS[:4]:
         with httpx.stream(
             "POST",
@@ -310,7 +311,7 @@ def test_client_disconnects_mid_stream_free_their_blocks(stack: Stack) -> None:
     wait_recovered(stack)
 
 
-def test_stalled_rank_times_out_the_transfer_and_frees_blocks(stack: Stack) -> None:
+def test_stalled_rank_times_out_the_transfer_and_frees_blocks(stack: LocalStack) -> None:
     """SIGSTOP every follower rank: KV pushes to them hang, so the request fails with a clean
     error after the transfer timeout (once per prefill worker), its reservation is aborted,
     and after SIGCONT the groups serve on."""
@@ -333,7 +334,7 @@ def test_stalled_rank_times_out_the_transfer_and_frees_blocks(stack: Stack) -> N
     wait_recovered(stack)
 
 
-def test_push_to_a_stalled_group_moves_the_request_to_another_group(stack: Stack) -> None:
+def test_push_to_a_stalled_group_moves_the_request_to_another_group(stack: LocalStack) -> None:
     """SIGSTOP one group's follower: a KV push there times out, the prefill worker reports a
     transfer failure, and the router re-places the request on the other group — the client
     sees a normal answer. Which group a request lands on is the policy's choice, so a few
@@ -363,7 +364,7 @@ def test_push_to_a_stalled_group_moves_the_request_to_another_group(stack: Stack
     wait_recovered(stack)
 
 
-def test_the_stack_is_whole_after_the_faults(stack: Stack) -> None:
+def test_the_stack_is_whole_after_the_faults(stack: LocalStack) -> None:
     """After all of the above, the stack is still one supervisor with its children and the
     Redis server, none of them a zombie."""
     procs = psutil.Process(stack.proc.pid).children(recursive=True)
