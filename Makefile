@@ -11,10 +11,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed: pyproject.toml $(wildcard proto/*.proto) | $(BIN)/python
+$(VENV)/.installed: pyproject.toml $(wildcard proto/*.proto) $(wildcard common/native/*.cpp) | $(BIN)/python
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/python proto/build.py
+	$(BIN)/python -m common.native.library
 	touch $@
 
 install: $(VENV)/.installed

@@ -22,6 +22,9 @@ class Settings(BaseSettings):
     # intra-op thread budget instead of torch's default of one thread per core.
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process")
     attention_backend: str = Field("auto", description="auto | sdpa | flash-attn (prefill)")
+    decode_kernel: str = Field(
+        "native", description="decode attention: native (C++, fp32 CPU; else torch) | torch"
+    )
 
     # -- decode group -----------------------------------------------------------------------
     tp: int = Field(2, ge=1, description="decode ranks per group")

@@ -43,6 +43,8 @@ def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is he
 
     if s.parallel not in ("tpla", "mla-tp", "sp"):
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
+    if s.decode_kernel not in ("native", "torch"):
+        raise ValueError(f"decode kernel {s.decode_kernel!r} is not native or torch")
     latent_groups = s.latent_groups if s.parallel == "tpla" else 1
     mode = ParallelMode.SP if s.parallel == "sp" else ParallelMode.TPLA
     return EngineConfig(
@@ -61,6 +63,7 @@ def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is he
         dtype=s.dtype,
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
+        attention_kernel=s.decode_kernel,
         master_port=s.dist_port,
         host=s.host,
         kv_port_base=s.kv_port_base,
@@ -140,6 +143,7 @@ def cmd_bench_decode_step(args: argparse.Namespace) -> int:
             args.reparam,
             args.threads,
             args.chunk_size,
+            args.kernel,
         )
     base = {row.batch: row for row in rows if row.layout == "mla-tp"}
     print(
@@ -183,6 +187,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     ds.add_argument("--steps", type=int, default=12)
     ds.add_argument("--reparam", default="tpla_pca")
     ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ds.add_argument(
+        "--kernel", choices=["native", "torch"], default="native", help="decode attention"
+    )
     ds.add_argument("--json", action="store_true")
     ds.set_defaults(func=cmd_bench_decode_step)
     from common.bench.cli import add_bench_commands

@@ -38,6 +38,7 @@ from common.bench.roofline import Roofline, measure_roofline, roofline_record
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.model.args import ModelConfig
 from common.model.tpla import fused_slice_attention, latent_slice_attention
+from common.native.latent_attention import paged_latent_attention
 
 TP = 2
 BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size)
@@ -167,6 +168,11 @@ def prepare_attention(
     valid = torch.ones(b, 1, work.context, dtype=torch.bool)
 
     def run(layer: int) -> torch.Tensor:
+        if kernel == "native":
+            return paged_latent_attention(
+                q_nope, q_pe, cache.kv[layer], block_ids, lengths, BLOCK_SIZE, w_uk, w_uv,
+                scale, beta,
+            )
         if kernel == "fast":
             rows = cache.rows(layer, block_ids)
             return fused_slice_attention(
@@ -340,7 +346,7 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("decode-attn", help="per-device decode attention vs roofline")
     p.add_argument("--quick", action="store_true", help="a small subset (well under a minute)")
-    p.add_argument("--kernel", choices=["fast", "reference"], default="fast")
+    p.add_argument("--kernel", choices=["native", "fast", "reference"], default="native")
     p.add_argument("--demo", default="models/demo", help="demo model dir for its shapes")
     p.add_argument("--shapes", nargs="+", help="subset of deepseek-v3 deepseek-v2-lite demo")
     p.add_argument("--plot", help="write a Figure-3-style PNG here")

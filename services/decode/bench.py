@@ -45,6 +45,7 @@ def measure(
     reparam: str | None,
     threads: int = 1,
     chunk_size: int = 256,
+    kernel: str = "native",
 ) -> list[StepResult]:
     """Median step time per batch size for one layout, with its cache and comm footprint."""
     mode = ParallelMode.SP if layout == "sp" else ParallelMode.TPLA
@@ -57,6 +58,7 @@ def measure(
         max_batch=max(batches),
         kv_budget_mb=512,
         torch_threads=threads,
+        attention_kernel=kernel,
     )
     results = []
     with DecodeEngine(cfg) as engine:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +38,20 @@ from common.model.tpla import (
     latent_slice_attention,
     sliced_rmsnorm,
 )
+from common.native import latent_attention as native
+
+log = logging.getLogger(__name__)
 
 
 class ParallelError(ValueError):
     """The requested parallel layout does not fit the model."""
+
+
+class AttentionKernel(enum.Enum):
+    """Which TPLA / MLA-TP decode attention kernel a rank runs (same math, tested equal)."""
+
+    NATIVE = "native"  # C++ over the paged cache in place (fp32 CPU; else falls back)
+    TORCH = "torch"  # `fused_slice_attention`: PyTorch ops over whole-block copies
 
 
 class ParallelMode(enum.Enum):
@@ -145,6 +156,7 @@ class RankAttention(nn.Module):
         self.scale = a.scale
         self.shard = shard
         self.mode = mode
+        self.native = False  # set by RankModel once the weights' dtype and device are known
         qk = a.d_n + a.d_r
         rows = slice(heads.start * qk, heads.stop * qk)
         if a.q_lora:
@@ -201,18 +213,32 @@ class RankAttention(nn.Module):
         `rows` reads the sequences' cache blocks, token t of sequence b valid iff
         t < lengths[b]. `attend_reference` is the same math unfused.
         """
-        o = fused_slice_attention(
-            q_nope,
-            q_pe,
-            rows.read,
-            rows.total,
-            chunk,
-            lengths,
-            self.w_uk,
-            self.w_uv,
-            self.scale,
-            self.shard.beta,
-        )
+        if self.native:
+            o = native.paged_latent_attention(
+                q_nope.contiguous(),
+                q_pe.contiguous(),
+                rows.cache.kv[rows.layer],
+                rows.block_ids,
+                lengths,
+                rows.cache.layout.block_size,
+                self.w_uk,
+                self.w_uv,
+                self.scale,
+                self.shard.beta,
+            )
+        else:
+            o = fused_slice_attention(
+                q_nope,
+                q_pe,
+                rows.read,
+                rows.total,
+                chunk,
+                lengths,
+                self.w_uk,
+                self.w_uv,
+                self.scale,
+                self.shard.beta,
+            )
         return F.linear(o.reshape(o.shape[0], -1), self.w_o)
 
     def attend_reference(
@@ -297,6 +323,7 @@ class RankModel(nn.Module):
         parallel: ParallelConfig,
         rank: int,
         shards_per_layer: list[list[LatentShard]],
+        kernel: AttentionKernel = AttentionKernel.NATIVE,
     ) -> None:
         super().__init__()
         c = full.config
@@ -318,6 +345,25 @@ class RankModel(nn.Module):
         self.lm_head = nn.Parameter(full.lm_head.weight.detach()[vocab[rank]].clone())
         self.rope = full.rope
         self.latent_width = shards_per_layer[0][i].width
+        self.kernel = self.use_kernel(kernel)
+
+    def use_kernel(self, kernel: AttentionKernel) -> AttentionKernel:
+        """Select the decode attention kernel; returns the one in use.
+
+        NATIVE runs where it can (fp32 weights on the CPU, a C++ compiler at build time) and
+        otherwise falls back to TORCH with a warning, so a deployment never fails over it.
+        """
+        attn = [layer.attn for layer in self.layers]
+        usable = kernel is AttentionKernel.NATIVE and all(
+            native.supports(a.w_uk, a.w_uv) for a in attn
+        )
+        if usable and not native.available():
+            usable = False
+        if kernel is AttentionKernel.NATIVE and not usable:
+            log.warning("native decode attention not usable here; using the torch kernel")
+        for a in attn:
+            a.native = usable
+        return AttentionKernel.NATIVE if usable else AttentionKernel.TORCH
 
     def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
         return CacheLayout(

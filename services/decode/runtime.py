@@ -32,7 +32,13 @@ from common.rpc.gen import kv_pb2, kv_pb2_grpc
 from common.serving_model import load_serving_model
 from common.settings import TORCH_PORT_OFFSET
 from services.decode.plan import DecodePlan, WritePlan, recv_plan
-from services.decode.rank_model import Comm, ParallelConfig, ParallelMode, RankModel
+from services.decode.rank_model import (
+    AttentionKernel,
+    Comm,
+    ParallelConfig,
+    ParallelMode,
+    RankModel,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class EngineConfig:
     dtype: str = "float32"
     lease_seconds: float = 30.0
     torch_threads: int = 1
+    attention_kernel: str = "native"  # AttentionKernel: native | torch
     master_port: int = 29500
     collective_timeout_s: float = 120.0
     record_logits: bool = False  # keep each step's logits on token events (tests, eval)
@@ -88,7 +95,9 @@ class RankRuntime:
         full, spectra = load_serving_model(cfg.model, cfg.reparam, cfg.dtype)
         r = cfg.parallel.latent_groups
         shards = [latent_shards(full.config.kv_lora_rank, r, s) for s in spectra]
-        self.model = RankModel(full, cfg.parallel, rank, shards)
+        self.model = RankModel(
+            full, cfg.parallel, rank, shards, AttentionKernel(cfg.attention_kernel)
+        )
         del full  # only this rank's share stays resident
         self.layout = self.model.cache_layout(cfg.block_size, getattr(torch, cfg.dtype))
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))

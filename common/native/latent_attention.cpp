@@ -1,0 +1,458 @@
+// Native TPLA / MLA-TP decode attention over the paged latent cache (fp32, CPU).
+//
+// The same math as `fused_slice_attention` in common/model/tpla.py (its reference is
+// `latent_slice_attention`), in one call instead of ~30 torch ops:
+//
+//   q~_h = [ (scale / beta) q_nope_h W_UK_h  |  scale q_pe_h ]          absorb
+//   s_ht = q~_h . kv_t          (kv_t = [n_t[S_i] | k_pe_t], one cache row)  scores
+//   u_h  = sum_t softmax_t(s_h) n_t[S_i]                               values
+//   o_h  = W_UV_h u_h                                                  output
+//
+// Why native: at decode shapes the eager kernel spends its time in per-op dispatch and in
+// small matmuls that BLAS runs far below peak (few query rows). Here the cache is read in
+// place through the block table (no gather copy), every product runs in register tiles
+// sized for 16 vector registers, and the softmax is online (flash-decoding style) over
+// chunks of tokens that stay in L2 between the score and value passes.
+//
+// Written with GCC/Clang vector extensions: the compiler emits AVX2+FMA with -mavx2 -mfma
+// (or -march=native) and plain SSE otherwise, from the same source.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned access
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+constexpr int64_t kLanes = 8;
+// Tokens per online-softmax chunk: the chunk's rows are read twice (scores, then values),
+// so they must stay in L2; 120 rows of a V3 TPLA rank are 150 KB.
+constexpr int64_t kChunk = 120;  // a multiple of the 6-row tiles
+// exp(s - max) is floored at e^-30, as in the eager kernel: smaller weights are below fp32
+// resolution of a sum >= 1, and denormal inputs slow x86 FMAs by an order of magnitude.
+constexpr float kExpFloor = -30.0f;
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+// Sums of four vectors: {sum a, sum b, sum c, sum d}, with in-lane shuffles (vshufps).
+inline void reduce4(v8 a, v8 b, v8 c, v8 d, float* out) {
+  const v8i even = {0, 2, 8, 10, 4, 6, 12, 14};
+  const v8i odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  v8 ab = __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+  v8 cd = __builtin_shuffle(c, d, even) + __builtin_shuffle(c, d, odd);
+  v8 s = __builtin_shuffle(ab, cd, even) + __builtin_shuffle(ab, cd, odd);
+  // s = [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]
+  for (int j = 0; j < 4; ++j) out[j] = s[j] + s[j + 4];
+}
+
+// exp(x) for x in [kExpFloor, 0]: Cephes' expf (range reduction by ln 2, degree-6
+// polynomial), about 1 ulp; the caller clamps, so no overflow or denormal handling.
+inline v8 exp_v8(v8 x) {
+  const v8 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8 n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v8 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// C[i * ldc + j] = sum_k A_i[k] B_j[k] for MR rows A_i and NR rows B_j (both contiguous in
+// k). MR x NR accumulators + MR A registers + one B register fit the 16 vector registers
+// for 2 x 6: 8 loads feed 12 FMAs, so the loop is FMA-bound, not load-bound.
+template <int MR, int NR>
+inline void dot_tile(int64_t K, const float* const* a, const float* const* b, float* c,
+                     int64_t ldc) {
+  v8 acc[MR][NR] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    v8 av[MR];
+    for (int i = 0; i < MR; ++i) av[i] = load(a[i] + k);
+    for (int j = 0; j < NR; ++j) {
+      const v8 bv = load(b[j] + k);
+      for (int i = 0; i < MR; ++i) acc[i][j] += av[i] * bv;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float sums[8];
+    for (int j = 0; j < NR; j += 4) {
+      const v8 zero = {};
+      reduce4(acc[i][j], j + 1 < NR ? acc[i][j + 1] : zero, j + 2 < NR ? acc[i][j + 2] : zero,
+              j + 3 < NR ? acc[i][j + 3] : zero, sums + j);
+    }
+    for (int j = 0; j < NR; ++j) {
+      float s = sums[j];
+      for (int64_t t = k; t < K; ++t) s += a[i][t] * b[j][t];
+      c[i * ldc + j] = s;
+    }
+  }
+}
+
+template <int MR, int NR>
+void dot_column(int64_t K, const float* const* a, int64_t M, const float* const* b, float* c,
+                int64_t ldc) {
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) dot_tile<MR, NR>(K, a + i, b, c + i * ldc, ldc);
+  for (; i < M; ++i) dot_tile<1, NR>(K, a + i, b, c + i * ldc, ldc);
+}
+
+template <int MR, int R>
+void dot_rest(int64_t rest, int64_t K, const float* const* a, int64_t M, const float* const* b,
+              float* c, int64_t ldc) {
+  if constexpr (R >= 1) {
+    if (rest == R)
+      dot_column<MR, R>(K, a, M, b, c, ldc);
+    else
+      dot_rest<MR, R - 1>(rest, K, a, M, b, c, ldc);
+  }
+}
+
+// C[i * ldc + j] = A_i . B_j for M rows A_i and N rows B_j, in MR x NR register tiles. B is
+// the outer loop: a tile's NR B rows stay in L1 while all A rows pass.
+template <int MR, int NR>
+void dot_rows(int64_t K, const float* const* a, int64_t M, const float* const* b, int64_t N,
+              float* c, int64_t ldc) {
+  int64_t j = 0;
+  for (; j + NR <= N; j += NR) dot_column<MR, NR>(K, a, M, b + j, c + j, ldc);
+  dot_rest<MR, NR - 1>(N - j, K, a, M, b + j, c + j, ldc);
+}
+
+// The A operand of `axpy_rows`: element (i, k) of an M x K matrix, either rows given by
+// pointers (cache rows through a block table) or one strided array (softmax weights,
+// queries). The strided form keeps a single base register instead of MR pointers, which
+// the 6-row tiles would otherwise spill to the stack.
+struct RowPointers {
+  const float* const* rows;
+  float at(int i, int64_t k) const { return rows[i][k]; }
+  RowPointers from(int64_t i) const { return {rows + i}; }
+};
+
+struct Strided {
+  const float* base;
+  int64_t row_stride, k_stride;
+  float at(int i, int64_t k) const { return base[i * row_stride + k * k_stride]; }
+  Strided from(int64_t i) const { return {base + i * row_stride, row_stride, k_stride}; }
+};
+
+// C_i[n0 : n0 + 8 NV] (+)= sum_k A(i, k) rows[k][n0 : n0 + 8 NV] for MR rows i: one row
+// vector loaded per k feeds MR broadcast FMAs. With MR = 6, NV = 2 that is 12 accumulators,
+// and no horizontal sums at all (the reduction dimension is k).
+template <int MR, int NV, typename A>
+inline void axpy_tile(int64_t K, A a, const float* const* rows, int64_t n0, float* const* c,
+                      bool zero) {
+  v8 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = zero ? v8{} : load(c[i] + n0 + v * kLanes);
+  for (int64_t k = 0; k < K; ++k) {
+    v8 r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = load(rows[k] + n0 + v * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const v8 s = splat(a.at(i, k));
+      for (int v = 0; v < NV; ++v) acc[i][v] += s * r[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store(c[i] + n0 + v * kLanes, acc[i][v]);
+}
+
+template <int MR, typename A>
+void axpy_columns(int64_t K, A a, const float* const* rows, int64_t N, float* const* c,
+                  bool zero) {
+  int64_t n = 0;
+  for (; n + 2 * kLanes <= N; n += 2 * kLanes) axpy_tile<MR, 2>(K, a, rows, n, c, zero);
+  for (; n + kLanes <= N; n += kLanes) axpy_tile<MR, 1>(K, a, rows, n, c, zero);
+  for (; n < N; ++n)
+    for (int i = 0; i < MR; ++i) {
+      float s = zero ? 0.0f : c[i][n];
+      for (int64_t k = 0; k < K; ++k) s += a.at(i, k) * rows[k][n];
+      c[i][n] = s;
+    }
+}
+
+// C_i[0:N] (+)= sum_k A(i, k) rows[k][0:N] for M rows: a small GEMM whose B rows and C rows
+// are given by pointers, so the same kernel reads cache rows through a block table,
+// transposed queries and strided softmax weights. `zero` starts C from 0 instead of its
+// contents. Tiles of 6 rows; a remainder of 7 or 8 is split 4 + 3 / 4 + 4 rather than
+// leaving a 1- or 2-row tile, whose loads would outnumber its FMAs.
+template <typename A>
+void axpy_rows(int64_t K, A a, const float* const* rows, int64_t M, int64_t N,
+               float* const* c, bool zero) {
+  int64_t i = 0;
+  while (i < M) {
+    const int64_t rest = M - i;
+    const int64_t mr = rest > 8 ? 6 : rest > 6 ? 4 : rest;
+    switch (mr) {
+      case 6: axpy_columns<6>(K, a.from(i), rows, N, c + i, zero); break;
+      case 5: axpy_columns<5>(K, a.from(i), rows, N, c + i, zero); break;
+      case 4: axpy_columns<4>(K, a.from(i), rows, N, c + i, zero); break;
+      case 3: axpy_columns<3>(K, a.from(i), rows, N, c + i, zero); break;
+      case 2: axpy_columns<2>(K, a.from(i), rows, N, c + i, zero); break;
+      default: axpy_columns<1>(K, a.from(i), rows, N, c + i, zero); break;
+    }
+    i += mr;
+  }
+}
+
+// C_b[0:N] = sum_k a_b[k] rows[k][0:N] for a few rows b, streaming each B row once, in
+// order: the weight-absorb GEMM is bound by reading W_UK, and a sequential sweep is what
+// the hardware prefetcher follows best. C rows stay in L1.
+void stream_rows(int64_t K, const float* const* a, const float* const* rows, int64_t M,
+                 int64_t N, float* const* c) {
+  for (int64_t i = 0; i < M; ++i) std::fill(c[i], c[i] + N, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* r = rows[k];
+    for (int64_t i = 0; i < M; ++i) {
+      const float x = a[i][k];
+      float* ci = c[i];
+      int64_t n = 0;
+      for (; n + kLanes <= N; n += kLanes) store(ci + n, load(ci + n) + splat(x) * load(r + n));
+      for (; n < N; ++n) ci[n] += x * r[n];
+    }
+  }
+}
+
+struct Problem {
+  const float* q_nope;       // [B, H, d_n]
+  const float* q_pe;         // [B, H, d_r]
+  const float* kv;           // [slots, w + d_r]: one layer of the paged cache
+  const int64_t* block_ids;  // [B, nb]
+  const int64_t* lengths;    // [B]
+  const float* w_uk;         // [H, d_n, w]
+  const float* w_uv;         // [H, d_v, w]
+  float* out;                // [B, H, d_v]
+  int64_t B, H, d_n, d_r, w, d_v, nb, block_size;
+  float scale, beta;
+};
+
+// Per-thread scratch, grown on demand and kept across calls (no allocation per step).
+struct Workspace {
+  std::vector<float> q, qt, u, s, m, l;
+  std::vector<const float*> in, rows, tokens, next, heads;
+  std::vector<float*> outs;
+};
+
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// A float buffer starting on a cache line: a 16-float vector row that straddles two lines
+// costs two loads, which the score GEMM (one 64-byte query row per step) would pay always.
+float* lines(std::vector<float>& v, int64_t n) {
+  float* base = grown(v, n + 16);
+  const auto addr = reinterpret_cast<std::uintptr_t>(base);
+  return base + ((64 - addr % 64) % 64) / sizeof(float);
+}
+
+inline v8 vmax(v8 a, v8 b) { return a > b ? a : b; }
+
+// One chunk's online-softmax update, vectorized across heads. s[t * hp + h] holds the
+// chunk's scores (n tokens); they become weights exp(s - m_new), the running max m and
+// sum l are updated, and `alpha` receives exp(m_old - m_new) per head to rescale the
+// value accumulators.
+void softmax_chunk(float* s, int64_t n, int64_t hp, float* m, float* l, float* alpha) {
+  for (int64_t h = 0; h < hp; h += kLanes) {
+    v8 top = load(m + h);
+    for (int64_t t = 0; t < n; ++t) top = vmax(top, load(s + t * hp + h));
+    v8 sum = {};
+    for (int64_t t = 0; t < n; ++t) {
+      v8 x = load(s + t * hp + h) - top;
+      x = exp_v8(vmax(x, splat(kExpFloor)));
+      store(s + t * hp + h, x);
+      sum += x;
+    }
+    // exp(-inf - top) on the first chunk: the floor makes it e^-30, times l = 0 and u = 0.
+    const v8 a = exp_v8(vmax(load(m + h) - top, splat(kExpFloor)));
+    store(alpha + h, a);
+    store(l + h, load(l + h) * a + sum);
+    store(m + h, top);
+  }
+}
+
+// Heads [h0, h1) of every sequence: absorb, attention, output.
+void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
+  const int64_t H = h1 - h0, w = p.w, W = p.w + p.d_r;
+  const int64_t hp = (H + kLanes - 1) / kLanes * kLanes;  // heads padded to whole vectors
+  float* q = lines(ws.q, p.B * H * W);    // absorbed queries [B, H, W]
+  float* qt = lines(ws.qt, W * hp);       // one sequence's queries transposed [W, hp]
+  float* u = lines(ws.u, p.B * H * w);    // values [B, H, w]
+  float* s = lines(ws.s, kChunk * hp);    // [kChunk, hp]: scores, then softmax weights
+  float* m = lines(ws.m, 3 * hp);         // running max, running sum, rescale per head
+  float* l = m + hp;
+  float* alpha = l + hp;
+  const int64_t most = std::max({kChunk, W, p.d_n, p.d_v, p.B, hp});
+  const float** in = grown(ws.in, most);
+  const float** rows = grown(ws.rows, most);
+  float** outs = grown(ws.outs, most);
+  const float** tokens = grown(ws.tokens, kChunk);  // the chunk's cache rows
+
+  // Absorb: q[b, h, :w] = q_nope[b, h] W_UK[h]; W_UK[h] is read once for the whole batch.
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t k = 0; k < p.d_n; ++k) rows[k] = p.w_uk + (h * p.d_n + k) * w;
+    for (int64_t b = 0; b < p.B; ++b) {
+      in[b] = p.q_nope + (b * p.H + h) * p.d_n;
+      outs[b] = q + (b * H + h - h0) * W;
+    }
+    if (p.B <= 8)
+      stream_rows(p.d_n, in, rows, p.B, w, outs);
+    else
+      axpy_rows(p.d_n, Strided{p.q_nope + h * p.d_n, p.H * p.d_n, 1}, rows, p.B, w, outs, true);
+  }
+  // Fold scale / beta into the query (B H W multiplies, not B H T) and append q_pe.
+  const float latent_scale = p.scale / p.beta;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t h = h0; h < h1; ++h) {
+      float* qh = q + (b * H + h - h0) * W;
+      for (int64_t c = 0; c < w; ++c) qh[c] *= latent_scale;
+      const float* pe = p.q_pe + (b * p.H + h) * p.d_r;
+      for (int64_t c = 0; c < p.d_r; ++c) qh[w + c] = pe[c] * p.scale;
+    }
+
+  // Attention, sequence by sequence, over chunks of valid tokens with an online softmax.
+  // Scores are laid out [token, head] so that the score GEMM, the softmax and the value
+  // GEMM all vectorize without horizontal sums.
+  //
+  // With 4 heads or fewer the transposed form would broadcast a token scalar per half-empty
+  // vector FMA; dot products over W in 3-token x 4-head tiles (7 loads per 12 FMAs, one
+  // horizontal sum per W) do better there (measured; at 8 heads the transposed form wins).
+  const bool few_heads = H <= 4;
+  const float** heads = grown(ws.heads, H);
+  std::fill(qt, qt + W * hp, 0.0f);  // padded heads stay 0 (finite scores, discarded)
+  std::fill(s, s + kChunk * hp, 0.0f);
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t h = 0; h < H; ++h) heads[h] = q + (b * H + h) * W;
+    if (!few_heads)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t c = 0; c < W; ++c) qt[c * hp + h] = heads[h][c];
+    float* ub = u + b * H * w;
+    std::fill(ub, ub + H * w, 0.0f);
+    std::fill(m, m + hp, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + hp, 0.0f);
+    const int64_t len = p.lengths[b];
+    const int64_t* table = p.block_ids + b * p.nb;
+    // Row pointers of the chunk after the current one, filled block by block (a division
+    // per token would cost more than its share of the arithmetic at small shapes).
+    const float** next = grown(ws.next, kChunk);
+    const auto fill_rows = [&](int64_t t0, int64_t n, const float** out) {
+      int64_t blk = t0 / p.block_size, off = t0 % p.block_size;
+      for (int64_t t = 0; t < n; ++blk, off = 0) {
+        const float* base = p.kv + (table[blk] * p.block_size) * W;
+        for (; off < p.block_size && t < n; ++off, ++t) out[t] = base + off * W;
+      }
+    };
+    fill_rows(0, std::min(kChunk, len), next);
+    for (int64_t c = 0; c < W; ++c) rows[c] = qt + c * hp;
+    for (int64_t t0 = 0; t0 < len; t0 += kChunk) {
+      const int64_t n = std::min(kChunk, len - t0);
+      const int64_t n_next = std::max<int64_t>(0, std::min(kChunk, len - t0 - kChunk));
+      std::copy(next, next + n, tokens);
+      fill_rows(t0 + kChunk, n_next, next);
+      for (int64_t t = 0; t < n; ++t) outs[t] = s + t * hp;
+      // s[t, h] = [n_t | k_pe_t] . q~_h, six tokens at a time. Blocks sit anywhere in the
+      // pool, so the hardware prefetcher cannot run ahead across them: between groups, ask
+      // for the same rows of the next chunk, spread out so the requests overlap this
+      // chunk's arithmetic instead of queueing all at once.
+      for (int64_t t = 0; t < n; t += 6) {
+        const int64_t g = std::min<int64_t>(6, n - t);
+        if (few_heads)
+          dot_rows<3, 4>(W, tokens + t, g, heads, H, s + t * hp, hp);
+        else
+          axpy_rows(W, RowPointers{tokens + t}, rows, g, hp, outs + t, true);
+        for (int64_t j = t; j < std::min(t + g, n_next); ++j) {
+          const char* r = reinterpret_cast<const char*>(next[j]);
+          for (int64_t off = 0; off < W * 4; off += 64) __builtin_prefetch(r + off, 0, 3);
+        }
+      }
+      softmax_chunk(s, n, hp, m, l, alpha);
+      for (int64_t h = 0; h < H; ++h)
+        if (alpha[h] != 1.0f)
+          for (int64_t c = 0; c < w; ++c) ub[h * w + c] *= alpha[h];
+      // u_h += sum_t p[t, h] n_t: the token rows are the GEMM's B rows now.
+      for (int64_t h = 0; h < H; ++h) outs[h] = ub + h * w;
+      axpy_rows(n, Strided{s, 1, hp}, tokens, H, w, outs, false);  // A(h, t) = p[t, h]
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const float inv = 1.0f / l[h];
+      for (int64_t c = 0; c < w; ++c) ub[h * w + c] *= inv;
+    }
+  }
+
+  // Output: o[b, h] = W_UV[h] u[b, h]; W_UV[h] is read once for the whole batch.
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t v = 0; v < p.d_v; ++v) rows[v] = p.w_uv + (h * p.d_v + v) * w;
+    for (int64_t b = 0; b < p.B; ++b) in[b] = u + (b * H + h - h0) * w;
+    dot_rows<2, 6>(w, in, p.B, rows, p.d_v, p.out + h * p.d_v, p.H * p.d_v);
+  }
+}
+
+thread_local Workspace tls_workspace;
+
+}  // namespace
+
+extern "C" {
+
+// One call per layer per decode step, from Python through ctypes: the arguments travel as
+// three arrays (the per-argument conversion of a 20-argument ctypes call costs more than the
+// whole kernel at small shapes).
+//   tensors: q_nope, q_pe, kv, block_ids, lengths, w_uk, w_uv, out
+//   dims:    B, H, d_n, d_r, w, d_v, nb, block_size, num_blocks, threads
+//   scalars: scale, beta
+// Errors: 0 ok; 1 a length outside [1, nb * block_size]; 2 a block id outside the pool.
+// Checked before any work, so a bad plan never reads outside the cache.
+int tpla_paged_attention(void* const* tensors, const int64_t* dims, const float* scalars) {
+  const int64_t B = dims[0], H = dims[1], nb = dims[6], block_size = dims[7];
+  const int64_t num_blocks = dims[8];
+  const auto* block_ids = static_cast<const int64_t*>(tensors[3]);
+  const auto* lengths = static_cast<const int64_t*>(tensors[4]);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lengths[b];
+    if (len < 1 || len > nb * block_size) return 1;
+    for (int64_t j = 0; j < (len + block_size - 1) / block_size; ++j) {
+      const int64_t id = block_ids[b * nb + j];
+      if (id < 0 || id >= num_blocks) return 2;
+    }
+  }
+  const Problem p{static_cast<const float*>(tensors[0]),
+                  static_cast<const float*>(tensors[1]),
+                  static_cast<const float*>(tensors[2]),
+                  block_ids,
+                  lengths,
+                  static_cast<const float*>(tensors[5]),
+                  static_cast<const float*>(tensors[6]),
+                  static_cast<float*>(tensors[7]),
+                  B, H, dims[2], dims[3], dims[4], dims[5], nb, block_size,
+                  scalars[0], scalars[1]};
+  const int64_t threads = std::max<int64_t>(1, std::min(dims[9], H));
+  if (threads == 1) {
+    run_heads(p, 0, H, tls_workspace);
+    return 0;
+  }
+  // Heads split evenly; every thread reads the whole cache (the threads share L3) and its
+  // own heads' weights.
+  std::vector<std::thread> pool;
+  for (int64_t k = 0; k < threads; ++k) {
+    const int64_t h0 = H * k / threads, h1 = H * (k + 1) / threads;
+    pool.emplace_back([&p, h0, h1] { run_heads(p, h0, h1, tls_workspace); });
+  }
+  for (auto& t : pool) t.join();
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,78 @@
+"""Building, caching and loading the native kernel library, and the fallbacks around it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from common.native import library
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler"
+)
+
+
+@needs_compiler
+def test_build_is_cached_per_source_and_loads(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = library.build("latent_attention")
+    assert first.parent == tmp_path / "tpla-serve" / "native" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert library.build("latent_attention") == first  # cached: not rebuilt
+    assert first.stat().st_mtime_ns == mtime
+    assert library.load("latent_attention").tpla_paged_attention is not None
+    assert not list(first.parent.glob("*.so.*")) and len(list(first.parent.glob("tmp*"))) == 0
+
+
+@needs_compiler
+def test_without_a_compiler_a_portable_build_is_used_or_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def no_compiler() -> str:
+        raise library.NativeUnavailable("no C++ compiler on PATH")
+
+    monkeypatch.setattr(library, "_compiler", no_compiler)
+    with pytest.raises(library.NativeUnavailable, match="compiler"):
+        library.load("latent_attention")
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    portable = library.build("latent_attention", portable=True)
+    monkeypatch.setattr(library, "_compiler", no_compiler)
+    if library._cpu_flags() >= library.PORTABLE_CPU_FLAGS:
+        lib = library.load("latent_attention")
+        assert lib._name == str(portable)
+    # A CPU without AVX2/FMA never loads the x86-64-v3 build.
+    monkeypatch.setattr(library, "_cpu_flags", lambda: {"sse2"})
+    with pytest.raises(library.NativeUnavailable):
+        library.load("latent_attention")
+
+
+@needs_compiler
+def test_an_unwritable_cache_is_reported_not_raised_as_oserror(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")  # the cache directory would have to live under a file
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with pytest.raises(library.NativeUnavailable, match="cannot write"):
+        library.build("latent_attention")
+
+
+def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
+    """A rank asked for the native kernel where it cannot run uses the torch kernel."""
+    from common.model.loader import load_model
+    from common.model.tpla import latent_shards
+    from common.native import latent_attention
+    from services.decode.rank_model import AttentionKernel, ParallelConfig, RankModel
+    from tests.model.tiny import save_hf
+
+    save_hf("v2-greedy", tmp_path, std=0.05)
+    full = load_model(tmp_path)
+    shards = [latent_shards(full.config.kv_lora_rank, 2) for _ in full.model.layers]
+    model = RankModel(full, ParallelConfig(tp=2, latent_groups=2), 0, shards)
+    if latent_attention.available():
+        assert model.kernel is AttentionKernel.NATIVE
+        assert all(layer.attn.native for layer in model.layers)
+    assert model.use_kernel(AttentionKernel.TORCH) is AttentionKernel.TORCH
+    monkeypatch.setattr(latent_attention, "available", lambda: False)
+    assert model.use_kernel(AttentionKernel.NATIVE) is AttentionKernel.TORCH
+    assert not any(layer.attn.native for layer in model.layers)
