@@ -170,8 +170,16 @@ def prepare_attention(
     def run(layer: int) -> torch.Tensor:
         if kernel == "native":
             return paged_latent_attention(
-                q_nope, q_pe, cache.kv[layer], block_ids, lengths, BLOCK_SIZE, w_uk, w_uv,
-                scale, beta,
+                q_nope,
+                q_pe,
+                cache.kv[layer],
+                block_ids,
+                lengths,
+                BLOCK_SIZE,
+                w_uk,
+                w_uv,
+                scale,
+                beta,
             )
         if kernel == "fast":
             rows = cache.rows(layer, block_ids)

@@ -3,7 +3,7 @@
 Run as `python -m common.bench.kv_receiver CONFIG_JSON` (one process per rank, as in a real
 decode group). It serves the project's `KvReceiverServicer` (gRPC push and torch p2p) with a
 sink that validates each shard and writes it into a real `PagedLatentCache`, exactly as
-`RankRuntime.write_shard` does, plus a raw TCP listener: the wire ceiling the transports are
+`RankRuntime.shard_target` does, plus a raw TCP listener: the wire ceiling the transports are
 compared with, and the bench's control channel (cache checksums, reset, stop).
 
 Raw TCP protocol, one request at a time per connection:
@@ -24,7 +24,6 @@ import socket
 import struct
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -36,9 +35,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
-from common.kv.transfer import DTYPES, KvReceiverServicer, TransferError, shard_slots
+from common.kv.transfer import (
+    DTYPES,
+    KvReceiverServicer,
+    ShardTarget,
+    TransferError,
+    add_kv_receiver,
+    shard_slots,
+)
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.gen import kv_pb2, kv_pb2_grpc
+from common.rpc.gen import kv_pb2
 from services.decode.runtime import exit_with_parent
 
 READY = "KV-RECEIVER-READY"
@@ -78,29 +84,31 @@ def cache_digest(cache: PagedLatentCache, slots: Tensor) -> str:
 
 
 class CacheSink:
-    """The checks of RankRuntime.write_shard, then the write into the paged cache."""
+    """The checks of RankRuntime.shard_target, into a real paged cache; records the time the
+    receiver spent writing each shard into it."""
 
     def __init__(self, cfg: ReceiverConfig) -> None:
         self.cfg = cfg
         self.cache = PagedLatentCache(cfg.layout, cfg.num_blocks)
         self.seconds: dict[str, list[float]] = {}  # request id -> time spent in each write
 
-    def __call__(self, header: kv_pb2.KvHeader, n: Tensor, k_pe: Tensor) -> None:
-        t0 = time.perf_counter()
-        self._write(header, n, k_pe)
-        self.seconds.setdefault(header.request_id, []).append(time.perf_counter() - t0)
+    def __call__(self, header: kv_pb2.KvHeader) -> ShardTarget:
+        times = self.seconds.setdefault(header.request_id, [])
+        return ShardTarget(self.cache, self._slots(header), times.append)
 
-    def _write(self, header: kv_pb2.KvHeader, n: Tensor, k_pe: Tensor) -> None:
+    def _slots(self, header: kv_pb2.KvHeader) -> Tensor:
         lay = self.cache.layout
         if header.rank != self.cfg.rank:
             raise TransferError(f"shard for rank {header.rank} sent to rank {self.cfg.rank}")
         shape = (header.num_layers, header.latent_width, header.rope_width)
         if shape != (lay.num_layers, lay.latent_width, lay.rope_width):
             raise TransferError(f"shard shape {shape} does not match this rank's cache")
+        if header.block_size != lay.block_size:
+            raise TransferError(f"block size {header.block_size} != {lay.block_size}")
         slots = shard_slots(header)
         if len(slots) and int(slots.max()) >= self.cache.num_blocks * lay.block_size:
             raise TransferError("shard addresses blocks outside this rank's pool")
-        self.cache.write_all_layers(slots, n.to(lay.dtype), k_pe.to(lay.dtype))
+        return slots
 
 
 def recv_exact(conn: socket.socket, view: memoryview) -> None:
@@ -175,7 +183,7 @@ def main(cfg: ReceiverConfig) -> None:
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
     # Registered exactly as RankRuntime.start_kv_receiver registers it.
-    kv_pb2_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink, store), server)
+    add_kv_receiver(KvReceiverServicer(sink, store), server)
     service, method = RAW_GRPC_METHOD.rsplit("/", 1)
     handler = grpc.stream_unary_rpc_method_handler(_raw_grpc_push)
     server.add_generic_rpc_handlers(

@@ -207,8 +207,7 @@ class Receivers:
         """The baseline: the shard's bytes, zero-copy from the tensors, on a plain socket."""
         sock = self.raw[shard.rank]
         sock.sendall(b"P" + struct.pack("<Q", shard.nbytes))
-        for part in (shard.n, shard.k_pe):
-            sock.sendall(part.contiguous().view(-1).view(torch.uint8).numpy())
+        sock.sendall(shard.kv.view(-1).view(torch.uint8).numpy())
         ack = bytearray(8)
         recv_exact(sock, memoryview(ack))
         return int(struct.unpack("<Q", ack)[0])
@@ -216,13 +215,8 @@ class Receivers:
     def raw_grpc_send(self, shard: Shard) -> int:
         """grpcio's ceiling: the same bytes in CHUNK_BYTES pieces, no protobuf, no cache."""
         push = self.raw_grpc[shard.rank]
-        views = [
-            memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-            for t in (shard.n, shard.k_pe)
-        ]
-        chunks = (
-            v[i : i + CHUNK_BYTES].tobytes() for v in views for i in range(0, len(v), CHUNK_BYTES)
-        )
+        view = memoryview(shard.kv.view(-1).view(torch.uint8).numpy())
+        chunks = (view[i : i + CHUNK_BYTES].tobytes() for i in range(0, len(view), CHUNK_BYTES))
         return int(struct.unpack("<Q", push(chunks, timeout=120))[0])
 
     def cache_state(self, shard: Shard) -> tuple[str, list[float]]:
@@ -255,7 +249,7 @@ def _with_blocks(shard_set: ShardSet, backend_index: int) -> tuple[Shard, ...]:
     for s in shard_set.shards:
         ids = tuple(b * len(BACKENDS) + backend_index for b in s.block_ids)
         rid = f"{s.request_id}-{BACKENDS[backend_index]}"
-        out.append(Shard(rid, s.rank, s.n, s.k_pe, s.block_size, ids))
+        out.append(Shard(rid, s.rank, s.kv, s.latent_width, s.block_size, ids))
     return tuple(out)
 
 

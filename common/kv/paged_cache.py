@@ -64,8 +64,30 @@ class PagedLatentCache:
 
     def write_all_layers(self, slots: Tensor, n: Tensor, k_pe: Tensor) -> None:
         """Store a transferred shard: n [L, N, w], k_pe [L, N, d_r] (layer-major)."""
-        self.n[:, slots] = n
-        self.k_pe[:, slots] = k_pe
+        n, k_pe = n.to(self.kv.dtype), k_pe.to(self.kv.dtype)
+        for dest, src in ((self.n, n), (self.k_pe, k_pe)):
+            dest_words, src_words = _words(dest), _words(src.contiguous())
+            if dest_words.shape[-1] == src_words.shape[-1]:
+                dest_words[:, slots] = src_words
+            else:  # word views disagree (an odd width): element by element
+                dest[:, slots] = src
+
+    def write_row_groups(self, groups: Tensor, rows: Tensor, group: int) -> None:
+        """Store packed cache rows (n and k_pe adjacent per token, as `kv` holds them).
+
+        rows [G * group, w + d_r]; groups [G] indexes `kv` viewed as
+        [num_layers * slots / group, group * (w + d_r)]: group g is slots [g * group, (g + 1)
+        * group) of the layer-major flattening. With group = block_size a group is a whole
+        block of one layer, so the write is one contiguous tile per block.
+        """
+        width = self.kv.shape[-1]
+        dest = _words(self.kv.view(-1, group * width))
+        src = _words(rows.to(self.kv.dtype).reshape(-1, group * width))
+        dest[groups] = src
+
+    def rows_at(self, layer: int, start: int, stop: int) -> Tensor:
+        """The cache rows of slots [start, stop) of one layer: a contiguous view to write into."""
+        return self.kv[layer, start:stop]
 
     def gather(self, layer: int, slot_table: Tensor) -> tuple[Tensor, Tensor]:
         """Padded per-sequence views: slot_table [B, T] (pad with any valid slot) ->
@@ -109,6 +131,24 @@ class PagedLatentCache:
 
 
 CHUNK_BYTES = 4 * 2**20
+
+# Word types for moving bytes, widest first. Indexed writes copy element by element, so a
+# 16-byte element moves a bf16 row with 8x fewer steps (measured: 70 MB of scattered blocks in
+# ~10 ms instead of ~30 ms, about memcpy speed). A move of the bits, never arithmetic: exact.
+_WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _words(t: Tensor) -> Tensor:
+    """`t`'s bytes viewed as the widest word its rows' size, strides and offset allow."""
+    item = t.element_size()
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return t
+    for word in _WORDS:
+        size = torch.empty((), dtype=word).element_size()
+        fits = (t.shape[-1] * item) % size == 0 and (t.storage_offset() * item) % size == 0
+        if fits and all((s * item) % size == 0 for s in t.stride()[:-1]):
+            return t.view(word)
+    return t
 
 
 class BlockRows:

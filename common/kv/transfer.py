@@ -1,13 +1,18 @@
 """KV shard transfer from prefill workers to decode ranks: one interface, two backends.
 
-A shard is one rank's slice of one request's latent cache, layer-major: n [L, N, w] and
-k_pe [L, N, d_r]. Both backends land it in the rank's reserved blocks through the same
-receiver (`KvReceiverServicer`), which every decode rank runs:
+A shard is one rank's slice of one request's latent cache, layer-major and packed as the
+cache stores it: kv [L, N, w + d_r], n and k_pe adjacent per token. Both backends land it in
+the rank's reserved blocks through the same receiver (`KvReceiverServicer`), which every
+decode rank runs, segment by segment (`common.kv.wire`): runs of consecutive slots are
+received in place, scattered blocks are staged and written while the next segment arrives.
 
 * `GrpcKvSender`   client-streams 1 MiB chunks (`KvReceiver.Push`);
-* `TorchKvSender`  sends the tensors point-to-point over a 2-rank gloo (NCCL on GPU) group
+* `TorchKvSender`  sends the segments point-to-point over a 2-rank gloo (NCCL on GPU) group
                    built once per (prefill worker, decode rank) pair from the rank's TCPStore,
                    so workers can join at any time; a small gRPC call carries the header.
+
+The receiver still takes the older split layout (n [L, N, w] then k_pe [L, N, d_r]), so
+senders that predate packed shards keep working.
 
 Every transfer has a deadline; a failed one leaves its reservation to the decode lease.
 """
@@ -26,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.kv.paged_cache import PagedLatentCache
+from common.kv.wire import RowPlan, ShardWriter, StagingPool, plan_segments
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import KvTargetInfo
@@ -45,30 +52,54 @@ class Shard:
 
     request_id: str
     rank: int
-    n: Tensor  # [L, N, w]
-    k_pe: Tensor  # [L, N, d_r]
+    kv: Tensor  # [L, N, w + d_r], contiguous: what goes on the wire
+    latent_width: int  # w
     block_size: int
     block_ids: tuple[int, ...]
     positions: tuple[int, ...] = ()  # empty: token positions 0..N-1
 
+    @classmethod
+    def from_parts(
+        cls,
+        request_id: str,
+        rank: int,
+        n: Tensor,
+        k_pe: Tensor,
+        block_size: int,
+        block_ids: tuple[int, ...],
+        positions: tuple[int, ...] = (),
+    ) -> Shard:
+        """A shard from n [L, N, w] and k_pe [L, N, d_r] (one copy, to pack them)."""
+        kv = torch.cat([n, k_pe], dim=-1).contiguous()
+        return cls(request_id, rank, kv, n.shape[2], block_size, block_ids, positions)
+
+    @property
+    def n(self) -> Tensor:
+        return self.kv[..., : self.latent_width]
+
+    @property
+    def k_pe(self) -> Tensor:
+        return self.kv[..., self.latent_width :]
+
     @property
     def nbytes(self) -> int:
-        return self.n.nbytes + self.k_pe.nbytes
+        return self.kv.nbytes
 
     def header(self, peer: str = "") -> kv_pb2.KvHeader:
-        dtype = next(k for k, v in DTYPES.items() if v == self.n.dtype)
+        dtype = next(k for k, v in DTYPES.items() if v == self.kv.dtype)
         return kv_pb2.KvHeader(
             request_id=self.request_id,
             rank=self.rank,
-            num_layers=self.n.shape[0],
-            num_tokens=self.n.shape[1],
-            latent_width=self.n.shape[2],
-            rope_width=self.k_pe.shape[2],
+            num_layers=self.kv.shape[0],
+            num_tokens=self.kv.shape[1],
+            latent_width=self.latent_width,
+            rope_width=self.kv.shape[2] - self.latent_width,
             dtype=dtype,
             block_size=self.block_size,
             block_ids=list(self.block_ids),
             positions=list(self.positions),
             peer=peer,
+            layout=kv_pb2.KV_LAYOUT_PACKED,
         )
 
 
@@ -86,22 +117,27 @@ def cut_shard(
     TPLA / MLA-TP: every token, the target's latent columns. SP: the target's token chunks
     (`token_ranges`, prompt positions) at full width, in the rank's contiguous local order.
     """
-    cols = slice(target.latent_start, target.latent_start + target.latent_width)
+    w = target.latent_width
+    cols = slice(target.latent_start, target.latent_start + w)
+    rows: Tensor | slice
     if target.token_ranges:
         pairs = zip(target.token_ranges[::2], target.token_ranges[1::2], strict=True)
-        index = (
+        rows = (
             torch.tensor(
                 [p for lo, hi in pairs for p in range(lo, min(hi, end - start))], dtype=torch.long
             )
             + start
         )
+        tokens = len(rows)
     else:
-        index = torch.arange(start, end)
-    n = torch.stack([layer[index][:, cols] for layer in n_layers])
-    k_pe = torch.stack([layer[index] for layer in k_pe_layers])
-    return Shard(
-        request_id, target.rank, n.contiguous(), k_pe.contiguous(), block_size, target.block_ids
-    )
+        rows, tokens = slice(start, end), end - start
+    # Packed straight from the prefill output: the cut is the only copy before the wire.
+    d_r = k_pe_layers[0].shape[1]
+    kv = torch.empty(len(n_layers), tokens, w + d_r, dtype=n_layers[0].dtype)
+    for layer, (n, k_pe) in enumerate(zip(n_layers, k_pe_layers, strict=True)):
+        kv[layer, :, :w] = n[rows, cols]
+        kv[layer, :, w:] = k_pe[rows]
+    return Shard(request_id, target.rank, kv, w, block_size, target.block_ids)
 
 
 def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
@@ -126,38 +162,203 @@ def _check_dtype(h: kv_pb2.KvHeader) -> torch.dtype:
     return DTYPES[h.dtype]
 
 
-def _payload_bytes(h: kv_pb2.KvHeader) -> tuple[int, int]:
-    """Bytes of n and of k_pe that a shard with header `h` carries."""
+def _row_bytes(h: kv_pb2.KvHeader) -> int:
+    """Bytes of one token of one layer (n and k_pe) on the wire."""
     item = torch.empty((), dtype=_check_dtype(h)).element_size()
-    tokens = h.num_layers * h.num_tokens
-    return tokens * h.latent_width * item, tokens * h.rope_width * item
+    return (h.latent_width + h.rope_width) * item
 
 
-def _views(h: kv_pb2.KvHeader, raw: Tensor) -> tuple[Tensor, Tensor]:
-    """n [L, N, w] and k_pe [L, N, d_r] as views of a flat byte buffer (no copy)."""
-    n_bytes, k_bytes = _payload_bytes(h)
-    dt = _check_dtype(h)
+def _payload_bytes(h: kv_pb2.KvHeader) -> int:
+    return h.num_layers * h.num_tokens * _row_bytes(h)
+
+
+def _split_views(h: kv_pb2.KvHeader, raw: Tensor) -> tuple[Tensor, Tensor]:
+    """n [L, N, w] and k_pe [L, N, d_r] of a split-layout payload in a flat byte buffer."""
+    dt, tokens = _check_dtype(h), h.num_layers * h.num_tokens
+    n_bytes = tokens * h.latent_width * (_row_bytes(h) // (h.latent_width + h.rope_width))
     n = raw[:n_bytes].view(dt).view(h.num_layers, h.num_tokens, h.latent_width)
-    k_pe = raw[n_bytes : n_bytes + k_bytes].view(dt).view(h.num_layers, h.num_tokens, h.rope_width)
+    k_pe = raw[n_bytes : _payload_bytes(h)].view(dt).view(h.num_layers, h.num_tokens, h.rope_width)
     return n, k_pe
 
 
-def _byte_views(shard: Shard) -> tuple[memoryview, memoryview]:
-    """The shard's payload as zero-copy byte views of its tensors."""
-    return tuple(  # type: ignore[return-value]
-        memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for t in (shard.n, shard.k_pe)
-    )
+def row_plan(h: kv_pb2.KvHeader, slots: Tensor | None = None) -> RowPlan:
+    """The segments of a packed payload with header `h`, as both ends cut it."""
+    slots = shard_slots(h) if slots is None else slots
+    return plan_segments(h.num_layers, slots, h.block_size, bool(h.positions), _row_bytes(h))
 
 
 # -- receiver ------------------------------------------------------------------------------------
 
-# Validates a shard and copies it into the cache. The tensors it gets may view a receive
-# buffer that the next shard reuses, so a sink must copy, never keep them.
-Sink = Callable[[kv_pb2.KvHeader, Tensor, Tensor], None]
+
+@dataclass(frozen=True)
+class ShardTarget:
+    """Where a validated shard goes: the rank's cache and each token's flat slot [N]."""
+
+    cache: PagedLatentCache
+    slots: Tensor
+    # Called once the shard is in the cache, with the seconds spent writing it (metrics).
+    written: Callable[[float], None] | None = None
+
+
+# Validates a shard's header against the rank (raising TransferError) and says where its rows
+# go. The receiver writes them, possibly while later rows are still arriving.
+Sink = Callable[[kv_pb2.KvHeader], ShardTarget]
+
+
+class _Landing:
+    """One shard on its way into the cache, as a list of segments to fill in order.
+
+    Packed: the plan's segments, in place or staged and written as each one completes.
+    Staged segments share one staging buffer: each at its own offset if `whole` (torch posts
+    every receive at once), else all at offset 0 (gRPC fills one at a time and writes it
+    before the next; a buffer that small stays in the CPU cache). Split (older senders): one
+    segment, the whole payload, written when it is complete.
+    """
+
+    def __init__(
+        self, header: kv_pb2.KvHeader, target: ShardTarget, pool: StagingPool, whole: bool
+    ) -> None:
+        self.header, self.target, self.pool = header, target, pool
+        self.total = _payload_bytes(header)
+        self.packed = header.layout == kv_pb2.KV_LAYOUT_PACKED
+        self._offsets: list[int | None] = []  # staging offset per segment; None: in place
+        if self.packed:
+            plan = row_plan(header, target.slots)
+            self.writer = ShardWriter(target.cache, plan, _check_dtype(header))
+            self.segments = self.writer.plan.segments
+            self.sizes = [self.writer.nbytes(seg) for seg in self.segments]
+            offset = 0
+            for seg, size in zip(self.segments, self.sizes, strict=True):
+                if self.writer.in_place(seg):
+                    self._offsets.append(None)
+                    continue
+                self._offsets.append(offset if whole else 0)
+                offset = offset + size if whole else max(offset, size)
+            staging_bytes = offset
+        else:
+            self.sizes = [self.total]
+            self._offsets = [0]
+            staging_bytes = self.total
+        self._staging = pool.take(staging_bytes) if staging_bytes else None
+
+    def buffer(self, index: int) -> Tensor:
+        """The flat uint8 buffer segment `index` is received into."""
+        offset = self._offsets[index]
+        if offset is None:
+            return self.writer.cache_bytes(self.segments[index])
+        assert self._staging is not None
+        return self._staging[offset : offset + self.sizes[index]]
+
+    def filled(self, index: int, buf: Tensor) -> None:
+        """Segment `index` is complete in `buf`: write it, unless it landed in place."""
+        if self.packed and self._offsets[index] is not None:
+            self.writer.write(self.segments[index], buf)
+
+    def split_buffers(self) -> tuple[Tensor, Tensor]:
+        return _split_views(self.header, self.buffer(0))
+
+    def close(self, complete: bool) -> None:
+        """Finish the write of a complete shard and release the staging buffer.
+
+        An incomplete shard is abandoned: its reservation expires by lease."""
+        try:
+            if complete and not self.packed:
+                t0 = time.perf_counter()
+                n, k_pe = self.split_buffers()
+                self.target.cache.write_all_layers(self.target.slots, n, k_pe)
+                seconds = time.perf_counter() - t0
+            elif complete:
+                seconds = self.writer.seconds
+        finally:
+            if self._staging is not None:
+                self.pool.give(self._staging)
+                self._staging = None
+        if complete and self.target.written is not None:
+            self.target.written(seconds)
+
+
+class _ByteFeed:
+    """Spreads a payload's byte stream (gRPC chunks of any size) over its segments' buffers."""
+
+    def __init__(self, landing: _Landing) -> None:
+        self.landing = landing
+        self.received = 0
+        self._index = 0
+        self._filled = 0  # bytes of the current segment so far
+        self._tensor: Tensor | None = None
+        self._view: memoryview | None = None
+
+    def feed(self, data: memoryview) -> None:
+        if self.received + len(data) > self.landing.total:
+            raise TransferError(f"got more than the {self.landing.total} bytes the header says")
+        pos = 0
+        while pos < len(data):  # bounded: every pass consumes bytes
+            if self._view is None:
+                self._tensor = self.landing.buffer(self._index)
+                self._view, self._filled = memoryview(self._tensor.numpy()), 0
+            take = min(len(data) - pos, len(self._view) - self._filled)
+            self._view[self._filled : self._filled + take] = data[pos : pos + take]
+            pos += take
+            self._filled += take
+            if self._filled == len(self._view):
+                assert self._tensor is not None
+                self.landing.filled(self._index, self._tensor)
+                self._index += 1
+                self._view = self._tensor = None
+        self.received += len(data)
+
+
+def parse_chunk(raw: bytes) -> tuple[bytes | None, int, memoryview]:
+    """A serialized `KvChunk` read without protobuf: (serialized header or None, payload field
+    number (0: none), payload as a view of `raw`). Protobuf would copy the payload twice."""
+    view = memoryview(raw)
+    header: list[bytes] = []
+    field_no, payload = 0, view[:0]
+    pos = 0
+    while pos < len(view):  # bounded: every field advances pos
+        key, pos = _read_varint(view, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > len(view):
+                raise TransferError("truncated KvChunk")
+            if number == 1:  # repeated occurrences of a message field merge
+                header.append(bytes(view[pos : pos + length]))
+            elif number in (2, 3):
+                field_no, payload = number, view[pos : pos + length]
+            pos += length
+        else:
+            raise TransferError(f"unsupported wire type {wire_type} in KvChunk")
+    if pos != len(view):
+        raise TransferError("truncated KvChunk")
+    return (b"".join(header) if header else None), field_no, payload
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    for _ in range(10):  # a varint has at most 10 bytes
+        if pos >= len(view):
+            raise TransferError("truncated KvChunk")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise TransferError("malformed varint in KvChunk")
 
 
 class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
-    """Runs on each decode rank; `sink` validates a shard and writes it into the cache."""
+    """Runs on each decode rank; `sink` validates a shard and says where it goes.
+
+    Register it with `add_kv_receiver`: `Push` takes its chunks as raw bytes.
+    """
 
     def __init__(
         self,
@@ -172,44 +373,53 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         self.timeout = timedelta(seconds=timeout_s)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._locks: dict[str, threading.Lock] = {}
-        self._staging: dict[str, Tensor] = {}
+        self._pool = StagingPool()
         self.bytes_received = 0
 
     def _check(self, context: grpc.ServicerContext) -> None:
         require_token(context, self.token)
 
+    def _land(self, header: kv_pb2.KvHeader, whole: bool) -> _Landing:
+        if header.layout not in (kv_pb2.KV_LAYOUT_SPLIT, kv_pb2.KV_LAYOUT_PACKED):
+            raise TransferError(f"unknown KV layout {header.layout}")
+        _check_dtype(header)
+        return _Landing(header, self.sink(header), self._pool, whole)
+
     def Push(
-        self, request_iterator: Iterator[kv_pb2.KvChunk], context: grpc.ServicerContext
+        self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> kv_pb2.KvAck:
         self._check(context)
-        header: kv_pb2.KvHeader | None = None
-        received, total = 0, 0
         try:
-            for chunk in request_iterator:
-                if header is None:
-                    if not chunk.HasField("header"):
-                        return kv_pb2.KvAck(ok=False, error="first chunk carries no header")
-                    header = chunk.header
-                    total = sum(_payload_bytes(header))
-                    # Chunks are copied once, straight into the buffer the shard's tensors
-                    # view: no growing bytearray, no second copy into fresh tensors.
-                    raw = torch.empty(total, dtype=torch.uint8)
-                    dest = memoryview(raw.numpy())
-                data = chunk.data
-                if received + len(data) > total:
-                    raise TransferError(f"got more than the {total} bytes the header says")
-                dest[received : received + len(data)] = data
-                received += len(data)
-            if header is None:
-                return kv_pb2.KvAck(ok=False, error="empty stream")
-            if received != total:
-                raise TransferError(f"got {received} bytes, header says {total}")
-            n, k_pe = _views(header, raw)
-            self.sink(header, n, k_pe)
-        except (TransferError, ValueError) as exc:
+            received = self._push(request_iterator)
+        except (TransferError, ValueError, RuntimeError) as exc:
             return kv_pb2.KvAck(ok=False, error=str(exc))
         self.bytes_received += received
         return kv_pb2.KvAck(ok=True, bytes=received)
+
+    def _push(self, chunks: Iterator[bytes]) -> int:
+        landing: _Landing | None = None
+        complete = False
+        try:
+            for raw in chunks:
+                head, field_no, data = parse_chunk(raw)
+                if landing is None:
+                    if head is None:
+                        raise TransferError("first chunk carries no header")
+                    landing = self._land(kv_pb2.KvHeader.FromString(head), whole=False)
+                    feed = _ByteFeed(landing)
+                    want = 3 if landing.packed else 2  # KvChunk.rows / KvChunk.data
+                if len(data) and field_no != want:
+                    raise TransferError(f"payload in KvChunk field {field_no}, layout needs {want}")
+                feed.feed(data)
+            if landing is None:
+                raise TransferError("empty stream")
+            if feed.received != landing.total:
+                raise TransferError(f"got {feed.received} bytes, header says {landing.total}")
+            complete = True
+        finally:
+            if landing is not None:
+                landing.close(complete)
+        return landing.total
 
     def ConnectTorch(
         self, request: kv_pb2.TorchPeer, context: grpc.ServicerContext
@@ -231,22 +441,75 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         if group is None:
             return kv_pb2.KvAck(ok=False, error=f"unknown torch peer {request.peer!r}")
         try:
-            n_bytes, k_bytes = _payload_bytes(request)
+            # One transfer at a time per peer keeps the pair's tags matched.
             with self._locks[request.peer]:
-                # One staging buffer per peer, reused: a fresh one per shard would pay its
-                # page faults on every transfer. The sink copies out of it under the lock.
-                staging = self._staging.get(request.peer)
-                if staging is None or staging.numel() < n_bytes + k_bytes:
-                    staging = torch.empty(n_bytes + k_bytes, dtype=torch.uint8)
-                    self._staging[request.peer] = staging
-                n, k_pe = _views(request, staging)
-                group.recv([n], 1, 0).wait()
-                group.recv([k_pe], 1, 1).wait()
-                self.sink(request, n, k_pe)
+                try:
+                    landing = self._land(request, whole=True)
+                except TransferError:
+                    _drain(group, request)
+                    raise
+                complete = False
+                try:
+                    if landing.packed:
+                        _recv_segments(group, landing)
+                    else:
+                        n, k_pe = landing.split_buffers()
+                        group.recv([n], 1, 0).wait()
+                        group.recv([k_pe], 1, 1).wait()
+                    complete = True
+                finally:
+                    landing.close(complete)
         except (TransferError, ValueError, RuntimeError) as exc:
             return kv_pb2.KvAck(ok=False, error=str(exc))
-        self.bytes_received += n.nbytes + k_pe.nbytes
-        return kv_pb2.KvAck(ok=True, bytes=n.nbytes + k_pe.nbytes)
+        self.bytes_received += landing.total
+        return kv_pb2.KvAck(ok=True, bytes=landing.total)
+
+
+def add_kv_receiver(servicer: KvReceiverServicer, server: grpc.Server) -> None:
+    """Serve `KvReceiver` as the generated registration would, except that `Push` gets its
+    chunks as raw bytes: `parse_chunk` reads the payload in place, protobuf would copy it."""
+    service = kv_pb2.DESCRIPTOR.services_by_name["KvReceiver"].full_name
+    ack = kv_pb2.KvAck.SerializeToString
+    handlers = {
+        "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, response_serializer=ack),
+        "ExpectTorch": grpc.unary_unary_rpc_method_handler(
+            servicer.ExpectTorch, kv_pb2.KvHeader.FromString, ack
+        ),
+        "ConnectTorch": grpc.unary_unary_rpc_method_handler(
+            servicer.ConnectTorch, kv_pb2.TorchPeer.FromString, ack
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+
+def _drain(group: dist.ProcessGroup, header: kv_pb2.KvHeader) -> None:
+    """Receive and drop a rejected shard's messages: its sender has posted them already, and
+    left pending they would be matched by the pair's next transfer, which reuses the tags."""
+    row = _row_bytes(header)
+    if header.layout == kv_pb2.KV_LAYOUT_PACKED:
+        sizes = [(seg.stop - seg.start) * row for seg in row_plan(header).segments]
+    else:
+        tokens = header.num_layers * header.num_tokens
+        sizes = [tokens * row * header.latent_width // (header.latent_width + header.rope_width)]
+        sizes.append(tokens * row - sizes[0])
+    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8)
+    for tag, size in enumerate(sizes):
+        group.recv([scratch[:size]], 1, tag).wait()
+
+
+def _recv_segments(group: dist.ProcessGroup, landing: _Landing) -> None:
+    """Receive a packed payload's segments (tag = index), writing each as it completes.
+
+    Every receive is posted first: gloo matches a message to a posted receive before it moves
+    the bytes, and its IO thread keeps filling later segments while this one writes earlier
+    ones. (Receiving a few segments ahead through a small reused ring measured slower: each
+    late post costs the sender a round trip, and the ring's hand-offs cost CPU.)
+    """
+    bufs = [landing.buffer(i) for i in range(len(landing.segments))]
+    works = [group.recv([buf], 1, tag) for tag, buf in enumerate(bufs)]
+    for index, (buf, work) in enumerate(zip(bufs, works, strict=True)):
+        work.wait()
+        landing.filled(index, buf)
 
 
 # -- senders -------------------------------------------------------------------------------------
@@ -306,7 +569,7 @@ def _ack(ack: kv_pb2.KvAck, shard: Shard) -> int:
 
 
 _PUSH_METHOD = "/{}/Push".format(kv_pb2.DESCRIPTOR.services_by_name["KvReceiver"].full_name)
-_DATA_TAG = b"\x12"  # KvChunk.data: field 2, length-delimited
+_ROWS_TAG = b"\x1a"  # KvChunk.rows: field 3, length-delimited (a packed payload)
 
 
 def _varint(value: int) -> bytes:
@@ -319,22 +582,20 @@ def _varint(value: int) -> bytes:
 
 
 def encode_chunks(shard: Shard, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The shard as serialized `KvChunk` messages, built straight from views of its tensors.
+    """The shard as serialized `KvChunk` messages, built straight from a view of its rows.
 
-    Wire-identical to `KvChunk(header=..., data=...).SerializeToString()`, but each chunk
+    Wire-identical to `KvChunk(header=..., rows=...).SerializeToString()`, but each chunk
     costs one copy: constructing the message copies the payload and serializing copies it
     again, and in a sender whose GIL drives every rank's stream those copies are the cost.
     """
     header = shard.header().SerializeToString()
     head = b"\x0a" + _varint(len(header)) + header  # KvChunk.header: field 1
-    first = True
-    for view in _byte_views(shard):
-        for start in range(0, len(view), chunk_bytes):
-            data = view[start : start + chunk_bytes]
-            prefix = _DATA_TAG + _varint(len(data))
-            yield b"".join((head, prefix, data) if first else (prefix, data))
-            first = False
-    if first:  # an empty shard still announces itself
+    view = memoryview(shard.kv.contiguous().view(-1).view(torch.uint8).numpy())
+    for start in range(0, len(view), chunk_bytes):
+        data = view[start : start + chunk_bytes]
+        prefix = _ROWS_TAG + _varint(len(data))
+        yield b"".join((head, prefix, data) if start == 0 else (prefix, data))
+    if not len(view):  # an empty shard still announces itself
         yield head
 
 
@@ -403,11 +664,20 @@ class TorchKvSender(KvSender):
             with self._pair_lock(torch_address):
                 group, peer = self._group(grpc_address, torch_address, deadline_s)
                 left = max(deadline_s - (time.monotonic() - start), 1.0)
+                header = shard.header(peer)
                 ack_future = self._ch.stub(grpc_address).ExpectTorch.future(
-                    shard.header(peer), timeout=left, metadata=self._ch.metadata
+                    header, timeout=left, metadata=self._ch.metadata
                 )
-                group.send([shard.n.contiguous()], 0, 0).wait()
-                group.send([shard.k_pe.contiguous()], 0, 1).wait()
+                # Every segment is posted at once: the receiver matches them as it posts its
+                # receives, and the bytes move while it writes earlier segments.
+                payload = shard.kv.contiguous().view(-1).view(torch.uint8)
+                row = _row_bytes(header)
+                sends = [
+                    group.send([payload[seg.start * row : seg.stop * row]], 0, tag)
+                    for tag, seg in enumerate(row_plan(header).segments)
+                ]
+                for work in sends:
+                    work.wait()
                 ack = ack_future.result()
         except grpc.RpcError as exc:
             raise TransferError(

@@ -25,10 +25,16 @@ from torch import Tensor
 
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import PagedLatentCache, slot_table
-from common.kv.transfer import KvReceiverServicer, TransferError, shard_slots
+from common.kv.transfer import (
+    KvReceiverServicer,
+    ShardTarget,
+    TransferError,
+    add_kv_receiver,
+    shard_slots,
+)
 from common.model.tpla import RmsNormMode, latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.gen import kv_pb2, kv_pb2_grpc
+from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
 from common.settings import TORCH_PORT_OFFSET
 from services.decode.plan import DecodePlan, WritePlan, recv_plan
@@ -129,8 +135,9 @@ class RankRuntime:
             plan.tokens, positions, write_slots, slots, valid, self.cache, self.comm
         )
 
-    def write_shard(self, header: kv_pb2.KvHeader, n: Tensor, k_pe: Tensor) -> None:
-        """KV receiver sink: validate a transferred shard and write it into its blocks.
+    def shard_target(self, header: kv_pb2.KvHeader) -> ShardTarget:
+        """KV receiver sink: validate a transferred shard's header; the receiver then writes
+        the shard into its blocks as it arrives.
 
         Safe beside the step loop: the blocks belong to a reservation that is not running.
         """
@@ -152,7 +159,7 @@ class RankRuntime:
         slots = shard_slots(header)
         if len(slots) and int(slots.max()) >= self.cache.num_blocks * lay.block_size:
             raise TransferError("shard addresses blocks outside this rank's pool")
-        self.cache.write_all_layers(slots, n.to(lay.dtype), k_pe.to(lay.dtype))
+        return ShardTarget(self.cache, slots)
 
     def start_kv_receiver(self) -> grpc.Server | None:
         """Serve KvReceiver (and a TCPStore for the torch transport) for this rank."""
@@ -168,8 +175,8 @@ class RankRuntime:
             timeout=timedelta(seconds=self.cfg.collective_timeout_s),
         )
         server = grpc.server(ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
-        self.receiver = KvReceiverServicer(self.write_shard, store, self.cfg.internal_token)
-        kv_pb2_grpc.add_KvReceiverServicer_to_server(self.receiver, server)
+        self.receiver = KvReceiverServicer(self.shard_target, store, self.cfg.internal_token)
+        add_kv_receiver(self.receiver, server)
         if server.add_insecure_port(grpc_addr) == 0:
             raise RuntimeError(f"cannot bind the KV receiver on {grpc_addr}")
         server.start()

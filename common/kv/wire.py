@@ -1,0 +1,170 @@
+"""The packed KV payload: its segments, and its pipelined landing in the paged cache.
+
+A packed payload is a shard's cache rows, kv [L, N, w + d_r] (n and k_pe adjacent per token,
+as `PagedLatentCache.kv` stores them), flattened over layers: row l * N + t is token t of
+layer l. Both ends cut it into the same segments (`plan_segments`), so a transport that frames
+messages (gloo p2p) sends one message per segment, and one that streams bytes (gRPC) fills them
+in order:
+
+* a direct segment lies in one run of consecutive cache slots of one layer: it is received
+  straight into the cache, with no copy besides the transport's own;
+* a staged segment (rows of scattered blocks) is received into a staging buffer and written
+  by `ShardWriter` while the next segments arrive, so the cache write overlaps the transfer
+  instead of following it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from common.kv.paged_cache import PagedLatentCache
+
+SEGMENT_BYTES = 4 * 2**20
+# A run of slots shorter than this is cheaper to stage and scatter than to receive as a
+# message of its own (every gloo message pays a round trip to match its receive).
+DIRECT_MIN_BYTES = 256 * 2**10
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # first payload row
+    stop: int
+    direct: bool
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where a packed payload's rows go: rows move in groups of `group` consecutive tokens
+    (a group never straddles a block, so its rows are consecutive cache slots)."""
+
+    num_layers: int
+    num_tokens: int
+    group: int
+    group_slots: Tensor  # [N / group] first cache slot of each group of a layer
+    segments: tuple[Segment, ...]
+
+    def layer_slot(self, row: int) -> tuple[int, int]:
+        """(layer, cache slot) of payload row `row`, which must start a group."""
+        layer, token = divmod(row, self.num_tokens)
+        return layer, int(self.group_slots[token // self.group])
+
+    def dest_groups(self, slots_per_layer: int) -> Tensor:
+        """Index of every payload group in the cache's kv viewed as [L * S / group, ...]."""
+        layers = torch.arange(self.num_layers, dtype=torch.int64)[:, None]
+        per_layer = slots_per_layer // self.group
+        return (layers * per_layer + self.group_slots[None] // self.group).reshape(-1)
+
+
+def plan_segments(
+    num_layers: int,
+    slots: Tensor,
+    block_size: int,
+    explicit_positions: bool,
+    row_bytes: int,
+) -> RowPlan:
+    """Cut a packed payload of `num_layers` x len(slots) rows into segments.
+
+    Sender and receiver call it with the same header-derived arguments (`row_bytes` in the
+    wire dtype), so they agree on every message's size.
+    """
+    n = len(slots)
+    # Tokens 0..N-1 fill blocks in order, so groups of gcd(N, block_size) tokens sit in one
+    # block and never cross a layer; explicit positions may scatter every token.
+    group = 1 if explicit_positions or n == 0 else math.gcd(n, block_size)
+    group_slots = slots[::group].to(torch.int64).contiguous()
+    if n == 0:
+        return RowPlan(num_layers, n, group, group_slots, ())
+    step = max(SEGMENT_BYTES // (row_bytes * group), 1) * group
+    # Runs of groups whose slots follow each other.
+    breaks = torch.nonzero(group_slots[1:] != group_slots[:-1] + group).flatten() + 1
+    edges = [0, *(breaks * group).tolist(), n]
+    runs = list(itertools.pairwise(edges))
+    long_run = max(hi - lo for lo, hi in runs) * row_bytes >= DIRECT_MIN_BYTES
+    segments: list[Segment] = []
+    if not long_run:
+        # Everything is staged: cut the whole payload evenly, across layers.
+        total = num_layers * n
+        segments = [Segment(s, min(s + step, total), False) for s in range(0, total, step)]
+        return RowPlan(num_layers, n, group, group_slots, tuple(segments))
+    for layer in range(num_layers):
+        base = layer * n
+        staged_from = base
+        for lo, hi in runs:
+            if (hi - lo) * row_bytes < DIRECT_MIN_BYTES:
+                continue
+            segments += _cut(staged_from, base + lo, step, False)
+            segments += _cut(base + lo, base + hi, step, True)
+            staged_from = base + hi
+        segments += _cut(staged_from, base + n, step, False)
+    return RowPlan(num_layers, n, group, group_slots, tuple(segments))
+
+
+def _cut(start: int, stop: int, step: int, direct: bool) -> list[Segment]:
+    return [Segment(s, min(s + step, stop), direct) for s in range(start, stop, step)]
+
+
+class StagingPool:
+    """Reusable staging buffers shared by a receiver's transfers: a fresh multi-MB buffer per
+    shard would pay its page faults every time, which costs about as much as the copy."""
+
+    def __init__(self) -> None:
+        self._free: list[Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Tensor:
+        """A buffer of at least `nbytes` bytes (give it back when done)."""
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._free) if buf.numel() >= nbytes]
+            if fits:  # the smallest that fits, so one large shard's buffer is not taken by many
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(max(nbytes, SEGMENT_BYTES), dtype=torch.uint8)
+
+    def give(self, buf: Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class ShardWriter:
+    """Writes one packed payload's segments into the cache as they arrive.
+
+    A direct segment is received in place (`cache_bytes`) unless the cache holds another
+    dtype than the wire; every other segment is received into staging and handed to `write`.
+    The caller receives later segments meanwhile (gloo's IO thread and grpc's core keep
+    reading the socket while this thread writes, and torch's copy releases the GIL), so the
+    write overlaps the transfer instead of following it.
+    """
+
+    def __init__(self, cache: PagedLatentCache, plan: RowPlan, wire_dtype: torch.dtype) -> None:
+        self.cache, self.plan, self.dtype = cache, plan, wire_dtype
+        self.width = cache.kv.shape[-1]
+        self.row_bytes = self.width * torch.empty((), dtype=wire_dtype).element_size()
+        self._dest = plan.dest_groups(cache.kv.shape[1])
+        self._in_place = wire_dtype == cache.kv.dtype
+        self.seconds = 0.0  # time spent writing staged rows into the cache
+
+    def nbytes(self, seg: Segment) -> int:
+        return (seg.stop - seg.start) * self.row_bytes
+
+    def in_place(self, seg: Segment) -> bool:
+        return seg.direct and self._in_place
+
+    def cache_bytes(self, seg: Segment) -> Tensor:
+        """The cache rows an in-place segment is received into, as flat uint8."""
+        layer, slot = self.plan.layer_slot(seg.start)
+        rows = self.cache.rows_at(layer, slot, slot + seg.stop - seg.start)
+        return rows.view(-1).view(torch.uint8)
+
+    def write(self, seg: Segment, buf: Tensor) -> None:
+        """Store a staged segment's bytes (flat uint8, `nbytes(seg)` long) in the cache."""
+        t0 = time.perf_counter()
+        g = self.plan.group
+        rows = buf.view(self.dtype).view(-1, self.width)
+        self.cache.write_row_groups(self._dest[seg.start // g : seg.stop // g], rows, g)
+        self.seconds += time.perf_counter() - t0
