@@ -35,14 +35,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
-from common.kv.transfer import (
-    DTYPES,
-    KvReceiverServicer,
-    ShardTarget,
-    TransferError,
-    add_kv_receiver,
-    shard_slots,
-)
+from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
+from common.kv.transfer import DTYPES, TransferError
+from common.kv.wire import shard_slots
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from services.decode.runtime import exit_with_parent

@@ -11,6 +11,10 @@ in order:
 * a staged segment (rows of scattered blocks) is received into a staging buffer and written
   by `ShardWriter` while the next segments arrive, so the cache write overlaps the transfer
   instead of following it.
+
+The `KvHeader` that precedes a payload says what it holds (dtype, shape, layout) and where it
+goes (block table, positions); the helpers at the end read it the same way on both ends, and
+raise `TransferError` on a header the rank cannot take.
 """
 
 from __future__ import annotations
@@ -25,11 +29,19 @@ import torch
 from torch import Tensor
 
 from common.kv.paged_cache import PagedLatentCache
+from common.rpc.gen import kv_pb2
 
 SEGMENT_BYTES = 4 * 2**20
 # A run of slots shorter than this is cheaper to stage and scatter than to receive as a
 # message of its own (every gloo message pays a round trip to match its receive).
 DIRECT_MIN_BYTES = 256 * 2**10
+# `KvHeader.dtype` names. Defined here, with TransferError, because the header checks below
+# need them and `common.kv.transfer` imports this module (it re-exports both).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransferError(RuntimeError):
+    pass
 
 
 @dataclass(frozen=True)
@@ -168,3 +180,53 @@ class ShardWriter:
         rows = buf.view(self.dtype).view(-1, self.width)
         self.cache.write_row_groups(self._dest[seg.start // g : seg.stop // g], rows, g)
         self.seconds += time.perf_counter() - t0
+
+
+# -- the header ----------------------------------------------------------------------------------
+
+
+def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
+    """Flat cache slots of the shard's tokens, from its block table."""
+    positions = (
+        torch.tensor(list(header.positions), dtype=torch.int64)
+        if header.positions
+        else torch.arange(header.num_tokens)
+    )
+    blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
+    index = positions // header.block_size
+    if len(positions) and int(index.max()) >= len(blocks):
+        raise TransferError(
+            f"shard of {header.num_tokens} tokens overflows its {len(blocks)} reserved blocks"
+        )
+    return blocks[index] * header.block_size + positions % header.block_size
+
+
+def check_dtype(h: kv_pb2.KvHeader) -> torch.dtype:
+    if h.dtype not in DTYPES:
+        raise TransferError(f"unknown dtype {h.dtype!r}")
+    return DTYPES[h.dtype]
+
+
+def row_bytes(h: kv_pb2.KvHeader) -> int:
+    """Bytes of one token of one layer (n and k_pe) on the wire."""
+    item = torch.empty((), dtype=check_dtype(h)).element_size()
+    return (h.latent_width + h.rope_width) * item
+
+
+def payload_bytes(h: kv_pb2.KvHeader) -> int:
+    return h.num_layers * h.num_tokens * row_bytes(h)
+
+
+def split_views(h: kv_pb2.KvHeader, raw: Tensor) -> tuple[Tensor, Tensor]:
+    """n [L, N, w] and k_pe [L, N, d_r] of a split-layout payload in a flat byte buffer."""
+    dt, tokens = check_dtype(h), h.num_layers * h.num_tokens
+    n_bytes = tokens * h.latent_width * (row_bytes(h) // (h.latent_width + h.rope_width))
+    n = raw[:n_bytes].view(dt).view(h.num_layers, h.num_tokens, h.latent_width)
+    k_pe = raw[n_bytes : payload_bytes(h)].view(dt).view(h.num_layers, h.num_tokens, h.rope_width)
+    return n, k_pe
+
+
+def row_plan(h: kv_pb2.KvHeader, slots: Tensor | None = None) -> RowPlan:
+    """The segments of a packed payload with header `h`, as both ends cut it."""
+    slots = shard_slots(h) if slots is None else slots
+    return plan_segments(h.num_layers, slots, h.block_size, bool(h.positions), row_bytes(h))

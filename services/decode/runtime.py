@@ -25,13 +25,8 @@ from torch import Tensor
 
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import PagedLatentCache, slot_table
-from common.kv.transfer import (
-    KvReceiverServicer,
-    ShardTarget,
-    TransferError,
-    add_kv_receiver,
-    shard_slots,
-)
+from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
+from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import RmsNormMode, latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2

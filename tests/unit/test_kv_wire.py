@@ -11,16 +11,9 @@ import torch
 
 from common.kv import wire
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
-from common.kv.transfer import (
-    KvReceiverServicer,
-    Shard,
-    ShardTarget,
-    TransferError,
-    encode_chunks,
-    parse_chunk,
-    row_plan,
-    shard_slots,
-)
+from common.kv.receiver import KvReceiverServicer, ShardTarget, parse_chunk
+from common.kv.transfer import Shard, TransferError, encode_chunks
+from common.kv.wire import row_plan, shard_slots
 from common.rpc.gen import kv_pb2
 
 
