@@ -130,35 +130,38 @@ def cmd_bench_decode_step(args: argparse.Namespace) -> int:
     from services.decode.bench import measure
 
     rows = []
-    for layout in args.layouts:
-        r = args.tp if layout == "tpla" else 1
-        rows += measure(
-            args.model,
-            layout,
-            args.tp,
-            r,
-            args.batch,
-            args.context,
-            args.steps,
-            args.reparam,
-            args.threads,
-            args.chunk_size,
-            args.kernel,
-        )
-    base = {row.batch: row for row in rows if row.layout == "mla-tp"}
+    for collectives in args.collectives:
+        for layout in args.layouts:
+            r = args.tp if layout == "tpla" else 1
+            rows += measure(
+                args.model,
+                layout,
+                args.tp,
+                r,
+                args.batch,
+                args.context,
+                args.steps,
+                args.reparam,
+                args.threads,
+                args.chunk_size,
+                args.kernel,
+                collectives,
+            )
+    # Speedups are against MLA-TP with the same collectives, from this run.
+    base = {(row.collectives, row.batch): row for row in rows if row.layout == "mla-tp"}
     print(
-        f"{'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
+        f"{'coll':>5} {'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
         f"{'speedup':>8} {'cache KiB/seq':>14} {'vs MLA-TP':>10} {'comm KiB/step':>14} "
         f"{'rank0 MB':>9}"
     )
     out = []
     for row in rows:
-        ref = base.get(row.batch)
+        ref = base.get((row.collectives, row.batch))
         speed = ref.median_ms / row.median_ms if ref else float("nan")
         mem = ref.cache_bytes_per_sequence / row.cache_bytes_per_sequence if ref else float("nan")
         print(
-            f"{row.layout:>7} {row.tp:>3} {row.latent_groups:>3} {row.batch:>6} "
-            f"{row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
+            f"{row.collectives:>5} {row.layout:>7} {row.tp:>3} {row.latent_groups:>3} "
+            f"{row.batch:>6} {row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
             f"{row.cache_bytes_per_sequence / 1024:>14.1f} {mem:>9.2f}x "
             f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f}"
         )
@@ -189,6 +192,13 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ds.add_argument(
         "--kernel", choices=["native", "torch"], default="native", help="decode attention"
+    )
+    ds.add_argument(
+        "--collectives",
+        nargs="+",
+        choices=["shm", "dist"],
+        default=["shm"],
+        help="group collectives: shared memory and/or torch.distributed (gloo)",
     )
     ds.add_argument("--json", action="store_true")
     ds.set_defaults(func=cmd_bench_decode_step)

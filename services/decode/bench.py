@@ -23,6 +23,7 @@ from services.decode.runtime import EngineConfig
 @dataclass(frozen=True)
 class StepResult:
     layout: str  # mla-tp | tpla | sp
+    collectives: str  # shm | dist
     tp: int
     latent_groups: int
     batch: int
@@ -46,6 +47,7 @@ def measure(
     threads: int = 1,
     chunk_size: int = 256,
     kernel: str = "native",
+    collectives: str = "shm",
 ) -> list[StepResult]:
     """Median step time per batch size for one layout, with its cache and comm footprint."""
     mode = ParallelMode.SP if layout == "sp" else ParallelMode.TPLA
@@ -59,6 +61,7 @@ def measure(
         kv_budget_mb=512,
         torch_threads=threads,
         attention_kernel=kernel,
+        collectives=collectives,
     )
     results = []
     with DecodeEngine(cfg) as engine:
@@ -94,6 +97,7 @@ def measure(
             results.append(
                 StepResult(
                     layout,
+                    collectives,
                     tp,
                     r,
                     batch,

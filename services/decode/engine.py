@@ -40,7 +40,13 @@ from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample
 from services.decode.plan import DecodePlan, WritePlan, send_plan
 from services.decode.rank_model import rank_latent_columns
-from services.decode.runtime import CONFIG_ENV, EngineConfig, RankRuntime, init_group
+from services.decode.runtime import (
+    CONFIG_ENV,
+    EngineConfig,
+    RankRuntime,
+    create_shm_group,
+    init_group,
+)
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.stream import EngineError, Load, Reservation, TokenEvent, TokenStream
 
@@ -58,6 +64,8 @@ class DecodeEngine:
     def __init__(self, cfg: EngineConfig, *, eos_token_ids: tuple[int, ...] | None = None) -> None:
         if cfg.parallel.tp > 1 and cfg.master_port == 0:
             cfg = replace(cfg, master_port=free_port())
+        shm_path = create_shm_group(cfg)
+        cfg = replace(cfg, shm_path=shm_path)
         self.cfg = cfg
         self._followers = [
             subprocess.Popen(
@@ -75,6 +83,12 @@ class DecodeEngine:
         except BaseException:
             self._kill_followers()
             raise
+        finally:
+            # Every rank has mapped the group file by the barrier (or failed): its name can
+            # go, so a crash later leaves nothing behind in /dev/shm.
+            if shm_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(shm_path)
         model_cfg: ModelConfig = self.runtime.model.config
         self.vocab_size = model_cfg.vocab_size
         self.eos_token_ids = frozenset(
@@ -176,7 +190,7 @@ class DecodeEngine:
             if rank == 0:
                 self.runtime.cache.write_all_layers(slots, n_, k_)
             else:
-                send_plan(WritePlan(rank, slots))
+                send_plan(WritePlan(rank, slots), self.runtime.comm)
                 dist.send(n_, dst=rank)
                 dist.send(k_, dst=rank)
 
@@ -286,7 +300,7 @@ class DecodeEngine:
                 if batch:
                     self._step(batch)
             if self.cfg.parallel.tp > 1:
-                send_plan(None)
+                send_plan(None, self.runtime.comm)
         except BaseException as exc:  # a rank died or a collective timed out
             self._error = exc
         finally:
@@ -362,15 +376,11 @@ class DecodeEngine:
             block_tables,
         )
         tp = self.cfg.parallel.tp
+        comm = self.runtime.comm
         if tp > 1:
-            send_plan(plan)
+            send_plan(plan, comm)
         local = self.runtime.step(plan)
-        if tp > 1:
-            parts = [torch.empty_like(local) for _ in range(tp)]
-            dist.gather(local, parts, dst=0)
-            logits = torch.cat(parts, dim=1)
-        else:
-            logits = local
+        logits = torch.cat(list(comm.all_gather(local)), dim=1) if tp > 1 else local
         logits = logits[:, self._vocab_columns]
         for row, seq in enumerate(batch):
             active = self._active[seq.request_id]

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from services.decode.rank_model import Comm
 
 HEADER_WORDS = 8
 
@@ -41,12 +44,12 @@ class WritePlan:
 Plan = DecodePlan | WritePlan | None  # None = shutdown
 
 
-def send_plan(plan: Plan) -> None:
+def send_plan(plan: Plan, comm: Comm) -> None:
     """Leader side: broadcast a plan from rank 0."""
     header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
     if plan is None:
         header[0] = Op.SHUTDOWN
-        dist.broadcast(header, src=0)
+        comm.broadcast_(header)
         return
     if isinstance(plan, DecodePlan):
         r, b, m = plan.block_tables.shape
@@ -57,23 +60,23 @@ def send_plan(plan: Plan) -> None:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
         payload = plan.slots
-    dist.broadcast(header, src=0)
-    dist.broadcast(payload.to(torch.int64).contiguous(), src=0)
+    comm.broadcast_(header)
+    comm.broadcast_(payload.to(torch.int64).contiguous())
 
 
-def recv_plan() -> Plan:
+def recv_plan(comm: Comm) -> Plan:
     """Rank side: receive the next plan from rank 0."""
     header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-    dist.broadcast(header, src=0)
+    comm.broadcast_(header)
     op = Op(int(header[0]))
     if op is Op.SHUTDOWN:
         return None
     if op is Op.DECODE:
         b, m, r = int(header[1]), int(header[2]), int(header[5])
         payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
-        dist.broadcast(payload, src=0)
+        comm.broadcast_(payload)
         return DecodePlan(payload[:b], payload[b : 2 * b], payload[2 * b :].view(r, b, m))
     n = int(header[3])
     payload = torch.empty(n, dtype=torch.int64)
-    dist.broadcast(payload, src=0)
+    comm.broadcast_(payload)
     return WritePlan(int(header[4]), payload)

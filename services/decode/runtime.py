@@ -28,6 +28,8 @@ from common.kv.paged_cache import PagedLatentCache, slot_table
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import RmsNormMode, latent_shards
+from common.native import shm_group
+from common.native.shm_group import ShmGroup
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
@@ -55,6 +57,10 @@ class EngineConfig:
     lease_seconds: float = 30.0
     torch_threads: int = 1
     attention_kernel: str = "native"  # AttentionKernel: native | torch
+    # "shm": the group's collectives go through shared memory when the native library is
+    # there (its ranks share a host); "dist": torch.distributed (gloo, NCCL on GPUs).
+    collectives: str = "shm"
+    shm_path: str | None = None  # set by the leader: the group file its ranks map
     master_port: int = 29500
     collective_timeout_s: float = 120.0
     record_logits: bool = False  # keep each step's logits on token events (tests, eval)
@@ -103,7 +109,7 @@ class RankRuntime:
         self.layout = self.model.cache_layout(cfg.block_size, getattr(torch, cfg.dtype))
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
         self.cache = PagedLatentCache(self.layout, num_blocks)
-        self.comm = Comm(cfg.parallel.tp)
+        self.comm = Comm(cfg.parallel.tp, open_shm_group(cfg, rank))
 
     def step(self, plan: DecodePlan) -> Tensor:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]."""
@@ -203,6 +209,28 @@ def init_group(cfg: EngineConfig, rank: int) -> None:
     )
 
 
+# Each rank's slot in the group file; larger messages (a big batch's logits) go in rounds.
+SHM_SLOT_BYTES = 4 * 2**20
+
+
+def create_shm_group(cfg: EngineConfig) -> str | None:
+    """Leader, before starting its followers: make the group's shared-memory file, or None
+    (tp = 1, "dist" asked for, or no native library here: torch.distributed it is)."""
+    if cfg.collectives != "shm" or cfg.parallel.tp == 1 or not shm_group.available():
+        return None
+    path = shm_group.new_path()
+    ShmGroup(path, 0, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, True).close()
+    return path
+
+
+def open_shm_group(cfg: EngineConfig, rank: int) -> ShmGroup | None:
+    if cfg.shm_path is None or cfg.parallel.tp == 1:
+        return None
+    return ShmGroup(
+        cfg.shm_path, rank, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, False
+    )
+
+
 def exit_with_parent() -> None:
     """A child process (a follower rank, a bench receiver) whose parent died must not linger
     in a collective or on its ports until a timeout: exit as soon as the parent is gone."""
@@ -224,12 +252,11 @@ def follower_main(cfg: EngineConfig, rank: int) -> None:
     receiver = runtime.start_kv_receiver()
     dist.barrier()  # the leader waits until every rank has loaded its share
     while True:
-        plan = recv_plan()
+        plan = recv_plan(runtime.comm)
         if plan is None:
             break
         if isinstance(plan, DecodePlan):
-            logits = runtime.step(plan)
-            dist.gather(logits, dst=0)
+            runtime.comm.all_gather(runtime.step(plan))  # the leader keeps the logits
         else:
             runtime.receive_write(plan)
     if receiver is not None:

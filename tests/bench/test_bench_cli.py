@@ -100,3 +100,23 @@ def test_capacity_formula() -> None:
     demo = cache_shapes()[0]
     rows = measure_capacity(demo, 64 * 2**20, (1, 2))
     assert rows[1]["ratio_vs_mla_tp"] == pytest.approx(144 / 80, rel=1e-3)
+
+
+def test_decode_step_json_side_by_side() -> None:
+    """The real engine at tp=2 with shared-memory and gloo collectives, in one run."""
+    result = run_bench(
+        "decode-step",
+        "--tp", "2", "--layouts", "mla-tp", "tpla", "--batch", "1", "--context", "64",
+        "--steps", "4", "--collectives", "shm", "dist", "--json",
+    )  # fmt: skip
+    rows = {(r["collectives"], r["layout"]): r for r in result["rows"]}
+    assert set(rows) == {(c, m) for c in ("shm", "dist") for m in ("mla-tp", "tpla")}
+    for (coll, _), row in rows.items():
+        assert row["median_ms"] > 0 and row["comm_bytes_per_step"] > 0
+        base = rows[(coll, "mla-tp")]
+        assert math.isclose(row["speedup_vs_mla_tp"], base["median_ms"] / row["median_ms"])
+    # Same layout, same bytes, whichever transport carries them.
+    assert (
+        rows[("shm", "tpla")]["comm_bytes_per_step"]
+        == rows[("dist", "tpla")]["comm_bytes_per_step"]
+    )

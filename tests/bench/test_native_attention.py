@@ -23,7 +23,6 @@ def test_native_kernel_builds_and_loads() -> None:
     assert native.available()
 
 
-
 def _case(lengths, heads, width, d_r, d_n, d_v, block_size, seed=0, spread=1.0):
     cache, slots, valid, lens = _paged(lengths, width, d_r, block_size, seed=seed)
     g = torch.Generator().manual_seed(seed + 11)
