@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     decode_kernel: str = Field(
         "native", description="decode attention: native (C++, fp32 CPU; else torch) | torch"
     )
+    collectives: str = Field(
+        "shm", description="decode group collectives: shm (shared memory; else dist) | dist"
+    )
 
     # -- decode group -----------------------------------------------------------------------
     tp: int = Field(2, ge=1, description="decode ranks per group")

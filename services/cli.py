@@ -45,6 +45,8 @@ def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is he
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
     if s.decode_kernel not in ("native", "torch"):
         raise ValueError(f"decode kernel {s.decode_kernel!r} is not native or torch")
+    if s.collectives not in ("shm", "dist"):
+        raise ValueError(f"collectives {s.collectives!r} is not shm or dist")
     latent_groups = s.latent_groups if s.parallel == "tpla" else 1
     mode = ParallelMode.SP if s.parallel == "sp" else ParallelMode.TPLA
     return EngineConfig(
@@ -64,6 +66,7 @@ def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is he
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
         attention_kernel=s.decode_kernel,
+        collectives=s.collectives,
         master_port=s.dist_port,
         host=s.host,
         kv_port_base=s.kv_port_base,

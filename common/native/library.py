@@ -124,7 +124,7 @@ def load(name: str) -> ctypes.CDLL:
             raise
         path = portable
     try:
-        return ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path), use_errno=True)
     except OSError as exc:
         raise NativeUnavailable(f"loading the {name} library failed: {exc}") from exc
 

@@ -151,9 +151,16 @@ void* tpla_shm_attach(const char* path, int rank, int world, uint64_t slot_bytes
   const size_t bytes = kDataOffset + 2 * static_cast<size_t>(world) * slot_bytes;
   const int fd = open(path, create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
   if (fd < 0) return nullptr;
-  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    close(fd);
-    return nullptr;
+  // Reserve the pages now: a tmpfs too small for the file (a container's /dev/shm is 64 MB by
+  // default) must fail here, not with SIGBUS at the first write of a collective.
+  if (create) {
+    const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (err != 0) {
+      close(fd);
+      unlink(path);
+      errno = err;
+      return nullptr;
+    }
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {

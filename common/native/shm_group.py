@@ -88,8 +88,8 @@ class ShmGroup:
         lib = _library()
         handle = lib.tpla_shm_attach(path.encode(), rank, world, slot_bytes, int(create))
         if not handle:
-            err = ctypes.get_errno() or "see errno"
-            raise CollectiveError(f"cannot attach the group file {path}: {err}")
+            err = ctypes.get_errno()
+            raise CollectiveError(f"cannot attach the group file {path}: {os.strerror(err)}")
         self._lib, self._handle = lib, handle
         self.path, self.rank, self.world, self.timeout_s = path, rank, world, timeout_s
 
@@ -103,12 +103,18 @@ class ShmGroup:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
+    @staticmethod
+    def _cpu(t: Tensor) -> None:
+        if not t.is_cpu:
+            raise CollectiveError("shared-memory collectives take CPU tensors")
+
     def _check(self, status: int, what: str) -> None:
         if status:
             raise CollectiveError(f"{what} across the decode group: {_STATUS.get(status, status)}")
 
     def all_reduce_(self, t: Tensor, op: str = "sum") -> None:
         """In place; fp32 directly, other dtypes through an fp32 copy."""
+        self._cpu(t)
         work = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
         code = _SUM if op == "sum" else _MAX
         status = self._lib.tpla_shm_all_reduce(
@@ -119,6 +125,7 @@ class ShmGroup:
             t.copy_(work)
 
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
+        self._cpu(t)
         work = t if t.is_contiguous() else t.contiguous()
         nbytes = work.numel() * work.element_size()
         status = self._lib.tpla_shm_broadcast(
@@ -130,6 +137,7 @@ class ShmGroup:
 
     def all_gather(self, t: Tensor) -> Tensor:
         """[world, *t.shape]: every rank's tensor, in rank order."""
+        self._cpu(t)
         work = t.contiguous()
         out = torch.empty((self.world, *work.shape), dtype=work.dtype)
         nbytes = work.numel() * work.element_size()

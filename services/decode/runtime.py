@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import threading
@@ -29,7 +30,7 @@ from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import RmsNormMode, latent_shards
 from common.native import shm_group
-from common.native.shm_group import ShmGroup
+from common.native.shm_group import CollectiveError, ShmGroup
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
@@ -42,6 +43,8 @@ from services.decode.rank_model import (
     ParallelMode,
     RankModel,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -196,12 +199,15 @@ class RankRuntime:
         self.cache.write_all_layers(plan.slots, lat, rope)
 
 
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() and os.environ.get("TPLA_NCCL") == "1" else "gloo"
+
+
 def init_group(cfg: EngineConfig, rank: int) -> None:
     if cfg.parallel.tp == 1:
         return
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("TPLA_NCCL") == "1" else "gloo"
     dist.init_process_group(
-        backend,
+        _backend(),
         init_method=f"tcp://127.0.0.1:{cfg.master_port}",
         world_size=cfg.parallel.tp,
         rank=rank,
@@ -216,10 +222,17 @@ SHM_SLOT_BYTES = 4 * 2**20
 def create_shm_group(cfg: EngineConfig) -> str | None:
     """Leader, before starting its followers: make the group's shared-memory file, or None
     (tp = 1, "dist" asked for, or no native library here: torch.distributed it is)."""
-    if cfg.collectives != "shm" or cfg.parallel.tp == 1 or not shm_group.available():
+    if cfg.collectives != "shm" or cfg.parallel.tp == 1 or _backend() != "gloo":
+        return None  # NCCL groups keep their tensors on the GPU: NCCL's collectives
+    if not shm_group.available():
         return None
     path = shm_group.new_path()
-    ShmGroup(path, 0, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, True).close()
+    try:
+        group = ShmGroup(path, 0, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, True)
+    except CollectiveError as exc:  # e.g. /dev/shm too small: gloo still works
+        log.warning("shared-memory collectives unavailable, using torch.distributed: %s", exc)
+        return None
+    group.close()
     return path
 
 
