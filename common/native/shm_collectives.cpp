@@ -14,6 +14,7 @@
 // so every rank gets bit-identical results (their hidden states must not drift apart).
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -34,7 +35,11 @@ namespace {
 
 constexpr uint32_t kMagic = 0x54504c41;  // "TPLA"
 constexpr int kMaxRanks = 64;
-constexpr int kSpins = 4000;  // ~50-100 us of pause before sleeping on the futex
+// Waiting: a short spin (the peer usually arrives within microseconds when it has a core),
+// then yields (on a host with more runnable processes than cores, a spinning rank would hold
+// the core its peer needs), then a futex sleep.
+constexpr int kSpins = 256;
+constexpr int kYields = 64;
 
 struct alignas(64) Arrival {
   std::atomic<uint64_t> round;
@@ -112,6 +117,10 @@ int wait_all(Group* g, double timeout_s) {
   for (int i = 0; i < kSpins; ++i) {
     if (all_arrived(g)) return kOk;
     pause();
+  }
+  for (int i = 0; i < kYields; ++i) {
+    if (all_arrived(g)) return kOk;
+    sched_yield();
   }
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
