@@ -82,31 +82,3 @@ def test_cache_views_share_storage() -> None:
     cache.write(1, slots, n, k_pe)
     assert torch.equal(cache.kv[1, slots], torch.cat((n, k_pe), dim=-1))
     assert cache.nbytes == 2 * 12 * 12 * 4
-
-
-def test_rank_attention_fast_equals_reference(tmp_path) -> None:
-    """The engine's `RankAttention.attend` (paged, fused) against `attend_reference`, on a
-    TPLA rank (r = 2, PCA-free equal shards, beta = 1/2) and an MLA-TP rank (head group)."""
-    from common.model.loader import load_model
-    from common.model.tpla import RmsNormMode, latent_shards
-    from services.decode.rank_model import RankAttention
-    from tests.model.tiny import save_hf
-
-    save_hf("v2-greedy", tmp_path, std=0.05)
-    attn = load_model(tmp_path).model.layers[1].self_attn
-    heads = attn.num_heads
-    for shard, group in (
-        (latent_shards(attn.d_c, 2)[1], slice(0, heads)),
-        (latent_shards(attn.d_c, 1)[0], slice(heads // 2, heads)),
-    ):
-        rank = RankAttention(attn, group, shard, RmsNormMode.EXACT)
-        cache, slots, valid, lens = _paged([21, 4, 40], shard.width, attn.d_r, 8, seed=5)
-        g = torch.Generator().manual_seed(1)
-        q_nope = torch.randn(3, rank.num_heads, attn.d_n, generator=g)
-        q_pe = torch.randn(3, rank.num_heads, attn.d_r, generator=g)
-        n, k_pe = cache.gather(0, slots)
-        with torch.no_grad():
-            reference = rank.attend_reference(q_nope, q_pe, n, k_pe, valid)
-            rows = cache.rows(0, block_ids_from_slots(slots, 8))
-            fast = rank.attend(q_nope, q_pe, rows, 16, lens)
-        torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)

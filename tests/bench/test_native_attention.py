@@ -130,12 +130,12 @@ def test_native_rejects_bad_plans_without_reading_out_of_bounds() -> None:
 
 
 def test_rank_attention_kernels_agree(tmp_path) -> None:
-    """`RankAttention.attend` with the native kernel and with the torch kernel, on a TPLA
-    rank and an MLA-TP rank of a real (tiny) checkpoint, against `attend_reference`."""
+    """The engine's `RankAttention.attend` with the native kernel and with the torch kernel,
+    on a TPLA rank (r = 2, equal shards, beta = 1/2) and an MLA-TP rank (a head group) of a
+    real (tiny) checkpoint, against `attend_reference`."""
     from common.model.loader import load_model
     from common.model.tpla import RmsNormMode, latent_shards
     from services.decode.rank_model import RankAttention
-    from tests.bench.test_kernels import _paged
     from tests.model.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
