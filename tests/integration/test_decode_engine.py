@@ -30,7 +30,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _engine(model_dir: Path, tp: int, r: int, **kw: object) -> DecodeEngine:
+def _engine(
+    model_dir: Path,
+    tp: int,
+    r: int,
+    collectives: str = "shm",
+    kernel: str = "native",
+    **kw: object,
+) -> DecodeEngine:
     cfg = EngineConfig(
         model=str(model_dir),
         parallel=ParallelConfig(tp=tp, latent_groups=r, **kw),
@@ -38,6 +45,8 @@ def _engine(model_dir: Path, tp: int, r: int, **kw: object) -> DecodeEngine:
         kv_budget_mb=2,
         block_size=4,
         record_logits=True,
+        collectives=collectives,
+        attention_kernel=kernel,
     )
     return DecodeEngine(cfg)
 
@@ -51,10 +60,15 @@ def _assert_pool_free(engine: DecodeEngine) -> None:
     assert (load.running, load.waiting, load.reserved, load.blocks_used) == (0, 0, 0, 0)
 
 
-def test_mla_tp2_equals_single_process(model_dir: Path) -> None:
+@pytest.mark.parametrize(("collectives", "kernel"), [("shm", "native"), ("dist", "torch")])
+def test_mla_tp2_equals_single_process(model_dir: Path, collectives: str, kernel: str) -> None:
+    """Shared-memory collectives + native kernel (the defaults), and gloo + the PyTorch kernel:
+    both give the single-process greedy tokens."""
     prompt = _prompt(23, 0)
     expected = generate(load_model(model_dir), prompt, GREEDY).token_ids
-    with _engine(model_dir, tp=2, r=1) as engine:
+    with _engine(model_dir, tp=2, r=1, collectives=collectives, kernel=kernel) as engine:
+        assert (engine.runtime.comm.shm is not None) == (collectives == "shm")
+        assert engine.runtime.model.kernel.value == kernel
         [(first, stream)] = submit(engine, load_prefill_model(engine.cfg), [prompt], [GREEDY])
         result = collect(first, stream)
         assert result.token_ids == expected
