@@ -133,11 +133,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="build the native kernels ahead of use")
     parser.add_argument("--portable", action="store_true", help="x86-64-v3, for images")
     args = parser.parse_args()
-    try:
-        print(build("latent_attention", portable=args.portable))
-    except NativeUnavailable as exc:
-        # Not an error: the engine runs the PyTorch kernel instead.
-        print(f"native kernels not built ({exc}); the PyTorch kernels will be used")
+    for source in sorted(SOURCE_DIR.glob("*.cpp")):
+        try:
+            print(build(source.stem, portable=args.portable))
+        except NativeUnavailable as exc:
+            # Not an error: the engine runs the PyTorch kernel and gloo collectives instead.
+            print(f"{source.name} not built ({exc}); the PyTorch paths will be used")
     return 0
 
 
