@@ -87,8 +87,8 @@ def paged_latent_attention(
     tensors = (q_nope, q_pe, kv, w_uk, w_uv)
     if not supports(*tensors) or not all(t.is_contiguous() for t in tensors):
         raise ValueError("paged_latent_attention takes contiguous fp32 CPU tensors")
-    if block_ids.dtype != torch.int64 or lengths.dtype != torch.int64:
-        raise ValueError("paged_latent_attention takes int64 block ids and lengths")
+    if not all(t.dtype == torch.int64 and t.is_cpu for t in (block_ids, lengths)):
+        raise ValueError("paged_latent_attention takes int64 CPU block ids and lengths")
     block_ids, lengths = block_ids.contiguous(), lengths.contiguous()
     shapes = (q_pe.shape, kv.shape[1], w_uk.shape, w_uv.shape, lengths.shape, block_ids.shape[0])
     if shapes != ((b, h, d_r), w + d_r, (h, d_n, w), (h, d_v, w), (b,), b) or kv.dim() != 2:
