@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from services.decode.rank_model import Comm
+    from services.decode.comm import Comm
 
 HEADER_WORDS = 8
 

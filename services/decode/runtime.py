@@ -35,14 +35,9 @@ from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
 from common.settings import TORCH_PORT_OFFSET
+from services.decode.comm import Comm
 from services.decode.plan import DecodePlan, WritePlan, recv_plan
-from services.decode.rank_model import (
-    AttentionKernel,
-    Comm,
-    ParallelConfig,
-    ParallelMode,
-    RankModel,
-)
+from services.decode.rank_model import AttentionKernel, ParallelConfig, ParallelMode, RankModel
 
 log = logging.getLogger(__name__)
 
