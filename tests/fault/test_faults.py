@@ -115,6 +115,20 @@ def decode_groups(url: str) -> dict[str, list[dict]]:
     return {g: sorted(ranks, key=lambda w: w["rank"]) for g, ranks in groups.items()}
 
 
+def busiest_group(url: str) -> list[dict]:
+    """The decode group (its rank records) running the most requests right now: read from
+    each leader's metrics endpoint, not from the registry, whose heartbeat-borne KV numbers
+    can be seconds old — by then that group may have finished its streams and sit idle."""
+
+    def running(ranks: list[dict]) -> float:
+        host, port = ranks[0]["address"].rsplit(":", 1)
+        text = httpx.get(f"http://{host}:{int(port) + 1000}/metrics", timeout=10).text
+        line = next(ln for ln in text.splitlines() if ln.startswith("tpla:num_requests_running"))
+        return float(line.split()[-1])
+
+    return max(decode_groups(url).values(), key=running)
+
+
 def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None:
     """Both groups (all ranks healthy) and every prefill worker registered, no KV block in
     use anywhere, and the stack answers."""
@@ -199,8 +213,7 @@ def _killed_mid_stream(stack: LocalStack, reference: dict[str, str], victim: str
     clients = [Client(stack.url, p) for p in PROMPTS]
     pool, futures = run_clients(clients)
     wait_progress(clients, 4)
-    groups = decode_groups(stack.url)
-    busiest = max(groups.values(), key=lambda ranks: ranks[0]["kv_blocks_used"])
+    busiest = busiest_group(stack.url)
     kill(busiest[1 if victim == "follower" else 0]["pid"])
     results = finish(pool, futures)
     for client, r in zip(clients, results, strict=True):
@@ -236,7 +249,7 @@ def test_hung_rank_mid_stream_migrates_after_the_token_timeout(
     clients = [Client(stack.url, p) for p in PROMPTS]
     pool, futures = run_clients(clients)
     wait_progress(clients, 4)
-    busiest = max(decode_groups(stack.url).values(), key=lambda r: r[0]["kv_blocks_used"])
+    busiest = busiest_group(stack.url)
     os.kill(busiest[1]["pid"], signal.SIGSTOP)
     try:
         results = finish(pool, futures)
