@@ -38,7 +38,7 @@ from common.model.args import ModelConfig
 from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample
-from services.decode.plan import DecodePlan, WritePlan, send_plan
+from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import (
     CONFIG_ENV,
@@ -108,6 +108,9 @@ class DecodeEngine:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._step_started: float | None = None  # time.monotonic() of the running step
+        # Idle keep-alive: well inside the followers' collective timeout.
+        self._ping_interval = min(1.0, cfg.collective_timeout_s / 4)
+        self._next_ping = time.monotonic() + self._ping_interval
         # Recent step times (metrics, bench); bounded so the loop never grows or copies it.
         self.step_seconds: deque[float] = deque(maxlen=100)
         # Rank k's logits are padded to a common width for the gather; these columns of the
@@ -299,6 +302,8 @@ class DecodeEngine:
                 batch = self.scheduler.schedule()
                 if batch:
                     self._step(batch)
+                elif self.cfg.parallel.tp > 1 and time.monotonic() >= self._next_ping:
+                    self._ping()
             if self.cfg.parallel.tp > 1:
                 send_plan(None, self.runtime.comm)
         except BaseException as exc:  # a rank died or a collective timed out
@@ -359,6 +364,17 @@ class DecodeEngine:
             self._run_step(batch)
         finally:
             self._step_started = None
+            self._next_ping = time.monotonic() + self._ping_interval
+
+    def _ping(self) -> None:
+        """Keep an idle group's followers inside their collective timeout (`PingPlan`);
+        timed like a step, so a rank that hangs while idle shows as a stalled group."""
+        self._step_started = time.monotonic()
+        try:
+            send_plan(PingPlan(), self.runtime.comm)
+        finally:
+            self._step_started = None
+            self._next_ping = time.monotonic() + self._ping_interval
 
     def _run_step(self, batch: list) -> None:
         t0 = time.perf_counter()

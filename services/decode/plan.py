@@ -4,6 +4,7 @@ Every plan is a fixed 8-word header, then an op-specific int64 payload:
     DECODE    tokens [B], positions [B], block_tables [R, B, max_blocks] (-1 padded;
               R = 1 when every rank shares the tables, R = tp in SP mode)
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
+    PING      nothing: an idle leader's keep-alive (see `PingPlan`)
     SHUTDOWN  nothing
 """
 
@@ -26,6 +27,7 @@ class Op(enum.IntEnum):
     DECODE = 1
     WRITE_KV = 2
     SHUTDOWN = 3
+    PING = 4
 
 
 @dataclass(frozen=True)
@@ -41,14 +43,22 @@ class WritePlan:
     slots: Tensor  # [N] int64
 
 
-Plan = DecodePlan | WritePlan | None  # None = shutdown
+@dataclass(frozen=True)
+class PingPlan:
+    """Sent by an idle leader every second or so. Followers wait for plans in a collective,
+    which times out (`collective_timeout_s`): without it an idle group's followers would
+    fail after that long. It also makes a hung rank visible while idle: the leader's ping
+    then blocks like a stuck step, and the group reports itself stalled."""
+
+
+Plan = DecodePlan | WritePlan | PingPlan | None  # None = shutdown
 
 
 def send_plan(plan: Plan, comm: Comm) -> None:
     """Leader side: broadcast a plan from rank 0."""
     header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-    if plan is None:
-        header[0] = Op.SHUTDOWN
+    if plan is None or isinstance(plan, PingPlan):
+        header[0] = Op.SHUTDOWN if plan is None else Op.PING
         comm.broadcast_(header)
         return
     if isinstance(plan, DecodePlan):
@@ -71,6 +81,8 @@ def recv_plan(comm: Comm) -> Plan:
     op = Op(int(header[0]))
     if op is Op.SHUTDOWN:
         return None
+    if op is Op.PING:
+        return PingPlan()
     if op is Op.DECODE:
         b, m, r = int(header[1]), int(header[2]), int(header[5])
         payload = torch.empty(b * (2 + r * m), dtype=torch.int64)

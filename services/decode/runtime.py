@@ -36,7 +36,7 @@ from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
 from common.settings import TORCH_PORT_OFFSET
 from services.decode.comm import Comm
-from services.decode.plan import DecodePlan, WritePlan, recv_plan
+from services.decode.plan import DecodePlan, PingPlan, WritePlan, recv_plan
 from services.decode.rank_model import AttentionKernel, ParallelConfig, ParallelMode, RankModel
 
 log = logging.getLogger(__name__)
@@ -265,6 +265,8 @@ def follower_main(cfg: EngineConfig, rank: int) -> None:
             break
         if isinstance(plan, DecodePlan):
             runtime.comm.all_gather(runtime.step(plan))  # the leader keeps the logits
+        elif isinstance(plan, PingPlan):
+            continue
         else:
             runtime.receive_write(plan)
     if receiver is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ def _engine(
     r: int,
     collectives: str = "shm",
     kernel: str = "native",
+    collective_timeout_s: float = 120.0,
     **kw: object,
 ) -> DecodeEngine:
     cfg = EngineConfig(
@@ -47,6 +50,7 @@ def _engine(
         record_logits=True,
         collectives=collectives,
         attention_kernel=kernel,
+        collective_timeout_s=collective_timeout_s,
     )
     return DecodeEngine(cfg)
 
@@ -206,3 +210,28 @@ def test_shutdown_ends_live_streams(model_dir: Path) -> None:
     events = list(stream)  # returns: the last event carries a finish reason
     assert events[-1].finish_reason == "error: decode engine shut down"
     assert len(events) < long.max_tokens
+
+
+@pytest.mark.parametrize("collectives", ["shm", "dist"])
+def test_an_idle_group_outlives_its_collective_timeout(model_dir: Path, collectives: str) -> None:
+    """Followers wait for plans inside a collective with a timeout: an idle leader pings them,
+    so an idle group lives on; a follower that hangs while idle makes the ping stall like a
+    step (the group reports itself stalled) and the group recovers when it resumes."""
+    with _engine(model_dir, tp=2, r=1, collectives=collectives, collective_timeout_s=4.0) as engine:
+        time.sleep(9.0)  # more than twice the timeout, with nothing to do
+        assert engine.failed is None and all(engine.follower_alive())
+        if collectives == "shm":  # a gloo broadcast need not wait for its receivers
+            follower = engine.follower_pids[0]
+            os.kill(follower, signal.SIGSTOP)
+            try:
+                time.sleep(2.5)  # a ping starts within a second and cannot finish
+                assert engine.step_running_for() > 0.5
+            finally:
+                os.kill(follower, signal.SIGCONT)
+            time.sleep(0.5)
+            assert engine.step_running_for() < 0.5 and engine.failed is None
+        [(first, stream)] = submit(
+            engine, load_prefill_model(engine.cfg), [_prompt(9, 3)], [GREEDY]
+        )
+        assert collect(first, stream).finish_reason == "length"
+        _assert_pool_free(engine)
