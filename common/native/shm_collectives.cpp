@@ -239,18 +239,24 @@ int tpla_shm_broadcast(void* handle, void* data, int64_t bytes, int root, double
   return kOk;
 }
 
-// out = every rank's `bytes` of input, in rank order (world * bytes).
-int tpla_shm_all_gather(void* handle, const void* in, int64_t bytes, void* out,
+// out = every rank's `bytes` of input, in rank order (world * bytes), on every rank, or with
+// root >= 0 on `root` only (a gather: the others copy nothing out, and `out` may be null
+// there; a step's logits are large for a big vocabulary, and only the leader samples).
+int tpla_shm_all_gather(void* handle, const void* in, int64_t bytes, void* out, int root,
                         double timeout_s) {
   auto* g = static_cast<Group*>(handle);
+  if (root >= g->world) return kBadArgs;
   const auto* src = static_cast<const char*>(in);
   auto* dst = static_cast<char*>(out);
+  const bool keep = root < 0 || root == g->rank;
   const int64_t per_round = static_cast<int64_t>(g->slot_bytes);
   for (int64_t start = 0; start < bytes; start += per_round) {
     const int64_t count = std::min(per_round, bytes - start);
     const int status = round_trip(g, src + start, count, timeout_s);
     if (status != kOk) return status;
-    for (int r = 0; r < g->world; ++r) std::memcpy(dst + r * bytes + start, slot(g, g->round, r), count);
+    if (keep)
+      for (int r = 0; r < g->world; ++r)
+        std::memcpy(dst + r * bytes + start, slot(g, g->round, r), count);
   }
   return kOk;
 }

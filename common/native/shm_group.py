@@ -59,6 +59,7 @@ def _library() -> ctypes.CDLL:
         ctypes.c_void_p,
         ctypes.c_int64,
         ctypes.c_void_p,
+        ctypes.c_int,
         ctypes.c_double,
     ]
     for fn in (lib.tpla_shm_all_reduce, lib.tpla_shm_broadcast, lib.tpla_shm_all_gather):
@@ -137,12 +138,27 @@ class ShmGroup:
 
     def all_gather(self, t: Tensor) -> Tensor:
         """[world, *t.shape]: every rank's tensor, in rank order."""
+        out = self._gather(t, root=-1)
+        assert out is not None
+        return out
+
+    def gather(self, t: Tensor, dst: int = 0) -> Tensor | None:
+        """[world, *t.shape] on rank `dst`, None on the others (which copy nothing out)."""
+        return self._gather(t, root=dst)
+
+    def _gather(self, t: Tensor, root: int) -> Tensor | None:
         self._cpu(t)
         work = t.contiguous()
-        out = torch.empty((self.world, *work.shape), dtype=work.dtype)
+        keep = root < 0 or root == self.rank
+        out = torch.empty((self.world, *work.shape), dtype=work.dtype) if keep else None
         nbytes = work.numel() * work.element_size()
         status = self._lib.tpla_shm_all_gather(
-            self._handle, work.data_ptr(), nbytes, out.data_ptr(), self.timeout_s
+            self._handle,
+            work.data_ptr(),
+            nbytes,
+            out.data_ptr() if out is not None else None,
+            root,
+            self.timeout_s,
         )
-        self._check(status, "all-gather")
+        self._check(status, "gather")
         return out

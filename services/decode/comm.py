@@ -56,6 +56,19 @@ class Comm:
         dist.all_gather(parts, t.contiguous())
         return torch.stack(parts)
 
+    def gather(self, t: Tensor) -> Tensor | None:
+        """[tp, *t.shape] on rank 0 (the leader), None on the others: the step's logits,
+        which only the leader samples from (large for a real vocabulary)."""
+        if self.tp == 1:
+            return t[None]
+        self.bytes += t.numel() * t.element_size()
+        if self.shm is not None:
+            return self.shm.gather(t, 0)
+        leader = dist.get_rank() == 0
+        parts = [torch.empty_like(t) for _ in range(self.tp)] if leader else None
+        dist.gather(t.contiguous(), parts, dst=0)
+        return torch.stack(parts) if parts is not None else None
+
     def gather_heads(self, t: Tensor) -> Tensor:
         """Concatenate every rank's head group along dim 1 (rank order = head order)."""
         if self.tp == 1:

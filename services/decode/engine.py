@@ -396,7 +396,12 @@ class DecodeEngine:
         if tp > 1:
             send_plan(plan, comm)
         local = self.runtime.step(plan)
-        logits = torch.cat(list(comm.all_gather(local)), dim=1) if tp > 1 else local
+        if tp > 1:
+            parts = comm.gather(local)
+            assert parts is not None  # rank 0
+            logits = torch.cat(list(parts), dim=1)
+        else:
+            logits = local
         logits = logits[:, self._vocab_columns]
         for row, seq in enumerate(batch):
             active = self._active[seq.request_id]

@@ -264,7 +264,7 @@ def follower_main(cfg: EngineConfig, rank: int) -> None:
         if plan is None:
             break
         if isinstance(plan, DecodePlan):
-            runtime.comm.all_gather(runtime.step(plan))  # the leader keeps the logits
+            runtime.comm.gather(runtime.step(plan))  # to the leader, which samples
         elif isinstance(plan, PingPlan):
             continue
         else:

@@ -44,6 +44,9 @@ def _run(g: ShmGroup, script: str) -> list:
         results.append(b)
         gathered = g.all_gather(torch.full((3, 300), float(r)))
         results.append(gathered)
+        to_root = g.gather(torch.full((500,), float(r)), 1)  # 2000 bytes: 2 rounds
+        assert (to_root is None) == (r != 1)
+        results.append(to_root if to_root is not None else torch.zeros(3, 500))
         h = torch.ones(64, dtype=torch.bfloat16) * (r + 1)
         g.all_reduce_(h)
         results.append(h.float())
@@ -83,10 +86,13 @@ def test_collectives_agree_across_three_ranks() -> None:
     assert mine[1].tolist() == [2.0, 0.0, 7.0]
     assert mine[2].tolist() == list(range(700))
     assert mine[3].shape == (3, 3, 300) and [float(x[0, 0]) for x in mine[3]] == [0.0, 1.0, 2.0]
-    assert mine[4].tolist() == [6.0] * 64
+    assert mine[5].tolist() == [6.0] * 64
+    root = torch.from_numpy(others[1][4])  # gathered on rank 1 only
+    assert [float(row[0]) for row in root] == [0.0, 1.0, 2.0] and root.shape == (3, 500)
     for rank in (1, 2):  # bit-identical on every rank
-        for a, b in zip(mine, others[rank], strict=True):
-            assert torch.equal(a, torch.from_numpy(b))
+        for i, (a, b) in enumerate(zip(mine, others[rank], strict=True)):
+            if i != 4:
+                assert torch.equal(a, torch.from_numpy(b))
 
 
 def test_a_dead_peer_fails_the_waiting_rank_promptly() -> None:
