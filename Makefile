@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed: pyproject.toml $(wildcard proto/*.proto) $(wildcard common/native/*.cpp) | $(BIN)/python
+$(VENV)/.installed: pyproject.toml $(wildcard proto/*.proto) $(wildcard common/native/*.cpp common/native/*.h) | $(BIN)/python
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/python proto/build.py

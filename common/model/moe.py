@@ -84,22 +84,31 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        # Group tokens by expert so each expert runs one matmul over the tokens routed to it.
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.experts.gate_up_proj.shape[0]).tolist()
-        token_of = order // ids.shape[1]
-        w_sorted = weights.flatten()[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            tok = token_of[start : start + count]
-            gate, up = F.linear(x[tok], self.experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[expert])
-            out.index_add_(0, tok, (y * w_sorted[start : start + count, None]).to(x.dtype))
-            start += count
+        out = routed_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def routed_experts(
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
+) -> Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x_t) for x [T, D], ids / weights [T, k],
+    gate_up [E, 2I, D] (gate rows first), down [E, D, I] -> [T, D]."""
+    out = torch.zeros_like(x)
+    # Group tokens by expert so each expert runs one matmul over the tokens routed to it.
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    w_sorted = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tok = token_of[start : start + count]
+        gate, up = F.linear(x[tok], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, tok, (y * w_sorted[start : start + count, None]).to(x.dtype))
+        start += count
+    return out

@@ -71,7 +71,9 @@ def _compiler() -> str:
 def _target(name: str, portable: bool, cxx: str | None) -> Path:
     """The cached library's path; the portable one's key needs no compiler (it is looked
     up on machines that have none)."""
-    source = (SOURCE_DIR / f"{name}.cpp").read_text()
+    # The shared headers are part of every source (a changed tile rebuilds every kernel).
+    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
+    source = "\0".join([(SOURCE_DIR / f"{name}.cpp").read_text(), *headers])
     if portable:
         parts = [source, " ".join(FLAGS + PORTABLE_FLAGS)]
     else:

@@ -38,7 +38,9 @@ from common.model.tpla import (
     sliced_rmsnorm,
 )
 from common.native import latent_attention as native
+from common.native import small_gemm
 from services.decode.comm import Comm
+from services.decode.rank_ffn import ffn_forward
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,7 @@ class RankAttention(nn.Module):
         self.shard = shard
         self.mode = mode
         self.native = False  # set by RankModel once the weights' dtype and device are known
+        self.linear = F.linear  # likewise: small_gemm.linear with the native kernels
         qk = a.d_n + a.d_r
         rows = slice(heads.start * qk, heads.stop * qk)
         if a.q_lora:
@@ -160,8 +163,8 @@ class RankAttention(nn.Module):
         self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor]:
         if self.q_a is not None:
-            x = self.q_a_norm(F.linear(x, self.q_a))
-        q = F.linear(x, self.q_b).view(x.shape[0], self.num_heads, self.d_n + self.d_r)
+            x = self.q_a_norm(self.linear(x, self.q_a))
+        q = self.linear(x, self.q_b).view(x.shape[0], self.num_heads, self.d_n + self.d_r)
         q_nope, q_pe = q.split([self.d_n, self.d_r], dim=-1)
         return q_nope, rope.apply(q_pe, cos[:, None], sin[:, None])
 
@@ -169,8 +172,8 @@ class RankAttention(nn.Module):
         self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor]:
         """This rank's slice n[S_i] and the rotated k_pe of new tokens."""
-        k_pe = rope.apply(F.linear(x, self.kv_a_rope), cos, sin)
-        lat = F.linear(x, self.kv_a_latent)
+        k_pe = rope.apply(self.linear(x, self.kv_a_rope), cos, sin)
+        lat = self.linear(x, self.kv_a_latent)
         s = self.shard
         if self.mode is RmsNormMode.EXACT:
             lf = lat.float()
@@ -212,7 +215,7 @@ class RankAttention(nn.Module):
                 self.scale,
                 self.shard.beta,
             )
-        return F.linear(o.reshape(o.shape[0], -1), self.w_o)
+        return self.linear(o.reshape(o.shape[0], -1), self.w_o)
 
     def attend_reference(
         self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
@@ -249,7 +252,7 @@ class RankAttention(nn.Module):
         heads = slice(self.head_offset, self.head_offset + self.num_heads)
         u_mine = packed[:, heads, : self.d_c] / packed[:, heads, self.d_c :]
         o = torch.einsum("bhc,hvc->bhv", u_mine, self.w_uv)
-        return F.linear(o.reshape(b, -1), self.w_o)
+        return self.linear(o.reshape(b, -1), self.w_o)
 
 
 def _shard_ffn(module: nn.Module, config, rank: int, tp: int) -> nn.Module:
@@ -321,7 +324,8 @@ class RankModel(nn.Module):
         self.kernel = self.use_kernel(kernel)
 
     def use_kernel(self, kernel: AttentionKernel) -> AttentionKernel:
-        """Select the decode attention kernel; returns the one in use.
+        """Select the decode attention kernel (and with it the native decode-sized matmuls of
+        `small_gemm`); returns the one in use.
 
         NATIVE runs where it can (fp32 weights on the CPU, a C++ compiler at build time) and
         otherwise falls back to TORCH with a warning, so a deployment never fails over it.
@@ -334,8 +338,13 @@ class RankModel(nn.Module):
             usable = False
         if kernel is AttentionKernel.NATIVE and not usable:
             log.warning("native decode attention not usable here; using the torch kernel")
+        # The decode-sized matmuls go with it (a library of their own; each call still
+        # falls back to BLAS where the native product would not win).
+        self.native_matmuls = usable and small_gemm.available()
+        self.linear = small_gemm.linear if self.native_matmuls else F.linear
         for a in attn:
             a.native = usable
+            a.linear = self.linear
         return AttentionKernel.NATIVE if usable else AttentionKernel.TORCH
 
     def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
@@ -386,9 +395,9 @@ class RankModel(nn.Module):
                 y = layer.attn.attend(q_nope, q_pe, rows, chunk, lengths)
             comm.sum_(y)
             h = h + y
-            f = layer.ffn(layer.post_norm(h))
+            f = ffn_forward(layer.ffn, layer.post_norm(h), self.native_matmuls)
             comm.sum_(f)
             h = h + f
-        logits = F.linear(self.norm(h), self.lm_head)
+        logits = self.linear(self.norm(h), self.lm_head)
         pad = self.vocab_size_padded - logits.shape[1]
         return F.pad(logits, (0, pad)) if pad else logits

@@ -1,0 +1,112 @@
+"""Decode-sized products (small_gemm.cpp): a linear layer over a few rows, and a MoE layer's
+routed experts for a few tokens, behind checked calls that fall back to PyTorch.
+
+`linear` is `F.linear` (no bias) and `moe_experts` is the expert loop of `MoE.forward`; both
+run natively only where the kernel wins and is safe: fp32 contiguous CPU tensors, no
+autograd, few rows (BLAS is faster from ~16 rows of a linear up, measured with
+`tpla bench decode-step`). Anything else takes the PyTorch path, so callers never branch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from common.model.moe import routed_experts
+from common.native.library import NativeUnavailable, load
+
+log = logging.getLogger(__name__)
+
+# Rows up to which the native linear beats BLAS on the development VM (2x at 2-4 rows,
+# ~1.3x at 1 and 8, even at 16). A MoE layer's experts each see ~rows * k / E of its rows,
+# so its bound is higher.
+MAX_LINEAR_ROWS = 8
+MAX_MOE_ROWS = 64
+
+_p = ctypes.c_void_p
+_i = ctypes.c_int64
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = load("small_gemm")
+    except NativeUnavailable as exc:
+        log.warning("native decode matmuls unavailable, using PyTorch: %s", exc)
+        return None
+    lib.tpla_linear.restype = ctypes.c_int
+    lib.tpla_linear.argtypes = [_p, _p, _p, _i, _i, _i]
+    lib.tpla_moe_experts.restype = ctypes.c_int
+    lib.tpla_moe_experts.argtypes = [_p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _i]
+    return lib
+
+
+def available() -> bool:
+    """True if the library is built (building it now if needed) and loads here."""
+    return _library() is not None
+
+
+def _native(*tensors: Tensor) -> bool:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """`F.linear(x, w)` for x [M, K], w [N, K]; native for M <= MAX_LINEAR_ROWS."""
+    if (
+        x.dim() == 2
+        and w.dim() == 2
+        and 0 < x.shape[0] <= MAX_LINEAR_ROWS
+        and x.shape[1] == w.shape[1]
+        and _native(x, w)
+        and (lib := _library()) is not None
+    ):
+        m, k = x.shape
+        n = w.shape[0]
+        y = torch.empty(m, n)
+        lib.tpla_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+    return F.linear(x, w)
+
+
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """`routed_experts` (the expert loop of `MoE.forward`), natively for up to MAX_MOE_ROWS
+    fp32 tokens."""
+    m, d = x.shape
+    e, two_i, _ = gate_up.shape
+    if (
+        0 < m <= MAX_MOE_ROWS
+        and ids.shape == weights.shape
+        and ids.shape[0] == m
+        and ids.dtype == torch.int64
+        and ids.is_cpu
+        and gate_up.shape[2] == d
+        and down.shape == (e, d, two_i // 2)
+        and _native(x, weights, gate_up, down)
+        and (lib := _library()) is not None
+    ):
+        ids = ids.contiguous()
+        out = torch.empty(m, d)
+        status = lib.tpla_moe_experts(
+            x.data_ptr(),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            gate_up.data_ptr(),
+            down.data_ptr(),
+            out.data_ptr(),
+            m,
+            ids.shape[1],
+            e,
+            two_i // 2,
+            d,
+        )
+        if status:
+            raise ValueError(f"moe_experts: an expert id is outside [0, {e})")
+        return out
+    return routed_experts(x, ids, weights, gate_up, down)
