@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -174,7 +174,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.results.mkdir(parents=True, exist_ok=True)
-    name = args.prefix or "tpla-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    name = args.prefix or "tpla-" + datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     prefix = args.results / name
     # Locust stops itself after run-time + stop-timeout; the margin covers start-up.
     limit_s = seconds(args.run_time) + args.stop_timeout + 120

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     c = tally.counts
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "duration_s": args.duration,
         "kill_every_s": args.kill_every,
         "users": args.users,
