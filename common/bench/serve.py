@@ -53,6 +53,7 @@ class SweepConfig:
     hf_max_concurrency: int
     hf_threads: int
     reparam: str  # TPLA basis for the tpla and colocated configs ("" = identity)
+    prefill_workers: int = 1  # of the disaggregated stacks
 
     def __post_init__(self) -> None:
         unknown = set(self.configs) - set(CONFIGS)
@@ -130,7 +131,12 @@ def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]
         from common.bench.serve_stack import StackConfig, drive_http, running_stack
 
         groups, reparam = DISAGGREGATED[name]
-        cfg = StackConfig(name, groups, sweep.reparam if groups > 1 else reparam)
+        cfg = StackConfig(
+            name,
+            groups,
+            sweep.reparam if groups > 1 else reparam,
+            prefill_workers=sweep.prefill_workers,
+        )
         with running_stack(cfg, sweep.model) as url:
             http = functools.partial(drive_http, url, cfg.served_name)
             return _sweep(name, http, sweep, prompts, sweep.concurrency)
@@ -170,6 +176,7 @@ def run(sweep: SweepConfig) -> dict:
             "configs": list(sweep.configs),
             "concurrency": list(sweep.concurrency),
             "waves": sweep.waves,
+            "prefill_workers": sweep.prefill_workers,
             "mixes": [dataclasses.asdict(m) for m in sweep.mixes],
         },
         "results": rows,
@@ -267,6 +274,7 @@ def cmd(args: argparse.Namespace) -> int:
         hf_max_concurrency=args.hf_max_concurrency,
         hf_threads=args.hf_threads,
         reparam=args.reparam,
+        prefill_workers=args.prefill_workers,
     )
     report = run(sweep)
     if args.out:
@@ -293,6 +301,12 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
         default=1,
         help="HF intra-op threads (1, like every stack process: on a shared 2-core machine "
         "2 OpenMP threads stall each other)",
+    )
+    p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=1,
+        help="prefill workers of the disaggregated stacks (tpla serve's default: 1)",
     )
     p.add_argument("--reparam", default="tpla_pca", help='TPLA basis side file ("" = identity)')
     p.add_argument("--quick", action="store_true", help="tiny prompts, concurrency 1 and 2")

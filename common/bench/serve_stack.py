@@ -31,11 +31,13 @@ class StackConfig:
     tp: int = 2
     transport: str = "grpc"
     served_name: str = "bench"
+    prefill_workers: int = 1
 
     def settings(self) -> dict[str, str]:
         """TPLA_<KEY> values for the launcher."""
         return {
             "SERVED_MODEL_NAME": self.served_name,
+            "PREFILL_WORKERS": str(self.prefill_workers),
             "TP": str(self.tp),
             "LATENT_GROUPS": str(self.latent_groups),
             "REPARAM": self.reparam,

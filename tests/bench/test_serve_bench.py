@@ -1,5 +1,5 @@
 """`tpla bench serve --quick`: one configuration (the disaggregated TPLA stack as real
-processes) at concurrency 1 and 2 on a tiny model. No timing is asserted: only the report's
+processes, two prefill workers) at concurrency 1 and 2 on a tiny model. No timing is asserted: only the report's
 contract and that every request completed with exactly the requested number of tokens."""
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ def test_quick_serve_bench_reports_every_request(tmp_path: Path) -> None:
         "tpla",
         "--reparam",
         "",
+        "--prefill-workers",
+        "2",
         "--model",
         str(model),
         "--out",
@@ -31,6 +33,7 @@ def test_quick_serve_bench_reports_every_request(tmp_path: Path) -> None:
     )
     assert report == json.loads((tmp_path / "serve.json").read_text())
     assert report["bench"] == "serve" and report["sweep"]["configs"] == ["tpla"]
+    assert report["sweep"]["prefill_workers"] == 2  # the stack ran a pool of two
     rows = report["results"]
     assert [(r["config"], r["mix"], r["concurrency"]) for r in rows] == [
         ("tpla", "short", 1),
