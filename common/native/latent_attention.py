@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import Tensor
 
-from common.native.library import NativeUnavailable, load
+from common.native.library import NativeUnavailable, load_optional
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +32,11 @@ _Scalars = ctypes.c_float * 2
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = load("latent_attention")
-    except NativeUnavailable as exc:
-        log.warning("native attention kernel unavailable, using PyTorch: %s", exc)
-        return None
-    fn = lib.tpla_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_Tensors, _Dims, _Scalars]
-    return lib
+    return load_optional(
+        "latent_attention",
+        {"tpla_paged_attention": [_Tensors, _Dims, _Scalars]},
+        "native attention kernel",
+    )
 
 
 def available() -> bool:

@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
@@ -129,6 +132,20 @@ def load(name: str) -> ctypes.CDLL:
         return ctypes.CDLL(str(path), use_errno=True)
     except OSError as exc:
         raise NativeUnavailable(f"loading the {name} library failed: {exc}") from exc
+
+
+def load_optional(name: str, functions: dict[str, list], purpose: str) -> ctypes.CDLL | None:
+    """`load(name)` with each function's argument types set (all return int), or None after
+    a warning that `purpose` runs on PyTorch instead."""
+    try:
+        lib = load(name)
+    except NativeUnavailable as exc:
+        log.warning("%s unavailable, using PyTorch: %s", purpose, exc)
+        return None
+    for fn, argtypes in functions.items():
+        getattr(lib, fn).restype = ctypes.c_int
+        getattr(lib, fn).argtypes = argtypes
+    return lib
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common.model.moe import routed_experts
-from common.native.library import NativeUnavailable, load
+from common.native.library import load_optional
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +34,14 @@ _i = ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = load("small_gemm")
-    except NativeUnavailable as exc:
-        log.warning("native decode matmuls unavailable, using PyTorch: %s", exc)
-        return None
-    lib.tpla_linear.restype = ctypes.c_int
-    lib.tpla_linear.argtypes = [_p, _p, _p, _i, _i, _i]
-    lib.tpla_moe_experts.restype = ctypes.c_int
-    lib.tpla_moe_experts.argtypes = [_p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _i]
-    return lib
+    return load_optional(
+        "small_gemm",
+        {
+            "tpla_linear": [_p, _p, _p, _i, _i, _i],
+            "tpla_moe_experts": [_p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _i],
+        },
+        "native decode matmuls",
+    )
 
 
 def available() -> bool:

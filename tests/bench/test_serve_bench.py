@@ -1,6 +1,7 @@
 """`tpla bench serve --quick`: one configuration (the disaggregated TPLA stack as real
-processes, two prefill workers) at concurrency 1 and 2 on a tiny model. No timing is asserted: only the report's
-contract and that every request completed with exactly the requested number of tokens."""
+processes, two prefill workers) at concurrency 1 and 2 on a tiny model. No timing is
+asserted: only the report's contract and that every request completed with exactly the
+requested number of tokens."""
 
 from __future__ import annotations
 
