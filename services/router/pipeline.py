@@ -423,19 +423,23 @@ class Pipeline:
         req, group, reservation = run.req, run.group, run.reservation
         assert group is not None and reservation is not None
         tried: set[str] = set()
-        worker = self.policy.choose_prefill(self.directory.snapshot, self.directory.pending)
+        inflight = self.directory.prefill_inflight
+        worker = self.policy.choose_prefill(self.directory.snapshot, inflight)
         remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
         while True:
-            await self._record(
-                req.request_id,
-                RequestState.PREFILLING,
-                prefill_worker=worker.worker_id,
-                decode_group=group.group_id,
-                attempt=len(tried) + 1,
-            )
-            self.directory.pending[worker.worker_id] += len(prompt_ids)
-            client = self.directory.prefill_client(worker.address)
+            # Counted before the first await: the other requests of a burst choose while
+            # this one records its state, and must see the tokens it is about to send.
+            sent_to = worker.worker_id
+            inflight[sent_to] += len(prompt_ids)
             try:
+                await self._record(
+                    req.request_id,
+                    RequestState.PREFILLING,
+                    prefill_worker=worker.worker_id,
+                    decode_group=group.group_id,
+                    attempt=len(tried) + 1,
+                )
+                client = self.directory.prefill_client(worker.address)
                 return await client.prefill(
                     req.request_id,
                     list(prompt_ids),
@@ -452,12 +456,16 @@ class Pipeline:
                     raise
                 try:
                     worker = self.policy.choose_prefill(
-                        self.directory.snapshot, self.directory.pending, frozenset(tried)
+                        self.directory.snapshot, inflight, frozenset(tried)
                     )
                 except Unavailable:
                     raise exc from None
                 log.warning("request %s: prefill failed (%s); retrying", req.request_id, exc)
                 await self._record(req.request_id, RequestState.QUEUED, retry_reason=exc.message)
+            finally:
+                inflight[sent_to] -= len(prompt_ids)
+                if inflight[sent_to] <= 0:
+                    del inflight[sent_to]
 
     async def _abort(self, decode: DecodeClient, request_id: str) -> None:
         try:

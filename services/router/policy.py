@@ -77,9 +77,10 @@ class WorkerSnapshot:
 
 
 class RoutingPolicy(abc.ABC):
-    """Chooses workers from a snapshot. `pending` maps a worker id / group id to the work this
-    router has sent there since the snapshot was taken (prompt tokens for prefill workers,
-    requests for decode groups), so bursts between registry refreshes still spread out."""
+    """Chooses workers from a snapshot. `pending` is this router's own view of work the
+    snapshot may not show yet: for decode groups, the requests sent since the snapshot was
+    taken; for prefill workers, the prompt tokens sent and not yet finished. Bursts between
+    registry refreshes still spread out."""
 
     name: str
 
@@ -117,8 +118,10 @@ class RoutingPolicy(abc.ABC):
 
 
 class LeastLoadedPolicy(RoutingPolicy):
-    """Decode group with the most free KV blocks; prefill worker with the fewest queued tokens.
-    Ties go to the candidate this router has loaded least, then to the lowest id (stable)."""
+    """Decode group with the most free KV blocks; prefill worker with the fewest queued tokens
+    (the larger of its last report and this router's tokens in flight there: the report
+    covers other routers' work, the in-flight count is current). Ties go to the candidate this
+    router has loaded least, then to the lowest id (stable)."""
 
     name = "least-loaded"
 
@@ -129,7 +132,8 @@ class LeastLoadedPolicy(RoutingPolicy):
         self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
     ) -> WorkerRecord:
         return min(
-            workers, key=lambda w: (w.queued_tokens + pending.get(w.worker_id, 0), w.worker_id)
+            workers,
+            key=lambda w: (max(w.queued_tokens, pending.get(w.worker_id, 0)), w.worker_id),
         )
 
 

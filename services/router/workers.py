@@ -36,6 +36,10 @@ class WorkerDirectory:
         # Work sent since the last refresh, per prefill worker id / decode group id; a
         # refresh resets it because the workers' own load reports then include that work.
         self.pending: Counter[str] = Counter()
+        # Prompt tokens this router has sent to each prefill worker and not yet seen finish.
+        # Not reset by a refresh: a worker's own report lags by up to a heartbeat (2 s), and
+        # a burst of long prompts then piled onto whichever worker had reported idle last.
+        self.prefill_inflight: Counter[str] = Counter()
         # Workers and groups this router saw fail, until when (time.monotonic()): the
         # registry may list a dead worker until its record's TTL runs out.
         self._quarantine: dict[str, float] = {}

@@ -150,10 +150,12 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, script: Script, fail: bool = False) -> None:
         self.script = script
         self.fail = fail
+        self.delay_s = 0.0  # how long a prefill takes
         self.calls: list[prefill_pb2.PrefillRequest] = []
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.calls.append(request)
+        await asyncio.sleep(self.delay_s)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is down")
         return prefill_pb2.PrefillResponse(

@@ -60,8 +60,13 @@ def test_least_loaded_picks_most_free_blocks_and_fewest_queued_tokens() -> None:
     policy = LeastLoadedPolicy()
     assert policy.choose_decode(SNAP, {}).group_id == "g2"
     assert policy.choose_prefill(SNAP, {}).worker_id == "p2"  # p3 is idle but unhealthy
-    # Work this router sent since the snapshot counts against a worker.
+    # Tokens this router has in flight at a worker count when its report is older.
     assert policy.choose_prefill(SNAP, {"p2": 1000}).worker_id == "p1"
+    # ... but are part of what the report already shows, not added to it: p1 reports 500
+    # queued and 300 of them are this router's, p2 reports 100 and has 400 in flight.
+    assert policy.choose_prefill(SNAP, {"p1": 300, "p2": 400}).worker_id == "p2"
+    # A stale report of an idle worker does not win over this router's own burst there.
+    assert policy.choose_prefill(SNAP, {"p2": 600}).worker_id == "p1"
     # Excluded groups (full, or quarantined after a failure) are skipped.
     assert policy.choose_decode(SNAP, {}, frozenset({"g2"})).group_id == "g1"
     with pytest.raises(Unavailable):

@@ -213,6 +213,24 @@ async def test_prefill_retried_on_another_worker(
         assert workers == ["prefill-0", "prefill-1"]
 
 
+async def test_a_burst_spreads_over_the_prefill_workers(
+    model_dir: Path, redis_url: str, tokenizer: Tokenizer
+) -> None:
+    """Requests arriving together split evenly between two prefill workers whose registry
+    reports are stale (both idle). Each request's tokens must count against its worker from
+    the moment it is chosen: counted only after the request's first await (as before), a
+    whole burst chose the same worker."""
+    script = script_for(tokenizer)
+    async with run_stack(model_dir, redis_url, script) as stack:
+        for fake in stack.prefills:
+            fake.delay_s = 0.3  # the burst's prefills overlap
+        responses = await asyncio.gather(
+            *(stack.client.post("/v1/chat/completions", json=chat_body()) for _ in range(8))
+        )
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        assert sorted(len(fake.calls) for fake in stack.prefills) == [4, 4]
+
+
 async def test_all_prefill_workers_fail(
     model_dir: Path, redis_url: str, tokenizer: Tokenizer
 ) -> None:
