@@ -113,6 +113,8 @@ class DecodeEngine:
         self._next_ping = time.monotonic() + self._ping_interval
         # Recent step times (metrics, bench); bounded so the loop never grows or copies it.
         self.step_seconds: deque[float] = deque(maxlen=100)
+        # Called with each step's seconds on the loop thread (the service's histogram).
+        self.on_step: Callable[[float], None] | None = None
         # Rank k's logits are padded to a common width for the gather; these columns of the
         # gathered row are the real vocabulary, in order. Computed once, used every step.
         padded = self.runtime.model.vocab_size_padded
@@ -414,7 +416,10 @@ class DecodeEngine:
             self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)
             if reason is not None:
                 del self._active[seq.request_id]
-        self.step_seconds.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.step_seconds.append(seconds)
+        if self.on_step is not None:
+            self.on_step(seconds)
 
     def _finish(self, request_id: str, reason: str) -> None:
         self.scheduler.finish(request_id)

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
-from common.metrics import METRICS_PORT_OFFSET, GaugeCallback, serve_metrics
+from common.metrics import METRICS_PORT_OFFSET, DecodeMetrics, GaugeCallback, serve_metrics
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
@@ -177,6 +177,7 @@ def rank_records(
 
 def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
     registry = CollectorRegistry()
+    engine.on_step = DecodeMetrics(registry).step_seconds.observe
 
     def read() -> dict[str, float]:
         load = engine.load()

@@ -177,6 +177,9 @@ def test_worker_metrics_parse(stack) -> None:
     decode = scrape(decode_addr)
     assert decode["tpla:kv_cache_usage_ratio[]"] == 0.0
     assert decode["tpla:kv_blocks_total[]"] > 0
+    # Every step of the requests above is in the step-time histogram.
+    assert decode["tpla:decode_step_seconds_count[]"] > 0
+    assert decode["tpla:decode_step_seconds_sum[]"] > 0
     prefill = scrape(prefills["grpc"])
     # The disaggregated tests above pushed shards through this worker.
     assert prefill["tpla:kv_transfer_bytes_total[('transport', 'grpc')]"] > 0
