@@ -46,6 +46,16 @@ def free_port(offsets: tuple[int, ...] = (0,), attempts: int = 200) -> int:
     raise RuntimeError(f"no free port with offsets {offsets} in {attempts} tries")
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: separate `free_port()` calls hold nothing between them,
+    so two of them can return the same port (a kv-transfer bench run once failed so)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
+
+
 def wait_ready(url: str, died: Callable[[], str | None], timeout_s: float) -> None:
     """Poll GET {url}/ready until 200. `died()` names a process that exited (then this raises
     RuntimeError at once); TimeoutError after `timeout_s`."""

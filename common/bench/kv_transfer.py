@@ -34,7 +34,7 @@ import torch
 
 from common.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig, recv_exact
 from common.kv.transfer import CHUNK_BYTES, KvSender, Shard, cut_shard, make_sender
-from common.ports import free_port
+from common.ports import free_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import KvTargetInfo
 
@@ -134,6 +134,7 @@ class Receivers:
     """One receiver process per rank of a shard set; stopped on exit, even after errors."""
 
     def __init__(self, shard_set: ShardSet, num_blocks: int) -> None:
+        ports = free_ports(3 * len(shard_set.shards))
         self.configs = [
             ReceiverConfig(
                 rank=s.rank,
@@ -143,11 +144,11 @@ class Receivers:
                 block_size=BLOCK_SIZE,
                 num_blocks=num_blocks,
                 dtype=shard_set.dtype,
-                grpc_port=free_port(),
-                torch_port=free_port(),
-                raw_port=free_port(),
+                grpc_port=ports[3 * i],
+                torch_port=ports[3 * i + 1],
+                raw_port=ports[3 * i + 2],
             )
-            for s in shard_set.shards
+            for i, s in enumerate(shard_set.shards)
         ]
         self.procs: list[subprocess.Popen] = []
         self.raw: list[socket.socket] = []

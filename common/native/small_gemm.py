@@ -3,15 +3,14 @@ routed experts for a few tokens, behind checked calls that fall back to PyTorch.
 
 `linear` is `F.linear` (no bias) and `moe_experts` is the expert loop of `MoE.forward`; both
 run natively only where the kernel wins and is safe: fp32 contiguous CPU tensors, no
-autograd, few rows (BLAS is faster from ~16 rows of a linear up, measured with
-`tpla bench decode-step`). Anything else takes the PyTorch path, so callers never branch.
+autograd, few rows (BLAS is as fast from ~16 rows of a linear up, measured per product on
+the development VM). Anything else takes the PyTorch path, so callers never branch.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +18,6 @@ from torch import Tensor
 
 from common.model.moe import routed_experts
 from common.native.library import load_optional
-
-log = logging.getLogger(__name__)
 
 # Rows up to which the native linear beats BLAS on the development VM (2x at 2-4 rows,
 # ~1.3x at 1 and 8, even at 16). A MoE layer's experts each see ~rows * k / E of its rows,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import tokenizers
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -442,7 +442,13 @@ def test_stream_cost_is_windowed(
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\ufffd"), max_size=40))
-def test_stream_property_random_text(tok: Tokenizer, text: str) -> None:
+def test_stream_property_random_text(
+    tok: Tokenizer, backend: tokenizers.Tokenizer, text: str
+) -> None:
+    # A special token's literal in the text encodes to that token, which decode skips: the
+    # round trip holds for every other text (hypothesis once drew "<|assistant|>").
+    specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+    assume(not any(s in text for s in specials))
     ids = tok.encode(text, add_bos=False)
     assert tok.decode(ids) == text
     pushed, tail, detok = _stream(tok, ids)
