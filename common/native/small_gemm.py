@@ -19,8 +19,8 @@ from torch import Tensor
 from common.model.moe import routed_experts
 from common.native.library import load_optional
 
-# Rows up to which the native linear beats BLAS on the development VM (2x at 2-4 rows,
-# ~1.3x at 1 and 8, even at 16). A MoE layer's experts each see ~rows * k / E of its rows,
+# Rows up to which the native linear beats BLAS on the development VM (1.6-2x at 2-4 rows,
+# 1.2-1.5x at 1 and 8, even at 16). A MoE layer's experts each see ~rows * k / E of its rows,
 # so its bound is higher.
 MAX_LINEAR_ROWS = 8
 MAX_MOE_ROWS = 64

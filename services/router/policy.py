@@ -120,8 +120,8 @@ class RoutingPolicy(abc.ABC):
 class LeastLoadedPolicy(RoutingPolicy):
     """Decode group with the most free KV blocks; prefill worker with the fewest queued tokens
     (the larger of its last report and this router's tokens in flight there: the report
-    covers other routers' work, the in-flight count is current). Ties go to the candidate this
-    router has loaded least, then to the lowest id (stable)."""
+    covers other routers' work, the in-flight count is current). Ties between decode groups go
+    to the one this router has loaded least; any remaining tie to the lowest id (stable)."""
 
     name = "least-loaded"
 

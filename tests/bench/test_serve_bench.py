@@ -34,7 +34,7 @@ def test_quick_serve_bench_reports_every_request(tmp_path: Path) -> None:
     )
     assert report == json.loads((tmp_path / "serve.json").read_text())
     assert report["bench"] == "serve" and report["sweep"]["configs"] == ["tpla"]
-    assert report["sweep"]["prefill_workers"] == 2  # the stack ran a pool of two
+    assert report["sweep"]["prefill_workers"] == 2  # recorded (the stack was asked for two)
     rows = report["results"]
     assert [(r["config"], r["mix"], r["concurrency"]) for r in rows] == [
         ("tpla", "short", 1),
