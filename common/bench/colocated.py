@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.bench.stats import RequestTiming
+from common.bench.stats import RequestTiming, gaps
 from common.kv.transfer import cut_shard
 from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
@@ -83,15 +83,16 @@ class ColocatedServer:
                 )
                 self.engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
             first = sample(out.logits[0], params, make_generator(params, stream=0))
-            ttft = time.perf_counter() - t0
-            tokens = 1
+            times = [time.perf_counter()]
             reason = ""
             for event in self.engine.generate(rid, first.token_id, params):
-                tokens += event.token is not None
+                if event.token is not None:
+                    times.append(time.perf_counter())
                 reason = event.finish_reason or reason
             if reason.startswith("error"):
                 raise RuntimeError(reason)
         except Exception as exc:  # a failed request is reported, never hangs the sweep
             elapsed = time.perf_counter() - t0
             return RequestTiming(elapsed, elapsed, 0, max_tokens, f"{type(exc).__name__}: {exc}")
-        return RequestTiming(ttft, time.perf_counter() - t0, tokens, max_tokens)
+        end = time.perf_counter()
+        return RequestTiming(times[0] - t0, end - t0, len(times), max_tokens, itl_s=gaps(times))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.bench.stats import RequestTiming
+from common.bench.stats import RequestTiming, gaps
 
 
 class _StepClock:
@@ -66,7 +66,7 @@ class HfServer:
             new, times = self._generate(ids, torch.ones_like(ids), max_tokens)
         end = time.perf_counter()
         ttft = (times[0] if times else end) - t0
-        return RequestTiming(ttft, end - t0, int(new.shape[1]), max_tokens)
+        return RequestTiming(ttft, end - t0, int(new.shape[1]), max_tokens, itl_s=gaps(times))
 
     def static_batches(
         self, prompts: Sequence[Sequence[int]], max_tokens: int, batch_size: int
@@ -86,7 +86,9 @@ class HfServer:
             # Every request of a static batch arrived at the start of the run and waited
             # for the batches before its own.
             timings += [
-                RequestTiming(first - t_start, end - t_start, int(new.shape[1]), max_tokens)
+                RequestTiming(
+                    first - t_start, end - t_start, int(new.shape[1]), max_tokens, itl_s=gaps(times)
+                )
                 for _ in group
             ]
         return timings, time.perf_counter() - t_start

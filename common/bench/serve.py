@@ -10,8 +10,10 @@ Configurations (each only when selected with --configs):
 
 Each mix has a fixed prompt length and exactly `max_tokens` outputs per request (ignore_eos,
 greedy), prompts are windows of real Python source, and every configuration serves the same
-prompts (overlapping windows: nothing here caches prefixes). A level of concurrency c is a
-closed loop of c clients over waves * c requests (at least 2), after one untimed warm-up.
+prompts (overlapping windows: nothing here caches prefixes). The load is swept either as
+closed loops (a level of concurrency c is c clients over waves * c requests, at least 2) or,
+with --request-rate, as Poisson arrivals (a level is `requests` requests at that rate; see
+common/bench/load.py for why both), each level after one untimed warm-up request.
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from common.bench.load import Arrival, Load, drive_blocking
 from common.bench.stats import LoadSummary, RequestTiming, summarize
 
 CONFIGS = ("tpla", "mla-tp", "colocated", "hf-naive", "hf-static")
@@ -48,8 +49,9 @@ class SweepConfig:
     model: str
     configs: tuple[str, ...]
     mixes: tuple[Mix, ...]
-    concurrency: tuple[int, ...]
-    waves: int
+    loads: tuple[Load, ...]  # all closed loops, or all Poisson rates
+    waves: int  # closed loops: requests per level = waves x concurrency (at least 2)
+    requests: int  # Poisson: requests per level
     hf_max_concurrency: int
     hf_threads: int
     reparam: str  # TPLA basis for the tpla and colocated configs ("" = identity)
@@ -59,8 +61,20 @@ class SweepConfig:
         unknown = set(self.configs) - set(CONFIGS)
         if unknown:
             raise ValueError(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
-        if min(self.concurrency) < 1 or self.waves < 1:
-            raise ValueError("concurrency and waves must be >= 1")
+        if not self.loads or len({load.arrival for load in self.loads}) != 1:
+            raise ValueError("sweep one kind of load: closed loops or Poisson rates")
+        if self.waves < 1 or self.requests < 2:
+            raise ValueError("waves must be >= 1 and requests >= 2")
+
+    @property
+    def arrival(self) -> Arrival:
+        return self.loads[0].arrival
+
+    def count(self, load: Load) -> int:
+        """Requests served at one level."""
+        if load.arrival is Arrival.POISSON:
+            return self.requests
+        return max(self.waves * load.concurrency, 2)
 
 
 def make_prompts(model: str, mix: Mix, count: int) -> list[list[int]]:
@@ -81,20 +95,7 @@ def make_prompts(model: str, mix: Mix, count: int) -> list[list[int]]:
     return [ids[(97 * i) % span : (97 * i) % span + mix.prompt_tokens] for i in range(count)]
 
 
-def drive_threads(
-    request: Callable[[Sequence[int], int], RequestTiming],
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int,
-    concurrency: int,
-) -> tuple[list[RequestTiming], float]:
-    """Closed-loop load of `concurrency` blocking clients (in-process configurations)."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        timings = list(pool.map(lambda p: request(p, max_tokens), prompts))
-    return timings, time.perf_counter() - t0
-
-
-Runner = Callable[[Sequence[Sequence[int]], int, int], tuple[list[RequestTiming], float]]
+Runner = Callable[[Sequence[Sequence[int]], int, Load], tuple[list[RequestTiming], float]]
 
 
 def _sweep(
@@ -102,23 +103,24 @@ def _sweep(
     runner: Runner,
     sweep: SweepConfig,
     prompts: dict[str, list[list[int]]],
-    levels: Sequence[int],
+    loads: Sequence[Load],
 ) -> list[dict]:
     rows = []
     for mix in sweep.mixes:
         # One untimed request first: connections, process groups and first-call paths.
-        runner(prompts[mix.name][:1], mix.max_tokens, 1)
-        for c in levels:
-            batch = prompts[mix.name][: max(sweep.waves * c, 2)]
-            timings, wall = runner(batch, mix.max_tokens, c)
+        runner(prompts[mix.name][:1], mix.max_tokens, Load.closed(1))
+        for load in loads:
+            timings, wall = runner(prompts[mix.name][: sweep.count(load)], mix.max_tokens, load)
             summary: LoadSummary = summarize(timings, wall)
-            row = {"config": name, "mix": mix.name, "concurrency": c, **dataclasses.asdict(mix)}
+            row = {"config": name, "mix": mix.name, **load.row(), **dataclasses.asdict(mix)}
             row.update(dataclasses.asdict(summary))
             rows.append(row)
             print(
-                f"{name:<10} {mix.name:<6} c={c:<3} {summary.completed}/{summary.requests} ok "
+                f"{name:<10} {mix.name:<6} {load.label():<7} "
+                f"{summary.completed}/{summary.requests} ok "
                 f"{summary.output_tok_s:8.1f} tok/s  TTFT p50 {summary.ttft_p50_ms:8.1f} ms  "
-                f"TPOT p50 {summary.tpot_p50_ms:7.1f} p99 {summary.tpot_p99_ms:7.1f} ms",
+                f"TPOT p50 {summary.tpot_p50_ms:7.1f} p99 {summary.tpot_p99_ms:7.1f} ms  "
+                f"ITL p99 {summary.itl_p99_ms:7.1f} ms",
                 file=sys.stderr,
                 flush=True,
             )
@@ -139,25 +141,35 @@ def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]
         )
         with running_stack(cfg, sweep.model) as url:
             http = functools.partial(drive_http, url, cfg.served_name)
-            return _sweep(name, http, sweep, prompts, sweep.concurrency)
+            return _sweep(name, http, sweep, prompts, sweep.loads)
     if name == "colocated":
         from common.bench.colocated import ColocatedServer
 
         with ColocatedServer(sweep.model, sweep.reparam, 2, 2) as server:
-            runner = functools.partial(drive_threads, server.request)
-            return _sweep(name, runner, sweep, prompts, sweep.concurrency)
+            runner = functools.partial(drive_blocking, server.request)
+            return _sweep(name, runner, sweep, prompts, sweep.loads)
+    if name == "hf-static" and sweep.arrival is Arrival.POISSON:
+        # Static batches are the c prompts of a closed loop taken together: no schedule.
+        print("hf-static: closed loops only, skipped under --request-rate", file=sys.stderr)
+        return []
     from common.bench.hf_baseline import HfServer
 
     hf = HfServer(sweep.model, sweep.hf_threads)
-    hf_runner = (
-        functools.partial(drive_threads, hf.request) if name == "hf-naive" else hf.static_batches
+    hf_runner: Runner = (
+        functools.partial(drive_blocking, hf.request)
+        if name == "hf-naive"
+        else lambda batch, max_tokens, load: hf.static_batches(batch, max_tokens, load.concurrency)
     )
-    levels = [c for c in sweep.concurrency if c <= sweep.hf_max_concurrency]
-    return _sweep(name, hf_runner, sweep, prompts, levels)
+    loads = [
+        load
+        for load in sweep.loads
+        if load.arrival is Arrival.POISSON or load.concurrency <= sweep.hf_max_concurrency
+    ]
+    return _sweep(name, hf_runner, sweep, prompts, loads)
 
 
 def run(sweep: SweepConfig) -> dict:
-    most = max(max(sweep.waves * c, 2) for c in sweep.concurrency)
+    most = max(sweep.count(load) for load in sweep.loads)
     prompts = {m.name: make_prompts(sweep.model, m, most) for m in sweep.mixes}
     rows: list[dict] = []
     for name in sweep.configs:
@@ -174,8 +186,12 @@ def run(sweep: SweepConfig) -> dict:
         },
         "sweep": {
             "configs": list(sweep.configs),
-            "concurrency": list(sweep.concurrency),
+            "arrival": sweep.arrival.value,
+            "concurrency": [x.concurrency for x in sweep.loads if x.arrival is Arrival.CLOSED],
+            "request_rates": [x.rate for x in sweep.loads if x.arrival is Arrival.POISSON],
             "waves": sweep.waves,
+            "requests_per_rate": sweep.requests,
+            "seed": sweep.loads[0].seed,
             "prefill_workers": sweep.prefill_workers,
             "mixes": [dataclasses.asdict(m) for m in sweep.mixes],
         },
@@ -184,18 +200,25 @@ def run(sweep: SweepConfig) -> dict:
     }
 
 
-def _find(rows: list[dict], config: str, mix: str, c: int) -> dict | None:
+def _level(row: dict) -> float:
+    return row["concurrency"] if row["arrival"] == Arrival.CLOSED else row["request_rate"]
+
+
+def _find(rows: list[dict], config: str, mix: str, level: float) -> dict | None:
     for r in rows:
-        if (r["config"], r["mix"], r["concurrency"]) == (config, mix, c):
+        if (r["config"], r["mix"], _level(r)) == (config, mix, level):
             return r
     return None
 
 
 def goals(rows: list[dict]) -> dict:
-    """The issue's goals as measured ratios (None where a configuration was not run)."""
+    """The issue's goals as measured ratios (None where a configuration was not run).
+
+    Throughput against HF at 16 closed-loop streams (or the largest level); disaggregated
+    against colocated TPOT p99 on the long mix at every level, and ITL p99 beside it."""
     out: dict = {}
-    levels = sorted({r["concurrency"] for r in rows})
-    at = 16 if 16 in levels else (levels[-1] if levels else 0)
+    closed = sorted({r["concurrency"] for r in rows if r["arrival"] == Arrival.CLOSED})
+    at = 16 if 16 in closed else (closed[-1] if closed else 0)
     for mix in sorted({r["mix"] for r in rows}):
         for disagg in DISAGGREGATED:
             d = _find(rows, disagg, mix, at)
@@ -205,24 +228,30 @@ def goals(rows: list[dict]) -> dict:
                     out[f"{disagg}_vs_{hf}_throughput_{mix}_c{at}"] = (
                         d["output_tok_s"] / h["output_tok_s"]
                     )
-    for c in levels:
-        d, col = _find(rows, "tpla", "long", c), _find(rows, "colocated", "long", c)
-        if d and col and col["tpot_p99_ms"] > 0:
-            out[f"tpla_vs_colocated_tpot_p99_long_c{c}"] = d["tpot_p99_ms"] / col["tpot_p99_ms"]
+    for r in rows:
+        if r["config"] != "tpla" or r["mix"] != "long":
+            continue
+        col = _find(rows, "colocated", "long", _level(r))
+        closed = r["arrival"] == Arrival.CLOSED
+        tag = f"c{r['concurrency']}" if closed else f"rate{r['request_rate']:g}"
+        for metric in ("tpot_p99_ms", "itl_p99_ms"):
+            if col and col[metric] > 0:
+                out[f"tpla_vs_colocated_{metric[:-3]}_long_{tag}"] = r[metric] / col[metric]
     return out
 
 
 def plot(report: dict, path: Path) -> None:
-    """Throughput and TPOT p99 against concurrency, one row per request mix."""
+    """Throughput, TPOT p99 and ITL p99 against the load, one row per request mix."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    closed = report["sweep"]["arrival"] == Arrival.CLOSED
     mixes = [m["name"] for m in report["sweep"]["mixes"]]
-    fig, axes = plt.subplots(len(mixes), 2, figsize=(12, 4.2 * len(mixes)), squeeze=False)
+    fig, axes = plt.subplots(len(mixes), 3, figsize=(17, 4.2 * len(mixes)), squeeze=False)
     colors = dict(zip(CONFIGS, ("C0", "C1", "C2", "C3", "C4"), strict=True))
-    for (ax_t, ax_p), mix in zip(axes, mixes, strict=True):
+    for (ax_t, ax_p, ax_i), mix in zip(axes, mixes, strict=True):
         for config in report["sweep"]["configs"]:
             pts = [
                 r
@@ -231,21 +260,26 @@ def plot(report: dict, path: Path) -> None:
             ]
             if not pts:
                 continue
-            xs = [r["concurrency"] for r in pts]
+            xs = [_level(r) for r in pts]
             kw = dict(color=colors[config], marker="o", label=config)
             ax_t.plot(xs, [r["output_tok_s"] for r in pts], **kw)
             ax_p.plot(xs, [r["tpot_p99_ms"] for r in pts], **kw)
+            ax_i.plot(xs, [r["itl_p99_ms"] for r in pts], **kw)
         prompt = next(m for m in report["sweep"]["mixes"] if m["name"] == mix)
         what = f"{mix} mix ({prompt['prompt_tokens']} prompt, {prompt['max_tokens']} output tokens)"
         ax_t.set_title(f"Output throughput - {what}", fontsize=10)
         ax_p.set_title(f"TPOT p99 - {what}", fontsize=10)
+        ax_i.set_title(f"ITL p99 - {what}", fontsize=10)
         ax_t.set_ylabel("output tokens / s")
         ax_p.set_ylabel("ms per output token (log)")
-        ax_p.set_yscale("log")
-        for ax in (ax_t, ax_p):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrent streams")
+        ax_i.set_ylabel("ms between two output chunks (log)")
+        for ax in (ax_t, ax_p, ax_i):
+            if closed:
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams" if closed else "requests / s (Poisson arrivals)")
             ax.grid(True, which="both", alpha=0.3)
+        for ax in (ax_p, ax_i):
+            ax.set_yscale("log")
         ax_t.legend(fontsize=8)
     fig.suptitle(f"tpla bench serve - {report['model']} - {report['date']} (2-core CPU, fp32)")
     fig.tight_layout()
@@ -264,13 +298,20 @@ def _mixes(quick: bool, names: Sequence[str]) -> tuple[Mix, ...]:
 
 def cmd(args: argparse.Namespace) -> int:
     mixes = args.mixes or (["short"] if args.quick else ["short", "long"])
-    concurrency = args.concurrency or ([1, 2] if args.quick else [1, 4, 16, 32])
+    if args.request_rate:
+        if args.concurrency:
+            raise SystemExit("--concurrency and --request-rate are two kinds of load: pick one")
+        loads = tuple(Load.poisson(rate, args.seed) for rate in args.request_rate)
+    else:
+        concurrency = args.concurrency or ([1, 2] if args.quick else [1, 4, 16, 32])
+        loads = tuple(Load.closed(c) for c in concurrency)
     sweep = SweepConfig(
         model=args.model,
         configs=tuple(args.configs),
         mixes=_mixes(args.quick, mixes),
-        concurrency=tuple(concurrency),
+        loads=loads,
         waves=args.waves or 1,
+        requests=args.requests,
         hf_max_concurrency=args.hf_max_concurrency,
         hf_threads=args.hf_threads,
         reparam=args.reparam,
@@ -294,6 +335,16 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--waves", type=int, help="requests per level = waves x concurrency (min 2); default 1"
     )
+    p.add_argument(
+        "--request-rate",
+        nargs="+",
+        type=float,
+        help="instead of closed loops: Poisson arrivals at these rates (requests/s)",
+    )
+    p.add_argument(
+        "--requests", type=int, default=32, help="requests per --request-rate level (default 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival schedule")
     p.add_argument("--hf-max-concurrency", type=int, default=16)
     p.add_argument(
         "--hf-threads",

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from common.bench.stats import RequestTiming
+from common.bench.load import Load, drive
+from common.bench.stats import RequestTiming, gaps
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -75,7 +76,7 @@ async def stream_completion(
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    first: float | None = None
+    chunks: list[float] = []  # arrival of each chunk that carries output text
     tokens = 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -88,41 +89,29 @@ async def stream_completion(
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(str(chunk["error"])[:200])
-                if first is None and chunk.get("choices"):
-                    first = time.perf_counter()
+                choices = chunk.get("choices")
+                if choices and choices[0].get("finish_reason") is None:
+                    chunks.append(time.perf_counter())
                 if chunk.get("usage"):
                     tokens = int(chunk["usage"]["completion_tokens"])
     except (httpx.HTTPError, RuntimeError, ValueError) as exc:
         elapsed = time.perf_counter() - t0
         return RequestTiming(elapsed, elapsed, tokens, max_tokens, f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
-    return RequestTiming((first or end) - t0, end - t0, tokens, max_tokens)
-
-
-async def _drive(
-    url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int
-) -> tuple[list[RequestTiming], float]:
-    pending = list(enumerate(prompts))
-    results: list[RequestTiming | None] = [None] * len(prompts)
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-
-        async def worker() -> None:
-            # A closed loop: each of `concurrency` clients sends its next request as soon as
-            # the previous one finishes, so the server always holds `concurrency` streams.
-            while pending:
-                i, prompt = pending.pop(0)
-                results[i] = await stream_completion(client, url, model, prompt, max_tokens)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return [r for r in results if r is not None], wall
+    first = chunks[0] if chunks else end
+    return RequestTiming(first - t0, end - t0, tokens, max_tokens, itl_s=gaps(chunks))
 
 
 def drive_http(
-    url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int
+    url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, load: Load
 ) -> tuple[list[RequestTiming], float]:
-    """Closed-loop load of `concurrency` streaming clients over `prompts`."""
-    return asyncio.run(_drive(url, model, prompts, max_tokens, concurrency))
+    """`prompts` as streaming requests to the stack at `url`, under `load`."""
+
+    async def run() -> tuple[list[RequestTiming], float]:
+        limits = httpx.Limits(max_connections=load.max_in_flight(len(prompts)) + 4)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as c:
+            return await drive(
+                lambda prompt: stream_completion(c, url, model, prompt, max_tokens), prompts, load
+            )
+
+    return asyncio.run(run())

@@ -46,7 +46,45 @@ def test_quick_serve_bench_reports_every_request(tmp_path: Path) -> None:
         assert r["completion_tokens"] == [r["max_tokens"]] * r["requests"]
         assert r["output_tokens"] == r["max_tokens"] * r["requests"]
         assert r["output_tok_s"] > 0
-        for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
-            assert math.isfinite(r[key]) and r[key] > 0, key
-        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+        _check_latencies(r)
     assert isinstance(report["goals"], dict)
+
+
+def _check_latencies(r: dict) -> None:
+    for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms"):
+        assert math.isfinite(r[key]) and r[key] > 0, key
+    assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+    assert r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
+
+
+def test_poisson_arrivals_against_the_colocated_baseline(tmp_path: Path) -> None:
+    """`--request-rate`: the in-process colocated server under a seeded Poisson schedule, and
+    hf-static (closed loops only) skipped rather than faked."""
+    model = save_tiny_chat_model(tmp_path / "model", std=0.08)
+    report = run_bench(
+        "serve",
+        "--quick",
+        "--json",
+        "--configs",
+        "colocated",
+        "hf-static",
+        "--reparam",
+        "",
+        "--request-rate",
+        "20",
+        "--requests",
+        "5",
+        "--model",
+        str(model),
+    )
+    assert report["sweep"]["arrival"] == "poisson" and report["sweep"]["request_rates"] == [20.0]
+    [row] = report["results"]
+    assert (row["config"], row["arrival"], row["concurrency"], row["request_rate"]) == (
+        "colocated",
+        "poisson",
+        None,
+        20.0,
+    )
+    assert row["requests"] == row["completed"] == 5, row["errors"]
+    assert row["completion_tokens"] == [row["max_tokens"]] * 5
+    _check_latencies(row)
