@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from common.model.attn_backend import select_backend
 from common.model.loader import load_model
 from common.model.model import DeepseekForCausalLM
 
@@ -23,10 +24,15 @@ def side_file_path(model_dir: str | Path, reparam: str) -> Path:
 
 
 def load_serving_model(
-    model_dir: str | Path, reparam: str | None, dtype: str = "float32"
+    model_dir: str | Path,
+    reparam: str | None,
+    dtype: str = "float32",
+    attention_backend: str = "auto",
 ) -> tuple[DeepseekForCausalLM, list[Tensor | None]]:
-    """The model (rotated when `reparam` is set) and its per-layer latent spectra."""
+    """The model (rotated when `reparam` is set) and its per-layer latent spectra; its prefill
+    attention runs on `attention_backend` (`select_backend`: auto, sdpa, native, flash-attn)."""
     model = load_model(model_dir, dtype=dtype)
+    model.prefill_backend = select_backend(attention_backend, model.lm_head.weight.device)
     if not reparam:
         return model, [None] * model.config.num_hidden_layers
     from common.tpla.convert import apply_reparameterization, load_side_file

@@ -21,7 +21,9 @@ class Settings(BaseSettings):
     # The local stack runs several processes on a small machine: each process gets a fixed
     # intra-op thread budget instead of torch's default of one thread per core.
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process")
-    attention_backend: str = Field("auto", description="auto | sdpa | flash-attn (prefill)")
+    attention_backend: str = Field(
+        "auto", description="prefill attention: auto | sdpa | native (C++, fp32 CPU) | flash-attn"
+    )
     decode_kernel: str = Field(
         "native", description="decode attention: native (C++, fp32 CPU; else torch) | torch"
     )

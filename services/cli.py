@@ -110,6 +110,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
         transfer_timeout_s=s.transfer_timeout_s,
+        attention_backend=s.attention_backend,
     )
     return 0
 

@@ -6,12 +6,14 @@ Per device at p = 2 ranks, for one prompt of T tokens:
   * TPLA-mode prefill: every rank runs all H heads on its d_c/p latent slice (the partial
     outputs are then summed across ranks; beta folds into the queries).
 
-Timed region: the project's prefill attention code path, `MLAttention.expanded` with the
-`SdpaBackend` (per-head K/V up-projection from the latent with kv_b_proj, then causal SDPA)
-from q_nope/q_pe and n/k_pe to per-head values. Query/latent projections, o_proj, the FFN
-and the all-reduce are excluded: they are the same dense work in both layouts except
-o_proj and the all-reduce, which TPLA-mode adds. The two layouts' calls alternate (same
-background load for both) and the fastest of the repeats is reported.
+Timed region: the project's prefill attention code path, `MLAttention.expanded` with each
+selected attention backend (per-head K/V up-projection from the latent with kv_b_proj, then
+causal attention: `sdpa` is torch SDPA, the reference; `native` the C++ kernel the prefill
+service runs on CPU) from q_nope/q_pe and n/k_pe to per-head values. Query/latent
+projections, o_proj, the FFN and the all-reduce are excluded: they are the same dense work
+in both layouts except o_proj and the all-reduce, which TPLA-mode adds. All calls of one
+shape and prompt (both layouts, every backend) alternate, so they see the same background
+load, and the fastest of the repeats is reported.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from common.bench.decode_attn import AttnShape, per_device, shapes
 from common.model.args import ModelConfig
-from common.model.attn_backend import SdpaBackend
+from common.model.attn_backend import PrefillAttentionBackend, select_backend
 from common.model.mla import MLAttention
 
 RANKS = 2
@@ -74,7 +76,9 @@ def _attention(work: PrefillWork) -> MLAttention:
     return attn
 
 
-def prepare_prefill(work: PrefillWork) -> Callable[[], torch.Tensor]:
+def prepare_prefill(
+    work: PrefillWork, backend: PrefillAttentionBackend
+) -> Callable[[], torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     attn = _attention(work)
     t, h = work.tokens, work.heads
@@ -82,7 +86,6 @@ def prepare_prefill(work: PrefillWork) -> Callable[[], torch.Tensor]:
     q_pe = torch.randn(t, h, work.d_r, generator=g)
     n = torch.randn(t, work.latent, generator=g)
     k_pe = torch.randn(t, work.d_r, generator=g)
-    backend = SdpaBackend()
 
     def run() -> torch.Tensor:
         with torch.inference_mode():
@@ -91,36 +94,46 @@ def prepare_prefill(work: PrefillWork) -> Callable[[], torch.Tensor]:
     return run
 
 
-def time_pair(works: dict[str, PrefillWork], repeats: int) -> dict[str, float]:
-    """Fastest seconds per mode; the modes' calls alternate so both see the same load."""
-    runs = {mode: prepare_prefill(work) for mode, work in works.items()}
+def time_alternating(runs: dict[tuple[str, str], Callable[[], object]], repeats: int) -> dict:
+    """Fastest seconds per run; the runs' calls alternate so all see the same load."""
     best = dict.fromkeys(runs, float("inf"))
     for run in runs.values():
         run()  # warm-up
     for _ in range(repeats):
-        for mode, run in runs.items():
+        for key, run in runs.items():
             t0 = time.perf_counter()
             run()
-            best[mode] = min(best[mode], time.perf_counter() - t0)
+            best[key] = min(best[key], time.perf_counter() - t0)
     return best
 
 
 def run_bench(
-    prompts: list[int], repeats: int, demo_dir: str = "models/demo", names: list[str] | None = None
+    prompts: list[int],
+    repeats: int,
+    demo_dir: str = "models/demo",
+    names: list[str] | None = None,
+    backends: tuple[str, ...] = ("sdpa",),
 ) -> list[dict[str, object]]:
+    chosen = {name: select_backend(name) for name in backends}
     rows: list[dict[str, object]] = []
     for shape in shapes(demo_dir):
         if names and shape.name not in names:
             continue
         for tokens in prompts:
-            pair = {}
             works = {m: prefill_work(shape, m, tokens) for m in ("mla-sep", "tpla")}
-            best = time_pair(works, repeats)
-            for mode, work in works.items():
-                seconds = best[mode]
+            runs = {
+                (b, mode): prepare_prefill(work, backend)
+                for b, backend in chosen.items()
+                for mode, work in works.items()
+            }
+            best = time_alternating(runs, repeats)
+            cell: dict[tuple[str, str], dict[str, object]] = {}
+            for (b, mode), seconds in best.items():
+                work = works[mode]
                 row: dict[str, object] = {
                     "shape": shape.name,
                     "mode": mode,
+                    "backend": b,
                     "prompt": tokens,
                     "heads_per_device": work.heads,
                     "latent_width": work.latent,
@@ -128,22 +141,27 @@ def run_bench(
                     "flops": work.flops(),
                     "gflops_per_s": work.flops() / seconds / 1e9,
                 }
-                pair[mode] = row
+                if b != "sdpa" and "sdpa" in chosen:
+                    row["speedup_vs_sdpa"] = best[("sdpa", mode)] / seconds
+                cell[(b, mode)] = row
                 rows.append(row)
-            tpla = pair["tpla"]
-            tpla["sep_speedup"] = float(tpla["ms"]) / float(pair["mla-sep"]["ms"])
-            tpla["predicted_sep_speedup"] = float(tpla["flops"]) / float(pair["mla-sep"]["flops"])
+            for b in chosen:
+                tpla, mla = cell[(b, "tpla")], cell[(b, "mla-sep")]
+                tpla["sep_speedup"] = float(tpla["ms"]) / float(mla["ms"])
+                tpla["predicted_sep_speedup"] = float(tpla["flops"]) / float(mla["flops"])
     return rows
 
 
 def _run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    rows = run_bench(args.prompt, args.repeats, args.demo, args.shapes)
+    rows = run_bench(args.prompt, args.repeats, args.demo, args.shapes, tuple(args.backends))
     for r in rows:
         extra = f"  sep speedup {r['sep_speedup']:.2f}x" if "sep_speedup" in r else ""
+        if "speedup_vs_sdpa" in r:
+            extra += f"  {r['speedup_vs_sdpa']:.2f}x sdpa"
         print(
-            f"{r['shape']:17} {r['mode']:8} T={r['prompt']:>5} {r['ms']:>10.2f} ms "
-            f"{r['gflops_per_s']:>6.1f} GFLOP/s{extra}"
+            f"{r['shape']:17} {r['mode']:8} {r['backend']:6} T={r['prompt']:>5} "
+            f"{r['ms']:>10.2f} ms {r['gflops_per_s']:>6.1f} GFLOP/s{extra}"
         )
     if args.json:
         print(
@@ -164,6 +182,13 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--shapes", nargs="+", help="subset of deepseek-v3 deepseek-v2-lite demo")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["sdpa", "native"],
+        choices=("sdpa", "native"),
+        help="prefill attention backends, side by side (sdpa is the reference)",
+    )
     p.add_argument("--demo", default="models/demo", help="demo model dir for its shapes")
     p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
     p.set_defaults(func=_run)

@@ -1,8 +1,10 @@
 """Causal varlen attention backends for the expanded (prefill) MLA path.
 
-`SdpaBackend` runs everywhere and is the reference. `FlashAttnBackend` is a thin GPU path
-that is chosen only when CUDA and the `flash_attn` package are both present; importing this
-module never imports flash_attn.
+`SdpaBackend` runs everywhere and is the reference. `NativeBackend` is the CPU fast path
+(common/native/causal_attention.cpp, fp32; anything else goes to SDPA), chosen by `auto` on
+CPU when the kernel builds here. `FlashAttnBackend` is a thin GPU path that is chosen only
+when CUDA and the `flash_attn` package are both present; importing this module never
+imports flash_attn or builds a native library.
 """
 
 from __future__ import annotations
@@ -50,6 +52,28 @@ class SdpaBackend(PrefillAttentionBackend):
         return out
 
 
+class NativeBackend(PrefillAttentionBackend):
+    """The native CPU kernel for fp32 CPU tensors, SDPA (the reference) for anything else."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        from common.native import causal_attention
+        from common.native.library import NativeUnavailable
+
+        if not causal_attention.available():
+            raise NativeUnavailable("the native prefill attention kernel cannot be built here")
+        self._kernel = causal_attention
+        self._fallback = SdpaBackend()
+
+    def causal(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
+    ) -> Tensor:
+        if self._kernel.supports(q, k, v):
+            return self._kernel.causal_attention(q, k, v, cu_seqlens, scale)
+        return self._fallback.causal(q, k, v, cu_seqlens, scale)
+
+
 class FlashAttnBackend(PrefillAttentionBackend):
     """flash-attn varlen kernel (CUDA only; fp16/bf16)."""
 
@@ -75,15 +99,26 @@ def flash_attn_available() -> bool:
 def select_backend(
     name: str = "auto", device: torch.device | str = "cpu"
 ) -> PrefillAttentionBackend:
-    """`auto` picks flash-attn on a CUDA device when installed, else SDPA."""
+    """`auto` picks flash-attn on a CUDA device when installed, the native kernel on CPU
+    when it builds here, else SDPA."""
     if name == "sdpa":
         return SdpaBackend()
+    if name == "native":
+        return NativeBackend()  # NativeUnavailable (a RuntimeError) if it cannot build
     if name == "flash-attn":
         if not flash_attn_available():
             raise RuntimeError("flash-attn backend requested but CUDA or flash_attn is missing")
         return FlashAttnBackend()
     if name != "auto":
-        raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, flash-attn)")
-    if torch.device(device).type == "cuda" and flash_attn_available():
+        raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, native, flash-attn)")
+    kind = torch.device(device).type
+    if kind == "cuda" and flash_attn_available():
         return FlashAttnBackend()
+    if kind == "cpu":
+        from common.native.library import NativeUnavailable
+
+        try:
+            return NativeBackend()
+        except NativeUnavailable:
+            pass  # no compiler / unsupported CPU: the library logged why once
     return SdpaBackend()

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace tiles {
 
@@ -15,6 +16,7 @@ constexpr int64_t kLanes = 8;
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline v8 vmax(v8 a, v8 b) { return a > b ? a : b; }
 
 // Sums of four vectors: {sum a, sum b, sum c, sum d}, with in-lane shuffles (vshufps).
 inline void reduce4(v8 a, v8 b, v8 c, v8 d, float* out) {
@@ -85,6 +87,105 @@ void dot_rows(int64_t K, const float* const* a, int64_t M, const float* const* b
   int64_t j = 0;
   for (; j + NR <= N; j += NR) dot_column<MR, NR>(K, a, M, b + j, c + j, ldc);
   dot_rest<MR, NR - 1>(N - j, K, a, M, b + j, c + j, ldc);
+}
+
+// exp(s - max) is floored at e^-30, as in the eager kernel: smaller weights are below fp32
+// resolution of a sum >= 1, and denormal inputs slow x86 FMAs by an order of magnitude.
+constexpr float kExpFloor = -30.0f;
+
+// exp(x) for x in [kExpFloor, 0]: Cephes' expf (range reduction by ln 2, degree-6
+// polynomial), about 1 ulp; the caller clamps, so no overflow or denormal handling.
+inline v8 exp_v8(v8 x) {
+  const v8 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8 n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v8 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// The A operand of `axpy_rows`: element (i, k) of an M x K matrix, either rows given by
+// pointers (cache rows through a block table) or one strided array (softmax weights,
+// queries). The strided form keeps a single base register instead of MR pointers, which
+// the 6-row tiles would otherwise spill to the stack.
+struct RowPointers {
+  const float* const* rows;
+  float at(int i, int64_t k) const { return rows[i][k]; }
+  RowPointers from(int64_t i) const { return {rows + i}; }
+};
+
+struct Strided {
+  const float* base;
+  int64_t row_stride, k_stride;
+  float at(int i, int64_t k) const { return base[i * row_stride + k * k_stride]; }
+  Strided from(int64_t i) const { return {base + i * row_stride, row_stride, k_stride}; }
+};
+
+// C_i[n0 : n0 + 8 NV] (+)= sum_k A(i, k) rows[k][n0 : n0 + 8 NV] for MR rows i: one row
+// vector loaded per k feeds MR broadcast FMAs. With MR = 6, NV = 2 that is 12 accumulators,
+// and no horizontal sums at all (the reduction dimension is k).
+template <int MR, int NV, typename A>
+inline void axpy_tile(int64_t K, A a, const float* const* rows, int64_t n0, float* const* c,
+                      bool zero) {
+  v8 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = zero ? v8{} : load(c[i] + n0 + v * kLanes);
+  for (int64_t k = 0; k < K; ++k) {
+    v8 r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = load(rows[k] + n0 + v * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const v8 s = splat(a.at(i, k));
+      for (int v = 0; v < NV; ++v) acc[i][v] += s * r[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store(c[i] + n0 + v * kLanes, acc[i][v]);
+}
+
+template <int MR, typename A>
+void axpy_columns(int64_t K, A a, const float* const* rows, int64_t N, float* const* c,
+                  bool zero) {
+  int64_t n = 0;
+  for (; n + 2 * kLanes <= N; n += 2 * kLanes) axpy_tile<MR, 2>(K, a, rows, n, c, zero);
+  for (; n + kLanes <= N; n += kLanes) axpy_tile<MR, 1>(K, a, rows, n, c, zero);
+  for (; n < N; ++n)
+    for (int i = 0; i < MR; ++i) {
+      float s = zero ? 0.0f : c[i][n];
+      for (int64_t k = 0; k < K; ++k) s += a.at(i, k) * rows[k][n];
+      c[i][n] = s;
+    }
+}
+
+// C_i[0:N] (+)= sum_k A(i, k) rows[k][0:N] for M rows: a small GEMM whose B rows and C rows
+// are given by pointers, so the same kernel reads cache rows through a block table,
+// transposed queries and strided softmax weights. `zero` starts C from 0 instead of its
+// contents. Tiles of 6 rows; a remainder of 7 or 8 is split 4 + 3 / 4 + 4 rather than
+// leaving a 1- or 2-row tile, whose loads would outnumber its FMAs.
+template <typename A>
+void axpy_rows(int64_t K, A a, const float* const* rows, int64_t M, int64_t N,
+               float* const* c, bool zero) {
+  int64_t i = 0;
+  while (i < M) {
+    const int64_t rest = M - i;
+    const int64_t mr = rest > 8 ? 6 : rest > 6 ? 4 : rest;
+    switch (mr) {
+      case 6: axpy_columns<6>(K, a.from(i), rows, N, c + i, zero); break;
+      case 5: axpy_columns<5>(K, a.from(i), rows, N, c + i, zero); break;
+      case 4: axpy_columns<4>(K, a.from(i), rows, N, c + i, zero); break;
+      case 3: axpy_columns<3>(K, a.from(i), rows, N, c + i, zero); break;
+      case 2: axpy_columns<2>(K, a.from(i), rows, N, c + i, zero); break;
+      default: axpy_columns<1>(K, a.from(i), rows, N, c + i, zero); break;
+    }
+    i += mr;
+  }
 }
 
 }  // namespace tiles

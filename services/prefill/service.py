@@ -7,6 +7,7 @@ The servicer only translates protocol types; `PrefillWorker` does the work.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -27,6 +28,8 @@ from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.serving_model import load_serving_model
 from services.prefill.worker import PrefillJob, PrefillWorker
+
+log = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -92,11 +95,13 @@ def serve_prefill(
     heartbeat_s: float = 2.0,
     worker_ttl_s: float = 10.0,
     transfer_timeout_s: float = 30.0,
+    attention_backend: str = "auto",
     stop: threading.Event | None = None,
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
-    model, _ = load_serving_model(model_dir, reparam, dtype)
+    model, _ = load_serving_model(model_dir, reparam, dtype, attention_backend)
+    log.info("prefill attention backend: %s", model.prefill_backend.name)
     registry = CollectorRegistry()
     worker = PrefillWorker(
         model,

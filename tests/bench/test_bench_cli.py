@@ -64,10 +64,15 @@ def test_decode_attn_counts_by_hand() -> None:
 
 def test_prefill_json_and_flops() -> None:
     result = run_bench("prefill", "--json", "--prompt", "64", "--shapes", "demo", "--repeats", "1")
-    rows = {r["mode"]: r for r in result["rows"]}
-    assert set(rows) == {"mla-sep", "tpla"}
-    tpla, mla = rows["tpla"], rows["mla-sep"]
-    assert math.isclose(tpla["sep_speedup"], tpla["ms"] / mla["ms"], rel_tol=1e-9)
+    rows = {(r["backend"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(b, m) for b in ("sdpa", "native") for m in ("mla-sep", "tpla")}
+    for b in ("sdpa", "native"):
+        tpla, mla = rows[(b, "tpla")], rows[(b, "mla-sep")]
+        assert math.isclose(tpla["sep_speedup"], tpla["ms"] / mla["ms"], rel_tol=1e-9)
+    for m in ("mla-sep", "tpla"):
+        native, sdpa = rows[("native", m)], rows[("sdpa", m)]
+        assert math.isclose(native["speedup_vs_sdpa"], sdpa["ms"] / native["ms"], rel_tol=1e-9)
+    mla = rows[("sdpa", "mla-sep")]
     demo = {s.name: s for s in shapes()}["demo"]
     w = prefill_work(demo, "mla-sep", 64)
     pairs = 64 * 65 / 2
