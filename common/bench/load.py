@@ -55,11 +55,6 @@ class Load:
     def poisson(cls, rate: float, seed: int = 0) -> Load:
         return cls(Arrival.POISSON, rate=rate, seed=seed)
 
-    @property
-    def level(self) -> float:
-        """The swept quantity: clients, or requests per second."""
-        return self.concurrency if self.arrival is Arrival.CLOSED else self.rate
-
     def label(self) -> str:
         return f"c={self.concurrency}" if self.arrival is Arrival.CLOSED else f"{self.rate:g}/s"
 

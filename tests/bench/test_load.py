@@ -102,4 +102,5 @@ def test_load_rows_name_their_kind() -> None:
         "concurrency": None,
         "request_rate": 1.5,
     }
-    assert Load.closed(2).arrival is Arrival.CLOSED and Load.poisson(1.0).level == 1.0
+    assert Load.closed(2).arrival is Arrival.CLOSED and Load.poisson(1.0).arrival == "poisson"
+    assert (Load.closed(16).label(), Load.poisson(2.5).label()) == ("c=16", "2.5/s")
