@@ -54,18 +54,6 @@ struct Workspace {
   std::vector<float*> srows, orows;
 };
 
-template <typename T>
-T* grown(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
-
-float* lines(std::vector<float>& v, int64_t n) {  // a buffer starting on a cache line
-  float* base = grown(v, n + 16);
-  const auto addr = reinterpret_cast<std::uintptr_t>(base);
-  return base + ((64 - addr % 64) % 64) / sizeof(float);
-}
-
 inline float hmax(v8 x) {
   float r = x[0];
   for (int i = 1; i < 8; ++i) r = std::max(r, x[i]);

@@ -72,20 +72,6 @@ struct Workspace {
   std::vector<float*> outs;
 };
 
-template <typename T>
-T* grown(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
-
-// A float buffer starting on a cache line: a 16-float vector row that straddles two lines
-// costs two loads, which the score GEMM (one 64-byte query row per step) would pay always.
-float* lines(std::vector<float>& v, int64_t n) {
-  float* base = grown(v, n + 16);
-  const auto addr = reinterpret_cast<std::uintptr_t>(base);
-  return base + ((64 - addr % 64) % 64) / sizeof(float);
-}
-
 // One chunk's online-softmax update, vectorized across heads. s[t * hp + h] holds the
 // chunk's scores (n tokens); they become weights exp(s - m_new), the running max m and
 // sum l are updated, and `alpha` receives exp(m_old - m_new) per head to rescale the

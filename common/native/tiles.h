@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace tiles {
 
@@ -186,6 +187,21 @@ void axpy_rows(int64_t K, A a, const float* const* rows, int64_t M, int64_t N,
     }
     i += mr;
   }
+}
+
+// Scratch, grown on demand and kept across calls (no allocation per call).
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// A float buffer starting on a cache line: a 16-float vector row that straddles two lines
+// costs two loads, which the score GEMM (one 64-byte query row per step) would pay always.
+float* lines(std::vector<float>& v, int64_t n) {
+  float* base = grown(v, n + 16);
+  const auto addr = reinterpret_cast<std::uintptr_t>(base);
+  return base + ((64 - addr % 64) % 64) / sizeof(float);
 }
 
 }  // namespace tiles
