@@ -24,15 +24,10 @@ def side_file_path(model_dir: str | Path, reparam: str) -> Path:
 
 
 def load_serving_model(
-    model_dir: str | Path,
-    reparam: str | None,
-    dtype: str = "float32",
-    attention_backend: str = "auto",
+    model_dir: str | Path, reparam: str | None, dtype: str = "float32"
 ) -> tuple[DeepseekForCausalLM, list[Tensor | None]]:
-    """The model (rotated when `reparam` is set) and its per-layer latent spectra; its prefill
-    attention runs on `attention_backend` (`select_backend`: auto, sdpa, native, flash-attn)."""
+    """The model (rotated when `reparam` is set) and its per-layer latent spectra."""
     model = load_model(model_dir, dtype=dtype)
-    model.prefill_backend = select_backend(attention_backend, model.lm_head.weight.device)
     if not reparam:
         return model, [None] * model.config.num_hidden_layers
     from common.tpla.convert import apply_reparameterization, load_side_file
@@ -47,3 +42,17 @@ def load_serving_model(
         )
         return model, [None] * model.config.num_hidden_layers
     return model, list(apply_reparameterization(model, load_side_file(path)))
+
+
+def load_prefill_model(
+    model_dir: str | Path,
+    reparam: str | None,
+    dtype: str = "float32",
+    attention_backend: str = "auto",
+) -> DeepseekForCausalLM:
+    """The serving model for a prefill: its attention on `attention_backend` (`select_backend`:
+    auto, sdpa, native, flash-attn). Decode ranks load `load_serving_model` and never prefill,
+    so only here is a prefill kernel chosen (and built, on first use)."""
+    model = load_serving_model(model_dir, reparam, dtype)[0]
+    model.prefill_backend = select_backend(attention_backend, model.lm_head.weight.device)
+    return model

@@ -134,17 +134,17 @@ void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& 
     const Strided queries{qb, dqk, 1};
     for (int64_t j0 = 0; j0 <= last; j0 += kc) {
       const int64_t nk = std::min(kc, last + 1 - j0);  // keys of this block anyone sees
-      const int64_t ns = (nk + 15) / 16 * 16;           // scored: whole 16-key tiles
+      const int64_t ns = (nk + 15) / 16 * 16;           // scored: whole 16-key tiles (<= kc)
       const float* blk = kt + (j0 / kc) * dqk * kc;
       for (int64_t d = 0; d < dqk; ++d) krows[d] = blk + d * kc;
-      axpy_rows(dqk, queries, krows, nr, std::min(ns, kc), srows, true);
+      axpy_rows(dqk, queries, krows, nr, ns, srows, true);
       for (int64_t i = 0; i < nr; ++i) {
         const int64_t valid = std::min(nk, i0 + i - j0 + 1);
         if (valid <= 0) {  // a row above this block's keys: weight 0 everywhere
           std::fill(srows[i], srows[i] + nk, 0.0f);
           continue;
         }
-        const float alpha = softmax_row(srows[i], std::min(ns, kc), valid, m[i], l[i]);
+        const float alpha = softmax_row(srows[i], ns, valid, m[i], l[i]);
         if (alpha != 1.0f)
           for (int64_t c = 0; c < dv; ++c) orows[i][c] *= alpha;
       }

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common import serving_model
 from common.generate import Generation
 from common.kv.transfer import cut_shard
 from common.model.model import DeepseekForCausalLM
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
-from common.serving_model import load_serving_model, side_file_path
+from common.serving_model import side_file_path
 from services.decode.engine import DecodeEngine
 from services.decode.runtime import EngineConfig
 from services.decode.stream import TokenEvent, TokenStream
@@ -34,7 +35,7 @@ class LocalResult:
 
 def load_prefill_model(cfg: EngineConfig) -> DeepseekForCausalLM:
     """The exact prefill model, in the same (possibly rotated) latent basis as the ranks."""
-    return load_serving_model(cfg.model, cfg.reparam, cfg.dtype)[0]
+    return serving_model.load_prefill_model(cfg.model, cfg.reparam, cfg.dtype)
 
 
 def submit(

@@ -26,7 +26,7 @@ from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
-from common.serving_model import load_serving_model
+from common.serving_model import load_prefill_model
 from services.prefill.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def serve_prefill(
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
-    model, _ = load_serving_model(model_dir, reparam, dtype, attention_backend)
+    model = load_prefill_model(model_dir, reparam, dtype, attention_backend)
     log.info("prefill attention backend: %s", model.prefill_backend.name)
     registry = CollectorRegistry()
     worker = PrefillWorker(

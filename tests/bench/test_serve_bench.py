@@ -15,20 +15,19 @@ from tests.model.tiny import save_tiny_chat_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quick_serve_bench_reports_every_request(tmp_path: Path) -> None:
+def _quick_serve(tmp_path: Path, *args: str) -> dict:
+    """`tpla bench serve --quick --json` on a tiny model (identity basis) with `args`."""
     model = save_tiny_chat_model(tmp_path / "model", std=0.08)
-    report = run_bench(
-        "serve",
-        "--quick",
-        "--json",
+    return run_bench("serve", "--quick", "--json", "--reparam", "", "--model", str(model), *args)
+
+
+def test_quick_serve_bench_reports_every_request(tmp_path: Path) -> None:
+    report = _quick_serve(
+        tmp_path,
         "--configs",
         "tpla",
-        "--reparam",
-        "",
         "--prefill-workers",
         "2",
-        "--model",
-        str(model),
         "--out",
         str(tmp_path / "serve.json"),
     )
@@ -60,22 +59,8 @@ def _check_latencies(r: dict) -> None:
 def test_poisson_arrivals_against_the_colocated_baseline(tmp_path: Path) -> None:
     """`--request-rate`: the in-process colocated server under a seeded Poisson schedule, and
     hf-static (closed loops only) skipped rather than faked."""
-    model = save_tiny_chat_model(tmp_path / "model", std=0.08)
-    report = run_bench(
-        "serve",
-        "--quick",
-        "--json",
-        "--configs",
-        "colocated",
-        "hf-static",
-        "--reparam",
-        "",
-        "--request-rate",
-        "20",
-        "--requests",
-        "5",
-        "--model",
-        str(model),
+    report = _quick_serve(
+        tmp_path, "--configs", "colocated", "hf-static", "--request-rate", "20", "--requests", "5"
     )
     assert report["sweep"]["arrival"] == "poisson" and report["sweep"]["request_rates"] == [20.0]
     [row] = report["results"]

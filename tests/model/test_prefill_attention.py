@@ -120,12 +120,12 @@ def test_backend_selection_and_fallback() -> None:
 
 
 def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
-    from common.serving_model import load_serving_model
+    from common.serving_model import load_prefill_model
     from tests.model.tiny import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
-    native, _ = load_serving_model(model_dir, None, attention_backend="auto")
-    sdpa, _ = load_serving_model(model_dir, None, attention_backend="sdpa")
+    native = load_prefill_model(model_dir, None, attention_backend="auto")
+    sdpa = load_prefill_model(model_dir, None, attention_backend="sdpa")
     assert native.prefill_backend.name == "native" and sdpa.prefill_backend.name == "sdpa"
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, native.config.vocab_size, (90,), generator=g)
