@@ -129,9 +129,21 @@ def busiest_group(url: str) -> list[dict]:
     return max(decode_groups(url).values(), key=running)
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None:
     """Both groups (all ranks healthy) and every prefill worker registered, no KV block in
-    use anywhere, and the stack answers."""
+    use anywhere, and the stack answers.
+
+    Every listed worker's process must be running: a killed worker's records stay in the
+    registry, healthy, until their TTL; counted, they would let a restarted group that is
+    still loading pass for recovered (seen once: the next test then found its metrics port
+    closed)."""
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     state: object = None
     while time.monotonic() < deadline:
@@ -151,6 +163,7 @@ def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None
             and all(w["healthy"] for w in ranks)
             and all(w["kv_blocks_used"] == 0 for w in leaders)
             and len(pre) == prefill
+            and all(_running(w["pid"]) for w in ws)
         ):
             break
         time.sleep(0.5)
