@@ -358,6 +358,14 @@ def _print_table(report: dict) -> None:
     for e in report["sets"]:
         cells = " ".join(f"{e[b]['best_GBps']:7.3f} ({e[b]['median_GBps']:6.3f})" for b in BACKENDS)
         print(f"{e['name']:<14} {e['bytes'] / 1e6:8.1f} {cells}")
+    # The same runs as time per transfer: what a request's time to first token pays.
+    print(f"{'set':<14} {'MB':>8} " + " ".join(f"{b + ' ms':>16}" for b in BACKENDS))
+    for e in report["sets"]:
+        cells = " ".join(
+            f"{1e3 * min(e[b]['seconds']):7.2f} ({1e3 * statistics.median(e[b]['seconds']):6.2f})"
+            for b in BACKENDS
+        )
+        print(f"{e['name']:<14} {e['bytes'] / 1e6:8.1f} {cells}")
     print(
         "best (median) of",
         report["reps"],
