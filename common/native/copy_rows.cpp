@@ -49,7 +49,8 @@ int tpla_scatter_rows(char* dst, const char* src, const int64_t* index, int64_t 
   for (int64_t i = 0; i < n; ++i) {
     if (index[i] < 0 || index[i] >= num_rows) return 1;
   }
-  for (int64_t i = 0; i < n; ++i) stream_copy(dst + index[i] * row_bytes, src + i * row_bytes, row_bytes);
+  for (int64_t i = 0; i < n; ++i)
+    stream_copy(dst + index[i] * row_bytes, src + i * row_bytes, row_bytes);
 #if defined(__AVX__)
   // Streaming stores are weakly ordered: fence them before the caller hands the rows on.
   _mm_sfence();

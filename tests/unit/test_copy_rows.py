@@ -53,13 +53,18 @@ def test_native_scatter_keeps_every_bit_pattern(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("bad", [[0, 40], [-1], [3, 2**40]])
-def test_an_index_outside_dest_is_refused_and_nothing_is_written(bad: list[int]) -> None:
-    dest = _bytes(40, 24, seed=3)
-    before = dest.clone()
+@pytest.mark.parametrize("strided", [False, True], ids=["native", "fallback"])
+def test_an_index_outside_dest_is_refused_and_nothing_is_written(
+    bad: list[int], strided: bool
+) -> None:
+    # A strided destination takes the PyTorch path, which must refuse the same indices
+    # (plain indexing would wrap -1 around to the last row).
+    pool = _bytes(24, 40, seed=3).t() if strided else _bytes(40, 24, seed=3)
+    before = pool.clone()
     index = torch.tensor(bad)
     with pytest.raises(IndexError, match="outside"):
-        copy_rows.scatter_rows(dest, index, _bytes(len(bad), 24, seed=4))
-    assert torch.equal(dest, before)
+        copy_rows.scatter_rows(pool, index, _bytes(len(bad), 24, seed=4))
+    assert torch.equal(pool, before)
 
 
 def test_shape_mismatch_is_refused() -> None:
