@@ -21,6 +21,13 @@ class Settings(BaseSettings):
     # The local stack runs several processes on a small machine: each process gets a fixed
     # intra-op thread budget instead of torch's default of one thread per core.
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process")
+    prefill_threads: int = Field(
+        1,
+        ge=1,
+        description="intra-op threads of a prefill batch of >= 512 tokens (at least "
+        "torch_threads, at most the usable cores): for prefill workers with cores of their "
+        "own; see common/prefill_threads.py",
+    )
     attention_backend: str = Field(
         "auto", description="prefill attention: auto | sdpa | native (C++, fp32 CPU) | flash-attn"
     )

@@ -93,6 +93,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_prefill(args: argparse.Namespace) -> int:
     import torch
 
+    from common.prefill_threads import PrefillThreads
     from services.prefill.service import serve_prefill
 
     s = _settings(args)
@@ -111,6 +112,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         worker_ttl_s=s.worker_ttl_s,
         transfer_timeout_s=s.transfer_timeout_s,
         attention_backend=s.attention_backend,
+        threads=PrefillThreads.from_settings(s.torch_threads, s.prefill_threads),
     )
     return 0
 

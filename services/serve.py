@@ -72,6 +72,7 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
         "KV_PORT_BASE": s.kv_port_base,
         "DIST_PORT": s.dist_port,
         "TORCH_THREADS": s.torch_threads,
+        "PREFILL_THREADS": s.prefill_threads,
         "KV_BUDGET_MB": s.kv_budget_mb,
         "MAX_BATCH": s.max_batch,
     }

@@ -22,7 +22,9 @@ from common.bench.stats import RequestTiming, gaps
 from common.kv.transfer import cut_shard
 from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
+from common.prefill_threads import PrefillThreads
 from common.sampling import SamplingParams, make_generator, sample
+from common.settings import load_settings
 from services.decode.engine import DecodeEngine
 from services.decode.local import load_prefill_model
 from services.decode.rank_model import ParallelConfig, ParallelMode
@@ -33,8 +35,20 @@ class ColocatedServer:
     """Thread-safe `request()`: any number of callers, one engine, prefill in its loop."""
 
     def __init__(
-        self, model: str, reparam: str | None, tp: int, latent_groups: int, max_batch: int = 32
+        self,
+        model: str,
+        reparam: str | None,
+        tp: int,
+        latent_groups: int,
+        max_batch: int = 32,
+        threads: PrefillThreads | None = None,
     ) -> None:
+        # The stack's prefill workers' thread policy by default (the settings'), so that the
+        # two configurations' prefills run on the same threads.
+        if threads is None:
+            s = load_settings()
+            threads = PrefillThreads.from_settings(s.torch_threads, s.prefill_threads)
+        self.threads = threads
         cfg = EngineConfig(
             model=model,
             parallel=ParallelConfig(tp, latent_groups, RmsNormMode.EXACT, ParallelMode.TPLA, 256),
@@ -62,7 +76,7 @@ class ColocatedServer:
         ids = torch.tensor(list(prompt), dtype=torch.long)
 
         def run() -> PrefillOutput:
-            with torch.no_grad():
+            with torch.no_grad(), self.threads.applied(len(prompt)):
                 return self.prefill_model.prefill(ids, [len(prompt)])
 
         # The engine runs queued commands on its loop thread between steps (its only way to

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import METRICS_PORT_OFFSET, PrefillMetrics, serve_metrics
+from common.prefill_threads import PrefillThreads
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
@@ -96,6 +97,7 @@ def serve_prefill(
     worker_ttl_s: float = 10.0,
     transfer_timeout_s: float = 30.0,
     attention_backend: str = "auto",
+    threads: PrefillThreads | None = None,
     stop: threading.Event | None = None,
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
@@ -108,6 +110,7 @@ def serve_prefill(
         make_sender(transport, worker_id, token),
         metrics=PrefillMetrics(registry),
         transfer_timeout_s=transfer_timeout_s,
+        threads=threads,
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)

@@ -20,6 +20,7 @@ import torch
 from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
+from common.prefill_threads import PrefillThreads
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 
@@ -50,8 +51,11 @@ class PrefillWorker:
         max_batch_tokens: int = 8192,
         metrics: PrefillMetrics | None = None,
         transfer_timeout_s: float = 30.0,
+        threads: PrefillThreads | None = None,
     ) -> None:
         self.model = model
+        # None: every batch on the process's current thread count.
+        self.threads = threads
         # One push may take at most this long even when the request allows more: a hung
         # decode rank must fail the request, not hold this worker's pushers for minutes.
         self.transfer_timeout_s = transfer_timeout_s
@@ -133,7 +137,11 @@ class PrefillWorker:
         t0 = time.perf_counter()
         lens = [len(job.prompt_ids) for job, _ in batch]
         ids = torch.tensor([t for job, _ in batch for t in job.prompt_ids], dtype=torch.long)
-        out = self.model.prefill(ids, lens)
+        if self.threads is None:
+            out = self.model.prefill(ids, lens)
+        else:
+            with self.threads.applied(len(ids)):
+                out = self.model.prefill(ids, lens)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
