@@ -9,6 +9,7 @@ fails only its job; the decode side frees the reservation by lease or by the rou
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -137,11 +138,8 @@ class PrefillWorker:
         t0 = time.perf_counter()
         lens = [len(job.prompt_ids) for job, _ in batch]
         ids = torch.tensor([t for job, _ in batch for t in job.prompt_ids], dtype=torch.long)
-        if self.threads is None:
+        with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
             out = self.model.prefill(ids, lens)
-        else:
-            with self.threads.applied(len(ids)):
-                out = self.model.prefill(ids, lens)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
