@@ -13,7 +13,9 @@ long-prompt throughput at 16 streams (68-71 vs 51-59 output tokens/s) but cut sh
 throughput (268-275 vs 285-328 tokens/s; time to first token p50 ~1.0 s instead of
 0.54-0.59 s). The likely cause, not measured directly: a burst of 64-token prompts is prefilled
 as one batch of >= 512 tokens while the first requests already decode, and with more
-runnable threads than cores the two OpenMP threads wait for each other.
+runnable threads than cores the two OpenMP threads wait for each other. With sleeping waits
+(`OMP_WAIT_POLICY=PASSIVE`, which `tpla serve` sets when this exceeds torch_threads) the
+short-prompt loss shrank to 3-7% and the long-prompt gain stayed (run 6, same file).
 """
 
 from __future__ import annotations

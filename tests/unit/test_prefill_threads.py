@@ -81,3 +81,17 @@ def test_a_prefill_worker_runs_each_batch_on_its_thread_count(tmp_path: Path) ->
         worker.close()
         reference.close()
     assert seen == [(4, 1), (40, 2)]
+
+
+def test_the_local_stack_lets_a_threaded_prefill_worker_sleep_while_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from common.settings import load_settings
+    from services.serve import _env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert "OMP_WAIT_POLICY" not in _env(load_settings(prefill_threads=1), "redis://x")
+    env = _env(load_settings(torch_threads=1, prefill_threads=2), "redis://x")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["TPLA_PREFILL_THREADS"] == "2"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # an explicit choice is kept
+    assert _env(load_settings(prefill_threads=2), "redis://x")["OMP_WAIT_POLICY"] == "ACTIVE"
