@@ -28,6 +28,13 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A worker restarted on the same address must be reachable at once. After failed
+    # connects a channel waits an exponential backoff (by default up to 2 minutes) and fails
+    # every call meanwhile with the old "connection refused": a decode leader back after a
+    # restart stayed unreachable from the router for the rest of a fault test.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 TOKEN_METADATA_KEY = "x-tpla-token"
 
