@@ -62,7 +62,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.tp is not None:  # the engine's ranks load their own shares of the weights
         from services.decode.local import generate_distributed
 
-        result = generate_distributed(settings.model, prompt_ids, params, sorted(eos), args)
+        result = generate_distributed(
+            settings.model, prompt_ids, params, sorted(eos), args, settings.attention_backend
+        )
         return _print_generation(args, settings, tokenizer, result)
     model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
     model.prefill_backend = select_backend(settings.attention_backend, settings.device)

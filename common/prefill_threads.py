@@ -15,7 +15,7 @@ throughput (268-275 vs 285-328 tokens/s; time to first token p50 ~1.0 s instead 
 as one batch of >= 512 tokens while the first requests already decode, and with more
 runnable threads than cores the two OpenMP threads wait for each other. With sleeping waits
 (`OMP_WAIT_POLICY=PASSIVE`, which `tpla serve` sets when this exceeds torch_threads) the
-short-prompt loss shrank to 3-7% and the long-prompt gain stayed (run 6, same file).
+short-prompt loss shrank to 2-7% and the long-prompt gain stayed (run 6, same file).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from common.settings import Settings
 
 # Batches of at least this many tokens get the larger thread count.
 PARALLEL_MIN_TOKENS = 512
@@ -49,11 +51,11 @@ class PrefillThreads:
             raise ValueError(f"thread counts and min_tokens must be >= 1, got {self}")
 
     @classmethod
-    def from_settings(cls, torch_threads: int, prefill_threads: int) -> PrefillThreads:
-        """Never fewer threads than `torch_threads`, never more than the usable cores (more
-        threads than cores make OpenMP threads wait for each other)."""
-        large = max(torch_threads, min(prefill_threads, usable_cores()))
-        return cls(torch_threads, large)
+    def from_settings(cls, s: Settings) -> PrefillThreads:
+        """`prefill_threads`, but never fewer than `torch_threads` and never more than the
+        usable cores (more threads than cores make OpenMP threads wait for each other)."""
+        large = max(s.torch_threads, min(s.prefill_threads, usable_cores()))
+        return cls(s.torch_threads, large)
 
     def for_tokens(self, tokens: int) -> int:
         return self.large if tokens >= self.min_tokens else self.base

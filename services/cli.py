@@ -112,7 +112,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         worker_ttl_s=s.worker_ttl_s,
         transfer_timeout_s=s.transfer_timeout_s,
         attention_backend=s.attention_backend,
-        threads=PrefillThreads.from_settings(s.torch_threads, s.prefill_threads),
+        threads=PrefillThreads.from_settings(s),
     )
     return 0
 

@@ -41,14 +41,11 @@ class ColocatedServer:
         tp: int,
         latent_groups: int,
         max_batch: int = 32,
-        threads: PrefillThreads | None = None,
     ) -> None:
-        # The stack's prefill workers' thread policy by default (the settings'), so that the
-        # two configurations' prefills run on the same threads.
-        if threads is None:
-            s = load_settings()
-            threads = PrefillThreads.from_settings(s.torch_threads, s.prefill_threads)
-        self.threads = threads
+        # The prefill runs as the stack's prefill worker runs it (the same settings: attention
+        # backend, thread policy), so that the two configurations differ only in placement.
+        settings = load_settings()
+        self.threads = PrefillThreads.from_settings(settings)
         cfg = EngineConfig(
             model=model,
             parallel=ParallelConfig(tp, latent_groups, RmsNormMode.EXACT, ParallelMode.TPLA, 256),
@@ -58,7 +55,7 @@ class ColocatedServer:
         )
         self.engine = DecodeEngine(cfg)
         try:
-            self.prefill_model = load_prefill_model(cfg)
+            self.prefill_model = load_prefill_model(cfg, settings.attention_backend)
         except BaseException:
             self.engine.shutdown()
             raise

@@ -178,7 +178,7 @@ def run(sweep: SweepConfig) -> dict:
         rows += _run_config(name, sweep, prompts)
     # What the stack's processes (and the colocated prefill) ran on: the same settings.
     settings = load_settings()
-    prefill = PrefillThreads.from_settings(settings.torch_threads, settings.prefill_threads)
+    prefill = PrefillThreads.from_settings(settings)
     return {
         "bench": "serve",
         "model": sweep.model,

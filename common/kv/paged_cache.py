@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.native.copy_rows import scatter_rows, word_view
+from common.native.copy_rows import copy_words, scatter_rows
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,8 @@ class PagedLatentCache:
 
     def write_all_layers(self, slots: Tensor, n: Tensor, k_pe: Tensor) -> None:
         """Store a transferred shard: n [L, N, w], k_pe [L, N, d_r] (layer-major)."""
-        n, k_pe = n.to(self.kv.dtype), k_pe.to(self.kv.dtype)
         for dest, src in ((self.n, n), (self.k_pe, k_pe)):
-            dest_words, src_words = word_view(dest), word_view(src.contiguous())
-            if dest_words.shape[-1] == src_words.shape[-1]:
-                dest_words[:, slots] = src_words
-            else:  # word views disagree (an odd width): element by element
-                dest[:, slots] = src
+            copy_words(dest, slots, src.contiguous(), dim=1)
 
     def write_row_groups(self, groups: Tensor, rows: Tensor, group: int) -> None:
         """Store packed cache rows (n and k_pe adjacent per token, as `kv` holds them).

@@ -67,12 +67,19 @@ def scatter_rows(dest: Tensor, index: Tensor, src: Tensor) -> None:
         return
     if len(index) and (int(index.min()) < 0 or int(index.max()) >= len(dest)):
         raise IndexError(f"scatter_rows: an index is outside [0, {len(dest)})")
+    copy_words(dest, index, src)
+
+
+def copy_words(dest: Tensor, index: Tensor, src: Tensor, dim: int = 0) -> None:
+    """`dest[index] = src` along `dim` (PyTorch's indexed copy), moving whole words where
+    both tensors' byte views allow it."""
     src = src.to(dest.dtype)
+    at = (slice(None),) * dim + (index,)
     dest_words, src_words = word_view(dest), word_view(src)
-    if dest_words.shape[1:] == src_words.shape[1:]:
-        dest_words[index] = src_words
+    if dest_words.shape[-1] == src_words.shape[-1]:
+        dest_words[at] = src_words
     else:  # the two views disagree (another offset or stride): element by element
-        dest[index] = src
+        dest[at] = src
 
 
 def word_view(t: Tensor) -> Tensor:

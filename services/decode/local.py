@@ -33,9 +33,9 @@ class LocalResult:
     events: list[TokenEvent]
 
 
-def load_prefill_model(cfg: EngineConfig) -> DeepseekForCausalLM:
+def load_prefill_model(cfg: EngineConfig, attention_backend: str = "auto") -> DeepseekForCausalLM:
     """The exact prefill model, in the same (possibly rotated) latent basis as the ranks."""
-    return serving_model.load_prefill_model(cfg.model, cfg.reparam, cfg.dtype)
+    return serving_model.load_prefill_model(cfg.model, cfg.reparam, cfg.dtype, attention_backend)
 
 
 def submit(
@@ -75,6 +75,7 @@ def generate_distributed(
     params: SamplingParams,
     eos_ids: Sequence[int],
     args: argparse.Namespace,
+    attention_backend: str = "auto",
 ) -> Generation:
     """`tpla generate --tp G --latent-groups R`: exact prefill here, decode in a rank group."""
     from common.model.tpla import RmsNormMode
@@ -107,7 +108,7 @@ def generate_distributed(
         max_model_len=len(prompt_ids) + params.max_tokens,
     )
     with DecodeEngine(cfg, eos_token_ids=tuple(eos_ids)) as engine:
-        prefill = load_prefill_model(cfg)
+        prefill = load_prefill_model(cfg, attention_backend)
         [(first, stream)] = submit(engine, prefill, [prompt_ids], [params])
         result = collect(first, stream)
     tokens = [first] + [e.token for e in result.events if e.token is not None]

@@ -136,3 +136,16 @@ def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
     # Later layers' latents depend on earlier layers' attention: equal up to rounding.
     torch.testing.assert_close(a.n, b.n, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(a.k_pe, b.k_pe, rtol=1e-4, atol=1e-5)
+
+
+def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(tmp_path) -> None:
+    # `tpla generate --tp` and the colocated baseline prefill through services.decode.local;
+    # TPLA_ATTENTION_BACKEND must reach them as it reaches the prefill service.
+    from services.decode.local import load_prefill_model
+    from services.decode.runtime import EngineConfig
+    from tests.model.tiny import save_tiny_chat_model
+
+    model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
+    cfg = EngineConfig(model=str(model_dir))
+    assert load_prefill_model(cfg, "sdpa").prefill_backend.name == "sdpa"
+    assert load_prefill_model(cfg).prefill_backend.name == "native"

@@ -13,6 +13,7 @@ from common.kv.transfer import make_sender
 from common.prefill_threads import PrefillThreads
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
+from common.settings import load_settings
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.model.tiny import save_hf
 
@@ -25,12 +26,16 @@ def test_large_batches_get_the_larger_count() -> None:
 def test_from_settings_stays_within_torch_threads_and_the_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    def policy(torch_threads: int, prefill_threads: int) -> PrefillThreads:
+        s = load_settings(torch_threads=torch_threads, prefill_threads=prefill_threads)
+        return PrefillThreads.from_settings(s)
+
     monkeypatch.setattr(prefill_threads, "usable_cores", lambda: 2)
-    assert PrefillThreads.from_settings(1, 2).large == 2
-    assert PrefillThreads.from_settings(1, 8).large == 2  # never more threads than cores
-    assert PrefillThreads.from_settings(4, 2).large == 4  # never fewer than torch_threads
+    assert policy(1, 2) == PrefillThreads(1, 2)
+    assert policy(1, 8).large == 2  # never more threads than cores
+    assert policy(4, 2).large == 4  # never fewer than torch_threads
     monkeypatch.setattr(prefill_threads, "usable_cores", lambda: 1)
-    assert PrefillThreads.from_settings(1, 2) == PrefillThreads(1, 1)
+    assert policy(1, 2) == PrefillThreads(1, 1)
 
 
 def test_bad_counts_are_refused() -> None:
@@ -86,7 +91,6 @@ def test_a_prefill_worker_runs_each_batch_on_its_thread_count(tmp_path: Path) ->
 def test_the_local_stack_lets_a_threaded_prefill_worker_sleep_while_waiting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from common.settings import load_settings
     from services.serve import _env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
