@@ -28,6 +28,11 @@ class Settings(BaseSettings):
         "torch_threads, at most the usable cores): for prefill workers with cores of their "
         "own; see common/prefill_threads.py",
     )
+    prefill_batch_tokens: int = Field(
+        2048,
+        ge=1,
+        description="prompt tokens per prefill batch at most (a longer prompt runs alone)",
+    )
     attention_backend: str = Field(
         "auto", description="prefill attention: auto | sdpa | native (C++, fp32 CPU) | flash-attn"
     )

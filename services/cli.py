@@ -113,6 +113,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         transfer_timeout_s=s.transfer_timeout_s,
         attention_backend=s.attention_backend,
         threads=PrefillThreads.from_settings(s),
+        max_batch_tokens=s.prefill_batch_tokens,
     )
     return 0
 

@@ -73,6 +73,7 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
         "DIST_PORT": s.dist_port,
         "TORCH_THREADS": s.torch_threads,
         "PREFILL_THREADS": s.prefill_threads,
+        "PREFILL_BATCH_TOKENS": s.prefill_batch_tokens,
         "KV_BUDGET_MB": s.kv_budget_mb,
         "MAX_BATCH": s.max_batch,
     }

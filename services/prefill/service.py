@@ -98,6 +98,7 @@ def serve_prefill(
     transfer_timeout_s: float = 30.0,
     attention_backend: str = "auto",
     threads: PrefillThreads | None = None,
+    max_batch_tokens: int = 2048,
     stop: threading.Event | None = None,
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
@@ -111,6 +112,7 @@ def serve_prefill(
         metrics=PrefillMetrics(registry),
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
+        max_batch_tokens=max_batch_tokens,
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)

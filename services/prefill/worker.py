@@ -49,7 +49,7 @@ class PrefillWorker:
         self,
         model: DeepseekForCausalLM,
         sender: KvSender,
-        max_batch_tokens: int = 8192,
+        max_batch_tokens: int = 2048,
         metrics: PrefillMetrics | None = None,
         transfer_timeout_s: float = 30.0,
         threads: PrefillThreads | None = None,
@@ -62,7 +62,13 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.metrics = metrics
         self.sender = sender
+        # Prompts per batch fill this many tokens at most (a longer prompt runs alone). Past a
+        # few hundred tokens a batch gains no matmul efficiency, while every prompt in it
+        # waits for the whole batch and the decode ranks get nothing new meanwhile.
+        if max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
         self.max_batch_tokens = max_batch_tokens
+        self._held: tuple[PrefillJob, Future[PrefillDone]] | None = None  # next batch's first
         self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillDone]] | None] = queue.Queue()
         self._pushers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-push")
         self.queued_tokens = 0
@@ -97,7 +103,7 @@ class PrefillWorker:
 
     @property
     def queued_requests(self) -> int:
-        return self._jobs.qsize()
+        return self._jobs.qsize() + (self._held is not None)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -106,7 +112,10 @@ class PrefillWorker:
         self.sender.close()
 
     def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillDone]]] | None:
-        first = self._jobs.get()
+        """Queued jobs in arrival order, as many as fit `max_batch_tokens` (at least one).
+
+        Only the batcher thread calls this; the job that did not fit opens the next batch."""
+        first, self._held = self._held or self._jobs.get(), None
         if first is None:
             return None
         batch, tokens = [first], len(first[0].prompt_ids)
@@ -117,6 +126,9 @@ class PrefillWorker:
                 break
             if item is None:
                 self._jobs.put(None)  # finish this batch, then stop
+                break
+            if tokens + len(item[0].prompt_ids) > self.max_batch_tokens:
+                self._held = item
                 break
             batch.append(item)
             tokens += len(item[0].prompt_ids)
