@@ -62,41 +62,6 @@ struct Workspace {
   std::vector<float*> srows, orows;
 };
 
-// One key block's online-softmax update for a query block, vectorized across its rows:
-// s[j * kRows + i] holds key j's scores for rows i (already scaled). Keys past a row's
-// position (j0 + j > i0 + i) get weight 0 when `diagonal`. Scores become weights
-// exp(s - m_new); m and l (running max and sum per row) are updated and alpha receives
-// exp(m_old - m_new) per row.
-void softmax_block(float* s, int64_t nk, int64_t j0, int64_t i0, bool diagonal, float* m,
-                   float* l, float* alpha) {
-  const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  const v8 neg_inf = splat(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < kRows; i += kLanes) {
-    const v8i row = lane + static_cast<int32_t>(i0 + i);
-    v8 top = load(m + i);
-    if (diagonal) {
-      for (int64_t j = 0; j < nk; ++j) {
-        const v8 x = load(s + j * kRows + i);
-        top = vmax(top, static_cast<int32_t>(j0 + j) <= row ? x : neg_inf);
-      }
-    } else {
-      for (int64_t j = 0; j < nk; ++j) top = vmax(top, load(s + j * kRows + i));
-    }
-    v8 sum = {};
-    for (int64_t j = 0; j < nk; ++j) {
-      v8 x = exp_v8(vmax(load(s + j * kRows + i) - top, splat(kExpFloor)));
-      if (diagonal) x = static_cast<int32_t>(j0 + j) <= row ? x : v8{};
-      store(s + j * kRows + i, x);
-      sum += x;
-    }
-    // First block: m = -inf, so alpha = e^-30 (the floor; NaN compares false), times l = 0.
-    const v8 a = exp_v8(vmax(load(m + i) - top, splat(kExpFloor)));
-    store(alpha + i, a);
-    store(l + i, load(l + i) * a + sum);
-    store(m + i, top);
-  }
-}
-
 // One head of one sequence (tokens [start, start + T)).
 void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& ws) {
   const int64_t H = p.H, dqk = p.dqk, dv = p.dv;
@@ -133,7 +98,12 @@ void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& 
     for (int64_t j0 = 0; j0 <= last; j0 += kKeys) {
       const int64_t nk = std::min(kKeys, last + 1 - j0);
       axpy_rows(dqk, Strided{kp + j0 * dqk, dqk, 1}, qrows, nk, kRows, srows, true);
-      softmax_block(s, nk, j0, i0, j0 + nk - 1 > i0, m, l, alpha);
+      // s[j * kRows + i]: key j0 + j's score for query row i0 + i; only blocks that reach
+      // past the block's first row need the causal mask.
+      if (j0 + nk - 1 > i0)
+        online_softmax<true>(s, nk, kRows, kRows, m, l, alpha, j0, i0);
+      else
+        online_softmax<false>(s, nk, kRows, kRows, m, l, alpha);
       for (int64_t i = 0; i < nr; ++i) {
         float* row = orows[i];
         int64_t c = 0;

@@ -113,29 +113,6 @@ struct Workspace {
   std::vector<float*> outs, outs2;
 };
 
-// One chunk's online-softmax update, vectorized across heads. s[t * hp + h] holds the
-// chunk's scores (n tokens); they become weights exp(s - m_new), the running max m and
-// sum l are updated, and `alpha` receives exp(m_old - m_new) per head to rescale the
-// value accumulators.
-void softmax_chunk(float* s, int64_t n, int64_t hp, float* m, float* l, float* alpha) {
-  for (int64_t h = 0; h < hp; h += kLanes) {
-    v8 top = load(m + h);
-    for (int64_t t = 0; t < n; ++t) top = vmax(top, load(s + t * hp + h));
-    v8 sum = {};
-    for (int64_t t = 0; t < n; ++t) {
-      v8 x = load(s + t * hp + h) - top;
-      x = exp_v8(vmax(x, splat(kExpFloor)));
-      store(s + t * hp + h, x);
-      sum += x;
-    }
-    // exp(-inf - top) on the first chunk: the floor makes it e^-30, times l = 0 and u = 0.
-    const v8 a = exp_v8(vmax(load(m + h) - top, splat(kExpFloor)));
-    store(alpha + h, a);
-    store(l + h, load(l + h) * a + sum);
-    store(m + h, top);
-  }
-}
-
 // Heads [h0, h1) of every sequence: absorb, attention, output.
 void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
   const int64_t H = h1 - h0, w = p.w, W = p.w + p.d_r;
@@ -248,7 +225,7 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
           for (int64_t off = 0; off < W * 4; off += 64) __builtin_prefetch(r + off, 0, 3);
         }
       }
-      softmax_chunk(s, n, hp, m, l, alpha);
+      online_softmax<false>(s, n, hp, hp, m, l, alpha);  // s[t * hp + h]
       for (int64_t h = 0; h < H; ++h)
         if (alpha[h] != 1.0f)
           for (int64_t c = 0; c < w; ++c) ub[h * w + c] *= alpha[h];

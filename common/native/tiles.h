@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace tiles {
@@ -111,6 +112,41 @@ inline v8 exp_v8(v8 x) {
   v8 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// One block's online-softmax update, vectorized across columns (heads in decode, query rows
+// in prefill): s[r * ld + c] holds row r's scores for column c, r < n, c < width (a multiple
+// of 8). Scores become weights exp(s - m_new); the running max m and sum l of every column
+// are updated and `alpha` receives exp(m_old - m_new) per column, to rescale its output.
+// `kCausal`: score row r is key first_key + r and column c query first_query + c, and a key
+// past its query's position gets weight exactly 0.
+template <bool kCausal>
+void online_softmax(float* s, int64_t n, int64_t ld, int64_t width, float* m, float* l,
+                    float* alpha, int64_t first_key = 0, int64_t first_query = 0) {
+  const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const v8 neg_inf = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t c = 0; c < width; c += kLanes) {
+    const v8i query = lane + static_cast<int32_t>(first_query + c);
+    const auto seen = [&](int64_t r) { return static_cast<int32_t>(first_key + r) <= query; };
+    v8 top = load(m + c);
+    for (int64_t r = 0; r < n; ++r) {
+      const v8 x = load(s + r * ld + c);
+      top = vmax(top, kCausal ? (seen(r) ? x : neg_inf) : x);
+    }
+    v8 sum = {};
+    for (int64_t r = 0; r < n; ++r) {
+      v8 x = exp_v8(vmax(load(s + r * ld + c) - top, splat(kExpFloor)));
+      if constexpr (kCausal) x = seen(r) ? x : v8{};
+      store(s + r * ld + c, x);
+      sum += x;
+    }
+    // First block: m = -inf, so alpha = e^-30 (the floor; a NaN compares false), times l = 0
+    // and an output of 0.
+    const v8 a = exp_v8(vmax(load(m + c) - top, splat(kExpFloor)));
+    store(alpha + c, a);
+    store(l + c, load(l + c) * a + sum);
+    store(m + c, top);
+  }
 }
 
 // The A operand of `axpy_rows`: element (i, k) of an M x K matrix, either rows given by
