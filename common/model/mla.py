@@ -112,9 +112,7 @@ class MLAttention(nn.Module):
             n.shape[0], self.num_heads, self.d_n + self.d_v
         )
         k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        k = torch.cat((k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)), dim=-1)
-        return backend.causal(q, k, v.contiguous(), cu_seqlens, self.scale)
+        return backend.causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens, self.scale)
 
     def absorb_query(self, q_nope: Tensor) -> Tensor:
         """q~^h = W_UK^h^T q_nope^h: [..., H, d_n] -> [..., H, d_c]."""

@@ -46,13 +46,23 @@ using namespace tiles;
 constexpr int64_t kRows = 48;
 constexpr int64_t kKeys = 72;
 
+// A [T, H, d] operand given by pointer and strides in floats (its last dimension is
+// contiguous): element (t, h, c) at base[t * row + h * head + c]. A head stride of 0 shares
+// one row among all heads (MLA's k_pe).
+struct Operand {
+  const float* base;
+  int64_t row, head;
+  const float* at(int64_t t, int64_t h) const { return base + t * row + h * head; }
+};
+
+// q = [q_a | q_b] and k = [k_a | k_b] along d (d_a + d_b = d_qk; d_b may be 0): the prefill
+// passes MLA's parts as they come (q_nope | rotated q_pe, the up-projected k_nope | the shared
+// k_pe) and the kernel joins them while packing, instead of torch concatenating them first.
 struct Problem {
-  const float* q;   // [T, H, d_qk]
-  const float* k;   // [T, H, d_qk]
-  const float* v;   // [T, H, d_v]
-  float* out;       // [T, H, d_v]
+  Operand qa, qb, ka, kb, v;
+  float* out;         // [T, H, d_v], contiguous
   const int64_t* cu;  // [nseq + 1] sequence starts, cu[nseq] = T
-  int64_t nseq, H, dqk, dv;
+  int64_t nseq, H, da, db, dv;
   float scale;
 };
 
@@ -64,12 +74,13 @@ struct Workspace {
 
 // One head of one sequence (tokens [start, start + T)).
 void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& ws) {
-  const int64_t H = p.H, dqk = p.dqk, dv = p.dv;
+  const int64_t da = p.da, dqk = p.da + p.db, dv = p.dv;
   float* kp = lines(ws.kp, T * dqk);
   float* vp = lines(ws.vp, T * dv);
   for (int64_t t = 0; t < T; ++t) {
-    std::copy_n(p.k + ((start + t) * H + h) * dqk, dqk, kp + t * dqk);
-    std::copy_n(p.v + ((start + t) * H + h) * dv, dv, vp + t * dv);
+    std::copy_n(p.ka.at(start + t, h), da, kp + t * dqk);
+    std::copy_n(p.kb.at(start + t, h), p.db, kp + t * dqk + da);
+    std::copy_n(p.v.at(start + t, h), dv, vp + t * dv);
   }
   float* qt = lines(ws.qt, dqk * kRows);  // the query block transposed and scaled [dqk, kRows]
   float* s = lines(ws.s, kKeys * kRows);  // [key, row]: scores, then weights
@@ -92,8 +103,10 @@ void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& 
     std::fill(o, o + nr * dv, 0.0f);
     std::fill(qt, qt + dqk * kRows, 0.0f);  // rows past the sequence stay 0 (discarded)
     for (int64_t i = 0; i < nr; ++i) {
-      const float* src = p.q + ((start + i0 + i) * H + h) * dqk;
-      for (int64_t d = 0; d < dqk; ++d) qt[d * kRows + i] = src[d] * p.scale;
+      const float* qa = p.qa.at(start + i0 + i, h);
+      const float* qb = p.qb.at(start + i0 + i, h);
+      for (int64_t d = 0; d < da; ++d) qt[d * kRows + i] = qa[d] * p.scale;
+      for (int64_t d = da; d < dqk; ++d) qt[d * kRows + i] = qb[d - da] * p.scale;
     }
     for (int64_t j0 = 0; j0 <= last; j0 += kKeys) {
       const int64_t nk = std::min(kKeys, last + 1 - j0);
@@ -115,7 +128,7 @@ void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& 
     }
     for (int64_t i = 0; i < nr; ++i) {
       const float inv = 1.0f / l[i];
-      float* dst = p.out + ((start + i0 + i) * H + h) * dv;
+      float* dst = p.out + ((start + i0 + i) * p.H + h) * dv;
       for (int64_t c = 0; c < dv; ++c) dst[c] = orows[i][c] * inv;
     }
   }
@@ -133,26 +146,25 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1) {
 
 extern "C" {
 
-// tensors: q, k, v, out (fp32, contiguous [T, H, d]), cu_seqlens (int64, nseq + 1)
-// dims:    nseq, T, H, d_qk, d_v, threads
+// tensors: q_a, q_b, k_a, k_b, v, out, cu_seqlens (int64, nseq + 1); fp32, every operand's
+//          last dimension contiguous, out contiguous [T, H, d_v]
+// dims:    nseq, T, H, d_a, d_b, d_v, threads, then (row, head) strides of q_a, q_b, k_a,
+//          k_b, v in floats
 // scalars: scale
 // Returns 0, or 1 if cu_seqlens is not 0 = cu[0] <= cu[1] <= ... <= cu[nseq] = T.
 int tpla_causal_attention(void* const* tensors, const int64_t* dims, const float* scalars) {
-  const Problem p{static_cast<const float*>(tensors[0]),
-                  static_cast<const float*>(tensors[1]),
-                  static_cast<const float*>(tensors[2]),
-                  static_cast<float*>(tensors[3]),
-                  static_cast<const int64_t*>(tensors[4]),
-                  dims[0],
-                  dims[2],
-                  dims[3],
-                  dims[4],
-                  scalars[0]};
+  const auto operand = [&](int i) {
+    return Operand{static_cast<const float*>(tensors[i]), dims[7 + 2 * i], dims[8 + 2 * i]};
+  };
+  const Problem p{operand(0), operand(1), operand(2), operand(3), operand(4),
+                  static_cast<float*>(tensors[5]),
+                  static_cast<const int64_t*>(tensors[6]),
+                  dims[0], dims[2], dims[3], dims[4], dims[5], scalars[0]};
   const int64_t T = dims[1];
   if (p.cu[0] != 0 || p.cu[p.nseq] != T) return 1;
   for (int64_t b = 0; b < p.nseq; ++b)
     if (p.cu[b + 1] < p.cu[b]) return 1;
-  const int64_t threads = std::max<int64_t>(1, std::min(dims[5], p.H));
+  const int64_t threads = std::max<int64_t>(1, std::min(dims[6], p.H));
   if (threads == 1) {
     run_heads(p, 0, p.H);
     return 0;

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from common.native.library import NativeUnavailable, load_optional
 
-_Tensors = ctypes.c_void_p * 5
-_Dims = ctypes.c_int64 * 6
+_Tensors = ctypes.c_void_p * 7
+_Dims = ctypes.c_int64 * 17
 _Scalars = ctypes.c_float * 1
 
 
@@ -53,25 +53,84 @@ def causal_attention(
     """q, k [T, H, d_qk], v [T, H, d_v] over sequences cu_seqlens[b]:cu_seqlens[b+1] ->
     [T, H, d_v]: each token attends to itself and the earlier tokens of its sequence.
     `threads` (split over heads) defaults to torch's intra-op threads."""
-    lib = _library()
-    if lib is None:
-        raise NativeUnavailable("the native prefill attention kernel is not available")
-    if not supports(q, k, v):
-        raise ValueError("causal_attention takes fp32 CPU tensors outside autograd")
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(
             f"causal_attention: q, k [T, H, d_qk] and v [T, H, d_v] expected, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    total, heads, d_qk = q.shape
+    empty = q[..., :0]
+    return _attend(q, empty, k, empty, v, cu_seqlens, scale, threads)
+
+
+def causal_attention_mla(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    k_nope: Tensor,
+    k_pe: Tensor,
+    v: Tensor,
+    cu_seqlens: Sequence[int],
+    scale: float,
+    threads: int | None = None,
+) -> Tensor:
+    """`causal_attention` of q = [q_nope | q_pe] and k = [k_nope | k_pe] without building them:
+    q_nope, k_nope [T, H, d_n], q_pe [T, H, d_r], k_pe [T, d_r] (shared by the heads, MLA's
+    decoupled RoPE key), v [T, H, d_v]. Any strides with a contiguous last dimension (k_nope
+    and v may be views into the up-projected [T, H, d_n + d_v])."""
+    dims_ok = (q_nope.dim(), q_pe.dim(), k_pe.dim(), v.dim()) == (3, 3, 2, 3)
+    total, heads = q_nope.shape[:2] if dims_ok else (0, 0)
+    if not (
+        dims_ok
+        and k_nope.shape == q_nope.shape
+        and q_pe.shape[:2] == v.shape[:2] == (total, heads)
+        and k_pe.shape == (total, q_pe.shape[2])
+    ):
+        raise ValueError(
+            "causal_attention_mla: q_nope, k_nope [T, H, d_n], q_pe [T, H, d_r], k_pe [T, d_r], "
+            f"v [T, H, d_v] expected, got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}, "
+            f"{tuple(k_nope.shape)}, {tuple(k_pe.shape)}, {tuple(v.shape)}"
+        )
+    return _attend(
+        q_nope, q_pe, k_nope, k_pe[:, None].expand(-1, heads, -1), v, cu_seqlens, scale, threads
+    )
+
+
+def _attend(
+    qa: Tensor,
+    qb: Tensor,
+    ka: Tensor,
+    kb: Tensor,
+    v: Tensor,
+    cu_seqlens: Sequence[int],
+    scale: float,
+    threads: int | None,
+) -> Tensor:
+    """The kernel over q = [qa | qb], k = [ka | kb] (all [T, H, *], kb may have head stride 0)."""
+    lib = _library()
+    if lib is None:
+        raise NativeUnavailable("the native prefill attention kernel is not available")
+    if not supports(qa, qb, ka, kb, v):
+        raise ValueError("causal_attention takes fp32 CPU tensors outside autograd")
+    operands = [
+        t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous() for t in (qa, qb, ka, kb, v)
+    ]
+    total, heads, _ = qa.shape
     cu = torch.tensor(list(cu_seqlens), dtype=torch.int64)
     if cu.numel() < 1 or cu[0] != 0 or cu[-1] != total or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must rise from 0 to {total}, got {list(cu_seqlens)}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(total, heads, v.shape[-1])
+    strides = [s for t in operands for s in t.stride()[:2]]
     status = lib.tpla_causal_attention(
-        _Tensors(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr()),
-        _Dims(cu.numel() - 1, total, heads, d_qk, v.shape[-1], threads or torch.get_num_threads()),
+        _Tensors(*(t.data_ptr() for t in operands), out.data_ptr(), cu.data_ptr()),
+        _Dims(
+            cu.numel() - 1,
+            total,
+            heads,
+            qa.shape[-1],
+            qb.shape[-1],
+            v.shape[-1],
+            threads or torch.get_num_threads(),
+            *strides,
+        ),
         _Scalars(scale),
     )
     if status:  # checked above too: the kernel re-checks what it indexes by

@@ -1,7 +1,8 @@
 """The native causal prefill kernel against its reference (torch SDPA, `SdpaBackend`) and an
 explicit masked softmax, over the shapes prefill meets: packed ragged sequences, the MLA
-widths (d_v < d_qk), lengths around the kernel's 36-row query and 16/32/64-key blocks, more
-than one thread; plus the backend's selection and fallbacks."""
+widths (d_v < d_qk), lengths around the kernel's 48-row query and 72-key blocks, more than
+one thread, MLA's parts read in place (q_nope | q_pe, strided k_nope | shared k_pe); plus the
+backend's selection and fallbacks."""
 
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ def _inputs(lengths, heads, d_qk, d_v, seed=0, magnitude=1.0):
     ("lengths", "heads", "d_qk", "d_v"),
     [
         ([1], 1, 48, 32),
-        ([37, 1, 100], 8, 48, 32),  # the demo model's widths; a 36-row block + 1
-        ([130], 3, 24, 8),  # odd head count, keys past a 64-key block
-        ([71, 64, 65], 2, 80, 48),  # 32-key blocks (d_qk > 64)
-        ([50], 2, 192, 128),  # DeepSeek-V2/V3 widths: 16-key blocks
+        ([37, 1, 100], 8, 48, 32),  # the demo model's widths
+        ([49, 48, 47], 8, 48, 32),  # around one 48-row query block
+        ([145], 3, 24, 8),  # odd head count, keys past two 72-key blocks
+        ([73, 72, 71], 2, 80, 48),  # around one 72-key block
+        ([50], 2, 192, 128),  # DeepSeek-V2/V3 widths
         ([0, 5, 0], 4, 48, 32),  # empty sequences in the pack
         ([9], 2, 5, 3),  # widths below one vector
     ],
@@ -76,11 +78,38 @@ def test_large_scores_and_threads() -> None:
 
 
 def test_strided_inputs_are_accepted() -> None:
-    # The model passes cat() results and a split() view of v: any layout works.
+    # Any layout with a contiguous last dimension is read in place (here a split() view of v).
     q, k, v, cu = _inputs([40], 4, 48, 64)
     v_view = v[..., :32]
     out = ca.causal_attention(q, k, v_view, cu, 0.2)
     torch.testing.assert_close(out, SdpaBackend().causal(q, k, v_view.contiguous(), cu, 0.2))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_mla_parts_are_read_in_place(threads: int) -> None:
+    # As MLAttention.expanded has them: q_nope / q_pe views of one projection, k_nope and v
+    # strided views of the up-projected latent, k_pe one row per token for all heads.
+    g = torch.Generator().manual_seed(5)
+    heads, d_n, d_r, d_v, cu = 8, 32, 16, 24, [0, 37, 37, 187]
+    total = cu[-1]
+    q = torch.randn(total, heads, d_n + d_r, generator=g)
+    kv = torch.randn(total, heads, d_n + d_v, generator=g)
+    k_pe = torch.randn(total, d_r, generator=g)
+    q_nope, q_pe = q.split([d_n, d_r], dim=-1)
+    k_nope, v = kv.split([d_n, d_v], dim=-1)
+    parts = ca.causal_attention_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3, threads=threads)
+    k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), dim=-1)
+    joined = ca.causal_attention(q, k, v.contiguous(), cu, 0.3, threads=threads)
+    assert torch.equal(parts, joined)  # the same packed operands, the same arithmetic
+    backend = NativeBackend()
+    assert torch.equal(backend.causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3), joined)
+    # The default causal_mla (join, then `causal`) on the reference backend agrees too.
+    sdpa = SdpaBackend().causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3)
+    torch.testing.assert_close(parts, sdpa, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="k_pe \\[T, d_r\\]"):
+        ca.causal_attention_mla(q_nope, q_pe, k_nope, k_pe[:-1], v, cu, 0.3)
+    with pytest.raises(ValueError, match="expected"):
+        ca.causal_attention_mla(q_nope, q_pe, k_nope, k_pe[:, None], v, cu, 0.3)
 
 
 @pytest.mark.parametrize(
