@@ -102,7 +102,7 @@ class NativeBackend(PrefillAttentionBackend):
         scale: float,
     ) -> Tensor:
         # The kernel joins the parts while packing each head: no [T, H, d_qk] copies of q and
-        # k first (~2-3% of a 1,536-token demo prefill went to them).
+        # k first (a demo layer at 1,536 tokens: 29.6 ms joined, 25.9 ms in place, prefill.md).
         if self._kernel.supports(q_nope, q_pe, k_nope, k_pe, v):
             return self._kernel.causal_attention_mla(
                 q_nope, q_pe, k_nope, k_pe, v, cu_seqlens, scale

@@ -5,6 +5,7 @@ and every job answered as if it had run by itself."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,10 @@ def test_batches_fill_the_token_budget_in_arrival_order(tmp_path: Path) -> None:
     ]
     try:
         futures = [worker.submit(jobs[0])]
+        deadline = time.monotonic() + 60
         while not batches:  # the first job is taken alone, before the others arrive
-            threading.Event().wait(0.01)
+            assert time.monotonic() < deadline, "the worker never took the first job"
+            time.sleep(0.01)
         futures += [worker.submit(job) for job in jobs[1:]]
         assert worker.queued_requests == len(jobs) - 1
         release.set()
