@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import httpx
@@ -19,9 +19,13 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port(offsets: tuple[int, ...] = (0,), attempts: int = 200) -> int:
+def free_port(
+    offsets: tuple[int, ...] = (0,), attempts: int = 200, avoid: Collection[int] = ()
+) -> int:
     """A port p on 127.0.0.1 with every p + offset free right now (services derive ports:
-    metrics on +1000, KV receivers on +rank).
+    metrics on +1000, KV receivers on +rank) and none of them in `avoid`: ports already
+    chosen for services that have not bound them yet (separate calls hold nothing, so
+    without it two services of one stack can be handed overlapping ports).
 
     Chosen below the OS's ephemeral range: a listening port picked from that range (as
     binding port 0 does) can be taken a moment later as the source port of any outgoing
@@ -31,6 +35,8 @@ def free_port(offsets: tuple[int, ...] = (0,), attempts: int = 200) -> int:
     top = max(low - 1 - max(offsets), 10_001)
     for _ in range(attempts):
         base = random.randint(10_000, top)
+        if any(base + off in avoid for off in offsets):
+            continue
         held: list[socket.socket] = []
         try:
             for off in offsets:

@@ -40,21 +40,28 @@ class LocalStack:
     def start(cls, model_dir: Path | str, **settings: str) -> LocalStack:
         """Start `tpla serve` on free ports with TPLA_<KEY>=value for each keyword (e.g.
         DECODE_GROUPS="2") and the embedded Redis; return once /ready answers 200."""
-        router_port = free_port()
         # Room for what the services derive from each port (metrics on +1000, rank k's KV
         # receiver on base + k, torch stores on +100, a second group or worker on the
-        # strides of services/serve.py).
+        # strides of services/serve.py), none of it overlapping another service's.
         workers = (0, 1, 1000, 1001)
         kv = tuple(g * 200 + off + r for g in (0, 1) for off in (0, 100) for r in range(4))
+        taken: set[int] = set()
+
+        def pick(offsets: tuple[int, ...] = (0,)) -> str:
+            base = free_port(offsets, avoid=taken)
+            taken.update(base + off for off in offsets)
+            return str(base)
+
+        router_port = int(pick())
         env = {
             **os.environ,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "TPLA_MODEL": str(model_dir),
             "TPLA_ROUTER_PORT": str(router_port),
-            "TPLA_PREFILL_PORT": str(free_port(workers)),
-            "TPLA_DECODE_PORT": str(free_port(workers)),
-            "TPLA_KV_PORT_BASE": str(free_port(kv)),
-            "TPLA_DIST_PORT": str(free_port((0, 10))),
+            "TPLA_PREFILL_PORT": pick(workers),
+            "TPLA_DECODE_PORT": pick(workers),
+            "TPLA_KV_PORT_BASE": pick(kv),
+            "TPLA_DIST_PORT": pick((0, 10)),
         }
         env.update({f"TPLA_{k}": str(v) for k, v in settings.items()})
         env.pop("TPLA_REDIS_URL", None)  # the embedded redis-server

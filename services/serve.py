@@ -96,8 +96,20 @@ DIST_PORT_STRIDE = 10
 PREFILL_PORT_STRIDE = 1
 
 
-def stack_children(s: Settings) -> list[Child]:
-    """The local stack's processes: decode groups, prefill workers, then the router."""
+@dataclass(frozen=True)
+class StackPorts:
+    """Each decode group's gRPC, KV-base and rendezvous port, each prefill worker's port, and
+    every port the stack's services bind."""
+
+    decode: list[int]
+    kv: list[int]
+    dist: list[int]
+    prefill: list[int]
+    used: list[int]
+
+
+def stack_ports(s: Settings) -> StackPorts:
+    """The ports `s` gives the local stack; ValueError if two services would share one."""
     decode = [s.decode_port + i * DECODE_PORT_STRIDE for i in range(s.decode_groups)]
     kv = [s.kv_port_base + i * KV_PORT_STRIDE for i in range(s.decode_groups)]
     dist = [s.dist_port + i * DIST_PORT_STRIDE for i in range(s.decode_groups)]
@@ -115,14 +127,22 @@ def stack_children(s: Settings) -> list[Child]:
             f"{s.decode_groups} decode groups and {s.prefill_workers} prefill workers need "
             "more room between the configured ports (TPLA_*_PORT, TPLA_KV_PORT_BASE)"
         )
+    return StackPorts(decode, kv, dist, prefill, used)
+
+
+def stack_children(s: Settings) -> list[Child]:
+    """The local stack's processes: decode groups, prefill workers, then the router."""
+    ports = stack_ports(s)
     groups = [
         Child(
             f"decode-{i}",
             ["decode", "--port", str(d), "--kv-port-base", str(k), "--dist-port", str(m)],
         )
-        for i, (d, k, m) in enumerate(zip(decode, kv, dist, strict=True))
+        for i, (d, k, m) in enumerate(zip(ports.decode, ports.kv, ports.dist, strict=True))
     ]
-    workers = [Child(f"prefill-{j}", ["prefill", "--port", str(p)]) for j, p in enumerate(prefill)]
+    workers = [
+        Child(f"prefill-{j}", ["prefill", "--port", str(p)]) for j, p in enumerate(ports.prefill)
+    ]
     return [*groups, *workers, Child("router", ["router"])]
 
 
@@ -156,7 +176,7 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
         # on free ports) takes a free one. A random password, since any local user can reach
         # a loopback port; children get the URL in their environment, never on a command line.
         redis_server = EmbeddedRedis(
-            port=6399 if s.router_port == 8000 else free_port(),
+            port=6399 if s.router_port == 8000 else free_port(avoid=stack_ports(s).used),
             password=secrets.token_urlsafe(24),
         )
         redis_url = redis_server.url
