@@ -93,6 +93,27 @@ void gemv_pair(int64_t K, int64_t V, const float* const (&w)[2], const float* co
   }
 }
 
+// The next chunk's rows, asked for a few cache lines at a time (see the score pass).
+struct LinePrefetch {
+  const float* const* rows;
+  int64_t row_lines, row = 0, col = 0;
+
+  void issue(int64_t n) {
+    for (; n > 0; --n) {
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[row]) + col * 64, 0, 3);
+      if (++col == row_lines) col = 0, ++row;
+    }
+  }
+};
+
+// Prefetches issued back to back at most. All of a 6-token group's next rows at once (216
+// lines at V2-Lite widths) filled the miss buffers and the core stalled on the prefetch
+// instructions themselves (perf, V2-Lite MLA-TP 4,096 tokens x 4: one prefetch held 64% of
+// run_heads' samples, ~12% of the kernel). Cut into bursts of 24 between pieces of the score
+// GEMM: V2-Lite 1.08-1.16x, the demo's TPLA shapes 1.03-1.10x, V3 unchanged (in-process
+// alternation); 12 and 48 measured no better.
+constexpr int64_t kBurst = 24;
+
 struct Problem {
   const float* q_nope;       // [B, H, d_n]
   const float* q_pe;         // [B, H, d_r]
@@ -203,6 +224,7 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
       }
     };
     fill_rows(0, std::min(kChunk, len), next);
+    const int64_t row_lines = (W * 4 + 63) / 64;  // lines from a row's start to its end
     for (int64_t c = 0; c < W; ++c) rows[c] = qt + c * hp;
     for (int64_t t0 = 0; t0 < len; t0 += kChunk) {
       const int64_t n = std::min(kChunk, len - t0);
@@ -211,19 +233,39 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
       fill_rows(t0 + kChunk, n_next, next);
       for (int64_t t = 0; t < n; ++t) outs[t] = s + t * hp;
       // s[t, h] = [n_t | k_pe_t] . q~_h, six tokens at a time. Blocks sit anywhere in the
-      // pool, so the hardware prefetcher cannot run ahead across them: between groups, ask
-      // for the same rows of the next chunk, spread out so the requests overlap this
-      // chunk's arithmetic instead of queueing all at once.
+      // pool, so the hardware prefetcher cannot run ahead across them: each group asks for
+      // the same rows of the next chunk, so the requests overlap this chunk's arithmetic.
       for (int64_t t = 0; t < n; t += 6) {
         const int64_t g = std::min<int64_t>(6, n - t);
+        const int64_t ahead = std::max<int64_t>(0, std::min(t + g, n_next) - t);
+        if (!few_heads && g == 6) {
+          // Full groups: the GEMM is cut into pieces (16- or 8-column tiles, each split along
+          // k) with at most kBurst prefetches between two pieces.
+          const int64_t lines = ahead * row_lines, tiles = hp / 16 + hp % 16 / 8;
+          const int64_t parts = std::clamp<int64_t>(
+              (lines + tiles * kBurst - 1) / (tiles * kBurst), 1, std::max<int64_t>(W / 8, 1));
+          LinePrefetch pf{next + t, row_lines};
+          int64_t piece = 0, issued = 0;
+          const float* tk[6];
+          for (int64_t n0 = 0; n0 < hp; n0 += n0 + 2 * kLanes <= hp ? 2 * kLanes : kLanes)
+            for (int64_t part = 0; part < parts; ++part, ++piece) {
+              const int64_t k0 = W * part / parts, k1 = W * (part + 1) / parts;
+              for (int i = 0; i < 6; ++i) tk[i] = tokens[t + i] + k0;
+              if (n0 + 2 * kLanes <= hp)
+                axpy_tile<6, 2>(k1 - k0, RowPointers{tk}, rows + k0, n0, outs + t, part == 0);
+              else
+                axpy_tile<6, 1>(k1 - k0, RowPointers{tk}, rows + k0, n0, outs + t, part == 0);
+              const int64_t due = lines * (piece + 1) / (tiles * parts);
+              pf.issue(due - issued);
+              issued = due;
+            }
+          continue;
+        }
         if (few_heads)
           dot_rows<3, 4>(W, tokens + t, g, heads, H, s + t * hp, hp);
         else
           axpy_rows(W, RowPointers{tokens + t}, rows, g, hp, outs + t, true);
-        for (int64_t j = t; j < std::min(t + g, n_next); ++j) {
-          const char* r = reinterpret_cast<const char*>(next[j]);
-          for (int64_t off = 0; off < W * 4; off += 64) __builtin_prefetch(r + off, 0, 3);
-        }
+        LinePrefetch{next + t, row_lines}.issue(ahead * row_lines);
       }
       online_softmax<false>(s, n, hp, hp, m, l, alpha);  // s[t * hp + h]
       for (int64_t h = 0; h < H; ++h)
