@@ -10,7 +10,9 @@ import pytest
 
 from common.bench.capacity import cache_shapes, expected_ratio, measure_capacity
 from common.bench.decode_attn import DeviceWork, device_work, shapes
+from common.bench.decode_attn import run_bench as time_grid
 from common.bench.prefill import prefill_work
+from common.bench.roofline import Roofline
 from tests.bench.runner import run_bench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,8 +26,13 @@ def test_roofline_json() -> None:
 
 def test_decode_attn_quick_json(tmp_path: Path) -> None:
     plot = tmp_path / "fig.png"
-    result = run_bench("decode-attn", "--quick", "--json", "--shapes", "demo", "--plot", str(plot))
+    result = run_bench(
+        "decode-attn", "--quick", "--json", "--shapes", "demo", "--rounds", "2", "--plot", str(plot)
+    )
     rows = result["rows"]
+    assert result["rounds"] == 2
+    # Every row keeps the repeats of both sweeps (at least 5 each).
+    assert all(r["repeats"] >= 10 for r in rows)
     assert {(r["mode"], r["context"], r["batch"]) for r in rows} == {
         (m, c, b) for m in ("mla-tp", "tpla") for c in (1024, 4096) for b in (1, 4)
     }
@@ -125,3 +132,8 @@ def test_decode_step_json_side_by_side() -> None:
         rows[("shm", "tpla")]["comm_bytes_per_step"]
         == rows[("dist", "tpla")]["comm_bytes_per_step"]
     )
+
+
+def test_decode_attn_rounds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="rounds"):
+        time_grid(Roofline(1e11, 1e10, 1, 256, 16.0), quick=True, names=["demo"], rounds=0)
