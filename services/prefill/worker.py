@@ -3,8 +3,10 @@
 Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
 one packed exact prefill -> first token sampled with the request's params -> the latent cut
 into each decode rank's shard (its latent columns, or its token ranges in SP mode) and pushed
-over the chosen transport, all ranks in parallel -> the job's future resolves. A failed push
-fails only its job; the decode side frees the reservation by lease or by the router's abort.
+over the chosen transport, all ranks and all of the batch's jobs in parallel, while the next
+batch already runs -> the job's future resolves when its last shard is acknowledged. A failed
+push fails only its job; the decode side frees the reservation by lease or by the router's
+abort.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.prefill_threads import PrefillThreads
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
+
+# Jobs in flight to the decode ranks at once (a few batches of short prompts).
+MAX_SHIPPING = 64
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class PrefillWorker:
         self._held: tuple[PrefillJob, Future[PrefillDone]] | None = None  # next batch's first
         self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillDone]] | None] = queue.Queue()
         self._pushers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-push")
+        # Jobs whose shards are still travelling, at most this many: past it the batcher waits
+        # for pushes instead of queueing more batches' latents in memory behind a slow rank.
+        self._shipping = threading.BoundedSemaphore(MAX_SHIPPING)
         self.queued_tokens = 0
         self.transfer_bytes_total = 0
         self._lock = threading.Lock()
@@ -158,30 +166,84 @@ class PrefillWorker:
         start = 0
         for row, (job, fut) in enumerate(batch):
             end = start + len(job.prompt_ids)
-            first = sample(out.logits[row], job.params, make_generator(job.params, stream=0))
-            t1 = time.perf_counter()
             try:
-                sent = self._push(out, start, end, job)
-            except TransferError as exc:
-                fut.set_exception(exc)
-            else:
-                transfer_s = time.perf_counter() - t1
-                self.transfer_bytes_total += sent
-                if self.metrics is not None:
-                    self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
-                    self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
-                fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
+                first = sample(out.logits[row], job.params, make_generator(job.params, stream=0))
+                self._ship(out, start, end, job, fut, first, prefill_s)
+            except Exception as exc:  # this job's error; the batch's other jobs go on
+                if not fut.done():
+                    fut.set_exception(exc)
             start = end
 
-    def _push(self, out: PrefillOutput, start: int, end: int, job: PrefillJob) -> int:
+    def _ship(
+        self,
+        out: PrefillOutput,
+        start: int,
+        end: int,
+        job: PrefillJob,
+        fut: Future[PrefillDone],
+        first: SampledToken,
+        prefill_s: float,
+    ) -> None:
+        """Push the job's shards to every target rank without waiting for them.
+
+        The batcher goes on to the next batch while they travel (measured in the short-prompt
+        mix at 16 streams: a batch of 15 prompts took 320 ms to prefill and then 262 ms to
+        push one job after another). `fut` resolves when the last rank acknowledged, or fails
+        with the first error; the shards' sends run on the pusher threads.
+        """
         shards = [
             (cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size), t)
             for t in job.targets
         ]
         timeout = min(job.deadline_s, self.transfer_timeout_s)
-        futures = [
+        self._shipping.acquire()
+        t0 = time.perf_counter()
+        sends = [
             self._pushers.submit(self.sender.send, shard, t.grpc_address, t.torch_address, timeout)
             for shard, t in shards
             if shard.n.shape[1]  # an SP rank may own none of a short prompt
         ]
-        return sum(f.result() for f in futures)
+        left = [len(sends)]
+        lock = threading.Lock()
+
+        def arrived(_: Future[int] | None) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] > 0:
+                    return
+            self._shipping.release()
+            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends)
+
+        if not sends:
+            left[0] = 1
+            arrived(None)
+        for send in sends:
+            send.add_done_callback(arrived)
+
+    def _shipped(
+        self,
+        fut: Future[PrefillDone],
+        first: SampledToken,
+        prefill_s: float,
+        transfer_s: float,
+        sends: list[Future[int]],
+    ) -> None:
+        """Resolve a job once every one of its sends finished (called on a pusher thread)."""
+        for send in sends:
+            error = (
+                TransferError("the prefill worker closed before the KV was pushed")
+                if send.cancelled()
+                else send.exception()
+            )
+            if error is not None:
+                if not fut.done():
+                    fut.set_exception(error)
+                return
+        sent = sum(send.result() for send in sends)
+        with self._lock:
+            self.transfer_bytes_total += sent
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
+            self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
+        if not fut.done():
+            fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
