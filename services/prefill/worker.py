@@ -198,25 +198,32 @@ class PrefillWorker:
         timeout = min(job.deadline_s, self.transfer_timeout_s)
         self._shipping.acquire()
         t0 = time.perf_counter()
-        sends = [
-            self._pushers.submit(self.sender.send, shard, t.grpc_address, t.torch_address, timeout)
-            for shard, t in shards
-            if shard.n.shape[1]  # an SP rank may own none of a short prompt
-        ]
-        left = [len(sends)]
+        try:
+            sends = [
+                self._pushers.submit(
+                    self.sender.send, shard, t.grpc_address, t.torch_address, timeout
+                )
+                for shard, t in shards
+                if shard.n.shape[1]  # an SP rank may own none of a short prompt
+            ]
+        except BaseException:  # e.g. the pool is shut down: the job fails, its slot is free
+            self._shipping.release()
+            raise
+        remaining = len(sends)
         lock = threading.Lock()
 
-        def arrived(_: Future[int] | None) -> None:
+        def arrived(_: Future[int]) -> None:
+            nonlocal remaining
             with lock:
-                left[0] -= 1
-                if left[0] > 0:
+                remaining -= 1
+                if remaining:
                     return
             self._shipping.release()
             self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends)
 
         if not sends:
-            left[0] = 1
-            arrived(None)
+            self._shipping.release()
+            self._shipped(fut, first, prefill_s, 0.0, sends)
         for send in sends:
             send.add_done_callback(arrived)
 
@@ -242,8 +249,8 @@ class PrefillWorker:
         sent = sum(send.result() for send in sends)
         with self._lock:
             self.transfer_bytes_total += sent
+        if not fut.done():
+            fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
-        if not fut.done():
-            fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
