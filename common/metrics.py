@@ -41,7 +41,7 @@ class PrefillMetrics:
         )
         self.transfer_seconds = Histogram(
             "tpla:kv_transfer_seconds",
-            "time to push one request's shards to every rank",
+            "time from a request's shards leaving its prefill batch to the last rank's ack",
             ["transport"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
