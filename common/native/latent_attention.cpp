@@ -247,11 +247,12 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
           LinePrefetch pf{next + t, row_lines};
           int64_t piece = 0, issued = 0;
           const float* tk[6];
-          for (int64_t n0 = 0; n0 < hp; n0 += n0 + 2 * kLanes <= hp ? 2 * kLanes : kLanes)
+          for (int64_t n0 = 0; n0 < hp;) {
+            const bool wide = n0 + 2 * kLanes <= hp;
             for (int64_t part = 0; part < parts; ++part, ++piece) {
               const int64_t k0 = W * part / parts, k1 = W * (part + 1) / parts;
               for (int i = 0; i < 6; ++i) tk[i] = tokens[t + i] + k0;
-              if (n0 + 2 * kLanes <= hp)
+              if (wide)
                 axpy_tile<6, 2>(k1 - k0, RowPointers{tk}, rows + k0, n0, outs + t, part == 0);
               else
                 axpy_tile<6, 1>(k1 - k0, RowPointers{tk}, rows + k0, n0, outs + t, part == 0);
@@ -259,6 +260,8 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
               pf.issue(due - issued);
               issued = due;
             }
+            n0 += wide ? 2 * kLanes : kLanes;
+          }
           continue;
         }
         if (few_heads)

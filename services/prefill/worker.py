@@ -224,6 +224,7 @@ class PrefillWorker:
         if not sends:
             self._shipping.release()
             self._shipped(fut, first, prefill_s, 0.0, sends)
+            return
         for send in sends:
             send.add_done_callback(arrived)
 
@@ -235,7 +236,8 @@ class PrefillWorker:
         transfer_s: float,
         sends: list[Future[int]],
     ) -> None:
-        """Resolve a job once every one of its sends finished (called on a pusher thread)."""
+        """Resolve a job once every one of its sends finished (on the pusher thread that
+        finished the last one; on the batcher's when the job had nothing to send)."""
         for send in sends:
             error = (
                 TransferError("the prefill worker closed before the KV was pushed")

@@ -140,7 +140,8 @@ def test_closing_fails_jobs_whose_push_never_started(model) -> None:  # type: ig
         while worker.queued_requests:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        time.sleep(0.2)  # let the batcher hand the last job's sends to the pool
+        # close() joins the batcher before it stops the pool, so the last job's sends are
+        # queued by then and are the ones cancelled.
         worker.close()
         with pytest.raises(TransferError, match="closed"):
             futures[4].result(timeout=WAIT_S)
