@@ -1,5 +1,5 @@
-// Native products for decode-sized batches: a linear layer over a few rows, and the routed
-// experts of a MoE layer for a few tokens (fp32, CPU).
+// Native products for decode-sized batches: a linear layer over a few rows, a dense MLP, and
+// the routed experts of a MoE layer for a few tokens (fp32, CPU).
 //
 // Why native: a decode step multiplies every weight matrix by 1-16 rows. BLAS packs the
 // weight for each such call and runs its skinny-M code far below peak (measured on the
@@ -8,8 +8,8 @@
 // is in L1. The MoE call also replaces the per-expert loop of ~10 torch ops (grouping,
 // gather, two matmuls, activation, weighted scatter) with one call per layer.
 //
-// The reference for both is PyTorch: `F.linear` and `MoE.forward`'s expert loop
-// (common/model/moe.py); tests/unit/test_small_gemm.py checks them against it.
+// The reference for each is PyTorch: `F.linear`, `MLP.forward` and `MoE.forward`'s expert
+// loop (common/model/moe.py); tests/unit/test_small_gemm.py checks them against it.
 
 #include <algorithm>
 #include <cmath>
@@ -21,22 +21,6 @@
 namespace {
 
 using namespace tiles;
-
-// y[M, N] = x[M, K] w[N, K]^T (row-major; w is an nn.Linear weight). One input row: eight
-// weight rows per tile (a GEMV, bound by reading w); more: 2 x 6 tiles, each weight row
-// loaded once per two input rows from L1.
-void linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-            std::vector<const float*>& rows) {
-  rows.resize(M + N);
-  const float** xr = rows.data();
-  const float** wr = rows.data() + M;
-  for (int64_t m = 0; m < M; ++m) xr[m] = x + m * K;
-  for (int64_t n = 0; n < N; ++n) wr[n] = w + n * K;
-  if (M == 1)
-    dot_rows<1, 8>(K, xr, M, wr, N, y, N);
-  else
-    dot_rows<2, 6>(K, xr, M, wr, N, y, N);
-}
 
 struct Scratch {
   std::vector<const float*> rows;
@@ -55,6 +39,23 @@ extern "C" {
 // Returns 0.
 int tpla_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   linear(x, w, y, M, N, K, tls_scratch.rows);
+  return 0;
+}
+
+// out[M, D] = down (silu(gate x) * up x) for x [M, D]: a dense MLP or a MoE layer's shared
+// experts (`MLP.forward`), gate / up [I, D], down [D, I]. One call for the five torch ops.
+// Returns 0.
+int tpla_mlp(const float* x, const float* gate, const float* up, const float* down, float* out,
+             int64_t M, int64_t I, int64_t D) {
+  Scratch& s = tls_scratch;
+  s.h.resize(M * 2 * I);
+  s.act.resize(M * I);
+  float* g = s.h.data();
+  float* u = s.h.data() + M * I;
+  linear(x, gate, g, M, I, D, s.rows);
+  linear(x, up, u, M, I, D, s.rows);
+  for (int64_t i = 0; i < M * I; ++i) s.act[i] = silu(g[i]) * u[i];
+  linear(s.act.data(), down, out, M, D, I, s.rows);
   return 0;
 }
 

@@ -1,7 +1,8 @@
-"""Decode-sized products (small_gemm.cpp): a linear layer over a few rows, and a MoE layer's
-routed experts for a few tokens, behind checked calls that fall back to PyTorch.
+"""Decode-sized products (small_gemm.cpp): a linear layer over a few rows, a dense MLP, and a
+MoE layer's routed experts for a few tokens, behind checked calls that fall back to PyTorch.
 
-`linear` is `F.linear` (no bias) and `moe_experts` is the expert loop of `MoE.forward`; both
+`linear` is `F.linear` (no bias), `mlp` is `MLP.forward` and `moe_experts` is the expert loop
+of `MoE.forward`; all
 run natively only where the kernel wins and is safe: fp32 contiguous CPU tensors, no
 autograd, few rows (BLAS is as fast from ~16 rows of a linear up, measured per product on
 the development VM). Anything else takes the PyTorch path, so callers never branch.
@@ -36,6 +37,7 @@ def _library() -> ctypes.CDLL | None:
         {
             "tpla_linear": [_p, _p, _p, _i, _i, _i],
             "tpla_moe_experts": [_p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _i],
+            "tpla_mlp": [_p, _p, _p, _p, _p, _i, _i, _i],
         },
         "native decode matmuls",
     )
@@ -68,6 +70,27 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
         lib.tpla_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k)
         return y
     return F.linear(x, w)
+
+
+def mlp(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """`MLP.forward`: down (silu(gate x) * up x) for x [M, D], gate / up [I, D], down [D, I];
+    natively in one call for M <= MAX_LINEAR_ROWS."""
+    m, d = x.shape
+    i = gate.shape[0]
+    if (
+        0 < m <= MAX_LINEAR_ROWS
+        and gate.shape == (i, d)
+        and up.shape == (i, d)
+        and down.shape == (d, i)
+        and _native(x, gate, up, down)
+        and (lib := _library()) is not None
+    ):
+        out = torch.empty(m, d)
+        lib.tpla_mlp(
+            x.data_ptr(), gate.data_ptr(), up.data_ptr(), down.data_ptr(), out.data_ptr(), m, i, d
+        )
+        return out
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:

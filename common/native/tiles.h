@@ -91,6 +91,22 @@ void dot_rows(int64_t K, const float* const* a, int64_t M, const float* const* b
   dot_rest<MR, NR - 1>(N - j, K, a, M, b + j, c + j, ldc);
 }
 
+// y[M, N] = x[M, K] w[N, K]^T (row-major; w is an nn.Linear weight). One input row: eight
+// weight rows per tile (a GEMV, bound by reading w); more: 2 x 6 tiles, each weight row
+// loaded once per two input rows from L1. `rows` is the caller's scratch for row pointers.
+inline void linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                   std::vector<const float*>& rows) {
+  rows.resize(M + N);
+  const float** xr = rows.data();
+  const float** wr = rows.data() + M;
+  for (int64_t m = 0; m < M; ++m) xr[m] = x + m * K;
+  for (int64_t n = 0; n < N; ++n) wr[n] = w + n * K;
+  if (M == 1)
+    dot_rows<1, 8>(K, xr, M, wr, N, y, N);
+  else
+    dot_rows<2, 6>(K, xr, M, wr, N, y, N);
+}
+
 // exp(s - max) is floored at e^-30, as in the eager kernel: smaller weights are below fp32
 // resolution of a sum >= 1, and denormal inputs slow x86 FMAs by an order of magnitude.
 constexpr float kExpFloor = -30.0f;

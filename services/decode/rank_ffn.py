@@ -6,7 +6,6 @@ when the native kernels are in use; `module(x)` is the reference.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.moe import MoE
@@ -24,6 +23,6 @@ def ffn_forward(module: nn.Module, x: Tensor, native: bool) -> Tensor:
         if module.shared_experts is not None:
             out = out + ffn_forward(module.shared_experts, x, native)
         return out
-    linear = small_gemm.linear
-    gate = linear(x, module.gate_proj.weight)
-    return linear(F.silu(gate) * linear(x, module.up_proj.weight), module.down_proj.weight)
+    return small_gemm.mlp(
+        x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
+    )

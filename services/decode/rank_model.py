@@ -37,8 +37,8 @@ from common.model.tpla import (
     latent_slice_attention,
     sliced_rmsnorm,
 )
+from common.native import decode_layer, small_gemm
 from common.native import latent_attention as native
-from common.native import small_gemm
 from services.decode.comm import Comm
 from services.decode.rank_ffn import ffn_forward
 
@@ -133,6 +133,9 @@ class RankAttention(nn.Module):
         self.mode = mode
         self.native = False  # set by RankModel once the weights' dtype and device are known
         self.linear = F.linear  # likewise: small_gemm.linear with the native kernels
+        # Likewise: the native queries + new latent + cache write, bound to this layer's
+        # weights (`bind_inputs`); None runs `queries` / `new_latent` / `PagedLatentCache.write`.
+        self.inputs: decode_layer.AttentionInputs | None = None
         qk = a.d_n + a.d_r
         rows = slice(heads.start * qk, heads.stop * qk)
         if a.q_lora:
@@ -158,6 +161,30 @@ class RankAttention(nn.Module):
         self.w_uv = nn.Parameter(a.w_uv()[heads, :, cols].detach().clone())
         w_o = a.o_proj.weight.detach().view(-1, a.num_heads, a.d_v)
         self.w_o = nn.Parameter(w_o[:, heads].reshape(w_o.shape[0], -1).clone())
+
+    def bind_inputs(self, input_norm: RMSNorm, rope: RotaryEmbedding) -> None:
+        """Run this layer's attention inputs natively from now on (fp32 CPU weights)."""
+        s, exact = self.shard, self.mode is RmsNormMode.EXACT
+        self.inputs = decode_layer.AttentionInputs(
+            decode_layer.LayerWeights(
+                norm=input_norm.weight.detach(),
+                eps=input_norm.eps,
+                q_a=None if self.q_a is None else self.q_a.detach(),
+                q_a_norm=None if self.q_a_norm is None else self.q_a_norm.weight.detach(),
+                q_a_eps=0.0 if self.q_a_norm is None else self.q_a_norm.eps,
+                q_b=self.q_b.detach(),
+                kv_latent=self.kv_a_latent.detach(),
+                kv_rope=self.kv_a_rope.detach(),
+                kv_norm=self.gamma.detach()[s.start : s.end],
+                kv_eps=self.eps,
+                latent_offset=s.start if exact else 0,
+                rms_correction=1.0 if exact else s.rms_correction,
+                heads=self.num_heads,
+                d_n=self.d_n,
+                d_r=self.d_r,
+                interleaved=rope.interleaved,
+            )
+        )
 
     def queries(
         self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
@@ -342,10 +369,21 @@ class RankModel(nn.Module):
         # falls back to BLAS where the native product would not win).
         self.native_matmuls = usable and small_gemm.available()
         self.linear = small_gemm.linear if self.native_matmuls else F.linear
-        for a in attn:
+        # And the layers' glue (norms, rotary embeddings, the cache write) in native calls.
+        self.native_layers = usable and decode_layer.available()
+        for layer in self.layers:
+            a = layer.attn
             a.native = usable
             a.linear = self.linear
+            a.inputs = None
+            if self.native_layers:
+                a.bind_inputs(layer.input_norm, self.rope)
         return AttentionKernel.NATIVE if usable else AttentionKernel.TORCH
+
+    def _norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
+        if self.native_layers:
+            return decode_layer.rms_norm(x, norm.weight, norm.eps)
+        return norm(x)
 
     def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
         return CacheLayout(
@@ -377,16 +415,20 @@ class RankModel(nn.Module):
         """
         cos, sin = self.rope.cos_sin(positions)
         h = self.embed(token_ids)
-        keep = write_slots >= 0
         # TPLA / MLA-TP read whole blocks; the table is the same for every layer.
         block_ids = block_ids_from_slots(slots, cache.layout.block_size)
         lengths = valid.sum(dim=1)
         chunk = cache.chunk_tokens(len(token_ids))
+        fused = self.native_layers and cache.kv.dtype == torch.float32
         for index, layer in enumerate(self.layers):
-            x = layer.input_norm(h)
-            q_nope, q_pe = layer.attn.queries(x, self.rope, cos, sin)
-            n_new, k_pe_new = layer.attn.new_latent(x, self.rope, cos, sin)
-            cache.write(index, write_slots[keep], n_new[keep], k_pe_new[keep])
+            if fused:
+                q_nope, q_pe = layer.attn.inputs(h, cos, sin, cache.kv[index], write_slots)
+            else:
+                x = layer.input_norm(h)
+                q_nope, q_pe = layer.attn.queries(x, self.rope, cos, sin)
+                n_new, k_pe_new = layer.attn.new_latent(x, self.rope, cos, sin)
+                keep = write_slots >= 0
+                cache.write(index, write_slots[keep], n_new[keep], k_pe_new[keep])
             if self.parallel.sp:
                 n, k_pe = cache.gather(index, slots)
                 y = layer.attn.attend_sp(q_nope, q_pe, n, k_pe, valid, comm)
@@ -395,9 +437,9 @@ class RankModel(nn.Module):
                 y = layer.attn.attend(q_nope, q_pe, rows, chunk, lengths)
             comm.sum_(y)
             h = h + y
-            f = ffn_forward(layer.ffn, layer.post_norm(h), self.native_matmuls)
+            f = ffn_forward(layer.ffn, self._norm(layer.post_norm, h), self.native_matmuls)
             comm.sum_(f)
             h = h + f
-        logits = self.linear(self.norm(h), self.lm_head)
+        logits = self.linear(self._norm(self.norm, h), self.lm_head)
         pad = self.vocab_size_padded - logits.shape[1]
         return F.pad(logits, (0, pad)) if pad else logits

@@ -40,6 +40,19 @@ def test_linear_falls_back_where_the_kernel_does_not_apply() -> None:
     assert wg.grad is not None
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9])
+def test_mlp_matches_the_module(m: int) -> None:
+    from common.model.moe import MLP
+
+    mlp = MLP(40, 24)
+    for n, p in enumerate(mlp.parameters()):
+        p.data = _randn(*p.shape, seed=n, scale=0.2)
+    x = _randn(m, 40, seed=m)
+    with torch.inference_mode():
+        got = small_gemm.mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        torch.testing.assert_close(got, mlp(x), rtol=1e-5, atol=1e-6)
+
+
 def _routing(m: int, k: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(m)])

@@ -1,0 +1,131 @@
+"""The native decode-layer pieces (common/native/decode_layer) against the PyTorch path they
+replace: `RMSNorm.forward`, and a rank's `queries` + `new_latent` + `PagedLatentCache.write`
+for every tiny checkpoint variant (query low-rank or not, interleaved or half rope, YaRN) in
+exact and sliced TPLA and MLA-TP; then a whole decode step with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kv.paged_cache import PagedLatentCache, slot_table
+from common.model.loader import load_model
+from common.model.mla import RMSNorm
+from common.model.tpla import RmsNormMode, latent_shards
+from common.native import decode_layer
+from services.decode.comm import Comm
+from services.decode.rank_model import AttentionKernel, ParallelConfig, RankModel
+from tests.model.tiny import VARIANTS, save_hf
+
+pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="native library not built")
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("m,d", [(1, 256), (3, 7), (5, 16), (16, 40)])
+def test_rms_norm_matches_the_module(m: int, d: int) -> None:
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = _randn(d, seed=d)
+    x = _randn(m, d, seed=m, scale=3.0)
+    with torch.inference_mode():
+        got = decode_layer.rms_norm(x, norm.weight, norm.eps)
+        torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="fp32"):
+        decode_layer.rms_norm(x.double(), norm.weight.double(), norm.eps)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, object]:
+    out = {}
+    for variant in VARIANTS:
+        path = tmp_path_factory.mktemp(variant)
+        save_hf(variant, path, std=0.05)
+        out[variant] = path
+    return out
+
+
+def _rank_model(path, parallel: ParallelConfig, rank: int, kernel=AttentionKernel.NATIVE):
+    full = load_model(path)
+    r = parallel.latent_groups
+    shards = [latent_shards(full.config.kv_lora_rank, r) for _ in full.model.layers]
+    return RankModel(full, parallel, rank, shards, kernel)
+
+
+LAYOUTS = [
+    (ParallelConfig(tp=2, latent_groups=2), 1),
+    (ParallelConfig(tp=2, latent_groups=2, rmsnorm=RmsNormMode.SLICED), 0),
+    (ParallelConfig(tp=2, latent_groups=1), 1),
+]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tpla", "tpla-sliced", "mla-tp"])
+def test_attention_inputs_match_the_torch_path(checkpoints, variant: str, layout) -> None:
+    parallel, rank = layout
+    model = _rank_model(checkpoints[variant], parallel, rank)
+    assert model.native_layers and all(layer.attn.inputs for layer in model.layers)
+    c = model.config
+    layout_ = model.cache_layout(4, torch.float32)
+    fused, reference = PagedLatentCache(layout_, 8), PagedLatentCache(layout_, 8)
+    for b in (1, 3):
+        h = _randn(b, c.hidden_size, seed=b, scale=2.0)
+        positions = torch.tensor([5, 0, 17][:b])
+        cos, sin = model.rope.cos_sin(positions)
+        slots = torch.tensor([9, -1, 30][:b])  # -1: another rank's token (SP) is not written
+        keep = slots >= 0
+        with torch.inference_mode():
+            for index, layer in enumerate(model.layers):
+                a = layer.attn
+                q_nope, q_pe = a.inputs(h, cos, sin, fused.kv[index], slots)
+                x = layer.input_norm(h)
+                want_nope, want_pe = a.queries(x, model.rope, cos, sin)
+                n, k_pe = a.new_latent(x, model.rope, cos, sin)
+                reference.write(index, slots[keep], n[keep], k_pe[keep])
+                torch.testing.assert_close(q_nope, want_nope, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(q_pe, want_pe, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused.kv, reference.kv, rtol=1e-5, atol=1e-5)
+    assert fused.kv.abs().sum() > 0 and not fused.kv[:, 1:9].any()  # only the slots written
+
+
+def test_attention_inputs_refuse_a_slot_outside_the_cache_and_write_nothing(checkpoints) -> None:
+    model = _rank_model(checkpoints["v2-greedy"], *LAYOUTS[0])
+    cache = PagedLatentCache(model.cache_layout(4, torch.float32), 2)
+    h = _randn(2, model.config.hidden_size, seed=0)
+    cos, sin = model.rope.cos_sin(torch.tensor([0, 1]))
+    attn = model.layers[0].attn
+    with torch.inference_mode():
+        for bad in (8, -2):
+            with pytest.raises(ValueError, match="outside the cache"):
+                attn.inputs(h, cos, sin, cache.kv[0], torch.tensor([3, bad]))
+        with pytest.raises(ValueError, match="inconsistent"):
+            attn.inputs(h, cos, sin, cache.kv[0], torch.tensor([3]))
+    assert not cache.kv.any()
+
+
+@pytest.mark.parametrize("variant", ["v2-greedy", "v3-noaux-yarn"])
+def test_a_decode_step_with_native_layers_equals_the_torch_glue(checkpoints, variant) -> None:
+    """tp = 1: the same step (history in the cache, a batch of two) with the native layer
+    pieces and with the PyTorch ones gives the same logits and the same cache."""
+    model = _rank_model(checkpoints[variant], ParallelConfig(), 0)
+    layout = model.cache_layout(4, torch.float32)
+    caches = [PagedLatentCache(layout, 16) for _ in range(2)]
+    history = _randn(*caches[0].kv.shape, seed=3, scale=0.3)
+    tables = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]])
+    positions = torch.tensor([9, 14])
+    lengths = positions + 1
+    write_slots = tables[torch.arange(2), positions // 4] * 4 + positions % 4
+    slots, valid = slot_table(tables, lengths, 4)
+    tokens = torch.tensor([7, 42])
+    logits = []
+    for cache, native in zip(caches, (True, False), strict=True):
+        cache.kv.copy_(history)
+        model.native_layers = native
+        logits.append(
+            model.decode_step(tokens, positions, write_slots, slots, valid, cache, Comm(1))
+        )
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(caches[0].kv, caches[1].kv, rtol=1e-5, atol=1e-5)
+    model.use_kernel(AttentionKernel.TORCH)
+    assert not model.native_layers and all(layer.attn.inputs is None for layer in model.layers)
