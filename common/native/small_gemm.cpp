@@ -79,10 +79,12 @@ int tpla_moe_experts(const float* x, const int64_t* ids, const float* weights,
   s.next.assign(s.start.begin(), s.start.end() - 1);
   for (int64_t j = 0; j < M * k; ++j) s.order[s.next[ids[j]]++] = j;
   for (int64_t i = 0; i < M * D; ++i) out[i] = 0.0f;
-  s.x.resize(M * D);
-  s.h.resize(M * 2 * I);
-  s.act.resize(M * I);
-  s.y.resize(M * D);
+  // An expert meets at most M * k rows: M unless a token lists it twice (not a top-k
+  // routing, but the reference accepts it, so the buffers must hold it).
+  s.x.resize(M * k * D);
+  s.h.resize(M * k * 2 * I);
+  s.act.resize(M * k * I);
+  s.y.resize(M * k * D);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = s.start[e], count = s.start[e + 1] - first;
     if (count == 0) continue;

@@ -71,6 +71,20 @@ def test_moe_experts_match_the_reference_loop(m: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_moe_experts_take_a_token_routed_twice_to_one_expert() -> None:
+    """Not a top-k routing, but the reference sums both. The kernel's buffers held M rows
+    per expert, so this wrote past them (a heap corruption found by a micro-benchmark; the
+    overflow need not crash, so this test checks the sums)."""
+    e, i, d = 3, 8, 16
+    gate_up, down = _randn(e, 2 * i, d, seed=1, scale=0.1), _randn(e, d, i, seed=2, scale=0.1)
+    x = _randn(2, d, seed=3)
+    ids, weights = torch.tensor([[1, 1, 1], [0, 1, 1]]), _randn(2, 3, seed=4)
+    with torch.inference_mode():
+        got = small_gemm.moe_experts(x, ids, weights, gate_up, down)
+    want = routed_experts(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_moe_experts_reject_bad_ids_and_fall_back_above_the_row_bound() -> None:
     e, i, d = 4, 8, 16
     gate_up, down = _randn(e, 2 * i, d, seed=1), _randn(e, d, i, seed=2)
