@@ -87,7 +87,13 @@ class LayerWeights:
 
 class AttentionInputs:
     """One layer's fused attention inputs; `__call__` runs once per layer per decode step,
-    from one thread at a time (the argument arrays are reused between calls)."""
+    from one thread at a time (the argument arrays are reused between calls).
+
+    Any batch size: the projections run in the shared register tiles, which read each weight
+    tile once per call while every row passes (unlike `small_gemm.linear`, no BLAS above 8
+    rows). Measured on the demo model, one process: faster than the PyTorch path at batch
+    1-16 and level at 32 (27.2-27.4 vs 27.8-28.6 ms a step, best of 300).
+    """
 
     def __init__(self, w: LayerWeights) -> None:
         lib = _library()
