@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.native.library import load_optional
+from common.native.library import NativeUnavailable, load_optional
 
 _Tensors = ctypes.c_void_p * 14
 _Dims = ctypes.c_int64 * 11
@@ -50,7 +50,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """`RMSNorm.forward` for contiguous fp32 CPU rows x [M, D]."""
     lib = _library()
     if lib is None:
-        raise RuntimeError("the native decode layer library is not available")
+        raise NativeUnavailable("the native decode layer library is not available")
     if x.dim() != 2 or not _fp32(x, weight) or weight.shape != x.shape[1:]:
         raise ValueError("rms_norm takes contiguous fp32 CPU rows [M, D] and a weight [D]")
     y = torch.empty_like(x)
@@ -98,7 +98,7 @@ class AttentionInputs:
     def __init__(self, w: LayerWeights) -> None:
         lib = _library()
         if lib is None:
-            raise RuntimeError("the native decode layer library is not available")
+            raise NativeUnavailable("the native decode layer library is not available")
         weights = [w.norm, w.q_b, w.kv_latent, w.kv_rope, w.kv_norm]
         if w.q_a is not None:
             assert w.q_a_norm is not None
