@@ -43,9 +43,10 @@ struct Sweep {
 
 // S sweeps at once, for a few rows b each, streaming every B row once and in order: the
 // weight-absorb GEMM is bound by reading W_UK, and a sequential sweep is what the hardware
-// prefetcher follows best. C rows stay in L1. With one sequence (B = 1) two heads' sweeps
-// run interleaved: two streams in flight read DRAM faster than one (V3 widths, weights only:
-// W_UK 9.5 -> ~15 GB/s here).
+// prefetcher follows best. C rows stay in L1. With one sequence (B = 1) four heads' sweeps
+// run interleaved: more streams in flight read DRAM faster than one (V3 widths, weights only:
+// W_UK 9.5 GB/s with one stream, ~15 with two; four: V3 1,024 x 1 1.05-1.14x over two, with
+// the output GEMV below, and eight no better than four).
 template <int S>
 void stream_rows(int64_t K, const Sweep (&s)[S], int64_t M, int64_t N) {
   for (int j = 0; j < S; ++j)
@@ -69,21 +70,22 @@ void stream_rows(int64_t K, const Sweep (&s)[S], int64_t M, int64_t N) {
   }
 }
 
-// o_j[v] = W_j[v] . u_j for v < V and two (W_j [V, K] row-major, u_j, o_j): the output GEMV
-// of two heads for one sequence, row after row, so that each head's W_UV is one sequential
+// o_j[v] = W_j[v] . u_j for v < V and S heads (W_j [V, K] row-major, u_j, o_j): the output
+// GEMV of S heads for one sequence, row after row, so that each head's W_UV is one sequential
 // stream (6-row tiles read six rows at once, which ran at ~9 GB/s from DRAM at V3 widths).
-void gemv_pair(int64_t K, int64_t V, const float* const (&w)[2], const float* const (&u)[2],
-               float* const (&o)[2]) {
+template <int S>
+void gemv_heads(int64_t K, int64_t V, const float* const (&w)[S], const float* const (&u)[S],
+                float* const (&o)[S]) {
   for (int64_t v = 0; v < V; ++v) {
-    v8 acc[2][2] = {};
+    v8 acc[S][2] = {};
     int64_t k = 0;
     for (; k + 2 * kLanes <= K; k += 2 * kLanes)
-      for (int j = 0; j < 2; ++j)
+      for (int j = 0; j < S; ++j)
         for (int half = 0; half < 2; ++half) {
           const int64_t at = k + half * kLanes;
           acc[j][half] += load(w[j] + v * K + at) * load(u[j] + at);
         }
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < S; ++j) {
       const v8 sum = acc[j][0] + acc[j][1];
       float s = 0.0f;
       for (int lane = 0; lane < kLanes; ++lane) s += sum[lane];
@@ -127,11 +129,17 @@ struct Problem {
   float scale, beta;
 };
 
+// Heads whose W_UK / W_UV streams are read at once with one sequence (see stream_rows).
+constexpr int kStreams = 4;
+
 // Per-thread scratch, grown on demand and kept across calls (no allocation per step).
 struct Workspace {
   std::vector<float> q, qt, u, s, m, l;
-  std::vector<const float*> in, rows, tokens, next, heads, in2, rows2;
-  std::vector<float*> outs, outs2;
+  std::vector<const float*> in, rows, tokens, next, heads;
+  std::vector<float*> outs;
+  // Pointer sets 1 .. kStreams - 1 of the interleaved absorb sweeps (set 0: in, rows, outs).
+  std::vector<const float*> sweep_in[kStreams - 1], sweep_rows[kStreams - 1];
+  std::vector<float*> sweep_outs[kStreams - 1];
 };
 
 // Heads [h0, h1) of every sequence: absorb, attention, output.
@@ -152,14 +160,12 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
   const float** tokens = grown(ws.tokens, kChunk);  // the chunk's cache rows
 
   // Absorb: q[b, h, :w] = q_nope[b, h] W_UK[h]; W_UK[h] is read once for the whole batch.
-  // Per head h, `j` picks one of two pointer sets (a pair of heads is swept at once).
-  const float** rows2 = grown(ws.rows2, p.d_n);
-  const float** in2 = grown(ws.in2, p.B);
-  float** outs2 = grown(ws.outs2, p.B);
+  // Per head h, `j` picks one of kStreams pointer sets (heads swept at once use different
+  // sets).
   const auto head_sweep = [&](int64_t h, int j) -> Sweep {
-    const float** r = j ? rows2 : rows;
-    const float** a = j ? in2 : in;
-    float** c = j ? outs2 : outs;
+    const float** r = j ? grown(ws.sweep_rows[j - 1], p.d_n) : rows;
+    const float** a = j ? grown(ws.sweep_in[j - 1], p.B) : in;
+    float** c = j ? grown(ws.sweep_outs[j - 1], p.B) : outs;
     for (int64_t k = 0; k < p.d_n; ++k) r[k] = p.w_uk + (h * p.d_n + k) * w;
     for (int64_t b = 0; b < p.B; ++b) {
       a[b] = p.q_nope + (b * p.H + h) * p.d_n;
@@ -168,11 +174,17 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
     return {a, r, c};
   };
   int64_t ha = h0;
-  if (p.B == 1)
+  if (p.B == 1) {
+    for (; ha + kStreams <= h1; ha += kStreams) {
+      Sweep group[kStreams];
+      for (int j = 0; j < kStreams; ++j) group[j] = head_sweep(ha + j, j);
+      stream_rows(p.d_n, group, p.B, w);
+    }
     for (; ha + 1 < h1; ha += 2) {
       const Sweep pair[2] = {head_sweep(ha, 0), head_sweep(ha + 1, 1)};
       stream_rows(p.d_n, pair, p.B, w);
     }
+  }
   for (; ha < h1; ++ha) {
     const Sweep one[1] = {head_sweep(ha, 0)};
     if (p.B <= 8)
@@ -287,11 +299,16 @@ void run_heads(const Problem& p, int64_t h0, int64_t h1, Workspace& ws) {
   // Output: o[b, h] = W_UV[h] u[b, h]; W_UV[h] is read once for the whole batch.
   int64_t ho = h0;
   if (p.B == 1)
-    for (; ho + 1 < h1; ho += 2) {
-      const float* const wv[2] = {p.w_uv + ho * p.d_v * w, p.w_uv + (ho + 1) * p.d_v * w};
-      const float* const uh[2] = {u + (ho - h0) * w, u + (ho + 1 - h0) * w};
-      float* const oh[2] = {p.out + ho * p.d_v, p.out + (ho + 1) * p.d_v};
-      gemv_pair(w, p.d_v, wv, uh, oh);
+    for (; ho + kStreams <= h1; ho += kStreams) {
+      const float* wv[kStreams];
+      const float* uh[kStreams];
+      float* oh[kStreams];
+      for (int j = 0; j < kStreams; ++j) {
+        wv[j] = p.w_uv + (ho + j) * p.d_v * w;
+        uh[j] = u + (ho + j - h0) * w;
+        oh[j] = p.out + (ho + j) * p.d_v;
+      }
+      gemv_heads<kStreams>(w, p.d_v, wv, uh, oh);
     }
   for (int64_t h = ho; h < h1; ++h) {
     for (int64_t v = 0; v < p.d_v; ++v) rows[v] = p.w_uv + (h * p.d_v + v) * w;

@@ -42,7 +42,8 @@ def _case(lengths, heads, width, d_r, d_n, d_v, block_size, seed=0, spread=1.0):
         ([130, 129], 16, 64, 16, 32, 32, 16),  # past one chunk (120 tokens) and a block edge
         ([250, 3, 241], 4, 128, 16, 32, 32, 16),  # few heads (dot-product path), 3 chunks
         ([300], 3, 20, 6, 7, 5, 8),  # widths that are no multiple of the vector length
-        ([150], 8, 72, 16, 32, 24, 16),  # one sequence: heads swept in pairs (W_UK, W_UV)
+        ([150], 8, 72, 16, 32, 24, 16),  # one sequence: heads swept four at a time
+        ([90], 7, 24, 8, 16, 12, 8),  # one sequence, 7 heads: a group of four, a pair, one
         ([61, 62], 17, 40, 8, 9, 13, 4),  # odd head count: 6-row tiles and a remainder
         ([9, 200], 128, 64, 16, 16, 16, 16),  # many heads: the transposed-query path
     ],
