@@ -45,7 +45,7 @@ struct Sweep {
 // weight-absorb GEMM is bound by reading W_UK, and a sequential sweep is what the hardware
 // prefetcher follows best. C rows stay in L1. With one sequence (B = 1) four heads' sweeps
 // run interleaved: more streams in flight read DRAM faster than one (V3 widths, weights only:
-// W_UK 9.5 GB/s with one stream, ~15 with two; four: V3 1,024 x 1 1.05-1.14x over two, with
+// W_UK 9.5 GB/s with one stream, ~15 with two; four: V3 1,024 x 1 1.03-1.10x over two, with
 // the output GEMV below, and eight no better than four).
 template <int S>
 void stream_rows(int64_t K, const Sweep (&s)[S], int64_t M, int64_t N) {
