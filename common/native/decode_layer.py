@@ -136,7 +136,10 @@ class AttentionInputs:
             w.kv_rope.data_ptr(),
             w.kv_norm.data_ptr(),
         )
-        self._dims = [0, d, r, w.heads, w.d_n, w.d_r, c, w.latent_offset, width, 0, w.interleaved]
+        # B (0) and the cache's slots (9) are set per call.
+        self._dims = _Dims(
+            0, d, r, w.heads, w.d_n, w.d_r, c, w.latent_offset, width, 0, w.interleaved
+        )
         self._scalars = _Scalars(w.eps, w.q_a_eps, w.kv_eps, w.rms_correction)
 
     def __call__(
@@ -166,8 +169,7 @@ class AttentionInputs:
         t = self._tensors
         t[0], t[8], t[9], t[10] = h.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache.data_ptr()
         t[11], t[12], t[13] = write_slots.data_ptr(), q_nope.data_ptr(), q_pe.data_ptr()
-        dims = self._dims
-        dims[0], dims[9] = b, cache.shape[0]
-        if self._lib.tpla_attention_inputs(t, _Dims(*dims), self._scalars):
+        self._dims[0], self._dims[9] = b, cache.shape[0]
+        if self._lib.tpla_attention_inputs(t, self._dims, self._scalars):
             raise ValueError("AttentionInputs: a write slot is outside the cache")
         return q_nope, q_pe

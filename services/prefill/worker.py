@@ -209,6 +209,10 @@ class PrefillWorker:
         except BaseException:  # e.g. the pool is shut down: the job fails, its slot is free
             self._shipping.release()
             raise
+        if not sends:
+            self._shipping.release()
+            self._shipped(fut, first, prefill_s, 0.0, sends)
+            return
         remaining = len(sends)
         lock = threading.Lock()
 
@@ -221,10 +225,6 @@ class PrefillWorker:
             self._shipping.release()
             self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends)
 
-        if not sends:
-            self._shipping.release()
-            self._shipped(fut, first, prefill_s, 0.0, sends)
-            return
         for send in sends:
             send.add_done_callback(arrived)
 
