@@ -216,8 +216,8 @@ void axpy_columns(int64_t K, A a, const float* const* rows, int64_t N, float* co
                   bool zero) {
   int64_t n = 0;
   // 32-column tiles where 32 registers hold them (6 x 4 accumulators + 4 row vectors): each
-  // broadcast feeds four FMAs instead of two. On a Zen 4 the decode attention's value pass
-  // with V2-Lite / V3 widths ran 1.04-1.13x (in-process A/B of both builds, warm cache),
+  // broadcast feeds four FMAs instead of two. On a Zen 4, decode attention calls (this is
+  // their value pass) at V2-Lite / V3 widths ran 1.00-1.16x (in-process A/B, warm cache),
   // 0.98-1.07x per row in `tpla bench decode-attn --quick` (cold, noisier); AVX2 keeps the
   // 16-column tiles, which fill its 16 registers. Sums run in the same order: bit-identical.
   if constexpr (kRegisters >= 32 && MR <= 6)
