@@ -170,3 +170,34 @@ def block_ids_from_slots(slots: Tensor, block_size: int) -> Tensor:
     (their tokens are masked).
     """
     return torch.div(slots[:, ::block_size], block_size, rounding_mode="floor")
+
+
+@dataclass(frozen=True)
+class CacheReads:
+    """Where one decode step reads each sequence's cached history.
+
+    `block_ids` [B, ceil(max(lengths) / block_size)] (past a sequence's end: block 0) and
+    `lengths` [B] serve the layouts that read whole blocks (TPLA, MLA-TP); `slots` / `valid`
+    [B, T], the per-token addresses, only the modes that gather tokens (SP).
+    """
+
+    block_ids: Tensor
+    lengths: Tensor
+    slots: Tensor | None = None
+    valid: Tensor | None = None
+
+    @classmethod
+    def blocks(cls, block_tables: Tensor, lengths: Tensor, block_size: int) -> CacheReads:
+        """Straight from the tables [B, max_blocks] (padded with -1): the same `block_ids` and
+        `lengths` as `tokens` gives, without building the [B, T] tables (~10 tensor ops a
+        step, 0.1-0.17 ms at 1,536 tokens, which the block readers never look at)."""
+        blocks = -(-int(lengths.max()) // block_size)
+        return cls(block_tables[:, :blocks].clamp(min=0), lengths)
+
+    @classmethod
+    def tokens(cls, block_tables: Tensor, lengths: Tensor, block_size: int) -> CacheReads:
+        """Per-token slots too; a length of 0 (an SP rank that holds none of a sequence) is a
+        row with no valid token."""
+        slots, valid = slot_table(block_tables, lengths.clamp(min=1), block_size)
+        valid &= lengths[:, None] > 0
+        return cls(block_ids_from_slots(slots, block_size), valid.sum(dim=1), slots, valid)

@@ -19,12 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.kv.paged_cache import (
-    BlockRows,
-    CacheLayout,
-    PagedLatentCache,
-    block_ids_from_slots,
-)
+from common.kv.paged_cache import BlockRows, CacheLayout, CacheReads, PagedLatentCache
 from common.model.mla import RMSNorm
 from common.model.model import DeepseekForCausalLM
 from common.model.moe import MLP, MoE
@@ -403,21 +398,23 @@ class RankModel(nn.Module):
         token_ids: Tensor,
         positions: Tensor,
         write_slots: Tensor,
-        slots: Tensor,
-        valid: Tensor,
+        reads: CacheReads,
         cache: PagedLatentCache,
         comm: Comm,
     ) -> Tensor:
         """One token per sequence -> this rank's padded vocab slice of logits [B, V/tp].
 
         `write_slots` [B] is where each new token's latent goes on this rank (-1: another
-        rank owns it, in SP mode); `slots`/`valid` [B, T] address the cached history.
+        rank owns it, in SP mode); `reads` addresses the cached history (its slots / valid
+        mask in SP mode).
         """
         cos, sin = self.rope.cos_sin(positions)
         h = self.embed(token_ids)
         # TPLA / MLA-TP read whole blocks; the table is the same for every layer.
-        block_ids = block_ids_from_slots(slots, cache.layout.block_size)
-        lengths = valid.sum(dim=1)
+        block_ids, lengths = reads.block_ids, reads.lengths
+        slots, valid = reads.slots, reads.valid
+        if self.parallel.sp and (slots is None or valid is None):
+            raise ValueError("an SP decode step reads per-token slots: use CacheReads.tokens")
         chunk = cache.chunk_tokens(len(token_ids))
         fused = self.native_layers and cache.kv.dtype == torch.float32
         for index, layer in enumerate(self.layers):
@@ -429,7 +426,7 @@ class RankModel(nn.Module):
                 n_new, k_pe_new = layer.attn.new_latent(x, self.rope, cos, sin)
                 keep = write_slots >= 0
                 cache.write(index, write_slots[keep], n_new[keep], k_pe_new[keep])
-            if self.parallel.sp:
+            if self.parallel.sp:  # slots and valid are set (checked above)
                 n, k_pe = cache.gather(index, slots)
                 y = layer.attn.attend_sp(q_nope, q_pe, n, k_pe, valid, comm)
             else:

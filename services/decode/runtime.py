@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.chunks import chunk_owner, local_index, local_length
-from common.kv.paged_cache import PagedLatentCache, slot_table
+from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import RmsNormMode, latent_shards
@@ -114,24 +114,23 @@ class RankRuntime:
         bs, par = self.cfg.block_size, self.cfg.parallel
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
+        rows = torch.arange(len(positions))
         if par.sp:
             # This rank caches only its chunks: local lengths, and the new token only if owned.
             c = par.chunk_size
             lengths = local_length(positions + 1, self.rank, c, par.tp)
             local = local_index(positions, c, par.tp)
             owned = chunk_owner(positions, c, par.tp) == self.rank
+            # Non-owned rows may index past this rank's table: clamp, then mask them out.
+            block = (local // bs).clamp(max=tables.shape[1] - 1)
+            write_slots = tables[rows, block] * bs + local % bs
+            write_slots = torch.where(owned, write_slots, torch.full_like(write_slots, -1))
+            reads = CacheReads.tokens(tables, lengths, bs)
         else:
-            lengths, local = positions + 1, positions
-            owned = torch.ones_like(positions, dtype=torch.bool)
-        rows = torch.arange(len(positions))
-        # Non-owned rows may index past this rank's table: clamp, then mask them out.
-        block = (local // bs).clamp(max=tables.shape[1] - 1)
-        write_slots = tables[rows, block] * bs + local % bs
-        write_slots = torch.where(owned, write_slots, torch.full_like(write_slots, -1))
-        slots, valid = slot_table(tables, lengths.clamp(min=1), bs)
-        valid &= lengths[:, None] > 0  # an SP rank may hold none of a short sequence
+            write_slots = tables[rows, positions // bs] * bs + positions % bs
+            reads = CacheReads.blocks(tables, positions + 1, bs)
         return self.model.decode_step(
-            plan.tokens, positions, write_slots, slots, valid, self.cache, self.comm
+            plan.tokens, positions, write_slots, reads, self.cache, self.comm
         )
 
     def shard_target(self, header: kv_pb2.KvHeader) -> ShardTarget:

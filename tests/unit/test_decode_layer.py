@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.kv.paged_cache import PagedLatentCache, slot_table
+from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.loader import load_model
 from common.model.mla import RMSNorm
 from common.model.tpla import RmsNormMode, latent_shards
 from common.native import decode_layer
 from services.decode.comm import Comm
-from services.decode.rank_model import AttentionKernel, ParallelConfig, RankModel
+from services.decode.rank_model import AttentionKernel, ParallelConfig, ParallelMode, RankModel
 from tests.model.tiny import VARIANTS, save_hf
 
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="native library not built")
@@ -116,16 +116,23 @@ def test_a_decode_step_with_native_layers_equals_the_torch_glue(checkpoints, var
     positions = torch.tensor([9, 14])
     lengths = positions + 1
     write_slots = tables[torch.arange(2), positions // 4] * 4 + positions % 4
-    slots, valid = slot_table(tables, lengths, 4)
+    reads = CacheReads.blocks(tables, lengths, 4)
     tokens = torch.tensor([7, 42])
     logits = []
     for cache, native in zip(caches, (True, False), strict=True):
         cache.kv.copy_(history)
         model.native_layers = native
-        logits.append(
-            model.decode_step(tokens, positions, write_slots, slots, valid, cache, Comm(1))
-        )
+        logits.append(model.decode_step(tokens, positions, write_slots, reads, cache, Comm(1)))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(caches[0].kv, caches[1].kv, rtol=1e-5, atol=1e-5)
     model.use_kernel(AttentionKernel.TORCH)
     assert not model.native_layers and all(layer.attn.inputs is None for layer in model.layers)
+
+
+def test_an_sp_step_refuses_reads_without_token_slots(checkpoints) -> None:
+    model = _rank_model(checkpoints["v2-greedy"], ParallelConfig(mode=ParallelMode.SP), 0)
+    cache = PagedLatentCache(model.cache_layout(4, torch.float32), 4)
+    tables, positions = torch.tensor([[0, 1]]), torch.tensor([5])
+    reads = CacheReads.blocks(tables, positions + 1, 4)
+    with pytest.raises(ValueError, match=r"CacheReads\.tokens"):
+        model.decode_step(torch.tensor([7]), positions, torch.tensor([5]), reads, cache, Comm(1))
