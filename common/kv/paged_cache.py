@@ -176,9 +176,10 @@ def block_ids_from_slots(slots: Tensor, block_size: int) -> Tensor:
 class CacheReads:
     """Where one decode step reads each sequence's cached history.
 
-    `block_ids` [B, ceil(max(lengths) / block_size)] (past a sequence's end: block 0) and
-    `lengths` [B] serve the layouts that read whole blocks (TPLA, MLA-TP); `slots` / `valid`
-    [B, T], the per-token addresses, only the modes that gather tokens (SP).
+    `block_ids` [B, ceil(max(lengths) / block_size)] (past a sequence's end: some valid
+    block, hidden by `lengths`) and `lengths` [B] serve the layouts that read whole blocks
+    (TPLA, MLA-TP); `slots` / `valid` [B, T], the per-token addresses, only the modes that
+    gather tokens (SP).
     """
 
     block_ids: Tensor
@@ -188,9 +189,10 @@ class CacheReads:
 
     @classmethod
     def blocks(cls, block_tables: Tensor, lengths: Tensor, block_size: int) -> CacheReads:
-        """Straight from the tables [B, max_blocks] (padded with -1): the same `block_ids` and
-        `lengths` as `tokens` gives, without building the [B, T] tables (~10 tensor ops a
-        step, 0.1-0.17 ms at 1,536 tokens, which the block readers never look at)."""
+        """Straight from the tables [B, max_blocks] (padded with -1): the same blocks under
+        every token a sequence holds and the same `lengths` as `tokens`, without the [B, T]
+        tables that the block readers never look at (with a step's write slots, 0.16-0.32
+        ms -> 0.03-0.04 ms a step at 1,536 tokens, batch 1-16)."""
         blocks = -(-int(lengths.max()) // block_size)
         return cls(block_tables[:, :blocks].clamp(min=0), lengths)
 
