@@ -32,6 +32,21 @@ thread_local Scratch tls_scratch;
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
+// y [M, D] = down (silu(gate x) * up x) for x [M, D], gate / up [I, D], down [D, I]: one
+// SwiGLU MLP, a dense layer's or one routed expert's (whose gate and up rows sit in one
+// gate_up block). Uses s.h and s.act.
+void swiglu(const float* x, const float* gate, const float* up, const float* down, float* y,
+            int64_t M, int64_t I, int64_t D, Scratch& s) {
+  s.h.resize(M * 2 * I);
+  s.act.resize(M * I);
+  float* g = s.h.data();
+  float* u = s.h.data() + M * I;
+  linear(x, gate, g, M, I, D, s.rows);
+  linear(x, up, u, M, I, D, s.rows);
+  for (int64_t i = 0; i < M * I; ++i) s.act[i] = silu(g[i]) * u[i];
+  linear(s.act.data(), down, y, M, D, I, s.rows);
+}
+
 }  // namespace
 
 extern "C" {
@@ -47,15 +62,7 @@ int tpla_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, 
 // Returns 0.
 int tpla_mlp(const float* x, const float* gate, const float* up, const float* down, float* out,
              int64_t M, int64_t I, int64_t D) {
-  Scratch& s = tls_scratch;
-  s.h.resize(M * 2 * I);
-  s.act.resize(M * I);
-  float* g = s.h.data();
-  float* u = s.h.data() + M * I;
-  linear(x, gate, g, M, I, D, s.rows);
-  linear(x, up, u, M, I, D, s.rows);
-  for (int64_t i = 0; i < M * I; ++i) s.act[i] = silu(g[i]) * u[i];
-  linear(s.act.data(), down, out, M, D, I, s.rows);
+  swiglu(x, gate, up, down, out, M, I, D, tls_scratch);
   return 0;
 }
 
@@ -80,10 +87,8 @@ int tpla_moe_experts(const float* x, const int64_t* ids, const float* weights,
   for (int64_t j = 0; j < M * k; ++j) s.order[s.next[ids[j]]++] = j;
   for (int64_t i = 0; i < M * D; ++i) out[i] = 0.0f;
   // An expert meets at most M * k rows: M unless a token lists it twice (not a top-k
-  // routing, but the reference accepts it, so the buffers must hold it).
+  // routing, but the reference accepts it, so the buffers must hold it; swiglu sizes its own).
   s.x.resize(M * k * D);
-  s.h.resize(M * k * 2 * I);
-  s.act.resize(M * k * I);
   s.y.resize(M * k * D);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = s.start[e], count = s.start[e + 1] - first;
@@ -92,13 +97,8 @@ int tpla_moe_experts(const float* x, const int64_t* ids, const float* weights,
       const float* src = x + (s.order[first + c] / k) * D;
       std::copy(src, src + D, s.x.data() + c * D);
     }
-    linear(s.x.data(), gate_up + e * 2 * I * D, s.h.data(), count, 2 * I, D, s.rows);
-    for (int64_t c = 0; c < count; ++c) {
-      const float* h = s.h.data() + c * 2 * I;
-      float* a = s.act.data() + c * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = silu(h[i]) * h[I + i];
-    }
-    linear(s.act.data(), down + e * D * I, s.y.data(), count, D, I, s.rows);
+    const float* gate = gate_up + e * 2 * I * D;
+    swiglu(s.x.data(), gate, gate + I * D, down + e * D * I, s.y.data(), count, I, D, s);
     for (int64_t c = 0; c < count; ++c) {
       const int64_t pair = s.order[first + c];
       const float wt = weights[pair];
