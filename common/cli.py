@@ -63,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from services.decode.local import generate_distributed
 
         result = generate_distributed(
-            settings.model, prompt_ids, params, sorted(eos), args, settings.attention_backend
+            settings.model, prompt_ids, params, sorted(eos), args, settings
         )
         return _print_generation(args, settings, tokenizer, result)
     model = load_model(settings.model, dtype=settings.dtype, device=settings.device)

@@ -7,7 +7,7 @@ which other requests share its batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,29 +83,73 @@ def make_generator(
 
 def filtered_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     """Apply temperature, top-k and top-p to one row of logits [V] (float32)."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token once the mass before it already reaches top_p; the top token always stays.
-        drop = (cum - sorted_logits.softmax(-1)) >= params.top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
+    return filtered_logits_batch(logits[None], [params])[0]
+
+
+def filtered_logits_batch(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Temperature, top-k and top-p of each row of logits [B, V] (float32), with row b's
+    parameters: one sort of the batch instead of one per row."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits.float() / temperature[:, None]
+    if not any(p.top_k or p.top_p < 1.0 for p in params):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    # Top-k keeps every token at least as likely as the k-th (ties included); 0 keeps all.
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Top-p over what top-k kept: drop a token once the mass before it already reaches
+    # top_p; the top token always stays.
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    probs = sorted_logits.softmax(-1)
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> SampledToken:
     """Pick the next token from one row of logits [V]."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    if params.greedy:
-        token = int(logits.argmax())
-    else:
-        probs = filtered_logits(logits, params).softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    top: tuple[tuple[int, float], ...] = ()
-    if params.logprobs:
-        values, ids = logprobs.topk(params.logprobs)
-        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return SampledToken(token, float(logprobs[token]), top)
+    return sample_batch(logits[None], [params], [generator])[0]
+
+
+def sample_batch(
+    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> list[SampledToken]:
+    """Pick every row's next token from logits [B, V] at once, on the logits' device, with
+    one transfer of the results to the host.
+
+    Row b draws only from generators[b] (on the logits' device), so a seeded request samples
+    the same tokens whichever requests share its batch. A draw is an exponential race:
+    argmax_i p_i / E_i with E_i ~ Exp(1) picks token i with probability p_i (the Gumbel-max
+    trick without logarithms), so each row needs only its own noise, not its own kernel.
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    drawn = [b for b, p in enumerate(params) if not p.greedy]
+    if drawn:
+        rows = torch.tensor(drawn, device=logits.device)
+        probs = filtered_logits_batch(logits[rows], [params[b] for b in drawn]).softmax(-1)
+        noise = torch.empty_like(probs)
+        for row, b in enumerate(drawn):
+            noise[row].exponential_(generator=generators[b])
+        # An Exp(1) draw of exactly 0 (u = 0 in fp32) would divide by zero.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        tokens = tokens.index_copy(0, rows, (probs / noise).argmax(dim=-1))
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top_k = max(p.logprobs for p in params)
+    top_values, top_ids = (
+        logprobs.topk(top_k, dim=-1) if top_k else (chosen[:, None], tokens[:, None])
+    )
+    ids, lps = tokens.tolist(), chosen.tolist()
+    alt_ids, alt_lps = top_ids.tolist(), top_values.tolist()
+    return [
+        SampledToken(
+            ids[b],
+            lps[b],
+            tuple(zip(alt_ids[b][: p.logprobs], alt_lps[b][: p.logprobs], strict=True)),
+        )
+        for b, p in enumerate(params)
+    ]

@@ -37,7 +37,9 @@ class Settings(BaseSettings):
         "auto", description="prefill attention: auto | sdpa | native (C++, fp32 CPU) | flash-attn"
     )
     decode_kernel: str = Field(
-        "native", description="decode attention: native (C++, fp32 CPU; else torch) | torch"
+        "auto",
+        description="decode backend: auto (native on the CPU in fp32, triton on CUDA, each "
+        "where it runs; else torch) | torch | native (C++, fp32 CPU) | triton",
     )
     collectives: str = Field(
         "shm", description="decode group collectives: shm (shared memory; else dist) | dist"

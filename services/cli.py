@@ -38,13 +38,15 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is heavy)
+    from common.device import resolve_device
+    from services.decode.backends import KERNELS
     from services.decode.rank_model import ParallelConfig, ParallelMode
     from services.decode.runtime import EngineConfig
 
     if s.parallel not in ("tpla", "mla-tp", "sp"):
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
-    if s.decode_kernel not in ("native", "torch"):
-        raise ValueError(f"decode kernel {s.decode_kernel!r} is not native or torch")
+    if s.decode_kernel not in KERNELS:
+        raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
     if s.collectives not in ("shm", "dist"):
         raise ValueError(f"collectives {s.collectives!r} is not shm or dist")
     latent_groups = s.latent_groups if s.parallel == "tpla" else 1
@@ -63,9 +65,10 @@ def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is he
         kv_budget_mb=s.kv_budget_mb,
         max_batch=s.max_batch,
         dtype=s.dtype,
+        device=resolve_device(s.device),
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
-        attention_kernel=s.decode_kernel,
+        decode_kernel=s.decode_kernel,
         collectives=s.collectives,
         master_port=s.dist_port,
         host=s.host,
@@ -198,7 +201,10 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     ds.add_argument("--reparam", default="tpla_pca")
     ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ds.add_argument(
-        "--kernel", choices=["native", "torch"], default="native", help="decode attention"
+        "--kernel",
+        choices=["auto", "native", "torch", "triton"],
+        default="auto",
+        help="decode backend (TPLA_DECODE_KERNEL)",
     )
     ds.add_argument(
         "--collectives",

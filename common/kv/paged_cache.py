@@ -188,12 +188,16 @@ class CacheReads:
     valid: Tensor | None = None
 
     @classmethod
-    def blocks(cls, block_tables: Tensor, lengths: Tensor, block_size: int) -> CacheReads:
+    def blocks(
+        cls, block_tables: Tensor, lengths: Tensor, block_size: int, longest: int | None = None
+    ) -> CacheReads:
         """Straight from the tables [B, max_blocks] (padded with -1): the same blocks under
         every token a sequence holds and the same `lengths` as `tokens`, without the [B, T]
         tables that the block readers never look at (with a step's write slots, 0.16-0.33
-        ms -> 0.03-0.04 ms a step at 1,536 tokens, batch 1-16)."""
-        blocks = -(-int(lengths.max()) // block_size)
+        ms -> 0.03-0.04 ms a step at 1,536 tokens, batch 1-16). `longest` is max(lengths)
+        when the caller knows it on the host (reading it from a GPU tensor waits for the
+        device)."""
+        blocks = -(-(int(lengths.max()) if longest is None else longest) // block_size)
         return cls(block_tables[:, :blocks].clamp(min=0), lengths)
 
     @classmethod

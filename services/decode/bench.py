@@ -46,7 +46,7 @@ def measure(
     reparam: str | None,
     threads: int = 1,
     chunk_size: int = 256,
-    kernel: str = "native",
+    kernel: str = "auto",
     collectives: str = "shm",
 ) -> list[StepResult]:
     """Median step time per batch size for one layout, with its cache and comm footprint."""
@@ -60,7 +60,7 @@ def measure(
         max_batch=max(batches),
         kv_budget_mb=512,
         torch_threads=threads,
-        attention_kernel=kernel,
+        decode_kernel=kernel,
         collectives=collectives,
     )
     results = []

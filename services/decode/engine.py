@@ -37,7 +37,7 @@ from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
 from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
-from common.sampling import SamplingParams, make_generator, sample
+from common.sampling import SamplingParams, make_generator, sample_batch
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import (
@@ -78,8 +78,7 @@ class DecodeEngine:
             init_group(cfg, 0)
             self.runtime = RankRuntime(cfg, 0)
             self._receiver = self.runtime.start_kv_receiver()
-            if cfg.parallel.tp > 1:
-                dist.barrier()
+            self.runtime.comm.barrier()
         except BaseException:
             self._kill_followers()
             raise
@@ -125,7 +124,7 @@ class DecodeEngine:
                     torch.tensor_split(torch.arange(self.vocab_size), cfg.parallel.tp)
                 )
             ]
-        )
+        ).to(self.runtime.device)
         self._thread = threading.Thread(target=self._loop, name="decode-leader", daemon=True)
         self._thread.start()
 
@@ -191,13 +190,15 @@ class DecodeEngine:
             if tokens == 0:
                 return  # an SP rank that owns none of a short prompt
             slots = self._slots(request_id, rank, tokens)
-            n_, k_ = n.to(layout.dtype).contiguous(), k_pe.to(layout.dtype).contiguous()
+            device, comm = self.runtime.device, self.runtime.comm
+            n_ = n.to(device, layout.dtype).contiguous()
+            k_ = k_pe.to(device, layout.dtype).contiguous()
             if rank == 0:
-                self.runtime.cache.write_all_layers(slots, n_, k_)
+                self.runtime.cache.write_all_layers(slots.to(device), n_, k_)
             else:
-                send_plan(WritePlan(rank, slots), self.runtime.comm)
-                dist.send(n_, dst=rank)
-                dist.send(k_, dst=rank)
+                send_plan(WritePlan(rank, slots), comm)
+                comm.send(n_, rank)
+                comm.send(k_, rank)
 
         self._call(run)
 
@@ -206,7 +207,8 @@ class DecodeEngine:
 
         def run() -> None:
             seq = self.scheduler.start(request_id, first_token)
-            self._active[request_id] = _Active(params, stream, make_generator(params, stream=1))
+            generator = make_generator(params, self.runtime.device, stream=1)
+            self._active[request_id] = _Active(params, stream, generator)
             reason = params.finish_reason(first_token, 1, self.eos_token_ids, seq.max_tokens)
             if reason is not None:
                 self._finish(request_id, reason)
@@ -405,13 +407,13 @@ class DecodeEngine:
         else:
             logits = local
         logits = logits[:, self._vocab_columns]
-        for row, seq in enumerate(batch):
-            active = self._active[seq.request_id]
-            tok = sample(logits[row], active.params, active.generator)
+        actives = [self._active[seq.request_id] for seq in batch]
+        tokens = sample_batch(logits, [a.params for a in actives], [a.generator for a in actives])
+        for row, (seq, active, tok) in enumerate(zip(batch, actives, tokens, strict=True)):
             reason = active.params.finish_reason(
                 tok.token_id, len(seq.generated) + 1, self.eos_token_ids, seq.max_tokens
             )
-            kept = logits[row].clone() if self.cfg.record_logits else None
+            kept = logits[row].to("cpu", copy=True) if self.cfg.record_logits else None
             active.stream.put(TokenEvent(tok, reason, kept))
             self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)
             if reason is not None:

@@ -21,6 +21,7 @@ from common.kv.transfer import cut_shard
 from common.model.model import DeepseekForCausalLM
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 from common.serving_model import side_file_path
+from common.settings import Settings
 from services.decode.engine import DecodeEngine
 from services.decode.runtime import EngineConfig
 from services.decode.stream import TokenEvent, TokenStream
@@ -75,9 +76,10 @@ def generate_distributed(
     params: SamplingParams,
     eos_ids: Sequence[int],
     args: argparse.Namespace,
-    attention_backend: str = "auto",
+    settings: Settings,
 ) -> Generation:
     """`tpla generate --tp G --latent-groups R`: exact prefill here, decode in a rank group."""
+    from common.device import resolve_device
     from common.model.tpla import RmsNormMode
     from services.decode.rank_model import ParallelConfig, ParallelMode
 
@@ -104,11 +106,14 @@ def generate_distributed(
         ),
         reparam=reparam,
         master_port=0,
+        dtype=settings.dtype,
+        device=resolve_device(settings.device),
+        decode_kernel=settings.decode_kernel,
         torch_threads=args.threads or 1,
         max_model_len=len(prompt_ids) + params.max_tokens,
     )
     with DecodeEngine(cfg, eos_token_ids=tuple(eos_ids)) as engine:
-        prefill = load_prefill_model(cfg, attention_backend)
+        prefill = load_prefill_model(cfg, settings.attention_backend)
         [(first, stream)] = submit(engine, prefill, [prompt_ids], [params])
         result = collect(first, stream)
     tokens = [first] + [e.token for e in result.events if e.token is not None]

@@ -59,7 +59,7 @@ def send_plan(plan: Plan, comm: Comm) -> None:
     header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
     if plan is None or isinstance(plan, PingPlan):
         header[0] = Op.SHUTDOWN if plan is None else Op.PING
-        comm.broadcast_(header)
+        comm.broadcast_plan_(header)
         return
     if isinstance(plan, DecodePlan):
         r, b, m = plan.block_tables.shape
@@ -70,14 +70,14 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
         payload = plan.slots
-    comm.broadcast_(header)
-    comm.broadcast_(payload.to(torch.int64).contiguous())
+    comm.broadcast_plan_(header)
+    comm.broadcast_plan_(payload.to(torch.int64).contiguous())
 
 
 def recv_plan(comm: Comm) -> Plan:
     """Rank side: receive the next plan from rank 0."""
     header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-    comm.broadcast_(header)
+    comm.broadcast_plan_(header)
     op = Op(int(header[0]))
     if op is Op.SHUTDOWN:
         return None
@@ -86,9 +86,9 @@ def recv_plan(comm: Comm) -> Plan:
     if op is Op.DECODE:
         b, m, r = int(header[1]), int(header[2]), int(header[5])
         payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
-        comm.broadcast_(payload)
+        comm.broadcast_plan_(payload)
         return DecodePlan(payload[:b], payload[b : 2 * b], payload[2 * b :].view(r, b, m))
     n = int(header[3])
     payload = torch.empty(n, dtype=torch.int64)
-    comm.broadcast_(payload)
+    comm.broadcast_plan_(payload)
     return WritePlan(int(header[4]), payload)

@@ -13,42 +13,30 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.kv.paged_cache import BlockRows, CacheLayout, CacheReads, PagedLatentCache
+from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.model.mla import RMSNorm
 from common.model.model import DeepseekForCausalLM
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
-from common.model.sp import merge_partials, partial_attention
-from common.model.tpla import (
-    LatentShard,
-    RmsNormMode,
-    fused_slice_attention,
-    latent_slice_attention,
-    sliced_rmsnorm,
-)
-from common.native import decode_layer, small_gemm
-from common.native import latent_attention as native
+from common.model.sp import merge_partials
+from common.model.tpla import LatentShard, RmsNormMode, latent_slice_attention, sliced_rmsnorm
+from services.decode.backends import DecodeBackend, TorchBackend
 from services.decode.comm import Comm
-from services.decode.rank_ffn import ffn_forward
+
+Linear = Callable[[Tensor, Tensor], Tensor]
 
 log = logging.getLogger(__name__)
 
 
 class ParallelError(ValueError):
     """The requested parallel layout does not fit the model."""
-
-
-class AttentionKernel(enum.Enum):
-    """Which TPLA / MLA-TP decode attention kernel a rank runs (same math, tested equal)."""
-
-    NATIVE = "native"  # C++ over the paged cache in place (fp32 CPU; else falls back)
-    TORCH = "torch"  # `fused_slice_attention`: PyTorch ops over whole-block copies
 
 
 class ParallelMode(enum.Enum):
@@ -115,6 +103,8 @@ def rank_latent_columns(parallel: ParallelConfig, rank: int, d_c: int) -> slice:
 
 
 class RankAttention(nn.Module):
+    """A rank's share of one layer's attention weights and the math around its kernel."""
+
     def __init__(
         self, full: nn.Module, heads: slice, shard: LatentShard, mode: RmsNormMode
     ) -> None:
@@ -125,12 +115,7 @@ class RankAttention(nn.Module):
         self.head_offset = heads.start
         self.scale = a.scale
         self.shard = shard
-        self.mode = mode
-        self.native = False  # set by RankModel once the weights' dtype and device are known
-        self.linear = F.linear  # likewise: small_gemm.linear with the native kernels
-        # Likewise: the native queries + new latent + cache write, bound to this layer's
-        # weights (`bind_inputs`); None runs `queries` / `new_latent` / `PagedLatentCache.write`.
-        self.inputs: decode_layer.AttentionInputs | None = None
+        self.exact_rmsnorm = mode is RmsNormMode.EXACT
         qk = a.d_n + a.d_r
         rows = slice(heads.start * qk, heads.stop * qk)
         if a.q_lora:
@@ -144,9 +129,7 @@ class RankAttention(nn.Module):
         w_kva = a.kv_a_proj_with_mqa.weight.detach()
         # Exact mode needs the whole (small) latent projection to normalize exactly; sliced
         # mode holds only its slice's rows. The rope rows are replicated either way.
-        latent_rows = (
-            slice(0, a.d_c) if mode is RmsNormMode.EXACT else slice(shard.start, shard.end)
-        )
+        latent_rows = slice(0, a.d_c) if self.exact_rmsnorm else slice(shard.start, shard.end)
         self.kv_a_latent = nn.Parameter(w_kva[latent_rows].clone())
         self.kv_a_rope = nn.Parameter(w_kva[a.d_c :].clone())
         self.gamma = nn.Parameter(a.kv_a_layernorm.weight.detach().clone())
@@ -157,87 +140,41 @@ class RankAttention(nn.Module):
         w_o = a.o_proj.weight.detach().view(-1, a.num_heads, a.d_v)
         self.w_o = nn.Parameter(w_o[:, heads].reshape(w_o.shape[0], -1).clone())
 
-    def bind_inputs(self, input_norm: RMSNorm, rope: RotaryEmbedding) -> None:
-        """Run this layer's attention inputs natively from now on (fp32 CPU weights)."""
-        s, exact = self.shard, self.mode is RmsNormMode.EXACT
-        self.inputs = decode_layer.AttentionInputs(
-            decode_layer.LayerWeights(
-                norm=input_norm.weight.detach(),
-                eps=input_norm.eps,
-                q_a=None if self.q_a is None else self.q_a.detach(),
-                q_a_norm=None if self.q_a_norm is None else self.q_a_norm.weight.detach(),
-                q_a_eps=0.0 if self.q_a_norm is None else self.q_a_norm.eps,
-                q_b=self.q_b.detach(),
-                kv_latent=self.kv_a_latent.detach(),
-                kv_rope=self.kv_a_rope.detach(),
-                kv_norm=self.gamma.detach()[s.start : s.end],
-                kv_eps=self.eps,
-                latent_offset=s.start if exact else 0,
-                rms_correction=1.0 if exact else s.rms_correction,
-                heads=self.num_heads,
-                d_n=self.d_n,
-                d_r=self.d_r,
-                interleaved=rope.interleaved,
-            )
-        )
-
     def queries(
-        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
+        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor, linear: Linear
     ) -> tuple[Tensor, Tensor]:
         if self.q_a is not None:
-            x = self.q_a_norm(self.linear(x, self.q_a))
-        q = self.linear(x, self.q_b).view(x.shape[0], self.num_heads, self.d_n + self.d_r)
+            x = self.q_a_norm(linear(x, self.q_a))
+        q = linear(x, self.q_b).view(x.shape[0], self.num_heads, self.d_n + self.d_r)
         q_nope, q_pe = q.split([self.d_n, self.d_r], dim=-1)
         return q_nope, rope.apply(q_pe, cos[:, None], sin[:, None])
 
     def new_latent(
-        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
+        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor, linear: Linear
     ) -> tuple[Tensor, Tensor]:
         """This rank's slice n[S_i] and the rotated k_pe of new tokens."""
-        k_pe = rope.apply(self.linear(x, self.kv_a_rope), cos, sin)
-        lat = self.linear(x, self.kv_a_latent)
+        k_pe = rope.apply(linear(x, self.kv_a_rope), cos, sin)
+        lat = linear(x, self.kv_a_latent)
         s = self.shard
-        if self.mode is RmsNormMode.EXACT:
+        if self.exact_rmsnorm:
             lf = lat.float()
             n = lf * torch.rsqrt(lf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (self.gamma * n.to(x.dtype))[:, s.start : s.end], k_pe
         return sliced_rmsnorm(lat, self.gamma[s.start : s.end], self.eps, s.rms_correction), k_pe
 
     def attend(
-        self, q_nope: Tensor, q_pe: Tensor, rows: BlockRows, chunk: int, lengths: Tensor
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        cache: PagedLatentCache,
+        index: int,
+        reads: CacheReads,
+        backend: DecodeBackend,
     ) -> Tensor:
-        """TPLA / MLA-TP: [B, h, *] queries over this rank's latent slice -> partial [B, D].
-
-        `rows` reads the sequences' cache blocks, token t of sequence b valid iff
-        t < lengths[b]. `attend_reference` is the same math unfused.
-        """
-        if self.native:
-            o = native.paged_latent_attention(
-                q_nope.contiguous(),
-                q_pe.contiguous(),
-                rows.cache.kv[rows.layer],
-                rows.block_ids,
-                lengths,
-                rows.cache.layout.block_size,
-                self.w_uk,
-                self.w_uv,
-                self.scale,
-                self.shard.beta,
-            )
-        else:
-            o = fused_slice_attention(
-                q_nope,
-                q_pe,
-                rows.read,
-                rows.total,
-                chunk,
-                lengths,
-                self.w_uk,
-                self.w_uv,
-                self.scale,
-                self.shard.beta,
-            )
-        return self.linear(o.reshape(o.shape[0], -1), self.w_o)
+        """TPLA / MLA-TP: [B, h, *] queries over this rank's latent slice of layer `index`
+        -> partial hidden state [B, D]; `attend_reference` is the same math unfused."""
+        o = backend.attention(self, q_nope, q_pe, cache, index, reads)
+        return backend.linear(o.reshape(o.shape[0], -1), self.w_o)
 
     def attend_reference(
         self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
@@ -257,7 +194,14 @@ class RankAttention(nn.Module):
         return F.linear(o.reshape(o.shape[0], -1), self.w_o)
 
     def attend_sp(
-        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor, comm: Comm
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        cache: PagedLatentCache,
+        index: int,
+        reads: CacheReads,
+        comm: Comm,
+        backend: DecodeBackend,
     ) -> Tensor:
         """SP: every head over this rank's token chunks, merged exactly across ranks."""
         b = q_nope.shape[0]
@@ -265,7 +209,7 @@ class RankAttention(nn.Module):
         # Every rank needs every head's query for its own tokens: gather the head groups.
         q_all = comm.gather_heads(torch.cat((q_lat, q_pe), dim=-1))
         q_lat_all, q_pe_all = q_all.split([self.d_c, self.d_r], dim=-1)
-        u, m, l = partial_attention(q_lat_all, q_pe_all, n, k_pe, valid, self.scale)
+        u, m, l = backend.partial_attention(q_lat_all, q_pe_all, cache, index, reads, self.scale)
         global_max = m.clone()
         comm.max_(global_max)
         u, l = merge_partials(u, m, l, global_max)
@@ -274,7 +218,7 @@ class RankAttention(nn.Module):
         heads = slice(self.head_offset, self.head_offset + self.num_heads)
         u_mine = packed[:, heads, : self.d_c] / packed[:, heads, self.d_c :]
         o = torch.einsum("bhc,hvc->bhv", u_mine, self.w_uv)
-        return self.linear(o.reshape(b, -1), self.w_o)
+        return backend.linear(o.reshape(b, -1), self.w_o)
 
 
 def _shard_ffn(module: nn.Module, config, rank: int, tp: int) -> nn.Module:
@@ -313,7 +257,11 @@ class RankLayer(nn.Module):
 
 
 class RankModel(nn.Module):
-    """Everything one rank needs for decode; built from the full model, which is then freed."""
+    """Everything one rank needs for decode; built from the full model, which is then freed.
+
+    The step is device-generic PyTorch; what a kernel can speed up goes through the rank's
+    `DecodeBackend` (`use_backend`), chosen once at start-up.
+    """
 
     def __init__(
         self,
@@ -321,7 +269,7 @@ class RankModel(nn.Module):
         parallel: ParallelConfig,
         rank: int,
         shards_per_layer: list[list[LatentShard]],
-        kernel: AttentionKernel = AttentionKernel.NATIVE,
+        backend: DecodeBackend | None = None,
     ) -> None:
         super().__init__()
         c = full.config
@@ -341,44 +289,26 @@ class RankModel(nn.Module):
         vocab = torch.tensor_split(torch.arange(c.vocab_size), parallel.tp)
         self.vocab_size_padded = max(len(v) for v in vocab)
         self.lm_head = nn.Parameter(full.lm_head.weight.detach()[vocab[rank]].clone())
-        self.rope = full.rope
+        self.rope = RotaryEmbedding(c, full.lm_head.weight.device)
         self.latent_width = shards_per_layer[0][i].width
-        self.kernel = self.use_kernel(kernel)
+        self.backend: DecodeBackend = TorchBackend()
+        self.use_backend(backend or TorchBackend())
 
-    def use_kernel(self, kernel: AttentionKernel) -> AttentionKernel:
-        """Select the decode attention kernel (and with it the native decode-sized matmuls of
-        `small_gemm`); returns the one in use.
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.device
 
-        NATIVE runs where it can (fp32 weights on the CPU, a C++ compiler at build time) and
-        otherwise falls back to TORCH with a warning, so a deployment never fails over it.
-        """
-        attn = [layer.attn for layer in self.layers]
-        usable = kernel is AttentionKernel.NATIVE and all(
-            native.supports(a.w_uk, a.w_uv) for a in attn
-        )
-        if usable and not native.available():
-            usable = False
-        if kernel is AttentionKernel.NATIVE and not usable:
-            log.warning("native decode attention not usable here; using the torch kernel")
-        # The decode-sized matmuls go with it (a library of their own; each call still
-        # falls back to BLAS where the native product would not win).
-        self.native_matmuls = usable and small_gemm.available()
-        self.linear = small_gemm.linear if self.native_matmuls else F.linear
-        # And the layers' glue (norms, rotary embeddings, the cache write) in native calls.
-        self.native_layers = usable and decode_layer.available()
-        for layer in self.layers:
-            a = layer.attn
-            a.native = usable
-            a.linear = self.linear
-            a.inputs = None
-            if self.native_layers:
-                a.bind_inputs(layer.input_norm, self.rope)
-        return AttentionKernel.NATIVE if usable else AttentionKernel.TORCH
+    def place(self, device: torch.device) -> None:
+        """Move the weights and the rotary tables to `device`; rebinds the backend."""
+        self.to(device)
+        self.rope = RotaryEmbedding(self.config, device)
+        self.use_backend(self.backend)
 
-    def _norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
-        if self.native_layers:
-            return decode_layer.rms_norm(x, norm.weight, norm.eps)
-        return norm(x)
+    def use_backend(self, backend: DecodeBackend) -> DecodeBackend:
+        """Run the step's kernels on `backend` from now on (bound to this model's weights)."""
+        backend.bind(self)
+        self.backend = backend
+        return backend
 
     def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
         return CacheLayout(
@@ -406,37 +336,24 @@ class RankModel(nn.Module):
 
         `write_slots` [B] is where each new token's latent goes on this rank (-1: another
         rank owns it, in SP mode); `reads` addresses the cached history (its slots / valid
-        mask in SP mode).
+        mask in SP mode). Every input is on the model's device.
         """
-        cos, sin = self.rope.cos_sin(positions)
-        h = self.embed(token_ids)
-        # TPLA / MLA-TP read whole blocks; the table is the same for every layer.
-        block_ids, lengths = reads.block_ids, reads.lengths
-        slots, valid = reads.slots, reads.valid
-        if self.parallel.sp and (slots is None or valid is None):
+        if self.parallel.sp and (reads.slots is None or reads.valid is None):
             raise ValueError("an SP decode step reads per-token slots: use CacheReads.tokens")
-        chunk = cache.chunk_tokens(len(token_ids))
-        fused = self.native_layers and cache.kv.dtype == torch.float32
+        be, rope = self.backend, self.rope
+        cos, sin = rope.cos_sin(positions)
+        h = self.embed(token_ids)
         for index, layer in enumerate(self.layers):
-            if fused:
-                q_nope, q_pe = layer.attn.inputs(h, cos, sin, cache.kv[index], write_slots)
+            q_nope, q_pe = be.attention_inputs(index, layer, rope, h, cos, sin, cache, write_slots)
+            if self.parallel.sp:
+                y = layer.attn.attend_sp(q_nope, q_pe, cache, index, reads, comm, be)
             else:
-                x = layer.input_norm(h)
-                q_nope, q_pe = layer.attn.queries(x, self.rope, cos, sin)
-                n_new, k_pe_new = layer.attn.new_latent(x, self.rope, cos, sin)
-                keep = write_slots >= 0
-                cache.write(index, write_slots[keep], n_new[keep], k_pe_new[keep])
-            if self.parallel.sp:  # slots and valid are set (checked above)
-                n, k_pe = cache.gather(index, slots)
-                y = layer.attn.attend_sp(q_nope, q_pe, n, k_pe, valid, comm)
-            else:
-                rows = cache.rows(index, block_ids)
-                y = layer.attn.attend(q_nope, q_pe, rows, chunk, lengths)
+                y = layer.attn.attend(q_nope, q_pe, cache, index, reads, be)
             comm.sum_(y)
             h = h + y
-            f = ffn_forward(layer.ffn, self._norm(layer.post_norm, h), self.native_matmuls)
+            f = be.ffn(layer.ffn, be.rms_norm(layer.post_norm, h))
             comm.sum_(f)
             h = h + f
-        logits = self.linear(self._norm(self.norm, h), self.lm_head)
+        logits = be.linear(be.rms_norm(self.norm, h), self.lm_head)
         pad = self.vocab_size_padded - logits.shape[1]
         return F.pad(logits, (0, pad)) if pad else logits

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.device import rank_device
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
@@ -35,9 +36,10 @@ from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
 from common.settings import TORCH_PORT_OFFSET
-from services.decode.comm import Comm
+from services.decode.backends import select_decode_backend
+from services.decode.comm import Comm, DistCollectives, ShmCollectives
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, recv_plan
-from services.decode.rank_model import AttentionKernel, ParallelConfig, ParallelMode, RankModel
+from services.decode.rank_model import ParallelConfig, ParallelMode, RankModel
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +54,14 @@ class EngineConfig:
     max_batch: int = 32
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "float32"
+    # "cpu" for every rank, or "cuda" / "cuda:N": rank k on GPU N + k (`rank_device`).
+    device: str = "cpu"
     lease_seconds: float = 30.0
     torch_threads: int = 1
-    attention_kernel: str = "native"  # AttentionKernel: native | torch
-    # "shm": the group's collectives go through shared memory when the native library is
-    # there (its ranks share a host); "dist": torch.distributed (gloo, NCCL on GPUs).
+    decode_kernel: str = "auto"  # `select_decode_backend`: auto | torch | native | triton
+    # "shm": the group's CPU collectives (plans; activations too on the CPU) go through
+    # shared memory when the native library is there (its ranks share a host); "dist":
+    # torch.distributed's gloo. Activations on GPUs always go through NCCL.
     collectives: str = "shm"
     shm_path: str | None = None  # set by the leader: the group file its ranks map
     master_port: int = 29500
@@ -92,29 +97,36 @@ class EngineConfig:
 
 
 class RankRuntime:
-    """One rank's model share and KV pool; `step` runs a decode plan on this rank."""
+    """One rank's model share and KV pool on its device; `step` runs a decode plan."""
 
     def __init__(self, cfg: EngineConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
+        self.device = rank_device(cfg.device, rank)
         torch.set_num_threads(cfg.torch_threads)
         full, spectra = load_serving_model(cfg.model, cfg.reparam, cfg.dtype)
         r = cfg.parallel.latent_groups
         shards = [latent_shards(full.config.kv_lora_rank, r, s) for s in spectra]
-        self.model = RankModel(
-            full, cfg.parallel, rank, shards, AttentionKernel(cfg.attention_kernel)
-        )
+        self.model = RankModel(full, cfg.parallel, rank, shards)
         del full  # only this rank's share stays resident
-        self.layout = self.model.cache_layout(cfg.block_size, getattr(torch, cfg.dtype))
+        dtype = getattr(torch, cfg.dtype)
+        self.model.place(self.device)
+        self.model.use_backend(select_decode_backend(cfg.decode_kernel, self.device, dtype))
+        self.layout = self.model.cache_layout(cfg.block_size, dtype)
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
-        self.cache = PagedLatentCache(self.layout, num_blocks)
-        self.comm = Comm(cfg.parallel.tp, open_shm_group(cfg, rank))
+        self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
+        self.comm = open_comm(cfg, rank, self.device)
+        self.inputs = StepInputs(self.device)
 
     def step(self, plan: DecodePlan) -> Tensor:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]."""
         bs, par = self.cfg.block_size, self.cfg.parallel
+        # The longest history, from the plan on the host: sizing the reads from the device
+        # tensors would wait for the device.
+        longest = int(plan.positions.max()) + 1
+        plan = self.inputs.load(plan)
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
-        rows = torch.arange(len(positions))
+        rows = torch.arange(len(positions), device=self.device)
         if par.sp:
             # This rank caches only its chunks: local lengths, and the new token only if owned.
             c = par.chunk_size
@@ -128,7 +140,7 @@ class RankRuntime:
             reads = CacheReads.tokens(tables, lengths, bs)
         else:
             write_slots = tables[rows, positions // bs] * bs + positions % bs
-            reads = CacheReads.blocks(tables, positions + 1, bs)
+            reads = CacheReads.blocks(tables, positions + 1, bs, longest)
         return self.model.decode_step(
             plan.tokens, positions, write_slots, reads, self.cache, self.comm
         )
@@ -185,23 +197,64 @@ class RankRuntime:
         """Follower side of a local KV write: receive the shard from the leader."""
         if plan.target != self.rank:
             return
-        n_layers, n = self.layout.num_layers, len(plan.slots)
-        lat = torch.empty(n_layers, n, self.layout.latent_width, dtype=self.layout.dtype)
-        rope = torch.empty(n_layers, n, self.layout.rope_width, dtype=self.layout.dtype)
-        dist.recv(lat, src=0)
-        dist.recv(rope, src=0)
-        self.cache.write_all_layers(plan.slots, lat, rope)
+        lay, n = self.layout, len(plan.slots)
+        lat = torch.empty(lay.num_layers, n, lay.latent_width, dtype=lay.dtype, device=self.device)
+        rope = torch.empty(lay.num_layers, n, lay.rope_width, dtype=lay.dtype, device=self.device)
+        self.comm.recv(lat, 0)
+        self.comm.recv(rope, 0)
+        self.cache.write_all_layers(plan.slots.to(self.device), lat, rope)
 
 
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() and os.environ.get("TPLA_NCCL") == "1" else "gloo"
+class StepInputs:
+    """A decode plan's tensors on the rank's device, through buffers made once.
+
+    On a GPU the plan (CPU tensors from the control group) is packed into pinned host
+    memory and copied asynchronously into a device buffer that later steps reuse; two host
+    buffers alternate, each reused only after its previous copy finished. On the CPU the
+    plan's tensors are the step's inputs as they are.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: list[Tensor] = []
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._device_words = torch.empty(0, dtype=torch.int64, device=device)
+        self._turn = 0
+
+    def load(self, plan: DecodePlan) -> DecodePlan:
+        if self.device.type == "cpu":
+            return plan
+        b = len(plan.tokens)
+        words = 2 * b + plan.block_tables.numel()
+        if self._device_words.numel() < words:
+            size = max(words, 2 * self._device_words.numel())
+            self._host = [torch.empty(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+            self._done = [None, None]
+            self._device_words = torch.empty(size, dtype=torch.int64, device=self.device)
+        turn = self._turn
+        self._turn ^= 1
+        if (done := self._done[turn]) is not None:
+            done.synchronize()
+        host = self._host[turn][:words]
+        torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()], out=host)
+        dev = self._device_words[:words]
+        dev.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._done[turn] = event
+        return DecodePlan(dev[:b], dev[b : 2 * b], dev[2 * b :].view(plan.block_tables.shape))
 
 
 def init_group(cfg: EngineConfig, rank: int) -> None:
+    """Join the group's torch.distributed default group: gloo, the CPU control group (and
+    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data."""
     if cfg.parallel.tp == 1:
         return
+    device = rank_device(cfg.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        _backend(),
+        "gloo",
         init_method=f"tcp://127.0.0.1:{cfg.master_port}",
         world_size=cfg.parallel.tp,
         rank=rank,
@@ -216,8 +269,8 @@ SHM_SLOT_BYTES = 4 * 2**20
 def create_shm_group(cfg: EngineConfig) -> str | None:
     """Leader, before starting its followers: make the group's shared-memory file, or None
     (tp = 1, "dist" asked for, or no native library here: torch.distributed it is)."""
-    if cfg.collectives != "shm" or cfg.parallel.tp == 1 or _backend() != "gloo":
-        return None  # NCCL groups keep their tensors on the GPU: NCCL's collectives
+    if cfg.collectives != "shm" or cfg.parallel.tp == 1:
+        return None
     if not shm_group.available():
         return None
     path = shm_group.new_path()
@@ -236,6 +289,19 @@ def open_shm_group(cfg: EngineConfig, rank: int) -> ShmGroup | None:
     return ShmGroup(
         cfg.shm_path, rank, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, False
     )
+
+
+def open_comm(cfg: EngineConfig, rank: int, device: torch.device) -> Comm:
+    """The rank's control group (shared memory, else gloo) and data group (the same on the
+    CPU; NCCL, created here by every rank alike, on GPUs)."""
+    if cfg.parallel.tp == 1:
+        return Comm(1)
+    default = DistCollectives()
+    shm = open_shm_group(cfg, rank)
+    control = default if shm is None else ShmCollectives(shm, default)
+    if device.type == "cuda":
+        return Comm(cfg.parallel.tp, control, DistCollectives(dist.new_group(backend="nccl")))
+    return Comm(cfg.parallel.tp, control, control)
 
 
 def exit_with_parent() -> None:
@@ -257,7 +323,7 @@ def follower_main(cfg: EngineConfig, rank: int) -> None:
     init_group(cfg, rank)
     runtime = RankRuntime(cfg, rank)
     receiver = runtime.start_kv_receiver()
-    dist.barrier()  # the leader waits until every rank has loaded its share
+    runtime.comm.barrier()  # the leader waits until every rank has loaded its share
     while True:
         plan = recv_plan(runtime.comm)
         if plan is None:

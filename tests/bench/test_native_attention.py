@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from common.kv.paged_cache import block_ids_from_slots
+from common.kv.paged_cache import CacheReads, block_ids_from_slots
 from common.model.tpla import latent_slice_attention
 from common.native import latent_attention as native
 from tests.bench.test_kernels import _paged
@@ -137,6 +137,8 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     real (tiny) checkpoint, against `attend_reference`."""
     from common.model.loader import load_model
     from common.model.tpla import RmsNormMode, latent_shards
+    from services.decode.backends import TorchBackend
+    from services.decode.backends.native_backend import NativeBackend
     from services.decode.rank_model import RankAttention
     from tests.model.tiny import save_hf
 
@@ -154,12 +156,11 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
         q = torch.randn(3, rank.num_heads, attn.d_n + attn.d_r, generator=g)
         q_nope, q_pe = q.split([attn.d_n, attn.d_r], dim=-1)
         n, k_pe = cache.gather(0, slots)
-        rows = cache.rows(0, block_ids_from_slots(slots, 8))
+        reads = CacheReads(block_ids_from_slots(slots, 8), lens)
         with torch.no_grad():
             reference = rank.attend_reference(q_nope, q_pe, n, k_pe, valid)
             outputs = {}
-            for kernel in (True, False):
-                rank.native = kernel
-                outputs[kernel] = rank.attend(q_nope, q_pe, rows, 16, lens)
+            for backend in (NativeBackend(), TorchBackend()):
+                outputs[backend.name] = rank.attend(q_nope, q_pe, cache, 0, reads, backend)
         for out in outputs.values():
             torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)

@@ -16,6 +16,7 @@ from common.model.model import ContiguousLatentCache
 from common.model.tpla import RmsNormMode
 from common.sampling import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
+from services.decode.comm import ShmCollectives
 from services.decode.engine import DecodeEngine
 from services.decode.local import collect, load_prefill_model, submit
 from services.decode.rank_model import ParallelConfig, ParallelMode
@@ -49,7 +50,7 @@ def _engine(
         block_size=4,
         record_logits=True,
         collectives=collectives,
-        attention_kernel=kernel,
+        decode_kernel=kernel,
         collective_timeout_s=collective_timeout_s,
     )
     return DecodeEngine(cfg)
@@ -71,8 +72,8 @@ def test_mla_tp2_equals_single_process(model_dir: Path, collectives: str, kernel
     prompt = _prompt(23, 0)
     expected = generate(load_model(model_dir), prompt, GREEDY).token_ids
     with _engine(model_dir, tp=2, r=1, collectives=collectives, kernel=kernel) as engine:
-        assert (engine.runtime.comm.shm is not None) == (collectives == "shm")
-        assert engine.runtime.model.kernel.value == kernel
+        assert isinstance(engine.runtime.comm.data, ShmCollectives) == (collectives == "shm")
+        assert engine.runtime.model.backend.name == kernel
         [(first, stream)] = submit(engine, load_prefill_model(engine.cfg), [prompt], [GREEDY])
         result = collect(first, stream)
         assert result.token_ids == expected

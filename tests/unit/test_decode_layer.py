@@ -14,7 +14,9 @@ from common.model.mla import RMSNorm
 from common.model.tpla import RmsNormMode, latent_shards
 from common.native import decode_layer
 from services.decode.comm import Comm
-from services.decode.rank_model import AttentionKernel, ParallelConfig, ParallelMode, RankModel
+from services.decode.backends import TorchBackend
+from services.decode.backends.native_backend import NativeBackend
+from services.decode.rank_model import ParallelConfig, ParallelMode, RankModel
 from tests.model.tiny import VARIANTS, save_hf
 
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="native library not built")
@@ -46,11 +48,11 @@ def checkpoints(tmp_path_factory) -> dict[str, object]:
     return out
 
 
-def _rank_model(path, parallel: ParallelConfig, rank: int, kernel=AttentionKernel.NATIVE):
+def _rank_model(path, parallel: ParallelConfig, rank: int):
     full = load_model(path)
     r = parallel.latent_groups
     shards = [latent_shards(full.config.kv_lora_rank, r) for _ in full.model.layers]
-    return RankModel(full, parallel, rank, shards, kernel)
+    return RankModel(full, parallel, rank, shards, NativeBackend())
 
 
 LAYOUTS = [
@@ -65,7 +67,7 @@ LAYOUTS = [
 def test_attention_inputs_match_the_torch_path(checkpoints, variant: str, layout) -> None:
     parallel, rank = layout
     model = _rank_model(checkpoints[variant], parallel, rank)
-    assert model.native_layers and all(layer.attn.inputs for layer in model.layers)
+    native, torch_ = model.backend, TorchBackend()
     c = model.config
     layout_ = model.cache_layout(4, torch.float32)
     fused, reference = PagedLatentCache(layout_, 8), PagedLatentCache(layout_, 8)
@@ -74,15 +76,11 @@ def test_attention_inputs_match_the_torch_path(checkpoints, variant: str, layout
         positions = torch.tensor([5, 0, 17][:b])
         cos, sin = model.rope.cos_sin(positions)
         slots = torch.tensor([9, -1, 30][:b])  # -1: another rank's token (SP) is not written
-        keep = slots >= 0
         with torch.inference_mode():
             for index, layer in enumerate(model.layers):
-                a = layer.attn
-                q_nope, q_pe = a.inputs(h, cos, sin, fused.kv[index], slots)
-                x = layer.input_norm(h)
-                want_nope, want_pe = a.queries(x, model.rope, cos, sin)
-                n, k_pe = a.new_latent(x, model.rope, cos, sin)
-                reference.write(index, slots[keep], n[keep], k_pe[keep])
+                args = (index, layer, model.rope, h, cos, sin)
+                q_nope, q_pe = native.attention_inputs(*args, fused, slots)
+                want_nope, want_pe = torch_.attention_inputs(*args, reference, slots)
                 torch.testing.assert_close(q_nope, want_nope, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(q_pe, want_pe, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused.kv, reference.kv, rtol=1e-5, atol=1e-5)
@@ -94,13 +92,13 @@ def test_attention_inputs_refuse_a_slot_outside_the_cache_and_write_nothing(chec
     cache = PagedLatentCache(model.cache_layout(4, torch.float32), 2)
     h = _randn(2, model.config.hidden_size, seed=0)
     cos, sin = model.rope.cos_sin(torch.tensor([0, 1]))
-    attn = model.layers[0].attn
+    args = (0, model.layers[0], model.rope, h, cos, sin, cache)
     with torch.inference_mode():
         for bad in (8, -2):
             with pytest.raises(ValueError, match="outside the cache"):
-                attn.inputs(h, cos, sin, cache.kv[0], torch.tensor([3, bad]))
+                model.backend.attention_inputs(*args, torch.tensor([3, bad]))
         with pytest.raises(ValueError, match="inconsistent"):
-            attn.inputs(h, cos, sin, cache.kv[0], torch.tensor([3]))
+            model.backend.attention_inputs(*args, torch.tensor([3]))
     assert not cache.kv.any()
 
 
@@ -119,14 +117,13 @@ def test_a_decode_step_with_native_layers_equals_the_torch_glue(checkpoints, var
     reads = CacheReads.blocks(tables, lengths, 4)
     tokens = torch.tensor([7, 42])
     logits = []
-    for cache, native in zip(caches, (True, False), strict=True):
+    for cache, backend in zip(caches, (NativeBackend(), TorchBackend()), strict=True):
         cache.kv.copy_(history)
-        model.native_layers = native
+        model.use_backend(backend)
         logits.append(model.decode_step(tokens, positions, write_slots, reads, cache, Comm(1)))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(caches[0].kv, caches[1].kv, rtol=1e-5, atol=1e-5)
-    model.use_kernel(AttentionKernel.TORCH)
-    assert not model.native_layers and all(layer.attn.inputs is None for layer in model.layers)
+    assert model.backend.name == "torch"
 
 
 def test_an_sp_step_refuses_reads_without_token_slots(checkpoints) -> None:

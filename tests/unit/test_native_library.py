@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from common.native import library
 
@@ -62,17 +63,24 @@ def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
     from common.model.loader import load_model
     from common.model.tpla import latent_shards
     from common.native import latent_attention
-    from services.decode.rank_model import AttentionKernel, ParallelConfig, RankModel
+    from services.decode.backends import select_decode_backend
+    from services.decode.rank_model import ParallelConfig, RankModel
     from tests.model.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     full = load_model(tmp_path)
     shards = [latent_shards(full.config.kv_lora_rank, 2) for _ in full.model.layers]
-    model = RankModel(full, ParallelConfig(tp=2, latent_groups=2), 0, shards)
+    cpu = torch.device("cpu")
+    model = RankModel(
+        full,
+        ParallelConfig(tp=2, latent_groups=2),
+        0,
+        shards,
+        select_decode_backend("native", cpu, torch.float32),
+    )
     if latent_attention.available():
-        assert model.kernel is AttentionKernel.NATIVE
-        assert all(layer.attn.native for layer in model.layers)
-    assert model.use_kernel(AttentionKernel.TORCH) is AttentionKernel.TORCH
+        assert model.backend.name == "native"
+    assert model.use_backend(select_decode_backend("torch", cpu, torch.float32)).name == "torch"
     monkeypatch.setattr(latent_attention, "available", lambda: False)
-    assert model.use_kernel(AttentionKernel.NATIVE) is AttentionKernel.TORCH
-    assert not any(layer.attn.native for layer in model.layers)
+    assert select_decode_backend("native", cpu, torch.float32).name == "torch"
+    assert select_decode_backend("auto", cpu, torch.float32).name == "torch"

@@ -102,19 +102,20 @@ def test_moe_experts_reject_bad_ids_and_fall_back_above_the_row_bound() -> None:
 
 def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     """The native FFN forward of every layer's slice (dense MLP, MoE with shared experts)
-    equals the module's own forward; the rank model turns the native products on."""
+    equals the module's own forward; the native backend runs the native products."""
     from common.model.loader import load_model
     from common.model.moe import MoE
     from common.model.tpla import latent_shards
-    from services.decode.rank_ffn import ffn_forward
-    from services.decode.rank_model import AttentionKernel, ParallelConfig, RankModel
+    from services.decode.backends import TorchBackend
+    from services.decode.backends.native_backend import NativeBackend
+    from services.decode.rank_model import ParallelConfig, RankModel
     from tests.model.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     full = load_model(tmp_path)
     shards = [latent_shards(full.config.kv_lora_rank, 2) for _ in full.model.layers]
-    model = RankModel(full, ParallelConfig(tp=2, latent_groups=2), 1, shards)
-    assert model.native_matmuls and model.layers[0].attn.linear is small_gemm.linear
+    model = RankModel(full, ParallelConfig(tp=2, latent_groups=2), 1, shards, NativeBackend())
+    native = model.backend
     kinds = {type(layer.ffn) for layer in model.layers}
     assert MoE in kinds and len(kinds) == 2  # a dense first layer, then MoE layers
     with torch.inference_mode():
@@ -122,7 +123,10 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
             x = _randn(rows, full.config.hidden_size, seed=rows)
             for layer in model.layers:
                 torch.testing.assert_close(
-                    ffn_forward(layer.ffn, x, native=True), layer.ffn(x), rtol=1e-5, atol=1e-6
+                    native.ffn(layer.ffn, x), layer.ffn(x), rtol=1e-5, atol=1e-6
                 )
-    model.use_kernel(AttentionKernel.TORCH)
-    assert not model.native_matmuls and model.layers[0].attn.linear is F.linear
+            torch.testing.assert_close(
+                native.linear(x, model.lm_head), F.linear(x, model.lm_head), rtol=1e-5, atol=1e-5
+            )
+    model.use_backend(TorchBackend())
+    assert model.backend.name == "torch"

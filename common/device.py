@@ -1,0 +1,48 @@
+"""Where a process puts its tensors: the one place a device name is read and checked.
+
+`TPLA_DEVICE` is `auto` (CUDA when a GPU is visible, else the CPU), `cpu`, `cuda` or
+`cuda:N`. Asking for CUDA where there is none is a `DeviceError` at start-up, never a silent
+CPU fallback: a user who asked for a GPU server must not get a CPU one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeviceError(RuntimeError):
+    """The requested device does not exist here."""
+
+
+def resolve_device(name: str) -> str:
+    """`auto` -> `cuda` or `cpu`; any other name is checked and returned as given."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise DeviceError(f"unknown device {name!r} (auto, cpu, cuda, cuda:N)") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise DeviceError(f"device {name!r} is not supported (auto, cpu, cuda, cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(
+            f"device {name!r} was asked for (TPLA_DEVICE / --device) but this machine has no "
+            "visible CUDA device"
+        )
+    return name
+
+
+def rank_device(name: str, rank: int) -> torch.device:
+    """The device of rank `rank` of a group placed on `name`: the CPU for every rank, or GPU
+    `first + rank` where `name` is `cuda:first` (`cuda` = `cuda:0`): one GPU per rank."""
+    device = torch.device(resolve_device(name))
+    if device.type == "cpu":
+        return device
+    index = (device.index or 0) + rank
+    visible = torch.cuda.device_count()
+    if index >= visible:
+        raise DeviceError(
+            f"decode rank {rank} needs GPU {index} ({name!r} + rank), but only {visible} "
+            "CUDA device(s) are visible: a decode group needs one GPU per rank"
+        )
+    return torch.device("cuda", index)

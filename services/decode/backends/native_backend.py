@@ -1,0 +1,128 @@
+"""The native decode backend: the C++ kernels of `common/native` (fp32 CPU).
+
+Attention reads the paged cache in place (`latent_attention.cpp`); a layer's attention inputs
+are one call instead of ~45 torch ops (`decode_layer.cpp`); linears over a few rows, the MLP
+and a MoE layer's routed experts run in `small_gemm.cpp` (BLAS packs the weight for every
+skinny product). Each is tested equal to the torch backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from common.kv.paged_cache import CacheReads, PagedLatentCache
+from common.model.mla import RMSNorm
+from common.model.moe import MoE
+from common.model.rope import RotaryEmbedding
+from common.native import decode_layer, latent_attention, small_gemm
+from services.decode.backends.torch_backend import TorchBackend
+
+if TYPE_CHECKING:
+    from services.decode.rank_model import RankAttention, RankLayer, RankModel
+
+
+class NativeBackend(TorchBackend):
+    """The C++ kernels; SP partial attention stays on the torch path (no native kernel)."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        self._inputs: list[decode_layer.AttentionInputs] = []
+
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cpu" or dtype != torch.float32:
+            return f"the native kernels run fp32 on the CPU, not {dtype} on {device}"
+        for lib in (latent_attention, decode_layer, small_gemm):
+            if not lib.available():
+                return f"{lib.__name__} cannot be built or loaded here"
+        return None
+
+    def bind(self, model: RankModel) -> None:
+        self._inputs = [
+            decode_layer.AttentionInputs(_layer_weights(layer, model.rope))
+            for layer in model.layers
+        ]
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        return small_gemm.linear(x, w)
+
+    def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
+        return decode_layer.rms_norm(x, norm.weight, norm.eps)
+
+    def ffn(self, module: nn.Module, x: Tensor) -> Tensor:
+        if isinstance(module, MoE):
+            weights, ids = module.gate(x)
+            experts = module.experts
+            out = small_gemm.moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj)
+            if module.shared_experts is not None:
+                out = out + self.ffn(module.shared_experts, x)
+            return out
+        return small_gemm.mlp(
+            x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
+        )
+
+    def attention_inputs(
+        self,
+        index: int,
+        layer: RankLayer,
+        rope: RotaryEmbedding,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: PagedLatentCache,
+        write_slots: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        return self._inputs[index](h, cos, sin, cache.kv[index], write_slots)
+
+    def attention(
+        self,
+        attn: RankAttention,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        cache: PagedLatentCache,
+        index: int,
+        reads: CacheReads,
+    ) -> Tensor:
+        return latent_attention.paged_latent_attention(
+            q_nope.contiguous(),
+            q_pe.contiguous(),
+            cache.kv[index],
+            reads.block_ids,
+            reads.lengths,
+            cache.layout.block_size,
+            attn.w_uk,
+            attn.w_uv,
+            attn.scale,
+            attn.shard.beta,
+        )
+
+
+def _layer_weights(layer: RankLayer, rope: RotaryEmbedding) -> decode_layer.LayerWeights:
+    """A rank layer's attention-input weights as the native call binds them: in exact
+    RMSNorm mode the whole small latent projection (normalized exactly, this rank's columns
+    kept), in sliced mode only the slice's rows."""
+    a, norm = layer.attn, layer.input_norm
+    s = a.shard
+    exact = a.exact_rmsnorm
+    return decode_layer.LayerWeights(
+        norm=norm.weight.detach(),
+        eps=norm.eps,
+        q_a=None if a.q_a is None else a.q_a.detach(),
+        q_a_norm=None if a.q_a_norm is None else a.q_a_norm.weight.detach(),
+        q_a_eps=0.0 if a.q_a_norm is None else a.q_a_norm.eps,
+        q_b=a.q_b.detach(),
+        kv_latent=a.kv_a_latent.detach(),
+        kv_rope=a.kv_a_rope.detach(),
+        kv_norm=a.gamma.detach()[s.start : s.end],
+        kv_eps=a.eps,
+        latent_offset=s.start if exact else 0,
+        rms_correction=1.0 if exact else s.rms_correction,
+        heads=a.num_heads,
+        d_n=a.d_n,
+        d_r=a.d_r,
+        interleaved=rope.interleaved,
+    )
