@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
@@ -62,6 +63,8 @@ class _Active:
 
 class DecodeEngine:
     def __init__(self, cfg: EngineConfig, *, eos_token_ids: tuple[int, ...] | None = None) -> None:
+        # Every rank's device exists (one GPU per rank), checked before any process starts.
+        rank_device(cfg.device, cfg.parallel.tp - 1)
         if cfg.parallel.tp > 1 and cfg.master_port == 0:
             cfg = replace(cfg, master_port=free_port())
         shm_path = create_shm_group(cfg)

@@ -13,9 +13,9 @@ from common.model.loader import load_model
 from common.model.mla import RMSNorm
 from common.model.tpla import RmsNormMode, latent_shards
 from common.native import decode_layer
-from services.decode.comm import Comm
 from services.decode.backends import TorchBackend
 from services.decode.backends.native_backend import NativeBackend
+from services.decode.comm import Comm
 from services.decode.rank_model import ParallelConfig, ParallelMode, RankModel
 from tests.model.tiny import VARIANTS, save_hf
 

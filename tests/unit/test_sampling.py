@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import SamplingError, SamplingParams, filtered_logits, make_generator, sample
+from common.sampling import (
+    SamplingError,
+    SamplingParams,
+    filtered_logits,
+    make_generator,
+    sample,
+    sample_batch,
+)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -71,3 +78,30 @@ def test_finish_reason_is_the_one_stop_rule() -> None:
     assert p.finish_reason(1, 2, eos, limit=2) == "length"  # the engine's reserved limit
     ignoring = SamplingParams(max_tokens=3, ignore_eos=True)
     assert ignoring.finish_reason(7, 1, eos) is None
+
+
+def test_a_batch_samples_each_row_as_alone_and_seeds_ignore_the_company() -> None:
+    """`sample_batch` gives each row what `sample` gives it alone (greedy, filtered and
+    seeded draws, logprobs), whichever rows share the batch."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.8, top_k=5, seed=7, logprobs=1),
+        SamplingParams(temperature=1.3, top_p=0.5, seed=11),
+        SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=3, logprobs=2),
+    ]
+    alone = [sample(logits[b], p, make_generator(p, stream=1)) for b, p in enumerate(params)]
+    together = sample_batch(logits, params, [make_generator(p, stream=1) for p in params])
+    assert together == alone
+    # The seeded row draws the same token in another company and order.
+    shuffled = sample_batch(
+        logits[[3, 1]],
+        [params[3], params[1]],
+        [make_generator(p, stream=1) for p in (params[3], params[1])],
+    )
+    assert shuffled == [alone[3], alone[1]]
+    for b, p in enumerate(params):
+        kept = torch.isfinite(filtered_logits(logits[b], p)) if not p.greedy else None
+        assert kept is None or kept[together[b].token_id]
+        assert len(together[b].top_logprobs) == p.logprobs
