@@ -197,7 +197,7 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     ds.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
     ds.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ds.add_argument("--context", type=int, default=1024)
-    ds.add_argument("--steps", type=int, default=12)
+    ds.add_argument("--steps", type=int, default=12, help="full-batch steps timed per batch size")
     ds.add_argument("--reparam", default="tpla_pca")
     ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ds.add_argument(

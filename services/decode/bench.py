@@ -2,7 +2,9 @@
 
 Synthetic latents are written into reserved blocks (the step cost does not depend on their
 values), then every request decodes with ignore_eos. Each configuration reports the median
-step time per batch size; ratios against MLA-TP (r = 1) come from the same run.
+of `steps` step times per batch size, timing only steps that run the whole batch (requests
+join and leave one by one; a partial batch is a cheaper step), after warm-up; ratios against
+MLA-TP (r = 1) come from the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from services.decode.engine import DecodeEngine
 from services.decode.rank_model import ParallelConfig, ParallelMode
 from services.decode.runtime import EngineConfig
 
+WARMUP_STEPS = 2  # full-batch steps not timed (first calls into each kernel's buffers)
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -29,6 +33,7 @@ class StepResult:
     batch: int
     context: int
     median_ms: float
+    step_ms: list[float]  # every timed step (full batch, after warm-up), in order
     cache_bytes_per_token_layer: int  # per rank, per cached token (SP: a rank caches ~1/tp)
     cache_bytes_per_sequence: int  # rank 0's share of one sequence's cache at `context`
     comm_bytes_per_step: int  # payload rank 0 puts into collectives per step (measured)
@@ -67,8 +72,13 @@ def measure(
     with DecodeEngine(cfg) as engine:
         cache = engine.runtime.layout
         comm = engine.runtime.comm
-        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         for batch in batches:
+            # Requests join one by one and leave as they started: only steps that run the
+            # whole batch are timed. Each request is long enough for `steps` of them plus
+            # warm-up, whatever the spread of joins.
+            params = SamplingParams(
+                max_tokens=steps + batch + WARMUP_STEPS + 2, temperature=0.0, ignore_eos=True
+            )
             streams = []
             for _ in range(batch):
                 rid = uuid.uuid4().hex
@@ -79,16 +89,26 @@ def measure(
                     k_pe = torch.randn(cache.num_layers, tokens, cache.rope_width) * 0.1
                     engine.write_kv(rid, rank, n, k_pe)
                 streams.append((rid, params))
-            engine.step_seconds.clear()
-            comm_before = comm.bytes
-            # Start all at once so every step runs the full batch.
+            steps_seen: list[tuple[float, int, int]] = []  # (seconds, batch, comm bytes after)
+            before = comm.bytes
+
+            def record(seconds: float, size: int, seen: list = steps_seen) -> None:
+                seen.append((seconds, size, comm.bytes))
+
+            engine.on_step = record
             running = [engine.generate(rid, 1, p) for rid, p in streams]
             for stream in running:
                 for _ in stream:
                     pass
-            recorded = list(engine.step_seconds)
-            times = recorded[2:] or recorded  # skip warm-up steps
-            per_step = (comm.bytes - comm_before) // max(len(recorded), 1)
+            engine.on_step = None
+            full = []
+            for seconds, size, after in steps_seen:
+                if size == batch:
+                    full.append((seconds, after - before))
+                before = after
+            if len(full) <= WARMUP_STEPS:
+                raise RuntimeError(f"batch {batch}: only {len(full)} steps ran the whole batch")
+            timed = full[WARMUP_STEPS:][:steps]
             per_seq = (
                 cache.bytes_per_token_per_layer
                 * cache.num_layers
@@ -102,10 +122,11 @@ def measure(
                     r,
                     batch,
                     context,
-                    1000 * statistics.median(times),
+                    1000 * statistics.median(t for t, _ in timed),
+                    [1000 * t for t, _ in timed],
                     cache.bytes_per_token_per_layer,
                     per_seq,
-                    per_step,
+                    timed[-1][1],
                     engine.parameter_bytes(),
                 )
             )

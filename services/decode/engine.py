@@ -113,10 +113,11 @@ class DecodeEngine:
         # Idle keep-alive: well inside the followers' collective timeout.
         self._ping_interval = min(1.0, cfg.collective_timeout_s / 4)
         self._next_ping = time.monotonic() + self._ping_interval
-        # Recent step times (metrics, bench); bounded so the loop never grows or copies it.
+        # Recent step times (metrics); bounded so the loop never grows or copies it.
         self.step_seconds: deque[float] = deque(maxlen=100)
-        # Called with each step's seconds on the loop thread (the service's histogram).
-        self.on_step: Callable[[float], None] | None = None
+        # Called with each step's seconds and batch size on the loop thread (the service's
+        # histogram, `tpla bench decode-step`).
+        self.on_step: Callable[[float, int], None] | None = None
         # Rank k's logits are padded to a common width for the gather; these columns of the
         # gathered row are the real vocabulary, in order. Computed once, used every step.
         padded = self.runtime.model.vocab_size_padded
@@ -424,7 +425,7 @@ class DecodeEngine:
         seconds = time.perf_counter() - t0
         self.step_seconds.append(seconds)
         if self.on_step is not None:
-            self.on_step(seconds)
+            self.on_step(seconds, len(batch))
 
     def _finish(self, request_id: str, reason: str) -> None:
         self.scheduler.finish(request_id)

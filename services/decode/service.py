@@ -177,7 +177,8 @@ def rank_records(
 
 def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
     registry = CollectorRegistry()
-    engine.on_step = DecodeMetrics(registry).step_seconds.observe
+    histogram = DecodeMetrics(registry).step_seconds
+    engine.on_step = lambda seconds, _batch: histogram.observe(seconds)
 
     def read() -> dict[str, float]:
         load = engine.load()

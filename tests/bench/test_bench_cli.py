@@ -4,6 +4,7 @@ formulas, never timing thresholds (timings on a shared CPU are noise)."""
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -115,13 +116,17 @@ def test_capacity_formula() -> None:
 
 
 def test_decode_step_json_side_by_side() -> None:
-    """The real engine at tp=2 with shared-memory and gloo collectives, in one run."""
+    """The real engine at tp=2 with shared-memory and gloo collectives, in one run; every
+    configuration times exactly `--steps` steps that ran its whole batch."""
     result = run_bench(
         "decode-step",
-        "--tp", "2", "--layouts", "mla-tp", "tpla", "--batch", "1", "--context", "64",
+        "--tp", "2", "--layouts", "mla-tp", "tpla", "--batch", "1", "3", "--context", "64",
         "--steps", "4", "--collectives", "shm", "dist", "--json",
     )  # fmt: skip
-    rows = {(r["collectives"], r["layout"]): r for r in result["rows"]}
+    for row in result["rows"]:
+        assert len(row["step_ms"]) == 4
+        assert row["median_ms"] == pytest.approx(statistics.median(row["step_ms"]))
+    rows = {(r["collectives"], r["layout"]): r for r in result["rows"] if r["batch"] == 1}
     assert set(rows) == {(c, m) for c in ("shm", "dist") for m in ("mla-tp", "tpla")}
     for (coll, _), row in rows.items():
         assert row["median_ms"] > 0 and row["comm_bytes_per_step"] > 0
