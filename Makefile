@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve loadtest soak lint format clean
+.PHONY: install test test-gpu serve loadtest soak lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ install: $(VENV)/.installed
 test: install
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+# The tests marked `gpu` (CUDA kernels, the engine on GPUs); each skips with its reason
+# where no CUDA device is visible, as it does in `make test`.
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu -rs tests
 
 # The whole stack on the embedded defaults: demo model, embedded Redis, CPU, decode tp=2 r=2.
 serve: install

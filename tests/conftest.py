@@ -7,6 +7,39 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def _import_triton_in_this_machines_mode() -> None:
+    """A process runs Triton either interpreted or compiled, fixed by TRITON_INTERPRET at
+    triton's first import. Without CUDA the tests run Triton's interpreter, so triton is first
+    imported here under TRITON_INTERPRET=1, which is removed again at once: no subprocess a
+    test starts inherits it (where it would put the engine's ranks on the interpreter). With
+    CUDA the same tests run the compiled kernels."""
+    if torch.cuda.is_available():
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass  # no triton: the Triton tests skip
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_in_this_machines_mode()
+
+
+@pytest.fixture
+def triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's launchers read TRITON_INTERPRET at every call: set it for one test (without
+    CUDA), as it was at triton's import."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.bench.capacity import cache_shapes, expected_ratio, measure_capacity
 from common.bench.decode_attn import DeviceWork, device_work, shapes
@@ -142,3 +143,12 @@ def test_decode_step_json_side_by_side() -> None:
 def test_decode_attn_rounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match="rounds"):
         time_grid(Roofline(1e11, 1e10, 1, 256, 16.0), quick=True, names=["demo"], rounds=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine times the Triton rows")
+def test_decode_attn_triton_needs_cuda() -> None:
+    """Without CUDA the Triton rows say why they are missing (exit 0, no traceback) instead of
+    timing Triton's interpreter."""
+    result = run_bench("decode-attn", "--kernel", "triton", "--json")
+    assert result["kernel"] == "triton" and result["rows"] == []
+    assert "need a CUDA GPU" in result["skipped"]
