@@ -1,14 +1,24 @@
-"""Loopback helpers for the local stack, tests and benchmarks: free ports, readiness."""
+"""Port helpers for the services, the local stack, tests and benchmarks: free ports, the
+ports each service binds and a clear error when one is taken, readiness."""
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+from common.metrics import METRICS_PORT_OFFSET
+from common.settings import TORCH_PORT_OFFSET
+
+if TYPE_CHECKING:
+    import grpc
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -76,3 +86,102 @@ def wait_ready(url: str, died: Callable[[], str | None], timeout_s: float) -> No
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url}/ready did not answer 200 within {timeout_s:.0f} s")
+
+
+@dataclass(frozen=True)
+class PortUse:
+    """A port a service binds: what it is for, and the setting that moves it."""
+
+    port: int
+    purpose: str
+    setting: str
+
+
+class PortInUse(ValueError):
+    """A port a service must bind is taken. A ValueError, so `tpla` prints the message (one
+    line naming the port and the setting that moves it) instead of a traceback."""
+
+    def __init__(self, host: str, use: PortUse) -> None:
+        super().__init__(
+            f"port {use.port} ({use.purpose}) is in use on {host}; set {use.setting} to move it"
+        )
+        self.host, self.use = host, use
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding host:port fails now because something holds it. Probed as the
+    services bind (SO_REUSEADDR: a closed connection's TIME_WAIT does not count), without
+    SO_REUSEPORT, so a gRPC server that would share the port still counts as holding it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return False  # the service reports an unknown host itself
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def check_ports(host: str, uses: Iterable[PortUse]) -> None:
+    """PortInUse for the first of `uses` that is taken on `host`."""
+    for use in uses:
+        if port_in_use(host, use.port):
+            raise PortInUse(host, use)
+
+
+def bind_grpc(server: grpc.Server, host: str, use: PortUse) -> None:
+    """`server.add_insecure_port` on host:use.port. PortInUse if the port is taken: probed
+    first, so it is named with its setting rather than in gRPC's words (and log line)."""
+    check_ports(host, [use])
+    try:
+        bound = server.add_insecure_port(f"{host}:{use.port}")
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
+    if not bound:
+        check_ports(host, [use])  # taken since the probe
+        raise RuntimeError(f"cannot bind {host}:{use.port} ({use.purpose})")
+
+
+def decode_group_ports(
+    port: int, kv_port_base: int | None, dist_port: int, tp: int, group: str = ""
+) -> list[PortUse]:
+    """Every port a decode group binds: gRPC and metrics (leader), each rank's KV receiver
+    and TCPStore, and the rendezvous (tp > 1 only). `group` is appended to each purpose
+    (" of group 1") where a stack runs several."""
+    uses = [
+        PortUse(port, f"decode gRPC{group}", "TPLA_DECODE_PORT"),
+        PortUse(port + METRICS_PORT_OFFSET, f"decode metrics{group}", "TPLA_DECODE_PORT"),
+    ]
+    if kv_port_base is not None:
+        for rank in range(tp):
+            uses += kv_receiver_ports(kv_port_base, rank, group)
+    if tp > 1 and dist_port:  # 0: the engine takes a free one
+        uses.append(PortUse(dist_port, f"decode rendezvous{group}", "TPLA_DIST_PORT"))
+    return uses
+
+
+def kv_receiver_ports(kv_port_base: int, rank: int, group: str = "") -> list[PortUse]:
+    """A decode rank's KV receiver (gRPC) and its TCPStore (the torch transport)."""
+    return [
+        PortUse(kv_port_base + rank, f"KV receiver of rank {rank}{group}", "TPLA_KV_PORT_BASE"),
+        PortUse(
+            kv_port_base + TORCH_PORT_OFFSET + rank,
+            f"KV TCPStore of rank {rank}{group}",
+            "TPLA_KV_PORT_BASE",
+        ),
+    ]
+
+
+def prefill_worker_ports(port: int, worker: str = "") -> list[PortUse]:
+    """A prefill worker's gRPC and metrics ports."""
+    return [
+        PortUse(port, f"prefill gRPC{worker}", "TPLA_PREFILL_PORT"),
+        PortUse(port + METRICS_PORT_OFFSET, f"prefill metrics{worker}", "TPLA_PREFILL_PORT"),
+    ]
+
+
+def router_port(port: int) -> PortUse:
+    return PortUse(port, "router HTTP", "TPLA_ROUTER_PORT")

@@ -40,6 +40,17 @@ class LocalStack:
     def start(cls, model_dir: Path | str, **settings: str) -> LocalStack:
         """Start `tpla serve` on free ports with TPLA_<KEY>=value for each keyword (e.g.
         DECODE_GROUPS="2") and the embedded Redis; return once /ready answers 200."""
+        stack = cls.launch(model_dir, **settings)
+        try:
+            stack.wait_ready()
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    @classmethod
+    def launch(cls, model_dir: Path | str, **settings: str) -> LocalStack:
+        """`start` without waiting for /ready (tests of start-up failures)."""
         # Room for what the services derive from each port (metrics on +1000, rank k's KV
         # receiver on base + k, torch stores on +100, a second group or worker on the
         # strides of services/serve.py), none of it overlapping another service's.
@@ -73,13 +84,7 @@ class LocalStack:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        stack = cls(f"http://127.0.0.1:{router_port}", Path(model_dir), proc, env, log_path)
-        try:
-            stack.wait_ready()
-        except BaseException:
-            stack.stop()
-            raise
-        return stack
+        return cls(f"http://127.0.0.1:{router_port}", Path(model_dir), proc, env, log_path)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         def died() -> str | None:

@@ -4,12 +4,19 @@ Starts an embedded redis-server when TPLA_REDIS_URL is unset, then a decode grou
 prefill worker and the router as child processes (each in its own process group, so a stop
 reaches every rank), waits for the router's /ready, and prints how to use it. A child that
 dies is reported and restarted (a few times; every service re-registers with Redis on start).
-SIGINT/SIGTERM stops every child within a few seconds.
+SIGINT/SIGTERM stops every child within a few seconds, during start-up too.
+
+Start-up failures are not retried: every port the stack binds is checked before anything
+starts (a taken one is named with the setting that moves it), and a child that exits during
+start-up, or later with the CLI's error code (a configuration or port error it would only
+repeat), stops the whole stack. A decode group's shared-memory file, named after its leader's
+pid, is removed once the leader is gone, however it ended.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import secrets
 import signal
@@ -23,12 +30,25 @@ import httpx
 
 from common.embedded_redis import EmbeddedRedis
 from common.metrics import METRICS_PORT_OFFSET
-from common.ports import free_port, wait_ready
+from common.ports import (
+    PortUse,
+    check_ports,
+    decode_group_ports,
+    free_port,
+    prefill_worker_ports,
+    router_port,
+    wait_ready,
+)
 from common.settings import TORCH_PORT_OFFSET, Settings
 
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 300.0
 MAX_RESTARTS = 3
+# `tpla` exits 2 after printing a configuration error (common/cli.py main): a port in use, a
+# missing model. Restarting the child would only print it again.
+CONFIG_ERROR_EXIT = 2
+# The embedded Redis of the default stack (router on 8000); any other stack takes a free port.
+DEFAULT_REDIS_PORT = 6399
 
 
 @dataclass
@@ -47,6 +67,17 @@ class Child:
         if self.proc is None or self.proc.poll() is not None:
             return
         _signal_group(self.proc, signal.SIGTERM)
+
+    def remove_leftovers(self) -> None:
+        """Once the process is gone: any shared-memory file a decode leader named after its
+        pid (common/native/shm_group.py `new_path`; not imported, it needs torch). Its
+        followers remove the file when they see it die, but a group killed as a whole (its
+        process group SIGKILLed, a SIGTERM during start-up) runs no code of its own."""
+        if self.proc is None:
+            return
+        for path in glob.glob(f"/dev/shm/tpla-group-{self.proc.pid}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -130,6 +161,17 @@ def stack_ports(s: Settings) -> StackPorts:
     return StackPorts(decode, kv, dist, prefill, used)
 
 
+def stack_port_uses(s: Settings) -> list[PortUse]:
+    """Every port the stack's services bind on s.host, with what it is for."""
+    ports = stack_ports(s)
+    uses = [router_port(s.router_port)]
+    for i, (d, k, m) in enumerate(zip(ports.decode, ports.kv, ports.dist, strict=True)):
+        uses += decode_group_ports(d, k, m, s.tp, f" of group {i}")
+    for j, p in enumerate(ports.prefill):
+        uses += prefill_worker_ports(p, f" of worker {j}")
+    return uses
+
+
 def stack_children(s: Settings) -> list[Child]:
     """The local stack's processes: decode groups, prefill workers, then the router."""
     ports = stack_ports(s)
@@ -148,8 +190,10 @@ def stack_children(s: Settings) -> list[Child]:
 
 def _exited(children: list[Child]) -> str | None:
     for child in children:
-        if child.proc is not None and child.proc.poll() is not None:
-            return f"{child.name} exited with code {child.proc.returncode} during start-up"
+        if child.proc is not None and (code := child.proc.poll()) is not None:
+            if code == CONFIG_ERROR_EXIT:
+                return f"{child.name} cannot start (its error is above)"
+            return f"{child.name} exited with code {code} during start-up"
     return None
 
 
@@ -166,6 +210,17 @@ def _smoke(url: str, model: str) -> None:
 
 
 def serve_stack(s: Settings, *, smoke: bool = False) -> int:
+    """Run the stack until SIGINT/SIGTERM; the exit code. PortInUse (a ValueError: the CLI
+    prints it) before anything starts if a port the stack binds is taken."""
+    check_ports(s.host, stack_port_uses(s))
+    default_redis = not s.redis_url and s.router_port == 8000
+    if default_redis:
+        redis_use = PortUse(
+            DEFAULT_REDIS_PORT,
+            "the embedded redis-server",
+            "TPLA_REDIS_URL (a running Redis) or TPLA_ROUTER_PORT",
+        )
+        check_ports("127.0.0.1", [redis_use])
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -176,7 +231,7 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
         # on free ports) takes a free one. A random password, since any local user can reach
         # a loopback port; children get the URL in their environment, never on a command line.
         redis_server = EmbeddedRedis(
-            port=6399 if s.router_port == 8000 else free_port(avoid=stack_ports(s).used),
+            port=DEFAULT_REDIS_PORT if default_redis else free_port(avoid=stack_ports(s).used),
             password=secrets.token_urlsafe(24),
         )
         redis_url = redis_server.url
@@ -192,7 +247,11 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
     try:
         for child in children:
             child.start(env)
-        wait_ready(url, lambda: _exited(children), READY_TIMEOUT_S)
+
+        def failed() -> str | None:  # a stop request ends the wait for /ready too
+            return "stopped during start-up" if stop.is_set() else _exited(children)
+
+        wait_ready(url, failed, READY_TIMEOUT_S)
         print(
             f"\ntpla-serve is ready: {url}  (model {s.served_model_name!r}, "
             f"{s.decode_groups} decode group(s) of tp={s.tp}, {s.prefill_workers} prefill, "
@@ -214,8 +273,9 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
                 redis_server = EmbeddedRedis(redis_server.port, redis_server.password)
             _supervise(children, env)
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-        print(f"tpla serve: {exc}", file=sys.stderr, flush=True)
-        code = 1
+        if not stop.is_set():  # a requested stop is no failure
+            print(f"tpla serve: {exc}", file=sys.stderr, flush=True)
+            code = 1
     finally:
         _stop_all(children)
         if redis_server is not None:
@@ -229,8 +289,12 @@ def _supervise(children: list[Child], env: dict[str, str]) -> None:
             continue
         now = time.monotonic()
         child.restarts = [t for t in child.restarts if now - t < 60]
-        print(f"tpla serve: {child.name} exited with code {child.proc.returncode}", flush=True)
+        code = child.proc.returncode
+        print(f"tpla serve: {child.name} exited with code {code}", flush=True)
         _signal_group(child.proc, signal.SIGKILL)  # its ranks, if any, go with it
+        child.remove_leftovers()
+        if code == CONFIG_ERROR_EXIT:
+            raise RuntimeError(f"{child.name} cannot start (its error is above); not restarting it")
         if len(child.restarts) >= MAX_RESTARTS:
             raise RuntimeError(f"{child.name} keeps failing; giving up")
         child.restarts.append(now)
@@ -249,3 +313,4 @@ def _stop_all(children: list[Child]) -> None:
             child.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         _signal_group(child.proc, signal.SIGKILL)  # ranks of a stuck group, stragglers
         child.proc.wait(timeout=5)
+        child.remove_leftovers()

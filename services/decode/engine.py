@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
+from common.native import shm_group
 from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample_batch
@@ -43,6 +44,7 @@ from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import (
     CONFIG_ENV,
+    START_ERROR_EXIT,
     EngineConfig,
     RankRuntime,
     create_shm_group,
@@ -51,7 +53,15 @@ from services.decode.runtime import (
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.stream import EngineError, Load, Reservation, TokenEvent, TokenStream
 
+if TYPE_CHECKING:
+    import grpc
+
 _IDLE_WAIT_S = 0.05
+
+
+class RankStartError(ValueError):
+    """A follower rank could not start for a reason it printed (e.g. a port in use). A
+    ValueError, like that reason: `tpla decode` prints it and exits 2, not restarted."""
 
 
 @dataclass
@@ -67,30 +77,33 @@ class DecodeEngine:
         rank_device(cfg.device, cfg.parallel.tp - 1)
         if cfg.parallel.tp > 1 and cfg.master_port == 0:
             cfg = replace(cfg, master_port=free_port())
+        # The group's file has a name from here to the barrier. Whoever sees the group end
+        # in between removes it: this process on an exception (below), a follower that fails
+        # or sees this process gone (runtime.follower_main), `tpla serve` once this process
+        # is gone (the name carries its pid), `tpla decode` on SIGTERM (service.py).
         shm_path = create_shm_group(cfg)
         cfg = replace(cfg, shm_path=shm_path)
         self.cfg = cfg
-        self._followers = [
-            subprocess.Popen(
-                [sys.executable, "-m", "services.decode.runtime", str(rank)],
-                env={**os.environ, CONFIG_ENV: cfg.to_json()},
-            )
-            for rank in range(1, cfg.parallel.tp)
-        ]
+        self._followers: list[subprocess.Popen] = []
+        self._receiver: grpc.Server | None = None
+        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
+        env = {**os.environ, CONFIG_ENV: cfg.to_json()}
         try:
+            for rank in range(1, cfg.parallel.tp):
+                argv = [*follower, str(rank), str(os.getpid())]
+                self._followers.append(subprocess.Popen(argv, env=env))
             init_group(cfg, 0)
             self.runtime = RankRuntime(cfg, 0)
             self._receiver = self.runtime.start_kv_receiver()
             self.runtime.comm.barrier()
-        except BaseException:
-            self._kill_followers()
+        except BaseException as exc:
+            self._abort_start(exc)
             raise
         finally:
             # Every rank has mapped the group file by the barrier (or failed): its name can
             # go, so a crash later leaves nothing behind in /dev/shm.
             if shm_path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(shm_path)
+                shm_group.remove(shm_path)
         model_cfg: ModelConfig = self.runtime.model.config
         self.vocab_size = model_cfg.vocab_size
         self.eos_token_ids = frozenset(
@@ -432,10 +445,24 @@ class DecodeEngine:
         active = self._active.pop(request_id)
         active.stream.put(TokenEvent(None, reason))
 
-    def _kill_followers(self) -> None:
+    def _abort_start(self, exc: BaseException) -> None:
+        """The group failed to start: stop the followers (a follower's own start-up error
+        has ended it already), and raise RankStartError if one reported a configuration
+        error (a port in use): that error, not the collective that broke, is the cause."""
+        if self._receiver is not None:
+            self._receiver.stop(grace=0)
+        self._kill_followers(grace_s=1.0)
+        if dist.is_initialized():  # a later engine in this process starts a group again
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        for rank, proc in enumerate(self._followers, start=1):
+            if proc.returncode == START_ERROR_EXIT and isinstance(exc, Exception):
+                raise RankStartError(f"decode rank {rank} could not start (its error is above)")
+
+    def _kill_followers(self, grace_s: float = 10.0) -> None:
         for proc in self._followers:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)

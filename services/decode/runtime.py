@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,6 +33,7 @@ from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import RmsNormMode, latent_shards
 from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
+from common.ports import bind_grpc, check_ports, kv_receiver_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
@@ -175,20 +177,25 @@ class RankRuntime:
         """Serve KvReceiver (and a TCPStore for the torch transport) for this rank."""
         if self.cfg.kv_port_base is None:
             return None
-        grpc_addr, torch_addr = self.cfg.kv_addresses(self.rank)
-        host, port = torch_addr.rsplit(":", 1)
-        store = dist.TCPStore(
-            host,
-            int(port),
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.cfg.collective_timeout_s),
-        )
+        host = self.cfg.host
+        grpc_use, store_use = kv_receiver_ports(self.cfg.kv_port_base, self.rank)
+        # A taken port is PortInUse, named with its setting, not an error in c10d's words.
+        check_ports(host, [store_use])
+        try:
+            store = dist.TCPStore(
+                host,
+                store_use.port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.cfg.collective_timeout_s),
+            )
+        except dist.DistNetworkError:
+            check_ports(host, [store_use])
+            raise
         server = grpc.server(ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
         self.receiver = KvReceiverServicer(self.shard_target, store, self.cfg.internal_token)
         add_kv_receiver(self.receiver, server)
-        if server.add_insecure_port(grpc_addr) == 0:
-            raise RuntimeError(f"cannot bind the KV receiver on {grpc_addr}")
+        bind_grpc(server, host, grpc_use)
         server.start()
         self._store = store  # keep the TCPStore server alive with the receiver
         return server
@@ -277,6 +284,7 @@ def create_shm_group(cfg: EngineConfig) -> str | None:
     try:
         group = ShmGroup(path, 0, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, True)
     except CollectiveError as exc:  # e.g. /dev/shm too small: gloo still works
+        shm_group.remove(path)  # an attach that failed after the file was made
         log.warning("shared-memory collectives unavailable, using torch.distributed: %s", exc)
         return None
     group.close()
@@ -304,26 +312,46 @@ def open_comm(cfg: EngineConfig, rank: int, device: torch.device) -> Comm:
     return Comm(cfg.parallel.tp, control, control)
 
 
-def exit_with_parent() -> None:
+def exit_with_parent(parent: int | None = None, on_exit: Callable[[], None] | None = None) -> None:
     """A child process (a follower rank, a bench receiver) whose parent died must not linger
-    in a collective or on its ports until a timeout: exit as soon as the parent is gone."""
-    parent = os.getppid()
+    in a collective or on its ports until a timeout: exit as soon as the parent is gone.
+
+    `parent`: the pid that started this process (default: the parent now). A follower passes
+    its leader's, which may have died while the follower was still importing. `on_exit` runs
+    first (a follower removes its group's file: a leader killed with SIGKILL cannot)."""
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+        if on_exit is not None:
+            on_exit()
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def follower_main(cfg: EngineConfig, rank: int) -> None:
-    """A follower rank: execute the leader's plans until shutdown."""
-    exit_with_parent()
-    init_group(cfg, rank)
-    runtime = RankRuntime(cfg, rank)
-    receiver = runtime.start_kv_receiver()
-    runtime.comm.barrier()  # the leader waits until every rank has loaded its share
+def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> int:
+    """A follower rank: execute the leader's plans until shutdown; the exit code.
+
+    Until the start-up barrier the group's file has a name: a follower that fails to start,
+    or sees its leader (pid `leader`) gone, removes it, since the group cannot start. A
+    configuration error (a port in use) is one line on stderr and START_ERROR_EXIT, which
+    the leader reports (services/decode/engine.py)."""
+    remove_file = (lambda: shm_group.remove(cfg.shm_path)) if cfg.shm_path else None
+    exit_with_parent(leader, remove_file)
+    try:
+        init_group(cfg, rank)
+        runtime = RankRuntime(cfg, rank)
+        receiver = runtime.start_kv_receiver()
+        runtime.comm.barrier()  # the leader waits until every rank has loaded its share
+    except BaseException as exc:
+        if remove_file is not None:
+            remove_file()
+        if isinstance(exc, ValueError | FileNotFoundError):  # as common/cli.py main
+            print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+            return START_ERROR_EXIT
+        raise
     while True:
         plan = recv_plan(runtime.comm)
         if plan is None:
@@ -337,11 +365,19 @@ def follower_main(cfg: EngineConfig, rank: int) -> None:
     if receiver is not None:
         receiver.stop(grace=1)
     dist.destroy_process_group()
+    return 0
 
 
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
 CONFIG_ENV = "TPLA_ENGINE_CONFIG"
+# A follower's exit code after printing a configuration error (`tpla`'s, common/cli.py).
+START_ERROR_EXIT = 2
 
 if __name__ == "__main__":
-    follower_main(EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]))
+    # python -m services.decode.runtime RANK LEADER_PID
+    sys.exit(
+        follower_main(
+            EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]), int(sys.argv[2])
+        )
+    )

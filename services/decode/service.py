@@ -3,6 +3,8 @@
 Lifecycle: start the rank group (followers are child processes) -> serve Reserve / Generate /
 Abort / GetLoad and every rank's KV receiver -> publish one registry record per rank with
 heartbeats -> on SIGTERM/SIGINT stop accepting, abort live requests, shut the group down.
+A port in use stops it before it starts, named with its setting; SIGTERM/SIGINT during
+start-up end it at once, leaving no shared-memory file behind.
 The servicer only translates protocol types; the engine holds all the logic.
 """
 
@@ -23,7 +25,9 @@ from prometheus_client import CollectorRegistry
 
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
-from common.metrics import METRICS_PORT_OFFSET, DecodeMetrics, GaugeCallback, serve_metrics
+from common.metrics import DecodeMetrics, GaugeCallback, serve_metrics
+from common.native import shm_group
+from common.ports import bind_grpc, check_ports, decode_group_ports
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
@@ -203,6 +207,50 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
     serve_metrics(registry, host, port)
 
 
+@contextlib.contextmanager
+def _ends_start_up_on_signal() -> Iterator[None]:
+    """While the group starts, SIGTERM / SIGINT end this process at once, after removing its
+    group's shared-memory file (its followers then see it gone and exit).
+
+    A Python signal handler would wait for the main thread, which may sit in the group's
+    rendezvous or barrier for up to the collective timeout: longer than a pod's grace period,
+    after which everything is SIGKILLed (and a pod's pid 1 ignores SIGTERM without a
+    handler). The wake-up fd is written by the C-level handler at once; a thread acts on it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    ending = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in ending}
+    previous_fd = signal.set_wakeup_fd(write_fd)
+
+    def watch() -> None:
+        while True:
+            byte = os.read(read_fd, 1)
+            if byte == _START_UP_DONE:
+                return
+            if byte[0] in ending:
+                shm_group.remove_files_of(os.getpid())
+                os._exit(128 + byte[0])
+
+    watcher = threading.Thread(target=watch, name="start-up-signals", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        os.write(write_fd, _START_UP_DONE)
+        watcher.join()
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+_START_UP_DONE = b"\0"  # no signal has number 0
+
+
 def serve_decode(
     cfg: EngineConfig,
     port: int,
@@ -215,18 +263,30 @@ def serve_decode(
 ) -> int:
     """Run the leader until SIGINT/SIGTERM (or `stop`); blocks. Returns the exit code: 0
     after a requested stop, 1 when the group failed (a rank died or a collective timed
-    out), so a supervisor restarts the whole group."""
-    engine = DecodeEngine(cfg)
+    out), so a supervisor restarts the whole group. PortInUse (a ValueError) if a port of
+    the group is taken: checked before the group starts, so nothing is loaded or spawned."""
+    ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, cfg.parallel.tp)
+    check_ports(cfg.host, ports)
+    with _ends_start_up_on_signal():
+        engine = DecodeEngine(cfg)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_batch * 2 + 16), options=CHANNEL_OPTIONS
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, cfg.internal_token), server)
     address = f"{cfg.host}:{port}"
-    if server.add_insecure_port(address) == 0:
+    grpc_use, metrics_use = ports[:2]
+    try:
+        bind_grpc(server, cfg.host, grpc_use)
+        server.start()
+        try:
+            _serve_decode_metrics(engine, cfg.host, metrics_use.port)
+        except OSError:
+            check_ports(cfg.host, [metrics_use])
+            raise
+    except BaseException:
+        server.stop(grace=0)
         engine.shutdown()
-        raise RuntimeError(f"cannot bind the decode service on {address}")
-    server.start()
-    _serve_decode_metrics(engine, cfg.host, port + METRICS_PORT_OFFSET)
+        raise
     stop = stop or threading.Event()
     heartbeat = None
     if redis_url:

@@ -2,6 +2,7 @@
 
 Lifecycle: load the model in the decode group's latent basis -> serve Prefill / GetLoad ->
 publish a registry record (queued tokens) with heartbeats -> drain on SIGINT/SIGTERM.
+A port in use stops it before the model loads, named with its setting.
 The servicer only translates protocol types; `PrefillWorker` does the work.
 """
 
@@ -20,7 +21,8 @@ from prometheus_client import CollectorRegistry
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
 from common.kv.transfer import TransferError, make_sender
-from common.metrics import METRICS_PORT_OFFSET, PrefillMetrics, serve_metrics
+from common.metrics import PrefillMetrics, serve_metrics
+from common.ports import bind_grpc, check_ports, prefill_worker_ports
 from common.prefill_threads import PrefillThreads
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
@@ -93,6 +95,7 @@ def serve_prefill(
     transport: str = "grpc",
     token: str | None = None,
     dtype: str = "float32",
+    device: str = "cpu",
     heartbeat_s: float = 2.0,
     worker_ttl_s: float = 10.0,
     transfer_timeout_s: float = 30.0,
@@ -101,9 +104,12 @@ def serve_prefill(
     max_batch_tokens: int = 2048,
     stop: threading.Event | None = None,
 ) -> None:
-    """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks."""
+    """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks. PortInUse (a
+    ValueError) if its gRPC or metrics port is taken."""
+    grpc_use, metrics_use = prefill_worker_ports(port)
+    check_ports(host, [grpc_use, metrics_use])  # before the model loads
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
-    model = load_prefill_model(model_dir, reparam, dtype, attention_backend)
+    model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device)
     log.info("prefill attention backend: %s", model.prefill_backend.name)
     registry = CollectorRegistry()
     worker = PrefillWorker(
@@ -117,10 +123,18 @@ def serve_prefill(
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        raise RuntimeError(f"cannot bind the prefill service on {address}")
-    server.start()
-    serve_metrics(registry, host, port + METRICS_PORT_OFFSET)
+    try:
+        bind_grpc(server, host, grpc_use)
+        server.start()
+        try:
+            serve_metrics(registry, host, metrics_use.port)
+        except OSError:
+            check_ports(host, [metrics_use])
+            raise
+    except BaseException:
+        server.stop(grace=0)
+        worker.close()
+        raise
     stop = stop or threading.Event()
     heartbeat = None
     if redis_url:

@@ -9,7 +9,9 @@ bodies or SSE (responses.py). Every error leaves as an OpenAI error body (common
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -24,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.errors import NotFound, TplaError
+from common.ports import PortInUse, PortUse, router_port
 from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
 from common.tokenizer import Tokenizer
@@ -264,11 +267,32 @@ def create_app(
 
 
 def run_router(settings: Settings) -> None:
-    """Serve the router on settings.host:settings.router_port until interrupted."""
+    """Serve the router on settings.host:settings.router_port until interrupted. PortInUse
+    (a ValueError) if the port is taken, before the tokenizer loads."""
     if not settings.redis_url:
         raise ValueError("the router needs TPLA_REDIS_URL (or run `tpla serve`)")
+    sock = _listen(settings.host, router_port(settings.router_port))
     app = create_app(settings, redis_url=settings.redis_url)
-    uvicorn.run(app, host=settings.host, port=settings.router_port, log_level="info")
+    # Bound here, not by uvicorn, whose bind failure is a log line and exit 1 that name no
+    # setting.
+    config = uvicorn.Config(app, host=settings.host, port=settings.router_port, log_level="info")
+    print(f"router serving on http://{settings.host}:{settings.router_port}", flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _listen(host: str, use: PortUse) -> socket.socket:
+    """A socket bound as uvicorn binds it (SO_REUSEADDR); PortInUse if the port is taken."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, use.port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(host, use) from None
+        raise
+    return sock
 
 
 __all__ = ["create_app", "run_router"]
