@@ -1,0 +1,428 @@
+"""`tpla plan`: what one decode rank holds, and how much context then fits, per layout.
+
+Pure arithmetic over `ModelConfig` (no torch, no I/O). The per-rank weights mirror how
+`services.decode.rank_model.RankModel` shards a model, tensor by tensor (a test holds them
+equal to `RankModel.parameter_bytes()` for every rank); the cache follows DESIGN §1 and the
+engine's paged pool (`CacheLayout.blocks_for_budget`, `RankPools`). The same tp ranks in
+three layouts:
+
+- mla-tp: heads split tp ways; every rank caches the full latent (d_c + d_r) of every token.
+- tpla:   r latent groups x tp/r head groups; a rank caches d_c/r latent columns + d_r.
+- sp:     heads split as in mla-tp; tokens cached at full width in chunks round-robin over
+          the ranks, so a rank holds ~1/tp of each sequence.
+
+"Tokens" are context tokens of the group's sequences; one rank's memory bounds them (all
+ranks are alike). An SP rank stores only its chunks, so a context token costs it (d_c + d_r)
+/ tp on average and its pool backs tp x the tokens it stores.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from common.kv.chunks import local_length
+from common.model.args import ModelConfig
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP8 = "float8"  # weights only: DeepSeek's block-quantized e4m3 with one fp32 scale per block
+WEIGHT_DTYPES = (*DTYPE_BYTES, FP8)
+# Like vLLM's default gpu_memory_utilization=0.9: activations of a decode batch, logits,
+# NCCL and allocator slack grow with the card; the floor covers the CUDA context (~0.5-1 GiB)
+# plus NCCL buffers on small cards.
+RESERVE_FRACTION = 0.10
+RESERVE_FLOOR_BYTES = 2 * GIB
+
+
+class PlanError(ValueError):
+    """The hardware, layout or model given to the planner is inconsistent."""
+
+
+class Kind(enum.Enum):
+    MLA_TP = "mla-tp"
+    TPLA = "tpla"
+    SP = "sp"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """tp ranks as latent_groups (r) x head groups (m), like `ParallelConfig`."""
+
+    kind: Kind
+    tp: int
+    latent_groups: int = 1
+    exact_rmsnorm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
+            raise PlanError(f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}")
+        if self.kind is not Kind.TPLA and self.latent_groups != 1:
+            raise PlanError(f"{self.kind.value} keeps the full latent: latent_groups=1")
+
+    @property
+    def head_groups(self) -> int:
+        return self.tp // self.latent_groups
+
+    @property
+    def label(self) -> str:
+        return f"tpla r={self.latent_groups}" if self.kind is Kind.TPLA else self.kind.value
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(latent group i, head group j) of a rank, as `ParallelConfig.coords`."""
+        return rank // self.head_groups, rank % self.head_groups
+
+    def check(self, c: ModelConfig) -> None:
+        """Raise PlanError where `RankModel` would refuse this layout for `c`."""
+        moe = [c.is_moe_layer(n) for n in range(c.num_hidden_layers)]
+        splits = [
+            ("num_attention_heads", c.num_attention_heads, self.head_groups),
+            ("kv_lora_rank", c.kv_lora_rank, self.latent_groups),
+        ]
+        if not all(moe):
+            splits.append(("intermediate_size", c.intermediate_size, self.tp))
+        if any(moe):
+            splits.append(("moe_intermediate_size", c.moe_intermediate_size, self.tp))
+        for name, total, parts in splits:
+            if total % parts:
+                raise PlanError(f"{self.label}: {name} ({total}) is not divisible by {parts}")
+
+
+@dataclass(frozen=True)
+class RankTensor:
+    """`count` tensors of one 2-D (or 1-D) shape held by a rank, e.g. one per layer."""
+
+    part: str  # attention | dense_mlp | routed_experts | shared_experts | router | norms | ...
+    shape: tuple[int, ...]
+    count: int = 1
+    quantized: bool = False  # a linear weight that DeepSeek's FP8 checkpoints store in fp8
+    # The engine keeps it in float32 whatever the model dtype: `_shard_ffn` builds a fresh
+    # MoE (default dtype) and copies the router in with load_state_dict, which keeps fp32.
+    float32: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.count * math.prod(self.shape)
+
+
+def _layer_tensors(c: ModelConfig, layout: Layout, moe: bool) -> list[RankTensor]:
+    d, heads = c.hidden_size, c.num_attention_heads // layout.head_groups
+    width = c.kv_lora_rank // layout.latent_groups
+    out: list[RankTensor] = []
+
+    def add(part: str, *shape: int, count: int = 1, q: bool = True) -> None:
+        out.append(RankTensor(part, shape, count, q, float32=part == "router"))
+
+    if c.q_lora_rank is not None:  # q_a and its norm replicated, q_b rows of this head group
+        add("attention", c.q_lora_rank, d)
+        add("attention", c.q_lora_rank, q=False)
+        add("attention", heads * c.qk_head_dim, c.q_lora_rank)
+    else:
+        add("attention", heads * c.qk_head_dim, d)
+    # kv_a: exact RMSNorm needs every latent row to normalize; sliced mode keeps its slice.
+    add("attention", c.kv_lora_rank if layout.exact_rmsnorm else width, d)
+    add("attention", c.qk_rope_head_dim, d)
+    add("attention", c.kv_lora_rank, q=False)  # kv_a_layernorm's gamma, whole
+    add("attention", heads * c.qk_nope_head_dim, width)  # W_UK[heads, :, S_i]
+    add("attention", heads * c.v_head_dim, width)  # W_UV[heads, :, S_i]
+    add("attention", d, heads * c.v_head_dim)  # o_proj columns of these heads
+    add("norms", d, q=False)
+    add("norms", d, q=False)
+    if not moe:
+        inter = c.intermediate_size // layout.tp
+        add("dense_mlp", inter, d, count=2)  # gate, up
+        add("dense_mlp", d, inter)
+        return out
+    e, inter = c.n_routed_experts, c.moe_intermediate_size // layout.tp
+    add("router", e, d, q=False)
+    if c.topk_method == "noaux_tc":
+        add("router", e, q=False)  # e_score_correction_bias
+    add("routed_experts", 2 * inter, d, count=e)  # gate_up of every expert
+    add("routed_experts", d, inter, count=e)
+    if c.n_shared_experts:
+        shared = c.moe_intermediate_size * c.n_shared_experts // layout.tp
+        add("shared_experts", shared, d, count=2)
+        add("shared_experts", d, shared)
+    return out
+
+
+def rank_tensors(c: ModelConfig, layout: Layout, rank: int) -> list[RankTensor]:
+    """Every tensor `RankModel(full, layout, rank, ...)` holds (MTP layers are never loaded)."""
+    layout.check(c)
+    if not 0 <= rank < layout.tp:
+        raise PlanError(f"rank {rank} is outside tp={layout.tp}")
+    n_moe = sum(c.is_moe_layer(n) for n in range(c.num_hidden_layers))
+    out: list[RankTensor] = []
+    for moe, layers in ((False, c.num_hidden_layers - n_moe), (True, n_moe)):
+        if layers:
+            out += [replace(t, count=t.count * layers) for t in _layer_tensors(c, layout, moe)]
+    # torch.tensor_split: the first vocab % tp ranks get one extra lm_head row.
+    vocab_rows = c.vocab_size // layout.tp + (rank < c.vocab_size % layout.tp)
+    out += [
+        RankTensor("embedding", (c.vocab_size, c.hidden_size)),  # replicated, whole vocab
+        RankTensor("norms", (c.hidden_size,)),
+        RankTensor("lm_head", (vocab_rows, c.hidden_size)),
+    ]
+    return out
+
+
+def weight_bytes(
+    tensors: list[RankTensor], weight_dtype: str, fp8_block: tuple[int, int] = (128, 128)
+) -> int:
+    """Bytes of `tensors` in `weight_dtype` (the router stays float32, as in the engine).
+
+    FP8 counts DeepSeek's checkpoint layout: quantized linears at 1 byte plus an fp32 scale
+    per block (counted on the rank's own slice of each matrix), norms, embedding and lm_head
+    in bf16.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise PlanError(f"unknown weight dtype {weight_dtype!r}; choose one of {WEIGHT_DTYPES}")
+    total = 0
+    for t in tensors:
+        if t.float32:
+            total += 4 * t.numel
+        elif weight_dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[weight_dtype] * t.numel
+        elif t.quantized:
+            rows, cols = t.shape
+            blocks = math.ceil(rows / fp8_block[0]) * math.ceil(cols / fp8_block[1])
+            total += t.numel + 4 * t.count * blocks
+        else:
+            total += 2 * t.numel
+    return total
+
+
+def kv_bytes_per_stored_token(c: ModelConfig, layout: Layout, kv_dtype: str) -> int:
+    """Bytes one token takes in a rank's cache, all layers: (latent slice + d_r) x L x bytes."""
+    if kv_dtype not in DTYPE_BYTES:
+        raise PlanError(f"unknown KV dtype {kv_dtype!r}; choose one of {tuple(DTYPE_BYTES)}")
+    width = c.kv_lora_rank // layout.latent_groups
+    return (width + c.qk_rope_head_dim) * c.num_hidden_layers * DTYPE_BYTES[kv_dtype]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the planner reads from an HF `config.json`: the architecture and two facts
+    `ModelConfig` leaves out."""
+
+    config: ModelConfig
+    quant_method: str | None  # "fp8" for DeepSeek-V3's published checkpoint
+    fp8_block: tuple[int, int]  # its weight_block_size
+    mtp_layers: int  # num_nextn_predict_layers: in the checkpoint, never loaded to serve
+
+
+def checkpoint_from_hf_dict(raw: dict[str, Any]) -> Checkpoint:
+    """Parse a config dict, quantized or not (planning needs no weights; the loader still
+    refuses FP8 checkpoints, and `--weight-dtype` decides the bytes)."""
+    raw = dict(raw)
+    quant = raw.pop("quantization_config", None) or {}
+    block = quant.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise PlanError(f"quantization_config.weight_block_size {block!r} is not [rows, cols]")
+    return Checkpoint(
+        config=ModelConfig.from_hf_dict(raw),
+        quant_method=quant.get("quant_method"),
+        fp8_block=(block[0], block[1]),
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def default_reserve_bytes(gpu_mem_bytes: int) -> int:
+    return max(RESERVE_FLOOR_BYTES, math.ceil(RESERVE_FRACTION * gpu_mem_bytes))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One decode group: `gpus_per_group` GPUs (= tp ranks) of `gpu_mem_bytes` each."""
+
+    gpu_mem_bytes: int
+    gpus_per_group: int
+    reserve_bytes: int | None = None  # per GPU, outside weights and KV; None: the default
+
+    def __post_init__(self) -> None:
+        if self.gpu_mem_bytes <= 0 or self.gpus_per_group < 1:
+            raise PlanError("GPU memory and GPUs per group must be positive")
+        if self.reserve_bytes is not None and self.reserve_bytes < 0:
+            raise PlanError("the memory reserve cannot be negative")
+
+    @property
+    def reserve(self) -> int:
+        if self.reserve_bytes is None:
+            return default_reserve_bytes(self.gpu_mem_bytes)
+        return self.reserve_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    hardware: Hardware
+    latent_groups: tuple[int, ...] = (2,)  # TPLA rows; the first is the layout `fits` is about
+    context: int = 32768  # tokens a sequence reserves (prompt + max_tokens, as the scheduler)
+    kv_dtype: str = "bfloat16"
+    weight_dtype: str = "bfloat16"
+    exact_rmsnorm: bool = True
+    block_size: int = 16
+    chunk_size: int = 256
+    fp8_block: tuple[int, int] = (128, 128)
+
+    def __post_init__(self) -> None:
+        if not self.latent_groups:
+            raise PlanError("give at least one latent group count")
+        if self.context < 1 or self.block_size < 1 or self.chunk_size < 1:
+            raise PlanError("context, block size and chunk size must be positive")
+        if self.kv_dtype not in DTYPE_BYTES:
+            raise PlanError(
+                f"unknown KV dtype {self.kv_dtype!r}; choose one of {tuple(DTYPE_BYTES)}"
+            )
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise PlanError(
+                f"unknown weight dtype {self.weight_dtype!r}; choose one of {WEIGHT_DTYPES}"
+            )
+
+    def layouts(self) -> list[Layout]:
+        tp, exact = self.hardware.gpus_per_group, self.exact_rmsnorm
+        return [
+            Layout(Kind.MLA_TP, tp, 1, exact),
+            *(Layout(Kind.TPLA, tp, r, exact) for r in self.latent_groups),
+            Layout(Kind.SP, tp, 1, exact),
+        ]
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """One layout on one rank (the largest rank: lm_head slices differ by a row)."""
+
+    layout: Layout
+    weights_bytes: int
+    kv_bytes_per_token: float  # per context token of the group, on one rank
+    kv_bytes_per_stored_token: int
+    kv_budget_bytes: int  # memory - weights - reserve; negative when the weights do not fit
+    stored_tokens: int  # whole blocks of the rank's pool x block size
+    max_tokens: int  # context tokens of the group the rank's pool backs
+    blocks_per_sequence: int  # on the busiest rank, at the requested context
+    max_sequences: int  # per group, at the requested context
+    fits: bool  # weights + reserve < GPU memory
+
+
+def plan_layout(c: ModelConfig, req: PlanRequest, layout: Layout) -> LayoutPlan:
+    hw, bs = req.hardware, req.block_size
+    weights = max(
+        weight_bytes(rank_tensors(c, layout, rank), req.weight_dtype, req.fp8_block)
+        for rank in range(layout.tp)
+    )
+    stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype)
+    budget = hw.gpu_mem_bytes - weights - hw.reserve
+    blocks = max(budget, 0) // (stored * bs)  # as CacheLayout.blocks_for_budget
+    sp = layout.kind is Kind.SP
+    # SP: rank 0 owns the most of a sequence's round-robin chunks; others share one pool.
+    local = local_length(req.context, 0, req.chunk_size, layout.tp) if sp else req.context
+    per_seq = -(-local // bs)
+    return LayoutPlan(
+        layout=layout,
+        weights_bytes=weights,
+        kv_bytes_per_token=stored / layout.tp if sp else stored,
+        kv_bytes_per_stored_token=stored,
+        kv_budget_bytes=budget,
+        stored_tokens=blocks * bs,
+        max_tokens=blocks * bs * (layout.tp if sp else 1),
+        blocks_per_sequence=per_seq,
+        max_sequences=blocks // per_seq,
+        fits=weights + hw.reserve < hw.gpu_mem_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: ModelConfig
+    request: PlanRequest
+    layouts: tuple[LayoutPlan, ...]  # mla-tp, tpla for each requested r, sp
+    breakdown: tuple[tuple[str, int], ...]  # the first TPLA layout's rank-0 bytes by part
+    full_model_bytes: int  # what each rank process loads on the host before slicing
+
+    @property
+    def chosen(self) -> LayoutPlan:
+        return self.layouts[1]
+
+    def by_kind(self, kind: Kind) -> LayoutPlan:
+        return (
+            self.chosen
+            if kind is Kind.TPLA
+            else next(p for p in self.layouts if p.layout.kind is kind)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The `tpla plan --json` contract (keyed by mla-tp / tpla / sp: tpla is the first r)."""
+        req, hw = self.request, self.request.hardware
+        keyed = {k.value: self.by_kind(k) for k in Kind}
+        return {
+            "model_type": self.config.model_type,
+            "num_hidden_layers": self.config.num_hidden_layers,
+            "gpu_mem_bytes": hw.gpu_mem_bytes,
+            "gpus_per_group": hw.gpus_per_group,
+            "latent_groups": req.latent_groups[0],
+            "context": req.context,
+            "dtype": req.kv_dtype,
+            "weight_dtype": req.weight_dtype,
+            "rmsnorm": "exact" if req.exact_rmsnorm else "sliced",
+            "block_size": req.block_size,
+            "chunk_size": req.chunk_size,
+            "reserve_bytes": hw.reserve,
+            "weights_bytes_per_rank": self.chosen.weights_bytes,
+            "kv_bytes_per_token_per_rank": {
+                k: _num(p.kv_bytes_per_token) for k, p in keyed.items()
+            },
+            "max_tokens_per_rank": {k: p.max_tokens for k, p in keyed.items()},
+            "max_sequences_per_group": {k: p.max_sequences for k, p in keyed.items()},
+            "fits": self.chosen.fits,
+            "fits_by_layout": {k: p.fits for k, p in keyed.items()},
+            "weights_breakdown_bytes_per_rank": dict(self.breakdown),
+            "full_model_bytes": self.full_model_bytes,
+            "layouts": [_layout_json(p) for p in self.layouts],
+        }
+
+
+def _num(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
+def _layout_json(p: LayoutPlan) -> dict[str, Any]:
+    return {
+        "layout": p.layout.kind.value,
+        "latent_groups": p.layout.latent_groups,
+        "head_groups": p.layout.head_groups,
+        "weights_bytes_per_rank": p.weights_bytes,
+        "kv_bytes_per_token_per_rank": _num(p.kv_bytes_per_token),
+        "kv_bytes_per_stored_token": p.kv_bytes_per_stored_token,
+        "kv_budget_bytes_per_rank": p.kv_budget_bytes,
+        "stored_tokens_per_rank": p.stored_tokens,
+        "max_tokens_per_rank": p.max_tokens,
+        "blocks_per_sequence": p.blocks_per_sequence,
+        "max_sequences_per_group": p.max_sequences,
+        "fits": p.fits,
+    }
+
+
+def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
+    """Plan every layout of `req` for model `c`; PlanError when one cannot shard `c`."""
+    if req.context > c.max_position_embeddings:
+        raise PlanError(
+            f"context {req.context} exceeds the model's max_position_embeddings "
+            f"({c.max_position_embeddings})"
+        )
+    layouts = req.layouts()
+    for layout in layouts:
+        layout.check(c)
+    chosen = rank_tensors(c, layouts[1], 0)
+    parts: dict[str, int] = {}
+    for t in chosen:
+        parts[t.part] = parts.get(t.part, 0) + weight_bytes([t], req.weight_dtype, req.fp8_block)
+    # load_model casts every tensor, the router too, to the model dtype.
+    full = [replace(t, float32=False) for t in rank_tensors(c, Layout(Kind.MLA_TP, 1), 0)]
+    return Plan(
+        config=c,
+        request=req,
+        layouts=tuple(plan_layout(c, req, layout) for layout in layouts),
+        breakdown=tuple(parts.items()),
+        full_model_bytes=weight_bytes(full, req.weight_dtype, req.fp8_block),
+    )
