@@ -8,12 +8,17 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from common.settings import Settings, load_settings
+from common.settings import Settings, load_settings, placed
 
 if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
     from common.generate import Generation
     from common.tokenizer import Tokenizer
-from common.tpla.cli import add_convert_parser, add_eval_parser, add_generate_mode_arguments
+from common.tpla.cli import (
+    add_convert_parser,
+    add_eval_parser,
+    add_generate_mode_arguments,
+    add_plan_parser,
+)
 
 
 def _configure_torch(settings: Settings) -> None:
@@ -37,8 +42,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from common.sampling import SamplingParams
     from common.tokenizer import Tokenizer
 
-    settings = load_settings(
-        model=args.model, dtype=args.dtype, device=args.device, torch_threads=args.threads
+    settings = placed(
+        load_settings(
+            model=args.model, dtype=args.dtype, device=args.device, torch_threads=args.threads
+        )
     )
     _configure_torch(settings)
     config = ModelConfig.from_dir(settings.model)
@@ -174,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_convert_parser(sub)
     add_eval_parser(sub)
+    add_plan_parser(sub)
 
     td = sub.add_parser("train-demo", help="train the small demo model on CPU (offline)")
     td.add_argument("--out", default="models/demo", help="HF-format output directory")

@@ -1,8 +1,9 @@
 """Where a process puts its tensors: the one place a device name is read and checked.
 
 `TPLA_DEVICE` is `auto` (CUDA when a GPU is visible, else the CPU), `cpu`, `cuda` or
-`cuda:N`. Asking for CUDA where there is none is a `DeviceError` at start-up, never a silent
-CPU fallback: a user who asked for a GPU server must not get a CPU one.
+`cuda:N`; `TPLA_DTYPE` is `auto` (bf16 on CUDA, fp32 on the CPU) or a torch dtype name.
+Asking for CUDA where there is none is a `DeviceError` at start-up, never a silent CPU
+fallback: a user who asked for a GPU server must not get a CPU one.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import torch
 
 
-class DeviceError(RuntimeError):
-    """The requested device does not exist here."""
+class DeviceError(ValueError):
+    """The requested device (or dtype) does not exist here: a configuration error, reported
+    at start-up like every other."""
 
 
 def resolve_device(name: str) -> str:
@@ -46,3 +48,16 @@ def rank_device(name: str, rank: int) -> torch.device:
             "CUDA device(s) are visible: a decode group needs one GPU per rank"
         )
     return torch.device("cuda", index)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """`auto` -> bf16 on CUDA (what real checkpoints ship in and tensor cores run), fp32 on
+    the CPU (where the native kernels and the exact references run); else checked as given."""
+    if name == "auto":
+        return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if name not in DTYPES:
+        raise DeviceError(f"unknown dtype {name!r} (auto, {', '.join(DTYPES)})")
+    return name

@@ -49,10 +49,12 @@ def load_prefill_model(
     reparam: str | None,
     dtype: str = "float32",
     attention_backend: str = "auto",
+    device: str = "cpu",
 ) -> DeepseekForCausalLM:
-    """The serving model for a prefill: its attention on `attention_backend` (`select_backend`:
-    auto, sdpa, native, flash-attn). Decode ranks load `load_serving_model` and never prefill,
-    so only here is a prefill kernel chosen (and built, on first use)."""
-    model = load_serving_model(model_dir, reparam, dtype)[0]
+    """The serving model for a prefill on `device`: its attention on `attention_backend`
+    (`select_backend`: auto, sdpa, native, flash-attn). Decode ranks load `load_serving_model`
+    and never prefill, so only here is a prefill kernel chosen (and built, on first use)."""
+    # Rotated on the CPU (the reparameterization's checks run in fp64), then placed.
+    model = load_serving_model(model_dir, reparam, dtype)[0].to_device(device)
     model.prefill_backend = select_backend(attention_backend, model.lm_head.weight.device)
     return model

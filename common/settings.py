@@ -16,8 +16,12 @@ class Settings(BaseSettings):
     # -- model and compute ----------------------------------------------------------------
     model: str = Field("models/demo", description="HF-format model directory")
     served_model_name: str = Field("tpla-demo", description="the `model` name clients use")
-    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
-    device: str = Field("cpu", description="cpu | cuda | cuda:N")
+    dtype: str = Field(
+        "auto", description="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"
+    )
+    device: str = Field(
+        "auto", description="auto (cuda when visible) | cpu | cuda | cuda:N (decode rank k: N + k)"
+    )
     # The local stack runs several processes on a small machine: each process gets a fixed
     # intra-op thread budget instead of torch's default of one thread per core.
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per process")
@@ -87,6 +91,17 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, gt=0)
     worker_ttl_s: float = Field(10.0, gt=0)
     log_prompts: bool = Field(False, description="log prompts and outputs (off by default)")
+
+
+def placed(settings: Settings) -> Settings:
+    """`settings` with an `auto` device and dtype resolved for this machine; a DeviceError
+    (a ValueError: the CLI prints it and exits 2) where the device does not exist. What every
+    command that computes starts with, before it starts anything else."""
+    from common.device import resolve_device, resolve_dtype  # torch only where it computes
+
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    return settings.model_copy(update={"device": device, "dtype": dtype})
 
 
 def load_settings(**overrides: object) -> Settings:

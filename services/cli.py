@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common.model.tpla import RmsNormMode
-from common.settings import Settings, load_settings
+from common.settings import Settings, load_settings, placed
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -38,7 +38,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is heavy)
-    from common.device import resolve_device
+    """The decode engine's config from `placed` settings."""
     from services.decode.backends import KERNELS
     from services.decode.rank_model import ParallelConfig, ParallelMode
     from services.decode.runtime import EngineConfig
@@ -65,7 +65,7 @@ def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is he
         kv_budget_mb=s.kv_budget_mb,
         max_batch=s.max_batch,
         dtype=s.dtype,
-        device=resolve_device(s.device),
+        device=s.device,
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
         decode_kernel=s.decode_kernel,
@@ -82,7 +82,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     from services.decode.service import serve_decode
 
-    s = _settings(args)
+    s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
     return serve_decode(
         engine_config(s),
@@ -99,7 +99,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from common.prefill_threads import PrefillThreads
     from services.prefill.service import serve_prefill
 
-    s = _settings(args)
+    s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
     token = s.internal_token.get_secret_value() if s.internal_token else None
     serve_prefill(
@@ -111,6 +111,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         transport=s.transport,
         token=token,
         dtype=s.dtype,
+        device=s.device,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
         transfer_timeout_s=s.transfer_timeout_s,
@@ -131,7 +132,9 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.serve import serve_stack
 
-    return serve_stack(_settings(args), smoke=args.smoke)
+    settings = _settings(args)
+    placed(settings)  # a device that does not exist fails here, before anything starts
+    return serve_stack(settings, smoke=args.smoke)
 
 
 def cmd_bench_decode_step(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ Every transfer has a deadline; a failed one leaves its reservation to the decode
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -111,24 +112,41 @@ def cut_shard(
     w = target.latent_width
     cols = slice(target.latent_start, target.latent_start + w)
     rows: Tensor | slice
+    device = n_layers[0].device
     if target.token_ranges:
         pairs = zip(target.token_ranges[::2], target.token_ranges[1::2], strict=True)
-        rows = (
-            torch.tensor(
-                [p for lo, hi in pairs for p in range(lo, min(hi, end - start))], dtype=torch.long
-            )
-            + start
-        )
-        tokens = len(rows)
+        owned = [p + start for lo, hi in pairs for p in range(lo, min(hi, end - start))]
+        rows = torch.tensor(owned, dtype=torch.long, device=device)
+        tokens = len(owned)
     else:
         rows, tokens = slice(start, end), end - start
-    # Packed straight from the prefill output: the cut is the only copy before the wire.
+    # Packed straight from the prefill output, on its device: the cut is the only copy
+    # before the wire (or before `staged_on_host`).
     d_r = k_pe_layers[0].shape[1]
-    kv = torch.empty(len(n_layers), tokens, w + d_r, dtype=n_layers[0].dtype)
+    kv = torch.empty(len(n_layers), tokens, w + d_r, dtype=n_layers[0].dtype, device=device)
     for layer, (n, k_pe) in enumerate(zip(n_layers, k_pe_layers, strict=True)):
         kv[layer, :, :w] = n[rows, cols]
         kv[layer, :, w:] = k_pe[rows]
     return Shard(request_id, target.rank, kv, w, block_size, target.block_ids)
+
+
+def staged_on_host(shards: list[Shard]) -> list[Shard]:
+    """The shards with their bytes in pinned host memory, as the senders put them on the
+    wire: every device-to-host copy is issued asynchronously, then one wait covers them all.
+    Shards already on the CPU are returned as they are."""
+    on_device = [s for s in shards if not s.kv.is_cpu]
+    if not on_device:
+        return shards
+    staged = []
+    for shard in shards:
+        if shard.kv.is_cpu:
+            staged.append(shard)
+            continue
+        host = torch.empty(shard.kv.shape, dtype=shard.kv.dtype, pin_memory=True)
+        host.copy_(shard.kv, non_blocking=True)
+        staged.append(dataclasses.replace(shard, kv=host))
+    torch.cuda.current_stream(on_device[0].kv.device).synchronize()
+    return staged
 
 
 class KvSender(abc.ABC):

@@ -158,7 +158,9 @@ class ShardWriter:
         self.width = cache.kv.shape[-1]
         self.row_bytes = self.width * torch.empty((), dtype=wire_dtype).element_size()
         self._dest = plan.dest_groups(cache.kv.shape[1])
-        self._in_place = wire_dtype == cache.kv.dtype
+        # In place means received straight into cache memory: host memory only (a GPU
+        # cache takes every segment through host staging and a copy).
+        self._in_place = wire_dtype == cache.kv.dtype and cache.kv.is_cpu
         self.seconds = 0.0  # time spent writing staged rows into the cache
 
     def nbytes(self, seg: Segment) -> int:

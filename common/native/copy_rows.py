@@ -72,9 +72,10 @@ def scatter_rows(dest: Tensor, index: Tensor, src: Tensor) -> None:
 
 def copy_words(dest: Tensor, index: Tensor, src: Tensor, dim: int = 0) -> None:
     """`dest[index] = src` along `dim` (PyTorch's indexed copy), moving whole words where
-    both tensors' byte views allow it."""
-    src = src.to(dest.dtype)
-    at = (slice(None),) * dim + (index,)
+    both tensors' byte views allow it. `src` and `index` may be on another device than
+    `dest` (a shard received in host memory for a GPU cache): they are copied over first."""
+    src = src.to(dest.device, dest.dtype)
+    at = (slice(None),) * dim + (index.to(dest.device),)
     dest_words, src_words = word_view(dest), word_view(src)
     if dest_words.shape[-1] == src_words.shape[-1]:
         dest_words[at] = src_words

@@ -36,7 +36,9 @@ class LocalResult:
 
 def load_prefill_model(cfg: EngineConfig, attention_backend: str = "auto") -> DeepseekForCausalLM:
     """The exact prefill model, in the same (possibly rotated) latent basis as the ranks."""
-    return serving_model.load_prefill_model(cfg.model, cfg.reparam, cfg.dtype, attention_backend)
+    return serving_model.load_prefill_model(
+        cfg.model, cfg.reparam, cfg.dtype, attention_backend, cfg.device
+    )
 
 
 def submit(
@@ -46,7 +48,8 @@ def submit(
     params: Sequence[SamplingParams],
 ) -> list[tuple[SampledToken, TokenStream]]:
     """Prefill a batch of prompts and start their decode; returns (first token, stream) each."""
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    device = prefill.lm_head.weight.device
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     out = prefill.prefill(ids, [len(p) for p in prompts])
     started = []
     start = 0
@@ -58,7 +61,7 @@ def submit(
                 out.n, out.k_pe, start, start + len(prompt), target, rid, reservation.block_size
             )
             engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
-        first = sample(out.logits[row], p, make_generator(p, stream=0))
+        first = sample(out.logits[row], p, make_generator(p, device, stream=0))
         started.append((first, engine.generate(rid, first.token_id, p)))
         start += len(prompt)
     return started
@@ -79,7 +82,6 @@ def generate_distributed(
     settings: Settings,
 ) -> Generation:
     """`tpla generate --tp G --latent-groups R`: exact prefill here, decode in a rank group."""
-    from common.device import resolve_device
     from common.model.tpla import RmsNormMode
     from services.decode.rank_model import ParallelConfig, ParallelMode
 
@@ -107,7 +109,7 @@ def generate_distributed(
         reparam=reparam,
         master_port=0,
         dtype=settings.dtype,
-        device=resolve_device(settings.device),
+        device=settings.device,
         decode_kernel=settings.decode_kernel,
         torch_threads=args.threads or 1,
         max_model_len=len(prompt_ids) + params.max_tokens,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv.transfer import KvSender, TransferError, cut_shard
+from common.kv.transfer import KvSender, TransferError, cut_shard, staged_on_host
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.prefill_threads import PrefillThreads
@@ -157,7 +157,10 @@ class PrefillWorker:
     def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillDone]]]) -> None:
         t0 = time.perf_counter()
         lens = [len(job.prompt_ids) for job, _ in batch]
-        ids = torch.tensor([t for job, _ in batch for t in job.prompt_ids], dtype=torch.long)
+        device = self.model.lm_head.weight.device
+        ids = torch.tensor(
+            [t for job, _ in batch for t in job.prompt_ids], dtype=torch.long, device=device
+        )
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
             out = self.model.prefill(ids, lens)
         prefill_s = time.perf_counter() - t0
@@ -167,7 +170,8 @@ class PrefillWorker:
         for row, (job, fut) in enumerate(batch):
             end = start + len(job.prompt_ids)
             try:
-                first = sample(out.logits[row], job.params, make_generator(job.params, stream=0))
+                generator = make_generator(job.params, device, stream=0)
+                first = sample(out.logits[row], job.params, generator)
                 self._ship(out, start, end, job, fut, first, prefill_s)
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
@@ -191,10 +195,11 @@ class PrefillWorker:
         push one job after another). `fut` resolves when the last rank acknowledged, or fails
         with the first error; the shards' sends run on the pusher threads.
         """
-        shards = [
-            (cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size), t)
+        cut = [
+            cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size)
             for t in job.targets
         ]
+        shards = list(zip(staged_on_host(cut), job.targets, strict=True))
         timeout = min(job.deadline_s, self.transfer_timeout_s)
         self._shipping.acquire()
         t0 = time.perf_counter()
