@@ -48,15 +48,7 @@ class TritonBackend(TorchBackend):
         reads: CacheReads,
     ) -> Tensor:
         q = absorbed_queries(q_nope, q_pe, attn.w_uk, attn.scale, attn.shard.beta)
-        lay = cache.layout
-        u, _ = decode_attention.paged_decode_attention(
-            q,
-            cache.kv[index],
-            reads.block_ids,
-            reads.lengths,
-            lay.block_size,
-            rope_width=lay.rope_width,
-        )
+        u, _ = _paged(q, cache, index, reads)
         return torch.bmm(u.transpose(0, 1), attn.w_uv.transpose(1, 2)).transpose(0, 1)
 
     def partial_attention(
@@ -71,13 +63,20 @@ class TritonBackend(TorchBackend):
         # The kernel returns the normalized output and its log-sum-exp: as an SP partial that
         # is u / l with l = 1 relative to m = lse (a rank with no tokens: u = 0, lse = -inf).
         q = torch.cat((q_lat * scale, q_pe * scale), dim=-1)
-        lay = cache.layout
-        u, lse = decode_attention.paged_decode_attention(
-            q,
-            cache.kv[index],
-            reads.block_ids,
-            reads.lengths,
-            lay.block_size,
-            rope_width=lay.rope_width,
-        )
+        u, lse = _paged(q, cache, index, reads)
         return u, lse, torch.ones_like(lse)
+
+
+def _paged(
+    q: Tensor, cache: PagedLatentCache, index: int, reads: CacheReads
+) -> tuple[Tensor, Tensor]:
+    """The kernel over layer `index` of the cache: (u [B, H, w], lse [B, H])."""
+    lay = cache.layout
+    return decode_attention.paged_decode_attention(
+        q,
+        cache.kv[index],
+        reads.block_ids,
+        reads.lengths,
+        lay.block_size,
+        rope_width=lay.rope_width,
+    )
