@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from common.model.tpla import RmsNormMode
 from common.settings import Settings, load_settings, placed
 
 
@@ -37,49 +36,10 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(**over)
 
 
-def engine_config(s: Settings):  # -> EngineConfig (imported lazily: torch is heavy)
-    """The decode engine's config from `placed` settings."""
-    from services.decode.backends import KERNELS
-    from services.decode.rank_model import ParallelConfig, ParallelMode
-    from services.decode.runtime import EngineConfig
-
-    if s.parallel not in ("tpla", "mla-tp", "sp"):
-        raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
-    if s.decode_kernel not in KERNELS:
-        raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
-    if s.collectives not in ("shm", "dist"):
-        raise ValueError(f"collectives {s.collectives!r} is not shm or dist")
-    latent_groups = s.latent_groups if s.parallel == "tpla" else 1
-    mode = ParallelMode.SP if s.parallel == "sp" else ParallelMode.TPLA
-    return EngineConfig(
-        model=s.model,
-        parallel=ParallelConfig(
-            tp=s.tp,
-            latent_groups=latent_groups,
-            rmsnorm=RmsNormMode(s.rmsnorm),
-            mode=mode,
-            chunk_size=s.chunk_size,
-        ),
-        reparam=s.reparam or None,
-        block_size=s.block_size,
-        kv_budget_mb=s.kv_budget_mb,
-        max_batch=s.max_batch,
-        dtype=s.dtype,
-        device=s.device,
-        lease_seconds=s.lease_seconds,
-        torch_threads=s.torch_threads,
-        decode_kernel=s.decode_kernel,
-        collectives=s.collectives,
-        master_port=s.dist_port,
-        host=s.host,
-        kv_port_base=s.kv_port_base,
-        internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
-    )
-
-
 def cmd_decode(args: argparse.Namespace) -> int:
     import torch
 
+    from services.decode.config import engine_config
     from services.decode.service import serve_decode
 
     s = placed(_settings(args))

@@ -25,10 +25,9 @@ from common.model.tpla import RmsNormMode
 from common.prefill_threads import PrefillThreads
 from common.sampling import SamplingParams, make_generator, sample
 from common.settings import load_settings
+from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.local import load_prefill_model
-from services.decode.rank_model import ParallelConfig, ParallelMode
-from services.decode.runtime import EngineConfig
 
 
 class ColocatedServer:

@@ -17,9 +17,8 @@ import torch
 
 from common.model.tpla import RmsNormMode
 from common.sampling import SamplingParams
+from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
-from services.decode.rank_model import ParallelConfig, ParallelMode
-from services.decode.runtime import EngineConfig
 
 WARMUP_STEPS = 2  # full-batch steps not timed (first calls into each kernel's buffers)
 

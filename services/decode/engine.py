@@ -40,12 +40,11 @@ from common.native import shm_group
 from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample_batch
+from services.decode.config import EngineConfig, rank_latent_columns
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
-from services.decode.rank_model import rank_latent_columns
 from services.decode.runtime import (
     CONFIG_ENV,
     START_ERROR_EXIT,
-    EngineConfig,
     RankRuntime,
     create_shm_group,
     init_group,

@@ -8,6 +8,7 @@ per-rank shards, write them into reserved blocks, then stream the rest from the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import uuid
 from collections.abc import Sequence
@@ -22,8 +23,8 @@ from common.model.model import DeepseekForCausalLM
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 from common.serving_model import side_file_path
 from common.settings import Settings
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.decode.runtime import EngineConfig
 from services.decode.stream import TokenEvent, TokenStream
 
 
@@ -82,10 +83,8 @@ def generate_distributed(
     settings: Settings,
 ) -> Generation:
     """`tpla generate --tp G --latent-groups R`: exact prefill here, decode in a rank group."""
-    from common.model.tpla import RmsNormMode
-    from services.decode.rank_model import ParallelConfig, ParallelMode
+    from services.decode.config import engine_config
 
-    sp = args.parallel == "sp"
     r = args.latent_groups if args.mode in (None, "tpla") and args.parallel == "tpla" else 1
     reparam = None
     if r > 1 and args.method != "identity":
@@ -97,21 +96,24 @@ def generate_distributed(
                 f"note: no {side.name} in {model_dir}; TPLA uses the identity basis with e_i = 1/r",
                 file=sys.stderr,
             )
-    cfg = EngineConfig(
-        model=model_dir,
-        parallel=ParallelConfig(
-            tp=args.tp,
-            latent_groups=r,
-            rmsnorm=RmsNormMode(args.rmsnorm),
-            mode=ParallelMode.SP if sp else ParallelMode.TPLA,
-            chunk_size=args.chunk_size,
-        ),
-        reparam=reparam,
+    layout = settings.model_copy(
+        update={
+            "model": model_dir,
+            "tp": args.tp,
+            "latent_groups": r,
+            "parallel": args.parallel,
+            "rmsnorm": args.rmsnorm,
+            "chunk_size": args.chunk_size,
+            "reparam": reparam or "",
+            "torch_threads": args.threads or 1,
+        }
+    )
+    # One process tree, no services: no KV receivers, any free rendezvous port.
+    cfg = dataclasses.replace(
+        engine_config(layout),
         master_port=0,
-        dtype=settings.dtype,
-        device=settings.device,
-        decode_kernel=settings.decode_kernel,
-        torch_threads=args.threads or 1,
+        kv_port_base=None,
+        internal_token=None,
         max_model_len=len(prompt_ids) + params.max_tokens,
     )
     with DecodeEngine(cfg, eos_token_ids=tuple(eos_ids)) as engine:

@@ -11,10 +11,8 @@ the hidden state (after attention, after the FFN); logits are gathered to the le
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,77 +27,11 @@ from common.model.sp import merge_partials
 from common.model.tpla import LatentShard, RmsNormMode, latent_slice_attention, sliced_rmsnorm
 from services.decode.backends import DecodeBackend, TorchBackend
 from services.decode.comm import Comm
+from services.decode.config import ParallelConfig, split_range
 
 Linear = Callable[[Tensor, Tensor], Tensor]
 
 log = logging.getLogger(__name__)
-
-
-class ParallelError(ValueError):
-    """The requested parallel layout does not fit the model."""
-
-
-class ParallelMode(enum.Enum):
-    """How a decode group splits the latent cache over its ranks."""
-
-    TPLA = "tpla"  # by latent columns (r groups); r = 1 is MLA-TP, the exact baseline
-    SP = "sp"  # by token chunks, round-robin, full width; exact (log-sum-exp merge)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """tp = latent_groups (r) x head_groups (m). r = 1 is MLA-TP; r = tp is full TPLA.
-
-    In SP mode r = 1 and m = tp: projections are split by heads as in MLA-TP, and the cache
-    by chunks of `chunk_size` tokens.
-    """
-
-    tp: int = 1
-    latent_groups: int = 1
-    rmsnorm: RmsNormMode = RmsNormMode.EXACT
-    mode: ParallelMode = ParallelMode.TPLA
-    chunk_size: int = 256
-
-    def __post_init__(self) -> None:
-        if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
-            raise ParallelError(
-                f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}"
-            )
-        if self.mode is ParallelMode.SP and self.latent_groups != 1:
-            raise ParallelError("sequence parallelism keeps the full latent: latent_groups=1")
-        if self.chunk_size < 1:
-            raise ParallelError("chunk_size must be positive")
-
-    @property
-    def sp(self) -> bool:
-        return self.mode is ParallelMode.SP
-
-    @property
-    def name(self) -> str:
-        if self.sp:
-            return "sp"
-        return "mla-tp" if self.latent_groups == 1 else "tpla"
-
-    @property
-    def head_groups(self) -> int:
-        return self.tp // self.latent_groups
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(latent group i, head group j) of a rank."""
-        return rank // self.head_groups, rank % self.head_groups
-
-
-def _split(total: int, parts: int, index: int, what: str) -> slice:
-    if total % parts:
-        raise ParallelError(f"{what} ({total}) is not divisible by {parts}")
-    size = total // parts
-    return slice(index * size, (index + 1) * size)
-
-
-def rank_latent_columns(parallel: ParallelConfig, rank: int, d_c: int) -> slice:
-    """The latent columns rank `rank` caches: slice S_i of its latent group i."""
-    i, _ = parallel.coords(rank)
-    return _split(d_c, parallel.latent_groups, i, "kv_lora_rank")
 
 
 class RankAttention(nn.Module):
@@ -225,7 +157,7 @@ def _shard_ffn(module: nn.Module, config, rank: int, tp: int) -> nn.Module:
     """A 1/tp slice of a dense MLP or of every expert of a MoE (intermediate dimension)."""
     if isinstance(module, MoE):
         inter = config.moe_intermediate_size
-        cols = _split(inter, tp, rank, "moe_intermediate_size")
+        cols = split_range(inter, tp, rank, "moe_intermediate_size")
         local = MoE(dataclasses.replace(config, moe_intermediate_size=cols.stop - cols.start))
         local.gate.load_state_dict(module.gate.state_dict())
         gu = module.experts.gate_up_proj.detach()
@@ -239,7 +171,7 @@ def _shard_ffn(module: nn.Module, config, rank: int, tp: int) -> nn.Module:
             local.shared_experts = _shard_ffn(module.shared_experts, config, rank, tp)
         return local
     inter = module.gate_proj.weight.shape[0]
-    cols = _split(inter, tp, rank, "intermediate_size")
+    cols = split_range(inter, tp, rank, "intermediate_size")
     local = MLP(module.gate_proj.weight.shape[1], cols.stop - cols.start)
     local.gate_proj.weight = nn.Parameter(module.gate_proj.weight.detach()[cols].clone())
     local.up_proj.weight = nn.Parameter(module.up_proj.weight.detach()[cols].clone())
@@ -275,7 +207,7 @@ class RankModel(nn.Module):
         c = full.config
         self.config, self.parallel, self.rank = c, parallel, rank
         i, j = parallel.coords(rank)
-        heads = _split(c.num_attention_heads, parallel.head_groups, j, "num_attention_heads")
+        heads = split_range(c.num_attention_heads, parallel.head_groups, j, "num_attention_heads")
         self.layers = nn.ModuleList(
             RankLayer(
                 RankAttention(layer.self_attn, heads, shards_per_layer[n][i], parallel.rmsnorm),

@@ -8,8 +8,6 @@ boundary.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import sys
@@ -17,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import grpc
@@ -30,72 +27,20 @@ from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
-from common.model.tpla import RmsNormMode, latent_shards
+from common.model.tpla import latent_shards
 from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
 from common.ports import bind_grpc, check_ports, kv_receiver_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.serving_model import load_serving_model
-from common.settings import TORCH_PORT_OFFSET
 from services.decode.backends import select_decode_backend
 from services.decode.comm import Comm, DistCollectives, ShmCollectives
+from services.decode.config import EngineConfig
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, recv_plan
-from services.decode.rank_model import ParallelConfig, ParallelMode, RankModel
+from services.decode.rank_model import RankModel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    reparam: str | None = None  # TPLA side file in the model dir, e.g. "tpla_pca"
-    block_size: int = 16
-    kv_budget_mb: float = 256.0  # per rank
-    max_batch: int = 32
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    dtype: str = "float32"
-    # "cpu" for every rank, or "cuda" / "cuda:N": rank k on GPU N + k (`rank_device`).
-    device: str = "cpu"
-    lease_seconds: float = 30.0
-    torch_threads: int = 1
-    decode_kernel: str = "auto"  # `select_decode_backend`: auto | torch | native | triton
-    # "shm": the group's CPU collectives (plans; activations too on the CPU) go through
-    # shared memory when the native library is there (its ranks share a host); "dist":
-    # torch.distributed's gloo. Activations on GPUs always go through NCCL.
-    collectives: str = "shm"
-    shm_path: str | None = None  # set by the leader: the group file its ranks map
-    master_port: int = 29500
-    collective_timeout_s: float = 120.0
-    record_logits: bool = False  # keep each step's logits on token events (tests, eval)
-    # KV receivers: rank k serves KvReceiver on kv_port_base + k and, for the torch
-    # transport, a TCPStore on kv_port_base + TORCH_PORT_OFFSET + k. None: no receivers.
-    host: str = "127.0.0.1"
-    kv_port_base: int | None = None
-    internal_token: str | None = None
-
-    def kv_addresses(self, rank: int) -> tuple[str, str]:
-        """(gRPC receiver, torch TCPStore) addresses of a rank's KV endpoints."""
-        assert self.kv_port_base is not None
-        return (
-            f"{self.host}:{self.kv_port_base + rank}",
-            f"{self.host}:{self.kv_port_base + TORCH_PORT_OFFSET + rank}",
-        )
-
-    def to_json(self) -> str:
-        raw = dataclasses.asdict(self)
-        raw["parallel"]["rmsnorm"] = self.parallel.rmsnorm.value
-        raw["parallel"]["mode"] = self.parallel.mode.value
-        return json.dumps(raw)
-
-    @classmethod
-    def from_json(cls, text: str) -> EngineConfig:
-        raw = json.loads(text)
-        par = raw.pop("parallel")
-        par["rmsnorm"] = RmsNormMode(par["rmsnorm"])
-        par["mode"] = ParallelMode(par["mode"])
-        return cls(parallel=ParallelConfig(**par), **raw)
 
 
 class RankRuntime:

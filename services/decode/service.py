@@ -34,8 +34,8 @@ from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, target_to_pb, token_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.sampling import SamplingError
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.decode.runtime import EngineConfig
 from services.decode.scheduler import SchedulerError
 from services.decode.stream import EngineError
 

@@ -27,9 +27,8 @@ import pytest
 
 from common.native import shm_group
 from common.ports import PortInUse, free_port
+from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.engine import DecodeEngine, RankStartError
-from services.decode.rank_model import ParallelConfig
-from services.decode.runtime import EngineConfig
 from services.local_stack import LocalStack
 from tests.model.tiny import save_tiny_chat_model
 

@@ -17,10 +17,9 @@ from common.model.tpla import RmsNormMode
 from common.sampling import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.comm import ShmCollectives
+from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.local import collect, load_prefill_model, submit
-from services.decode.rank_model import ParallelConfig, ParallelMode
-from services.decode.runtime import EngineConfig
 from tests.model.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -29,9 +29,8 @@ from common.rpc.gen import (
     prefill_pb2_grpc,
 )
 from common.sampling import SamplingParams
+from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.engine import free_port
-from services.decode.rank_model import ParallelConfig
-from services.decode.runtime import EngineConfig
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill
 from tests.model.tiny import save_hf

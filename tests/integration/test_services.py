@@ -15,9 +15,8 @@ from common.model.loader import load_model
 from common.redis_state import WorkerRegistry, WorkerRole
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.sampling import SamplingParams
+from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import free_port
-from services.decode.rank_model import ParallelConfig, ParallelMode
-from services.decode.runtime import EngineConfig
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill
 from tests.model.tiny import save_hf

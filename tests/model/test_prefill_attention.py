@@ -170,8 +170,8 @@ def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
 def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(tmp_path) -> None:
     # `tpla generate --tp` and the colocated baseline prefill through services.decode.local;
     # TPLA_ATTENTION_BACKEND must reach them as it reaches the prefill service.
+    from services.decode.config import EngineConfig
     from services.decode.local import load_prefill_model
-    from services.decode.runtime import EngineConfig
     from tests.model.tiny import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)

@@ -27,7 +27,8 @@ from common.tpla.plan import (
     rank_tensors,
     weight_bytes,
 )
-from services.decode.rank_model import ParallelConfig, ParallelMode, RankModel
+from services.decode.config import ParallelConfig, ParallelMode
+from services.decode.rank_model import RankModel
 from tests.model.tiny import save_hf
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"

@@ -14,9 +14,9 @@ import torch
 from common.native import shm_group
 from common.ports import free_port
 from services.decode.comm import Comm, ShmCollectives
+from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
-from services.decode.rank_model import ParallelConfig
-from services.decode.runtime import EngineConfig, create_shm_group, init_group, open_comm
+from services.decode.runtime import create_shm_group, init_group, open_comm
 
 WORLD = 2
 

@@ -16,7 +16,8 @@ from common.native import decode_layer
 from services.decode.backends import TorchBackend
 from services.decode.backends.native_backend import NativeBackend
 from services.decode.comm import Comm
-from services.decode.rank_model import ParallelConfig, ParallelMode, RankModel
+from services.decode.config import ParallelConfig, ParallelMode
+from services.decode.rank_model import RankModel
 from tests.model.tiny import VARIANTS, save_hf
 
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="native library not built")

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from common.device import DeviceError, rank_device, resolve_device
+from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.engine import DecodeEngine
-from services.decode.rank_model import ParallelConfig
-from services.decode.runtime import EngineConfig
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 

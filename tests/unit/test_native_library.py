@@ -64,7 +64,8 @@ def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
     from common.model.tpla import latent_shards
     from common.native import latent_attention
     from services.decode.backends import select_decode_backend
-    from services.decode.rank_model import ParallelConfig, RankModel
+    from services.decode.config import ParallelConfig
+    from services.decode.rank_model import RankModel
     from tests.model.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)

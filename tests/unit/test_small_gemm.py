@@ -108,7 +108,8 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     from common.model.tpla import latent_shards
     from services.decode.backends import TorchBackend
     from services.decode.backends.native_backend import NativeBackend
-    from services.decode.rank_model import ParallelConfig, RankModel
+    from services.decode.config import ParallelConfig
+    from services.decode.rank_model import RankModel
     from tests.model.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)

@@ -1,0 +1,172 @@
+"""The decode engine's configuration: the parallel layout and everything a rank starts with.
+
+Frozen dataclasses, validated when built; `engine_config` maps the settings (env and flags,
+`common/settings.py`) onto them, once. A follower rank receives its `EngineConfig` as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+
+from common.model.tpla import RmsNormMode
+from common.settings import TORCH_PORT_OFFSET, Settings
+
+
+class ParallelError(ValueError):
+    """The requested parallel layout does not fit the model."""
+
+
+class ParallelMode(enum.Enum):
+    """How a decode group splits the latent cache over its ranks."""
+
+    TPLA = "tpla"  # by latent columns (r groups); r = 1 is MLA-TP, the exact baseline
+    SP = "sp"  # by token chunks, round-robin, full width; exact (log-sum-exp merge)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tp = latent_groups (r) x head_groups (m). r = 1 is MLA-TP; r = tp is full TPLA.
+
+    In SP mode r = 1 and m = tp: projections are split by heads as in MLA-TP, and the cache
+    by chunks of `chunk_size` tokens.
+    """
+
+    tp: int = 1
+    latent_groups: int = 1
+    rmsnorm: RmsNormMode = RmsNormMode.EXACT
+    mode: ParallelMode = ParallelMode.TPLA
+    chunk_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
+            raise ParallelError(
+                f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}"
+            )
+        if self.mode is ParallelMode.SP and self.latent_groups != 1:
+            raise ParallelError("sequence parallelism keeps the full latent: latent_groups=1")
+        if self.chunk_size < 1:
+            raise ParallelError("chunk_size must be positive")
+
+    @property
+    def sp(self) -> bool:
+        return self.mode is ParallelMode.SP
+
+    @property
+    def name(self) -> str:
+        if self.sp:
+            return "sp"
+        return "mla-tp" if self.latent_groups == 1 else "tpla"
+
+    @property
+    def head_groups(self) -> int:
+        return self.tp // self.latent_groups
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(latent group i, head group j) of a rank."""
+        return rank // self.head_groups, rank % self.head_groups
+
+
+def split_range(total: int, parts: int, index: int, what: str) -> slice:
+    if total % parts:
+        raise ParallelError(f"{what} ({total}) is not divisible by {parts}")
+    size = total // parts
+    return slice(index * size, (index + 1) * size)
+
+
+def rank_latent_columns(parallel: ParallelConfig, rank: int, d_c: int) -> slice:
+    """The latent columns rank `rank` caches: slice S_i of its latent group i."""
+    i, _ = parallel.coords(rank)
+    return split_range(d_c, parallel.latent_groups, i, "kv_lora_rank")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    reparam: str | None = None  # TPLA side file in the model dir, e.g. "tpla_pca"
+    block_size: int = 16
+    kv_budget_mb: float = 256.0  # per rank
+    max_batch: int = 32
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    dtype: str = "float32"
+    # "cpu" for every rank, or "cuda" / "cuda:N": rank k on GPU N + k (`rank_device`).
+    device: str = "cpu"
+    lease_seconds: float = 30.0
+    torch_threads: int = 1
+    decode_kernel: str = "auto"  # `select_decode_backend`: auto | torch | native | triton
+    # "shm": the group's CPU collectives (plans; activations too on the CPU) go through
+    # shared memory when the native library is there (its ranks share a host); "dist":
+    # torch.distributed's gloo. Activations on GPUs always go through NCCL.
+    collectives: str = "shm"
+    shm_path: str | None = None  # set by the leader: the group file its ranks map
+    master_port: int = 29500
+    collective_timeout_s: float = 120.0
+    record_logits: bool = False  # keep each step's logits on token events (tests, eval)
+    # KV receivers: rank k serves KvReceiver on kv_port_base + k and, for the torch
+    # transport, a TCPStore on kv_port_base + TORCH_PORT_OFFSET + k. None: no receivers.
+    host: str = "127.0.0.1"
+    kv_port_base: int | None = None
+    internal_token: str | None = None
+
+    def kv_addresses(self, rank: int) -> tuple[str, str]:
+        """(gRPC receiver, torch TCPStore) addresses of a rank's KV endpoints."""
+        assert self.kv_port_base is not None
+        return (
+            f"{self.host}:{self.kv_port_base + rank}",
+            f"{self.host}:{self.kv_port_base + TORCH_PORT_OFFSET + rank}",
+        )
+
+    def to_json(self) -> str:
+        raw = dataclasses.asdict(self)
+        raw["parallel"]["rmsnorm"] = self.parallel.rmsnorm.value
+        raw["parallel"]["mode"] = self.parallel.mode.value
+        return json.dumps(raw)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        raw = json.loads(text)
+        par = raw.pop("parallel")
+        par["rmsnorm"] = RmsNormMode(par["rmsnorm"])
+        par["mode"] = ParallelMode(par["mode"])
+        return cls(parallel=ParallelConfig(**par), **raw)
+
+
+def engine_config(s: Settings) -> EngineConfig:
+    """The decode engine's config from `placed` settings: the one mapping of the two."""
+    from services.decode.backends import KERNELS
+
+    if s.parallel not in ("tpla", "mla-tp", "sp"):
+        raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
+    if s.decode_kernel not in KERNELS:
+        raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
+    if s.collectives not in ("shm", "dist"):
+        raise ValueError(f"collectives {s.collectives!r} is not shm or dist")
+    latent_groups = s.latent_groups if s.parallel == "tpla" else 1
+    mode = ParallelMode.SP if s.parallel == "sp" else ParallelMode.TPLA
+    return EngineConfig(
+        model=s.model,
+        parallel=ParallelConfig(
+            tp=s.tp,
+            latent_groups=latent_groups,
+            rmsnorm=RmsNormMode(s.rmsnorm),
+            mode=mode,
+            chunk_size=s.chunk_size,
+        ),
+        reparam=s.reparam or None,
+        block_size=s.block_size,
+        kv_budget_mb=s.kv_budget_mb,
+        max_batch=s.max_batch,
+        dtype=s.dtype,
+        device=s.device,
+        lease_seconds=s.lease_seconds,
+        torch_threads=s.torch_threads,
+        decode_kernel=s.decode_kernel,
+        collectives=s.collectives,
+        master_port=s.dist_port,
+        host=s.host,
+        kv_port_base=s.kv_port_base,
+        internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
+    )
