@@ -16,7 +16,6 @@ pid, is removed once the leader is gone, however it ended.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import secrets
 import signal
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from common import group_files
 from common.embedded_redis import EmbeddedRedis
 from common.metrics import METRICS_PORT_OFFSET
 from common.ports import (
@@ -70,14 +70,11 @@ class Child:
 
     def remove_leftovers(self) -> None:
         """Once the process is gone: any shared-memory file a decode leader named after its
-        pid (common/native/shm_group.py `new_path`; not imported, it needs torch). Its
-        followers remove the file when they see it die, but a group killed as a whole (its
-        process group SIGKILLed, a SIGTERM during start-up) runs no code of its own."""
-        if self.proc is None:
-            return
-        for path in glob.glob(f"/dev/shm/tpla-group-{self.proc.pid}-*"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        pid. Its followers remove the file when they see it die, but a group killed as a
+        whole (its process group SIGKILLed, a SIGTERM during start-up) runs no code of its
+        own."""
+        if self.proc is not None:
+            group_files.remove_files_of(self.proc.pid)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

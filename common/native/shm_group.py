@@ -12,16 +12,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import glob
 import os
-import uuid
 
 import torch
 from torch import Tensor
 
 from common.native.library import NativeUnavailable, load
 
-_PREFIX = "/dev/shm/tpla-group-"
 _STATUS = {1: "timed out", 2: "a peer rank died", 3: "bad arguments"}
 _SUM, _MAX = 0, 1
 
@@ -75,25 +72,6 @@ def available() -> bool:
     except NativeUnavailable:
         return False
     return os.path.isdir("/dev/shm")
-
-
-def new_path() -> str:
-    """A fresh name for a group's file (tmpfs, so the exchange never touches a disk), made by
-    the group's leader and named after its pid: whoever sees the leader gone (its followers,
-    `tpla serve`'s supervisor, which globs this pattern itself) knows the file to remove."""
-    return f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-
-
-def remove(path: str) -> None:
-    """Remove a group file's name, if it is still there (the mappings live on)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def remove_files_of(leader_pid: int) -> None:
-    """Remove every group file the process `leader_pid` created (`new_path`)."""
-    for path in glob.glob(f"{_PREFIX}{leader_pid}-*"):
-        remove(path)
 
 
 class ShmGroup:

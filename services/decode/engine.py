@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common import group_files
 from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
-from common.native import shm_group
 from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample_batch
@@ -102,7 +102,7 @@ class DecodeEngine:
             # Every rank has mapped the group file by the barrier (or failed): its name can
             # go, so a crash later leaves nothing behind in /dev/shm.
             if shm_path is not None:
-                shm_group.remove(shm_path)
+                group_files.remove(shm_path)
         model_cfg: ModelConfig = self.runtime.model.config
         self.vocab_size = model_cfg.vocab_size
         self.eos_token_ids = frozenset(

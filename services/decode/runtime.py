@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common import group_files
 from common.device import rank_device
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
@@ -67,9 +68,7 @@ class RankRuntime:
     def step(self, plan: DecodePlan) -> Tensor:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]."""
         bs, par = self.cfg.block_size, self.cfg.parallel
-        # The longest history, from the plan on the host: sizing the reads from the device
-        # tensors would wait for the device.
-        longest = int(plan.positions.max()) + 1
+        host_positions = plan.positions  # sizes the reads without waiting for the device
         plan = self.inputs.load(plan)
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
@@ -87,6 +86,7 @@ class RankRuntime:
             reads = CacheReads.tokens(tables, lengths, bs)
         else:
             write_slots = tables[rows, positions // bs] * bs + positions % bs
+            longest = int(host_positions.max()) + 1
             reads = CacheReads.blocks(tables, positions + 1, bs, longest)
         return self.model.decode_step(
             plan.tokens, positions, write_slots, reads, self.cache, self.comm
@@ -225,11 +225,11 @@ def create_shm_group(cfg: EngineConfig) -> str | None:
         return None
     if not shm_group.available():
         return None
-    path = shm_group.new_path()
+    path = group_files.new_path()
     try:
         group = ShmGroup(path, 0, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, True)
     except CollectiveError as exc:  # e.g. /dev/shm too small: gloo still works
-        shm_group.remove(path)  # an attach that failed after the file was made
+        group_files.remove(path)  # an attach that failed after the file was made
         log.warning("shared-memory collectives unavailable, using torch.distributed: %s", exc)
         return None
     group.close()
@@ -283,7 +283,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
     or sees its leader (pid `leader`) gone, removes it, since the group cannot start. A
     configuration error (a port in use) is one line on stderr and START_ERROR_EXIT, which
     the leader reports (services/decode/engine.py)."""
-    remove_file = (lambda: shm_group.remove(cfg.shm_path)) if cfg.shm_path else None
+    remove_file = (lambda: group_files.remove(cfg.shm_path)) if cfg.shm_path else None
     exit_with_parent(leader, remove_file)
     try:
         init_group(cfg, rank)

@@ -23,10 +23,10 @@ import grpc
 import redis
 from prometheus_client import CollectorRegistry
 
+from common import group_files
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
 from common.metrics import DecodeMetrics, GaugeCallback, serve_metrics
-from common.native import shm_group
 from common.ports import bind_grpc, check_ports, decode_group_ports
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
@@ -231,7 +231,7 @@ def _ends_start_up_on_signal() -> Iterator[None]:
             if byte == _START_UP_DONE:
                 return
             if byte[0] in ending:
-                shm_group.remove_files_of(os.getpid())
+                group_files.remove_files_of(os.getpid())
                 os._exit(128 + byte[0])
 
     watcher = threading.Thread(target=watch, name="start-up-signals", daemon=True)

@@ -12,7 +12,6 @@ of this test's processes are compared.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from common.group_files import files_of
 from common.native import shm_group
 from common.ports import PortInUse, free_port
 from services.decode.config import EngineConfig, ParallelConfig
@@ -58,7 +58,7 @@ def processes(var: str, value: str) -> list[psutil.Process]:
 
 
 def group_files(pids: set[int]) -> list[str]:
-    return [p for pid in pids for p in glob.glob(f"/dev/shm/tpla-group-{pid}-*")]
+    return [p for pid in pids for p in files_of(pid)]
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:

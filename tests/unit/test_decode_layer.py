@@ -124,7 +124,6 @@ def test_a_decode_step_with_native_layers_equals_the_torch_glue(checkpoints, var
         logits.append(model.decode_step(tokens, positions, write_slots, reads, cache, Comm(1)))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(caches[0].kv, caches[1].kv, rtol=1e-5, atol=1e-5)
-    assert model.backend.name == "torch"
 
 
 def test_an_sp_step_refuses_reads_without_token_slots(checkpoints) -> None:

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from common import group_files
 from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
 
@@ -57,7 +58,7 @@ def _run(g: ShmGroup, script: str) -> list:
 
 
 def _group(world: int, script: str) -> tuple[str, list[mp.Process], mp.Queue]:
-    path = shm_group.new_path()
+    path = group_files.new_path()
     ShmGroup(path, 0, world, SLOT, 10.0, True).close()
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
@@ -112,7 +113,7 @@ def test_a_dead_peer_fails_the_waiting_rank_promptly() -> None:
 
 
 def test_a_missing_peer_times_out() -> None:
-    path = shm_group.new_path()
+    path = group_files.new_path()
     g = ShmGroup(path, 0, 2, SLOT, 0.3, True)
     try:
         start = time.monotonic()
@@ -127,7 +128,7 @@ def test_a_missing_peer_times_out() -> None:
 def test_attaching_to_a_missing_or_mismatched_group_fails() -> None:
     with pytest.raises(CollectiveError, match="cannot attach"):
         ShmGroup("/dev/shm/tpla-group-does-not-exist", 1, 2, SLOT, 1.0, False)
-    path = shm_group.new_path()
+    path = group_files.new_path()
     ShmGroup(path, 0, 2, SLOT, 1.0, True).close()
     try:
         with pytest.raises(CollectiveError, match="cannot attach"):

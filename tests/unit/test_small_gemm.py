@@ -106,7 +106,6 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     from common.model.loader import load_model
     from common.model.moe import MoE
     from common.model.tpla import latent_shards
-    from services.decode.backends import TorchBackend
     from services.decode.backends.native_backend import NativeBackend
     from services.decode.config import ParallelConfig
     from services.decode.rank_model import RankModel
@@ -129,5 +128,3 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
             torch.testing.assert_close(
                 native.linear(x, model.lm_head), F.linear(x, model.lm_head), rtol=1e-5, atol=1e-5
             )
-    model.use_backend(TorchBackend())
-    assert model.backend.name == "torch"
