@@ -138,7 +138,9 @@ class RankRuntime:
             check_ports(host, [store_use])
             raise
         server = grpc.server(ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
-        self.receiver = KvReceiverServicer(self.shard_target, store, self.cfg.internal_token)
+        self.receiver = KvReceiverServicer(
+            self.shard_target, store, self.cfg.internal_token, device=self.device
+        )
         add_kv_receiver(self.receiver, server)
         bind_grpc(server, host, grpc_use)
         server.start()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv.transfer import KvSender, TransferError, cut_shard, staged_on_host
+from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.prefill_threads import PrefillThreads
@@ -199,7 +199,7 @@ class PrefillWorker:
             cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size)
             for t in job.targets
         ]
-        shards = list(zip(staged_on_host(cut), job.targets, strict=True))
+        shards = list(zip(self.sender.prepare(cut), job.targets, strict=True))
         timeout = min(job.deadline_s, self.transfer_timeout_s)
         self._shipping.acquire()
         t0 = time.perf_counter()

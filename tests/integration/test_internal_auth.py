@@ -128,7 +128,7 @@ PREFILL_CALLS: dict[str, Call] = {
 }
 KV_CALLS: dict[str, Call] = {
     "Push": lambda ch, md: kv_pb2_grpc.KvReceiverStub(ch).Push(
-        iter([kv_pb2.KvChunk(header=kv_pb2.KvHeader(request_id="intruder"), data=b"\0" * 64)]),
+        iter([kv_pb2.KvChunk(header=kv_pb2.KvHeader(request_id="intruder"), rows=b"\0" * 64)]),
         metadata=md,
         timeout=5,
     ),
