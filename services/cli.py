@@ -90,11 +90,20 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from common.placement import stack_devices
     from services.serve import serve_stack
 
     settings = _settings(args)
-    placed(settings)  # a device that does not exist fails here, before anything starts
-    return serve_stack(settings, smoke=args.smoke)
+    # A device that does not exist, or too few GPUs for the groups, fails here, before
+    # anything starts.
+    device = placed(settings).device
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    devices = stack_devices(
+        device, settings.decode_groups, settings.tp, settings.prefill_workers, gpus
+    )
+    return serve_stack(settings, smoke=args.smoke, devices=devices)
 
 
 def cmd_bench_decode_step(args: argparse.Namespace) -> int:
