@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.settings import load_settings
+from common.settings import load_settings, placed
 
 if TYPE_CHECKING:
     from common.generate import Generation
@@ -117,7 +117,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from common.tpla.eval import EvalConfig, evaluate, format_table
 
     _threads(args.threads)
-    model_dir = load_settings(model=args.model).model
+    settings = placed(load_settings(model=args.model, device=args.device, dtype=args.dtype))
+    model_dir = settings.model
     config = EvalConfig(
         groups=args.groups,
         prefill_len=args.prefill_len,
@@ -128,6 +129,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         calib_chars=args.calib_chars,
         eval_path=args.eval_text,
         progress=not args.quiet,
+        device=settings.device,
+        dtype=settings.dtype,
     )
     report = evaluate(model_dir, config)
     print(format_table(report), file=sys.stderr if args.json else sys.stdout)
@@ -149,6 +152,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--calib-chars", type=int, help="calibration text budget (default 200000)")
     p.add_argument("--seed", type=int, default=0, help="Hadamard sign seed when calibrating")
     p.add_argument("--threads", type=int)
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: TPLA_DEVICE, auto)")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (default: TPLA_DTYPE)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
     p.set_defaults(func=cmd_eval)

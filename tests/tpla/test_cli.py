@@ -109,6 +109,9 @@ def test_eval_bad_input_is_a_clear_error(model_dir: Path, text_file: Path) -> No
     config = EvalConfig(groups=2, window=32, prefill_len=31, eval_path=str(text_file))
     with pytest.raises(ValueError, match="leaves nothing to score in windows of 32"):
         evaluate(model_dir, config)
+    if not torch.cuda.is_available():  # a GPU asked for where there is none: exit 2, named
+        proc = _tpla("eval", "--model", str(model_dir), "--groups", "2", "--device", "cuda")
+        assert proc.returncode == 2 and "no visible CUDA device" in proc.stderr
 
 
 def test_generate_modes(model_dir: Path) -> None:
