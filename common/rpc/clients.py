@@ -14,10 +14,12 @@ import grpc
 
 from common.errors import from_grpc
 from common.rpc.convert import (
+    PrefillResult,
     ReservationInfo,
     params_to_pb,
     reservation_from_pb,
-    target_to_pb,
+    reservation_to_pb,
+    result_from_pb,
     token_from_pb,
     token_to_pb,
 )
@@ -60,14 +62,6 @@ class DecodeLoadInfo:
     tp: int
     latent_groups: int
     parallel: str
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: SampledToken
-    prefill_seconds: float
-    transfer_seconds: float
-    transfer_bytes: int
 
 
 class DecodeClient:
@@ -175,11 +169,7 @@ class PrefillClient:
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params_to_pb(params),
-            block_size=reservation.block_size,
-            num_layers=reservation.num_layers,
-            rope_width=reservation.rope_width,
-            dtype=reservation.dtype,
-            targets=[target_to_pb(t) for t in reservation.targets],
+            reservation=reservation_to_pb(reservation),
             transport=transport,
             deadline_seconds=timeout,
         )
@@ -187,9 +177,7 @@ class PrefillClient:
             m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
-        return PrefillResult(
-            token_from_pb(m.first_token), m.prefill_seconds, m.transfer_seconds, m.transfer_bytes
-        )
+        return result_from_pb(m)
 
     async def load(self, timeout: float = 5.0) -> tuple[int, int]:
         try:

@@ -1,15 +1,25 @@
-"""Conversions between wire messages and in-process dataclasses, defined once."""
+"""The in-process types that cross services, and their conversions to and from the wire,
+defined once.
+
+A reservation travels from the decode group's Reserve through the router to the prefill
+worker as one type: `ReservationInfo` in process (its `KvTargetInfo` per rank), the decode
+service's `ReserveResponse` on the wire (the prefill request carries it as it came). The
+prefill worker cuts one `common.kv.transfer.Shard` per target, whose `KvHeader` tells the
+receiver what arrives. A prefill's outcome is `PrefillResult`, `PrefillResponse` on the wire.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.rpc.gen import common_pb2, decode_pb2
+from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
 from common.sampling import SampledToken, SamplingParams
 
 
 @dataclass(frozen=True)
 class KvTargetInfo:
+    """Where one decode rank receives its shard of a request, and which part it caches."""
+
     rank: int
     grpc_address: str
     torch_address: str
@@ -21,6 +31,8 @@ class KvTargetInfo:
 
 @dataclass(frozen=True)
 class ReservationInfo:
+    """A request's reserved KV on a decode group: the cache's shape and each rank's target."""
+
     request_id: str
     block_size: int
     num_layers: int
@@ -28,6 +40,14 @@ class ReservationInfo:
     dtype: str
     lease_seconds: float
     targets: tuple[KvTargetInfo, ...]
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: SampledToken
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -106,4 +126,34 @@ def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> ReservationInfo:
         msg.dtype,
         msg.lease_seconds,
         tuple(target_from_pb(t) for t in msg.targets),
+    )
+
+
+def reservation_to_pb(r: ReservationInfo) -> decode_pb2.ReserveResponse:
+    return decode_pb2.ReserveResponse(
+        request_id=r.request_id,
+        block_size=r.block_size,
+        num_layers=r.num_layers,
+        rope_width=r.rope_width,
+        dtype=r.dtype,
+        lease_seconds=r.lease_seconds,
+        targets=[target_to_pb(t) for t in r.targets],
+    )
+
+
+def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
+    return prefill_pb2.PrefillResponse(
+        first_token=token_to_pb(r.first_token),
+        prefill_seconds=r.prefill_seconds,
+        transfer_seconds=r.transfer_seconds,
+        transfer_bytes=r.transfer_bytes,
+    )
+
+
+def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
+    return PrefillResult(
+        token_from_pb(msg.first_token),
+        msg.prefill_seconds,
+        msg.transfer_seconds,
+        msg.transfer_bytes,
     )

@@ -27,7 +27,7 @@ from common.prefill_threads import PrefillThreads
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
+from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.serving_model import load_prefill_model
 from services.prefill.worker import PrefillJob, PrefillWorker
@@ -53,11 +53,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 request.request_id,
                 list(request.prompt_ids),
                 params_from_pb(request.params),
-                tuple(target_from_pb(t) for t in request.targets),
-                request.block_size,
+                reservation_from_pb(request.reservation),
                 deadline,
             )
-            if not job.targets:
+            if not job.reservation.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
             done = self.worker.submit(job).result(timeout=deadline)
         except TimeoutError:
@@ -69,12 +68,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except (InvalidRequest, ValueError) as exc:
             err = exc if isinstance(exc, TplaError) else InvalidRequest(str(exc))
             context.abort(err.grpc_code, err.message)
-        return prefill_pb2.PrefillResponse(
-            first_token=token_to_pb(done.first_token),
-            prefill_seconds=done.prefill_seconds,
-            transfer_seconds=done.transfer_seconds,
-            transfer_bytes=done.transfer_bytes,
-        )
+        return result_to_pb(done)
 
     def GetLoad(
         self, request: common_pb2.Empty, context: grpc.ServicerContext

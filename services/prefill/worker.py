@@ -24,7 +24,7 @@ from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.prefill_threads import PrefillThreads
-from common.rpc.convert import KvTargetInfo
+from common.rpc.convert import PrefillResult, ReservationInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
@@ -33,20 +33,13 @@ MAX_SHIPPING = 64
 
 @dataclass(frozen=True)
 class PrefillJob:
+    """One prompt to prefill into `reservation` (its KV targets), within `deadline_s`."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    targets: tuple[KvTargetInfo, ...]
-    block_size: int
+    reservation: ReservationInfo
     deadline_s: float
-
-
-@dataclass(frozen=True)
-class PrefillDone:
-    first_token: SampledToken
-    prefill_seconds: float
-    transfer_seconds: float
-    transfer_bytes: int
 
 
 class PrefillWorker:
@@ -73,8 +66,8 @@ class PrefillWorker:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         self.max_batch_tokens = max_batch_tokens
-        self._held: tuple[PrefillJob, Future[PrefillDone]] | None = None  # next batch's first
-        self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillDone]] | None] = queue.Queue()
+        self._held: tuple[PrefillJob, Future[PrefillResult]] | None = None  # next batch's first
+        self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillResult]] | None] = queue.Queue()
         self._pushers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-push")
         # Jobs whose shards are still travelling, at most this many: past it the batcher waits
         # for pushes instead of queueing more batches' latents in memory behind a slow rank.
@@ -85,17 +78,18 @@ class PrefillWorker:
         self._thread = threading.Thread(target=self._run, name="prefill-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, job: PrefillJob) -> Future[PrefillDone]:
+    def submit(self, job: PrefillJob) -> Future[PrefillResult]:
         vocab = self.model.config.vocab_size
         if not job.prompt_ids or min(job.prompt_ids) < 0 or max(job.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
         if len(job.prompt_ids) > self.model.config.max_position_embeddings:
             raise ValueError("prompt exceeds the model's context length")
-        if any(t.token_ranges for t in job.targets):
+        targets = job.reservation.targets
+        if any(t.token_ranges for t in targets):
             # SP targets name the prompt positions they cache; together they must be the prompt.
             covered = sum(
                 hi - lo
-                for t in job.targets
+                for t in targets
                 for lo, hi in zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True)
             )
             if covered != len(job.prompt_ids):
@@ -103,7 +97,7 @@ class PrefillWorker:
                     f"the KV targets cover {covered} prompt tokens, the prompt has "
                     f"{len(job.prompt_ids)}: reserve for this prompt"
                 )
-        fut: Future[PrefillDone] = Future()
+        fut: Future[PrefillResult] = Future()
         with self._lock:
             self.queued_tokens += len(job.prompt_ids)
         self._jobs.put((job, fut))
@@ -119,7 +113,7 @@ class PrefillWorker:
         self._pushers.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
 
-    def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillDone]]] | None:
+    def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillResult]]] | None:
         """Queued jobs in arrival order, as many as fit `max_batch_tokens` (at least one).
 
         Only the batcher thread calls this; the job that did not fit opens the next batch."""
@@ -154,7 +148,7 @@ class PrefillWorker:
                 with self._lock:
                     self.queued_tokens -= sum(len(job.prompt_ids) for job, _ in batch)
 
-    def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillDone]]]) -> None:
+    def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillResult]]]) -> None:
         t0 = time.perf_counter()
         lens = [len(job.prompt_ids) for job, _ in batch]
         device = self.model.lm_head.weight.device
@@ -184,7 +178,7 @@ class PrefillWorker:
         start: int,
         end: int,
         job: PrefillJob,
-        fut: Future[PrefillDone],
+        fut: Future[PrefillResult],
         first: SampledToken,
         prefill_s: float,
     ) -> None:
@@ -195,11 +189,12 @@ class PrefillWorker:
         push one job after another). `fut` resolves when the last rank acknowledged, or fails
         with the first error; the shards' sends run on the pusher threads.
         """
+        res = job.reservation
         cut = [
-            cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size)
-            for t in job.targets
+            cut_shard(out.n, out.k_pe, start, end, t, job.request_id, res.block_size)
+            for t in res.targets
         ]
-        shards = list(zip(self.sender.prepare(cut), job.targets, strict=True))
+        shards = list(zip(self.sender.prepare(cut), res.targets, strict=True))
         timeout = min(job.deadline_s, self.transfer_timeout_s)
         self._shipping.acquire()
         t0 = time.perf_counter()
@@ -235,7 +230,7 @@ class PrefillWorker:
 
     def _shipped(
         self,
-        fut: Future[PrefillDone],
+        fut: Future[PrefillResult],
         first: SampledToken,
         prefill_s: float,
         transfer_s: float,
@@ -257,7 +252,7 @@ class PrefillWorker:
         with self._lock:
             self.transfer_bytes_total += sent
         if not fut.done():
-            fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
+            fut.set_result(PrefillResult(first, prefill_s, transfer_s, sent))
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
