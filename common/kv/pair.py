@@ -15,7 +15,7 @@ Waiting is the one place the backends differ: a gloo wait blocks the host until 
 there; an NCCL wait only orders the caller's CUDA stream after the transfer, and `complete`
 (or `settle_stream`, for the writes queued behind the receives) polls for completion against
 the transfer's deadline, so a dead peer costs a deadline, never a
-hung thread, and the broken communicator is aborted instead of reused.
+hung thread. A pair whose transfer failed midway is aborted and rebuilt, never reused.
 """
 
 from __future__ import annotations
@@ -119,10 +119,11 @@ class Pair:
             self.wait(work, deadline)
 
     def fail(self) -> None:
-        """The transfer failed midway. An NCCL communicator with an unmatched operation in
-        flight cannot be reused: abort it, and the pair is rebuilt under a new name. A gloo
-        pair matched or dropped every message by its deadline and stays usable."""
-        if self.backend is PairBackend.NCCL and not self.broken:
+        """The transfer failed midway (a deadline, the peer gone): the pair may hold
+        unmatched messages, so it is never reused. Aborted here (its pending operations end
+        at once, at both ends), it is replaced by a new pair, under a new name, for the next
+        shard; the peer drops its end when its own operations fail."""
+        if not self.broken:
             self.broken = True
             self.group.abort()
 

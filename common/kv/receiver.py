@@ -343,11 +343,15 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
 
     def _expect(self, pair: Pair, header: kv_pb2.KvHeader, deadline: float) -> int:
         try:
+            landing = self._land(header, pair.device, whole=True)
+        except TransferError:  # refused: drained, the pair stays matched and in use
             try:
-                landing = self._land(header, pair.device, whole=True)
-            except TransferError:
                 _drain(pair, header, deadline)
+            except BaseException:
+                self._drop(pair)
                 raise
+            raise
+        try:
             complete = False
             try:
                 _recv_segments(pair, landing, deadline)
@@ -355,11 +359,15 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
             finally:
                 landing.close(complete, deadline)
         except BaseException:
-            pair.fail()
-            if pair.broken:  # the sender builds a new pair under a new name
-                self._pairs.pop(pair.name, None)
+            self._drop(pair)
             raise
         return landing.total
+
+    def _drop(self, pair: Pair) -> None:
+        """A transfer failed midway on `pair`: abort it; the sender builds a new pair, under
+        a new name, for its next shard."""
+        pair.fail()
+        self._pairs.pop(pair.name, None)
 
 
 def add_kv_receiver(servicer: KvReceiverServicer, server: grpc.Server) -> None:

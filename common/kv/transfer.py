@@ -123,7 +123,7 @@ def cut_shard(
     ready = None
     if kv.is_cuda:
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(kv.device))
     return Shard(request_id, target.rank, kv, w, block_size, target.block_ids, ready=ready)
 
 
@@ -351,8 +351,7 @@ class TorchKvSender(KvSender):
                     ]
                 ack = ack_future.result()
                 if ack.pair_lost:
-                    pair.fail()
-                    self._pairs.pop(torch_address, None)
+                    self._failed(pair, torch_address)
                 else:
                     pair.complete(sends, deadline)
         except grpc.RpcError as exc:
@@ -366,12 +365,11 @@ class TorchKvSender(KvSender):
         return _ack(ack, shard)
 
     def _failed(self, pair: Pair | None, torch_address: str) -> None:
-        """A transfer on `pair` failed midway: a broken pair (NCCL) is replaced by the next
-        shard's."""
+        """A transfer on `pair` failed midway: the next shard builds a new pair."""
         if pair is not None:
             pair.fail()
-            if pair.broken:
-                self._pairs.pop(torch_address, None)
+            if self._pairs.get(torch_address) is pair:
+                del self._pairs[torch_address]
 
     def close(self) -> None:
         self._ch.close()
