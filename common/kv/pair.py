@@ -34,7 +34,7 @@ from common.kv.wire import TransferError
 # Past the transfer deadlines (which fail a transfer first, by polling): NCCL's own watchdog
 # must never be what notices a dead peer, since by default it tears the process down.
 NCCL_WATCHDOG = timedelta(minutes=30)
-_POLL_S = 0.0002
+_POLL_S = 0.0002  # a device event: a local query, cheap to repeat
 
 
 class PairBackend(StrEnum):
@@ -128,12 +128,12 @@ class Pair:
             self.group.abort()
 
 
-def poll_until(done: Callable[[], bool], deadline: float) -> None:
+def poll_until(done: Callable[[], bool], deadline: float, interval_s: float = _POLL_S) -> None:
     """Poll `done()` until it is true; TransferError at `deadline` (monotonic)."""
     while not done():  # bounded by the deadline
         if time.monotonic() > deadline:
-            raise TransferError("the transfer's deadline passed before the device finished it")
-        time.sleep(_POLL_S)
+            raise TransferError("the transfer's deadline passed before it completed")
+        time.sleep(interval_s)
 
 
 def settle_stream(stream: torch.cuda.Stream | None, deadline: float) -> None:

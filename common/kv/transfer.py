@@ -300,7 +300,8 @@ class TorchKvSender(KvSender):
         key = backend_key(name)
         # The receiver publishes its choice before it builds its end (and before it answers,
         # since gloo's rendezvous blocks until both ends joined): an early answer is a refusal.
-        poll_until(lambda: connect.done() or store.check([key]), deadline)
+        # (Each check is a round trip to the rank's store: polled coarsely, once per pair.)
+        poll_until(lambda: connect.done() or store.check([key]), deadline, interval_s=0.005)
         if not store.check([key]):
             _refused(connect.result(), torch_address)
         backend = PairBackend(store.get(key).decode())
