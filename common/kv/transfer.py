@@ -54,7 +54,6 @@ class Shard:
     latent_width: int  # w
     block_size: int
     block_ids: tuple[int, ...]
-    positions: tuple[int, ...] = ()  # empty: token positions 0..N-1
     # On a GPU: recorded on the stream that cut `kv`, after the cut. A send waits for this
     # event alone, not for whatever the producing stream queued since (the next prefill).
     ready: torch.cuda.Event | None = None
@@ -83,7 +82,6 @@ class Shard:
             dtype=dtype,
             block_size=self.block_size,
             block_ids=list(self.block_ids),
-            positions=list(self.positions),
             peer=peer,
         )
 

@@ -13,9 +13,9 @@ in order:
   by `ShardWriter` while the next segments arrive, so the cache write overlaps the transfer
   instead of following it.
 
-The `KvHeader` that precedes a payload says what it holds (dtype, shape) and where it
-goes (block table, positions); the helpers at the end read it the same way on both ends, and
-raise `TransferError` on a header the rank cannot take.
+The `KvHeader` that precedes a payload says what it holds (dtype, shape) and where it goes
+(its block table: tokens 0..N-1 fill the blocks in order); the helpers at the end read it the
+same way on both ends, and raise `TransferError` on a header the rank cannot take.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ def plan_segments(
     num_layers: int,
     slots: Tensor,
     block_size: int,
-    explicit_positions: bool,
     row_bytes: int,
 ) -> RowPlan:
     """Cut a packed payload of `num_layers` x len(slots) rows into segments.
@@ -89,8 +88,8 @@ def plan_segments(
     """
     n = len(slots)
     # Tokens 0..N-1 fill blocks in order, so groups of gcd(N, block_size) tokens sit in one
-    # block and never cross a layer; explicit positions may scatter every token.
-    group = 1 if explicit_positions or n == 0 else math.gcd(n, block_size)
+    # block and never cross a layer.
+    group = 1 if n == 0 else math.gcd(n, block_size)
     group_slots = slots[::group].to(torch.int64).contiguous()
     if n == 0:
         return RowPlan(num_layers, n, group, group_slots, ())
@@ -218,12 +217,8 @@ class ShardWriter:
 
 
 def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
-    """Flat cache slots of the shard's tokens, from its block table."""
-    positions = (
-        torch.tensor(list(header.positions), dtype=torch.int64)
-        if header.positions
-        else torch.arange(header.num_tokens)
-    )
+    """Flat cache slots of the shard's tokens 0..N-1, from its block table."""
+    positions = torch.arange(header.num_tokens)
     blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
     index = positions // header.block_size
     if len(positions) and int(index.max()) >= len(blocks):
@@ -252,4 +247,4 @@ def payload_bytes(h: kv_pb2.KvHeader) -> int:
 def row_plan(h: kv_pb2.KvHeader, slots: Tensor | None = None) -> RowPlan:
     """The segments of a packed payload with header `h`, as both ends cut it."""
     slots = shard_slots(h) if slots is None else slots
-    return plan_segments(h.num_layers, slots, h.block_size, bool(h.positions), row_bytes(h))
+    return plan_segments(h.num_layers, slots, h.block_size, row_bytes(h))

@@ -30,7 +30,7 @@ def _shard(
 @pytest.mark.parametrize("chunk_bytes", [7, 1000, 1 << 20])
 @pytest.mark.parametrize("tokens", [0, 1, 37])
 def test_encode_chunks_is_wire_identical_to_kvchunk(chunk_bytes: int, tokens: int) -> None:
-    shard = _shard(tokens, (4, 9, 2), positions=tuple(range(100, 100 + tokens)))
+    shard = _shard(tokens, (4, 9, 2))
     chunks = [kv_pb2.KvChunk.FromString(raw) for raw in encode_chunks(shard, chunk_bytes)]
     assert chunks[0].HasField("header") and chunks[0].header == shard.header()
     assert not any(c.HasField("header") for c in chunks[1:])
@@ -112,22 +112,21 @@ CONTIGUOUS = tuple(range(100))  # one run: rows are received in place
 
 
 @pytest.mark.parametrize(
-    ("tokens", "blocks", "positions"),
+    ("tokens", "blocks"),
     [
-        (0, (3,), ()),
-        (37, (4, 9, 2), ()),  # partial last block, rows move one by one (gcd(37, 16) = 1)
-        (1600, SCATTERED, ()),
-        (1600, CONTIGUOUS, ()),  # direct segments, cut at SEGMENT_BYTES
-        (1000, CONTIGUOUS[:30] + SCATTERED[:40], ()),  # direct and staged in each layer
-        (48, (7, 3, 5, 0, 11, 12), (20, 21, 22, 0, 1, 2, *range(40, 82))),  # explicit positions
+        (0, (3,)),
+        (37, (4, 9, 2)),  # partial last block, rows move one by one (gcd(37, 16) = 1)
+        (1600, SCATTERED),
+        (1600, CONTIGUOUS),  # direct segments, cut at SEGMENT_BYTES
+        (1000, CONTIGUOUS[:30] + SCATTERED[:40]),  # direct and staged in each layer
     ],
 )
 @pytest.mark.parametrize("chunk_bytes", [1000, 1 << 20])
 @pytest.mark.usefixtures("small_segments")
 def test_grpc_push_lands_exact_bytes(
-    tokens: int, blocks: tuple[int, ...], positions: tuple[int, ...], chunk_bytes: int
+    tokens: int, blocks: tuple[int, ...], chunk_bytes: int
 ) -> None:
-    shard = _shard(tokens, blocks, positions=positions)
+    shard = _shard(tokens, blocks)
     cache = _cache(shard)
     sink = _Sink(cache)
     received = KvReceiverServicer(sink, None)._push(iter(encode_chunks(shard, chunk_bytes)))
