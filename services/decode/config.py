@@ -1,7 +1,9 @@
 """The decode engine's configuration: the parallel layout and everything a rank starts with.
 
 Frozen dataclasses, validated when built; `engine_config` maps the settings (env and flags,
-`common/settings.py`) onto them, once. A follower rank receives its `EngineConfig` as JSON.
+`common/settings.py`) onto them, once. A spawned follower receives its leader's
+`EngineConfig` as JSON; a rank started on its own builds its own, which it checks against
+the group's (services/decode/group.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
     abort(request_id)                          at any time; blocks are freed
     load() -> Load                             running, waiting, blocks used / total
 
+Start-up: open the group's rendezvous (services/decode/group.py), spawn ranks 1..tp-1 here or
+wait for them to join from elsewhere (bounded), load this rank's share, meet every rank at a
+barrier, and learn where each rank's KV receiver is.
+
 All collectives run on one loop thread: callers enqueue commands and wait on futures. Each
 loop iteration applies commands, expires leases, and runs one decode step for every running
 sequence (continuous batching: requests join and leave between steps).
