@@ -50,6 +50,7 @@ LAYOUTS = {
     ),
 }
 BASE = {"REPARAM": "", "KV_BUDGET_MB": "4", "BLOCK_SIZE": "8"}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +225,15 @@ def test_a_joined_group_serves_the_tokens_of_a_spawned_group(
     own = [(0, f"127.0.0.1:{ports['leader_kv']}"), (1, f"127.0.0.1:{ports['follower_kv']}")]
     assert targets == [own] * len(PROMPTS)
     assert f"joined the group at 127.0.0.1:{ports['rendezvous']}" in follower.text()
+    # The image's HEALTHCHECK: the leader's gRPC port, a follower's own KV receiver.
+    env = {
+        **os.environ,
+        "TPLA_DECODE_PORT": str(ports["decode"]),
+        "TPLA_KV_PORT_BASE": str(ports["follower_kv"]),
+    }
+    for rank in ("0", "1"):
+        check = [sys.executable, str(ROOT / "docker" / "healthcheck.py"), "decode", "--rank", rank]
+        assert subprocess.run(check, env=env, timeout=30).returncode == 0, rank
 
     if end == "stop":  # a pod's stop: the leader ends the group in order, both exit 0
         os.kill(leader.proc.pid, signal.SIGTERM)
