@@ -243,6 +243,21 @@ class FollowerGroup:
         with contextlib.suppress(dist.DistError):
             self.store.set(_key(self.rank, "error"), reason)
 
+    def leader_alive(self) -> bool:
+        """Whether the leader's store still answers (a dead process's at once)."""
+        try:
+            self.store.add(_key(self.rank, "beat"), 0)
+        except dist.DistError:
+            return False
+        return True
+
+    def leader_gone(self) -> None:
+        print(
+            f"decode rank {self.rank}: the group's leader at {self.address} is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def end(self) -> None:
         """The group ended in order (the leader's last plan): stop beating."""
         self._ended.set()
@@ -262,12 +277,7 @@ class FollowerGroup:
             except dist.DistError:
                 if self._ended.wait(_END_GRACE_S):
                     return
-                print(
-                    f"decode rank {self.rank}: the group's leader at {self.address} is gone; "
-                    "exiting",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                self.leader_gone()
                 if on_leader_gone is not None:
                     on_leader_gone()
                 os._exit(1)

@@ -318,21 +318,33 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
             print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
             return START_ERROR_EXIT
         raise
+    try:
+        run_plans(runtime)
+    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
+        if group.leader_alive():
+            raise  # this rank's own failure: its traceback
+        group.end()
+        group.leader_gone()
+        return 1
+    group.end()
+    if receiver is not None:
+        receiver.stop(grace=1)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_plans(runtime: RankRuntime) -> None:
+    """Execute the leader's plans until its shutdown plan."""
     while True:
         plan = recv_plan(runtime.comm)
         if plan is None:
-            break
+            return
         if isinstance(plan, DecodePlan):
             runtime.comm.gather(runtime.step(plan))  # to the leader, which samples
         elif isinstance(plan, PingPlan):
             continue
         else:
             runtime.receive_write(plan)
-    group.end()
-    if receiver is not None:
-        receiver.stop(grace=1)
-    dist.destroy_process_group()
-    return 0
 
 
 # The leader hands a follower its config in the environment, not on the command line: the

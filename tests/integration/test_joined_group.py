@@ -239,11 +239,13 @@ def test_a_joined_group_serves_the_tokens_of_a_spawned_group(
         os.kill(leader.proc.pid, signal.SIGTERM)
         assert leader.wait(EXIT_S) == 0, leader.text()
         assert follower.wait(EXIT_S) == 0, follower.text()
-    else:  # the leader dies: its follower sees the group gone and exits non-zero
+    else:  # the leader dies: its follower sees the group gone and exits 1
         os.kill(leader.proc.pid, signal.SIGKILL)
         started = time.monotonic()
-        assert follower.wait(EXIT_S) != 0, follower.text()
+        assert follower.wait(EXIT_S) == 1, follower.text()
         assert time.monotonic() - started < EXIT_S
+        gone = f"decode rank 1: the group's leader at 127.0.0.1:{ports['rendezvous']} is gone"
+        assert gone in follower.text() and "Traceback" not in follower.text()
     assert not files_of(leader.proc.pid) and not files_of(follower.proc.pid)
 
 
