@@ -46,7 +46,9 @@ class Settings(BaseSettings):
         "where it runs; else torch) | torch | native (C++, fp32 CPU) | triton",
     )
     collectives: str = Field(
-        "shm", description="decode group collectives: shm (shared memory; else dist) | dist"
+        "auto",
+        description="decode group collectives: auto (shm for a spawned group, dist for ranks "
+        "that joined over the network) | shm (shared memory, one host; else dist) | dist",
     )
 
     # -- decode group -----------------------------------------------------------------------
@@ -60,6 +62,19 @@ class Settings(BaseSettings):
     kv_budget_mb: float = Field(256.0, gt=0, description="KV pool per decode rank")
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
     lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
+    # A group across hosts: every rank is a `tpla decode --rank K --group-size N --group-addr
+    # HOST:PORT` of its own (services/decode/group.py); without them the leader spawns its ranks.
+    rank: int = Field(0, ge=0, description="this process's rank in a joined group (0: leader)")
+    group_size: int = Field(
+        0, ge=0, description="ranks of a joined group (= tp); 0: the leader spawns its followers"
+    )
+    group_addr: str = Field("", description="HOST:PORT of a joined group's leader rendezvous")
+    advertise_host: str = Field(
+        "", description="host the leader and prefill workers reach this rank at (default: host)"
+    )
+    group_join_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait for every rank of a group to join (or its leader)"
+    )
 
     # -- local stack (`tpla serve`) ------------------------------------------------------------
     decode_groups: int = Field(1, ge=1, description="decode groups `tpla serve` starts")

@@ -27,6 +27,10 @@ def _settings(args: argparse.Namespace) -> Settings:
         "parallel",
         "chunk_size",
         "torch_threads",
+        "rank",
+        "group_size",
+        "group_addr",
+        "advertise_host",
     )
     over = {f: getattr(args, f, None) for f in fields}
     if getattr(args, "port", None) is not None:
@@ -44,6 +48,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
+    if s.rank > 0:  # a follower of a group whose ranks are started on their own
+        from services.decode.service import serve_rank
+
+        return serve_rank(engine_config(s), s.rank)
     return serve_decode(
         engine_config(s),
         s.decode_port,
@@ -218,6 +226,13 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     _common(dec)
     _decode_args(dec)
     dec.add_argument("--port", type=int, help="Decode gRPC port (default 50061)")
+    # A group across hosts: each rank its own process (docs/deploy.md); rank 0 leads.
+    dec.add_argument("--rank", type=int, help="this rank of a joined group (TPLA_RANK)")
+    dec.add_argument("--group-size", type=int, help="ranks of the group (TPLA_GROUP_SIZE)")
+    dec.add_argument("--group-addr", help="leader's HOST:PORT rendezvous (TPLA_GROUP_ADDR)")
+    dec.add_argument(
+        "--advertise-host", help="host others reach this rank at (TPLA_ADVERTISE_HOST)"
+    )
     dec.set_defaults(func=cmd_decode, port_field="decode_port")
 
     pre = sub.add_parser("prefill", help="run a prefill worker serving gRPC")

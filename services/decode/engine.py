@@ -7,6 +7,10 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
     abort(request_id)                          at any time; blocks are freed
     load() -> Load                             running, waiting, blocks used / total
 
+Start-up: open the group's rendezvous (services/decode/group.py), spawn ranks 1..tp-1 here or
+wait for them to join from elsewhere (bounded), load this rank's share, meet every rank at a
+barrier, and learn where each rank's KV receiver is.
+
 All collectives run on one loop thread: callers enqueue commands and wait on futures. Each
 loop iteration applies commands, expires leases, and runs one decode step for every running
 sequence (continuous batching: requests join and leave between steps).
@@ -37,10 +41,11 @@ from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
-from common.ports import free_port
+from common.ports import PortUse, check_ports, free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample_batch
-from services.decode.config import EngineConfig, rank_latent_columns
+from services.decode.config import EngineConfig, Launch, rank_latent_columns
+from services.decode.group import LeaderGroup, RankStartError
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.runtime import (
     CONFIG_ENV,
@@ -58,11 +63,6 @@ if TYPE_CHECKING:
 _IDLE_WAIT_S = 0.05
 
 
-class RankStartError(ValueError):
-    """A follower rank could not start for a reason it printed (e.g. a port in use). A
-    ValueError, like that reason: `tpla decode` prints it and exits 2, not restarted."""
-
-
 @dataclass
 class _Active:
     params: SamplingParams
@@ -72,29 +72,34 @@ class _Active:
 
 class DecodeEngine:
     def __init__(self, cfg: EngineConfig, *, eos_token_ids: tuple[int, ...] | None = None) -> None:
-        # Every rank's device exists (one GPU per rank), checked before any process starts.
-        rank_device(cfg.device, cfg.parallel.tp - 1)
+        # Every rank's device here exists (one GPU per rank), checked before anything starts.
+        spawn = cfg.launch is Launch.SPAWN
+        rank_device(cfg.device, cfg.parallel.tp - 1 if spawn else 0)
         if cfg.parallel.tp > 1 and cfg.master_port == 0:
             cfg = replace(cfg, master_port=free_port())
         # The group's file has a name from here to the barrier. Whoever sees the group end
         # in between removes it: this process on an exception (below), a follower that fails
         # or sees this process gone (runtime.follower_main), `tpla serve` once this process
         # is gone (the name carries its pid), `tpla decode` on SIGTERM (service.py).
-        shm_path = create_shm_group(cfg)
+        shm_path = create_shm_group(cfg) if spawn else None
         cfg = replace(cfg, shm_path=shm_path)
         self.cfg = cfg
         self._followers: list[subprocess.Popen] = []
         self._receiver: grpc.Server | None = None
-        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
-        env = {**os.environ, CONFIG_ENV: cfg.to_json()}
+        self.group: LeaderGroup | None = None
         try:
-            for rank in range(1, cfg.parallel.tp):
-                argv = [*follower, str(rank), str(os.getpid())]
-                self._followers.append(subprocess.Popen(argv, env=env))
-            init_group(cfg, 0)
+            if cfg.parallel.tp > 1:
+                self.group = self._open_group()
+                if spawn:
+                    self._spawn_followers()
+                self.group.wait_for_followers(self._follower_exit_code)
+            init_group(cfg, 0, self.group.store if self.group else None)
             self.runtime = RankRuntime(cfg, 0)
             self._receiver = self.runtime.start_kv_receiver()
             self.runtime.comm.barrier()
+            # Where each rank receives its KV shards: its own receiver, wherever it runs.
+            own = cfg.kv_addresses(0) if self._receiver is not None else ("", "")
+            self.kv_endpoints = [own, *(self.group.endpoints() if self.group else [])]
         except BaseException as exc:
             self._abort_start(exc)
             raise
@@ -159,7 +164,7 @@ class DecodeEngine:
 
     def kv_targets(self, reservation: Reservation, prompt_len: int) -> list[KvTargetInfo]:
         """Where each rank's shard of a reserved request goes, and which part it is."""
-        cfg, par = self.cfg, self.cfg.parallel
+        par = self.cfg.parallel
         d_c = self.runtime.model.config.kv_lora_rank
         targets = []
         for rank, blocks in enumerate(reservation.block_tables):
@@ -169,7 +174,7 @@ class DecodeEngine:
                 owned = owned_ranges(prompt_len, rank, par.chunk_size, par.tp)
                 # An empty list means "every token" on the wire, so "none" is (0, 0).
                 ranges = tuple(x for pair in owned for x in pair) or (0, 0)
-            grpc_addr, torch_addr = cfg.kv_addresses(rank) if cfg.kv_port_base else ("", "")
+            grpc_addr, torch_addr = self.kv_endpoints[rank]
             targets.append(
                 KvTargetInfo(
                     rank,
@@ -267,12 +272,23 @@ class DecodeEngine:
         return self.runtime.model.parameter_bytes()
 
     def follower_alive(self) -> list[bool]:
-        """Whether each rank's process is running (rank 0 is this process)."""
-        return [self._error is None] + [p.poll() is None for p in self._followers]
+        """Whether each rank's process is running (rank 0 is this process): a spawned one's
+        status, and for every follower a beat through the group's store within the last
+        seconds (ranks on other hosts have no other sign of life until a collective)."""
+        alive = [self._error is None]
+        if self.group is not None:
+            try:
+                beats = self.group.alive()
+            except dist.DistError:  # the store went with a shut-down group
+                beats = [False] * len(self.group.followers)
+            spawned = [p.poll() is None for p in self._followers] or [True] * len(beats)
+            alive += [b and s for b, s in zip(beats, spawned, strict=True)]
+        return alive
 
     @property
     def follower_pids(self) -> list[int]:
-        return [p.pid for p in self._followers]
+        """Each follower's pid, as it introduced itself (on its own host)."""
+        return [m.pid for m in self.group.members] if self.group is not None else []
 
     @property
     def failed(self) -> BaseException | None:
@@ -444,16 +460,44 @@ class DecodeEngine:
         active = self._active.pop(request_id)
         active.stream.put(TokenEvent(None, reason))
 
+    def _open_group(self) -> LeaderGroup:
+        """The group's store on the rendezvous port (PortInUse if taken, named with its
+        setting, not an error in c10d's words)."""
+        setting = "TPLA_DIST_PORT" if self.cfg.launch is Launch.SPAWN else "TPLA_GROUP_ADDR"
+        use = PortUse(self.cfg.master_port, "decode rendezvous", setting)
+        check_ports(self.cfg.host, [use])
+        try:
+            return LeaderGroup(self.cfg)
+        except dist.DistNetworkError:
+            check_ports(self.cfg.host, [use])
+            raise
+
+    def _spawn_followers(self) -> None:
+        """Ranks 1..tp-1 as children, on this host: each joins the group as a rank started
+        on its own would (runtime.follower_main), with this process's config."""
+        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
+        env = {**os.environ, CONFIG_ENV: self.cfg.to_json()}
+        for rank in range(1, self.cfg.parallel.tp):
+            argv = [*follower, str(rank), str(os.getpid())]
+            self._followers.append(subprocess.Popen(argv, env=env))
+
+    def _follower_exit_code(self, rank: int) -> int | None:
+        return self._followers[rank - 1].poll() if self._followers else None
+
     def _abort_start(self, exc: BaseException) -> None:
         """The group failed to start: stop the followers (a follower's own start-up error
-        has ended it already), and raise RankStartError if one reported a configuration
-        error (a port in use): that error, not the collective that broke, is the cause."""
+        has ended it already), and raise RankStartError if one reported an error (a port in
+        use, a config that differs): that error, not the collective that broke, is the
+        cause."""
         if self._receiver is not None:
             self._receiver.stop(grace=0)
         self._kill_followers(grace_s=1.0)
         if dist.is_initialized():  # a later engine in this process starts a group again
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        if self.group is not None and isinstance(exc, Exception):
+            with contextlib.suppress(dist.DistError):
+                self.group.raise_reported()
         for rank, proc in enumerate(self._followers, start=1):
             if proc.returncode == START_ERROR_EXIT and isinstance(exc, Exception):
                 raise RankStartError(f"decode rank {rank} could not start (its error is above)")

@@ -1,9 +1,11 @@
 """What every decode rank runs: its config, its model share and KV pool, and its step.
 
 The leader (rank 0) and follower ranks share `RankRuntime`; only the leader schedules. A
-follower is a separate OS process started as `python -m services.decode.runtime RANK` with
-its config as JSON in TPLA_ENGINE_CONFIG, so nothing but JSON and tensors crosses a process
-boundary.
+follower is a separate OS process: one the leader spawned runs `python -m
+services.decode.runtime RANK LEADER_PID` with the leader's config as JSON in
+TPLA_ENGINE_CONFIG (nothing but JSON and tensors crosses a process boundary); a rank started
+on its own (`tpla decode --rank K`) builds its config from its settings. Both then join the
+group the same way (services/decode/group.py) and run `follower_main`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from common.serving_model import load_serving_model
 from services.decode.backends import select_decode_backend
 from services.decode.comm import Comm, DistCollectives, ShmCollectives
 from services.decode.config import EngineConfig
+from services.decode.group import FollowerGroup
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, recv_plan
 from services.decode.rank_model import RankModel
 
@@ -49,7 +52,7 @@ class RankRuntime:
 
     def __init__(self, cfg: EngineConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
-        self.device = rank_device(cfg.device, rank)
+        self.device = rank_device(cfg.device, cfg.local_index(rank))
         torch.set_num_threads(cfg.torch_threads)
         full, spectra = load_serving_model(cfg.model, cfg.reparam, cfg.dtype)
         r = cfg.parallel.latent_groups
@@ -123,7 +126,9 @@ class RankRuntime:
         if self.cfg.kv_port_base is None:
             return None
         host = self.cfg.host
-        grpc_use, store_use = kv_receiver_ports(self.cfg.kv_port_base, self.rank)
+        grpc_use, store_use = kv_receiver_ports(
+            self.cfg.kv_port_base, self.rank, index=self.cfg.local_index(self.rank)
+        )
         # A taken port is PortInUse, named with its setting, not an error in c10d's words.
         check_ports(host, [store_use])
         try:
@@ -199,21 +204,22 @@ class StepInputs:
         return DecodePlan(dev[:b], dev[b : 2 * b], dev[2 * b :].view(plan.block_tables.shape))
 
 
-def init_group(cfg: EngineConfig, rank: int) -> None:
+def init_group(cfg: EngineConfig, rank: int, store: dist.Store | None = None) -> None:
     """Join the group's torch.distributed default group: gloo, the CPU control group (and
-    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data."""
+    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data. The
+    rendezvous is the group's store (services/decode/group.py), else a tcp:// one on the
+    leader's port."""
     if cfg.parallel.tp == 1:
         return
-    device = rank_device(cfg.device, rank)
+    device = rank_device(cfg.device, cfg.local_index(rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg.master_port}",
-        world_size=cfg.parallel.tp,
-        rank=rank,
-        timeout=timedelta(seconds=cfg.collective_timeout_s),
-    )
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    if store is None:
+        init = {"init_method": f"tcp://{cfg.master_addr}:{cfg.master_port}"}
+    else:
+        init = {"store": dist.PrefixStore("tpla/pg", store)}
+    dist.init_process_group("gloo", world_size=cfg.parallel.tp, rank=rank, timeout=timeout, **init)
 
 
 # Each rank's slot in the group file; larger messages (a big batch's logits) go in rounds.
@@ -279,40 +285,68 @@ def exit_with_parent(parent: int | None = None, on_exit: Callable[[], None] | No
 
 
 def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> int:
-    """A follower rank: execute the leader's plans until shutdown; the exit code.
+    """A follower rank: join the group, execute the leader's plans until shutdown; the exit
+    code. `leader`: the pid of the leader that spawned this process (None: started on its own).
 
-    Until the start-up barrier the group's file has a name: a follower that fails to start,
-    or sees its leader (pid `leader`) gone, removes it, since the group cannot start. A
-    configuration error (a port in use) is one line on stderr and START_ERROR_EXIT, which
-    the leader reports (services/decode/engine.py)."""
+    Until the start-up barrier a spawned group's file has a name: a follower that fails to
+    start, or sees its leader gone, removes it, since the group cannot start. A start-up
+    error of its configuration (a port in use, a config that differs from the leader's) is
+    one line on stderr, reported to the leader through the group's store, and
+    START_ERROR_EXIT."""
     remove_file = (lambda: group_files.remove(cfg.shm_path)) if cfg.shm_path else None
-    exit_with_parent(leader, remove_file)
+    if leader is not None:
+        exit_with_parent(leader, remove_file)
+    group: FollowerGroup | None = None
     try:
-        init_group(cfg, rank)
+        group = FollowerGroup.join(cfg, rank, remove_file)
+        init_group(cfg, rank, group.store)
         runtime = RankRuntime(cfg, rank)
         receiver = runtime.start_kv_receiver()
+        group.publish_endpoints(*(cfg.kv_addresses(rank) if receiver else ("", "")))
         runtime.comm.barrier()  # the leader waits until every rank has loaded its share
+        if leader is None:
+            kv = cfg.kv_addresses(rank)[0] if receiver else "none"
+            print(
+                f"decode rank {rank} of {cfg.parallel.tp} joined the group at "
+                f"{group.address} (KV receiver {kv})",
+                flush=True,
+            )
     except BaseException as exc:
         if remove_file is not None:
             remove_file()
         if isinstance(exc, ValueError | FileNotFoundError):  # as common/cli.py main
+            if group is not None:
+                group.report(str(exc))
             print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
             return START_ERROR_EXIT
         raise
+    try:
+        run_plans(runtime)
+    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
+        if group.leader_alive():
+            raise  # this rank's own failure: its traceback
+        group.end()
+        group.leader_gone()
+        return 1
+    group.end()
+    if receiver is not None:
+        receiver.stop(grace=1)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_plans(runtime: RankRuntime) -> None:
+    """Execute the leader's plans until its shutdown plan."""
     while True:
         plan = recv_plan(runtime.comm)
         if plan is None:
-            break
+            return
         if isinstance(plan, DecodePlan):
             runtime.comm.gather(runtime.step(plan))  # to the leader, which samples
         elif isinstance(plan, PingPlan):
             continue
         else:
             runtime.receive_write(plan)
-    if receiver is not None:
-        receiver.stop(grace=1)
-    dist.destroy_process_group()
-    return 0
 
 
 # The leader hands a follower its config in the environment, not on the command line: the

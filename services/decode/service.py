@@ -1,10 +1,13 @@
-"""`tpla decode`: the decode group's leader process, serving the Decode gRPC API.
+"""`tpla decode`: the decode group's leader process, serving the Decode gRPC API, or (with
+--rank K > 0) one follower rank of a group whose ranks are started on their own.
 
-Lifecycle: start the rank group (followers are child processes) -> serve Reserve / Generate /
-Abort / GetLoad and every rank's KV receiver -> publish one registry record per rank with
-heartbeats -> on SIGTERM/SIGINT stop accepting, abort live requests, shut the group down.
-A port in use stops it before it starts, named with its setting; SIGTERM/SIGINT during
-start-up end it at once, leaving no shared-memory file behind.
+Leader lifecycle: start the rank group (followers are child processes, or ranks that join
+over the network) -> serve Reserve / Generate / Abort / GetLoad and its KV receiver ->
+publish one registry record per rank with heartbeats -> on SIGTERM/SIGINT stop accepting,
+abort live requests, shut the group down. A port in use stops it before it starts, named
+with its setting; SIGTERM/SIGINT during start-up end it at once, leaving no shared-memory
+file behind. A follower runs until its group ends (services/decode/runtime.follower_main);
+SIGTERM/SIGINT end it at once.
 The servicer only translates protocol types; the engine holds all the logic.
 """
 
@@ -27,15 +30,16 @@ from common import group_files
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
 from common.metrics import DecodeMetrics, GaugeCallback, serve_metrics
-from common.ports import bind_grpc, check_ports, decode_group_ports
+from common.ports import PortUse, bind_grpc, check_ports, decode_group_ports
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, target_to_pb, token_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.sampling import SamplingError
-from services.decode.config import EngineConfig
+from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
+from services.decode.runtime import follower_main
 from services.decode.scheduler import SchedulerError
 from services.decode.stream import EngineError
 
@@ -208,9 +212,10 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
 
 
 @contextlib.contextmanager
-def _ends_start_up_on_signal() -> Iterator[None]:
-    """While the group starts, SIGTERM / SIGINT end this process at once, after removing its
-    group's shared-memory file (its followers then see it gone and exit).
+def _signals_end_at_once() -> Iterator[None]:
+    """Inside, SIGTERM / SIGINT end this process at once, after removing its group's
+    shared-memory file (its followers then see it gone and exit): a leader while its group
+    starts, a follower started on its own for its whole life.
 
     A Python signal handler would wait for the main thread, which may sit in the group's
     rendezvous or barrier for up to the collective timeout: longer than a pod's grace period,
@@ -265,15 +270,19 @@ def serve_decode(
     after a requested stop, 1 when the group failed (a rank died or a collective timed
     out), so a supervisor restarts the whole group. PortInUse (a ValueError) if a port of
     the group is taken: checked before the group starts, so nothing is loaded or spawned."""
-    ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, cfg.parallel.tp)
+    # Ranks that join from elsewhere bind their own ports; the rendezvous is the group's.
+    local_ranks = cfg.parallel.tp if cfg.launch is Launch.SPAWN else 1
+    ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, local_ranks)
+    if local_ranks < cfg.parallel.tp:
+        ports.append(PortUse(cfg.master_port, "decode rendezvous", "TPLA_GROUP_ADDR"))
     check_ports(cfg.host, ports)
-    with _ends_start_up_on_signal():
+    with _signals_end_at_once():
         engine = DecodeEngine(cfg)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_batch * 2 + 16), options=CHANNEL_OPTIONS
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, cfg.internal_token), server)
-    address = f"{cfg.host}:{port}"
+    address = f"{cfg.advertise_host or cfg.host}:{port}"
     grpc_use, metrics_use = ports[:2]
     try:
         bind_grpc(server, cfg.host, grpc_use)
@@ -318,3 +327,11 @@ def serve_decode(
         server.stop(grace=2)
         engine.shutdown()
     return code
+
+
+def serve_rank(cfg: EngineConfig, rank: int) -> int:
+    """`tpla decode --rank K` with K > 0: one follower rank, started on its own, until its
+    group ends. The exit code: 0 when the leader ended the group, 2 after a start-up error
+    it printed (and reported to the leader), 1 when the leader or a collective failed."""
+    with _signals_end_at_once():
+        return follower_main(cfg, rank)

@@ -28,7 +28,8 @@ from common.group_files import files_of
 from common.native import shm_group
 from common.ports import PortInUse, free_port
 from services.decode.config import EngineConfig, ParallelConfig
-from services.decode.engine import DecodeEngine, RankStartError
+from services.decode.engine import DecodeEngine
+from services.decode.group import RankStartError
 from services.local_stack import LocalStack
 from tests.model.tiny import save_tiny_chat_model
 
@@ -313,6 +314,7 @@ def test_a_taken_kv_port_fails_the_group_and_leaves_no_file(
     if rank == 0:
         assert str(err.value) == message
     else:
-        assert str(err.value) == "decode rank 1 could not start (its error is above)"
+        # The follower's own reason, reported through the group's store.
+        assert str(err.value) == f"decode rank 1 could not start: {message}"
         assert f"decode rank 1: error: {message}" in capfd.readouterr().err
     assert not group_files({os.getpid()})
