@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.errors import NotFound, TplaError
+from common.grammar import GrammarCompiler
 from common.ports import PortInUse, PortUse, router_port
 from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
@@ -209,11 +210,15 @@ def create_app(
     """The router app. `policy` defaults to settings.routing_policy; `refresh_s` paces
     registry reads."""
     model_dir = settings.model
+    tokenizer = Tokenizer.from_dir(model_dir)
     info = prepare.ModelInfo(
         served_name=settings.served_model_name,
-        tokenizer=Tokenizer.from_dir(model_dir),
+        tokenizer=tokenizer,
         max_model_len=prepare.context_limit(model_dir),
         log_prompts=settings.log_prompts,
+        grammars=GrammarCompiler.from_model_dir(
+            model_dir, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
+        ),
     )
     token = settings.internal_token.get_secret_value() if settings.internal_token else None
     sync_redis = redis.Redis.from_url(redis_url)

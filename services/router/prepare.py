@@ -1,18 +1,21 @@
 """OpenAI request bodies -> `GenerationRequest` (the boundary where pydantic ends).
 
-Checks what only the server can check (model name, context length, token id range),
-renders the chat template, tokenizes, and fills defaults: max_tokens = min(256, context
-left); stop token ids = the tokenizer's EOS ids unless ignore_eos.
+Checks what only the server can check (model name, context length, token id range, that a
+structured output's grammar compiles), renders the chat template, tokenizes, and fills
+defaults: max_tokens = min(256, context left); stop token ids = the request's stop_token_ids
+plus the tokenizer's EOS ids unless ignore_eos.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import InvalidRequest, NotFound
+from common.grammar import GrammarCompiler, GrammarError, GrammarKind, GrammarSpec
 from common.sampling import SamplingError, SamplingParams
 from common.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from services.router.request import GenerationRequest
@@ -46,6 +49,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_model_len: int
     log_prompts: bool = False
+    grammars: GrammarCompiler | None = None  # None: structured outputs are refused
 
 
 def new_request_id(prefix: str) -> str:
@@ -141,7 +145,23 @@ def _build(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    stop_ids = () if body.ignore_eos else tuple(sorted(info.tokenizer.eos_token_ids))
+    vocab = info.tokenizer.vocab_size
+    _check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")
+    bias = tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items()))
+    _check_token_ids([t for t, _ in bias], vocab, "logit_bias")
+    eos = () if body.ignore_eos else info.tokenizer.eos_token_ids
+    stop_ids = tuple(sorted({*(body.stop_token_ids or ()), *eos}))
+    grammar = _grammar(body, info)
+    if grammar is not None and body.ignore_eos:
+        raise InvalidRequest(
+            "ignore_eos cannot be combined with a structured output (it ends with EOS)",
+            param="ignore_eos",
+        )
+    if body.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -152,6 +172,13 @@ def _build(
             stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
             logprobs=top_logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            logit_bias=bias,
+            min_tokens=body.min_tokens,
+            min_p=body.min_p or 0.0,
+            grammar=grammar,
         )
     except SamplingError as exc:
         raise InvalidRequest(str(exc)) from exc
@@ -165,3 +192,59 @@ def _build(
         arrival=arrival,
         prompt_text=prompt_text,
     )
+
+
+def _check_token_ids(ids: Sequence[int], vocab: int, param: str) -> None:
+    bad = sorted(t for t in ids if not 0 <= t < vocab)
+    if bad:
+        raise InvalidRequest(
+            f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab})", param=param
+        )
+
+
+def _grammar(
+    body: ChatCompletionRequest | CompletionRequest, info: ModelInfo
+) -> GrammarSpec | None:
+    """The request's structured output (response_format or structured_outputs), compiled
+    once here so a bad one is a 400 naming the problem; None when the output is free."""
+    spec, param = None, "structured_outputs"
+    so = body.structured_outputs
+    fmt = getattr(body, "response_format", None)
+    if so is not None and fmt is not None and fmt.type != "text":
+        raise InvalidRequest(
+            "give either response_format or structured_outputs, not both", param=param
+        )
+    if fmt is not None and fmt.type == "json_object":
+        spec, param = GrammarSpec.json_schema({"type": "object"}), "response_format"
+    elif fmt is not None and fmt.type == "json_schema":
+        assert fmt.json_schema is not None
+        spec, param = GrammarSpec.json_schema(fmt.json_schema.schema_), "response_format"
+    elif so is not None:
+        if so.json_ is not None:
+            schema = so.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise InvalidRequest(
+                        f"structured_outputs.json is not valid JSON: {exc}", param=param
+                    ) from exc
+            spec = GrammarSpec.json_schema(schema)
+        elif so.regex is not None:
+            spec = GrammarSpec(GrammarKind.REGEX, so.regex)
+        elif so.choice is not None:
+            spec = GrammarSpec(GrammarKind.CHOICE, json.dumps(so.choice))
+        else:
+            assert so.grammar is not None
+            spec = GrammarSpec(GrammarKind.GRAMMAR, so.grammar)
+    if spec is None:
+        return None
+    if info.grammars is None:
+        raise InvalidRequest(
+            "this model serves no structured outputs (no tokenizer.json)", param=param
+        )
+    try:
+        info.grammars.compile(spec)
+    except GrammarError as exc:
+        raise InvalidRequest(str(exc)[:2000], param=param) from exc
+    return spec

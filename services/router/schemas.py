@@ -3,10 +3,11 @@
 Requests are validated here and converted by the pipeline into `SamplingParams` and plain
 dataclasses; nothing past the route handlers sees a pydantic model. Validation is strict, as
 OpenAI's is: `true`, `"5"` or `5.0` is not an integer and `"true"` is not a boolean. Unknown
-fields are ignored (as vLLM does), but OpenAI fields we cannot honour (n > 1, echo, penalties,
-tools, response formats, logit bias, ...) are rejected with a clear 400 instead of being
-silently dropped. Strings must be valid Unicode: JSON can smuggle lone surrogates (`"\\ud800"`)
-that no tokenizer, log line or Redis record can encode.
+fields are ignored (as vLLM does), but OpenAI fields we cannot honour (n > 1, echo, audio,
+...) are rejected with a clear 400 instead of being silently dropped. Sampling controls take
+OpenAI's ranges, and vLLM's for its extensions (top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids, ignore_eos, structured_outputs). Strings must be valid Unicode: JSON can
+smuggle lone surrogates (`"\\ud800"`) that no tokenizer, log line or Redis record can encode.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pydantic import (
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_STOP_TOKEN_IDS = 64
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed travels as a protobuf int64
 
@@ -46,8 +49,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -59,6 +60,48 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 def _unsupported(description: str) -> Any:
     return Field(None, description=f"not supported: {description}")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured-output constraints; exactly one is given."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = Field(None, min_length=1)
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [v for v in (self.json_, self.regex, self.choice, self.grammar) if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar")
+        return self
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = False
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object or json_schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -86,13 +129,22 @@ class _SamplingRequest(BaseModel):
     user: Text | None = Field(None, max_length=256)
     n: int | None = Field(1, description="only 1 is supported")
     ignore_eos: bool = Field(False, description="vLLM extension")
-    presence_penalty: float | None = Field(
-        0.0, allow_inf_nan=False, description="only 0 is supported"
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=2.0, allow_inf_nan=False, description="vLLM extension; 1 = off"
     )
-    frequency_penalty: float | None = Field(
-        0.0, allow_inf_nan=False, description="only 0 is supported"
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> [-100, 100]"
     )
-    logit_bias: dict[str, Any] | None = _unsupported("only {} or null")
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX, description="vLLM extension")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: exactly one of json, regex, choice, grammar"
+    )
 
     @field_validator("n")
     @classmethod
@@ -111,11 +163,14 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("presence/frequency penalties are not supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError("keys must be token ids (decimal strings)")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias for token {key} must be in [-100, 100]")
         return v
 
     @field_validator(*_UNSUPPORTED, mode="after", check_fields=False)
@@ -188,7 +243,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = Field(None, description="accepted; no tools are called")
     functions: list[Any] | None = _unsupported("only [] or null")
     function_call: Any = _unsupported('only "none" or null')
-    response_format: dict[str, Any] | None = _unsupported('only {"type": "text"} or null')
+    response_format: ResponseFormat | None = None
     audio: Any = _unsupported("only null")
     modalities: list[Any] | None = _unsupported('only ["text"] or null')
     prediction: Any = _unsupported("only null")
