@@ -179,3 +179,10 @@ def allowed_tokens(bitmask: Tensor, vocab: int) -> Tensor:
     """Bits [B, W] int32 -> allowed tokens [B, vocab] bool, on the bitmask's device."""
     bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     return ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+
+
+def allowed_now(matcher: GrammarMatcher, vocab: int, device: torch.device | str) -> Tensor:
+    """[1, vocab] bool: the tokens one matcher allows next (a single row: the first token)."""
+    mask = new_bitmask(1, (vocab + 31) // 32)
+    matcher.fill(mask[0])
+    return allowed_tokens(mask.to(device), vocab)

@@ -24,8 +24,7 @@ from common.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarMatcher,
-    allowed_tokens,
-    new_bitmask,
+    allowed_now,
 )
 from common.kv.transfer import KvSender, TransferError, cut_shard, staged_on_host
 from common.logits import LogitsContext, context_for
@@ -204,14 +203,8 @@ class PrefillWorker:
         """The first token's logits processing: the same as every later token's at decode."""
         split = len(job.prompt_ids) - job.num_output_tokens
         prompt, outputs = job.prompt_ids[:split], job.prompt_ids[split:]
-        allowed = None
-        if job.matcher is not None:
-            assert self.grammars is not None
-            mask = new_bitmask(1, self.grammars.mask_words)
-            job.matcher.fill(mask[0])
-            allowed = allowed_tokens(mask.to(device), self.model.config.vocab_size)
-        eos = self.model.config.eos_token_ids
-        vocab = self.model.config.vocab_size
+        eos, vocab = self.model.config.eos_token_ids, self.model.config.vocab_size
+        allowed = None if job.matcher is None else allowed_now(job.matcher, vocab, device)
         return context_for([job.params], [prompt], [outputs], eos, vocab, device, allowed)
 
     def _ship(
