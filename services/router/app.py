@@ -114,7 +114,9 @@ async def _sse_body(
     try:
         async for out in outputs:
             if isinstance(out, Delta):
-                yield fmt.delta(out)
+                line = fmt.delta(out)
+                if line:  # empty while text is held back (a tool call may be starting)
+                    yield line
             elif isinstance(out, Done):
                 for line in fmt.closing(out):
                     yield line
@@ -148,7 +150,9 @@ def _routes() -> APIRouter:
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         st, arrival = _state(request), time.monotonic()
         req = await anyio.to_thread.run_sync(prepare.prepare_chat, body, st.info, arrival)
-        fmt = ChatFormat(req.request_id, st.info.served_name, body.logprobs, body.include_usage)
+        fmt = ChatFormat(
+            req.request_id, st.info.served_name, body.logprobs, body.include_usage, req.tools
+        )
         return await _serve(request, req, fmt)
 
     @api.post("/v1/completions", dependencies=[Depends(require_json)])

@@ -146,6 +146,7 @@ class Pipeline:
                 req.stops,
                 req.params.stop_token_ids,
                 self._token_text if req.want_logprobs else None,
+                skip_special_tokens=not req.keep_special_tokens,
             )
             async with contextlib.aclosing(self._tokens(run, first)) as tokens:
                 async for token in tokens:

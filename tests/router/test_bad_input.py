@@ -159,8 +159,6 @@ async def test_wrong_types_are_400(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (chat(tool_choice="auto"), "tool_choice"),
         (chat(functions=[{"name": "f"}]), "functions"),
         (chat(function_call="auto"), "function_call"),
         (chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
