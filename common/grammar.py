@@ -34,6 +34,7 @@ CACHE_SIZE = 128
 # Whitespace between JSON tokens: flexible like a pretty-printer's, but bounded, so a model
 # cannot fill max_tokens with blanks.
 _JSON_OPTIONS: dict[str, object] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
+_COMPACT: dict[str, object] = {"whitespace_pattern": " ?"}
 
 
 class GrammarError(ValueError):
@@ -53,7 +54,12 @@ class GrammarSpec:
     spec: str
 
     @classmethod
-    def json_schema(cls, schema: object) -> GrammarSpec:
+    def json_schema(cls, schema: dict[str, object], compact: bool = False) -> GrammarSpec:
+        """`compact`: at most one space between JSON tokens (machine-read output such as
+        tool calls), instead of a pretty-printer's bounded whitespace."""
+        if compact:
+            options = schema.get("x-guidance")
+            schema = {**schema, "x-guidance": {**(options or {}), **_COMPACT}}  # type: ignore[dict-item]
         return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
 
     def to_llguidance(self) -> str:
