@@ -302,7 +302,7 @@ def _grammar(
     once here so a bad one is a 400 naming the problem; None when the output is free."""
     spec, param = None, "structured_outputs"
     so = body.structured_outputs
-    fmt = getattr(body, "response_format", None)
+    fmt = body.response_format
     if so is not None and fmt is not None and fmt.type != "text":
         raise InvalidRequest(
             "give either response_format or structured_outputs, not both", param=param

@@ -143,6 +143,7 @@ class _SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM extension: exactly one of json, regex, choice, grammar"
     )
+    response_format: ResponseFormat | None = None
 
     @field_validator("n")
     @classmethod
@@ -307,7 +308,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = _unsupported("only [] or null")
     function_call: Any = _unsupported('only "none" or null')
-    response_format: ResponseFormat | None = None
     audio: Any = _unsupported("only null")
     modalities: list[Any] | None = _unsupported('only ["text"] or null')
     prediction: Any = _unsupported("only null")

@@ -60,6 +60,21 @@ pytestmark = pytest.mark.anyio
             "json_schema is required",
         ),
         (chat(response_format={"type": "yaml"}), "response_format.type", "json_object"),
+        (
+            {"model": "tpla-test", "prompt": "x", "structured_outputs": {"choice": [1]}},
+            "structured_outputs.choice.0",
+            "string",
+        ),
+        (
+            {
+                "model": "tpla-test",
+                "prompt": "x",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+                "ignore_eos": True,
+            },
+            "ignore_eos",
+            "structured output",
+        ),
         (chat(structured_outputs={"regex": "[a-"}), "structured_outputs", "regex"),
         (chat(structured_outputs={"choice": []}), "structured_outputs.choice", "at least 1"),
         (
