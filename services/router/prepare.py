@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.errors import InvalidRequest, NotFound
-from common.grammar import GrammarCompiler, GrammarError, GrammarKind, GrammarSpec
+from common.grammar import GrammarCompiler, GrammarSpec
 from common.sampling import SamplingError, SamplingParams
-from common.tokenizer import ChatMessage, Tokenizer, TokenizerError
-from services.router import tools
+from common.tokenizer import Tokenizer, TokenizerError
+from services.router import constraints, tools
 from services.router.request import GenerationRequest
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -59,17 +59,11 @@ def new_request_id(prefix: str) -> str:
 
 def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -> GenerationRequest:
     _check_model(body.model, info)
-    calling = tool_calling(body)
-    tool_grammar = tools.grammar(calling) if calling else None
-    if tool_grammar is not None:  # a bad parameters schema says so before anything else
-        _compiled(tool_grammar, info, "tools")
-        if _grammar(body, info) is not None:
-            raise InvalidRequest(
-                "a required or named tool_choice cannot be combined with a structured output",
-                param="tool_choice",
-            )
+    calling = constraints.tool_calling(body)
+    # Before the prompt is rendered: a bad parameters schema is the error to report.
+    tool_grammar = constraints.tool_grammar(body, calling, info.grammars)
     try:
-        messages, tool_defs = chat_messages(body, calling, info.tokenizer)
+        messages, tool_defs = constraints.chat_messages(body, calling, info.tokenizer)
         prompt_ids = info.tokenizer.encode_chat(messages, tools=tool_defs)
     except TokenizerError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
@@ -92,74 +86,6 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -
     # A model's own call markers are special tokens: the text must keep them to parse them.
     markers = len(info.tokenizer.encode(tools.DEEPSEEK_CALLS_BEGIN)) == 1
     return replace(req, tools=calling, keep_special_tokens=markers)
-
-
-def tool_calling(body: ChatCompletionRequest) -> tools.ToolCalling | None:
-    """The request's tool settings; None when no tool may be called."""
-    choice = body.tool_choice
-    if not body.tools:
-        if choice not in (None, "none"):
-            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
-        return None
-    if choice == "none":
-        return None
-    defs = tuple(
-        tools.Tool(
-            t.function.name,
-            t.function.description or "",
-            json.dumps(t.function.parameters or {"type": "object", "properties": {}}),
-        )
-        for t in body.tools
-    )
-    parallel = body.parallel_tool_calls is not False
-    if choice is None or choice == "auto":
-        return tools.ToolCalling(tools.ToolMode.AUTO, defs, parallel=parallel)
-    if choice == "required":
-        return tools.ToolCalling(tools.ToolMode.REQUIRED, defs, parallel=parallel)
-    assert not isinstance(choice, str)
-    if choice.function.name not in {t.name for t in defs}:
-        raise InvalidRequest(
-            f"tool_choice names function {choice.function.name!r}, which is not in tools",
-            param="tool_choice",
-        )
-    return tools.ToolCalling(tools.ToolMode.NAMED, defs, choice.function.name, parallel)
-
-
-def chat_messages(
-    body: ChatCompletionRequest, calling: tools.ToolCalling | None, tokenizer: Tokenizer
-) -> tuple[list[ChatMessage], list[dict[str, object]] | None]:
-    """The conversation as the chat template reads it, and the tool definitions it renders
-    itself (None: it renders none, and a system prompt describes the tools instead). A
-    template without tool turns sees earlier calls as JSON and tool results as user turns."""
-    native_turns = tokenizer.template_renders_tool_turns
-    messages = []
-    for m in body.messages:
-        calls = tuple((c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
-        if native_turns:
-            messages.append(ChatMessage(m.template_role, m.text, calls, m.tool_call_id))
-        elif m.role == "tool":
-            messages.append(ChatMessage("user", f"Tool result ({m.tool_call_id}): {m.text}"))
-        elif calls:
-            content = tools.calls_json([(n, a) for _, n, a in calls])
-            messages.append(ChatMessage("assistant", f"{m.text}\n{content}".lstrip()))
-        else:
-            messages.append(ChatMessage(m.template_role, m.text))
-    if calling is None:
-        return messages, None
-    if tokenizer.template_renders_tools:
-        return messages, [
-            {
-                "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.schema},
-            }
-            for t in calling.tools
-        ]
-    prompt = tools.system_prompt(calling.tools)
-    if messages and messages[0].role == "system":
-        messages[0] = replace(messages[0], content=f"{messages[0].content}\n\n{prompt}")
-    else:
-        messages.insert(0, ChatMessage("system", prompt))
-    return messages, None
 
 
 def prepare_completion(
@@ -244,7 +170,7 @@ def _build(
     _check_token_ids([t for t, _ in bias], vocab, "logit_bias")
     eos = () if body.ignore_eos else info.tokenizer.eos_token_ids
     stop_ids = tuple(sorted({*(body.stop_token_ids or ()), *eos}))
-    grammar = tool_grammar or _grammar(body, info)
+    grammar = tool_grammar or constraints.output_grammar(body, info.grammars)
     if grammar is not None and body.ignore_eos:
         raise InvalidRequest(
             "ignore_eos cannot be combined with a structured output (it ends with EOS)",
@@ -293,54 +219,3 @@ def _check_token_ids(ids: Sequence[int], vocab: int, param: str) -> None:
         raise InvalidRequest(
             f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab})", param=param
         )
-
-
-def _grammar(
-    body: ChatCompletionRequest | CompletionRequest, info: ModelInfo
-) -> GrammarSpec | None:
-    """The request's structured output (response_format or structured_outputs), compiled
-    once here so a bad one is a 400 naming the problem; None when the output is free."""
-    spec, param = None, "structured_outputs"
-    so = body.structured_outputs
-    fmt = body.response_format
-    if so is not None and fmt is not None and fmt.type != "text":
-        raise InvalidRequest(
-            "give either response_format or structured_outputs, not both", param=param
-        )
-    if fmt is not None and fmt.type == "json_object":
-        spec, param = GrammarSpec.json_schema({"type": "object"}), "response_format"
-    elif fmt is not None and fmt.type == "json_schema":
-        assert fmt.json_schema is not None
-        spec, param = GrammarSpec.json_schema(fmt.json_schema.schema_), "response_format"
-    elif so is not None:
-        if so.json_ is not None:
-            schema = so.json_
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise InvalidRequest(
-                        f"structured_outputs.json is not valid JSON: {exc}", param=param
-                    ) from exc
-            spec = GrammarSpec.json_schema(schema)
-        elif so.regex is not None:
-            spec = GrammarSpec(GrammarKind.REGEX, so.regex)
-        elif so.choice is not None:
-            spec = GrammarSpec(GrammarKind.CHOICE, json.dumps(so.choice))
-        else:
-            assert so.grammar is not None
-            spec = GrammarSpec(GrammarKind.GRAMMAR, so.grammar)
-    return None if spec is None else _compiled(spec, info, param)
-
-
-def _compiled(spec: GrammarSpec, info: ModelInfo, param: str) -> GrammarSpec:
-    """`spec` once it compiles (cached for the workers' copies of the same spec)."""
-    if info.grammars is None:
-        raise InvalidRequest(
-            "this model serves no structured outputs (no tokenizer.json)", param=param
-        )
-    try:
-        info.grammars.compile(spec)
-    except GrammarError as exc:
-        raise InvalidRequest(str(exc)[:2000], param=param) from exc
-    return spec

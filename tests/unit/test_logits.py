@@ -72,9 +72,19 @@ def test_batch_equals_rows_equals_naive(seed: int, with_grammar: bool) -> None:
     batch = process_logits(logits, PARAMS, ctx)
     for b, p in enumerate(PARAMS):
         row_ctx = context_for(
-            [p], [prompts[b]], [outputs[b]], EOS, V, "cpu", None if mask is None else mask[b : b + 1]
+            [p],
+            [prompts[b]],
+            [outputs[b]],
+            EOS,
+            V,
+            "cpu",
+            None if mask is None else mask[b : b + 1],
         )
-        alone = logits[b : b + 1] if row_ctx is None else process_logits(logits[b : b + 1], [p], row_ctx)
+        alone = (
+            logits[b : b + 1]
+            if row_ctx is None
+            else process_logits(logits[b : b + 1], [p], row_ctx)
+        )
         naive_allowed = set(allowed[b].nonzero().flatten().tolist()) if with_grammar else None
         naive = _naive(logits[b].tolist(), p, prompts[b], outputs[b], naive_allowed)
         torch.testing.assert_close(batch[b], alone[0])
