@@ -1,7 +1,9 @@
-"""Sampling controls and structured outputs through the served stack with the official `openai`
-client, in the TPLA, MLA-TP and SP decode layouts: what the client asks for holds from the
-first token (prefill worker) to the last (decode leader), every structured output parses and
-validates, and the KV blocks are all free afterwards."""
+"""Sampling controls, structured outputs and tools through the served stack with the official
+`openai` client, in the TPLA, MLA-TP and SP decode layouts: what the client asks for holds
+from the first token (prefill worker) to the last (decode leader), every structured output
+parses and validates, named and `required` tool calls give arguments valid for their
+function (the tiny random model manages that only because decoding is constrained),
+streaming sends tool_calls deltas, and the KV blocks are all free afterwards."""
 
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ def served(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[LocalSt
     s = start_stack(tiny_model, "grpc", **LAYOUTS[request.param])
     yield s
     s.stop()
+
+
+# Tests whose engine side the other layouts add nothing to (tests/integration covers it
+# in every layout) run on the TPLA stack only; the fixture's instance is shared.
+ONLY_TPLA = pytest.mark.parametrize("served", ["tpla"], indirect=True)
 
 
 def _client(stack: LocalStack) -> openai.OpenAI:
@@ -98,6 +105,7 @@ def test_logit_bias_min_tokens_and_stop_token_ids(served: LocalStack) -> None:
     _assert_blocks_free(served)
 
 
+@ONLY_TPLA
 def test_presence_and_frequency_penalties_pick_the_penalized_argmax(served: LocalStack) -> None:
     """Greedy: each token is the argmax of raw logprob - penalties over its own earlier
     tokens (additive penalties commute with log-softmax); checked over the top-20. Tokens
@@ -201,6 +209,7 @@ def _error(exc: openai.APIStatusError) -> dict:
     return body.get("error", body)
 
 
+@ONLY_TPLA
 def test_bad_schema_is_a_400_naming_it(served: LocalStack) -> None:
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
     with pytest.raises(openai.BadRequestError) as err:
@@ -210,3 +219,112 @@ def test_bad_schema_is_a_400_naming_it(served: LocalStack) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         _chat(served, presence_penalty=3.0)
     assert _error(err.value)["param"] == "presence_penalty"
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOL_MESSAGES = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def _create(stack: LocalStack, **kw: object):
+    kw.setdefault("messages", TOOL_MESSAGES)
+    kw.setdefault("max_tokens", 200)
+    return _client(stack).chat.completions.create(model=MODEL_NAME, tools=TOOLS, **kw)
+
+
+@ONLY_TPLA
+def test_named_and_required_tool_calls_validate(served: LocalStack) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(2):
+        resp = _create(served, tool_choice=named, temperature=1.0, seed=seed)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    for seed in range(2):
+        resp = _create(
+            served, tool_choice="required", temperature=1.0, seed=seed, parallel_tool_calls=False
+        )
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        [call] = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert call.id.startswith("call_")
+    _assert_blocks_free(served)
+
+
+@ONLY_TPLA
+def test_streamed_tool_call_deltas_assemble(served: LocalStack) -> None:
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        chunks = list(
+            _create(
+                served,
+                tool_choice=choice,
+                temperature=0.8,
+                seed=4,
+                stream=True,
+                parallel_tool_calls=False,
+            )
+        )
+        calls: dict[int, dict[str, str]] = {}
+        for chunk in chunks:
+            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                entry = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += delta.id or ""
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert calls and all(c["id"].startswith("call_") for c in calls.values())
+        for c in calls.values():
+            jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+    _assert_blocks_free(served)
+
+
+@ONLY_TPLA
+def test_conversation_with_tool_results_and_auto(served: LocalStack) -> None:
+    history = [
+        *TOOL_MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    resp = _create(served, messages=history, temperature=0, max_tokens=12)
+    choice = resp.choices[0]
+    # `auto`: the tiny model decides; either way the answer is well formed.
+    if choice.finish_reason == "tool_calls":
+        assert all(c.function.name in SCHEMAS for c in choice.message.tool_calls)
+    else:
+        assert choice.message.tool_calls is None and choice.message.content is not None
+    none = _create(served, tool_choice="none", temperature=0, max_tokens=6)
+    assert none.choices[0].message.tool_calls is None
+    _assert_blocks_free(served)
