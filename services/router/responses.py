@@ -92,6 +92,7 @@ class ChatFormat:
         self.logprobs, self.include_usage = logprobs, include_usage
         self.calling = calling
         self._held = ""  # text that is, or may become, tool calls
+        self._held_logprobs: list[TokenLogprob] = []
         self._mode = _Stream.CONTENT
         if calling is not None:
             self._mode = {
@@ -110,12 +111,15 @@ class ChatFormat:
         return [self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(role="assistant", content=""))])]
 
     def delta(self, d: Delta) -> str:
-        lp = _chat_logprobs(d.logprobs) if self.logprobs else None
+        # Logprobs of held-back text go out with it when it turns out to be content.
+        self._held_logprobs.extend(d.logprobs)
         text = self._route(d.text)
         if text is None:
             return ""
         if isinstance(text, s.ToolCallDelta):
             return self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(tool_calls=[text]))])
+        entries, self._held_logprobs = self._held_logprobs, []
+        lp = _chat_logprobs(entries) if self.logprobs else None
         return self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=text), logprobs=lp)])
 
     def _route(self, text: str) -> str | s.ToolCallDelta | None:
@@ -173,7 +177,10 @@ class ChatFormat:
                 ]
                 lines.append(self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(tool_calls=deltas))]))
         elif self._held and self._mode is not _Stream.ARGUMENTS:
-            lines.append(self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=self._held))]))
+            lp = _chat_logprobs(self._held_logprobs) if self.logprobs else None
+            lines.append(
+                self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=self._held), logprobs=lp)])
+            )
         lines.append(self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(), finish_reason=reason)]))
         if self.include_usage:
             lines.append(self._chunk([], usage=_usage(done)))

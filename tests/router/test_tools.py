@@ -19,6 +19,7 @@ from services.router.prepare import ModelInfo, prepare_chat
 from services.router.request import Delta, Done
 from services.router.responses import ChatFormat
 from services.router.schemas import ChatCompletionRequest
+from services.router.text import TokenLogprob
 from tests.router.conftest import chat
 
 WEATHER = tools.Tool(
@@ -111,10 +112,12 @@ def test_stream_sends_tool_call_deltas_and_content_passes_through() -> None:
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
-    prose = ChatFormat("id", "m", False, False, _calling(tools.ToolMode.AUTO))
-    assert prose.delta(Delta(" ")) == ""  # could still open a call
-    [chunk] = _sse_json([prose.delta(Delta(" Hi"))])
+    prose = ChatFormat("id", "m", True, False, _calling(tools.ToolMode.AUTO))
+    assert prose.delta(Delta(" ", (TokenLogprob(" ", -0.5),))) == ""  # could still open a call
+    [chunk] = _sse_json([prose.delta(Delta(" Hi", (TokenLogprob(" Hi", -1.0),)))])
     assert chunk["choices"][0]["delta"]["content"] == "  Hi"
+    # The held token's logprob goes out with its text.
+    assert [e["logprob"] for e in chunk["choices"][0]["logprobs"]["content"]] == [-0.5, -1.0]
     assert _sse_json(prose.closing(Done("stop", 3, 2)))[-1]["choices"][0]["finish_reason"] == "stop"
 
     named = ChatFormat("id", "m", False, False, _calling(tools.ToolMode.NAMED, "get_weather"))
