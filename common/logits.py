@@ -55,7 +55,7 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams], ctx: Logits
     out = logits.float().clone()
     batch, vocab = out.shape
     device = out.device
-    # min_tokens: one [B, V] mask of the stop tokens of the rows still below their minimum.
+    # min_tokens: the stop tokens of the rows still below their minimum, in one index_put.
     early = [
         (b, p.stop_ids(ctx.eos_token_ids))
         for b, p in enumerate(params)
