@@ -61,6 +61,22 @@ class ChatMessage:
 
     role: str
     content: str
+    # An assistant turn's tool calls as (id, function name, arguments JSON); a tool turn's
+    # answer names its call in tool_call_id.
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as HF chat templates read it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                for i, n, a in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def __post_init__(self) -> None:
         if self.role not in CHAT_ROLES:
@@ -317,6 +333,16 @@ class Tokenizer:
         """Whether a chat template is available for :meth:`apply_chat_template`."""
         return self._chat_template is not None
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template formats tool definitions itself (reads `tools`)."""
+        return self._chat_template is not None and "tools" in self._chat_template
+
+    @property
+    def template_renders_tool_turns(self) -> bool:
+        """Whether the chat template formats tool calls and tool results (`tool_calls`)."""
+        return self._chat_template is not None and "tool_calls" in self._chat_template
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Encode ``text`` to token ids.
 
@@ -383,7 +409,11 @@ class Tokenizer:
         return template
 
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render ``messages`` with the model's chat template.
 
@@ -405,8 +435,10 @@ class Tokenizer:
                     f"messages must be ChatMessage instances, got {type(message).__name__}"
                 )
         try:
+            extra = {} if tools is None else {"tools": list(tools)}
             return template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.template_dict() for m in messages],
+                **extra,
                 bos_token=self._bos_token or "",
                 eos_token=self._eos_token or "",
                 add_generation_prompt=add_generation_prompt,
@@ -419,7 +451,11 @@ class Tokenizer:
             raise TokenizerError(f"{self._source}: chat template failed to render: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Render ``messages`` with the chat template and encode the result.
 
@@ -429,7 +465,9 @@ class Tokenizer:
         Raises:
             TokenizerError: As for :meth:`apply_chat_template`.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         add_bos: bool | None = None
         if self._bos_token and text.startswith(self._bos_token):
             add_bos = False

@@ -7,7 +7,7 @@ typed errors of common.errors. Message-size limits are set deliberately on every
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -92,13 +92,20 @@ class DecodeClient:
         first_token: SampledToken,
         params: SamplingParams,
         idle_timeout: float = 60.0,
+        *,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
     ) -> AsyncIterator[DecodeEvent]:
-        """Stream the request's tokens; `idle_timeout` bounds the wait for each event."""
+        """Stream the request's tokens; `idle_timeout` bounds the wait for each event.
+        `output_ids`: tokens generated before `first_token` elsewhere (a migrated request);
+        `prompt_ids`: only for a repetition penalty."""
         call = self._stub.Generate(
             decode_pb2.GenerateRequest(
                 request_id=request_id,
                 first_token=token_to_pb(first_token),
                 params=params_to_pb(params),
+                prompt_ids=list(prompt_ids),
+                output_ids=list(output_ids),
             ),
             metadata=self._md,
         )
@@ -164,7 +171,9 @@ class PrefillClient:
         reservation: ReservationInfo,
         transport: str = "grpc",
         timeout: float = 60.0,
+        num_output_tokens: int = 0,
     ) -> PrefillResult:
+        """`num_output_tokens`: the last prompt ids are the request's own earlier output."""
         req = prefill_pb2.PrefillRequest(
             request_id=request_id,
             prompt_ids=prompt_ids,
@@ -172,6 +181,7 @@ class PrefillClient:
             reservation=reservation_to_pb(reservation),
             transport=transport,
             deadline_seconds=timeout,
+            num_output_tokens=num_output_tokens,
         )
         try:
             m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)

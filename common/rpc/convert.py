@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.grammar import GrammarKind, GrammarSpec
 from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
-from common.sampling import SampledToken, SamplingParams
+from common.sampling import SampledToken, SamplingError, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,17 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        min_p=p.min_p,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.grammar is not None:
+        msg.grammar.CopyFrom(common_pb2.Grammar(kind=p.grammar.kind.value, spec=p.grammar.spec))
     return msg
 
 
@@ -76,7 +85,21 @@ def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens,
+        min_p=msg.min_p,
+        grammar=_grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
     )
+
+
+def _grammar_from_pb(msg: common_pb2.Grammar) -> GrammarSpec:
+    try:
+        return GrammarSpec(GrammarKind(msg.kind), msg.spec)
+    except ValueError:
+        raise SamplingError(f"unknown grammar kind {msg.kind!r}") from None
 
 
 def token_to_pb(t: SampledToken) -> common_pb2.TokenInfo:

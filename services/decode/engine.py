@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
@@ -45,6 +45,7 @@ from common.ports import PortUse, check_ports, free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SamplingParams, make_generator, sample_batch
 from services.decode.config import EngineConfig, Launch, rank_latent_columns
+from services.decode.controls import SequenceControls, StepControls
 from services.decode.group import LeaderGroup, RankStartError
 from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.runtime import (
@@ -68,6 +69,7 @@ class _Active:
     params: SamplingParams
     stream: TokenStream
     generator: torch.Generator
+    controls: SequenceControls
 
 
 class DecodeEngine:
@@ -138,6 +140,9 @@ class DecodeEngine:
         # Rank k's logits are padded to a common width for the gather; these columns of the
         # gathered row are the real vocabulary, in order. Computed once, used every step.
         padded = self.runtime.model.vocab_size_padded
+        self.controls = StepControls(
+            cfg.model, self.vocab_size, self.eos_token_ids, cfg.max_batch, self.runtime.device
+        )
         self._vocab_columns = torch.cat(
             [
                 k * padded + torch.arange(len(chunk))
@@ -223,13 +228,28 @@ class DecodeEngine:
 
         self._call(run)
 
-    def generate(self, request_id: str, first_token: int, params: SamplingParams) -> TokenStream:
+    def generate(
+        self,
+        request_id: str,
+        first_token: int,
+        params: SamplingParams,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
+    ) -> TokenStream:
+        """Start decoding from the prefill's first token. `output_ids`: what the request
+        generated before it on another group (a migrated request); `prompt_ids`: its prompt,
+        needed only for a repetition penalty. Both feed the penalties and the grammar."""
         stream = TokenStream()
+        history = [*output_ids, first_token]
+        # The grammar is compiled and replayed here, off the loop thread: a new schema must
+        # not stall the running sequences' steps.
+        matcher = self.controls.matcher(params, history)
 
         def run() -> None:
             seq = self.scheduler.start(request_id, first_token)
             generator = make_generator(params, self.runtime.device, stream=1)
-            self._active[request_id] = _Active(params, stream, generator)
+            controls = self.controls.start(params, matcher, prompt_ids, history)
+            self._active[request_id] = _Active(params, stream, generator, controls)
             reason = params.finish_reason(first_token, 1, self.eos_token_ids, seq.max_tokens)
             if reason is not None:
                 self._finish(request_id, reason)
@@ -240,7 +260,7 @@ class DecodeEngine:
     def abort(self, request_id: str) -> bool:
         def run() -> bool:
             found = self.scheduler.abort(request_id)
-            active = self._active.pop(request_id, None)
+            active = self._pop_active(request_id)
             if active is not None:
                 active.stream.put(TokenEvent(None, "abort"))
             return found
@@ -334,7 +354,7 @@ class DecodeEngine:
                 self._check_ranks()
                 self._drain_commands(block=not self.scheduler.has_work())
                 for rid in self.scheduler.expire_leases(time.monotonic()):
-                    self._active.pop(rid, None)
+                    self._pop_active(rid)
                 batch = self.scheduler.schedule()
                 if batch:
                     self._step(batch)
@@ -440,24 +460,40 @@ class DecodeEngine:
             logits = local
         logits = logits[:, self._vocab_columns]
         actives = [self._active[seq.request_id] for seq in batch]
-        tokens = sample_batch(logits, [a.params for a in actives], [a.generator for a in actives])
+        params = [a.params for a in actives]
+        seqs = [a.controls for a in actives]
+        processed = any(p.processed for p in params)
+        generated = [len(seq.generated) for seq in batch]
+        context = self.controls.context(seqs, generated) if processed else None
+        tokens = sample_batch(logits, params, [a.generator for a in actives], context)
+        if processed:
+            self.controls.advance(seqs, [t.token_id for t in tokens])
         for row, (seq, active, tok) in enumerate(zip(batch, actives, tokens, strict=True)):
             reason = active.params.finish_reason(
                 tok.token_id, len(seq.generated) + 1, self.eos_token_ids, seq.max_tokens
             )
+            if reason is None and active.controls.failed:
+                reason = f"error: structured output: {active.controls.failed}"
             kept = logits[row].to("cpu", copy=True) if self.cfg.record_logits else None
             active.stream.put(TokenEvent(tok, reason, kept))
             self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)
             if reason is not None:
-                del self._active[seq.request_id]
+                self._pop_active(seq.request_id)
         seconds = time.perf_counter() - t0
         self.step_seconds.append(seconds)
         if self.on_step is not None:
             self.on_step(seconds, len(batch))
 
+    def _pop_active(self, request_id: str) -> _Active | None:
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            self.controls.release(active.controls)
+        return active
+
     def _finish(self, request_id: str, reason: str) -> None:
         self.scheduler.finish(request_id)
-        active = self._active.pop(request_id)
+        active = self._pop_active(request_id)
+        assert active is not None
         active.stream.put(TokenEvent(None, reason))
 
     def _open_group(self) -> LeaderGroup:

@@ -104,7 +104,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         stream = self._call(
             context,
             lambda: self.engine.generate(
-                rid, token_from_pb(request.first_token).token_id, params_from_pb(request.params)
+                rid,
+                token_from_pb(request.first_token).token_id,
+                params_from_pb(request.params),
+                prompt_ids=request.prompt_ids,
+                output_ids=request.output_ids,
             ),
         )
         # A client that goes away (router abort, disconnect) frees the request's blocks.

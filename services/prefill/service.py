@@ -20,6 +20,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
+from common.grammar import GrammarCompiler
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import PrefillMetrics, serve_metrics
 from common.ports import bind_grpc, check_ports, prefill_worker_ports
@@ -55,6 +56,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 params_from_pb(request.params),
                 reservation_from_pb(request.reservation),
                 deadline,
+                request.num_output_tokens,
             )
             if not job.reservation.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
@@ -113,6 +115,9 @@ def serve_prefill(
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
         max_batch_tokens=max_batch_tokens,
+        grammars=GrammarCompiler.from_model_dir(
+            model_dir, model.config.vocab_size, model.config.eos_token_ids
+        ),
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)

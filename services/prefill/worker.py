@@ -16,11 +16,18 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from common.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    allowed_now,
+)
 from common.kv.transfer import KvSender, TransferError, cut_shard
+from common.logits import LogitsContext, context_for
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.prefill_threads import PrefillThreads
@@ -40,6 +47,9 @@ class PrefillJob:
     params: SamplingParams
     reservation: ReservationInfo
     deadline_s: float
+    # The last N prompt ids are the request's own earlier output (a migrated request).
+    num_output_tokens: int = 0
+    matcher: GrammarMatcher | None = None  # set by submit() for a structured output
 
 
 class PrefillWorker:
@@ -51,8 +61,11 @@ class PrefillWorker:
         metrics: PrefillMetrics | None = None,
         transfer_timeout_s: float = 30.0,
         threads: PrefillThreads | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
+        # Structured outputs' grammars over the model's tokenizer (None: none can be served).
+        self.grammars = grammars
         # None: every batch on the process's current thread count.
         self.threads = threads
         # One push may take at most this long even when the request allows more: a hung
@@ -97,6 +110,14 @@ class PrefillWorker:
                     f"the KV targets cover {covered} prompt tokens, the prompt has "
                     f"{len(job.prompt_ids)}: reserve for this prompt"
                 )
+        if not 0 <= job.num_output_tokens < len(job.prompt_ids):
+            raise ValueError("num_output_tokens must be smaller than the prompt")
+        if job.params.grammar is not None:
+            if self.grammars is None:
+                raise GrammarError("structured outputs need the model's tokenizer.json")
+            # Compiled here, on the caller's thread, not in the batcher's way.
+            outputs = job.prompt_ids[len(job.prompt_ids) - job.num_output_tokens :]
+            job = replace(job, matcher=self.grammars.matcher(job.params.grammar, outputs))
         fut: Future[PrefillResult] = Future()
         with self._lock:
             self.queued_tokens += len(job.prompt_ids)
@@ -165,12 +186,20 @@ class PrefillWorker:
             end = start + len(job.prompt_ids)
             try:
                 generator = make_generator(job.params, device, stream=0)
-                first = sample(out.logits[row], job.params, generator)
+                first = sample(out.logits[row], job.params, generator, self._context(job, device))
                 self._ship(out, start, end, job, fut, first, prefill_s)
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
                     fut.set_exception(exc)
             start = end
+
+    def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
+        """The first token's logits processing: the same as every later token's at decode."""
+        split = len(job.prompt_ids) - job.num_output_tokens
+        prompt, outputs = job.prompt_ids[:split], job.prompt_ids[split:]
+        eos, vocab = self.model.config.eos_token_ids, self.model.config.vocab_size
+        allowed = None if job.matcher is None else allowed_now(job.matcher, vocab, device)
+        return context_for([job.params], [prompt], [outputs], eos, vocab, device, allowed)
 
     def _ship(
         self,

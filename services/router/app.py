@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.errors import NotFound, TplaError
+from common.grammar import GrammarCompiler
 from common.ports import PortInUse, PortUse, router_port
 from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
@@ -113,7 +114,9 @@ async def _sse_body(
     try:
         async for out in outputs:
             if isinstance(out, Delta):
-                yield fmt.delta(out)
+                line = fmt.delta(out)
+                if line:  # empty while text is held back (a tool call may be starting)
+                    yield line
             elif isinstance(out, Done):
                 for line in fmt.closing(out):
                     yield line
@@ -147,7 +150,9 @@ def _routes() -> APIRouter:
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         st, arrival = _state(request), time.monotonic()
         req = await anyio.to_thread.run_sync(prepare.prepare_chat, body, st.info, arrival)
-        fmt = ChatFormat(req.request_id, st.info.served_name, body.logprobs, body.include_usage)
+        fmt = ChatFormat(
+            req.request_id, st.info.served_name, body.logprobs, body.include_usage, req.tools
+        )
         return await _serve(request, req, fmt)
 
     @api.post("/v1/completions", dependencies=[Depends(require_json)])
@@ -209,11 +214,15 @@ def create_app(
     """The router app. `policy` defaults to settings.routing_policy; `refresh_s` paces
     registry reads."""
     model_dir = settings.model
+    tokenizer = Tokenizer.from_dir(model_dir)
     info = prepare.ModelInfo(
         served_name=settings.served_model_name,
-        tokenizer=Tokenizer.from_dir(model_dir),
+        tokenizer=tokenizer,
         max_model_len=prepare.context_limit(model_dir),
         log_prompts=settings.log_prompts,
+        grammars=GrammarCompiler.from_model_dir(
+            model_dir, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
+        ),
     )
     token = settings.internal_token.get_secret_value() if settings.internal_token else None
     sync_redis = redis.Redis.from_url(redis_url)

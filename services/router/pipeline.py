@@ -146,6 +146,7 @@ class Pipeline:
                 req.stops,
                 req.params.stop_token_ids,
                 self._token_text if req.want_logprobs else None,
+                skip_special_tokens=not req.keep_special_tokens,
             )
             async with contextlib.aclosing(self._tokens(run, first)) as tokens:
                 async for token in tokens:
@@ -265,9 +266,12 @@ class Pipeline:
         feed = first.first_token
         yield feed
         while True:
-            params = replace(req.params, max_tokens=req.params.max_tokens - len(generated) + 1)
+            # The group starts from `feed`, the last of `generated`: the rest came before.
+            params = _remaining(req.params, len(generated) - 1)
+            earlier = generated[:-1]
+            stream = self._decode_stream(run, feed, params, earlier)
             try:
-                async with contextlib.aclosing(self._decode_stream(run, feed, params)) as tokens:
+                async with contextlib.aclosing(stream) as tokens:
                     async for token in tokens:
                         generated.append(token.token_id)
                         yield token
@@ -280,7 +284,7 @@ class Pipeline:
                 yield feed
 
     async def _decode_stream(
-        self, run: _Run, feed: SampledToken, params: SamplingParams
+        self, run: _Run, feed: SampledToken, params: SamplingParams, earlier: list[int]
     ) -> AsyncIterator[SampledToken]:
         """Decode.Generate on the current group from `feed`. A group that dies, or sends
         nothing for token_timeout_s, raises Unavailable (which may migrate the request)."""
@@ -292,7 +296,13 @@ class Pipeline:
         # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
         # client gone) cancels the call right away.
         events = run.decode.generate(
-            req.request_id, feed, params, idle_timeout=self.config.token_timeout_s
+            req.request_id,
+            feed,
+            params,
+            idle_timeout=self.config.token_timeout_s,
+            # The penalties and the grammar count what the request generated elsewhere.
+            prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else (),
+            output_ids=earlier,
         )
         try:
             async with contextlib.aclosing(events):
@@ -347,11 +357,10 @@ class Pipeline:
             req.request_id, RequestState.QUEUED, retry_reason=f"migration: {cause.message}"
         )
         context = (*req.prompt_ids, *generated)
-        remaining = req.params.max_tokens - len(generated)
+        params = _remaining(req.params, len(generated))
         try:
-            await self._place(run, len(context), remaining)
-            params = replace(req.params, max_tokens=remaining)
-            result = await self._prefill_anywhere(run, context, params)
+            await self._place(run, len(context), params.max_tokens)
+            result = await self._prefill_anywhere(run, context, params, len(generated))
         except TplaError as exc:
             raise cause from exc
         await self._record(
@@ -394,12 +403,17 @@ class Pipeline:
         self._leave_group(run)
 
     async def _prefill_anywhere(
-        self, run: _Run, prompt_ids: tuple[int, ...], params: SamplingParams
+        self,
+        run: _Run,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        num_output_tokens: int = 0,
     ) -> PrefillResult:
         """`_prefill`; if the KV push to the request's decode group fails (that group died or
-        hangs, the prefill worker is fine), once more on another group."""
+        hangs, the prefill worker is fine), once more on another group. The last
+        `num_output_tokens` of `prompt_ids` are the request's own output (a migration)."""
         try:
-            return await self._prefill(run, prompt_ids, params)
+            return await self._prefill(run, prompt_ids, params, num_output_tokens)
         except TransferFailed as exc:
             self._drop_group(run)
             if not self._healthy_groups_exist():
@@ -413,10 +427,14 @@ class Pipeline:
                 run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
             )
             await self._place(run, len(prompt_ids), params.max_tokens)
-            return await self._prefill(run, prompt_ids, params)
+            return await self._prefill(run, prompt_ids, params, num_output_tokens)
 
     async def _prefill(
-        self, run: _Run, prompt_ids: tuple[int, ...], params: SamplingParams
+        self,
+        run: _Run,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        num_output_tokens: int,
     ) -> PrefillResult:
         """Prefill into run's reservation on a chosen worker; if that worker is unavailable,
         once more on another one (the new push overwrites whatever the first one wrote)."""
@@ -447,6 +465,7 @@ class Pipeline:
                     reservation,
                     transport=self.config.transport,
                     timeout=max(remaining, 1.0),
+                    num_output_tokens=num_output_tokens,
                 )
             except TransferFailed:
                 raise  # the decode group's fault: another prefill worker would fail the same
@@ -486,6 +505,16 @@ class Pipeline:
         self.metrics.outcome(outcome)
         self.metrics.add_tokens(len(req.prompt_ids), generated)
         self.metrics.observe_e2e(time.monotonic() - req.arrival)
+
+
+def _remaining(params: SamplingParams, done: int) -> SamplingParams:
+    """The request's params for what is left after `done` tokens: its token limits shrink,
+    everything else (penalties, grammar) carries on over the tokens sent along."""
+    return replace(
+        params,
+        max_tokens=params.max_tokens - done,
+        min_tokens=max(params.min_tokens - done, 0),
+    )
 
 
 def _checked_reason(reason: str) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from common.sampling import SamplingParams
 from services.router.text import TokenLogprob
+from services.router.tools import ToolCalling
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class GenerationRequest:
     want_logprobs: bool
     arrival: float  # time.monotonic() when the HTTP request arrived
     prompt_text: str = ""  # only for logging, and only when log_prompts is on
+    tools: ToolCalling | None = None  # the output is parsed for tool calls
+    keep_special_tokens: bool = False  # in the text (a model's tool-call markers)
 
 
 @dataclass(frozen=True)

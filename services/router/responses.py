@@ -7,6 +7,7 @@ stream_options.include_usage) and `data: [DONE]`. Non-streaming gathers the same
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Iterable, Sequence
 
@@ -16,6 +17,15 @@ from common.errors import TplaError
 from services.router import schemas as s
 from services.router.request import Delta, Done
 from services.router.text import TokenLogprob
+from services.router.tools import (
+    DEEPSEEK_CALLS_BEGIN,
+    ToolCall,
+    ToolCalling,
+    ToolMode,
+    may_be_call,
+    new_call_id,
+    parse,
+)
 
 DONE_LINE = "data: [DONE]\n\n"
 
@@ -66,9 +76,31 @@ def _completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> s.Comp
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, logprobs: bool, include_usage: bool) -> None:
+    """Chat bodies and chunks. With tools, the text is parsed for calls: a named function's
+    arguments stream as they come; otherwise text that may open a call is held back and, if
+    it does, sent as `tool_calls` deltas once complete, with finish_reason "tool_calls"."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        logprobs: bool,
+        include_usage: bool,
+        calling: ToolCalling | None = None,
+    ) -> None:
         self.id, self.model = request_id, model
         self.logprobs, self.include_usage = logprobs, include_usage
+        self.calling = calling
+        self._held = ""  # text that is, or may become, tool calls
+        self._held_logprobs: list[TokenLogprob] = []
+        self._mode = _Stream.CONTENT
+        if calling is not None:
+            self._mode = {
+                ToolMode.NAMED: _Stream.ARGUMENTS,
+                ToolMode.REQUIRED: _Stream.CALLS,
+                ToolMode.AUTO: _Stream.UNDECIDED,
+            }[calling.mode]
+        self._call_id = new_call_id()
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> str:
         return sse(
@@ -79,13 +111,77 @@ class ChatFormat:
         return [self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(role="assistant", content=""))])]
 
     def delta(self, d: Delta) -> str:
-        lp = _chat_logprobs(d.logprobs) if self.logprobs else None
-        return self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=d.text), logprobs=lp)])
+        # Logprobs of held-back text go out with it when it turns out to be content.
+        self._held_logprobs.extend(d.logprobs)
+        text = self._route(d.text)
+        if text is None:
+            return ""
+        if isinstance(text, s.ToolCallDelta):
+            return self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(tool_calls=[text]))])
+        entries, self._held_logprobs = self._held_logprobs, []
+        lp = _chat_logprobs(entries) if self.logprobs else None
+        return self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=text), logprobs=lp)])
+
+    def _route(self, text: str) -> str | s.ToolCallDelta | None:
+        """What a text delta becomes on the wire: content, a call's arguments, or nothing
+        yet (held back)."""
+        if self._mode is _Stream.ARGUMENTS:
+            if not text:
+                return None
+            first = not self._held
+            self._held += text
+            assert self.calling is not None
+            return s.ToolCallDelta(
+                index=0,
+                id=self._call_id if first else None,
+                type="function" if first else None,
+                function=s.FunctionCallDelta(
+                    name=self.calling.named if first else None, arguments=text
+                ),
+            )
+        if self._mode is _Stream.CONTENT:
+            if self.calling is not None and DEEPSEEK_CALLS_BEGIN in text:
+                before, marker, after = text.partition(DEEPSEEK_CALLS_BEGIN)
+                self._mode, self._held = _Stream.CALLS, marker + after
+                return before or None
+            return text
+        self._held += text
+        if self._mode is _Stream.UNDECIDED and not may_be_call(self._held):
+            self._mode = _Stream.CONTENT
+            held, self._held = self._held, ""
+            return self._route(held)
+        return None
+
+    def _calls(self, reason: str) -> tuple[str, list[ToolCall]] | None:
+        if self.calling is None or reason != "stop":
+            return None
+        if self._mode is _Stream.ARGUMENTS:
+            return "", [ToolCall(self._call_id, self.calling.named or "", self._held)]
+        return parse(self._held, self.calling)
 
     def closing(self, done: Done) -> list[str]:
-        lines = [
-            self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(), finish_reason=done.finish_reason)])
-        ]
+        lines = []
+        reason = done.finish_reason
+        parsed = self._calls(reason) if self._mode is not _Stream.CONTENT else None
+        if parsed is not None:
+            reason = "tool_calls"
+            if self._mode is not _Stream.ARGUMENTS:
+                deltas = [
+                    s.ToolCallDelta(
+                        index=i,
+                        id=c.id,
+                        type="function",
+                        function=s.FunctionCallDelta(name=c.name, arguments=c.arguments),
+                    )
+                    for i, c in enumerate(parsed[1])
+                ]
+                lines.append(self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(tool_calls=deltas))]))
+        elif self._held and self._mode is not _Stream.ARGUMENTS:
+            lp = _chat_logprobs(self._held_logprobs) if self.logprobs else None
+            lines.append(
+                self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=self._held), logprobs=lp)])
+            )
+        lines.append(self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(), finish_reason=reason)]))
         if self.include_usage:
             lines.append(self._chunk([], usage=_usage(done)))
         return lines
@@ -93,18 +189,43 @@ class ChatFormat:
     def full(self, deltas: Iterable[Delta], done: Done) -> s.ChatCompletionResponse:
         deltas = list(deltas)
         entries = [e for d in deltas for e in d.logprobs]
+        text = "".join(d.text for d in deltas)
+        message = s.ChatMessageOut(content=text)
+        reason = done.finish_reason
+        parsed = parse(text, self.calling) if self.calling and reason == "stop" else None
+        if parsed is not None:
+            content, calls = parsed
+            reason = "tool_calls"
+            message = s.ChatMessageOut(
+                content=content or None,
+                tool_calls=[
+                    s.ToolCallOut(
+                        id=c.id, function=s.FunctionCallOut(name=c.name, arguments=c.arguments)
+                    )
+                    for c in calls
+                ],
+            )
         return s.ChatCompletionResponse(
             id=self.id,
             model=self.model,
             choices=[
                 s.ChatChoice(
-                    message=s.ChatMessageOut(content="".join(d.text for d in deltas)),
+                    message=message,
                     logprobs=_chat_logprobs(entries) if self.logprobs else None,
-                    finish_reason=done.finish_reason,
+                    finish_reason=reason,
                 )
             ],
             usage=_usage(done),
         )
+
+
+class _Stream(enum.Enum):
+    """Where a chat stream's text goes."""
+
+    CONTENT = "content"  # to the client as content
+    UNDECIDED = "undecided"  # held: it may still open a tool call (auto)
+    CALLS = "calls"  # held: tool calls, parsed at the end
+    ARGUMENTS = "arguments"  # a named function's arguments, streamed as they come
 
 
 class CompletionFormat:

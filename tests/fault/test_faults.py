@@ -28,7 +28,23 @@ from tests.stack import MODEL_NAME, start_stack
 
 CLIENT_TIMEOUT_S = 60.0  # a client that waits longer than this counts as hung
 RECOVERY_TIMEOUT_S = 90.0
-PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(6)]
+# Two streams carry sampling state that must survive a migration: penalties over the tokens
+# generated so far, and a grammar that resumes where it stopped (the new group replays them).
+CONTROLLED: dict[str, dict] = {
+    "request 4: penalized": {
+        "frequency_penalty": 1.0,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.3,
+    },
+    "request 5: constrained": {
+        "structured_outputs": {"regex": "[a-z ]{1000}"},
+        "ignore_eos": False,  # EOS comes only after the regex, far beyond max_tokens
+    },
+}
+PROMPTS = [
+    *(f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(4)),
+    *CONTROLLED,
+]
 MAX_TOKENS = 160
 
 
@@ -60,6 +76,7 @@ class Client:
             "ignore_eos": True,
             "stream": stream,
         }
+        body |= CONTROLLED.get(self.prompt, {})
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -236,6 +253,8 @@ def _killed_mid_stream(stack: LocalStack, reference: dict[str, str], victim: str
         # repeated, the same greedy text as without the fault.
         assert r.text == reference[client.prompt]
         assert r.completion_tokens == MAX_TOKENS
+        if "structured_outputs" in CONTROLLED.get(client.prompt, {}):
+            assert set(r.text) <= set("abcdefghijklmnopqrstuvwxyz ")
     metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
     assert "tpla:request_migrations_total" in metrics
     wait_recovered(stack)
