@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import httpx
 
 from common import group_files
-from common.embedded_redis import EmbeddedRedis
 from common.metrics import METRICS_PORT_OFFSET
 from common.ports import (
     PortUse,
@@ -40,11 +39,12 @@ from common.ports import (
     wait_ready,
 )
 from common.settings import TORCH_PORT_OFFSET, Settings
+from services.embedded_redis import EmbeddedRedis
 
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 300.0
 MAX_RESTARTS = 3
-# `tpla` exits 2 after printing a configuration error (common/cli.py main): a port in use, a
+# `tpla` exits 2 after printing a configuration error (tools/cli/main.py main): a port in use, a
 # missing model. Restarting the child would only print it again.
 CONFIG_ERROR_EXIT = 2
 # The embedded Redis of the default stack (router on 8000); any other stack takes a free port.
@@ -60,7 +60,7 @@ class Child:
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *self.args], env=env, start_new_session=True
+            [sys.executable, "-m", "tools.cli", *self.args], env=env, start_new_session=True
         )
 
     def stop(self) -> None:

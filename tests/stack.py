@@ -1,4 +1,4 @@
-"""The test stack: `tpla serve` (services/local_stack.py) on a tiny model with small pools.
+"""The test stack: `tpla serve` (tools/local_stack.py) on a tiny model with small pools.
 
 Shared by the end-to-end and the fault-injection tests."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.local_stack import LocalStack
+from tools.local_stack import LocalStack
 
 MODEL_NAME = "tiny-e2e"
 

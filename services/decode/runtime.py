@@ -293,7 +293,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
     except BaseException as exc:
         if remove_file is not None:
             remove_file()
-        if isinstance(exc, ValueError | FileNotFoundError):  # as common/cli.py main
+        if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main
             print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
             return START_ERROR_EXIT
         raise
@@ -316,7 +316,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
 CONFIG_ENV = "TPLA_ENGINE_CONFIG"
-# A follower's exit code after printing a configuration error (`tpla`'s, common/cli.py).
+# A follower's exit code after printing a configuration error (`tpla`'s, tools/cli/main.py).
 START_ERROR_EXIT = 2
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_bench(*args: str, timeout: float = 300) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "bench", *args],
+        [sys.executable, "-m", "tools.cli", "bench", *args],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,

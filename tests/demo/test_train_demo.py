@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from common.demo import corpus
-from common.demo.train import DemoArch, TrainConfig, train
+from common import corpus
 from common.model.loader import load_model
 from common.tokenizer import ChatMessage, Tokenizer
+from tools.demo.train import DemoArch, TrainConfig, train
 
 TINY = DemoArch.tiny(vocab_size=400, max_position_embeddings=512)
 

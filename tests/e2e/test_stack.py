@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.tokenizer import ChatMessage, Tokenizer
-from services.local_stack import LocalStack
 from tests.stack import MODEL_NAME, start_stack
+from tools.local_stack import LocalStack
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
 
@@ -33,7 +33,7 @@ def _reference_text(stack: LocalStack, max_tokens: int) -> tuple[str, list[int]]
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "tools.cli",
             "generate",
             "--model",
             str(stack.model_dir),

@@ -29,7 +29,7 @@ def _generate(device: str, *args: str, dtype: str = "float32") -> list[int]:
     env = {**os.environ, "TPLA_DEVICE": device, "TPLA_DTYPE": dtype, "OMP_NUM_THREADS": "1"}
     args = ("--model", str(DEMO), "--prompt", PROMPT, "--max-tokens", "16", *args)
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", "--ignore-eos", "--json", *args],
+        [sys.executable, "-m", "tools.cli", "generate", "--ignore-eos", "--json", *args],
         capture_output=True,
         text=True,
         timeout=600,

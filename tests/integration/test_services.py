@@ -8,7 +8,6 @@ import threading
 import pytest
 import redis
 
-from common.embedded_redis import EmbeddedRedis
 from common.errors import InvalidRequest
 from common.generate import generate
 from common.model.loader import load_model
@@ -18,6 +17,7 @@ from common.sampling import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import free_port
 from services.decode.service import serve_decode
+from services.embedded_redis import EmbeddedRedis
 from services.prefill.service import serve_prefill
 from tests.model.tiny import save_hf
 

@@ -99,7 +99,7 @@ def _generate(latent_groups: int, kernel: str) -> list[int]:
     args = ["--model", str(DEMO), "--prompt", "def fibonacci(n):", "--max-tokens", "12"]
     args += ["--ignore-eos", "--json", "--tp", "2", "--latent-groups", str(latent_groups)]
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", *args],
+        [sys.executable, "-m", "tools.cli", "generate", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", *args],
+        [sys.executable, "-m", "tools.cli", "generate", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -23,12 +23,12 @@ import pytest
 import redis
 import uvicorn
 
-from common.embedded_redis import EmbeddedRedis
 from common.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.clients import TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from common.settings import Settings
 from common.tokenizer import Tokenizer
+from services.embedded_redis import EmbeddedRedis
 from services.router.app import create_app
 from tests.unit.test_tokenizer import CORPUS, TEMPLATE, _train
 

@@ -29,7 +29,7 @@ WINDOW, PREFILL, MAX_TOKENS = 64, 16, 200
 def _tpla(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args],
+        [sys.executable, "-m", "tools.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

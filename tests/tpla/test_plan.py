@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main
 from common.model.loader import load_model
 from common.model.tpla import RmsNormMode, latent_shards
 from common.tpla.plan import (
@@ -30,6 +29,7 @@ from common.tpla.plan import (
 from services.decode.config import ParallelConfig, ParallelMode
 from services.decode.rank_model import RankModel
 from tests.model.tiny import save_hf
+from tools.cli.main import main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 V3, V2_LITE = CONFIGS / "deepseek-v3" / "config.json", CONFIGS / "deepseek-v2-lite" / "config.json"
@@ -93,7 +93,7 @@ def test_bf16_rank_model_holds_the_bf16_bytes(tmp_path: Path) -> None:
 def _plan(args: str) -> dict:
     """Run `tpla plan ARGS --json` as a real process; the parsed last stdout line."""
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "plan", *shlex.split(args), "--json"],
+        [sys.executable, "-m", "tools.cli", "plan", *shlex.split(args), "--json"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -240,7 +240,7 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_a_bad_input_exits_non_zero_from_a_real_process() -> None:
     args = f"--config {V3} --gpu-mem-gib 80 --context 4096 --gpus-per-group 8 --latent-groups 3"
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "plan", *shlex.split(args)],
+        [sys.executable, "-m", "tools.cli", "plan", *shlex.split(args)],
         capture_output=True,
         text=True,
         timeout=120,

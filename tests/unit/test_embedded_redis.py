@@ -12,9 +12,9 @@ import httpx
 import pytest
 import redis
 
-from common.embedded_redis import EmbeddedRedis
 from common.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
+from services.embedded_redis import EmbeddedRedis
 from services.router.app import create_app
 
 # Characters that must be escaped in redis.conf and percent-encoded in a URL.

@@ -85,7 +85,7 @@ def test_moe_experts_take_a_token_routed_twice_to_one_expert() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_moe_experts_reject_bad_ids_and_fall_back_above_the_row_bound() -> None:
+def test_moe_experts_reject_bad_ids_and_decline_above_the_row_bound() -> None:
     e, i, d = 4, 8, 16
     gate_up, down = _randn(e, 2 * i, d, seed=1), _randn(e, d, i, seed=2)
     x = _randn(2, d, seed=3)
@@ -94,10 +94,7 @@ def test_moe_experts_reject_bad_ids_and_fall_back_above_the_row_bound() -> None:
     m = small_gemm.MAX_MOE_ROWS + 1
     x = _randn(m, d, seed=4)
     ids, weights = _routing(m, 2, e, seed=5)
-    assert torch.equal(
-        small_gemm.moe_experts(x, ids, weights, gate_up, down),
-        routed_experts(x, ids, weights, gate_up, down),
-    )
+    assert small_gemm.moe_experts(x, ids, weights, gate_up, down) is None
 
 
 def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:

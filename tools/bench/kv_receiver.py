@@ -1,6 +1,6 @@
 """The receiving side of `tpla bench kv-transfer`: one decode rank's KV endpoints, alone.
 
-Run as `python -m common.bench.kv_receiver CONFIG_JSON` (one process per rank, as in a real
+Run as `python -m tools.bench.kv_receiver CONFIG_JSON` (one process per rank, as in a real
 decode group). It serves the project's `KvReceiverServicer` (gRPC push and torch p2p) with a
 sink that validates each shard and writes it into a real `PagedLatentCache`, exactly as
 `RankRuntime.shard_target` does, plus a raw TCP listener: the wire ceiling the transports are

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 
-from common.bench.stats import RequestTiming
+from tools.bench.stats import RequestTiming
 
 
 class Arrival(StrEnum):

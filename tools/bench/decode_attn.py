@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from common.bench.roofline import Roofline, measure_roofline, roofline_record
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.model.args import ModelConfig
 from common.model.tpla import fused_slice_attention, latent_slice_attention
 from common.native.latent_attention import paged_latent_attention
+from tools.bench.roofline import Roofline, measure_roofline, roofline_record
 
 TP = 2
 BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size)
@@ -568,7 +568,7 @@ def _run(args: argparse.Namespace) -> int:
         "gpus": [asdict(g) for g in GPUS],
     }
     if args.plot:
-        from common.bench.plots import plot_decode_attn
+        from tools.bench.plots import plot_decode_attn
 
         plot_decode_attn(summary, Path(args.plot))
     print(_table(rows))

@@ -4,7 +4,7 @@ Shard sets: a real prompt's latent cache from the demo model's exact prefill, cu
 (tp=2, r=2) and MLA-TP (tp=2, r=1) exactly as the prefill worker cuts it, and a synthetic
 DeepSeek-V2-Lite-shaped set (27 layers, d_c=512, d_r=64, bf16) big enough that bandwidth,
 not per-call overhead, dominates. Each rank's receiver is its own process
-(`common.bench.kv_receiver`) running the project's `KvReceiverServicer` into a real
+(`tools.bench.kv_receiver`) running the project's `KvReceiverServicer` into a real
 `PagedLatentCache`. Every repetition ships all of a set's shards in parallel, one thread per
 rank (as the prefill worker pushes them), and is timed end to end until every ack is in.
 After each backend, each rank's cache is checksummed at the reserved blocks and compared
@@ -32,11 +32,11 @@ from pathlib import Path
 import grpc
 import torch
 
-from common.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig, recv_exact
 from common.kv.transfer import CHUNK_BYTES, KvSender, Shard, cut_shard, make_sender
 from common.ports import free_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import KvTargetInfo
+from tools.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig, recv_exact
 
 BACKENDS = ("raw_tcp", "grpc", "torch", "grpc_bytes")
 TRANSPORTS = ("grpc", "torch")  # the project's senders; the others are references
@@ -160,7 +160,7 @@ class Receivers:
             for cfg in self.configs:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "common.bench.kv_receiver", cfg.to_json()],
+                        [sys.executable, "-m", "tools.bench.kv_receiver", cfg.to_json()],
                         stdout=subprocess.PIPE,
                         text=True,
                     )

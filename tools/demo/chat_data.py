@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import jinja2
 
-from common.demo.tokenizer_train import CHAT_TEMPLATE
+from tools.demo.tokenizer_train import CHAT_TEMPLATE
 
 _MAX_FUNCTION_CHARS = 1500
 

@@ -18,16 +18,16 @@ from collections.abc import Sequence
 
 import torch
 
-from common.bench.stats import RequestTiming, gaps
 from common.kv.transfer import cut_shard
 from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
-from common.prefill_threads import PrefillThreads
 from common.sampling import SamplingParams, make_generator, sample
 from common.settings import load_settings
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.local import load_prefill_model
+from services.prefill.threads import PrefillThreads
+from tools.bench.stats import RequestTiming, gaps
 
 
 class ColocatedServer:

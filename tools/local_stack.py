@@ -79,7 +79,7 @@ class LocalStack:
         log_path = Path(tempfile.mkstemp(prefix="tpla-stack-", suffix=".log")[1])
         with log_path.open("w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "common.cli", "serve"],
+                [sys.executable, "-m", "tools.cli", "serve"],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

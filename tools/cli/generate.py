@@ -1,24 +1,24 @@
-"""`tpla` command line: one sub-command per entry point (DESIGN §3)."""
+"""`tpla generate`: one process, no services; the distributed engine with --tp, the
+single-process TPLA oracle with --mode."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.settings import Settings, load_settings, placed
+from tools.cli.tpla import METHODS, RMSNORM_MODES
 
 if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
     from common.generate import Generation
+    from common.model.model import DeepseekForCausalLM
+    from common.sampling import SamplingParams
     from common.tokenizer import Tokenizer
-from common.tpla.cli import (
-    add_convert_parser,
-    add_eval_parser,
-    add_generate_mode_arguments,
-    add_plan_parser,
-)
+
+MODES = ("mla", "tpla", "tpla-pd", "gla")  # the oracle's variants (common/tpla/reference.py)
 
 
 def _configure_torch(settings: Settings) -> None:
@@ -76,8 +76,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
     model.prefill_backend = select_backend(settings.attention_backend, settings.device)
     if args.mode is not None:
-        from common.tpla.cli import generate_with_mode
-
         result = generate_with_mode(model, settings.model, prompt_ids, params, sorted(eos), args)
     else:
         result = generate(model, prompt_ids, params, eos_ids=sorted(eos), path=args.path)
@@ -112,36 +110,7 @@ def _print_generation(
     return 0
 
 
-def cmd_train_demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from common.demo.train import DemoArch, TrainConfig, train
-
-    settings = load_settings(torch_threads=args.threads)
-    _configure_torch(settings)
-    arch = DemoArch() if args.arch == "demo" else DemoArch.tiny()
-    cfg = TrainConfig(
-        out=Path(args.out),
-        work_dir=Path(args.work_dir or Path("runs") / "train-demo"),
-        corpus_root=Path(args.corpus) if args.corpus else None,
-        minutes=args.minutes,
-        max_steps=args.max_steps,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        eval_every=args.eval_every,
-        card_eval_chars=args.card_eval_chars,
-        prior_cpu_seconds=args.prior_cpu_minutes * 60,
-        arch=arch,
-    )
-    report = train(cfg)
-    print(json.dumps({"steps": report["steps"], "metrics": report["metrics"]}))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpla", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen = sub.add_parser("generate", help="generate from a model in one process (no services)")
     gen.add_argument("--model", help="model directory (default: TPLA_MODEL or models/demo)")
     src = gen.add_mutually_exclusive_group(required=True)
@@ -177,52 +146,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the distributed decode engine with this many "
         "ranks (TPLA with --latent-groups; --latent-groups 1 is MLA-TP)",
     )
-    add_generate_mode_arguments(gen)
+    _add_mode_arguments(gen)
     gen.set_defaults(func=cmd_generate)
-    add_convert_parser(sub)
-    add_eval_parser(sub)
-    add_plan_parser(sub)
 
-    td = sub.add_parser("train-demo", help="train the small demo model on CPU (offline)")
-    td.add_argument("--out", default="models/demo", help="HF-format output directory")
-    td.add_argument("--corpus", help="folder of .py files (default: this Python's stdlib)")
-    td.add_argument("--work-dir", help="tokenizer, token cache and resumable checkpoint")
-    td.add_argument("--minutes", type=float, default=40.0, help="wall-clock training budget")
-    td.add_argument("--max-steps", type=int)
-    td.add_argument("--seq-len", type=int, default=1024)
-    td.add_argument("--batch-size", type=int, default=4)
-    td.add_argument("--eval-every", type=int, default=50)
-    td.add_argument("--card-eval-chars", type=int, default=200_000)
-    td.add_argument(
-        "--arch",
-        choices=["demo", "tiny"],
-        default="demo",
-        help="tiny: a minimal model for smoke tests of the trainer",
+
+def _add_mode_arguments(p: argparse.ArgumentParser) -> None:
+    """The TPLA options of `tpla generate` (absent --mode keeps the plain engine path)."""
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        help="run the single-process oracle: mla, tpla (prompt sliced too), tpla-pd (exact "
+        "prompt, sliced decode, as the served engine), gla",
     )
-    td.add_argument("--threads", type=int)
-    td.add_argument(
-        "--prior-cpu-minutes",
-        type=float,
-        default=0.0,
-        help="CPU time of a resumed run's earlier part, if its checkpoint lacks it",
+    p.add_argument("--latent-groups", type=int, default=2, help="latent groups r for tpla/gla")
+    p.add_argument("--method", choices=METHODS, default="pca", help="latent basis (side file)")
+    p.add_argument("--rmsnorm", choices=RMSNORM_MODES, default="exact")
+
+
+def generate_with_mode(
+    model: DeepseekForCausalLM,
+    model_dir: str | Path,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    eos_ids: Sequence[int],
+    args: argparse.Namespace,
+) -> Generation:
+    """`tpla generate --mode ...`: reparameterize from the side file, generate with the oracle."""
+    from common.model.tpla import RmsNormMode
+    from common.tpla.convert import load_reparameterization
+    from common.tpla.reference import AttentionSpec, ReferenceModel, Variant, generate
+    from common.tpla.transforms import Method
+
+    variant = Variant(args.mode)
+    groups = 1 if variant is Variant.MLA else args.latent_groups
+    spectra = None
+    if variant.sliced_latents:
+        spectra = load_reparameterization(model, model_dir, Method(args.method))
+    oracle = ReferenceModel(
+        model, AttentionSpec(variant, groups, RmsNormMode(args.rmsnorm)), spectra
     )
-    td.set_defaults(func=cmd_train_demo)
-    from services.cli import add_service_parsers
-
-    add_service_parsers(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (ValueError, FileNotFoundError) as exc:
-        # Config, checkpoint, tokenizer and sampling errors are all ValueErrors with a message
-        # meant for the user; print it instead of a traceback.
-        print(f"tpla {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return generate(oracle, prompt_ids, params, eos_ids=eos_ids)

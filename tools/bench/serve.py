@@ -4,16 +4,16 @@ Configurations (each only when selected with --configs):
 * tpla       - the disaggregated stack (`tpla serve`, tp=2, TPLA r=2, PCA basis), over HTTP;
 * mla-tp     - the same stack with r=1 (plain MLA tensor parallelism), over HTTP;
 * colocated  - the same TPLA decode group with prefill in its leader, no transfer
-               (common/bench/colocated.py), in-process;
+               (tools/bench/colocated.py), in-process;
 * hf-naive / hf-static - HF transformers `generate` on the same weights
-               (common/bench/hf_baseline.py): one request at a time, or static batches.
+               (tools/bench/hf_baseline.py): one request at a time, or static batches.
 
 Each mix has a fixed prompt length and exactly `max_tokens` outputs per request (ignore_eos,
 greedy), prompts are windows of real Python source, and every configuration serves the same
 prompts (overlapping windows: nothing here caches prefixes). The load is swept either as
 closed loops (a level of concurrency c is c clients over waves * c requests, at least 2) or,
 with --request-rate, as Poisson arrivals (a level is `requests` requests at that rate; see
-common/bench/load.py for why both), each level after one untimed warm-up request.
+tools/bench/load.py for why both), each level after one untimed warm-up request.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from common.bench.load import Arrival, Load, drive_blocking
-from common.bench.stats import LoadSummary, RequestTiming, summarize
-from common.prefill_threads import PrefillThreads, usable_cores
 from common.settings import load_settings
+from services.prefill.threads import PrefillThreads, usable_cores
+from tools.bench.load import Arrival, Load, drive_blocking
+from tools.bench.stats import LoadSummary, RequestTiming, summarize
 
 CONFIGS = ("tpla", "mla-tp", "colocated", "hf-naive", "hf-static")
 DISAGGREGATED = {"tpla": (2, "tpla_pca"), "mla-tp": (1, "")}  # latent groups, reparam
@@ -132,7 +132,7 @@ def _sweep(
 def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]]]) -> list[dict]:
     """One configuration over every mix and level; whatever it started is stopped on return."""
     if name in DISAGGREGATED:
-        from common.bench.serve_stack import StackConfig, drive_http, running_stack
+        from tools.bench.serve_stack import StackConfig, drive_http, running_stack
 
         groups, reparam = DISAGGREGATED[name]
         cfg = StackConfig(
@@ -145,7 +145,7 @@ def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]
             http = functools.partial(drive_http, url, cfg.served_name)
             return _sweep(name, http, sweep, prompts, sweep.loads)
     if name == "colocated":
-        from common.bench.colocated import ColocatedServer
+        from tools.bench.colocated import ColocatedServer
 
         with ColocatedServer(sweep.model, sweep.reparam, 2, 2) as server:
             runner = functools.partial(drive_blocking, server.request)
@@ -154,7 +154,7 @@ def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]
         # Static batches are the c prompts of a closed loop taken together: no schedule.
         print("hf-static: closed loops only, skipped under --request-rate", file=sys.stderr)
         return []
-    from common.bench.hf_baseline import HfServer
+    from tools.bench.hf_baseline import HfServer
 
     hf = HfServer(sweep.model, sweep.hf_threads)
     hf_runner: Runner = (

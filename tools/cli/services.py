@@ -56,8 +56,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_prefill(args: argparse.Namespace) -> int:
     import torch
 
-    from common.prefill_threads import PrefillThreads
     from services.prefill.service import serve_prefill
+    from services.prefill.threads import PrefillThreads
 
     s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
@@ -97,92 +97,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_stack(settings, smoke=args.smoke)
 
 
-def cmd_bench_decode_step(args: argparse.Namespace) -> int:
-    import json
-
-    from services.decode.bench import measure
-
-    rows = []
-    for collectives in args.collectives:
-        for layout in args.layouts:
-            r = args.tp if layout == "tpla" else 1
-            rows += measure(
-                args.model,
-                layout,
-                args.tp,
-                r,
-                args.batch,
-                args.context,
-                args.steps,
-                args.reparam,
-                args.threads,
-                args.chunk_size,
-                args.kernel,
-                collectives,
-            )
-    # Speedups are against MLA-TP with the same collectives, from this run.
-    base = {(row.collectives, row.batch): row for row in rows if row.layout == "mla-tp"}
-    print(
-        f"{'coll':>5} {'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
-        f"{'speedup':>8} {'cache KiB/seq':>14} {'vs MLA-TP':>10} {'comm KiB/step':>14} "
-        f"{'rank0 MB':>9}"
-    )
-    out = []
-    for row in rows:
-        ref = base.get((row.collectives, row.batch))
-        speed = ref.median_ms / row.median_ms if ref else float("nan")
-        mem = ref.cache_bytes_per_sequence / row.cache_bytes_per_sequence if ref else float("nan")
-        print(
-            f"{row.collectives:>5} {row.layout:>7} {row.tp:>3} {row.latent_groups:>3} "
-            f"{row.batch:>6} {row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
-            f"{row.cache_bytes_per_sequence / 1024:>14.1f} {mem:>9.2f}x "
-            f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f}"
-        )
-        out.append({**row.__dict__, "speedup_vs_mla_tp": speed, "cache_saving_vs_mla_tp": mem})
-    if args.json:
-        print(json.dumps({"rows": out}))
-    return 0
-
-
-def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (results as ratios from one run)")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    ds = bsub.add_parser("decode-step", help="real engine step: MLA-TP vs TPLA vs SP")
-    ds.add_argument("--model", default="models/demo")
-    ds.add_argument("--tp", type=int, default=2)
-    ds.add_argument(
-        "--layouts",
-        nargs="+",
-        choices=["mla-tp", "tpla", "sp"],
-        default=["mla-tp", "tpla", "sp"],
-        help="tpla uses r = tp",
-    )
-    ds.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
-    ds.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ds.add_argument("--context", type=int, default=1024)
-    ds.add_argument("--steps", type=int, default=12, help="full-batch steps timed per batch size")
-    ds.add_argument("--reparam", default="tpla_pca")
-    ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ds.add_argument(
-        "--kernel",
-        choices=["auto", "native", "torch", "triton"],
-        default="auto",
-        help="decode backend (TPLA_DECODE_KERNEL)",
-    )
-    ds.add_argument(
-        "--collectives",
-        nargs="+",
-        choices=["shm", "dist"],
-        default=["shm"],
-        help="group collectives: shared memory and/or torch.distributed (gloo)",
-    )
-    ds.add_argument("--json", action="store_true")
-    ds.set_defaults(func=cmd_bench_decode_step)
-    from common.bench.cli import add_bench_commands
-
-    add_bench_commands(bsub)
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (TPLA_MODEL)")
     p.add_argument("--redis-url", help="TPLA_REDIS_URL")
@@ -204,7 +118,6 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_service_parsers(sub: argparse._SubParsersAction) -> None:
-    add_bench_parsers(sub)
     dec = sub.add_parser("decode", help="run a decode group (leader + ranks) serving gRPC")
     _common(dec)
     _decode_args(dec)

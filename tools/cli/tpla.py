@@ -1,5 +1,4 @@
-"""`tpla convert`, `tpla eval`, `tpla plan` and the TPLA modes of `tpla generate` (registered by
-common.cli).
+"""`tpla convert`, `tpla eval` and `tpla plan`.
 
 Heavy imports (torch, the model) happen inside the command functions so `tpla --help` stays
 fast.
@@ -10,21 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.settings import load_settings
 
 if TYPE_CHECKING:
-    from common.generate import Generation
-    from common.model.model import DeepseekForCausalLM
-    from common.sampling import SamplingParams
     from common.tpla.plan import Checkpoint, Plan
 
 METHODS = ("identity", "hadamard", "pca")
 DTYPES = ("float32", "bfloat16", "float16")
-MODES = ("mla", "tpla", "tpla-pd", "gla")
 RMSNORM_MODES = ("exact", "sliced")
 
 
@@ -302,41 +296,3 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
     p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     p.set_defaults(func=cmd_plan)
-
-
-def add_generate_mode_arguments(p: argparse.ArgumentParser) -> None:
-    """The TPLA options of `tpla generate` (absent --mode keeps the plain engine path)."""
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        help="run the single-process oracle: mla, tpla (prompt sliced too), tpla-pd (exact "
-        "prompt, sliced decode, as the served engine), gla",
-    )
-    p.add_argument("--latent-groups", type=int, default=2, help="latent groups r for tpla/gla")
-    p.add_argument("--method", choices=METHODS, default="pca", help="latent basis (side file)")
-    p.add_argument("--rmsnorm", choices=RMSNORM_MODES, default="exact")
-
-
-def generate_with_mode(
-    model: DeepseekForCausalLM,
-    model_dir: str | Path,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    eos_ids: Sequence[int],
-    args: argparse.Namespace,
-) -> Generation:
-    """`tpla generate --mode ...`: reparameterize from the side file, generate with the oracle."""
-    from common.model.tpla import RmsNormMode
-    from common.tpla.convert import load_reparameterization
-    from common.tpla.reference import AttentionSpec, ReferenceModel, Variant, generate
-    from common.tpla.transforms import Method
-
-    variant = Variant(args.mode)
-    groups = 1 if variant is Variant.MLA else args.latent_groups
-    spectra = None
-    if variant.sliced_latents:
-        spectra = load_reparameterization(model, model_dir, Method(args.method))
-    oracle = ReferenceModel(
-        model, AttentionSpec(variant, groups, RmsNormMode(args.rmsnorm)), spectra
-    )
-    return generate(oracle, prompt_ids, params, eos_ids=eos_ids)

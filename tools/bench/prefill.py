@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.bench.decode_attn import AttnShape, per_device, shapes
 from common.model.args import ModelConfig
 from common.model.attn_backend import PrefillAttentionBackend, select_backend
 from common.model.mla import MLAttention
+from tools.bench.decode_attn import AttnShape, per_device, shapes
 
 RANKS = 2
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.bench.stats import RequestTiming, gaps
+from tools.bench.stats import RequestTiming, gaps
 
 
 class _StepClock:

@@ -1,7 +1,7 @@
 """The real `tpla serve` stack for `tpla bench serve`, and the HTTP client load against it.
 
 The stack runs exactly as a user starts it (embedded redis-server, decode group, prefill
-worker, router), through the project's one local-stack launcher (`services/local_stack.py`:
+worker, router), through the project's one local-stack launcher (`tools/local_stack.py`:
 free loopback ports, SIGINT on stop, SIGKILL after a grace period); only settings select the
 configuration. Requests go through the OpenAI API with streaming, so TTFT and TPOT are what
 a client sees.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from common.bench.load import Load, drive
-from common.bench.stats import RequestTiming, gaps
+from tools.bench.load import Load, drive
+from tools.bench.stats import RequestTiming, gaps
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -56,7 +56,7 @@ class StackConfig:
 @contextmanager
 def running_stack(cfg: StackConfig, model: str) -> Iterator[str]:
     """Start `tpla serve` for `cfg`; yields the router URL; stops the stack on exit."""
-    from services.local_stack import LocalStack
+    from tools.local_stack import LocalStack
 
     with LocalStack.start(model, **cfg.settings()) as stack:
         yield stack.url

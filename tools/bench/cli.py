@@ -9,15 +9,22 @@ import argparse
 import importlib
 
 BENCH_MODULES: tuple[str, ...] = (
-    "common.bench.kv_transfer",
-    "common.bench.serve",
-    "common.bench.roofline",
-    "common.bench.decode_attn",
-    "common.bench.prefill",
-    "common.bench.capacity",
+    "tools.bench.decode_step",
+    "tools.bench.kv_transfer",
+    "tools.bench.serve",
+    "tools.bench.roofline",
+    "tools.bench.decode_attn",
+    "tools.bench.prefill",
+    "tools.bench.capacity",
 )
 
 
 def add_bench_commands(bsub: argparse._SubParsersAction) -> None:
     for name in BENCH_MODULES:
         importlib.import_module(name).add_parser(bsub)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `tpla bench` and its subcommands."""
+    bench = sub.add_parser("bench", help="benchmarks (results as ratios from one run)")
+    add_bench_commands(bench.add_subparsers(dest="bench", required=True))
