@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from common.decode_api import DecodeLoad
 from common.rpc.gen import common_pb2, decode_pb2
 from common.sampling import SampledToken, SamplingParams
 
@@ -107,3 +109,11 @@ def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> ReservationInfo:
         msg.lease_seconds,
         tuple(target_from_pb(t) for t in msg.targets),
     )
+
+
+def load_to_pb(load: DecodeLoad) -> decode_pb2.DecodeLoad:
+    return decode_pb2.DecodeLoad(**dataclasses.asdict(load))
+
+
+def load_from_pb(msg: decode_pb2.DecodeLoad) -> DecodeLoad:
+    return DecodeLoad(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(DecodeLoad)})
