@@ -27,6 +27,7 @@ from common.device import rank_device
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
+from common.kv.slots import token_slots
 from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import latent_shards
 from common.native import shm_group
@@ -72,20 +73,18 @@ class RankRuntime:
         plan = self.inputs.load(plan)
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
-        rows = torch.arange(len(positions), device=self.device)
         if par.sp:
             # This rank caches only its chunks: local lengths, and the new token only if owned.
             c = par.chunk_size
             lengths = local_length(positions + 1, self.rank, c, par.tp)
             local = local_index(positions, c, par.tp)
             owned = chunk_owner(positions, c, par.tp) == self.rank
-            # Non-owned rows may index past this rank's table: clamp, then mask them out.
-            block = (local // bs).clamp(max=tables.shape[1] - 1)
-            write_slots = tables[rows, block] * bs + local % bs
+            # Non-owned rows may index past this rank's table (token_slots clamps): mask them.
+            write_slots = token_slots(tables, local[:, None], bs)[:, 0]
             write_slots = torch.where(owned, write_slots, torch.full_like(write_slots, -1))
             reads = CacheReads.tokens(tables, lengths, bs)
         else:
-            write_slots = tables[rows, positions // bs] * bs + positions % bs
+            write_slots = token_slots(tables, positions[:, None], bs)[:, 0]
             longest = int(host_positions.max()) + 1
             reads = CacheReads.blocks(tables, positions + 1, bs, longest)
         return self.model.decode_step(
