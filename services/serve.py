@@ -110,7 +110,8 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
     if s.prefill_threads > s.torch_threads:
         # A prefill worker's OpenMP threads then share the cores with the decode ranks; spinning
         # while they wait for each other took a core from a rank (measured with 2 threads on the
-        # 2-core VM: short-prompt throughput 265 vs 303-313 tok/s spinning vs sleeping, run 6).
+        # 2-core VM: short-prompt throughput 265 vs 303-313 tok/s spinning vs sleeping;
+        # benchmarks/serve.md).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 

@@ -1,4 +1,4 @@
-"""Block-table addressing: token position -> cache slot (DESIGN §5).
+"""Block-table addressing: token position -> cache slot (DESIGN §6).
 
 A paged cache stores token p of a sequence at offset p % block_size of the sequence's block
 p // block_size, so its flat slot is table[p // block_size] * block_size + p % block_size.

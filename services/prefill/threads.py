@@ -8,16 +8,16 @@ tokens then run on `large` threads; small ones stay on `torch_threads` (their pa
 regions are too short to gain).
 
 Why the default is 1, measured on the 2-core VM where the prefill worker shares the cores
-with both decode ranks (`benchmarks/serve.md`, run 6): 2 threads for large batches raised
-long-prompt throughput at 16 streams (68-71 vs 51-59 output tokens/s) but cut short-prompt
-throughput (268-275 vs 285-328 tokens/s; time to first token p50 ~1.0 s instead of
-0.54-0.59 s). The likely cause, not measured directly: a burst of 64-token prompts is prefilled
-as one batch of >= 512 tokens while the first requests already decode, and with more
-runnable threads than cores the two OpenMP threads wait for each other. With sleeping waits
-(`OMP_WAIT_POLICY=PASSIVE`, which `tpla serve` sets when this exceeds torch_threads) the
-short-prompt loss shrank to 2-7% and the long-prompt gain stayed (run 6, same file). Run 8,
-with prefill batches capped at 2,048 tokens, measured neither gain nor loss for the
-disaggregated stack in three alternations (the two threads compete with both decode ranks).
+with both decode ranks (`benchmarks/serve.md`, "HF on both cores, and `TPLA_PREFILL_THREADS`"):
+2 threads for large batches raised long-prompt throughput at 16 streams (68-71 vs 51-59
+output tokens/s) but cut short-prompt throughput (268-275 vs 285-328 tokens/s; time to first
+token p50 ~1.0 s instead of 0.54-0.59 s). The likely cause, not measured directly: a burst of
+64-token prompts is prefilled as one batch of >= 512 tokens while the first requests already
+decode, and with more runnable threads than cores the two OpenMP threads wait for each other.
+With sleeping waits (`OMP_WAIT_POLICY=PASSIVE`, which `tpla serve` sets when this exceeds
+torch_threads) the short-prompt loss shrank to 2-7% and the long-prompt gain stayed. With
+prefill batches capped at 2,048 tokens, three alternations measured neither gain nor loss for
+the disaggregated stack (the two threads compete with both decode ranks).
 """
 
 from __future__ import annotations
