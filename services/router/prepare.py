@@ -12,9 +12,10 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import InvalidRequest, NotFound
+from common.chat_template import ChatMessage
+from common.errors import InvalidRequest, NotFound, TokenizerError
 from common.sampling import SamplingError, SamplingParams
-from common.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from common.tokenizer import Tokenizer
 from services.router.request import GenerationRequest
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 

@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.model.tiny import save_tiny_chat_model
+from tests.tiny import save_tiny_chat_model
 from tools.local_stack import LocalStack
 
 ROOT = Path(__file__).resolve().parents[2]

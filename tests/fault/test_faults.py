@@ -22,8 +22,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.model.tiny import save_tiny_chat_model
 from tests.stack import MODEL_NAME, start_stack
+from tests.tiny import save_tiny_chat_model
 from tools.local_stack import LocalStack
 
 CLIENT_TIMEOUT_S = 60.0  # a client that waits longer than this counts as hung

@@ -29,7 +29,7 @@ from common.native import shm_group
 from common.ports import PortInUse, free_port
 from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.engine import DecodeEngine, RankStartError
-from tests.model.tiny import save_tiny_chat_model
+from tests.tiny import save_tiny_chat_model
 from tools.local_stack import LocalStack
 
 EXIT_TIMEOUT_S = 20.0

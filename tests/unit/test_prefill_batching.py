@@ -15,7 +15,7 @@ from common.kv.transfer import make_sender
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 
 def test_batches_fill_the_token_budget_in_arrival_order(tmp_path: Path) -> None:

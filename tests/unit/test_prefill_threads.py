@@ -15,7 +15,7 @@ from common.settings import load_settings
 from services.prefill import threads as prefill_threads
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 
 def test_large_batches_get_the_larger_count() -> None:

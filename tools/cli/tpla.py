@@ -207,7 +207,7 @@ def _gib(n: float) -> str:
 
 def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
     """The human-readable plan: one row per layout, then what the numbers mean."""
-    from common.tpla.plan import FP8, Kind
+    from common.tpla.rank_memory import FP8, Kind
 
     c, req = plan.config, plan.request
     hw, ctx = req.hardware, req.context

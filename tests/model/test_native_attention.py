@@ -10,7 +10,7 @@ import torch
 from common.kv.paged_cache import CacheReads, block_ids_from_slots
 from common.model.tpla import latent_slice_attention
 from common.native import latent_attention as native
-from tests.bench.test_kernels import _paged
+from tests.model.paged import random_cache
 
 # Where a compiler exists the kernel must build and load: a broken build fails here instead
 # of silently running every test on the torch fallback.
@@ -24,7 +24,7 @@ def test_native_kernel_builds_and_loads() -> None:
 
 
 def _case(lengths, heads, width, d_r, d_n, d_v, block_size, seed=0, spread=1.0):
-    cache, slots, valid, lens = _paged(lengths, width, d_r, block_size, seed=seed)
+    cache, slots, valid, lens = random_cache(lengths, width, d_r, block_size, seed=seed)
     g = torch.Generator().manual_seed(seed + 11)
     b = len(lengths)
     q_nope = torch.randn(b, heads, d_n, generator=g) * spread
@@ -140,7 +140,7 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     from services.decode.backends import TorchBackend
     from services.decode.backends.native_backend import NativeBackend
     from services.decode.rank_model import RankAttention
-    from tests.model.tiny import save_hf
+    from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     attn = load_model(tmp_path).model.layers[1].self_attn
@@ -150,7 +150,7 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
         (latent_shards(attn.d_c, 1)[0], slice(heads // 2, heads)),
     ):
         rank = RankAttention(attn, group, shard, RmsNormMode.EXACT)
-        cache, slots, valid, lens = _paged([21, 4, 140], shard.width, attn.d_r, 8, seed=5)
+        cache, slots, valid, lens = random_cache([21, 4, 140], shard.width, attn.d_r, 8, seed=5)
         g = torch.Generator().manual_seed(1)
         # Non-contiguous queries, as the engine's split of the query projection makes them.
         q = torch.randn(3, rank.num_heads, attn.d_n + attn.d_r, generator=g)

@@ -5,27 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.kv.paged_cache import CacheLayout, PagedLatentCache, block_ids_from_slots, slot_table
+from common.kv.paged_cache import CacheLayout, PagedLatentCache, block_ids_from_slots
 from common.model.tpla import fused_slice_attention, latent_slice_attention
-
-
-def _paged(
-    lengths: list[int], width: int, d_r: int, block_size: int, seed: int
-) -> tuple[PagedLatentCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A cache with shuffled (non-contiguous) blocks, -1-padded block tables, random latents."""
-    g = torch.Generator().manual_seed(seed)
-    per_seq = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(per_seq) + 3
-    cache = PagedLatentCache(CacheLayout(2, width, d_r, block_size), num_blocks)
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((len(lengths), max(per_seq) + 1), -1, dtype=torch.long)
-    for b, nb in enumerate(per_seq):
-        tables[b, :nb] = torch.tensor(order[:nb])
-        order = order[nb:]
-    lens = torch.tensor(lengths)
-    slots, valid = slot_table(tables, lens, block_size)
-    return cache, slots, valid, lens
+from tests.model.paged import random_cache
 
 
 @pytest.mark.parametrize(
@@ -40,7 +22,7 @@ def _paged(
 def test_fused_slice_attention_matches_reference(
     lengths: list[int], heads: int, width: int, d_r: int, block_size: int, beta: float
 ) -> None:
-    cache, slots, valid, lens = _paged(lengths, width, d_r, block_size, seed=len(lengths))
+    cache, slots, valid, lens = random_cache(lengths, width, d_r, block_size, seed=len(lengths))
     g = torch.Generator().manual_seed(7)
     b, d_n, d_v = len(lengths), 12, 10
     q_nope = torch.randn(b, heads, d_n, generator=g)
@@ -65,7 +47,7 @@ def test_fused_slice_attention_matches_reference(
 
 
 def test_gather_blocks_matches_per_token_gather() -> None:
-    cache, slots, valid, _ = _paged([45, 3, 33], 20, 6, 8, seed=3)
+    cache, slots, valid, _ = random_cache([45, 3, 33], 20, 6, 8, seed=3)
     kv = cache.gather_blocks(0, block_ids_from_slots(slots, 8))
     n, k_pe = cache.gather(0, slots)
     t = slots.shape[1]

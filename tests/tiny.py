@@ -1,11 +1,21 @@
-"""Tiny random DeepSeek-V2/V3 checkpoints built with HF transformers inside the tests."""
+"""Tiny models for the tests: random DeepSeek-V2/V3 checkpoints built with HF transformers, a
+byte-level BPE tokenizer trained in-process with a chat template, and the random windows the
+TPLA tests calibrate on. Every test folder builds its models here."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import tokenizers
 import torch
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from common.model.model import DeepseekForCausalLM
+    from common.tpla.calibration import LatentStatistics
 
 BASE: dict[str, Any] = dict(
     vocab_size=160,
@@ -78,6 +88,34 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "héllo wörld 你好 🙂 hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "naïve café résumé 東京 世界 你好世界 🙂🙂 🚀 emoji 🎉",
+    "Grüße aus München, ça va? señor piñata",
+    "def main():\n    return 42  # ascii code",
+] * 20
+
+
+def train_tokenizer(vocab_size: int, corpus: Sequence[str]) -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
 def build_hf(variant: str, seed: int = 0, std: float = 0.15, **config: Any) -> torch.nn.Module:
     from transformers import (
         DeepseekV2Config,
@@ -112,15 +150,30 @@ def save_hf(variant: str, out: Path, **kwargs: Any) -> torch.nn.Module:
     return model
 
 
-def save_tiny_chat_model(out: Path, variant: str = "v2-greedy", **kwargs: Any) -> Path:
-    """A tiny checkpoint plus a real byte-level BPE tokenizer and chat template (vocab 320)."""
-    import json
-
-    from tests.unit.test_tokenizer import CORPUS, TEMPLATE, _train
-
-    save_hf(variant, out, vocab_size=320, **kwargs)
-    _train(320, CORPUS).save(str(out / "tokenizer.json"))
+def save_tokenizer(out: Path, vocab_size: int = 320) -> Path:
+    """The tokenizer files of a model directory: tokenizer.json and a config with the chat
+    template and the bos / eos tokens."""
+    train_tokenizer(vocab_size, CORPUS).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE})
     )
     return out
+
+
+def save_tiny_chat_model(out: Path, variant: str = "v2-greedy", **kwargs: Any) -> Path:
+    """A tiny checkpoint plus a real byte-level BPE tokenizer and chat template (vocab 320)."""
+    save_hf(variant, out, vocab_size=320, **kwargs)
+    return save_tokenizer(out, 320)
+
+
+def random_windows(count: int, length: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen) for _ in range(count)]
+
+
+def calibrate(model: DeepseekForCausalLM, seed: int = 0) -> LatentStatistics:
+    """Latent statistics of a tiny model over three random windows of 64 tokens."""
+    from common.tpla.calibration import collect_latent_statistics
+
+    windows = random_windows(3, 64, model.config.vocab_size, seed)
+    return collect_latent_statistics(model, windows, progress=False)

@@ -106,7 +106,7 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     from services.decode.backends.native_backend import NativeBackend
     from services.decode.config import ParallelConfig
     from services.decode.rank_model import RankModel
-    from tests.model.tiny import save_hf
+    from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     full = load_model(tmp_path)

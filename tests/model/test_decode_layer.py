@@ -18,7 +18,7 @@ from services.decode.backends.native_backend import NativeBackend
 from services.decode.comm import Comm
 from services.decode.config import ParallelConfig, ParallelMode
 from services.decode.rank_model import RankModel
-from tests.model.tiny import VARIANTS, save_hf
+from tests.tiny import VARIANTS, save_hf
 
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="native library not built")
 
