@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from tools.bench.cli import add_bench_parser
 from tools.cli.generate import add_generate_parser
+from tools.cli.plan import add_plan_parser
 from tools.cli.services import add_service_parsers
-from tools.cli.tpla import add_convert_parser, add_eval_parser, add_plan_parser
+from tools.cli.tpla import add_convert_parser, add_eval_parser
 from tools.cli.train_demo import add_train_demo_parser
 
 
