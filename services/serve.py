@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import httpx
 
 from common import group_files
-from common.embedded_redis import EmbeddedRedis
 from common.metrics import METRICS_PORT_OFFSET
 from common.placement import StackDevices
 from common.ports import (
@@ -41,11 +40,12 @@ from common.ports import (
     wait_ready,
 )
 from common.settings import TORCH_PORT_OFFSET, Settings
+from services.embedded_redis import EmbeddedRedis
 
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 300.0
 MAX_RESTARTS = 3
-# `tpla` exits 2 after printing a configuration error (common/cli.py main): a port in use, a
+# `tpla` exits 2 after printing a configuration error (tools/cli/main.py main): a port in use, a
 # missing model. Restarting the child would only print it again.
 CONFIG_ERROR_EXIT = 2
 # The embedded Redis of the default stack (router on 8000); any other stack takes a free port.
@@ -62,7 +62,7 @@ class Child:
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *self.args],
+            [sys.executable, "-m", "tools.cli", *self.args],
             env={**env, **self.env},
             start_new_session=True,
         )
@@ -114,7 +114,8 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
     if s.prefill_threads > s.torch_threads:
         # A prefill worker's OpenMP threads then share the cores with the decode ranks; spinning
         # while they wait for each other took a core from a rank (measured with 2 threads on the
-        # 2-core VM: short-prompt throughput 265 vs 303-313 tok/s spinning vs sleeping, run 6).
+        # 2-core VM: short-prompt throughput 265 vs 303-313 tok/s spinning vs sleeping;
+        # benchmarks/serve.md).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.decode_api import DecodeLoad, TokenEvent
 from common.errors import from_grpc
 from common.rpc.convert import (
     PrefillResult,
     ReservationInfo,
+    load_from_pb,
     params_to_pb,
     reservation_from_pb,
     reservation_to_pb,
@@ -46,22 +48,6 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 @dataclass(frozen=True)
-class DecodeEvent:
-    token: SampledToken | None
-    finish_reason: str | None
-
-
-@dataclass(frozen=True)
-class DecodeLoadInfo:
-    running: int
-    waiting: int
-    reserved: int
-    blocks_used: int
-    blocks_total: int
-    block_size: int
-    tp: int
-    latent_groups: int
-    parallel: str
 
 
 class DecodeClient:
@@ -95,7 +81,7 @@ class DecodeClient:
         *,
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
-    ) -> AsyncIterator[DecodeEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens; `idle_timeout` bounds the wait for each event.
         `output_ids`: tokens generated before `first_token` elsewhere (a migrated request);
         `prompt_ids`: only for a repetition penalty."""
@@ -118,7 +104,7 @@ class DecodeClient:
                 if msg is grpc.aio.EOF:
                     return
                 token = token_from_pb(msg.token) if msg.HasField("token") else None
-                yield DecodeEvent(token, msg.finish_reason or None)
+                yield TokenEvent(token, msg.finish_reason or None)
                 if msg.finish_reason:
                     return
         except grpc.RpcError as exc:
@@ -135,22 +121,12 @@ class DecodeClient:
             raise from_grpc(exc) from exc
         return resp.found
 
-    async def load(self, timeout: float = 5.0) -> DecodeLoadInfo:
+    async def load(self, timeout: float = 5.0) -> DecodeLoad:
         try:
             m = await self._stub.GetLoad(common_pb2.Empty(), timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
-        return DecodeLoadInfo(
-            m.running,
-            m.waiting,
-            m.reserved,
-            m.blocks_used,
-            m.blocks_total,
-            m.block_size,
-            m.tp,
-            m.latent_groups,
-            m.parallel,
-        )
+        return load_from_pb(m)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -10,8 +10,10 @@ receiver what arrives. A prefill's outcome is `PrefillResult`, `PrefillResponse`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from common.decode_api import DecodeLoad
 from common.grammar import GrammarKind, GrammarSpec
 from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
 from common.sampling import SampledToken, SamplingError, SamplingParams
@@ -180,3 +182,9 @@ def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
         msg.transfer_seconds,
         msg.transfer_bytes,
     )
+def load_to_pb(load: DecodeLoad) -> decode_pb2.DecodeLoad:
+    return decode_pb2.DecodeLoad(**dataclasses.asdict(load))
+
+
+def load_from_pb(msg: decode_pb2.DecodeLoad) -> DecodeLoad:
+    return DecodeLoad(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(DecodeLoad)})

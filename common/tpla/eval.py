@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from common.demo import corpus
+from common import corpus
 from common.model.loader import load_model
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import RmsNormMode

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common import group_files
+from common.decode_api import DecodeLoad as Load
+from common.decode_api import TokenEvent
 from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
@@ -56,7 +58,7 @@ from services.decode.runtime import (
     init_group,
 )
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
-from services.decode.stream import EngineError, Load, Reservation, TokenEvent, TokenStream
+from services.decode.stream import EngineError, Reservation, TokenStream
 
 if TYPE_CHECKING:
     import grpc

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common import serving_model
+from common.decode_api import TokenEvent
 from common.generate import Generation
 from common.grammar import allowed_now
 from common.kv.transfer import cut_shard
@@ -27,7 +28,7 @@ from common.serving_model import side_file_path
 from common.settings import Settings
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.decode.stream import TokenEvent, TokenStream
+from services.decode.stream import TokenStream
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from common.device import rank_device
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
+from common.kv.slots import token_slots
 from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import latent_shards
 from common.native import shm_group
@@ -75,20 +76,18 @@ class RankRuntime:
         plan = self.inputs.load(plan)
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
-        rows = torch.arange(len(positions), device=self.device)
         if par.sp:
             # This rank caches only its chunks: local lengths, and the new token only if owned.
             c = par.chunk_size
             lengths = local_length(positions + 1, self.rank, c, par.tp)
             local = local_index(positions, c, par.tp)
             owned = chunk_owner(positions, c, par.tp) == self.rank
-            # Non-owned rows may index past this rank's table: clamp, then mask them out.
-            block = (local // bs).clamp(max=tables.shape[1] - 1)
-            write_slots = tables[rows, block] * bs + local % bs
+            # Non-owned rows may index past this rank's table (token_slots clamps): mask them.
+            write_slots = token_slots(tables, local[:, None], bs)[:, 0]
             write_slots = torch.where(owned, write_slots, torch.full_like(write_slots, -1))
             reads = CacheReads.tokens(tables, lengths, bs)
         else:
-            write_slots = tables[rows, positions // bs] * bs + positions % bs
+            write_slots = token_slots(tables, positions[:, None], bs)[:, 0]
             longest = int(host_positions.max()) + 1
             reads = CacheReads.blocks(tables, positions + 1, bs, longest)
         return self.model.decode_step(
@@ -314,7 +313,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
     except BaseException as exc:
         if remove_file is not None:
             remove_file()
-        if isinstance(exc, ValueError | FileNotFoundError):  # as common/cli.py main
+        if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main
             if group is not None:
                 group.report(str(exc))
             print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
@@ -352,7 +351,7 @@ def run_plans(runtime: RankRuntime) -> None:
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
 CONFIG_ENV = "TPLA_ENGINE_CONFIG"
-# A follower's exit code after printing a configuration error (`tpla`'s, common/cli.py).
+# A follower's exit code after printing a configuration error (`tpla`'s, tools/cli/main.py).
 START_ERROR_EXIT = 2
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ The servicer only translates protocol types; the engine holds all the logic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -34,7 +35,13 @@ from common.ports import PortUse, bind_grpc, check_ports, decode_group_ports
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.convert import params_from_pb, target_to_pb, token_from_pb, token_to_pb
+from common.rpc.convert import (
+    load_to_pb,
+    params_from_pb,
+    target_to_pb,
+    token_from_pb,
+    token_to_pb,
+)
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.sampling import SamplingError
 from services.decode.config import EngineConfig, Launch
@@ -135,17 +142,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.DecodeLoad:
         load = self._call(context, self.engine.load)
         par = self.engine.cfg.parallel
-        return decode_pb2.DecodeLoad(
-            running=load.running,
-            waiting=load.waiting,
-            reserved=load.reserved,
-            blocks_used=load.blocks_used,
-            blocks_total=load.blocks_total,
-            block_size=load.block_size,
-            tp=par.tp,
-            latent_groups=par.latent_groups,
-            parallel=par.name,
-        )
+        layout = {"tp": par.tp, "latent_groups": par.latent_groups, "parallel": par.name}
+        return load_to_pb(dataclasses.replace(load, **layout))
 
 
 # A decode step this long means a rank hangs (a step takes milliseconds to a second): the
@@ -198,7 +196,7 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
         return {
             "tpla:num_requests_running": load.running,
             "tpla:num_requests_waiting": load.waiting,
-            "tpla:kv_cache_usage_ratio": load.blocks_used / max(load.blocks_total, 1),
+            "tpla:kv_cache_usage_ratio": load.usage_ratio,
             "tpla:kv_blocks_total": load.blocks_total,
             "tpla:decode_step_seconds_recent": sum(steps) / len(steps) if steps else 0.0,
         }

@@ -24,13 +24,13 @@ from common.grammar import GrammarCompiler
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import PrefillMetrics, serve_metrics
 from common.ports import bind_grpc, check_ports, prefill_worker_ports
-from common.prefill_threads import PrefillThreads
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.serving_model import load_prefill_model
+from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)

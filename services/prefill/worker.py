@@ -30,9 +30,9 @@ from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.logits import LogitsContext, context_for
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
-from common.prefill_threads import PrefillThreads
 from common.rpc.convert import PrefillResult, ReservationInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from services.prefill.threads import PrefillThreads
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
 MAX_SHIPPING = 64

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.errors import InvalidRequest, NotFound
+from common.errors import InvalidRequest, NotFound, TokenizerError
 from common.grammar import GrammarCompiler, GrammarSpec
 from common.sampling import SamplingError, SamplingParams
-from common.tokenizer import Tokenizer, TokenizerError
+from common.tokenizer import Tokenizer
 from services.router import constraints, tools
 from services.router.request import GenerationRequest
 from services.router.schemas import ChatCompletionRequest, CompletionRequest

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from common.detokenizer import IncrementalDetokenizer
 from common.sampling import SampledToken
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.tokenizer import Tokenizer
 from services.router.stops import StopMatcher
 
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from common.tokenizer import Tokenizer
-from services.local_stack import LocalStack
 from tests.stack import MODEL_NAME, start_stack
+from tools.local_stack import LocalStack
 
 LAYOUTS = {
     "tpla": {"TP": "2", "LATENT_GROUPS": "2"},

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -14,9 +10,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.tokenizer import ChatMessage, Tokenizer
-from services.local_stack import LocalStack
+from common.chat_template import ChatMessage
+from common.tokenizer import Tokenizer
+from tests.cli import tpla_json
 from tests.stack import MODEL_NAME, start_stack
+from tools.local_stack import LocalStack
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
 
@@ -29,33 +27,12 @@ def _reference_text(stack: LocalStack, max_tokens: int) -> tuple[str, list[int]]
     """`tpla generate` greedy on the same chat prompt, same mode (TPLA tp=2, r=2)."""
     tok = Tokenizer.from_dir(stack.model_dir)
     ids = tok.encode_chat([ChatMessage(m["role"], m["content"]) for m in MESSAGES])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "common.cli",
-            "generate",
-            "--model",
-            str(stack.model_dir),
-            "--prompt-ids",
-            ",".join(map(str, ids)),
-            "--max-tokens",
-            str(max_tokens),
-            "--tp",
-            "2",
-            "--latent-groups",
-            "2",
-            "--method",
-            "identity",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ids_arg = ",".join(map(str, ids))
+    out = tpla_json(
+        "generate", "--model", str(stack.model_dir), "--prompt-ids", ids_arg,
+        "--max-tokens", str(max_tokens), "--tp", "2", "--latent-groups", "2",
+        "--method", "identity", "--json", timeout=300,
+    )  # fmt: skip
     return out["text"], out["token_ids"]
 
 

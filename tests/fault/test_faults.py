@@ -22,9 +22,9 @@ import httpx
 import psutil
 import pytest
 
-from services.local_stack import LocalStack
-from tests.model.tiny import save_tiny_chat_model
 from tests.stack import MODEL_NAME, start_stack
+from tests.tiny import save_tiny_chat_model
+from tools.local_stack import LocalStack
 
 CLIENT_TIMEOUT_S = 60.0  # a client that waits longer than this counts as hung
 RECOVERY_TIMEOUT_S = 90.0

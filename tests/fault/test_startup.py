@@ -30,8 +30,8 @@ from common.ports import PortInUse, free_port
 from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.engine import DecodeEngine
 from services.decode.group import RankStartError
-from services.local_stack import LocalStack
-from tests.model.tiny import save_tiny_chat_model
+from tests.tiny import save_tiny_chat_model
+from tools.local_stack import LocalStack
 
 EXIT_TIMEOUT_S = 20.0
 needs_shm = pytest.mark.skipif(not shm_group.available(), reason="no shared-memory collectives")
@@ -178,7 +178,7 @@ def test_serve_stops_everything_when_a_child_finds_its_port_taken(stack_of) -> N
 def decode_leader(watched: Watched) -> psutil.Process | None:
     for proc in watched.poll():
         try:
-            if "common.cli decode" in " ".join(proc.cmdline()):
+            if "tools.cli decode" in " ".join(proc.cmdline()):
                 return proc
         except psutil.NoSuchProcess:
             continue
@@ -230,7 +230,7 @@ def start_decode(model: Path) -> tuple[subprocess.Popen, Watched]:
     }
     env.pop("TPLA_REDIS_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "decode"], env=env, start_new_session=True
+        [sys.executable, "-m", "tools.cli", "decode"], env=env, start_new_session=True
     )
     return proc, Watched("TPLA_DECODE_PORT", str(port))
 

@@ -13,7 +13,7 @@ import torch
 from common.grammar import GrammarKind, GrammarSpec
 from common.logits import context_for, process_logits
 from services.decode.controls import StepControls
-from tests.model.tiny import save_tiny_chat_model
+from tests.tiny import save_tiny_chat_model
 from tests.unit.test_logits import EOS, PARAMS, V, _case
 
 pytestmark = [

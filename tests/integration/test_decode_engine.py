@@ -20,7 +20,7 @@ from services.decode.comm import ShmCollectives
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.local import collect, load_prefill_model, submit
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

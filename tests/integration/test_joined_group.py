@@ -32,7 +32,7 @@ from common.settings import load_settings
 from services.decode.config import EngineConfig, Launch, ParallelConfig, ParallelMode, engine_config
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(3, 40)), [5, 9, 2, 7, 11, 4, 8, 30, 31, 6, 12], list(range(50, 71))]
@@ -102,7 +102,7 @@ def start_rank(model_dir: Path, tmp_path: Path) -> Iterator:
         env.update({f"TPLA_{k}": v for k, v in {**BASE, **settings}.items()})
         env.pop("TPLA_REDIS_URL", None)
         log = tmp_path / f"rank{rank}-{len(started)}.log"
-        argv = [sys.executable, "-m", "common.cli", "decode", "--rank", str(rank)]
+        argv = [sys.executable, "-m", "tools.cli", "decode", "--rank", str(rank)]
         argv += ["--group-size", "2", "--group-addr", f"127.0.0.1:{rendezvous}"]
         with log.open("w") as out:
             proc = subprocess.Popen(

@@ -20,7 +20,7 @@ from common.tokenizer import Tokenizer
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.local import collect, load_prefill_model, submit
-from tests.model.tiny import save_tiny_chat_model
+from tests.tiny import save_tiny_chat_model
 
 LAYOUTS = {
     "tpla": {"tp": 2, "latent_groups": 2},

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import redis
 
-from common.embedded_redis import EmbeddedRedis
 from common.errors import InvalidRequest
 from common.generate import generate
 from common.model.loader import load_model
+from common.ports import free_port
 from common.redis_state import WorkerRegistry, WorkerRole
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.sampling import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
-from services.decode.engine import free_port
-from services.decode.service import serve_decode
-from services.prefill.service import serve_prefill
-from tests.model.tiny import save_hf
+from services.embedded_redis import EmbeddedRedis
+from tests.stack import services_in_threads
+from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -28,47 +26,24 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     model_dir = tmp_path_factory.mktemp("svc-model")
     save_hf("v2-group-yarn", model_dir, std=0.08)
-    redis_server = EmbeddedRedis(free_port())
-    stop = threading.Event()
-    ready = threading.Event()
-    decode_port, kv_base = free_port(), free_port()
+    parallel = (
+        ParallelConfig(tp=2, latent_groups=1, mode=ParallelMode.SP, chunk_size=8)
+        if request.param == "sp"
+        else ParallelConfig(tp=2, latent_groups=1)
+    )
     cfg = EngineConfig(
         model=str(model_dir),
-        parallel=ParallelConfig(
-            tp=2, latent_groups=1, mode=ParallelMode(request.param), chunk_size=8
-        )
-        if request.param == "sp"
-        else ParallelConfig(tp=2, latent_groups=1),
+        parallel=parallel,
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
-        kv_port_base=kv_base,
+        kv_port_base=free_port(),
     )
-    decode = threading.Thread(
-        target=serve_decode,
-        args=(cfg, decode_port, redis_server.url),
-        kwargs={"ready": ready, "stop": stop, "heartbeat_s": 0.5},
-        daemon=True,
-    )
-    decode.start()
-    prefills = {}
-    for transport in ("grpc", "torch"):
-        port = free_port()
-        t = threading.Thread(
-            target=serve_prefill,
-            args=(str(model_dir), None, "127.0.0.1", port, redis_server.url),
-            kwargs={"transport": transport, "stop": stop, "heartbeat_s": 0.5},
-            daemon=True,
-        )
-        t.start()
-        prefills[transport] = f"127.0.0.1:{port}"
-    try:
-        assert ready.wait(300), "decode group did not start"
-        yield model_dir, f"127.0.0.1:{decode_port}", prefills, redis_server
-    finally:
-        stop.set()  # also when start-up failed: nothing may outlive the test
-        decode.join(timeout=30)
-        redis_server.stop()
+    with (
+        EmbeddedRedis(free_port()) as redis_server,
+        services_in_threads(cfg, redis_server.url, ("grpc", "torch"), heartbeat_s=0.5) as svc,
+    ):
+        yield model_dir, svc.decode, svc.prefill, redis_server
 
 
 async def _run(

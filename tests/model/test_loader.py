@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from common.model.args import ConfigError, ModelConfig
 from common.model.loader import CheckpointError, load_model
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from services.router.responses import ChatFormat
 from services.router.schemas import ChatCompletionRequest
 from services.router.text import TokenLogprob
 from tests.router.conftest import Script, chat, run_stack
-from tests.unit.test_tokenizer import CORPUS, _train
+from tests.tiny import CORPUS, train_tokenizer
 
 WEATHER = tools.Tool(
     "get_weather",
@@ -243,7 +243,7 @@ DEEPSEEK_TEMPLATE = (
 @pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("deepseek-like")
-    backend = _train(400, CORPUS)
+    backend = train_tokenizer(400, CORPUS)
     backend.add_special_tokens(DEEPSEEK_MARKERS)
     backend.save(str(path / "tokenizer.json"))
     config = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": DEEPSEEK_TEMPLATE}

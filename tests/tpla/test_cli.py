@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,21 +19,14 @@ from common.tokenizer import Tokenizer
 from common.tpla.convert import load_side_file
 from common.tpla.eval import EvalConfig, evaluate
 from common.tpla.transforms import Method
-from tests.unit.test_tokenizer import CORPUS
+from tests.cli import run_tpla
+from tests.tiny import CORPUS
 
 WINDOW, PREFILL, MAX_TOKENS = 64, 16, 200
 
 
 def _tpla(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    return run_tpla(*args)
 
 
 @pytest.fixture(scope="module")

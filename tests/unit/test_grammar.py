@@ -19,7 +19,7 @@ from common.grammar import (
     new_bitmask,
 )
 from common.tokenizer import Tokenizer
-from tests.unit.test_tokenizer import CORPUS, _train
+from tests.tiny import CORPUS, train_tokenizer
 
 EOS = 1
 
@@ -27,7 +27,7 @@ EOS = 1
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Path]:
     path = tmp_path_factory.mktemp("grammar-tok")
-    _train(300, CORPUS).save(str(path / "tokenizer.json"))
+    train_tokenizer(300, CORPUS).save(str(path / "tokenizer.json"))
     return Tokenizer.from_dir(path), path
 
 

@@ -16,7 +16,7 @@ from common.rpc.convert import ReservationInfo
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 # A reservation with no KV targets: the prefill runs, nothing is shipped.
 NO_TARGETS = ReservationInfo("", 16, 0, 0, "float32", 30.0, ())

@@ -22,7 +22,7 @@ from common.rpc.convert import KvTargetInfo, ReservationInfo
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 WAIT_S = 60.0
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)

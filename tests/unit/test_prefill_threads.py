@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import prefill_threads
 from common.kv.transfer import make_sender
-from common.prefill_threads import PrefillThreads
 from common.rpc.convert import ReservationInfo
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from common.settings import load_settings
+from services.prefill import threads as prefill_threads
+from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 # A reservation with no KV targets: the prefill runs, nothing is shipped.
 NO_TARGETS = ReservationInfo("", 16, 0, 0, "float32", 30.0, ())
