@@ -48,8 +48,6 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 @dataclass(frozen=True)
-
-
 class DecodeClient:
     def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address

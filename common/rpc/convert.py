@@ -182,6 +182,8 @@ def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
         msg.transfer_seconds,
         msg.transfer_bytes,
     )
+
+
 def load_to_pb(load: DecodeLoad) -> decode_pb2.DecodeLoad:
     return decode_pb2.DecodeLoad(**dataclasses.asdict(load))
 
