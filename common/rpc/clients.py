@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 
@@ -47,7 +46,6 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_METADATA_KEY, token),) if token else ()
 
 
-@dataclass(frozen=True)
 class DecodeClient:
     def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address
