@@ -15,6 +15,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "common.bench.decode_attn",
     "common.bench.prefill",
     "common.bench.capacity",
+    "common.bench.loading",
 )
 
 

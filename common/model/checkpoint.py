@@ -41,6 +41,8 @@ _SAFETENSORS_DTYPES = {
 }
 
 Index = Sequence[slice]
+# Reads larger than this are split by leading rows (see `CheckpointReader.read`).
+READ_CHUNK_BYTES = 64 * 2**20
 
 
 class CheckpointError(ValueError):
@@ -167,13 +169,42 @@ class CheckpointReader:
         if info is None:
             raise CheckpointError(f"missing: {name}")
         bounds = _bounds(name, index, info.shape)
+        sizes = [b - a for a, b in bounds]
+        row_bytes = math.prod(sizes[1:]) * info.dtype.itemsize
+        step = max(1, READ_CHUNK_BYTES // max(row_bytes, 1))
+        if not bounds or sizes[0] <= step:
+            return self._read_once(name, info, bounds, dtype, device)
+        # A large slice goes in chunks of leading rows, each through its own open file, so
+        # the mapped pages of at most one chunk are resident beside the result.
+        out = torch.empty(sizes, dtype=dtype, device=device)
+        first, last = bounds[0]
+        for start in range(first, last, step):
+            stop = min(start + step, last)
+            chunk = [(start, stop), *bounds[1:]]
+            self._read_once(name, info, chunk, dtype, device, out[start - first : stop - first])
+        return out
+
+    def _read_once(
+        self,
+        name: str,
+        info: TensorInfo,
+        bounds: list[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """The slice `bounds` of `name`, into `out` when given (copied straight from the
+        mapped file: no second copy of a chunk)."""
         key = tuple(slice(a, b) for a, b in bounds)
         with safe_open(str(info.file), framework="pt") as f:
             part = f.get_slice(name)[key] if key else f.get_tensor(name)
             if info.dtype not in FP8_DTYPES:
+                if out is not None:
+                    return out.copy_(part)
                 return part.to(device=device, dtype=dtype, copy=True).contiguous()
             w = part.to(device=device, copy=True)
-        return self._dequantize(name, w, bounds).to(dtype).contiguous()
+        values = self._dequantize(name, w, bounds)
+        return out.copy_(values) if out is not None else values.to(dtype).contiguous()
 
     def _dequantize(self, name: str, w: Tensor, bounds: list[tuple[int, int]]) -> Tensor:
         """w [..., rows, cols] (the slice `bounds` of `name`) times its blocks' scales."""

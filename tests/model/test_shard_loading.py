@@ -272,3 +272,15 @@ def test_other_quantization_methods_are_refused_by_name(dirs, tmp_path: Path) ->
         load_model(awq)
     with pytest.raises(UnsupportedQuantization, match="'awq'"):
         open_serving_weights(awq, None)
+
+
+def test_large_reads_go_in_row_chunks_with_the_same_bits(dirs, monkeypatch) -> None:
+    """Chunks of 21 FP8 rows (and 5 float32 rows): boundaries fall inside scale blocks."""
+    from common.model import checkpoint
+
+    parallel = LAYOUTS["tpla-tp2-r2"]
+    monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 4096)
+    fp8, plain = _shard_wise(dirs["fp8"], parallel), _shard_wise(dirs["plain"], parallel)
+    monkeypatch.undo()
+    _assert_same_parameters(fp8, _shard_wise(dirs["dequantized"], parallel))
+    _assert_same_parameters(plain, _whole_then_sliced(dirs["plain"], parallel))
