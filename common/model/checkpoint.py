@@ -170,7 +170,10 @@ class CheckpointReader:
             raise CheckpointError(f"missing: {name}")
         bounds = _bounds(name, index, info.shape)
         sizes = [b - a for a, b in bounds]
-        row_bytes = math.prod(sizes[1:]) * info.dtype.itemsize
+        # Whole stored rows, not the slice's: reading some columns of a row faults in its
+        # neighbouring pages too (the kernel maps pages around a fault), so a column slice
+        # makes about the whole rows resident.
+        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
         step = max(1, READ_CHUNK_BYTES // max(row_bytes, 1))
         if not bounds or sizes[0] <= step:
             return self._read_once(name, info, bounds, dtype, device)
