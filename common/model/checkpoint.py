@@ -135,6 +135,8 @@ class CheckpointReader:
                     f"{name} is stored in {info.dtype} but config.json has no "
                     "quantization_config with quant_method 'fp8'"
                 )
+            if len(info.shape) < 2:
+                raise CheckpointError(f"{name}: an FP8 tensor of shape {info.shape} has no blocks")
             scale = self.tensors.get(name + SCALE_SUFFIX)
             if scale is None:
                 raise CheckpointError(f"{name}: FP8 weight without its scale {name}{SCALE_SUFFIX}")
