@@ -54,16 +54,23 @@ WIDE_CONFIG: dict[str, Any] = {
 }
 
 
-def write_checkpoint(out: Path, shard_bytes: int, dtype: str, layers: int) -> int:
-    """A random checkpoint of WIDE_CONFIG in `out`, split into shards of ~`shard_bytes`;
-    only one shard's tensors are in memory at a time. Returns the bytes written."""
+def write_checkpoint(
+    out: Path,
+    shard_bytes: int,
+    dtype: str,
+    layers: int,
+    config: dict[str, Any] | None = None,
+) -> int:
+    """A random checkpoint of `config` (WIDE_CONFIG) in `out`, split into shards of
+    ~`shard_bytes`; only one shard's tensors are in memory at a time. Returns the bytes
+    written."""
     import torch
     from safetensors.torch import save_file
 
     from common.model.args import ModelConfig
     from common.model.model import DeepseekForCausalLM
 
-    config = {**WIDE_CONFIG, "num_hidden_layers": layers, "torch_dtype": dtype}
+    config = {**(config or WIDE_CONFIG), "num_hidden_layers": layers, "torch_dtype": dtype}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config))
     with torch.device("meta"):
@@ -164,7 +171,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB too
 
 
-def _run_child(model_dir: Path, dtype: str, mode: str, layout: str = "-", rank: int = 0) -> dict:
+def run_child(model_dir: Path, dtype: str, mode: str, layout: str = "-", rank: int = 0) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -195,7 +202,7 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _plan_bytes(model_dir: Path, layout: str, rank: int, dtype: str) -> int:
+def planned_rank_bytes(model_dir: Path, layout: str, rank: int, dtype: str) -> int:
     from common.model.args import ModelConfig
     from common.tpla.plan import Kind, Layout, rank_tensors, weight_bytes
 
@@ -213,15 +220,15 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"checkpoint: {size / GIB:.2f} GiB in {files} shards ({time.perf_counter() - t0:.0f} s)"
         )
-        rows = [_run_child(tmp, args.dtype, "overhead"), _run_child(tmp, args.dtype, "whole")]
+        rows = [run_child(tmp, args.dtype, "overhead"), run_child(tmp, args.dtype, "whole")]
         for layout in ("tpla", "mla-tp"):
-            rows += [_run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
-        rows.append(_run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
+            rows += [run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
+        rows.append(run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
         overhead = rows[0]["peak_rss_bytes"]
         for r in rows:
             r["peak_minus_overhead_bytes"] = r["peak_rss_bytes"] - overhead
             if r["mode"] in ("rank", "whole-then-slice"):
-                r["planned_bytes"] = _plan_bytes(tmp, r["layout"], r["rank"], args.dtype)
+                r["planned_bytes"] = planned_rank_bytes(tmp, r["layout"], r["rank"], args.dtype)
         result = {
             "checkpoint_bytes": size,
             "shards": files,
