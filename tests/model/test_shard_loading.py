@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,10 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         Method.PCA, 0, d_c, layers, False, model_fingerprint(model), 100, "random"
     )
     save_side_file(out["plain"] / f"{SIDE}.json", side)
+    # The FP8 checkpoint and its dequantized copy load to the same weights: one side file.
+    fingerprint = model_fingerprint(load_model(out["dequantized"]))
+    for name in ("fp8", "dequantized"):
+        save_side_file(out[name] / f"{SIDE}.json", replace(side, fingerprint=fingerprint))
     return out
 
 
@@ -175,6 +180,13 @@ def test_fp8_ranks_equal_a_checkpoint_dequantized_beforehand(dirs, layout: str) 
     _assert_same_parameters(got, _shard_wise(dirs["dequantized"], parallel))
     _assert_same_parameters(got, _whole_then_sliced(dirs["dequantized"], parallel))
     assert got[0].layers[0].attn.q_b.dtype == torch.float32
+
+
+@pytest.mark.parametrize("layout", ["tpla-tp2-r2", "tp4-r2", "mla-tp-tp2"])
+def test_rotated_fp8_ranks_equal_rotating_the_dequantized_copy(dirs, layout: str) -> None:
+    parallel = LAYOUTS[layout]
+    got = _shard_wise(dirs["fp8"], parallel, SIDE)
+    _assert_same_parameters(got, _whole_then_sliced(dirs["dequantized"], parallel, SIDE))
 
 
 def _reference_model(model_dir: Path) -> DeepseekForCausalLM:
