@@ -54,8 +54,8 @@ class Checkpoint:
 
 
 def checkpoint_from_hf_dict(raw: dict[str, Any]) -> Checkpoint:
-    """Parse a config dict, quantized or not (planning needs no weights; the loader still
-    refuses FP8 checkpoints, and `--weight-dtype` decides the bytes)."""
+    """Parse a config dict, quantized or not (planning needs no weights; `--weight-dtype`
+    decides the bytes: the loader dequantizes FP8 checkpoints to the serving dtype)."""
     raw = dict(raw)
     quant = raw.pop("quantization_config", None) or {}
     block = quant.get("weight_block_size") or [128, 128]
@@ -178,7 +178,7 @@ class Plan:
     request: PlanRequest
     layouts: tuple[LayoutPlan, ...]  # mla-tp, tpla for each requested r, sp
     breakdown: tuple[tuple[str, int], ...]  # the first TPLA layout's rank-0 bytes by part
-    full_model_bytes: int  # what each rank process loads on the host before slicing
+    full_model_bytes: int  # the whole model in the weight dtype (what a prefill worker holds)
 
     @property
     def chosen(self) -> LayoutPlan:

@@ -37,7 +37,7 @@ from common.native.shm_group import CollectiveError, ShmGroup
 from common.ports import bind_grpc, check_ports, kv_receiver_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from common.serving_model import load_serving_model
+from common.serving_model import open_serving_weights
 from services.decode.backends import select_decode_backend
 from services.decode.comm import Comm, DistCollectives, ShmCollectives
 from services.decode.config import EngineConfig
@@ -55,11 +55,11 @@ class RankRuntime:
         self.cfg, self.rank = cfg, rank
         self.device = rank_device(cfg.device, cfg.local_index(rank))
         torch.set_num_threads(cfg.torch_threads)
-        full, spectra = load_serving_model(cfg.model, cfg.reparam, cfg.dtype)
+        # Only this rank's share is read from the checkpoint, straight onto its device.
+        weights, spectra = open_serving_weights(cfg.model, cfg.reparam, cfg.dtype, self.device)
         r = cfg.parallel.latent_groups
-        shards = [latent_shards(full.config.kv_lora_rank, r, s) for s in spectra]
-        self.model = RankModel(full, cfg.parallel, rank, shards)
-        del full  # only this rank's share stays resident
+        shards = [latent_shards(weights.config.kv_lora_rank, r, s) for s in spectra]
+        self.model = RankModel(weights, cfg.parallel, rank, shards)
         dtype = getattr(torch, cfg.dtype)
         self.model.place(self.device)
         self.model.use_backend(select_decode_backend(cfg.decode_kernel, self.device, dtype))

@@ -16,6 +16,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.decode_attn",
     "tools.bench.prefill",
     "tools.bench.capacity",
+    "tools.bench.loading",
 )
 
 

@@ -111,13 +111,13 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
         "of each sequence; per context token that is (d_c + d_r) x layers x bytes / tp.",
         "tokens: context tokens the group can cache, bounded by one rank's pool (whole "
         f"blocks); seqs: sequences of {ctx} tokens (prompt + max_tokens) held at once.",
-        "fits: weights + reserve < GPU memory. Each rank process first loads the whole "
-        f"checkpoint on the host ({_gib(plan.full_model_bytes)} GiB) and keeps its share.",
+        "fits: weights + reserve < GPU memory. A rank reads only its share from the "
+        f"checkpoint (the whole model is {_gib(plan.full_model_bytes)} GiB).",
     ]
     if req.weight_dtype == FP8:
         lines.append(
-            "float8 weights are a what-if: the engine's loader refuses FP8 checkpoints today "
-            "(dequantize with DeepSeek's fp8_cast_bf16.py first)."
+            "float8 weights are a what-if: the loader reads FP8 checkpoints but dequantizes "
+            "them to the serving dtype (plan those with --weight-dtype bfloat16)."
         )
     return "\n".join(lines)
 
