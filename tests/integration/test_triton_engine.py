@@ -17,6 +17,7 @@ from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.model.loader import load_model
 from common.model.sp import merge_partials
 from common.model.tpla import RmsNormMode, latent_shards
+from common.model.weights import ModelWeights
 from common.triton_kernels import decode_attention
 from services.decode.backends import TorchBackend, select_decode_backend
 from services.decode.rank_model import RankAttention
@@ -51,7 +52,8 @@ def test_the_triton_backend_attends_as_the_torch_backend(tmp_path: Path) -> None
     """TPLA (a latent slice with beta), MLA-TP (a head group, the full latent) and SP
     partials (every head; one sequence with no token on this rank) on a real tiny layer."""
     save_hf("v2-greedy", tmp_path, std=0.05)
-    attn = load_model(tmp_path).model.layers[1].self_attn
+    model = load_model(tmp_path)
+    attn = model.model.layers[1].self_attn
     triton_, torch_ = select_decode_backend("triton", CPU, torch.float32), TorchBackend()
     assert triton_.name == "triton"
     heads = attn.num_heads
@@ -60,7 +62,7 @@ def test_the_triton_backend_attends_as_the_torch_backend(tmp_path: Path) -> None
         (latent_shards(attn.d_c, 2)[1], slice(0, heads)),
         (latent_shards(attn.d_c, 1)[0], slice(heads // 2, heads)),
     ):
-        rank = RankAttention(attn, group, shard, RmsNormMode.EXACT)
+        rank = RankAttention(ModelWeights(model), 1, group, shard, RmsNormMode.EXACT)
         cache, tables, lens = _history([21, 4, 40], shard.width, attn.d_r, 8, seed=1)
         reads = CacheReads.blocks(tables, lens, 8)
         q = torch.randn(3, rank.num_heads, attn.d_n + attn.d_r, generator=g)

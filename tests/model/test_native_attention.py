@@ -137,19 +137,21 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     real (tiny) checkpoint, against `attend_reference`."""
     from common.model.loader import load_model
     from common.model.tpla import RmsNormMode, latent_shards
+    from common.model.weights import ModelWeights
     from services.decode.backends import TorchBackend
     from services.decode.backends.native_backend import NativeBackend
     from services.decode.rank_model import RankAttention
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
-    attn = load_model(tmp_path).model.layers[1].self_attn
+    model = load_model(tmp_path)
+    attn = model.model.layers[1].self_attn
     heads = attn.num_heads
     for shard, group in (
         (latent_shards(attn.d_c, 2)[1], slice(0, heads)),
         (latent_shards(attn.d_c, 1)[0], slice(heads // 2, heads)),
     ):
-        rank = RankAttention(attn, group, shard, RmsNormMode.EXACT)
+        rank = RankAttention(ModelWeights(model), 1, group, shard, RmsNormMode.EXACT)
         cache, slots, valid, lens = random_cache([21, 4, 140], shard.width, attn.d_r, 8, seed=5)
         g = torch.Generator().manual_seed(1)
         # Non-contiguous queries, as the engine's split of the query projection makes them.
