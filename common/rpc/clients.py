@@ -7,7 +7,7 @@ typed errors of common.errors. Message-size limits are set deliberately on every
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -60,6 +60,7 @@ class DecodeLoadInfo:
     tp: int
     latent_groups: int
     parallel: str
+    blocks_cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class PrefillResult:
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
+    cached_tokens: int = 0  # leading prompt tokens the prefill reused from its own cache
 
 
 class DecodeClient:
@@ -78,12 +80,21 @@ class DecodeClient:
         self._md = _metadata(token)
 
     async def reserve(
-        self, request_id: str, prompt_len: int, max_tokens: int, timeout: float = 10.0
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        timeout: float = 10.0,
+        prompt_ids: Sequence[int] = (),
     ) -> ReservationInfo:
+        """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them."""
         try:
             msg = await self._stub.Reserve(
                 decode_pb2.ReserveRequest(
-                    request_id=request_id, prompt_len=prompt_len, max_tokens=max_tokens
+                    request_id=request_id,
+                    prompt_len=prompt_len,
+                    max_tokens=max_tokens,
+                    prompt_ids=list(prompt_ids),
                 ),
                 timeout=timeout,
                 metadata=self._md,
@@ -149,6 +160,7 @@ class DecodeClient:
             m.tp,
             m.latent_groups,
             m.parallel,
+            m.blocks_cached,
         )
 
     async def close(self) -> None:
@@ -182,13 +194,18 @@ class PrefillClient:
             targets=[target_to_pb(t) for t in reservation.targets],
             transport=transport,
             deadline_seconds=timeout,
+            cached_tokens=reservation.cached_tokens,
         )
         try:
             m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
         return PrefillResult(
-            token_from_pb(m.first_token), m.prefill_seconds, m.transfer_seconds, m.transfer_bytes
+            token_from_pb(m.first_token),
+            m.prefill_seconds,
+            m.transfer_seconds,
+            m.transfer_bytes,
+            m.cached_tokens,
         )
 
     async def load(self, timeout: float = 5.0) -> tuple[int, int]:

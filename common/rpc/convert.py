@@ -28,6 +28,7 @@ class ReservationInfo:
     dtype: str
     lease_seconds: float
     targets: tuple[KvTargetInfo, ...]
+    cached_tokens: int = 0  # leading prompt tokens the group holds already: not shipped
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -106,4 +107,5 @@ def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> ReservationInfo:
         msg.dtype,
         msg.lease_seconds,
         tuple(target_from_pb(t) for t in msg.targets),
+        msg.cached_tokens,
     )

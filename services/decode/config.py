@@ -110,6 +110,8 @@ class EngineConfig:
     host: str = "127.0.0.1"
     kv_port_base: int | None = None
     internal_token: str | None = None
+    # Keep finished prompts' full blocks for reuse by later prompts (common.kv.prefix_cache).
+    prefix_cache: bool = True
 
     def kv_addresses(self, rank: int) -> tuple[str, str]:
         """(gRPC receiver, torch TCPStore) addresses of a rank's KV endpoints."""
@@ -169,4 +171,5 @@ def engine_config(s: Settings) -> EngineConfig:
         host=s.host,
         kv_port_base=s.kv_port_base,
         internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
+        prefix_cache=s.prefix_cache,
     )

@@ -24,6 +24,7 @@ class Reservation:
     block_size: int
     block_tables: list[list[int]]  # one per rank (identical unless SP splits tokens)
     latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
+    cached_tokens: int = 0  # leading prompt tokens the group held already (whole blocks)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class Load:
     blocks_used: int
     blocks_total: int
     block_size: int
+    blocks_cached: int = 0  # cached prefix blocks no live request holds (evictable)
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens found cached
 
 
 class TokenStream:

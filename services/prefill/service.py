@@ -56,6 +56,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 tuple(target_from_pb(t) for t in request.targets),
                 request.block_size,
                 deadline,
+                request.cached_tokens,
             )
             if not job.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")

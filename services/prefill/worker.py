@@ -39,6 +39,9 @@ class PrefillJob:
     targets: tuple[KvTargetInfo, ...]
     block_size: int
     deadline_s: float
+    # Leading prompt tokens the decode group holds already (its Reserve answer): their KV is
+    # not shipped; the targets name only the blocks after them.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,17 +94,20 @@ class PrefillWorker:
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
         if len(job.prompt_ids) > self.model.config.max_position_embeddings:
             raise ValueError("prompt exceeds the model's context length")
+        if not 0 <= job.cached_tokens <= len(job.prompt_ids):
+            raise ValueError(f"cached_tokens {job.cached_tokens} is outside the prompt")
         if any(t.token_ranges for t in job.targets):
-            # SP targets name the prompt positions they cache; together they must be the prompt.
+            # SP targets name the prompt positions they cache; together they must be the
+            # prompt after the decode group's cached prefix.
             covered = sum(
                 hi - lo
                 for t in job.targets
                 for lo, hi in zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True)
             )
-            if covered != len(job.prompt_ids):
+            if covered != len(job.prompt_ids) - job.cached_tokens:
                 raise ValueError(
                     f"the KV targets cover {covered} prompt tokens, the prompt has "
-                    f"{len(job.prompt_ids)}: reserve for this prompt"
+                    f"{len(job.prompt_ids) - job.cached_tokens} to ship: reserve for this prompt"
                 )
         fut: Future[PrefillDone] = Future()
         with self._lock:
@@ -195,8 +201,19 @@ class PrefillWorker:
         push one job after another). `fut` resolves when the last rank acknowledged, or fails
         with the first error; the shards' sends run on the pusher threads.
         """
+        # Only what the decode group lacks: TPLA / MLA-TP targets take tokens from the end of
+        # its cached prefix on; SP targets name those positions in their token ranges.
+        skip = job.cached_tokens
         cut = [
-            cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size)
+            cut_shard(
+                out.n,
+                out.k_pe,
+                start if t.token_ranges else start + skip,
+                end,
+                t,
+                job.request_id,
+                job.block_size,
+            )
             for t in job.targets
         ]
         shards = list(zip(staged_on_host(cut), job.targets, strict=True))

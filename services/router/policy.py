@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from common.errors import Unavailable
+from common.kv.prefix_cache import block_hashes, parse_hashes
 from common.redis_state import WorkerRecord, WorkerRole
 
 
@@ -26,10 +27,23 @@ class DecodeGroup:
     kv_blocks_used: int
     kv_blocks_total: int
     healthy: bool
+    block_size: int = 0
+    # Its block-hash chain root and the cached block hashes it published (bounded).
+    prefix_root: int = 0
+    prefix_hashes: frozenset[int] = frozenset()
 
     @property
     def free_blocks(self) -> int:
         return max(self.kv_blocks_total - self.kv_blocks_used, 0)
+
+    def cached_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt's chain (`hashes`) the group holds."""
+        count = 0
+        for h in hashes:
+            if h not in self.prefix_hashes:
+                break
+            count += 1
+        return count
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,9 @@ class WorkerSnapshot:
                 kv_blocks_used=r.kv_blocks_used,
                 kv_blocks_total=r.kv_blocks_total,
                 healthy=r.healthy and (r.group_id or r.worker_id) not in sick,
+                block_size=r.block_size,
+                prefix_root=int(r.prefix_root, 16) if r.prefix_root else 0,
+                prefix_hashes=parse_hashes(r.prefix_hashes),
             )
             for r in decode
             if r.rank == 0
@@ -86,8 +103,9 @@ class RoutingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def pick_decode(
-        self, groups: Sequence[DecodeGroup], pending: Mapping[str, int]
-    ) -> DecodeGroup: ...
+        self, groups: Sequence[DecodeGroup], pending: Mapping[str, int], prompt: Sequence[int] = ()
+    ) -> DecodeGroup:
+        """`prompt`: the request's token ids (for policies that weigh cached prefixes)."""
 
     @abc.abstractmethod
     def pick_prefill(
@@ -99,11 +117,12 @@ class RoutingPolicy(abc.ABC):
         snapshot: WorkerSnapshot,
         pending: Mapping[str, int],
         exclude: frozenset[str] = frozenset(),
+        prompt: Sequence[int] = (),
     ) -> DecodeGroup:
         groups = [g for g in snapshot.healthy_groups() if g.group_id not in exclude]
         if not groups:
             raise Unavailable("no healthy decode group is available", code="no_decode_worker")
-        return self.pick_decode(groups, pending)
+        return self.pick_decode(groups, pending, prompt)
 
     def choose_prefill(
         self,
@@ -125,7 +144,9 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     name = "least-loaded"
 
-    def pick_decode(self, groups: Sequence[DecodeGroup], pending: Mapping[str, int]) -> DecodeGroup:
+    def pick_decode(
+        self, groups: Sequence[DecodeGroup], pending: Mapping[str, int], prompt: Sequence[int] = ()
+    ) -> DecodeGroup:
         return min(groups, key=lambda g: (-g.free_blocks, pending.get(g.group_id, 0), g.group_id))
 
     def pick_prefill(
@@ -137,6 +158,46 @@ class LeastLoadedPolicy(RoutingPolicy):
         )
 
 
+class KvAwarePolicy(LeastLoadedPolicy):
+    """Decode group by prefix overlap against load, in the manner of Dynamo's KV router:
+
+        cost(g) = overlap_weight * (prompt blocks g must receive) + (blocks g's live
+                  requests hold) + (requests sent since the snapshot) * (prompt blocks)
+
+    A group that holds a prompt's prefix (from its published hashes) is cheaper by the
+    blocks it need not receive; a loaded group costs its load. The lowest cost wins, ties to
+    the least pending, then the lowest id. Prefill workers as `LeastLoadedPolicy`.
+    The published hashes may lag by a heartbeat: a wrong guess costs only a miss, since the
+    group's Reserve answers what it really holds."""
+
+    name = "kv-aware"
+
+    def __init__(self, overlap_weight: float = 1.0) -> None:
+        if overlap_weight < 0:
+            raise ValueError("overlap_weight must be >= 0")
+        self.overlap_weight = overlap_weight
+
+    def pick_decode(
+        self, groups: Sequence[DecodeGroup], pending: Mapping[str, int], prompt: Sequence[int] = ()
+    ) -> DecodeGroup:
+        chains: dict[tuple[int, int], list[int]] = {}
+
+        def cost(g: DecodeGroup) -> tuple[float, int, str]:
+            bs = g.block_size or 16
+            prompt_blocks = -(-len(prompt) // bs)
+            cached = 0
+            if prompt and g.prefix_hashes and g.block_size:
+                key = (g.prefix_root, bs)
+                if key not in chains:  # groups of one model share a chain: hashed once
+                    chains[key] = block_hashes(g.prefix_root, prompt, bs)
+                cached = g.cached_blocks(chains[key])
+            waiting = pending.get(g.group_id, 0)
+            load = g.kv_blocks_used + waiting * prompt_blocks
+            return (self.overlap_weight * (prompt_blocks - cached) + load, waiting, g.group_id)
+
+        return min(groups, key=cost)
+
+
 class RoundRobinPolicy(RoutingPolicy):
     """Cycles through the healthy candidates in id order, ignoring load."""
 
@@ -146,7 +207,9 @@ class RoundRobinPolicy(RoutingPolicy):
         self._decode_turn = itertools.count()
         self._prefill_turn = itertools.count()
 
-    def pick_decode(self, groups: Sequence[DecodeGroup], pending: Mapping[str, int]) -> DecodeGroup:
+    def pick_decode(
+        self, groups: Sequence[DecodeGroup], pending: Mapping[str, int], prompt: Sequence[int] = ()
+    ) -> DecodeGroup:
         ordered = sorted(groups, key=lambda g: g.group_id)
         return ordered[next(self._decode_turn) % len(ordered)]
 
@@ -158,11 +221,17 @@ class RoundRobinPolicy(RoutingPolicy):
 
 
 POLICIES: Mapping[str, type[RoutingPolicy]] = types.MappingProxyType(
-    {LeastLoadedPolicy.name: LeastLoadedPolicy, RoundRobinPolicy.name: RoundRobinPolicy}
+    {
+        LeastLoadedPolicy.name: LeastLoadedPolicy,
+        KvAwarePolicy.name: KvAwarePolicy,
+        RoundRobinPolicy.name: RoundRobinPolicy,
+    }
 )
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, overlap_weight: float = 1.0) -> RoutingPolicy:
+    if name == KvAwarePolicy.name:
+        return KvAwarePolicy(overlap_weight)
     try:
         return POLICIES[name]()
     except KeyError:
