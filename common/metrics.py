@@ -76,6 +76,13 @@ class PrefillMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        help_text = PREFIX_CACHE_HELP
+        self.prefix_queries = Counter(
+            "tpla:prefix_cache_queries", help_text["tpla:prefix_cache_queries"], registry=registry
+        )
+        self.prefix_hits = Counter(
+            "tpla:prefix_cache_hits", help_text["tpla:prefix_cache_hits"], registry=registry
+        )
 
 
 class DecodeMetrics:

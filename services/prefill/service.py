@@ -20,6 +20,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
+from common.kv.prefix_cache import model_identity
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import PrefillMetrics, serve_metrics
 from common.ports import bind_grpc, check_ports, prefill_worker_ports
@@ -30,6 +31,7 @@ from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.serving_model import load_prefill_model
+from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prefill_seconds=done.prefill_seconds,
             transfer_seconds=done.transfer_seconds,
             transfer_bytes=done.transfer_bytes,
+            cached_tokens=done.cached_tokens,
         )
 
     def GetLoad(
@@ -103,6 +106,7 @@ def serve_prefill(
     attention_backend: str = "auto",
     threads: PrefillThreads | None = None,
     max_batch_tokens: int = 2048,
+    prefix_cache_mb: float = 0.0,
     stop: threading.Event | None = None,
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks. PortInUse (a
@@ -120,6 +124,11 @@ def serve_prefill(
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
         max_batch_tokens=max_batch_tokens,
+        prefix_cache=(
+            LatentPrefixCache(model_identity(model_dir, reparam), int(prefix_cache_mb * 2**20))
+            if prefix_cache_mb > 0
+            else None
+        ),
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)

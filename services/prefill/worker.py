@@ -12,6 +12,7 @@ abort.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -19,13 +20,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from common.kv.transfer import KvSender, TransferError, cut_shard, staged_on_host
 from common.metrics import PrefillMetrics
-from common.model.model import DeepseekForCausalLM, PrefillOutput
+from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
 from common.prefill_threads import PrefillThreads
 from common.rpc.convert import KvTargetInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from services.prefill.latent_cache import LatentPrefixCache
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
 MAX_SHIPPING = 64
@@ -50,6 +53,7 @@ class PrefillDone:
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
+    cached_tokens: int = 0  # leading prompt tokens reused from the latent prefix cache
 
 
 class PrefillWorker:
@@ -61,8 +65,11 @@ class PrefillWorker:
         metrics: PrefillMetrics | None = None,
         transfer_timeout_s: float = 30.0,
         threads: PrefillThreads | None = None,
+        prefix_cache: LatentPrefixCache | None = None,
     ) -> None:
         self.model = model
+        # None: every prompt is prefilled whole.
+        self.prefix_cache = prefix_cache
         # None: every batch on the process's current thread count.
         self.threads = threads
         # One push may take at most this long even when the request allows more: a hung
@@ -162,23 +169,38 @@ class PrefillWorker:
 
     def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillDone]]]) -> None:
         t0 = time.perf_counter()
-        lens = [len(job.prompt_ids) for job, _ in batch]
+        cache = self.prefix_cache
+        hashes = [cache.hashes(job.prompt_ids) if cache is not None else [] for job, _ in batch]
+        pasts: list[PastLatents | None] = [
+            cache.lookup(h, len(job.prompt_ids)) if cache is not None else None
+            for h, (job, _) in zip(hashes, batch, strict=True)
+        ]
+        hits = [p.length if p is not None else 0 for p in pasts]
+        lens = [len(job.prompt_ids) - hit for (job, _), hit in zip(batch, hits, strict=True)]
         device = self.model.lm_head.weight.device
         ids = torch.tensor(
-            [t for job, _ in batch for t in job.prompt_ids], dtype=torch.long, device=device
+            [t for (job, _), hit in zip(batch, hits, strict=True) for t in job.prompt_ids[hit:]],
+            dtype=torch.long,
+            device=device,
         )
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
-            out = self.model.prefill(ids, lens)
+            out = self.model.prefill(ids, lens, past=pasts if any(hits) else None)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
+            if cache is not None:
+                self.metrics.prefix_queries.inc(sum(len(job.prompt_ids) for job, _ in batch))
+                self.metrics.prefix_hits.inc(sum(hits))
         start = 0
         for row, (job, fut) in enumerate(batch):
-            end = start + len(job.prompt_ids)
+            end = start + lens[row]
             try:
+                if cache is not None:
+                    cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
                 generator = make_generator(job.params, device, stream=0)
                 first = sample(out.logits[row], job.params, generator)
-                self._ship(out, start, end, job, fut, first, prefill_s)
+                n, k_pe = _unshipped(out, start, end, pasts[row], job.cached_tokens)
+                self._ship(n, k_pe, job, fut, first, prefill_s, hits[row])
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
                     fut.set_exception(exc)
@@ -186,13 +208,13 @@ class PrefillWorker:
 
     def _ship(
         self,
-        out: PrefillOutput,
-        start: int,
-        end: int,
+        n: list[Tensor],
+        k_pe: list[Tensor],
         job: PrefillJob,
         fut: Future[PrefillDone],
         first: SampledToken,
         prefill_s: float,
+        reused: int,
     ) -> None:
         """Push the job's shards to every target rank without waiting for them.
 
@@ -201,19 +223,12 @@ class PrefillWorker:
         push one job after another). `fut` resolves when the last rank acknowledged, or fails
         with the first error; the shards' sends run on the pusher threads.
         """
-        # Only what the decode group lacks: TPLA / MLA-TP targets take tokens from the end of
-        # its cached prefix on; SP targets name those positions in their token ranges.
+        # n / k_pe cover what the decode group lacks: prompt positions [skip, N). SP targets
+        # name their positions in the prompt, so their ranges move by the same offset.
         skip = job.cached_tokens
+        rows = len(job.prompt_ids) - skip
         cut = [
-            cut_shard(
-                out.n,
-                out.k_pe,
-                start if t.token_ranges else start + skip,
-                end,
-                t,
-                job.request_id,
-                job.block_size,
-            )
+            cut_shard(n, k_pe, 0, rows, _shifted(t, skip), job.request_id, job.block_size)
             for t in job.targets
         ]
         shards = list(zip(staged_on_host(cut), job.targets, strict=True))
@@ -233,7 +248,7 @@ class PrefillWorker:
             raise
         if not sends:
             self._shipping.release()
-            self._shipped(fut, first, prefill_s, 0.0, sends)
+            self._shipped(fut, first, prefill_s, 0.0, sends, reused)
             return
         remaining = len(sends)
         lock = threading.Lock()
@@ -245,7 +260,7 @@ class PrefillWorker:
                 if remaining:
                     return
             self._shipping.release()
-            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends)
+            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends, reused)
 
         for send in sends:
             send.add_done_callback(arrived)
@@ -257,6 +272,7 @@ class PrefillWorker:
         prefill_s: float,
         transfer_s: float,
         sends: list[Future[int]],
+        reused: int,
     ) -> None:
         """Resolve a job once every one of its sends finished (on the pusher thread that
         finished the last one; on the batcher's when the job had nothing to send)."""
@@ -274,7 +290,32 @@ class PrefillWorker:
         with self._lock:
             self.transfer_bytes_total += sent
         if not fut.done():
-            fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
+            fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent, reused))
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
+
+
+def _unshipped(
+    out: PrefillOutput, start: int, end: int, past: PastLatents | None, skip: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """One prompt's latents from position `skip` (the decode group holds the rest) to its
+    end, per layer. Its rows [start, end) of `out` are positions [P, N) after a cached prefix
+    of P tokens; what the decode group lacks of that prefix comes from the cache."""
+    hit = past.length if past is not None else 0
+    if skip >= hit:
+        lo = start + skip - hit
+        return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
+    assert past is not None
+    return (
+        [torch.cat([p[skip:], n[start:end]]) for p, n in zip(past.n, out.n, strict=True)],
+        [torch.cat([p[skip:], k[start:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
+    )
+
+
+def _shifted(target: KvTargetInfo, skip: int) -> KvTargetInfo:
+    """An SP target with its token ranges counted from prompt position `skip`."""
+    if not target.token_ranges or not skip:
+        return target
+    ranges = tuple(max(x - skip, 0) for x in target.token_ranges)
+    return dataclasses.replace(target, token_ranges=ranges)
