@@ -162,6 +162,8 @@ def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None
             and len(ranks) == 2 * groups
             and all(w["healthy"] for w in ranks)
             and all(w["kv_blocks_used"] == 0 for w in leaders)
+            # Cached prefix blocks are free for reuse, never more than the pool.
+            and all(w["kv_blocks_cached"] <= w["kv_blocks_total"] for w in leaders)
             and len(pre) == prefill
             and all(_running(w["pid"]) for w in ws)
         ):

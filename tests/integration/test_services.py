@@ -57,7 +57,12 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         t = threading.Thread(
             target=serve_prefill,
             args=(str(model_dir), None, "127.0.0.1", port, redis_server.url),
-            kwargs={"transport": transport, "stop": stop, "heartbeat_s": 0.5},
+            kwargs={
+                "transport": transport,
+                "stop": stop,
+                "heartbeat_s": 0.5,
+                "prefix_cache_mb": 16.0,
+            },
             daemon=True,
         )
         t.start()
@@ -219,3 +224,8 @@ def test_worker_metrics_parse(stack) -> None:
     prefill = scrape(prefills["grpc"])
     # The disaggregated tests above pushed shards through this worker.
     assert prefill["tpla:kv_transfer_bytes_total[('transport', 'grpc')]"] > 0
+    # The prefix-reuse test hit both caches (tokens; queries count every looked-up token).
+    for scraped in (decode, prefill):
+        hits = scraped["tpla:prefix_cache_hits_total[]"]
+        assert 0 < hits <= scraped["tpla:prefix_cache_queries_total[]"]
+    assert decode["tpla:kv_blocks_cached[]"] > 0 and decode["tpla:kv_blocks_used[]"] == 0
