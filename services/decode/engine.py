@@ -290,10 +290,10 @@ class DecodeEngine:
 
         return self._call(run, timeout)
 
-    def cached_hashes(self, limit: int) -> list[int]:
+    def cached_hashes(self, limit: int, timeout: float | None = None) -> list[int]:
         """Up to `limit` block hashes this group holds, most recently used first (what it
-        publishes for KV-aware routing)."""
-        return self._call(lambda: self.pool.recent_hashes(limit))
+        publishes for KV-aware routing); EngineError if the loop does not answer in time."""
+        return self._call(lambda: self.pool.recent_hashes(limit), timeout)
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the loop thread between two decode steps and return its result: every

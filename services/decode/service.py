@@ -170,7 +170,7 @@ def rank_records(
         # Bounded: a loop stuck in a collective must not stop the heartbeat that reports it.
         load = engine.load(timeout=1.0)
         used, total, cached = load.blocks_used, load.blocks_total, load.blocks_cached
-        hashes = engine.cached_hashes(PUBLISHED_HASHES) if engine.cfg.prefix_cache else []
+        hashes = engine.cached_hashes(PUBLISHED_HASHES, 1.0) if engine.cfg.prefix_cache else []
     except EngineError:
         used, total, cached, stalled = 0, engine.pool.num_blocks, 0, True
         hashes = []
@@ -233,7 +233,7 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
     )
 
     def counters() -> dict[str, float]:
-        load = engine.load()
+        load = engine.load(timeout=1.0)
         return {
             "tpla:prefix_cache_queries": load.prefix_queried_tokens,
             "tpla:prefix_cache_hits": load.prefix_hit_tokens,
