@@ -192,3 +192,22 @@ def test_pool_without_an_index_is_unchanged() -> None:
     assert index.insert(1, 0) and not index.insert(1, 2) and not index.insert(3, 0)
     index.park(0)
     assert index.evict() == 0 and len(index) == 0
+
+
+def test_tpla_prefix_cache_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.settings import load_settings, placed
+    from services.decode.config import engine_config
+
+    assert engine_config(placed(load_settings(device="cpu"))).prefix_cache
+    monkeypatch.setenv("TPLA_PREFIX_CACHE", "0")
+    assert not engine_config(placed(load_settings(device="cpu"))).prefix_cache
+    pools = RankPools(8, BS, ranks=2, prefix_cache=False)
+    sched = Scheduler(pools, max_batch=8, max_model_len=100)
+    hashes = block_hashes(ROOT, list(range(8)), BS)
+    for rid in ("a", "b"):
+        sched.reserve(rid, 8, 1, 10.0, hashes)
+        sched.start(rid, 0)
+        assert sched.seqs[rid].cached_tokens == 0
+        sched.finish(rid)
+    assert pools.num_cached == 0 and pools.pools[0].num_free == 8
+    assert sched.prefix_queried_tokens == 0  # nothing was looked up
