@@ -84,11 +84,9 @@ class BlockPool:
     def state(self, block: int) -> BlockState:
         if self._refcount[block]:
             return BlockState.IN_USE
-        return (
-            BlockState.CACHED
-            if self.prefix is not None and block in self.prefix
-            else (BlockState.FREE)
-        )
+        if self.prefix is not None and block in self.prefix:
+            return BlockState.CACHED
+        return BlockState.FREE
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]

@@ -147,7 +147,9 @@ class DeepseekForCausalLM(nn.Module):
             q_nope, q_pe = attn.queries(x, self.rope, cos, sin)
             n, k_pe = attn.latents(x, self.rope, cos, sin)
             if any(starts):
-                o = _over_past(attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, self)
+                o = _over_past(
+                    attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, self.prefill_backend
+                )
             elif absorbed:
                 o = _absorbed_causal(attn, q_nope, q_pe, n, k_pe, cu)
             else:
@@ -185,7 +187,7 @@ def _over_past(
     pasts: list[PastLatents | None],
     layer: int,
     absorbed: bool,
-    model: DeepseekForCausalLM,
+    backend: PrefillAttentionBackend,
 ) -> Tensor:
     """Attention for a batch where some prompts continue a cached prefix: each prompt on its
     own, a prompt without a past exactly as in a batch without any."""
@@ -197,9 +199,7 @@ def _over_past(
             o = (
                 _absorbed_causal(attn, q_nope[rows], q_pe[rows], n[rows], k_pe[rows], span)
                 if absorbed
-                else attn.expanded(
-                    q_nope[rows], q_pe[rows], n[rows], k_pe[rows], span, model.prefill_backend
-                )
+                else attn.expanded(q_nope[rows], q_pe[rows], n[rows], k_pe[rows], span, backend)
             )
         else:
             n_all = torch.cat([past.n[layer].to(n.dtype), n[rows]])
