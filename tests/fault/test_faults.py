@@ -411,3 +411,41 @@ def test_the_stack_is_whole_after_the_faults(stack: LocalStack) -> None:
     assert all(p.status() != psutil.STATUS_ZOMBIE for p in procs)
     # 2 groups x (leader + follower) + 2 prefill + router + redis-server
     assert len(procs) == 8, [p.name() for p in procs]
+
+
+def test_repeated_prompts_go_to_the_group_holding_their_prefix(stack: LocalStack) -> None:
+    """KV-aware routing (the default policy) on the two groups: two prompts sent at once land
+    on different groups (the second sees the first's pending request); once the groups have
+    published their cached hashes, each prompt again goes where its prefix is, and the Redis
+    record says the whole prompt's full blocks were held there. (The least-loaded policy would
+    send both repeats to the same idle group, and one of them would miss.)"""
+    wait_recovered(stack)
+    prompts = [
+        f"prefix {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in (1, 2)
+    ]
+
+    def send(prompt: str) -> dict:
+        resp = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json=Client(stack.url, prompt, 4).body(stream=False),
+            timeout=CLIENT_TIMEOUT_S,
+        )
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def record(resp: dict) -> dict:
+        return httpx.get(f"{stack.url}/admin/requests/{resp['id']}", timeout=10).json()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = list(pool.map(send, prompts))
+    groups = {record(r)["decode_group"] for r in first}
+    assert len(groups) == 2, groups
+    time.sleep(2.0)  # a heartbeat (0.5 s) and a router refresh (0.5 s), with room to spare
+    for prompt, before in zip(prompts, first, strict=True):
+        again = send(prompt)
+        rec = record(again)
+        assert rec["decode_group"] == record(before)["decode_group"]
+        full_blocks = 16 * (again["usage"]["prompt_tokens"] // 16)
+        assert int(rec["decode_cached_tokens"]) == full_blocks
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks
+        assert again["choices"][0]["message"] == before["choices"][0]["message"]
