@@ -99,3 +99,33 @@ def test_cached_prefix_ships_what_the_decode_group_lacks(model, layout) -> None:
         assert skipped == (16 if layout is _tpla else 8)
         torch.testing.assert_close(tail, full[:, skipped:], atol=2e-5, rtol=1e-4)
         assert ("warm-decode-has-40", rank) not in cached_sender.shards
+
+
+def test_latent_cache_stays_within_its_budget_least_recently_used_first() -> None:
+    layers, bs, width = 2, 4, 6
+    block_bytes = layers * bs * width * 4  # fp32
+    cache = LatentPrefixCache(root=1, budget_bytes=3 * block_bytes, block_size=bs)
+
+    def latents(tokens: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        n = [torch.randn(tokens, 4, generator=g) for _ in range(layers)]
+        return n, [torch.randn(tokens, 2, generator=g) for _ in range(layers)]
+
+    a, b = list(range(13)), [50 + t for t in range(9)]  # 3 and 2 full blocks
+    n_a, k_a = latents(13, 0)
+    cache.store(cache.hashes(a), n_a, k_a, first=0, rows=0)
+    assert len(cache) == 3 and cache.bytes == 3 * block_bytes
+    past = cache.lookup(cache.hashes(a), len(a))
+    assert past is not None and past.length == 12
+    torch.testing.assert_close(past.n[1], n_a[1][:12])
+    torch.testing.assert_close(past.k_pe[0], k_a[0][:12])
+    # A prompt of exactly 12 tokens reuses at most 8: its last token is always computed.
+    assert cache.lookup(cache.hashes(a[:12]), 12).length == 8  # type: ignore[union-attr]
+    n_b, k_b = latents(9, 1)
+    cache.store(cache.hashes(b), n_b, k_b, first=0, rows=0)  # evicts a's two oldest
+    assert len(cache) == 3 and cache.bytes <= 3 * block_bytes
+    # a's chain was touched parents last, so its deepest blocks went first: block 0 remains.
+    kept = cache.lookup(cache.hashes(a), len(a))
+    assert kept is not None and kept.length == 4
+    assert cache.lookup(cache.hashes(b), len(b)).length == 8  # type: ignore[union-attr]
+    assert cache.lookup(cache.hashes([7, *a[1:]]), 13) is None  # another first block
