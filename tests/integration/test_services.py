@@ -154,6 +154,35 @@ def test_prefix_reuse_ships_only_missing_blocks_and_keeps_output(stack, transpor
     assert used == 0 and cached >= 4  # nothing held by a live request; the prefixes stay
 
 
+def test_aborts_and_failures_leave_the_cache_consistent(stack) -> None:
+    """Two live reservations share the cached prefix of the prompt above (its blocks leave
+    the evictable set while referenced); one prefill fails, both are aborted: nothing is
+    held and exactly the same blocks are cached again."""
+    _, decode_addr, prefills, _ = stack
+    base = [5 + (7 * i + len("grpc")) % 90 for i in range(29)]  # cached by the test above
+
+    async def check() -> None:
+        decode, prefill = DecodeClient(decode_addr), PrefillClient(prefills["grpc"])
+        try:
+            before = await decode.load()
+            assert before.blocks_used == 0 and before.blocks_cached >= 3
+            one = await decode.reserve("share-1", len(base), 4, prompt_ids=base)
+            two = await decode.reserve("share-2", len(base), 4, prompt_ids=base)
+            assert one.cached_tokens == two.cached_tokens == 24
+            during = await decode.load()
+            assert during.blocks_cached == before.blocks_cached - 3  # referenced: not evictable
+            with pytest.raises(Exception, match=r"overflows|rejected|reserve for this prompt"):
+                await prefill.prefill("share-2", list(range(1, 60)), GREEDY, two)
+            assert await decode.abort("share-2") and await decode.abort("share-1")
+            after = await decode.load()
+            assert (after.blocks_used, after.blocks_cached) == (0, before.blocks_cached)
+        finally:
+            await decode.close()
+            await prefill.close()
+
+    asyncio.run(check())
+
+
 def test_registry_and_load(stack) -> None:
     _, decode_addr, _, redis_server = stack
     registry = WorkerRegistry(redis.Redis.from_url(redis_server.url))
