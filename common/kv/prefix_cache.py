@@ -19,9 +19,14 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 _DIGEST_BYTES = 8  # 64-bit hashes: compact to publish, collisions negligible at cache sizes
+# Block hashes a worker publishes for KV-aware routing, at most: its most recently used
+# prefixes. Bounded so its registry record stays small (17 bytes of hex each, ~70 KB) while
+# covering a few thousand blocks, tens of thousands of prompt tokens.
+PUBLISHED_HASHES = 4096
 
 
 def _digest(data: bytes) -> int:
@@ -78,6 +83,34 @@ def format_hashes(hashes: Sequence[int]) -> str:
 
 def parse_hashes(text: str) -> frozenset[int]:
     return frozenset(int(h, 16) for h in text.split(",") if h)
+
+
+@dataclass(frozen=True)
+class PublishedPrefixes:
+    """What a worker published of its cache: its chain root, block size and block hashes."""
+
+    root: int = 0
+    block_size: int = 0
+    hashes: frozenset[int] = frozenset()
+
+    @classmethod
+    def parse(cls, root: str, block_size: int, hashes: str) -> PublishedPrefixes:
+        return cls(int(root, 16) if root else 0, block_size, parse_hashes(hashes))
+
+    def cached_tokens(self, prompt: Sequence[int], chains: dict[tuple[int, int], list[int]]) -> int:
+        """Leading tokens of `prompt` this worker holds (whole blocks); `chains` memoizes the
+        prompt's hash chain per (root, block size) across the workers of one decision."""
+        if not self.hashes or self.block_size < 1:
+            return 0
+        key = (self.root, self.block_size)
+        if key not in chains:
+            chains[key] = block_hashes(self.root, prompt, self.block_size)
+        count = 0
+        for h in chains[key]:
+            if h not in self.hashes:
+                break
+            count += 1
+        return count * self.block_size
 
 
 class PrefixIndex:

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from common import group_files
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
-from common.kv.prefix_cache import format_hashes
+from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes
 from common.metrics import (
     PREFIX_CACHE_HELP,
     CounterCallback,
@@ -150,11 +150,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             blocks_cached=load.blocks_cached,
         )
 
-
-# Block hashes a group publishes for KV-aware routing, at most: its most recently used
-# prefixes. Bounded so its registry record stays small (17 bytes of hex each, ~70 KB) while
-# covering a few thousand blocks, tens of thousands of prompt tokens.
-PUBLISHED_HASHES = 4096
 
 # A decode step this long means a rank hangs (a step takes milliseconds to a second): the
 # group reports unhealthy so routers stop sending it work while its collective times out.

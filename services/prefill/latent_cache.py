@@ -8,11 +8,14 @@ shards can still include any of the prefix the decode group lacks.
 
 Lifecycle of a block: stored after the prefill that computed it -> reused (and moved to the
 recent end) by every prompt that shares it -> evicted, least recently used first, when the
-budget needs room. Only the batcher thread uses it, so it takes no lock.
+budget needs room. The batcher thread reads and writes it; the heartbeat reads which
+blocks it holds (`recent`), under the lock that guards its index.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -33,6 +36,7 @@ class LatentPrefixCache:
         self._blocks: OrderedDict[int, Tensor] = OrderedDict()  # oldest use first
         self.bytes = 0
         self.d_c = 0  # the latent width, learned from the first stored block
+        self._lock = threading.Lock()  # the index, against `recent` on another thread
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -45,15 +49,16 @@ class LatentPrefixCache:
         to compute (its logits give the first token); None on a miss."""
         usable = min(len(hashes), (prompt_len - 1) // self.block_size)
         found: list[Tensor] = []
-        for h in hashes[:usable]:
-            block = self._blocks.get(h)
-            if block is None:
-                break
-            found.append(block)
+        with self._lock:
+            for h in hashes[:usable]:
+                block = self._blocks.get(h)
+                if block is None:
+                    break
+                found.append(block)
+            for h in reversed(hashes[: len(found)]):  # parents end up more recent
+                self._blocks.move_to_end(h)
         if not found:
             return None
-        for h in reversed(hashes[: len(found)]):  # parents end up more recent than children
-            self._blocks.move_to_end(h)
         kv = torch.cat(found, dim=1)  # [L, P, d_c + d_r]
         layers = range(kv.shape[0])
         return PastLatents(
@@ -78,7 +83,8 @@ class LatentPrefixCache:
             if b * bs < first:
                 continue  # part of the cached prefix this prompt reused
             if h in self._blocks:
-                self._blocks.move_to_end(h)
+                with self._lock:
+                    self._blocks.move_to_end(h)
                 continue
             lo = rows + b * bs - first
             block = torch.stack(
@@ -90,11 +96,19 @@ class LatentPrefixCache:
             size = block.numel() * block.element_size()
             if size > self.budget_bytes:
                 return
-            while self.bytes + size > self.budget_bytes:
-                _, old = self._blocks.popitem(last=False)
-                self.bytes -= old.numel() * old.element_size()
-            self._blocks[h] = block
-            self.bytes += size
-        for h in reversed(hashes):  # parents end up more recent than children
-            if h in self._blocks:
-                self._blocks.move_to_end(h)
+            with self._lock:
+                while self.bytes + size > self.budget_bytes:
+                    _, old = self._blocks.popitem(last=False)
+                    self.bytes -= old.numel() * old.element_size()
+                self._blocks[h] = block
+                self.bytes += size
+        with self._lock:
+            for h in reversed(hashes):  # parents end up more recent than children
+                if h in self._blocks:
+                    self._blocks.move_to_end(h)
+
+    def recent(self, limit: int) -> list[int]:
+        """Up to `limit` cached block hashes, most recently used first (what the worker
+        publishes for KV-aware routing)."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._blocks), limit))

@@ -14,13 +14,14 @@ import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import redis
 from prometheus_client import CollectorRegistry
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
-from common.kv.prefix_cache import model_identity
+from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes, model_identity
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import PrefillMetrics, serve_metrics
 from common.ports import bind_grpc, check_ports, prefill_worker_ports
@@ -87,6 +88,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillLoad(
             queued_requests=self.worker.queued_requests, queued_tokens=self.worker.queued_tokens
         )
+
+
+def _published(cache: LatentPrefixCache | None) -> dict[str, Any]:
+    """The registry record's prefix fields: the latent cache's root, block size and most
+    recently used block hashes, for KV-aware routing of prefills."""
+    if cache is None:
+        return {}
+    return {
+        "prefix_root": f"{cache.root:x}",
+        "block_size": cache.block_size,
+        "prefix_hashes": format_hashes(cache.recent(PUBLISHED_HASHES)),
+    }
 
 
 def serve_prefill(
@@ -159,6 +172,7 @@ def serve_prefill(
                     pid=os.getpid(),
                     queued_tokens=worker.queued_tokens,
                     model=model_dir,
+                    **_published(worker.prefix_cache),
                 )
             ],
             heartbeat_s,

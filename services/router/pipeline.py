@@ -435,7 +435,7 @@ class Pipeline:
         assert group is not None and reservation is not None
         tried: set[str] = set()
         inflight = self.directory.prefill_inflight
-        worker = self.policy.choose_prefill(self.directory.snapshot, inflight)
+        worker = self.policy.choose_prefill(self.directory.snapshot, inflight, prompt=prompt_ids)
         remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
         while True:
             # Counted before the first await: the other requests of a burst choose while
@@ -467,7 +467,7 @@ class Pipeline:
                     raise
                 try:
                     worker = self.policy.choose_prefill(
-                        self.directory.snapshot, inflight, frozenset(tried)
+                        self.directory.snapshot, inflight, frozenset(tried), prompt_ids
                     )
                 except Unavailable:
                     raise exc from None

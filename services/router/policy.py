@@ -11,10 +11,10 @@ import abc
 import itertools
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.errors import Unavailable
-from common.kv.prefix_cache import block_hashes, parse_hashes
+from common.kv.prefix_cache import PublishedPrefixes
 from common.redis_state import WorkerRecord, WorkerRole
 
 
@@ -28,22 +28,12 @@ class DecodeGroup:
     kv_blocks_total: int
     healthy: bool
     block_size: int = 0
-    # Its block-hash chain root and the cached block hashes it published (bounded).
-    prefix_root: int = 0
-    prefix_hashes: frozenset[int] = frozenset()
+    # The cached blocks it published.
+    prefix: PublishedPrefixes = field(default_factory=PublishedPrefixes)
 
     @property
     def free_blocks(self) -> int:
         return max(self.kv_blocks_total - self.kv_blocks_used, 0)
-
-    def cached_blocks(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of a prompt's chain (`hashes`) the group holds."""
-        count = 0
-        for h in hashes:
-            if h not in self.prefix_hashes:
-                break
-            count += 1
-        return count
 
 
 @dataclass(frozen=True)
@@ -53,6 +43,10 @@ class WorkerSnapshot:
     decode_groups: tuple[DecodeGroup, ...] = ()
     prefill: tuple[WorkerRecord, ...] = ()
     records: tuple[WorkerRecord, ...] = ()
+    # Each prefill worker's published latent-cache blocks, by worker id.
+    prefill_prefixes: Mapping[str, PublishedPrefixes] = field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
 
     @classmethod
     def from_records(cls, records: Iterable[WorkerRecord]) -> WorkerSnapshot:
@@ -69,14 +63,18 @@ class WorkerSnapshot:
                 kv_blocks_total=r.kv_blocks_total,
                 healthy=r.healthy and (r.group_id or r.worker_id) not in sick,
                 block_size=r.block_size,
-                prefix_root=int(r.prefix_root, 16) if r.prefix_root else 0,
-                prefix_hashes=parse_hashes(r.prefix_hashes),
+                prefix=PublishedPrefixes.parse(r.prefix_root, r.block_size, r.prefix_hashes),
             )
             for r in decode
             if r.rank == 0
         )
         prefill = tuple(r for r in records if r.role is WorkerRole.PREFILL)
-        return cls(groups, prefill, records)
+        prefixes = {
+            r.worker_id: PublishedPrefixes.parse(r.prefix_root, r.block_size, r.prefix_hashes)
+            for r in prefill
+            if r.prefix_hashes
+        }
+        return cls(groups, prefill, records, types.MappingProxyType(prefixes))
 
     def healthy_groups(self) -> list[DecodeGroup]:
         return [g for g in self.decode_groups if g.healthy]
@@ -109,8 +107,14 @@ class RoutingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def pick_prefill(
-        self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
-    ) -> WorkerRecord: ...
+        self,
+        workers: Sequence[WorkerRecord],
+        pending: Mapping[str, int],
+        prompt: Sequence[int] = (),
+        prefixes: Mapping[str, PublishedPrefixes] = types.MappingProxyType({}),
+    ) -> WorkerRecord:
+        """`prompt` and `prefixes` (each worker's published cache) for policies that weigh
+        cached prefixes."""
 
     def choose_decode(
         self,
@@ -129,11 +133,12 @@ class RoutingPolicy(abc.ABC):
         snapshot: WorkerSnapshot,
         pending: Mapping[str, int],
         exclude: frozenset[str] = frozenset(),
+        prompt: Sequence[int] = (),
     ) -> WorkerRecord:
         workers = snapshot.healthy_prefill(exclude)
         if not workers:
             raise Unavailable("no healthy prefill worker is available", code="no_prefill_worker")
-        return self.pick_prefill(workers, pending)
+        return self.pick_prefill(workers, pending, prompt, snapshot.prefill_prefixes)
 
 
 class LeastLoadedPolicy(RoutingPolicy):
@@ -150,7 +155,11 @@ class LeastLoadedPolicy(RoutingPolicy):
         return min(groups, key=lambda g: (-g.free_blocks, pending.get(g.group_id, 0), g.group_id))
 
     def pick_prefill(
-        self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
+        self,
+        workers: Sequence[WorkerRecord],
+        pending: Mapping[str, int],
+        prompt: Sequence[int] = (),
+        prefixes: Mapping[str, PublishedPrefixes] = types.MappingProxyType({}),
     ) -> WorkerRecord:
         return min(
             workers,
@@ -159,16 +168,18 @@ class LeastLoadedPolicy(RoutingPolicy):
 
 
 class KvAwarePolicy(LeastLoadedPolicy):
-    """Decode group by prefix overlap against load, in the manner of Dynamo's KV router:
+    """Workers by prefix overlap against load, in the manner of Dynamo's KV router:
 
-        cost(g) = overlap_weight * (prompt blocks g must receive) + (blocks g's live
-                  requests hold) + (requests sent since the snapshot) * (prompt blocks)
+        decode group  cost = overlap_weight * (prompt blocks it must receive)
+                             + (blocks its live requests hold)
+                             + (requests sent since the snapshot) * (prompt blocks)
+        prefill       cost = (tokens queued there, as `LeastLoadedPolicy` counts them)
+                             + overlap_weight * (prompt tokens it must compute)
 
-    A group that holds a prompt's prefix (from its published hashes) is cheaper by the
-    blocks it need not receive; a loaded group costs its load. The lowest cost wins, ties to
-    the least pending, then the lowest id. Prefill workers as `LeastLoadedPolicy`.
-    The published hashes may lag by a heartbeat: a wrong guess costs only a miss, since the
-    group's Reserve answers what it really holds."""
+    A worker that holds a prompt's prefix (from its published hashes) is cheaper by the work
+    it need not do; a loaded one costs its load. The lowest cost wins, then the least pending,
+    then the lowest id. The published hashes may lag by a heartbeat: a wrong guess costs only
+    a miss, since the worker reuses only what it really holds."""
 
     name = "kv-aware"
 
@@ -180,22 +191,34 @@ class KvAwarePolicy(LeastLoadedPolicy):
     def pick_decode(
         self, groups: Sequence[DecodeGroup], pending: Mapping[str, int], prompt: Sequence[int] = ()
     ) -> DecodeGroup:
-        chains: dict[tuple[int, int], list[int]] = {}
+        chains: dict[tuple[int, int], list[int]] = {}  # workers of one model share a chain
 
         def cost(g: DecodeGroup) -> tuple[float, int, str]:
             bs = g.block_size or 16
             prompt_blocks = -(-len(prompt) // bs)
-            cached = 0
-            if prompt and g.prefix_hashes and g.block_size:
-                key = (g.prefix_root, bs)
-                if key not in chains:  # groups of one model share a chain: hashed once
-                    chains[key] = block_hashes(g.prefix_root, prompt, bs)
-                cached = g.cached_blocks(chains[key])
+            cached = g.prefix.cached_tokens(prompt, chains) // bs
             waiting = pending.get(g.group_id, 0)
             load = g.kv_blocks_used + waiting * prompt_blocks
             return (self.overlap_weight * (prompt_blocks - cached) + load, waiting, g.group_id)
 
         return min(groups, key=cost)
+
+    def pick_prefill(
+        self,
+        workers: Sequence[WorkerRecord],
+        pending: Mapping[str, int],
+        prompt: Sequence[int] = (),
+        prefixes: Mapping[str, PublishedPrefixes] = types.MappingProxyType({}),
+    ) -> WorkerRecord:
+        chains: dict[tuple[int, int], list[int]] = {}
+        empty = PublishedPrefixes()
+
+        def cost(w: WorkerRecord) -> tuple[float, str]:
+            cached = prefixes.get(w.worker_id, empty).cached_tokens(prompt, chains)
+            queued = max(w.queued_tokens, pending.get(w.worker_id, 0))
+            return (queued + self.overlap_weight * (len(prompt) - cached), w.worker_id)
+
+        return min(workers, key=cost)
 
 
 class RoundRobinPolicy(RoutingPolicy):
@@ -214,7 +237,11 @@ class RoundRobinPolicy(RoutingPolicy):
         return ordered[next(self._decode_turn) % len(ordered)]
 
     def pick_prefill(
-        self, workers: Sequence[WorkerRecord], pending: Mapping[str, int]
+        self,
+        workers: Sequence[WorkerRecord],
+        pending: Mapping[str, int],
+        prompt: Sequence[int] = (),
+        prefixes: Mapping[str, PublishedPrefixes] = types.MappingProxyType({}),
     ) -> WorkerRecord:
         ordered = sorted(workers, key=lambda w: w.worker_id)
         return ordered[next(self._prefill_turn) % len(ordered)]

@@ -414,11 +414,12 @@ def test_the_stack_is_whole_after_the_faults(stack: LocalStack) -> None:
 
 
 def test_repeated_prompts_go_to_the_group_holding_their_prefix(stack: LocalStack) -> None:
-    """KV-aware routing (the default policy) on the two groups: two prompts sent at once land
-    on different groups (the second sees the first's pending request); once the groups have
-    published their cached hashes, each prompt again goes where its prefix is, and the Redis
-    record says the whole prompt's full blocks were held there. (The least-loaded policy would
-    send both repeats to the same idle group, and one of them would miss.)"""
+    """KV-aware routing (the default policy) on the two groups and the two prefill workers:
+    two prompts sent at once land on different ones (the second sees the first's pending
+    request); once they have published their cached hashes, each prompt again goes where its
+    prefix is, and the Redis record says the decode group held the whole prompt's full blocks
+    and the prefill worker reused its latents. (The least-loaded policy would send both
+    repeats to the same idle group and worker, and one of them would miss.)"""
     wait_recovered(stack)
     prompts = [
         f"prefix {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in (1, 2)
@@ -440,11 +441,14 @@ def test_repeated_prompts_go_to_the_group_holding_their_prefix(stack: LocalStack
         first = list(pool.map(send, prompts))
     groups = {record(r)["decode_group"] for r in first}
     assert len(groups) == 2, groups
+    assert len({record(r)["prefill_worker"] for r in first}) == 2
     time.sleep(2.0)  # a heartbeat (0.5 s) and a router refresh (0.5 s), with room to spare
     for prompt, before in zip(prompts, first, strict=True):
         again = send(prompt)
         rec = record(again)
         assert rec["decode_group"] == record(before)["decode_group"]
+        assert rec["prefill_worker"] == record(before)["prefill_worker"]
+        assert int(rec["prefill_cached_tokens"]) >= 16
         full_blocks = 16 * (again["usage"]["prompt_tokens"] // 16)
         assert int(rec["decode_cached_tokens"]) == full_blocks
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks

@@ -124,7 +124,7 @@ def test_kv_aware_weighs_prefix_overlap_against_load() -> None:
     snap = WorkerSnapshot.from_records(
         [group("g1", used=10, cached=4), group("g2", used=8, cached=0), prefill("p1")]
     )
-    assert snap.decode_groups[0].cached_blocks(chain) == 4
+    assert snap.decode_groups[0].prefix.cached_tokens(prompt, {}) == 64
     policy = make_policy("kv-aware", overlap_weight=1.0)
     assert isinstance(policy, KvAwarePolicy)
     # g1 holds the whole prompt: 0 blocks to receive + 10 held < 4 + 8.
@@ -155,3 +155,32 @@ def test_kv_aware_weighs_prefix_overlap_against_load() -> None:
         ]
     )
     assert policy.choose_decode(other, {}, prompt=prompt).group_id == "g2"
+
+
+def test_kv_aware_sends_a_prompt_to_the_prefill_worker_holding_its_prefix() -> None:
+    root = root_hash("tiny-prefill")
+    prompt = list(range(100))
+    chain = block_hashes(root, prompt, 16)  # 6 full blocks: 96 tokens
+
+    def worker(name: str, queued: int, cached: int) -> WorkerRecord:
+        return WorkerRecord(
+            name,
+            WorkerRole.PREFILL,
+            f"{name}:1",
+            queued_tokens=queued,
+            block_size=16,
+            prefix_root=f"{root:x}",
+            prefix_hashes=format_hashes(chain[:cached]),
+        )
+
+    snap = WorkerSnapshot.from_records([worker("p1", 50, 6), worker("p2", 0, 0)])
+    policy = KvAwarePolicy()
+    # p1: 50 queued + 4 to compute < p2: 0 + 100.
+    assert policy.choose_prefill(snap, {}, prompt=prompt).worker_id == "p1"
+    assert policy.choose_prefill(snap, {}).worker_id == "p2"  # no prompt: load alone
+    busy = WorkerSnapshot.from_records([worker("p1", 500, 6), worker("p2", 0, 0)])
+    assert policy.choose_prefill(busy, {}, prompt=prompt).worker_id == "p2"
+    # This router's tokens in flight count as queued there.
+    assert policy.choose_prefill(snap, {"p1": 400}, prompt=prompt).worker_id == "p2"
+    # Least-loaded ignores the prefix.
+    assert LeastLoadedPolicy().choose_prefill(snap, {}, prompt=prompt).worker_id == "p2"
