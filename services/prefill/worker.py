@@ -1,8 +1,11 @@
 """The prefill worker's core: batch prompts, run exact MLA, sample, ship per-rank shards.
 
 Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
-one packed exact prefill -> first token sampled with the request's params -> the latent cut
-into each decode rank's shard (its latent columns, or its token ranges in SP mode) and pushed
+its longest cached prefix looked up in the latent prefix cache (if any) -> one packed exact
+prefill of the batch's new tokens, each over its cached prefix -> its new full blocks stored
+in the cache -> first token sampled with the request's params -> the latents the decode group
+lacks (from its Reserve answer on: cached prefix and new tokens alike) cut into each decode
+rank's shard (its latent columns, or its token ranges in SP mode) and pushed
 over the chosen transport, all ranks and all of the batch's jobs in parallel, while the next
 batch already runs -> the job's future resolves when its last shard is acknowledged. A failed
 push fails only its job; the decode side frees the reservation by lease or by the router's
