@@ -38,6 +38,9 @@ class DecodeLoad:
     tp: int = 1
     latent_groups: int = 1
     parallel: str = ""
+    blocks_cached: int = 0  # cached prefix blocks no live request holds (evictable)
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens found cached
 
     @property
     def usage_ratio(self) -> float:

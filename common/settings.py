@@ -75,6 +75,20 @@ class Settings(BaseSettings):
     group_join_timeout_s: float = Field(
         300.0, gt=0, description="longest wait for every rank of a group to join (or its leader)"
     )
+    prefix_cache: bool = Field(
+        True,
+        description="reuse cached prompt prefixes: decode groups keep finished prompts' "
+        "blocks (evicted least recently used), prefill workers keep their latents",
+    )
+    prefix_cache_mb: float = Field(
+        256.0, ge=0, description="prefill worker's latent prefix cache budget (0 = none)"
+    )
+    overlap_weight: float = Field(
+        1.0,
+        ge=0,
+        description="kv-aware routing: cost of one prompt block a group must receive, "
+        "against one KV block it holds for live requests",
+    )
 
     # -- local stack (`tpla serve`) ------------------------------------------------------------
     decode_groups: int = Field(1, ge=1, description="decode groups `tpla serve` starts")
@@ -97,7 +111,10 @@ class Settings(BaseSettings):
     max_waiting: int = Field(256, ge=0, description="admitted requests waiting for a slot")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait for a slot or KV")
     max_inflight_per_group: int = Field(64, ge=1, description="per decode group, per router")
-    routing_policy: str = Field("least-loaded", description="least-loaded | round-robin")
+    routing_policy: str = Field(
+        "kv-aware",
+        description="kv-aware (prefix overlap against load) | least-loaded | round-robin",
+    )
     request_timeout_s: float = Field(300.0, gt=0)
     # A stream that stalls this long (a hung rank, a stopped process) fails instead of hanging.
     token_timeout_s: float = Field(30.0, gt=0, description="longest gap between two tokens")

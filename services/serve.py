@@ -108,6 +108,8 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
         "PREFILL_BATCH_TOKENS": s.prefill_batch_tokens,
         "KV_BUDGET_MB": s.kv_budget_mb,
         "MAX_BATCH": s.max_batch,
+        "PREFIX_CACHE": s.prefix_cache,
+        "PREFIX_CACHE_MB": s.prefix_cache_mb,
     }
     env.update({f"TPLA_{k}": str(v) for k, v in values.items()})
     env.setdefault("OMP_NUM_THREADS", str(s.torch_threads))

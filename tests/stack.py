@@ -75,9 +75,11 @@ def services_in_threads(
     token: str | None = None,
     heartbeat_s: float | None = None,
     start_timeout_s: float = 300,
+    prefix_cache_mb: float = 0.0,
 ) -> Iterator[Services]:
     """The decode group of `cfg` and one prefill worker per KV transport on `cfg.model`, each
-    serving from a thread; all stop when the block ends, also when start-up failed."""
+    serving from a thread; all stop when the block ends, also when start-up failed.
+    `prefix_cache_mb`: each prefill worker's latent prefix cache (0: none)."""
     stop, ready = threading.Event(), threading.Event()
     extra = {} if heartbeat_s is None else {"heartbeat_s": heartbeat_s}
     decode_port = free_port()
@@ -96,7 +98,13 @@ def services_in_threads(
             threading.Thread(
                 target=serve_prefill,
                 args=(cfg.model, None, "127.0.0.1", port, redis_url),
-                kwargs={"transport": transport, "token": token, "stop": stop, **extra},
+                kwargs={
+                    "transport": transport,
+                    "token": token,
+                    "stop": stop,
+                    "prefix_cache_mb": prefix_cache_mb,
+                    **extra,
+                },
                 daemon=True,
             )
         )

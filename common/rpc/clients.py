@@ -54,12 +54,21 @@ class DecodeClient:
         self._md = _metadata(token)
 
     async def reserve(
-        self, request_id: str, prompt_len: int, max_tokens: int, timeout: float = 10.0
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        timeout: float = 10.0,
+        prompt_ids: Sequence[int] = (),
     ) -> ReservationInfo:
+        """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them."""
         try:
             msg = await self._stub.Reserve(
                 decode_pb2.ReserveRequest(
-                    request_id=request_id, prompt_len=prompt_len, max_tokens=max_tokens
+                    request_id=request_id,
+                    prompt_len=prompt_len,
+                    max_tokens=max_tokens,
+                    prompt_ids=list(prompt_ids),
                 ),
                 timeout=timeout,
                 metadata=self._md,

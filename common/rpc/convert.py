@@ -43,6 +43,7 @@ class ReservationInfo:
     dtype: str
     lease_seconds: float
     targets: tuple[KvTargetInfo, ...]
+    cached_tokens: int = 0  # leading prompt tokens the group holds already: not shipped
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class PrefillResult:
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
+    cached_tokens: int = 0  # leading prompt tokens the prefill reused from its own cache
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -151,6 +153,7 @@ def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> ReservationInfo:
         msg.dtype,
         msg.lease_seconds,
         tuple(target_from_pb(t) for t in msg.targets),
+        msg.cached_tokens,
     )
 
 
@@ -163,6 +166,7 @@ def reservation_to_pb(r: ReservationInfo) -> decode_pb2.ReserveResponse:
         dtype=r.dtype,
         lease_seconds=r.lease_seconds,
         targets=[target_to_pb(t) for t in r.targets],
+        cached_tokens=r.cached_tokens,
     )
 
 
@@ -172,6 +176,7 @@ def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
         prefill_seconds=r.prefill_seconds,
         transfer_seconds=r.transfer_seconds,
         transfer_bytes=r.transfer_bytes,
+        cached_tokens=r.cached_tokens,
     )
 
 
@@ -181,6 +186,7 @@ def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
         msg.prefill_seconds,
         msg.transfer_seconds,
         msg.transfer_bytes,
+        msg.cached_tokens,
     )
 
 

@@ -127,6 +127,8 @@ class EngineConfig:
     advertise_host: str = ""
     kv_port_base: int | None = None
     internal_token: str | None = None
+    # Keep finished prompts' full blocks for reuse by later prompts (common.kv.prefix_cache).
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.launch is Launch.JOIN and self.collectives == "shm":
@@ -211,6 +213,7 @@ def engine_config(s: Settings) -> EngineConfig:
         advertise_host=s.advertise_host,
         kv_port_base=s.kv_port_base,
         internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
+        prefix_cache=s.prefix_cache,
     )
 
 

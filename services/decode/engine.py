@@ -1,7 +1,9 @@
 """The decode engine: a leader (rank 0, in this process) driving a TP group of ranks.
 
 API (thread-safe; the decode gRPC servicer is a thin shell over it):
-    reserve(request_id, prompt_len, max_tokens) -> Reservation    blocks on every rank, leased
+    reserve(request_id, prompt_len, max_tokens, prompt_ids) -> Reservation
+                                               blocks on every rank, leased; reuses the
+                                               longest cached prefix of prompt_ids
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
     generate(request_id, first_token, params) -> TokenStream      streams tokens as sampled
     abort(request_id)                          at any time; blocks are freed
@@ -42,6 +44,7 @@ from common.decode_api import TokenEvent
 from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
+from common.kv.prefix_cache import block_hashes, model_identity
 from common.model.args import ModelConfig
 from common.ports import PortUse, check_ports, free_port
 from common.rpc.convert import KvTargetInfo
@@ -124,7 +127,10 @@ class DecodeEngine:
             cfg.block_size,
             par.tp,
             par.chunk_size if par.sp else None,
+            prefix_cache=cfg.prefix_cache,
         )
+        # The root of this group's block hash chains: the model and its side file.
+        self.prefix_root = model_identity(cfg.model, cfg.reparam) if cfg.prefix_cache else 0
         self.scheduler = Scheduler(self.pool, cfg.max_batch, max_len)
         self._active: dict[str, _Active] = {}
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
@@ -158,29 +164,51 @@ class DecodeEngine:
 
     # -- public API --------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, prompt_len: int, max_tokens: int) -> Reservation:
+    def reserve(
+        self, request_id: str, prompt_len: int, max_tokens: int, prompt_ids: Sequence[int] = ()
+    ) -> Reservation:
+        """Blocks for the request on every rank. With `prompt_ids` (and prefix caching on),
+        the blocks of the longest cached prefix are reused: `cached_tokens` of them."""
+        if prompt_ids and len(prompt_ids) != prompt_len:
+            raise SchedulerError(f"{len(prompt_ids)} prompt ids for a prompt of {prompt_len}")
+        hashes = (
+            block_hashes(self.prefix_root, prompt_ids, self.cfg.block_size)
+            if self.cfg.prefix_cache
+            else []
+        )
+
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
-            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline)
+            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, hashes)
             width = self.runtime.layout.latent_width
             return Reservation(
-                request_id, self.cfg.block_size, tables, [width] * self.cfg.parallel.tp
+                request_id,
+                self.cfg.block_size,
+                tables,
+                [width] * self.cfg.parallel.tp,
+                self.scheduler.seqs[request_id].cached_tokens,
             )
 
         return self._call(run)
 
     def kv_targets(self, reservation: Reservation, prompt_len: int) -> list[KvTargetInfo]:
-        """Where each rank's shard of a reserved request goes, and which part it is."""
-        par = self.cfg.parallel
+        """Where each rank's shard of a reserved request goes, and which part it is: the
+        prompt tokens after the cached prefix, into the blocks after the cached ones (the
+        prefix is whole blocks on every rank, so the shard starts at a block boundary)."""
+        cfg, par = self.cfg, self.cfg.parallel
         d_c = self.runtime.model.config.kv_lora_rank
+        cached = reservation.cached_tokens
         targets = []
-        for rank, blocks in enumerate(reservation.block_tables):
+        for rank, table in enumerate(reservation.block_tables):
             cols = rank_latent_columns(par, rank, d_c)
+            blocks = table[self.pool.local_tokens(rank, cached) // cfg.block_size :]
             ranges: tuple[int, ...] = ()
             if par.sp:
                 owned = owned_ranges(prompt_len, rank, par.chunk_size, par.tp)
                 # An empty list means "every token" on the wire, so "none" is (0, 0).
-                ranges = tuple(x for pair in owned for x in pair) or (0, 0)
+                ranges = tuple(
+                    x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)
+                ) or (0, 0)
             grpc_addr, torch_addr = self.kv_endpoints[rank]
             targets.append(
                 KvTargetInfo(
@@ -208,7 +236,8 @@ class DecodeEngine:
             if not 0 <= rank < self.cfg.parallel.tp:
                 raise SchedulerError(f"rank {rank} is outside the group of {self.cfg.parallel.tp}")
             layout = self.runtime.layout
-            tokens = self.pool.local_tokens(rank, seq.prompt_len)
+            skip = self.pool.local_tokens(rank, seq.cached_tokens)  # held already
+            tokens = self.pool.local_tokens(rank, seq.prompt_len) - skip
             expected = (layout.num_layers, tokens, layout.latent_width)
             expected_rope = (*expected[:2], layout.rope_width)
             if tuple(n.shape) != expected or tuple(k_pe.shape) != expected_rope:
@@ -217,7 +246,7 @@ class DecodeEngine:
                 )
             if tokens == 0:
                 return  # an SP rank that owns none of a short prompt
-            slots = self._slots(request_id, rank, tokens)
+            slots = self._slots(request_id, rank, tokens, skip)
             device, comm = self.runtime.device, self.runtime.comm
             n_ = n.to(device, layout.dtype).contiguous()
             k_ = k_pe.to(device, layout.dtype).contiguous()
@@ -281,9 +310,17 @@ class DecodeEngine:
                 self.pool.num_used,
                 self.pool.num_blocks,
                 self.cfg.block_size,
+                blocks_cached=self.pool.num_cached,
+                prefix_queried_tokens=self.scheduler.prefix_queried_tokens,
+                prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
             )
 
         return self._call(run, timeout)
+
+    def cached_hashes(self, limit: int, timeout: float | None = None) -> list[int]:
+        """Up to `limit` block hashes this group holds, most recently used first (what it
+        publishes for KV-aware routing); EngineError if the loop does not answer in time."""
+        return self._call(lambda: self.pool.recent_hashes(limit), timeout)
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the loop thread between two decode steps and return its result: every
@@ -411,9 +448,9 @@ class DecodeEngine:
                 return
             fut.set_exception(EngineError(f"decode group stopped: {self._error or 'shutdown'}"))
 
-    def _slots(self, request_id: str, rank: int, num_tokens: int) -> Tensor:
+    def _slots(self, request_id: str, rank: int, num_tokens: int, first: int = 0) -> Tensor:
         blocks = torch.tensor(self.pool.tables(request_id)[rank], dtype=torch.int64)
-        pos = torch.arange(num_tokens)
+        pos = torch.arange(first, first + num_tokens)
         return blocks[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
 
     def _step(self, batch: list) -> None:

@@ -41,6 +41,10 @@ class Sequence:
     state: SeqState = SeqState.RESERVED
     lease_deadline: float = 0.0
     generated: list[int] = field(default_factory=list)
+    # Prefix reuse: the full prompt blocks' hashes (indexed once the KV is written) and how
+    # many leading prompt tokens the group held already (their KV is not shipped).
+    block_hashes: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
 
     @property
     def next_position(self) -> int:
@@ -60,11 +64,22 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
+        # Prefix-cache counters in prompt tokens (the decode service's metrics).
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def reserve(
-        self, request_id: str, prompt_len: int, max_tokens: int, deadline: float
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        deadline: float,
+        block_hashes: list[int] | None = None,
     ) -> list[list[int]]:
-        """Hold blocks for the whole request on every rank; returns each rank's table."""
+        """Hold blocks for the whole request on every rank; returns each rank's table.
+
+        `block_hashes` (the prompt's full blocks, `common.kv.prefix_cache`): reuse the longest
+        cached prefix; the sequence's `cached_tokens` says how much."""
         if request_id in self.seqs:
             raise SchedulerError(f"request {request_id!r} already exists")
         if prompt_len < 1 or max_tokens < 1:
@@ -76,9 +91,23 @@ class Scheduler:
                 f"context limit of {self.max_model_len} tokens"
             )
         # The last generated token is never fed back, so it needs no slot.
-        tables = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
+        hashes = list(block_hashes or ())
+        cached = 0
+        if hashes and self.pool.prefix_cache:
+            cached = self.pool.allocate_prefix(request_id, total - 1, hashes)  # OutOfBlocks
+            tables = self.pool.tables(request_id)
+            self.prefix_queried_tokens += prompt_len
+            self.prefix_hit_tokens += cached
+        else:
+            hashes = []
+            tables = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
         self.seqs[request_id] = Sequence(
-            request_id, prompt_len, max_tokens, lease_deadline=deadline
+            request_id,
+            prompt_len,
+            max_tokens,
+            lease_deadline=deadline,
+            block_hashes=hashes,
+            cached_tokens=cached,
         )
         return tables
 
@@ -88,6 +117,13 @@ class Scheduler:
             raise SchedulerError(f"request {request_id!r} is {seq.state.value}, not reserved")
         seq.generated.append(first_token)
         seq.state = SeqState.WAITING
+        # The prompt's KV is complete now (every shard acknowledged before the first token
+        # came here): its full blocks may serve later prompts. Only prompt blocks: they hold
+        # the exact prefill's latents, while generated tokens' latents come from the decode
+        # step (sliced in TPLA, and not bit-equal to a prefill anywhere), so reusing them
+        # would make a request's output depend on what ran before it.
+        if seq.block_hashes:
+            self.pool.cache_prompt(request_id, seq.block_hashes)
         self.waiting.append(request_id)
         return seq
 

@@ -30,7 +30,14 @@ from prometheus_client import CollectorRegistry
 from common import group_files
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
-from common.metrics import DecodeMetrics, GaugeCallback, serve_metrics
+from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes
+from common.metrics import (
+    PREFIX_CACHE_HELP,
+    CounterCallback,
+    DecodeMetrics,
+    GaugeCallback,
+    serve_metrics,
+)
 from common.ports import PortUse, bind_grpc, check_ports, decode_group_ports
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
@@ -89,7 +96,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.ReserveResponse:
         res = self._call(
             context,
-            lambda: self.engine.reserve(request.request_id, request.prompt_len, request.max_tokens),
+            lambda: self.engine.reserve(
+                request.request_id, request.prompt_len, request.max_tokens, request.prompt_ids
+            ),
         )
         cfg = self.engine.cfg
         layout = self.engine.runtime.layout
@@ -102,6 +111,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             dtype=cfg.dtype,
             lease_seconds=cfg.lease_seconds,
             targets=targets,
+            cached_tokens=res.cached_tokens,
         )
 
     def Generate(
@@ -159,9 +169,11 @@ def rank_records(
     try:
         # Bounded: a loop stuck in a collective must not stop the heartbeat that reports it.
         load = engine.load(timeout=1.0)
-        used, total = load.blocks_used, load.blocks_total
+        used, total, cached = load.blocks_used, load.blocks_total, load.blocks_cached
+        hashes = engine.cached_hashes(PUBLISHED_HASHES, 1.0) if engine.cfg.prefix_cache else []
     except EngineError:
-        used, total, stalled = 0, engine.pool.num_blocks, True
+        used, total, cached, stalled = 0, engine.pool.num_blocks, 0, True
+        hashes = []
     par = engine.cfg.parallel
     pids = [os.getpid(), *engine.follower_pids]
     alive = engine.follower_alive()
@@ -180,6 +192,11 @@ def rank_records(
             latent_groups=par.latent_groups,
             parallel=par.name,
             model=model,
+            kv_blocks_cached=cached,
+            block_size=engine.cfg.block_size,
+            # The leader's record carries the group's prefix (the router reads rank 0's).
+            prefix_root=f"{engine.prefix_root:x}" if rank == 0 and engine.cfg.prefix_cache else "",
+            prefix_hashes=format_hashes(hashes) if rank == 0 else "",
         )
         for rank, (pid, ok) in enumerate(zip(pids, alive, strict=True))
     ]
@@ -198,6 +215,8 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
             "tpla:num_requests_waiting": load.waiting,
             "tpla:kv_cache_usage_ratio": load.usage_ratio,
             "tpla:kv_blocks_total": load.blocks_total,
+            "tpla:kv_blocks_used": load.blocks_used,
+            "tpla:kv_blocks_cached": load.blocks_cached,
             "tpla:decode_step_seconds_recent": sum(steps) / len(steps) if steps else 0.0,
         }
 
@@ -207,9 +226,20 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
             {
                 "tpla:kv_cache_usage_ratio": "fraction of KV blocks in use on each rank",
                 "tpla:decode_step_seconds_recent": "mean time of the last 20 decode steps",
+                "tpla:kv_blocks_used": "KV blocks live requests hold",
+                "tpla:kv_blocks_cached": "cached prefix blocks no live request holds",
             },
         )
     )
+
+    def counters() -> dict[str, float]:
+        load = engine.load(timeout=1.0)
+        return {
+            "tpla:prefix_cache_queries": load.prefix_queried_tokens,
+            "tpla:prefix_cache_hits": load.prefix_hit_tokens,
+        }
+
+    registry.register(CounterCallback(counters, PREFIX_CACHE_HELP))
     serve_metrics(registry, host, port)
 
 

@@ -23,6 +23,7 @@ class Reservation:
     block_size: int
     block_tables: list[list[int]]  # one per rank (identical unless SP splits tokens)
     latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
+    cached_tokens: int = 0  # leading prompt tokens the group held already (whole blocks)
 
 
 class TokenStream:

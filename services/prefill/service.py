@@ -14,6 +14,7 @@ import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import redis
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
 from common.grammar import GrammarCompiler
+from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes, model_identity
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import PrefillMetrics, serve_metrics
 from common.ports import bind_grpc, check_ports, prefill_worker_ports
@@ -30,6 +32,7 @@ from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.serving_model import load_prefill_model
+from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
 
@@ -81,6 +84,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
 
 
+def _published(cache: LatentPrefixCache | None) -> dict[str, Any]:
+    """The registry record's prefix fields: the latent cache's root, block size and most
+    recently used block hashes, for KV-aware routing of prefills."""
+    if cache is None:
+        return {}
+    return {
+        "prefix_root": f"{cache.root:x}",
+        "block_size": cache.block_size,
+        "prefix_hashes": format_hashes(cache.recent(PUBLISHED_HASHES)),
+    }
+
+
 def serve_prefill(
     model_dir: str,
     reparam: str | None,
@@ -98,6 +113,7 @@ def serve_prefill(
     attention_backend: str = "auto",
     threads: PrefillThreads | None = None,
     max_batch_tokens: int = 2048,
+    prefix_cache_mb: float = 0.0,
     stop: threading.Event | None = None,
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks. PortInUse (a
@@ -117,6 +133,11 @@ def serve_prefill(
         max_batch_tokens=max_batch_tokens,
         grammars=GrammarCompiler.from_model_dir(
             model_dir, model.config.vocab_size, model.config.eos_token_ids
+        ),
+        prefix_cache=(
+            LatentPrefixCache(model_identity(model_dir, reparam), int(prefix_cache_mb * 2**20))
+            if prefix_cache_mb > 0
+            else None
         ),
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
@@ -148,6 +169,7 @@ def serve_prefill(
                     pid=os.getpid(),
                     queued_tokens=worker.queued_tokens,
                     model=model_dir,
+                    **_published(worker.prefix_cache),
                 )
             ],
             heartbeat_s,

@@ -1,8 +1,11 @@
 """The prefill worker's core: batch prompts, run exact MLA, sample, ship per-rank shards.
 
 Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
-one packed exact prefill -> first token sampled with the request's params -> the latent cut
-into each decode rank's shard (its latent columns, or its token ranges in SP mode) and pushed
+its longest cached prefix looked up in the latent prefix cache (if any) -> one packed exact
+prefill of the batch's new tokens, each over its cached prefix -> its new full blocks stored
+in the cache -> first token sampled with the request's params -> the latents the decode group
+lacks (from its Reserve answer on: cached prefix and new tokens alike) cut into each decode
+rank's shard (its latent columns, or its token ranges in SP mode) and pushed
 over the chosen transport, all ranks and all of the batch's jobs in parallel, while the next
 batch already runs -> the job's future resolves when its last shard is acknowledged. A failed
 push fails only its job; the decode side frees the reservation by lease or by the router's
@@ -12,6 +15,7 @@ abort.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -19,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
+from torch import Tensor
 
 from common.grammar import (
     GrammarCompiler,
@@ -29,9 +34,10 @@ from common.grammar import (
 from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.logits import LogitsContext, context_for
 from common.metrics import PrefillMetrics
-from common.model.model import DeepseekForCausalLM, PrefillOutput
+from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
 from common.rpc.convert import PrefillResult, ReservationInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
@@ -51,6 +57,12 @@ class PrefillJob:
     num_output_tokens: int = 0
     matcher: GrammarMatcher | None = None  # set by submit() for a structured output
 
+    @property
+    def cached_tokens(self) -> int:
+        """Leading prompt tokens the decode group holds already (its Reserve answer): their
+        KV is not shipped; the targets name only the blocks after them."""
+        return self.reservation.cached_tokens
+
 
 class PrefillWorker:
     def __init__(
@@ -62,10 +74,13 @@ class PrefillWorker:
         transfer_timeout_s: float = 30.0,
         threads: PrefillThreads | None = None,
         grammars: GrammarCompiler | None = None,
+        prefix_cache: LatentPrefixCache | None = None,
     ) -> None:
         self.model = model
         # Structured outputs' grammars over the model's tokenizer (None: none can be served).
         self.grammars = grammars
+        # None: every prompt is prefilled whole.
+        self.prefix_cache = prefix_cache
         # None: every batch on the process's current thread count.
         self.threads = threads
         # One push may take at most this long even when the request allows more: a hung
@@ -97,18 +112,21 @@ class PrefillWorker:
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
         if len(job.prompt_ids) > self.model.config.max_position_embeddings:
             raise ValueError("prompt exceeds the model's context length")
+        if not 0 <= job.cached_tokens <= len(job.prompt_ids):
+            raise ValueError(f"cached_tokens {job.cached_tokens} is outside the prompt")
         targets = job.reservation.targets
         if any(t.token_ranges for t in targets):
-            # SP targets name the prompt positions they cache; together they must be the prompt.
+            # SP targets name the prompt positions they cache; together they must be the
+            # prompt after the decode group's cached prefix.
             covered = sum(
                 hi - lo
                 for t in targets
                 for lo, hi in zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True)
             )
-            if covered != len(job.prompt_ids):
+            if covered != len(job.prompt_ids) - job.cached_tokens:
                 raise ValueError(
                     f"the KV targets cover {covered} prompt tokens, the prompt has "
-                    f"{len(job.prompt_ids)}: reserve for this prompt"
+                    f"{len(job.prompt_ids) - job.cached_tokens} to ship: reserve for this prompt"
                 )
         if not 0 <= job.num_output_tokens < len(job.prompt_ids):
             raise ValueError("num_output_tokens must be smaller than the prompt")
@@ -171,23 +189,38 @@ class PrefillWorker:
 
     def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillResult]]]) -> None:
         t0 = time.perf_counter()
-        lens = [len(job.prompt_ids) for job, _ in batch]
+        cache = self.prefix_cache
+        hashes = [cache.hashes(job.prompt_ids) if cache is not None else [] for job, _ in batch]
+        pasts: list[PastLatents | None] = [
+            cache.lookup(h, len(job.prompt_ids)) if cache is not None else None
+            for h, (job, _) in zip(hashes, batch, strict=True)
+        ]
+        hits = [p.length if p is not None else 0 for p in pasts]
+        lens = [len(job.prompt_ids) - hit for (job, _), hit in zip(batch, hits, strict=True)]
         device = self.model.lm_head.weight.device
         ids = torch.tensor(
-            [t for job, _ in batch for t in job.prompt_ids], dtype=torch.long, device=device
+            [t for (job, _), hit in zip(batch, hits, strict=True) for t in job.prompt_ids[hit:]],
+            dtype=torch.long,
+            device=device,
         )
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
-            out = self.model.prefill(ids, lens)
+            out = self.model.prefill(ids, lens, past=pasts if any(hits) else None)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
+            if cache is not None:
+                self.metrics.prefix_queries.inc(sum(len(job.prompt_ids) for job, _ in batch))
+                self.metrics.prefix_hits.inc(sum(hits))
         start = 0
         for row, (job, fut) in enumerate(batch):
-            end = start + len(job.prompt_ids)
+            end = start + lens[row]
             try:
+                if cache is not None:
+                    cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
                 generator = make_generator(job.params, device, stream=0)
                 first = sample(out.logits[row], job.params, generator, self._context(job, device))
-                self._ship(out, start, end, job, fut, first, prefill_s)
+                n, k_pe = _unshipped(out, start, end, pasts[row], job.cached_tokens)
+                self._ship(n, k_pe, job, fut, first, prefill_s, hits[row])
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
                     fut.set_exception(exc)
@@ -203,13 +236,13 @@ class PrefillWorker:
 
     def _ship(
         self,
-        out: PrefillOutput,
-        start: int,
-        end: int,
+        n: list[Tensor],
+        k_pe: list[Tensor],
         job: PrefillJob,
         fut: Future[PrefillResult],
         first: SampledToken,
         prefill_s: float,
+        reused: int,
     ) -> None:
         """Push the job's shards to every target rank without waiting for them.
 
@@ -218,9 +251,13 @@ class PrefillWorker:
         push one job after another). `fut` resolves when the last rank acknowledged, or fails
         with the first error; the shards' sends run on the pusher threads.
         """
+        # n / k_pe cover what the decode group lacks: prompt positions [skip, N). SP targets
+        # name their positions in the prompt, so their ranges move by the same offset.
         res = job.reservation
+        skip = job.cached_tokens
+        rows = len(job.prompt_ids) - skip
         cut = [
-            cut_shard(out.n, out.k_pe, start, end, t, job.request_id, res.block_size)
+            cut_shard(n, k_pe, 0, rows, _shifted(t, skip), job.request_id, res.block_size)
             for t in res.targets
         ]
         shards = list(zip(self.sender.prepare(cut), res.targets, strict=True))
@@ -240,7 +277,7 @@ class PrefillWorker:
             raise
         if not sends:
             self._shipping.release()
-            self._shipped(fut, first, prefill_s, 0.0, sends)
+            self._shipped(fut, first, prefill_s, 0.0, sends, reused)
             return
         remaining = len(sends)
         lock = threading.Lock()
@@ -252,7 +289,7 @@ class PrefillWorker:
                 if remaining:
                     return
             self._shipping.release()
-            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends)
+            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends, reused)
 
         for send in sends:
             send.add_done_callback(arrived)
@@ -264,6 +301,7 @@ class PrefillWorker:
         prefill_s: float,
         transfer_s: float,
         sends: list[Future[int]],
+        reused: int,
     ) -> None:
         """Resolve a job once every one of its sends finished (on the pusher thread that
         finished the last one; on the batcher's when the job had nothing to send)."""
@@ -281,7 +319,32 @@ class PrefillWorker:
         with self._lock:
             self.transfer_bytes_total += sent
         if not fut.done():
-            fut.set_result(PrefillResult(first, prefill_s, transfer_s, sent))
+            fut.set_result(PrefillResult(first, prefill_s, transfer_s, sent, reused))
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
+
+
+def _unshipped(
+    out: PrefillOutput, start: int, end: int, past: PastLatents | None, skip: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """One prompt's latents from position `skip` (the decode group holds the rest) to its
+    end, per layer. Its rows [start, end) of `out` are positions [P, N) after a cached prefix
+    of P tokens; what the decode group lacks of that prefix comes from the cache."""
+    hit = past.length if past is not None else 0
+    if skip >= hit:
+        lo = start + skip - hit
+        return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
+    assert past is not None
+    return (
+        [torch.cat([p[skip:], n[start:end]]) for p, n in zip(past.n, out.n, strict=True)],
+        [torch.cat([p[skip:], k[start:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
+    )
+
+
+def _shifted(target: KvTargetInfo, skip: int) -> KvTargetInfo:
+    """An SP target with its token ranges counted from prompt position `skip`."""
+    if not target.token_ranges or not skip:
+        return target
+    ranges = tuple(max(x - skip, 0) for x in target.token_ranges)
+    return dataclasses.replace(target, token_ranges=ranges)

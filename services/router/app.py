@@ -137,7 +137,11 @@ def _worker_json(r: WorkerRecord) -> dict[str, Any]:
         "updated_at": r.updated_at,
     }
     if r.role is WorkerRole.DECODE:
-        entry |= {"kv_blocks_used": r.kv_blocks_used, "kv_blocks_total": r.kv_blocks_total}
+        entry |= {
+            "kv_blocks_used": r.kv_blocks_used,
+            "kv_blocks_cached": r.kv_blocks_cached,
+            "kv_blocks_total": r.kv_blocks_total,
+        }
     else:
         entry["queued_tokens"] = r.queued_tokens
     return entry
@@ -248,7 +252,7 @@ def create_app(
         ),
         info.tokenizer,
         directory,
-        policy or make_policy(settings.routing_policy),
+        policy or make_policy(settings.routing_policy, settings.overlap_weight),
         requests,
         metrics,
     )

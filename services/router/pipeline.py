@@ -136,10 +136,12 @@ class Pipeline:
         if self.config.log_prompts:
             log.info("request %s prompt: %r", req.request_id, req.prompt_text)
         try:
-            await self._place(run, len(req.prompt_ids), req.params.max_tokens)
+            await self._place(run, req.prompt_ids, req.params.max_tokens)
             yield Started(req.request_id)
 
             first = await self._prefill_anywhere(run, req.prompt_ids, req.params)
+            assert run.reservation is not None
+            cached = max(first.cached_tokens, run.reservation.cached_tokens)
             text = TextStream(
                 self.tokenizer,
                 req.prompt_ids,
@@ -177,7 +179,7 @@ class Pipeline:
             self._finish_metrics(req, text.count, Outcome.FINISHED)
             if self.config.log_prompts:
                 log.info("request %s output: %r", req.request_id, text.text)
-            yield Done(reason, len(req.prompt_ids), text.count)
+            yield Done(reason, len(req.prompt_ids), text.count, cached)
         except BaseException as exc:
             if run.finished:  # the consumer closed us after Done: nothing left to clean up
                 raise
@@ -188,7 +190,7 @@ class Pipeline:
                 raise error from exc
             raise
 
-    async def _place(self, run: _Run, prompt_len: int, max_tokens: int) -> None:
+    async def _place(self, run: _Run, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
         """Reserve KV on a decode group with room; wait for room up to queue_timeout_s.
 
         Full groups (this router's per-group limit, or their KV pool) are skipped; a group
@@ -205,7 +207,10 @@ class Pipeline:
             while True:
                 try:
                     group = self.policy.choose_decode(
-                        self.directory.snapshot, self.directory.pending, frozenset(skip)
+                        self.directory.snapshot,
+                        self.directory.pending,
+                        frozenset(skip),
+                        prompt_ids,
                     )
                 except Unavailable:
                     if not self._healthy_groups_exist():
@@ -215,7 +220,11 @@ class Pipeline:
                 client = self.directory.decode_client(group.address)
                 try:
                     run.reservation = await client.reserve(
-                        rid, prompt_len, max_tokens, timeout=_RESERVE_TIMEOUT_S
+                        rid,
+                        len(prompt_ids),
+                        max_tokens,
+                        timeout=_RESERVE_TIMEOUT_S,
+                        prompt_ids=prompt_ids,
                     )
                 except Overloaded:  # its KV pool is full right now
                     skip.add(group.group_id)
@@ -259,6 +268,8 @@ class Pipeline:
             transfer_bytes=first.transfer_bytes,
             transfer_seconds=first.transfer_seconds,
             prefill_seconds=first.prefill_seconds,
+            prefill_cached_tokens=first.cached_tokens,
+            decode_cached_tokens=run.reservation.cached_tokens if run.reservation else 0,
             ttft_seconds=round(ttft, 6),
         )
         await self._record(req.request_id, RequestState.DECODING)
@@ -359,7 +370,7 @@ class Pipeline:
         context = (*req.prompt_ids, *generated)
         params = _remaining(req.params, len(generated))
         try:
-            await self._place(run, len(context), params.max_tokens)
+            await self._place(run, context, params.max_tokens)
             result = await self._prefill_anywhere(run, context, params, len(generated))
         except TplaError as exc:
             raise cause from exc
@@ -426,7 +437,7 @@ class Pipeline:
             await self._record(
                 run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
             )
-            await self._place(run, len(prompt_ids), params.max_tokens)
+            await self._place(run, prompt_ids, params.max_tokens)
             return await self._prefill(run, prompt_ids, params, num_output_tokens)
 
     async def _prefill(
@@ -442,7 +453,7 @@ class Pipeline:
         assert group is not None and reservation is not None
         tried: set[str] = set()
         inflight = self.directory.prefill_inflight
-        worker = self.policy.choose_prefill(self.directory.snapshot, inflight)
+        worker = self.policy.choose_prefill(self.directory.snapshot, inflight, prompt=prompt_ids)
         remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
         while True:
             # Counted before the first await: the other requests of a burst choose while
@@ -475,7 +486,7 @@ class Pipeline:
                     raise
                 try:
                     worker = self.policy.choose_prefill(
-                        self.directory.snapshot, inflight, frozenset(tried)
+                        self.directory.snapshot, inflight, frozenset(tried), prompt_ids
                     )
                 except Unavailable:
                     raise exc from None

@@ -43,6 +43,9 @@ class Done:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens not recomputed: the longest cached prefix the prefill worker or the
+    # decode group held (whichever reused more).
+    cached_tokens: int = 0
 
 
 Output = Started | Delta | Done

@@ -45,6 +45,7 @@ def _usage(done: Done) -> s.Usage:
         prompt_tokens=done.prompt_tokens,
         completion_tokens=done.completion_tokens,
         total_tokens=done.prompt_tokens + done.completion_tokens,
+        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=done.cached_tokens),
     )
 
 

@@ -179,6 +179,8 @@ def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None
             and len(ranks) == 2 * groups
             and all(w["healthy"] for w in ranks)
             and all(w["kv_blocks_used"] == 0 for w in leaders)
+            # Cached prefix blocks are free for reuse, never more than the pool.
+            and all(w["kv_blocks_cached"] <= w["kv_blocks_total"] for w in leaders)
             and len(pre) == prefill
             and all(_running(w["pid"]) for w in ws)
         ):
@@ -237,6 +239,48 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 def reference(stack: LocalStack) -> dict[str, str]:
     """Each prompt's greedy answer on the undisturbed stack."""
     return {p: complete(stack.url, p) for p in PROMPTS}
+
+
+def test_repeated_prompts_go_to_the_group_holding_their_prefix(stack: LocalStack) -> None:
+    """KV-aware routing (the default policy) on the two groups and the two prefill workers:
+    prompts sent at once spread over both groups (each sees the others' pending requests);
+    once the workers have published their cached hashes, each prompt again goes where its
+    prefix is, and the Redis record says the decode group held the whole prompt's full blocks
+    and the prefill worker reused its latents. (The least-loaded policy sends every repeat to
+    the same idle group, and the prompts first placed on the other one miss.) It runs first,
+    on the undisturbed stack: a group the faults below fail stays quarantined by the router."""
+    wait_recovered(stack)
+    prompts = [
+        f"prefix {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in (1, 2)
+    ]
+
+    def send(prompt: str) -> dict:
+        resp = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json=Client(stack.url, prompt, 4).body(stream=False),
+            timeout=CLIENT_TIMEOUT_S,
+        )
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def record(resp: dict) -> dict:
+        return httpx.get(f"{stack.url}/admin/requests/{resp['id']}", timeout=10).json()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        first = list(pool.map(send, prompts))
+    # Sent at once, they spread over both groups (each sees the others' pending requests).
+    assert len({record(r)["decode_group"] for r in first}) == 2
+    time.sleep(2.0)  # a heartbeat (0.5 s) and a router refresh (0.5 s), with room to spare
+    for prompt, before in zip(prompts, first, strict=True):
+        again = send(prompt)
+        rec = record(again)
+        assert rec["decode_group"] == record(before)["decode_group"]
+        assert rec["prefill_worker"] == record(before)["prefill_worker"]
+        assert int(rec["prefill_cached_tokens"]) >= 16
+        full_blocks = 16 * (again["usage"]["prompt_tokens"] // 16)
+        assert int(rec["decode_cached_tokens"]) == full_blocks
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks
+        assert again["choices"][0]["message"] == before["choices"][0]["message"]
 
 
 def _killed_mid_stream(stack: LocalStack, reference: dict[str, str], victim: str) -> None:
@@ -386,7 +430,7 @@ def test_stalled_rank_times_out_the_transfer_and_frees_blocks(stack: LocalStack)
     finally:
         for pid in followers:
             os.kill(pid, signal.SIGCONT)
-    assert resp.status_code in (503, 504), resp.text
+    assert resp.status_code in (503, 504), resp.text + stack.log()[-8000:]
     assert elapsed < 20, f"the failure took {elapsed:.1f} s"
     wait_recovered(stack)
 

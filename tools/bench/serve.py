@@ -305,7 +305,32 @@ def _mixes(quick: bool, names: Sequence[str]) -> tuple[Mix, ...]:
     return tuple(catalog[n] for n in names)
 
 
+def _shared_prefix(args: argparse.Namespace) -> int:
+    """The shared-prefix mix: its own run (common/bench/shared_prefix.py)."""
+    from tools.bench import shared_prefix
+
+    cfg = shared_prefix.SharedPrefixConfig(
+        model=args.model,
+        users=args.users,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        max_tokens=args.max_tokens or 32,
+        reparam=args.reparam,
+    )
+    report = shared_prefix.run(cfg)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        shared_prefix.plot(report, args.plot)
+    print(json.dumps(report) if args.json else json.dumps(report["ratios"], indent=2))
+    return 0 if all(r["completed"] == r["requests"] for r in report["results"]) else 1
+
+
 def cmd(args: argparse.Namespace) -> int:
+    if args.mixes and "shared-prefix" in args.mixes:
+        if len(args.mixes) > 1:
+            raise SystemExit("--mixes shared-prefix is a run of its own: pass it alone")
+        return _shared_prefix(args)
     mixes = args.mixes or (["short"] if args.quick else ["short", "long"])
     if args.request_rate:
         if args.concurrency:
@@ -339,7 +364,19 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("serve", help="serving configurations under a concurrency sweep")
     p.add_argument("--model", default="models/demo")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    p.add_argument("--mixes", nargs="+", choices=("short", "long"), help="default: both")
+    p.add_argument(
+        "--mixes",
+        nargs="+",
+        choices=("short", "long", "shared-prefix"),
+        help="default: short and long; shared-prefix (alone): multi-turn chat over one "
+        "system prompt, prefix cache on and off",
+    )
+    p.add_argument("--users", type=int, default=16, help="shared-prefix: conversations")
+    p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns each")
+    p.add_argument(
+        "--system-tokens", type=int, default=1536, help="shared-prefix: system prompt tokens"
+    )
+    p.add_argument("--max-tokens", type=int, help="shared-prefix: answer tokens (default 32)")
     p.add_argument("--concurrency", nargs="+", type=int, help="default 1 4 16 32 (quick: 1 2)")
     p.add_argument(
         "--waves", type=int, help="requests per level = waves x concurrency (min 2); default 1"
