@@ -35,7 +35,7 @@ from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.logits import LogitsContext, context_for
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
-from common.rpc.convert import PrefillResult, ReservationInfo
+from common.rpc.convert import KvTargetInfo, PrefillResult, ReservationInfo
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
