@@ -62,9 +62,18 @@ def running_stack(cfg: StackConfig, model: str) -> Iterator[str]:
         yield stack.url
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed completion as the client saw it."""
+
+    timing: RequestTiming
+    text: str = ""
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+
+
 async def stream_completion(
     client: httpx.AsyncClient, url: str, model: str, prompt: Sequence[int], max_tokens: int
-) -> RequestTiming:
+) -> Streamed:
     """One streamed /v1/completions request with exactly `max_tokens` outputs (ignore_eos)."""
     body = {
         "model": model,
@@ -77,7 +86,8 @@ async def stream_completion(
     }
     t0 = time.perf_counter()
     chunks: list[float] = []  # arrival of each chunk that carries output text
-    tokens = 0
+    text: list[str] = []
+    tokens = cached = 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -92,14 +102,19 @@ async def stream_completion(
                 choices = chunk.get("choices")
                 if choices and choices[0].get("finish_reason") is None:
                     chunks.append(time.perf_counter())
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"]["completion_tokens"])
+                    text.append(choices[0].get("text", ""))
+                if usage := chunk.get("usage"):
+                    tokens = int(usage["completion_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    cached = int(details.get("cached_tokens", 0))
     except (httpx.HTTPError, RuntimeError, ValueError) as exc:
         elapsed = time.perf_counter() - t0
-        return RequestTiming(elapsed, elapsed, tokens, max_tokens, f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        return Streamed(RequestTiming(elapsed, elapsed, tokens, max_tokens, error))
     end = time.perf_counter()
     first = chunks[0] if chunks else end
-    return RequestTiming(first - t0, end - t0, tokens, max_tokens, itl_s=gaps(chunks))
+    timing = RequestTiming(first - t0, end - t0, tokens, max_tokens, itl_s=gaps(chunks))
+    return Streamed(timing, "".join(text), cached)
 
 
 def drive_http(
@@ -110,8 +125,10 @@ def drive_http(
     async def run() -> tuple[list[RequestTiming], float]:
         limits = httpx.Limits(max_connections=load.max_in_flight(len(prompts)) + 4)
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as c:
-            return await drive(
-                lambda prompt: stream_completion(c, url, model, prompt, max_tokens), prompts, load
-            )
+
+            async def one(prompt: Sequence[int]) -> RequestTiming:
+                return (await stream_completion(c, url, model, prompt, max_tokens)).timing
+
+            return await drive(one, prompts, load)
 
     return asyncio.run(run())

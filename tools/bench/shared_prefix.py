@@ -26,7 +26,8 @@ from datetime import UTC, datetime
 
 import httpx
 
-from tools.bench.stats import RequestTiming, gaps, percentile, summarize
+from tools.bench.serve_stack import stream_completion
+from tools.bench.stats import RequestTiming, percentile, summarize
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -82,46 +83,8 @@ def corpus(model: str, cfg: SharedPrefixConfig) -> tuple[list[int], list[list[li
 async def _turn(
     client: httpx.AsyncClient, url: str, prompt: Sequence[int], max_tokens: int
 ) -> Turn:
-    body = {
-        "model": "bench",
-        "prompt": list(prompt),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    chunks: list[float] = []
-    text: list[str] = []
-    tokens = cached = 0
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(str(chunk["error"])[:200])
-                choices = chunk.get("choices")
-                if choices and choices[0].get("finish_reason") is None:
-                    chunks.append(time.perf_counter())
-                    text.append(choices[0].get("text", ""))
-                if usage := chunk.get("usage"):
-                    tokens = int(usage["completion_tokens"])
-                    details = usage.get("prompt_tokens_details") or {}
-                    cached = int(details.get("cached_tokens", 0))
-    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
-        elapsed = time.perf_counter() - t0
-        timing = RequestTiming(elapsed, elapsed, tokens, max_tokens, f"{type(exc).__name__}: {exc}")
-        return Turn(timing, len(prompt), 0, "")
-    end = time.perf_counter()
-    first = chunks[0] if chunks else end
-    timing = RequestTiming(first - t0, end - t0, tokens, max_tokens, itl_s=gaps(chunks))
-    return Turn(timing, len(prompt), cached, "".join(text))
+    got = await stream_completion(client, url, "bench", prompt, max_tokens)
+    return Turn(got.timing, len(prompt), got.cached_tokens, got.text)
 
 
 async def _conversations(url: str, cfg: SharedPrefixConfig) -> tuple[list[list[Turn]], float]:
