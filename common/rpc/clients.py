@@ -47,6 +47,7 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 class DecodeEvent:
     token: SampledToken | None
     finish_reason: str | None
+    index: int = 0  # the choice
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,16 @@ class DecodeLoadInfo:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    first_token: SampledToken
+    first_tokens: tuple[SampledToken, ...]  # one per choice
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
+    # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
+    prompt_logprobs: tuple[SampledToken, ...] = ()
+
+    @property
+    def first_token(self) -> SampledToken:
+        return self.first_tokens[0]
 
 
 class DecodeClient:
@@ -78,12 +85,17 @@ class DecodeClient:
         self._md = _metadata(token)
 
     async def reserve(
-        self, request_id: str, prompt_len: int, max_tokens: int, timeout: float = 10.0
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        timeout: float = 10.0,
+        n: int = 1,
     ) -> ReservationInfo:
         try:
             msg = await self._stub.Reserve(
                 decode_pb2.ReserveRequest(
-                    request_id=request_id, prompt_len=prompt_len, max_tokens=max_tokens
+                    request_id=request_id, prompt_len=prompt_len, max_tokens=max_tokens, n=n
                 ),
                 timeout=timeout,
                 metadata=self._md,
@@ -95,19 +107,23 @@ class DecodeClient:
     async def generate(
         self,
         request_id: str,
-        first_token: SampledToken,
+        first_token: SampledToken | tuple[SampledToken, ...],
         params: SamplingParams,
         idle_timeout: float = 60.0,
     ) -> AsyncIterator[DecodeEvent]:
-        """Stream the request's tokens; `idle_timeout` bounds the wait for each event."""
+        """Stream the request's tokens, every choice's (one first token each); ends when
+        every choice has ended. `idle_timeout` bounds the wait for each event."""
+        firsts = first_token if isinstance(first_token, tuple) else (first_token,)
         call = self._stub.Generate(
             decode_pb2.GenerateRequest(
                 request_id=request_id,
-                first_token=token_to_pb(first_token),
+                first_token=token_to_pb(firsts[0]),
+                first_tokens=[token_to_pb(t) for t in firsts] if len(firsts) > 1 else [],
                 params=params_to_pb(params),
             ),
             metadata=self._md,
         )
+        left = len(firsts)
         try:
             while True:
                 # Scoped to the read alone (the caller's work between events must not
@@ -117,18 +133,25 @@ class DecodeClient:
                 if msg is grpc.aio.EOF:
                     return
                 token = token_from_pb(msg.token) if msg.HasField("token") else None
-                yield DecodeEvent(token, msg.finish_reason or None)
+                yield DecodeEvent(token, msg.finish_reason or None, msg.index)
                 if msg.finish_reason:
-                    return
+                    left -= 1
+                    if not left:
+                        return
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
         finally:
             call.cancel()
 
-    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+    async def abort(
+        self, request_id: str, timeout: float = 5.0, choices: tuple[int, ...] = ()
+    ) -> bool:
+        """End the request (only `choices` of it when given); whether the leader had it."""
         try:
             resp = await self._stub.Abort(
-                decode_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self._md
+                decode_pb2.AbortRequest(request_id=request_id, choices=list(choices)),
+                timeout=timeout,
+                metadata=self._md,
             )
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
@@ -170,8 +193,14 @@ class PrefillClient:
         reservation: ReservationInfo,
         transport: str = "grpc",
         timeout: float = 60.0,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
     ) -> PrefillResult:
+        """Prefill into the reservation; sample n first tokens (one per choice) and, when
+        `prompt_logprobs` is set, the prompt's logprobs with that many alternatives."""
         req = prefill_pb2.PrefillRequest(
+            n=n,
+            prompt_logprobs=prompt_logprobs,
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params_to_pb(params),
@@ -187,8 +216,13 @@ class PrefillClient:
             m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
+        firsts = tuple(token_from_pb(t) for t in m.first_tokens) or (token_from_pb(m.first_token),)
         return PrefillResult(
-            token_from_pb(m.first_token), m.prefill_seconds, m.transfer_seconds, m.transfer_bytes
+            firsts,
+            m.prefill_seconds,
+            m.transfer_seconds,
+            m.transfer_bytes,
+            tuple(token_from_pb(t) for t in m.prompt_logprobs),
         )
 
     async def load(self, timeout: float = 5.0) -> tuple[int, int]:

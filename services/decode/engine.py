@@ -1,10 +1,14 @@
 """The decode engine: a leader (rank 0, in this process) driving a TP group of ranks.
 
 API (thread-safe; the decode gRPC servicer is a thin shell over it):
-    reserve(request_id, prompt_len, max_tokens) -> Reservation    blocks on every rank, leased
+    reserve(request_id, prompt_len, max_tokens, n) -> Reservation  blocks on every rank, leased
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
-    generate(request_id, first_token, params) -> TokenStream      streams tokens as sampled
-    abort(request_id)                          at any time; blocks are freed
+    generate(request_id, first_tokens, params) -> TokenStream     streams tokens as sampled
+    abort(request_id, choices)                 at any time; blocks are freed
+
+n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
+full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
+with its own generator, and stream into one TokenStream with each event's choice index.
     load() -> Load                             running, waiting, blocks used / total
 
 All collectives run on one loop thread: callers enqueue commands and wait on futures. Each
@@ -39,9 +43,15 @@ from common.kv.chunks import owned_ranges
 from common.model.args import ModelConfig
 from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
-from common.sampling import SamplingParams, make_generator, sample_batch
+from common.sampling import (
+    DECODE_STAGE,
+    SamplingParams,
+    choice_stream,
+    make_generator,
+    sample_batch,
+)
 from services.decode.config import EngineConfig, rank_latent_columns
-from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
+from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.runtime import (
     CONFIG_ENV,
     START_ERROR_EXIT,
@@ -68,6 +78,7 @@ class _Active:
     params: SamplingParams
     stream: TokenStream
     generator: torch.Generator
+    choice: int = 0
 
 
 class DecodeEngine:
@@ -146,10 +157,12 @@ class DecodeEngine:
 
     # -- public API --------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, prompt_len: int, max_tokens: int) -> Reservation:
+    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, n: int = 1) -> Reservation:
+        """Blocks for the prompt once and max_tokens for each of the n choices."""
+
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
-            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline)
+            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, n)
             width = self.runtime.layout.latent_width
             return Reservation(
                 request_id, self.cfg.block_size, tables, [width] * self.cfg.parallel.tp
@@ -218,27 +231,40 @@ class DecodeEngine:
 
         self._call(run)
 
-    def generate(self, request_id: str, first_token: int, params: SamplingParams) -> TokenStream:
-        stream = TokenStream()
+    def generate(
+        self, request_id: str, first_tokens: int | list[int], params: SamplingParams
+    ) -> TokenStream:
+        """Start the reserved request from each choice's first token (one per choice it was
+        reserved for); its stream carries every choice's events."""
+        firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
+        stream = TokenStream(len(firsts))
 
         def run() -> None:
-            seq = self.scheduler.start(request_id, first_token)
-            generator = make_generator(params, self.runtime.device, stream=1)
-            self._active[request_id] = _Active(params, stream, generator)
-            reason = params.finish_reason(first_token, 1, self.eos_token_ids, seq.max_tokens)
-            if reason is not None:
-                self._finish(request_id, reason)
+            seqs = self.scheduler.start(request_id, firsts)
+            self._copy_blocks(seqs)
+            for seq in seqs:
+                stage = choice_stream(seq.choice, DECODE_STAGE)
+                generator = make_generator(params, self.runtime.device, stream=stage)
+                self._active[seq.seq_id] = _Active(params, stream, generator, seq.choice)
+            for seq in seqs:
+                token = seq.generated[0]
+                reason = params.finish_reason(token, 1, self.eos_token_ids, seq.max_tokens)
+                if reason is not None:
+                    self._finish(seq.seq_id, reason)
 
         self._call(run)
         return stream
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, choices: frozenset[int] | None = None) -> bool:
+        """End the request's live choices (only `choices` when given); whether any was."""
+
         def run() -> bool:
-            found = self.scheduler.abort(request_id)
-            active = self._active.pop(request_id, None)
-            if active is not None:
-                active.stream.put(TokenEvent(None, "abort"))
-            return found
+            ended = self.scheduler.abort(request_id, choices)
+            for seq in ended:
+                active = self._active.pop(seq.seq_id, None)
+                if active is not None:
+                    active.stream.put(TokenEvent(None, "abort", index=seq.choice))
+            return bool(ended)
 
         return self._call(run)
 
@@ -332,7 +358,7 @@ class DecodeEngine:
             # No stream may wait forever: every live request ends, whatever stopped the loop.
             reason = f"error: {self._error}" if self._error else "error: decode engine shut down"
             for active in self._active.values():
-                active.stream.put(TokenEvent(None, reason))
+                active.stream.put(TokenEvent(None, reason, index=active.choice))
             self._active.clear()
             self._fail_pending_commands()
             if dist.is_initialized():
@@ -373,6 +399,25 @@ class DecodeEngine:
                 return
             fut.set_exception(EngineError(f"decode group stopped: {self._error or 'shutdown'}"))
 
+    def _copy_blocks(self, seqs: list) -> None:
+        """Every rank copies the forks' own blocks from the prompt's (before their first
+        step): one plan for all of a request's forks."""
+        per_pool = [
+            [pair for seq in seqs for pair in (seq.block_copies[k] if seq.block_copies else [])]
+            for k in range(len(self.pool.pools))
+        ]
+        width = max(len(p) for p in per_pool)
+        if not width:
+            return
+        pairs = torch.full((len(per_pool), width, 2), -1, dtype=torch.int64)
+        for k, pool_pairs in enumerate(per_pool):
+            if pool_pairs:
+                pairs[k, : len(pool_pairs)] = torch.tensor(pool_pairs, dtype=torch.int64)
+        plan = CopyPlan(pairs)
+        if self.cfg.parallel.tp > 1:
+            send_plan(plan, self.runtime.comm)
+        self.runtime.copy_blocks(plan)
+
     def _slots(self, request_id: str, rank: int, num_tokens: int) -> Tensor:
         blocks = torch.tensor(self.pool.tables(request_id)[rank], dtype=torch.int64)
         pos = torch.arange(num_tokens)
@@ -399,7 +444,7 @@ class DecodeEngine:
     def _run_step(self, batch: list) -> None:
         t0 = time.perf_counter()
         # [R, B, max_blocks]: one table per rank in SP mode, one shared table otherwise.
-        per_seq = [self.pool.tables(s.request_id) for s in batch]
+        per_seq = [self.pool.tables(s.seq_id) for s in batch]
         ranks = self.cfg.parallel.tp if self.cfg.parallel.sp else 1
         width = max(max(len(t) for t in tables) for tables in per_seq)
         block_tables = torch.full((ranks, len(batch), width), -1, dtype=torch.int64)
@@ -423,26 +468,26 @@ class DecodeEngine:
         else:
             logits = local
         logits = logits[:, self._vocab_columns]
-        actives = [self._active[seq.request_id] for seq in batch]
+        actives = [self._active[seq.seq_id] for seq in batch]
         tokens = sample_batch(logits, [a.params for a in actives], [a.generator for a in actives])
         for row, (seq, active, tok) in enumerate(zip(batch, actives, tokens, strict=True)):
             reason = active.params.finish_reason(
                 tok.token_id, len(seq.generated) + 1, self.eos_token_ids, seq.max_tokens
             )
             kept = logits[row].to("cpu", copy=True) if self.cfg.record_logits else None
-            active.stream.put(TokenEvent(tok, reason, kept))
-            self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)
+            active.stream.put(TokenEvent(tok, reason, kept, active.choice))
+            self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
             if reason is not None:
-                del self._active[seq.request_id]
+                del self._active[seq.seq_id]
         seconds = time.perf_counter() - t0
         self.step_seconds.append(seconds)
         if self.on_step is not None:
             self.on_step(seconds, len(batch))
 
-    def _finish(self, request_id: str, reason: str) -> None:
-        self.scheduler.finish(request_id)
-        active = self._active.pop(request_id)
-        active.stream.put(TokenEvent(None, reason))
+    def _finish(self, seq_id: str, reason: str) -> None:
+        self.scheduler.finish(seq_id)
+        active = self._active.pop(seq_id)
+        active.stream.put(TokenEvent(None, reason, index=active.choice))
 
     def _abort_start(self, exc: BaseException) -> None:
         """The group failed to start: stop the followers (a follower's own start-up error

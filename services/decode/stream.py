@@ -31,6 +31,7 @@ class TokenEvent:
     token: SampledToken | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
     logits: Tensor | None = None
+    index: int = 0  # the choice (fork) this event belongs to
 
 
 @dataclass(frozen=True)
@@ -44,20 +45,25 @@ class Load:
 
 
 class TokenStream:
-    """Iterator over a request's TokenEvents; ends after the event with a finish_reason."""
+    """Iterator over a request's TokenEvents, every choice's interleaved; ends after each of
+    its `choices` has sent its event with a finish_reason."""
 
-    def __init__(self) -> None:
+    def __init__(self, choices: int = 1) -> None:
         self._q: queue.Queue[TokenEvent] = queue.Queue()
+        self.choices = choices
 
     def put(self, event: TokenEvent) -> None:
         self._q.put(event)
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        left = self.choices
         while True:
             event = self._q.get()
             yield event
             if event.finish_reason is not None:
-                return
+                left -= 1
+                if not left:
+                    return
 
     def get(self, timeout: float | None = None) -> TokenEvent:
         return self._q.get(timeout=timeout)

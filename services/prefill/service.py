@@ -34,6 +34,9 @@ from services.prefill.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
 
+MAX_CHOICES = 128  # OpenAI's limit on n
+MAX_TOP_LOGPROBS = 20
+
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, token: str | None = None) -> None:
@@ -56,7 +59,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 tuple(target_from_pb(t) for t in request.targets),
                 request.block_size,
                 deadline,
+                n=request.n or 1,
+                prompt_logprobs=(
+                    request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+                ),
             )
+            if not 1 <= job.n <= MAX_CHOICES:
+                raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {job.n}")
+            if job.prompt_logprobs is not None and job.prompt_logprobs > MAX_TOP_LOGPROBS:
+                raise InvalidRequest(
+                    f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {job.prompt_logprobs}"
+                )
             if not job.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
             done = self.worker.submit(job).result(timeout=deadline)
@@ -71,6 +84,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(err.grpc_code, err.message)
         return prefill_pb2.PrefillResponse(
             first_token=token_to_pb(done.first_token),
+            first_tokens=[token_to_pb(t) for t in done.sampled.tokens],
+            prompt_logprobs=[token_to_pb(t) for t in done.sampled.prompt_logprobs],
             prefill_seconds=done.prefill_seconds,
             transfer_seconds=done.transfer_seconds,
             transfer_bytes=done.transfer_bytes,

@@ -1,7 +1,8 @@
 """The prefill worker's core: batch prompts, run exact MLA, sample, ship per-rank shards.
 
 Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
-one packed exact prefill -> first token sampled with the request's params -> the latent cut
+one packed exact prefill -> first token sampled with the request's params (n of them for n
+choices, each from its own generator; the prompt's logprobs too when asked) -> the latent cut
 into each decode rank's shard (its latent columns, or its token ranges in SP mode) and pushed
 over the chosen transport, all ranks and all of the batch's jobs in parallel, while the next
 batch already runs -> the job's future resolves when its last shard is acknowledged. A failed
@@ -19,13 +20,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from common.kv.transfer import KvSender, TransferError, cut_shard, staged_on_host
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.prefill_threads import PrefillThreads
 from common.rpc.convert import KvTargetInfo
-from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from common.sampling import (
+    PREFILL_STAGE,
+    SampledToken,
+    SamplingParams,
+    choice_stream,
+    make_generator,
+    sample_batch,
+)
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
 MAX_SHIPPING = 64
@@ -39,14 +48,58 @@ class PrefillJob:
     targets: tuple[KvTargetInfo, ...]
     block_size: int
     deadline_s: float
+    n: int = 1  # choices: first tokens to sample
+    prompt_logprobs: int | None = None  # set: the prompt's logprobs, this many alternatives
+
+
+@dataclass(frozen=True)
+class FirstTokens:
+    """What a job samples from its prefill: each choice's first token, and the logprobs of
+    prompt tokens 1..N-1 when asked for (the first has nothing to be predicted from)."""
+
+    tokens: tuple[SampledToken, ...]
+    prompt_logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)
 class PrefillDone:
-    first_token: SampledToken
+    sampled: FirstTokens
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
+
+    @property
+    def first_token(self) -> SampledToken:
+        return self.sampled.tokens[0]
+
+
+def first_tokens(logits: Tensor, job: PrefillJob) -> tuple[SampledToken, ...]:
+    """Choice i's first token from the last prompt position's logits [V], drawn from its
+    own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice is seeded
+    apart and reproducible."""
+    gens = [
+        make_generator(job.params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
+        for i in range(job.n)
+    ]
+    return tuple(sample_batch(logits[None].expand(job.n, -1), [job.params] * job.n, gens))
+
+
+def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[SampledToken, ...]:
+    """Logprobs of prompt tokens 1..N-1 from the prefill's logits at positions 0..N-2 [N-1, V],
+    with the `top` most likely alternatives of each position."""
+    if len(prompt_ids) < 2:
+        return ()
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(prompt_ids[1:], device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    alt_lps, alt_ids = (
+        logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], targets[:, None][:, :0])
+    )
+    alt_ids_l, alt_lps_l = alt_ids.tolist(), alt_lps.tolist()
+    return tuple(
+        SampledToken(tok, lp, tuple(zip(alt_ids_l[i], alt_lps_l[i], strict=True)))
+        for i, (tok, lp) in enumerate(zip(prompt_ids[1:], chosen, strict=True))
+    )
 
 
 class PrefillWorker:
@@ -161,8 +214,10 @@ class PrefillWorker:
         ids = torch.tensor(
             [t for job, _ in batch for t in job.prompt_ids], dtype=torch.long, device=device
         )
+        # Prompt logprobs need every position's logits: only batches that ask pay for them.
+        every = any(job.prompt_logprobs is not None for job, _ in batch)
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
-            out = self.model.prefill(ids, lens)
+            out = self.model.prefill(ids, lens, all_logits=every)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
@@ -170,8 +225,14 @@ class PrefillWorker:
         for row, (job, fut) in enumerate(batch):
             end = start + len(job.prompt_ids)
             try:
-                generator = make_generator(job.params, device, stream=0)
-                first = sample(out.logits[row], job.params, generator)
+                first = FirstTokens(
+                    first_tokens(out.logits[end - 1 if every else row], job),
+                    ()
+                    if job.prompt_logprobs is None
+                    else prompt_logprobs(
+                        out.logits[start : end - 1], job.prompt_ids, job.prompt_logprobs
+                    ),
+                )
                 self._ship(out, start, end, job, fut, first, prefill_s)
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
@@ -185,7 +246,7 @@ class PrefillWorker:
         end: int,
         job: PrefillJob,
         fut: Future[PrefillDone],
-        first: SampledToken,
+        first: FirstTokens,
         prefill_s: float,
     ) -> None:
         """Push the job's shards to every target rank without waiting for them.
@@ -236,7 +297,7 @@ class PrefillWorker:
     def _shipped(
         self,
         fut: Future[PrefillDone],
-        first: SampledToken,
+        first: FirstTokens,
         prefill_s: float,
         transfer_s: float,
         sends: list[Future[int]],
