@@ -50,6 +50,7 @@ class Client:
     prompt: str
     max_tokens: int = MAX_TOKENS
     result: StreamResult = field(default_factory=StreamResult)
+    n: int = 1  # choices (their chunks all count in `tokens`)
 
     def body(self, stream: bool = True) -> dict:
         body = {
@@ -60,6 +61,8 @@ class Client:
             "ignore_eos": True,
             "stream": stream,
         }
+        if self.n > 1:
+            body["n"] = self.n
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -251,6 +254,24 @@ def test_kill_decode_leader_under_streaming_load_migrates(
     stack: LocalStack, reference: dict[str, str]
 ) -> None:
     _killed_mid_stream(stack, reference, "leader")
+
+
+def test_kill_decode_leader_under_n_streams_ends_them_cleanly(stack: LocalStack) -> None:
+    """n > 1 requests are not migrated: killing a group's leader mid-stream ends its streams
+    with an in-band error and [DONE]; the other group's finish; no fork is left anywhere."""
+    clients = [Client(stack.url, p, n=3) for p in PROMPTS[:4]]
+    pool, futures = run_clients(clients)
+    wait_progress(clients, 3 * 8)  # 3 role chunks, then every choice decoding
+    kill(busiest_group(stack.url)[0]["pid"])
+    results = finish(pool, futures)
+    assert all(r.done for r in results)
+    failed = [r for r in results if r.error is not None]
+    assert failed, "the killed group served none of the streams"
+    assert {r.error["type"] for r in failed} == {"service_unavailable"}
+    for r in results:
+        if r.error is None:
+            assert r.finish_reason == "length" and r.completion_tokens == 3 * MAX_TOKENS
+    wait_recovered(stack)
 
 
 def test_hung_rank_mid_stream_migrates_after_the_token_timeout(
