@@ -96,6 +96,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.reserved: list[decode_pb2.ReserveRequest] = []
         self.generated: list[decode_pb2.GenerateRequest] = []
         self.aborted: list[str] = []
+        self.choice_aborts: list[tuple[str, tuple[int, ...]]] = []  # single choices ended
         self.tokens_seen: list[str | None] = []
         self.full_reserves = 0  # answer this many Reserves with "KV cache full" first
 
@@ -148,7 +149,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.GenerateEvent(finish_reason=self.script.final or "length", index=i)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if not request.choices:  # aborting single choices leaves the script running
+        if request.choices:  # single choices: the script runs on for the others
+            self.choice_aborts.append((request.request_id, tuple(request.choices)))
+        else:
             self.aborted.append(request.request_id)
         return decode_pb2.AbortResponse(found=True)
 
