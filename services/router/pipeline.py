@@ -332,7 +332,8 @@ class Pipeline:
         req = run.req
         assert run.decode is not None and run.group is not None
         deadline = req.arrival + self.config.request_timeout_s
-        last = time.monotonic()
+        started = time.monotonic()
+        last: dict[int, float] = {}  # per choice: the gap between one choice's tokens
         # Generate runs even when the first token already ends the request: the leader then
         # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
         # client gone) cancels the call right away.
@@ -351,8 +352,8 @@ class Pipeline:
                         if index not in run.stopped:  # (a stopped choice ends as "abort")
                             run.reasons[index] = _checked_reason(reason)
                     if event.token is not None:
-                        self.metrics.observe_itl(now - last)
-                        last = now
+                        self.metrics.observe_itl(now - last.get(index, started))
+                        last[index] = now
                         yield index, event.token
                     if reason is not None and index not in run.stopped:
                         yield index, None
