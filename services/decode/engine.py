@@ -5,11 +5,11 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
     generate(request_id, first_tokens, params) -> TokenStream     streams tokens as sampled
     abort(request_id, choices)                 at any time; blocks are freed
+    load() -> Load                             running, waiting, blocks used / total
 
 n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
 full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
 with its own generator, and stream into one TokenStream with each event's choice index.
-    load() -> Load                             running, waiting, blocks used / total
 
 All collectives run on one loop thread: callers enqueue commands and wait on futures. Each
 loop iteration applies commands, expires leases, and runs one decode step for every running
@@ -59,7 +59,7 @@ from services.decode.runtime import (
     create_shm_group,
     init_group,
 )
-from services.decode.scheduler import Scheduler, SchedulerError, SeqState
+from services.decode.scheduler import Scheduler, SchedulerError, SeqState, Sequence
 from services.decode.stream import EngineError, Load, Reservation, TokenEvent, TokenStream
 
 if TYPE_CHECKING:
@@ -399,7 +399,7 @@ class DecodeEngine:
                 return
             fut.set_exception(EngineError(f"decode group stopped: {self._error or 'shutdown'}"))
 
-    def _copy_blocks(self, seqs: list) -> None:
+    def _copy_blocks(self, seqs: list[Sequence]) -> None:
         """Every rank copies the forks' own blocks from the prompt's (before their first
         step): one plan for all of a request's forks."""
         per_pool = [

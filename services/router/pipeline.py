@@ -311,7 +311,7 @@ class Pipeline:
             try:
                 async with contextlib.aclosing(self._decode_stream(run, feeds, params)) as events:
                     async for index, token in events:
-                        if token is not None:
+                        if token is not None and index == 0:
                             generated.append(token.token_id)
                         yield index, token
                 return
