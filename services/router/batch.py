@@ -10,15 +10,18 @@ is raised; closing it (client gone) closes every run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from services.router.request import Output
 
-_END = object()
+Runs = Sequence[AsyncGenerator[Output, None]]
 
 
-async def start(runs: Sequence[AsyncIterator[Output]]) -> None:
+class _End:
+    """A run's last queue item."""
+
+
+async def start(runs: Runs) -> None:
     """Advance every run past its Started output; on any failure close them all."""
     try:
         for outputs in runs:
@@ -28,42 +31,43 @@ async def start(runs: Sequence[AsyncIterator[Output]]) -> None:
         raise
 
 
-async def close(runs: Sequence[AsyncIterator[Output]]) -> None:
+async def close(runs: Runs) -> None:
+    """Close every run (a no-op for one that ended): a live one aborts and cleans up."""
     for outputs in runs:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await outputs.aclose()
 
 
-async def merged(runs: Sequence[AsyncIterator[Output]]) -> AsyncIterator[tuple[int, Output]]:
+async def merged(runs: Runs) -> AsyncIterator[tuple[int, Output]]:
     """(run index, output) from every run, in the order they are produced."""
     if len(runs) == 1:  # the common case needs no tasks
-        async with contextlib.aclosing(runs[0]) as only:  # type: ignore[type-var]
-            async for out in only:
+        try:
+            async for out in runs[0]:
                 yield 0, out
+        finally:
+            await runs[0].aclose()
         return
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Output | _End | Exception]] = asyncio.Queue()
 
-    async def pump(k: int, outputs: AsyncIterator[Output]) -> None:
+    async def pump(k: int, outputs: AsyncGenerator[Output, None]) -> None:
         try:
             async for out in outputs:
-                await queue.put((k, out))
+                queue.put_nowait((k, out))
         except Exception as exc:  # handed to the consumer, which raises it
-            await queue.put((k, exc))
+            queue.put_nowait((k, exc))
         else:
-            await queue.put((k, _END))
+            queue.put_nowait((k, _End()))
 
     tasks = [asyncio.create_task(pump(k, outputs)) for k, outputs in enumerate(runs)]
     try:
         live = len(runs)
         while live:
             k, item = await queue.get()
-            if item is _END:
+            if isinstance(item, _End):
                 live -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
-                yield k, item  # type: ignore[misc]
+                yield k, item
     finally:
         # Cancelling a pump cancels its run where it waits: the run aborts and cleans up.
         for task in tasks:

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import anyio
@@ -117,8 +117,9 @@ class Pipeline:
         self.group_load: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
 
-    async def run(self, req: GenerationRequest) -> AsyncIterator[Output]:
-        """The request's outputs: Started, then Deltas, then Done. Raises TplaError."""
+    async def run(self, req: GenerationRequest) -> AsyncGenerator[Output, None]:
+        """The request's outputs: Started, (with echo) Prompt, every choice's Deltas and
+        ChoiceEnd, then Done. Raises TplaError."""
         try:
             await self.admission.acquire()
         except Overloaded:
