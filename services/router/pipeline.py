@@ -173,30 +173,37 @@ class Pipeline:
                 for _ in range(req.n)
             ]
             ended: dict[int, str] = {}
-            async with contextlib.aclosing(self._tokens(run, first)) as tokens:
-                async for index, token in tokens:
-                    text = texts[index]
-                    if index in ended:
-                        continue
-                    if token is not None:
-                        out = text.push(token)
+            if req.score_only:  # echo with max_tokens 0: the prompt's logprobs are the answer
+                await self._prefilled(req, first)
+                for i in range(req.n):
+                    ended[i] = "length"
+                    yield ChoiceEnd(i, "length")
+            else:
+                async with contextlib.aclosing(self._tokens(run, first)) as tokens:
+                    async for index, token in tokens:
+                        text = texts[index]
+                        if index in ended:
+                            continue
+                        if token is not None:
+                            out = text.push(token)
+                            if out is not None:
+                                yield Delta(*out, index=index)
+                            if not text.stopped:
+                                continue
+                            # A stop string: this choice is over here, and on the leader.
+                            run.stopped.add(index)
+                            if run.decode_live and len(ended) + 1 < req.n:
+                                assert run.decode is not None
+                                await self._abort(run.decode, req.request_id, (index,))
+                        out = text.finish()
                         if out is not None:
                             yield Delta(*out, index=index)
-                        if not text.stopped:
-                            continue
-                        # A stop string: this choice is over here, and on the leader.
-                        run.stopped.add(index)
-                        if run.decode_live and len(ended) + 1 < req.n:
-                            assert run.decode is not None
-                            await self._abort(run.decode, req.request_id, (index,))
-                    out = text.finish()
-                    if out is not None:
-                        yield Delta(*out, index=index)
-                    ended[index] = "stop" if text.stopped else run.reasons[index]
-                    yield ChoiceEnd(index, ended[index])
-                    if len(ended) == req.n:
-                        break
-            if run.decode_live:  # ended on stop strings: the leader is still generating
+                        ended[index] = "stop" if text.stopped else run.reasons[index]
+                        yield ChoiceEnd(index, ended[index])
+                        if len(ended) == req.n:
+                            break
+            # Ended on stop strings (or only scored the prompt): the leader still has it.
+            if run.decode_live:
                 run.decode_live = False
                 assert run.decode is not None
                 await self._abort(run.decode, req.request_id)
@@ -292,17 +299,7 @@ class Pipeline:
         (choice, None) when the leader ended a choice (its reason in run.reasons). An n = 1
         request migrates to another group if its group fails mid-stream."""
         req = run.req
-        ttft = time.monotonic() - req.arrival
-        self.metrics.observe_ttft(ttft)
-        await self._record(
-            req.request_id,
-            RequestState.TRANSFERRING,
-            transfer_bytes=first.transfer_bytes,
-            transfer_seconds=first.transfer_seconds,
-            prefill_seconds=first.prefill_seconds,
-            ttft_seconds=round(ttft, 6),
-        )
-        await self._record(req.request_id, RequestState.DECODING)
+        await self._prefilled(req, first)
         generated = [first.first_token.token_id]  # choice 0's (what a migration re-feeds)
         feeds = first.first_tokens
         for index, token in enumerate(feeds):
@@ -323,6 +320,20 @@ class Pipeline:
                 generated.append(feed.token_id)
                 feeds = (feed,)
                 yield 0, feed
+
+    async def _prefilled(self, req: GenerationRequest, first: PrefillResult) -> None:
+        """The prefill is done and its KV in place: TTFT ends, the request is decoding."""
+        ttft = time.monotonic() - req.arrival
+        self.metrics.observe_ttft(ttft)
+        await self._record(
+            req.request_id,
+            RequestState.TRANSFERRING,
+            transfer_bytes=first.transfer_bytes,
+            transfer_seconds=first.transfer_seconds,
+            prefill_seconds=first.prefill_seconds,
+            ttft_seconds=round(ttft, 6),
+        )
+        await self._record(req.request_id, RequestState.DECODING)
 
     async def _decode_stream(
         self, run: _Run, feeds: tuple[SampledToken, ...], params: SamplingParams

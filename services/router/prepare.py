@@ -98,11 +98,12 @@ def prepare_completion(
             prompt_ids = list(prompt)
             text = info.tokenizer.decode(prompt_ids) if body.echo or info.log_prompts else ""
         want = body.logprobs is not None
+        score_only = body.max_tokens == 0  # (with echo: the schema checks)
         req = _build(
             response_id if len(prompts) == 1 else f"{response_id}-{k}",
             body,
             prompt_ids,
-            body.token_limit,
+            1 if score_only else body.token_limit,
             want,
             body.logprobs or 0,
             info,
@@ -110,7 +111,12 @@ def prepare_completion(
             text if info.log_prompts else "",
         )
         if body.echo:
-            req = replace(req, echo_text=text, prompt_logprobs=body.logprobs if want else None)
+            req = replace(
+                req,
+                echo_text=text,
+                prompt_logprobs=body.logprobs if want else None,
+                score_only=score_only,
+            )
         reqs.append(req)
     return response_id, reqs
 

@@ -26,6 +26,9 @@ class GenerationRequest:
     n: int = 1  # choices, forked from one prefill
     echo_text: str | None = None  # completions with echo: the prompt as the client sees it
     prompt_logprobs: int | None = None  # echo with logprobs: alternatives per prompt token
+    # echo with max_tokens 0: prefill and score the prompt, generate nothing (params and the
+    # reservation still say 1 token, which is never decoded)
+    score_only: bool = False
 
 
 @dataclass(frozen=True)

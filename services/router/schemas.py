@@ -223,6 +223,7 @@ class CompletionRequest(_SamplingRequest):
         | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
+    max_tokens: int | None = Field(None, ge=0, description="0 with echo: score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = Field(False, description="prepend the prompt (and its logprobs)")
     best_of: int | None = _unsupported("only 1 or null; use n for several choices")
@@ -241,6 +242,12 @@ class CompletionRequest(_SamplingRequest):
             "prompt must be a string, a non-empty list of token ids, or a non-empty list of "
             "either (a batch of prompts)"
         )
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 only scores the prompt: it needs echo")
+        return self
 
     @model_validator(mode="after")
     def _batch_size(self) -> CompletionRequest:

@@ -147,6 +147,12 @@ def test_completions_echo_logprobs_and_batches(layout_stack: LocalStack) -> None
     for token, value in sampled_top.items():
         assert echoed_top[token] == pytest.approx(value, abs=1e-4)
 
+    # max_tokens 0 with echo scores the prompt alone: the same logprobs, nothing generated.
+    scored_only = _complete(stack, prompt=ids, echo=True, logprobs=3, max_tokens=0)
+    only = scored_only.choices[0].logprobs
+    assert scored_only.usage.completion_tokens == 0 and len(only.tokens) == len(ids)
+    assert only.top_logprobs[len(ids) - 1].keys() == echoed_top.keys()
+
     # A batch of prompts, n = 2: choices prompt-major; usage sums the prompts.
     batch = _complete(stack, prompt=prompts, n=2, **greedy)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]

@@ -99,3 +99,23 @@ async def test_completions_batch_with_echo_and_prompt_logprobs(
         for k in (0, 1):
             record = await stack.record(f"{out['id']}-{k}")
             assert record["state"] == "FINISHED"
+
+
+async def test_echo_with_zero_max_tokens_scores_the_prompt_only(
+    model_dir: Path, redis_url: str, tokenizer: Tokenizer
+) -> None:
+    async with run_stack(model_dir, redis_url, script_for(tokenizer)) as stack:
+        body = {"model": "tpla-test", "prompt": "hello there", "echo": True, "max_tokens": 0}
+        resp = await stack.client.post("/v1/completions", json={**body, "logprobs": 2})
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        [choice] = out["choices"]
+        assert choice["text"] == "hello there" and choice["finish_reason"] == "length"
+        prompt_len = len(tokenizer.encode("hello there"))
+        assert len(choice["logprobs"]["tokens"]) == prompt_len
+        assert out["usage"]["completion_tokens"] == 0
+        # Prefilled and scored, never decoded: the reservation is given back at once.
+        assert stack.decode.generated == [] and stack.decode.aborted == [out["id"]]
+        assert (await stack.record(out["id"]))["state"] == "FINISHED"
+        resp = await stack.client.post("/v1/completions", json={**body, "echo": False})
+        assert resp.status_code == 400 and "needs echo" in resp.json()["error"]["message"]
