@@ -11,6 +11,11 @@ from typing import Any
 import grpc
 
 
+class TokenizerError(ValueError):
+    """A tokenizer directory or file is unusable, or chat-template input is invalid (the
+    router answers the latter as InvalidRequest)."""
+
+
 class TplaError(Exception):
     http_status = 500
     grpc_code = grpc.StatusCode.INTERNAL

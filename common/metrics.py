@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 METRICS_PORT_OFFSET = 1000
@@ -31,6 +31,30 @@ class GaugeCallback(Collector):
             yield GaugeMetricFamily(name, self.help_text.get(name, name), value=value)
 
 
+class CounterCallback(Collector):
+    """Counters kept by a service's core (plain ints) and read at scrape time; names without
+    the `_total` suffix, which the exposition adds."""
+
+    def __init__(self, read: Callable[[], dict[str, float]], help_text: dict[str, str]) -> None:
+        self.read = read
+        self.help_text = help_text
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        try:
+            values = self.read()
+        except Exception:  # a failing worker reports no counters rather than a 500
+            return
+        for name, value in values.items():
+            yield CounterMetricFamily(name, self.help_text.get(name, name), value=value)
+
+
+# Prefix caching, per service (decode: blocks reused at Reserve; prefill: latents reused).
+PREFIX_CACHE_HELP = {
+    "tpla:prefix_cache_queries": "prompt tokens looked up in the prefix cache",
+    "tpla:prefix_cache_hits": "prompt tokens found in the prefix cache",
+}
+
+
 class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.transfer_bytes = Counter(
@@ -51,6 +75,13 @@ class PrefillMetrics:
             "exact MLA prefill of a batch",
             buckets=LATENCY_BUCKETS,
             registry=registry,
+        )
+        help_text = PREFIX_CACHE_HELP
+        self.prefix_queries = Counter(
+            "tpla:prefix_cache_queries", help_text["tpla:prefix_cache_queries"], registry=registry
+        )
+        self.prefix_hits = Counter(
+            "tpla:prefix_cache_hits", help_text["tpla:prefix_cache_hits"], registry=registry
         )
 
 

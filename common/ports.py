@@ -163,12 +163,16 @@ def decode_group_ports(
     return uses
 
 
-def kv_receiver_ports(kv_port_base: int, rank: int, group: str = "") -> list[PortUse]:
-    """A decode rank's KV receiver (gRPC) and its TCPStore (the torch transport)."""
+def kv_receiver_ports(
+    kv_port_base: int, rank: int, group: str = "", index: int | None = None
+) -> list[PortUse]:
+    """A decode rank's KV receiver (gRPC) and its TCPStore (the torch transport), on the
+    base + `index` (default: the rank; a rank started on its own uses its process's base)."""
+    port = kv_port_base + (rank if index is None else index)
     return [
-        PortUse(kv_port_base + rank, f"KV receiver of rank {rank}{group}", "TPLA_KV_PORT_BASE"),
+        PortUse(port, f"KV receiver of rank {rank}{group}", "TPLA_KV_PORT_BASE"),
         PortUse(
-            kv_port_base + TORCH_PORT_OFFSET + rank,
+            port + TORCH_PORT_OFFSET,
             f"KV TCPStore of rank {rank}{group}",
             "TPLA_KV_PORT_BASE",
         ),

@@ -62,6 +62,12 @@ class WorkerRecord:
     healthy: bool = True
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # decode: cached prefix blocks no live request holds
+    block_size: int = 0
+    # Decode leader: the group's block-hash chain root and its most recently used cached
+    # block hashes (hex, comma-separated; bounded), for KV-aware routing.
+    prefix_root: str = ""
+    prefix_hashes: str = ""
     queued_tokens: int = 0
     tp: int = 1
     latent_groups: int = 1

@@ -1,8 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-k logprobs.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, top-k
+logprobs, after the logits processing of `common.logits` (penalties, logit_bias, min_tokens,
+grammars).
 
-Pure tensor math shared by `tpla generate` and the decode engine's leader. Each request owns
-a `torch.Generator` seeded from its seed, so a seeded request reproduces its tokens no matter
-which other requests share its batch.
+Pure tensor math shared by `tpla generate`, the prefill worker's first token and the decode
+engine's leader. Each request owns a `torch.Generator` seeded from its seed, so a seeded
+request reproduces its tokens no matter which other requests share its batch. Logprobs are
+those of the model's raw logits (vLLM's default), before any processing.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from common.grammar import GrammarSpec
+from common.logits import LogitsContext, process_logits
 
 
 class SamplingError(ValueError):
@@ -28,6 +34,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int = 0  # number of top alternatives to report per token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off; over the prompt and the output (vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0  # stop tokens are forbidden until this many tokens are generated
+    min_p: float = 0.0  # 0 = off
+    grammar: GrammarSpec | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -40,10 +53,47 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.logprobs <= 20:
             raise SamplingError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        if any(not -100.0 <= v <= 100.0 for _, v in self.logit_bias):
+            raise SamplingError("logit_bias values must be in [-100, 100]")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise SamplingError("logit_bias token ids must be >= 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the sequence's own history (a penalty is on)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processing applies (see common.logits)."""
+        return (
+            self.penalized or bool(self.logit_bias or self.min_tokens) or self.grammar is not None
+        )
+
+    def stop_ids(self, eos_ids: Collection[int]) -> frozenset[int]:
+        """The tokens that end the request: stop ids, and EOS unless ignored."""
+        return frozenset(self.stop_token_ids) | (
+            frozenset() if self.ignore_eos else frozenset(eos_ids)
+        )
 
     def is_stop(self, token_id: int, eos_ids: Collection[int]) -> bool:
         """Whether generating `token_id` ends the request (stop ids, or EOS unless ignored)."""
@@ -98,11 +148,17 @@ def filtered_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def filtered_logits_batch(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
-    """Temperature, top-k and top-p of each row of logits [B, V] (float32), with row b's
-    parameters: one sort of the batch instead of one per row."""
+    """Temperature, min-p, top-k and top-p of each row of logits [B, V] (float32), with row
+    b's parameters: one sort of the batch instead of one per row."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits.float() / temperature[:, None]
+    if any(p.min_p for p in params):
+        # min-p keeps the tokens at least min_p times as likely as the most likely one.
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = logits.softmax(-1)
+        keep = probs >= min_p * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
     if not any(p.top_k or p.top_p < 1.0 for p in params):
         return logits
     vocab = logits.shape[-1]
@@ -120,16 +176,25 @@ def filtered_logits_batch(logits: Tensor, params: Sequence[SamplingParams]) -> T
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> SampledToken:
+def sample(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    context: LogitsContext | None = None,
+) -> SampledToken:
     """Pick the next token from one row of logits [V]."""
-    return sample_batch(logits[None], [params], [generator])[0]
+    return sample_batch(logits[None], [params], [generator], context)[0]
 
 
 def sample_batch(
-    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    context: LogitsContext | None = None,
 ) -> list[SampledToken]:
     """Pick every row's next token from logits [B, V] at once, on the logits' device, with
-    one transfer of the results to the host.
+    one transfer of the results to the host. `context` carries what the logits processing
+    needs (common.logits); None when no row has anything to process.
 
     Row b draws only from generators[b] (on the logits' device), so a seeded request samples
     the same tokens whichever requests share its batch. A draw is an exponential race:
@@ -138,11 +203,12 @@ def sample_batch(
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
+    scores = logits if context is None else process_logits(logits, params, context)
+    tokens = scores.argmax(dim=-1)
     drawn = [b for b, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = torch.tensor(drawn, device=logits.device)
-        probs = filtered_logits_batch(logits[rows], [params[b] for b in drawn]).softmax(-1)
+        probs = filtered_logits_batch(scores[rows], [params[b] for b in drawn]).softmax(-1)
         noise = torch.empty_like(probs)
         for row, b in enumerate(drawn):
             noise[row].exponential_(generator=generators[b])

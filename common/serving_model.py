@@ -4,6 +4,10 @@
 folds gamma and rotates the latent exactly, and supplies per-layer spectra from which each
 decode rank derives its shard constants. Without one, TPLA uses the identity basis with
 e_i = 1/r.
+
+The weights are read from the checkpoint tensor by tensor (`CheckpointWeights`), rotated as
+they are read: a decode rank builds only its share from them, the prefill worker the whole
+model, neither ever holding a second copy.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from common.model.attn_backend import select_backend
-from common.model.loader import load_model
+from common.model.loader import serving_dtype
 from common.model.model import DeepseekForCausalLM
+from common.model.weights import CheckpointWeights, build_model
 
 
 def side_file_path(model_dir: str | Path, reparam: str) -> Path:
@@ -23,14 +29,19 @@ def side_file_path(model_dir: str | Path, reparam: str) -> Path:
     return Path(model_dir) / name
 
 
-def load_serving_model(
-    model_dir: str | Path, reparam: str | None, dtype: str = "float32"
-) -> tuple[DeepseekForCausalLM, list[Tensor | None]]:
-    """The model (rotated when `reparam` is set) and its per-layer latent spectra."""
-    model = load_model(model_dir, dtype=dtype)
+def open_serving_weights(
+    model_dir: str | Path,
+    reparam: str | None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> tuple[CheckpointWeights, list[Tensor | None]]:
+    """The checkpoint's weights (in the side file's basis when `reparam` is set), read on
+    demand in `dtype` onto `device`, and the per-layer latent spectra."""
+    src = CheckpointWeights(model_dir, serving_dtype(dtype), device)
+    layers = src.config.num_hidden_layers
     if not reparam:
-        return model, [None] * model.config.num_hidden_layers
-    from common.tpla.convert import apply_reparameterization, load_side_file
+        return src, [None] * layers
+    from common.tpla.convert import basis_rotations, load_side_file
 
     path = side_file_path(model_dir, reparam)
     if not path.is_file():
@@ -40,8 +51,29 @@ def load_serving_model(
             "e_i = 1/r (run `tpla convert` to calibrate)",
             stacklevel=2,
         )
-        return model, [None] * model.config.num_hidden_layers
-    return model, list(apply_reparameterization(model, load_side_file(path)))
+        return src, [None] * layers
+    side = load_side_file(path)
+    attn = "model.layers.{}.self_attn."
+    rotations = basis_rotations(
+        side,
+        src.config,
+        (src.tensor(attn.format(i) + "kv_a_proj_with_mqa.weight") for i in range(layers)),
+        lambda i: src.tensor(attn.format(i) + "kv_a_layernorm.weight"),
+    )
+    if rotations is not None:
+        src.use_basis(rotations)
+    return src, list(side.spectra())
+
+
+def load_serving_model(
+    model_dir: str | Path,
+    reparam: str | None,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+) -> tuple[DeepseekForCausalLM, list[Tensor | None]]:
+    """The whole model (rotated when `reparam` is set) on `device`, and its latent spectra."""
+    src, spectra = open_serving_weights(model_dir, reparam, dtype, device)
+    return build_model(src).to_device(device), spectra
 
 
 def load_prefill_model(
@@ -52,9 +84,9 @@ def load_prefill_model(
     device: str = "cpu",
 ) -> DeepseekForCausalLM:
     """The serving model for a prefill on `device`: its attention on `attention_backend`
-    (`select_backend`: auto, sdpa, native, flash-attn). Decode ranks load `load_serving_model`
-    and never prefill, so only here is a prefill kernel chosen (and built, on first use)."""
-    # Rotated on the CPU (the reparameterization's checks run in fp64), then placed.
-    model = load_serving_model(model_dir, reparam, dtype)[0].to_device(device)
+    (`select_backend`: auto, sdpa, native, flash-attn). Decode ranks build their share with
+    `open_serving_weights` and never prefill, so only here is a prefill kernel chosen."""
+    # The latent rotation is computed on the CPU in fp64 as each tensor is read, then placed.
+    model = load_serving_model(model_dir, reparam, dtype, device)[0]
     model.prefill_backend = select_backend(attention_backend, model.lm_head.weight.device)
     return model

@@ -30,7 +30,7 @@ class Settings(BaseSettings):
         ge=1,
         description="intra-op threads of a prefill batch of >= 512 tokens (at least "
         "torch_threads, at most the usable cores): for prefill workers with cores of their "
-        "own; see common/prefill_threads.py",
+        "own; see services/prefill/threads.py",
     )
     prefill_batch_tokens: int = Field(
         2048,
@@ -46,7 +46,9 @@ class Settings(BaseSettings):
         "where it runs; else torch) | torch | native (C++, fp32 CPU) | triton",
     )
     collectives: str = Field(
-        "shm", description="decode group collectives: shm (shared memory; else dist) | dist"
+        "auto",
+        description="decode group collectives: auto (shm for a spawned group, dist for ranks "
+        "that joined over the network) | shm (shared memory, one host; else dist) | dist",
     )
 
     # -- decode group -----------------------------------------------------------------------
@@ -60,6 +62,33 @@ class Settings(BaseSettings):
     kv_budget_mb: float = Field(256.0, gt=0, description="KV pool per decode rank")
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
     lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
+    # A group across hosts: every rank is a `tpla decode --rank K --group-size N --group-addr
+    # HOST:PORT` of its own (services/decode/group.py); without them the leader spawns its ranks.
+    rank: int = Field(0, ge=0, description="this process's rank in a joined group (0: leader)")
+    group_size: int = Field(
+        0, ge=0, description="ranks of a joined group (= tp); 0: the leader spawns its followers"
+    )
+    group_addr: str = Field("", description="HOST:PORT of a joined group's leader rendezvous")
+    advertise_host: str = Field(
+        "", description="host the leader and prefill workers reach this rank at (default: host)"
+    )
+    group_join_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait for every rank of a group to join (or its leader)"
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="reuse cached prompt prefixes: decode groups keep finished prompts' "
+        "blocks (evicted least recently used), prefill workers keep their latents",
+    )
+    prefix_cache_mb: float = Field(
+        256.0, ge=0, description="prefill worker's latent prefix cache budget (0 = none)"
+    )
+    overlap_weight: float = Field(
+        1.0,
+        ge=0,
+        description="kv-aware routing: cost of one prompt block a group must receive, "
+        "against one KV block it holds for live requests",
+    )
 
     # -- local stack (`tpla serve`) ------------------------------------------------------------
     decode_groups: int = Field(1, ge=1, description="decode groups `tpla serve` starts")
@@ -82,7 +111,10 @@ class Settings(BaseSettings):
     max_waiting: int = Field(256, ge=0, description="admitted requests waiting for a slot")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait for a slot or KV")
     max_inflight_per_group: int = Field(64, ge=1, description="per decode group, per router")
-    routing_policy: str = Field("least-loaded", description="least-loaded | round-robin")
+    routing_policy: str = Field(
+        "kv-aware",
+        description="kv-aware (prefix overlap against load) | least-loaded | round-robin",
+    )
     request_timeout_s: float = Field(300.0, gt=0)
     # A stream that stalls this long (a hung rank, a stopped process) fails instead of hanging.
     token_timeout_s: float = Field(30.0, gt=0, description="longest gap between two tokens")

@@ -1,4 +1,4 @@
-"""Tokenizer, chat-template rendering and streaming detokenization.
+"""The tokenizer of a model directory: encode, decode, special tokens, its chat template.
 
 Wraps a HuggingFace ``tokenizers`` tokenizer loaded from a model directory
 (``tokenizer.json`` plus the optional ``tokenizer_config.json`` and
@@ -11,66 +11,19 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
 
-__all__ = [
-    "CHAT_ROLES",
-    "ChatMessage",
-    "IncrementalDetokenizer",
-    "Tokenizer",
-    "TokenizerError",
-]
+from common.chat_template import ChatMessage, ChatTemplate, chat_template_from_config
+from common.errors import TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # transformers >= 4.43 may save the template here instead of inside tokenizer_config.json.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-
-CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
-
-# What the ByteLevel decoder (and lossy UTF-8 decoding in general) produces for bytes that do
-# not (yet) form a complete character.
-_REPLACEMENT_CHAR = "\ufffd"
-
-# How many prompt ids the detokenizer decodes as left context (same value vLLM uses): enough
-# for context-sensitive decoders to render the first generated token the way it would appear
-# after the prompt, while keeping each decode call O(1).
-_CONTEXT_TOKENS = 5
-
-
-class TokenizerError(ValueError):
-    """A tokenizer directory/file is unusable, or chat-template input is invalid."""
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    """One chat turn passed to a chat template.
-
-    Attributes:
-        role: One of ``"system"``, ``"user"``, ``"assistant"`` or ``"tool"``.
-        content: The message text.
-    """
-
-    role: str
-    content: str
-
-    def __post_init__(self) -> None:
-        if self.role not in CHAT_ROLES:
-            raise TokenizerError(
-                f"invalid chat role {self.role!r}; expected one of {sorted(CHAT_ROLES)}"
-            )
-        if not isinstance(self.content, str):
-            raise TokenizerError(
-                f"chat message content must be a str, got {type(self.content).__name__}"
-            )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -96,33 +49,6 @@ def _token_text(value: Any, field: str, source: Path) -> str | None:
     )
 
 
-def _chat_template_from_config(value: Any, source: Path) -> tuple[str | None, list[str]]:
-    """Return the default template (or None) and the names of the other named templates."""
-    if value is None or isinstance(value, str):
-        return value, []
-    if isinstance(value, list):
-        names: list[str] = []
-        for entry in value:
-            if not (
-                isinstance(entry, Mapping)
-                and isinstance(entry.get("name"), str)
-                and isinstance(entry.get("template"), str)
-            ):
-                raise TokenizerError(
-                    f"{source}: 'chat_template' list entries must be objects with string "
-                    f"'name' and 'template', got {entry!r}"
-                )
-            if entry["name"] == "default":
-                return entry["template"], []
-            names.append(entry["name"])
-        # Not fatal: the model can still serve plain completions without a chat template.
-        return None, names
-    raise TokenizerError(
-        f"{source}: 'chat_template' must be a string or a list of named templates, "
-        f"got {type(value).__name__}"
-    )
-
-
 def _eos_ids_from_generation_config(value: Any, source: Path) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -136,15 +62,6 @@ def _eos_ids_from_generation_config(value: Any, source: Path) -> tuple[int, ...]
     raise TokenizerError(
         f"{source}: 'eos_token_id' must be an int or a list of ints, got {value!r}"
     )
-
-
-def _raise_template_exception(message: str) -> NoReturn:
-    raise TokenizerError(f"chat template error: {message}")
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # Jinja's built-in tojson HTML-escapes <, >, & and '; HF templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 class Tokenizer:
@@ -186,8 +103,9 @@ class Tokenizer:
         """
         self._backend = backend
         self._source = source
-        self._chat_template = chat_template
-        self._other_templates = tuple(named_templates)
+        self._chat_template = ChatTemplate(
+            chat_template, origin=source, other_names=named_templates
+        )
         self._bos_token = bos_token
         self._eos_token = eos_token
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -208,10 +126,6 @@ class Tokenizer:
                 f"(size {self._vocab_size})"
             )
         self._eos_token_ids = frozenset(eos_ids)
-
-        # Compiled lazily so a broken template only affects chat requests, and the error
-        # surfaces as a TokenizerError from apply_chat_template.
-        self._compiled_template: jinja2.Template | None = None
 
     def _require_id(self, token: str | None, field: str) -> int | None:
         if token is None:
@@ -251,7 +165,7 @@ class Tokenizer:
 
         config_file = directory / TOKENIZER_CONFIG_FILE
         config = _read_json(config_file) if config_file.is_file() else {}
-        chat_template, other_templates = _chat_template_from_config(
+        chat_template, other_templates = chat_template_from_config(
             config.get("chat_template"), config_file
         )
         template_file = directory / CHAT_TEMPLATE_FILE
@@ -315,7 +229,17 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         """Whether a chat template is available for :meth:`apply_chat_template`."""
-        return self._chat_template is not None
+        return self._chat_template.available
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template formats tool definitions itself (reads `tools`)."""
+        return self._chat_template.reads("tools")
+
+    @property
+    def template_renders_tool_turns(self) -> bool:
+        """Whether the chat template formats tool calls and tool results (`tool_calls`)."""
+        return self._chat_template.reads("tool_calls")
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Encode ``text`` to token ids.
@@ -352,40 +276,14 @@ class Tokenizer:
         except OverflowError as exc:
             raise TokenizerError(f"invalid token id in {list(ids)!r}: {exc}") from exc
 
-    def _template(self) -> jinja2.Template:
-        if self._compiled_template is not None:
-            return self._compiled_template
-        if self._chat_template is None:
-            if self._other_templates:
-                raise TokenizerError(
-                    f"{self._source}: no chat template named 'default' (found "
-                    f"{list(self._other_templates)})"
-                )
-            raise TokenizerError(
-                f"{self._source}: the tokenizer has no chat template (no 'chat_template' in "
-                f"{TOKENIZER_CONFIG_FILE} and no {CHAT_TEMPLATE_FILE})"
-            )
-        # Templates come from downloaded model repos, so they are untrusted code: sandbox them.
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[jinja2.ext.loopcontrols],
-        )
-        env.globals["raise_exception"] = _raise_template_exception
-        env.filters["tojson"] = _tojson
-        try:
-            template = env.from_string(self._chat_template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise TokenizerError(
-                f"{self._source}: chat template syntax error at line {exc.lineno}: {exc.message}"
-            ) from exc
-        self._compiled_template = template
-        return template
-
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's chat template.
+        """Render ``messages`` with the model's chat template (common/chat_template.py).
 
         Args:
             messages: The conversation so far.
@@ -398,28 +296,20 @@ class Tokenizer:
             TokenizerError: If there is no template, it does not compile or fails to render,
                 or it calls ``raise_exception`` (e.g. to reject a role order).
         """
-        template = self._template()
-        for message in messages:
-            if not isinstance(message, ChatMessage):
-                raise TokenizerError(
-                    f"messages must be ChatMessage instances, got {type(message).__name__}"
-                )
-        try:
-            return template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
-                bos_token=self._bos_token or "",
-                eos_token=self._eos_token or "",
-                add_generation_prompt=add_generation_prompt,
-            )
-        except TokenizerError:
-            raise  # from raise_exception(): already says what the template rejected
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as exc:
-            # Template bugs triggered by request content must surface as bad input, not as
-            # internal server errors.
-            raise TokenizerError(f"{self._source}: chat template failed to render: {exc}") from exc
+        return self._chat_template.render(
+            messages,
+            bos_token=self._bos_token or "",
+            eos_token=self._eos_token or "",
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+        )
 
     def encode_chat(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Render ``messages`` with the chat template and encode the result.
 
@@ -429,104 +319,10 @@ class Tokenizer:
         Raises:
             TokenizerError: As for :meth:`apply_chat_template`.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         add_bos: bool | None = None
         if self._bos_token and text.startswith(self._bos_token):
             add_bos = False
         return self.encode(text, add_bos=add_bos)
-
-
-class IncrementalDetokenizer:
-    """Turn a stream of generated token ids into text deltas.
-
-    Byte-level BPE tokens can end in the middle of a multi-byte UTF-8 character; such text is
-    held back until the character completes, so no delta ever contains a partial character.
-    Each :meth:`push` decodes only a small window of recent ids, so the cost per token does
-    not grow with the sequence length.
-
-    For byte-level tokenizers, ``"".join(pushes) + flush()`` equals
-    ``tokenizer.decode(generated_ids, skip_special_tokens=...)`` exactly.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_ids: Sequence[int] = (),
-        *,
-        skip_special_tokens: bool = True,
-    ) -> None:
-        """Start a stream.
-
-        Args:
-            tokenizer: The tokenizer that produced the ids.
-            prompt_ids: The prompt; its last few ids are decoded as left context, which lets
-                context-sensitive decoders (e.g. SentencePiece-style leading spaces) render
-                the first generated token as it appears after the prompt.
-            skip_special_tokens: Drop special tokens from the text, as in
-                :meth:`Tokenizer.decode`.
-        """
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        # int() so numpy/torch integer ids work as well as Python ints.
-        context = [int(i) for i in prompt_ids[-_CONTEXT_TOKENS:]]
-        context_text = self._decode(context)
-        if context_text.endswith(_REPLACEMENT_CHAR):
-            # The prompt ends inside a character: its trailing bytes would merge with the
-            # first generated bytes, which decode(generated_ids) alone never does.
-            context, context_text = [], ""
-        # Only the undecided tail of the stream is kept: _ids[:_read_offset] is already
-        # emitted (kept as decoding context), _ids[_read_offset:] is held back.
-        self._ids: list[int] = context
-        self._read_offset = len(context)
-        self._prefix_text = context_text
-        self._chunks: list[str] = []
-        self._finished = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
-
-    def _emit(self, new_text: str) -> str:
-        delta = new_text[len(self._prefix_text) :]
-        # The just-emitted ids become the next window's context; older ones are no longer
-        # needed because the emitted text ended on a character boundary.
-        del self._ids[: self._read_offset]
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
-        if delta:
-            self._chunks.append(delta)
-        return delta
-
-    def push(self, token_id: int) -> str:
-        """Add one generated token and return the text it completes (possibly ``""``).
-
-        Raises:
-            RuntimeError: If called after :meth:`flush`.
-        """
-        if self._finished:
-            raise RuntimeError("IncrementalDetokenizer.push() called after flush()")
-        self._ids.append(int(token_id))
-        new_text = self._decode(self._ids)
-        # A trailing U+FFFD means the last bytes are (so far) an incomplete character; and no
-        # growth means only skipped special tokens arrived. Either way, wait for more ids.
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        return self._emit(new_text)
-
-    def flush(self) -> str:
-        """End the stream and return any held-back text.
-
-        A trailing byte sequence that never formed a valid character comes out as U+FFFD,
-        exactly as :meth:`Tokenizer.decode` renders it. Calling it again returns ``""``.
-        """
-        if self._finished:
-            return ""
-        self._finished = True
-        new_text = self._decode(self._ids)
-        if len(new_text) <= len(self._prefix_text):
-            return ""
-        return self._emit(new_text)
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._chunks)

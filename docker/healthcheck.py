@@ -3,11 +3,14 @@
 The role is the sub-command PID 1 runs (`tpla router|serve|prefill|decode`), read from
 /proc/1/cmdline: the router (and `serve`, which fronts the stack with it) must answer
 GET /health; prefill and decode workers must accept connections on their gRPC port, which
-they open only once their model is loaded. Ports and host come from the TPLA_ settings.
+they open only once their model is loaded; a decode follower started on its own (`decode
+--rank K`, K > 0) on its KV receiver port, opened once it has joined its group and loaded its
+share. Ports and host come from the TPLA_ settings.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -18,14 +21,26 @@ TIMEOUT_S = 3.0
 ROLES = ("router", "serve", "prefill", "decode")
 
 
-def role() -> str:
-    if len(sys.argv) > 1:  # explicit role: tests, or a probe that knows it
-        return sys.argv[1]
-    args = Path("/proc/1/cmdline").read_bytes().split(b"\0")
+def command() -> list[str]:
+    if len(sys.argv) > 1:  # explicit role (and flags): tests, or a probe that knows it
+        return sys.argv[1:]
+    return [a.decode(errors="replace") for a in Path("/proc/1/cmdline").read_bytes().split(b"\0")]
+
+
+def role(args: list[str]) -> str:
     for arg in args:
-        if arg.decode(errors="replace") in ROLES:
-            return arg.decode()
+        if arg in ROLES:
+            return arg
     raise SystemExit(f"healthcheck: no tpla role in PID 1's command line {args!r}")
+
+
+def follower_rank(args: list[str]) -> bool:
+    """A decode rank other than the leader: `--rank K` (or TPLA_RANK) with K > 0."""
+    rank = os.environ.get("TPLA_RANK", "0")
+    for flag, value in itertools.pairwise(args):
+        if flag == "--rank":
+            rank = value
+    return rank.isdigit() and int(rank) > 0
 
 
 def target_host() -> str:
@@ -34,16 +49,18 @@ def target_host() -> str:
 
 
 def main() -> int:
-    which = role()
-    if which not in ROLES:
-        raise SystemExit(f"healthcheck: unknown role {which!r}; expected one of {ROLES}")
+    args = command()
+    which = role(args)
     host = target_host()
     if which in ("router", "serve"):
         port = int(os.environ.get("TPLA_ROUTER_PORT", "8000"))
         with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=TIMEOUT_S) as resp:
             return 0 if resp.status == 200 else 1
-    default = "50051" if which == "prefill" else "50061"
-    port = int(os.environ.get(f"TPLA_{which.upper()}_PORT", default))
+    if which == "decode" and follower_rank(args):
+        port = int(os.environ.get("TPLA_KV_PORT_BASE", "50071"))
+    else:
+        default = "50051" if which == "prefill" else "50061"
+        port = int(os.environ.get(f"TPLA_{which.upper()}_PORT", default))
     with socket.create_connection((host, port), timeout=TIMEOUT_S):
         return 0
 

@@ -76,7 +76,7 @@ def local_stack(host: str, start_timeout_s: float) -> Iterator[bool]:
     if url.hostname not in LOOPBACK:
         raise RuntimeError(f"{host} is not ready and is not on this machine: start it first")
     port = url.port or 80
-    cmd = [sys.executable, "-m", "common.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     print(f"loadtest: nothing ready at {host}; starting {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # Its own session: a Ctrl-C meant for this driver must not also hit the stack's

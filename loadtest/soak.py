@@ -39,7 +39,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.local_stack import LocalStack  # noqa: E402
+from tools.local_stack import LocalStack  # noqa: E402
 
 CLIENT_TIMEOUT_S = 120.0
 RSS_EVERY_S = 10.0
@@ -132,7 +132,7 @@ def role_of(proc: psutil.Process) -> str:
     if "services.decode.runtime" in cmd:
         return "decode-follower"
     for role in ("decode", "prefill", "router"):
-        if f"common.cli {role}" in cmd:
+        if f"tools.cli {role}" in cmd:
             return "decode-leader" if role == "decode" else role
     return proc.name()
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from common import group_files
-from common.embedded_redis import EmbeddedRedis
 from common.metrics import METRICS_PORT_OFFSET
+from common.placement import StackDevices
 from common.ports import (
     PortUse,
     check_ports,
@@ -40,11 +40,12 @@ from common.ports import (
     wait_ready,
 )
 from common.settings import TORCH_PORT_OFFSET, Settings
+from services.embedded_redis import EmbeddedRedis
 
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 300.0
 MAX_RESTARTS = 3
-# `tpla` exits 2 after printing a configuration error (common/cli.py main): a port in use, a
+# `tpla` exits 2 after printing a configuration error (tools/cli/main.py main): a port in use, a
 # missing model. Restarting the child would only print it again.
 CONFIG_ERROR_EXIT = 2
 # The embedded Redis of the default stack (router on 8000); any other stack takes a free port.
@@ -57,10 +58,13 @@ class Child:
     args: list[str]
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # over the stack's (its device)
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *self.args], env=env, start_new_session=True
+            [sys.executable, "-m", "tools.cli", *self.args],
+            env={**env, **self.env},
+            start_new_session=True,
         )
 
     def stop(self) -> None:
@@ -104,13 +108,16 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
         "PREFILL_BATCH_TOKENS": s.prefill_batch_tokens,
         "KV_BUDGET_MB": s.kv_budget_mb,
         "MAX_BATCH": s.max_batch,
+        "PREFIX_CACHE": s.prefix_cache,
+        "PREFIX_CACHE_MB": s.prefix_cache_mb,
     }
     env.update({f"TPLA_{k}": str(v) for k, v in values.items()})
     env.setdefault("OMP_NUM_THREADS", str(s.torch_threads))
     if s.prefill_threads > s.torch_threads:
         # A prefill worker's OpenMP threads then share the cores with the decode ranks; spinning
         # while they wait for each other took a core from a rank (measured with 2 threads on the
-        # 2-core VM: short-prompt throughput 265 vs 303-313 tok/s spinning vs sleeping, run 6).
+        # 2-core VM: short-prompt throughput 265 vs 303-313 tok/s spinning vs sleeping;
+        # benchmarks/serve.md).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
@@ -169,18 +176,29 @@ def stack_port_uses(s: Settings) -> list[PortUse]:
     return uses
 
 
-def stack_children(s: Settings) -> list[Child]:
-    """The local stack's processes: decode groups, prefill workers, then the router."""
+def stack_children(s: Settings, devices: StackDevices | None = None) -> list[Child]:
+    """The local stack's processes: decode groups, prefill workers, then the router. With
+    `devices`, each decode group and prefill worker is started on its own (TPLA_DEVICE)."""
     ports = stack_ports(s)
+
+    def on(device: str | None) -> dict[str, str]:
+        return {"TPLA_DEVICE": device} if device else {}
+
+    decode = devices.decode if devices else (None,) * s.decode_groups
+    prefill = devices.prefill if devices else (None,) * s.prefill_workers
     groups = [
         Child(
             f"decode-{i}",
             ["decode", "--port", str(d), "--kv-port-base", str(k), "--dist-port", str(m)],
+            env=on(device),
         )
-        for i, (d, k, m) in enumerate(zip(ports.decode, ports.kv, ports.dist, strict=True))
+        for i, (d, k, m, device) in enumerate(
+            zip(ports.decode, ports.kv, ports.dist, decode, strict=True)
+        )
     ]
     workers = [
-        Child(f"prefill-{j}", ["prefill", "--port", str(p)]) for j, p in enumerate(ports.prefill)
+        Child(f"prefill-{j}", ["prefill", "--port", str(p)], env=on(device))
+        for j, (p, device) in enumerate(zip(ports.prefill, prefill, strict=True))
     ]
     return [*groups, *workers, Child("router", ["router"])]
 
@@ -206,9 +224,10 @@ def _smoke(url: str, model: str) -> None:
     resp.raise_for_status()
 
 
-def serve_stack(s: Settings, *, smoke: bool = False) -> int:
+def serve_stack(s: Settings, *, smoke: bool = False, devices: StackDevices | None = None) -> int:
     """Run the stack until SIGINT/SIGTERM; the exit code. PortInUse (a ValueError: the CLI
-    prints it) before anything starts if a port the stack binds is taken."""
+    prints it) before anything starts if a port the stack binds is taken. `devices`: where
+    each decode group and prefill worker runs (None: each resolves TPLA_DEVICE itself)."""
     check_ports(s.host, stack_port_uses(s))
     default_redis = not s.redis_url and s.router_port == 8000
     if default_redis:
@@ -238,7 +257,7 @@ def serve_stack(s: Settings, *, smoke: bool = False) -> int:
             flush=True,
         )
     env = _env(s, redis_url)
-    children = stack_children(s)
+    children = stack_children(s, devices)
     url = f"http://{s.host}:{s.router_port}"
     code = 0
     try:

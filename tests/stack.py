@@ -1,12 +1,31 @@
-"""The test stack: `tpla serve` (services/local_stack.py) on a tiny model with small pools.
+"""The stacks the tests start.
 
-Shared by the end-to-end and the fault-injection tests."""
+* `start_stack`: `tpla serve` (tools/local_stack.py) as a child process on a tiny model with
+  small pools, shared by the end-to-end, fault-injection and GPU tests;
+* `services_in_threads`: a real decode group and real prefill workers serving gRPC from
+  threads of the test process, for the integration tests that talk to them directly.
+
+The router's rig (scripted gRPC services under a real router) is tests/router/conftest.py.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from services.local_stack import LocalStack
+import grpc
+
+from common.ports import free_port
+from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
+from common.rpc.gen import common_pb2, prefill_pb2_grpc
+from services.decode.config import EngineConfig
+from services.decode.service import serve_decode
+from services.prefill.service import serve_prefill
+from tools.local_stack import LocalStack
 
 MODEL_NAME = "tiny-e2e"
 
@@ -24,3 +43,80 @@ def start_stack(model_dir: Path, transport: str, **settings: str) -> LocalStack:
         "HEARTBEAT_S": "0.5",
     }
     return LocalStack.start(model_dir, **{**defaults, **settings})
+
+
+@dataclass(frozen=True)
+class Services:
+    decode: str  # the decode leader's gRPC address
+    prefill: dict[str, str]  # KV transport -> that prefill worker's gRPC address
+
+
+def wait_for_prefill(address: str, token: str | None = None, timeout_s: float = 60.0) -> None:
+    """Until the worker answers GetLoad (it loads its model first)."""
+    metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = prefill_pb2_grpc.PrefillStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                stub.GetLoad(common_pb2.Empty(), metadata=metadata, timeout=1)
+                return
+            except grpc.RpcError:
+                time.sleep(0.1)
+    raise AssertionError(f"prefill worker {address} did not start")
+
+
+@contextmanager
+def services_in_threads(
+    cfg: EngineConfig,
+    redis_url: str | None,
+    transports: Sequence[str] = ("grpc",),
+    *,
+    token: str | None = None,
+    heartbeat_s: float | None = None,
+    start_timeout_s: float = 300,
+    prefix_cache_mb: float = 0.0,
+) -> Iterator[Services]:
+    """The decode group of `cfg` and one prefill worker per KV transport on `cfg.model`, each
+    serving from a thread; all stop when the block ends, also when start-up failed.
+    `prefix_cache_mb`: each prefill worker's latent prefix cache (0: none)."""
+    stop, ready = threading.Event(), threading.Event()
+    extra = {} if heartbeat_s is None else {"heartbeat_s": heartbeat_s}
+    decode_port = free_port()
+    threads = [
+        threading.Thread(
+            target=serve_decode,
+            args=(cfg, decode_port, redis_url),
+            kwargs={"ready": ready, "stop": stop, **extra},
+            daemon=True,
+        )
+    ]
+    prefill = {}
+    for transport in transports:
+        port = free_port()
+        threads.append(
+            threading.Thread(
+                target=serve_prefill,
+                args=(cfg.model, None, "127.0.0.1", port, redis_url),
+                kwargs={
+                    "transport": transport,
+                    "token": token,
+                    "stop": stop,
+                    "prefix_cache_mb": prefix_cache_mb,
+                    **extra,
+                },
+                daemon=True,
+            )
+        )
+        prefill[transport] = f"127.0.0.1:{port}"
+    for thread in threads:
+        thread.start()
+    try:
+        assert ready.wait(start_timeout_s), "decode group did not start"
+        for address in prefill.values():
+            wait_for_prefill(address, token)
+        yield Services(f"127.0.0.1:{decode_port}", prefill)
+    finally:
+        stop.set()  # nothing may outlive the test
+        for thread in threads:
+            thread.join(timeout=30)

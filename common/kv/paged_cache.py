@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from common.kv.slots import token_slots
 from common.native.copy_rows import copy_words, scatter_rows
 
 
@@ -160,11 +161,8 @@ def slot_table(block_tables: Tensor, lengths: Tensor, block_size: int) -> tuple[
     t_max = int(lengths.max())
     pos = torch.arange(t_max, device=lengths.device)
     valid = pos[None] < lengths[:, None]
-    blocks = block_tables.gather(
-        1, (pos // block_size)[None].expand(len(lengths), -1).clamp(max=block_tables.shape[1] - 1)
-    )
-    slots = blocks * block_size + pos % block_size
-    return slots.masked_fill(~valid | (blocks < 0), 0), valid
+    slots = token_slots(block_tables, pos[None].expand(len(lengths), -1), block_size)
+    return slots.masked_fill(~valid | (slots < 0), 0), valid  # slot < 0: a padding block
 
 
 def block_ids_from_slots(slots: Tensor, block_size: int) -> Tensor:

@@ -5,17 +5,22 @@ by segment (`common.kv.wire`): runs of consecutive slots are received in place, 
 blocks are staged and written while the next segment arrives.
 
 * gRPC     `Push` takes the sender's chunk stream as raw bytes (`add_kv_receiver`) and spreads
-           it over the segments (`_ByteFeed`);
-* torch    `ConnectTorch` joins a prefill worker's 2-rank group (this rank is rank 0), then
-           each `ExpectTorch` header announces one shard whose segments arrive point-to-point.
+           it over the segments (`_ByteFeed`); into a GPU pool through pinned host staging
+           and asynchronous copies;
+* torch    `ConnectTorch` joins a prefill worker's pair group (`common.kv.pair`: NCCL from
+           GPU to GPU, else gloo; this rank is rank 0), then each `ExpectTorch` header
+           announces one shard whose segments arrive point-to-point, on a GPU straight into
+           the pool (or a device staging buffer and one scatter per segment).
 
-The receiver still takes the older split layout (n [L, N, w] then k_pe [L, N, d_r]), so
-senders that predate packed shards keep working. A shard that fails validation or arrives
-incomplete is abandoned: its reservation expires by the decode lease.
+On a GPU pool a shard's copies and scatters are queued on a stream of their own (not the
+decode step's) and the receiver waits for them once, before it acknowledges the shard. A
+shard that fails validation, arrives incomplete or misses its deadline is abandoned: its
+reservation expires by the decode lease.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.paged_cache import PagedLatentCache
+from common.kv.pair import Pair, PairBackend, backend_key, choose_backend, settle_stream
 from common.kv.wire import (
     ShardWriter,
     StagingPool,
@@ -36,10 +42,11 @@ from common.kv.wire import (
     payload_bytes,
     row_bytes,
     row_plan,
-    split_views,
 )
 from common.rpc.auth import require_token
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
+
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -60,38 +67,48 @@ Sink = Callable[[kv_pb2.KvHeader], ShardTarget]
 class _Landing:
     """One shard on its way into the cache, as a list of segments to fill in order.
 
-    Packed: the plan's segments, in place or staged and written as each one completes.
-    Staged segments share one staging buffer: each at its own offset if `whole` (torch posts
-    every receive at once), else all at offset 0 (gRPC fills one at a time and writes it
-    before the next; a buffer that small stays in the CPU cache). Split (older senders): one
-    segment, the whole payload, written when it is complete.
+    The plan's segments, in place or staged and written as each one completes. Staged
+    segments share one staging buffer on the transport's device (`recv_device`): each at its
+    own offset if `whole` (torch posts every receive at once; copies into a GPU cache are
+    asynchronous and read their staging later), else all at offset 0 (gRPC into a host cache
+    fills one at a time and writes it before the next; a buffer that small stays in the CPU
+    cache).
     """
 
     def __init__(
-        self, header: kv_pb2.KvHeader, target: ShardTarget, pool: StagingPool, whole: bool
+        self,
+        header: kv_pb2.KvHeader,
+        target: ShardTarget,
+        pool: StagingPool,
+        recv_device: torch.device,
+        whole: bool,
     ) -> None:
         self.header, self.target, self.pool = header, target, pool
         self.total = payload_bytes(header)
-        self.packed = header.layout == kv_pb2.KV_LAYOUT_PACKED
-        self._offsets: list[int | None] = []  # staging offset per segment; None: in place
-        if self.packed:
+        cache_device = target.cache.kv.device
+        # A GPU cache's writes go on a stream of their own: the decode step's stream must
+        # not wait behind a transfer, nor the transfer behind steps.
+        self.stream = torch.cuda.Stream(cache_device) if cache_device.type == "cuda" else None
+        whole = whole or self.stream is not None
+        with self.on_stream():
             plan = row_plan(header, target.slots)
-            self.writer = ShardWriter(target.cache, plan, check_dtype(header))
-            self.segments = self.writer.plan.segments
-            self.sizes = [self.writer.nbytes(seg) for seg in self.segments]
-            offset = 0
-            for seg, size in zip(self.segments, self.sizes, strict=True):
-                if self.writer.in_place(seg):
-                    self._offsets.append(None)
-                    continue
-                self._offsets.append(offset if whole else 0)
-                offset = offset + size if whole else max(offset, size)
-            staging_bytes = offset
-        else:
-            self.sizes = [self.total]
-            self._offsets = [0]
-            staging_bytes = self.total
-        self._staging = pool.take(staging_bytes) if staging_bytes else None
+            self.writer = ShardWriter(target.cache, plan, check_dtype(header), recv_device)
+        self.segments = self.writer.plan.segments
+        self.sizes = [self.writer.nbytes(seg) for seg in self.segments]
+        self._offsets: list[int | None] = []  # staging offset per segment; None: in place
+        offset = 0
+        for seg, size in zip(self.segments, self.sizes, strict=True):
+            if self.writer.in_place(seg):
+                self._offsets.append(None)
+                continue
+            self._offsets.append(offset if whole else 0)
+            offset = offset + size if whole else max(offset, size)
+        pinned = recv_device.type == "cpu" and self.stream is not None
+        self._staging = pool.take(offset, recv_device, pinned) if offset else None
+
+    def on_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The context the shard's device work runs in (its stream on a GPU)."""
+        return torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
 
     def buffer(self, index: int) -> Tensor:
         """The flat uint8 buffer segment `index` is received into."""
@@ -103,30 +120,31 @@ class _Landing:
 
     def filled(self, index: int, buf: Tensor) -> None:
         """Segment `index` is complete in `buf`: write it, unless it landed in place."""
-        if self.packed and self._offsets[index] is not None:
-            self.writer.write(self.segments[index], buf)
+        if self._offsets[index] is not None:
+            with self.on_stream():
+                self.writer.write(self.segments[index], buf)
 
-    def split_buffers(self) -> tuple[Tensor, Tensor]:
-        return split_views(self.header, self.buffer(0))
-
-    def close(self, complete: bool) -> None:
-        """Finish the write of a complete shard and release the staging buffer.
+    def close(self, complete: bool, deadline: float) -> None:
+        """Wait for a complete shard's device work (once), release the staging buffer.
 
         An incomplete shard is abandoned: its reservation expires by lease."""
+        staging, self._staging = self._staging, None
         try:
-            if complete and not self.packed:
-                t0 = time.perf_counter()
-                n, k_pe = self.split_buffers()
-                self.target.cache.write_all_layers(self.target.slots, n, k_pe)
-                seconds = time.perf_counter() - t0
-            elif complete:
-                seconds = self.writer.seconds
+            if complete:
+                settle_stream(self.stream, deadline)
+        except BaseException:
+            complete = False
+            raise
         finally:
-            if self._staging is not None:
-                self.pool.give(self._staging)
-                self._staging = None
+            if staging is not None:
+                if complete or self.stream is None:
+                    self.pool.give(staging)
+                elif staging.is_cuda:
+                    # Copies may still read it: the allocator frees it after the stream has.
+                    staging.record_stream(self.stream)
+                # (pinned host staging is dropped: torch frees it after its pending copies)
         if complete and self.target.written is not None:
-            self.target.written(seconds)
+            self.target.written(self.writer.seconds)
 
 
 class _ByteFeed:
@@ -160,6 +178,12 @@ class _ByteFeed:
         self.received += len(data)
 
 
+ROWS_FIELD = 3  # KvChunk.rows
+# KvChunk's retired `data` field (reserved): senders that predate packed rows put their
+# payload there, and `Push` rejects it by number instead of mistaking it for rows.
+_RETIRED_DATA_FIELD = 2
+
+
 def parse_chunk(raw: bytes) -> tuple[bytes | None, int, memoryview]:
     """A serialized `KvChunk` read without protobuf: (serialized header or None, payload field
     number (0: none), payload as a view of `raw`). Protobuf would copy the payload twice."""
@@ -182,7 +206,7 @@ def parse_chunk(raw: bytes) -> tuple[bytes | None, int, memoryview]:
                 raise TransferError("truncated KvChunk")
             if number == 1:  # repeated occurrences of a message field merge
                 header.append(bytes(view[pos : pos + length]))
-            elif number in (2, 3):
+            elif number in (_RETIRED_DATA_FIELD, ROWS_FIELD):
                 field_no, payload = number, view[pos : pos + length]
             pos += length
         else:
@@ -209,7 +233,8 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
 class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
     """Runs on each decode rank; `sink` validates a shard and says where it goes.
 
-    Register it with `add_kv_receiver`: `Push` takes its chunks as raw bytes.
+    `device` is the rank's cache device: it decides the torch pairs' backend. Register it with
+    `add_kv_receiver`: `Push` takes its chunks as raw bytes.
     """
 
     def __init__(
@@ -218,12 +243,14 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         torch_store: dist.TCPStore | None,
         token: str | None = None,
         timeout_s: float = 60.0,
+        device: torch.device = _CPU,
     ) -> None:
         self.sink = sink
         self.store = torch_store
         self.token = token
+        self.device = device
         self.timeout = timedelta(seconds=timeout_s)
-        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._pairs: dict[str, Pair] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._pool = StagingPool()
         self.bytes_received = 0
@@ -231,24 +258,27 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
     def _check(self, context: grpc.ServicerContext) -> None:
         require_token(context, self.token)
 
-    def _land(self, header: kv_pb2.KvHeader, whole: bool) -> _Landing:
-        if header.layout not in (kv_pb2.KV_LAYOUT_SPLIT, kv_pb2.KV_LAYOUT_PACKED):
-            raise TransferError(f"unknown KV layout {header.layout}")
+    def _deadline(self, context: grpc.ServicerContext | None) -> float:
+        left = context.time_remaining() if context is not None else None
+        return time.monotonic() + (self.timeout.total_seconds() if left is None else left)
+
+    def _land(self, header: kv_pb2.KvHeader, recv_device: torch.device, whole: bool) -> _Landing:
         check_dtype(header)
-        return _Landing(header, self.sink(header), self._pool, whole)
+        return _Landing(header, self.sink(header), self._pool, recv_device, whole)
 
     def Push(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> kv_pb2.KvAck:
         self._check(context)
         try:
-            received = self._push(request_iterator)
+            received = self._push(request_iterator, self._deadline(context))
         except (TransferError, ValueError, RuntimeError) as exc:
             return kv_pb2.KvAck(ok=False, error=str(exc))
         self.bytes_received += received
         return kv_pb2.KvAck(ok=True, bytes=received)
 
-    def _push(self, chunks: Iterator[bytes]) -> int:
+    def _push(self, chunks: Iterator[bytes], deadline: float | None = None) -> int:
+        deadline = self._deadline(None) if deadline is None else deadline
         landing: _Landing | None = None
         complete = False
         try:
@@ -257,11 +287,12 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
                 if landing is None:
                     if head is None:
                         raise TransferError("first chunk carries no header")
-                    landing = self._land(kv_pb2.KvHeader.FromString(head), whole=False)
+                    landing = self._land(kv_pb2.KvHeader.FromString(head), _CPU, whole=False)
                     feed = _ByteFeed(landing)
-                    want = 3 if landing.packed else 2  # KvChunk.rows / KvChunk.data
-                if len(data) and field_no != want:
-                    raise TransferError(f"payload in KvChunk field {field_no}, layout needs {want}")
+                if len(data) and field_no != ROWS_FIELD:
+                    raise TransferError(
+                        f"payload in KvChunk field {field_no}, packed rows ride in {ROWS_FIELD}"
+                    )
                 feed.feed(data)
             if landing is None:
                 raise TransferError("empty stream")
@@ -270,7 +301,7 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
             complete = True
         finally:
             if landing is not None:
-                landing.close(complete)
+                landing.close(complete, deadline)
         return landing.total
 
     def ConnectTorch(
@@ -279,42 +310,64 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         self._check(context)
         if self.store is None:
             return kv_pb2.KvAck(ok=False, error="this rank has no torch transport")
-        if request.peer not in self._groups:
-            # Blocks until the prefill worker joins as rank 1 of the pair.
-            self._groups[request.peer] = dist.ProcessGroupGloo(
-                dist.PrefixStore(request.peer, self.store), 0, 2, self.timeout
-            )
+        if request.peer not in self._pairs:
+            try:
+                offer = PairBackend(request.offer or PairBackend.GLOO)
+            except ValueError:
+                return kv_pb2.KvAck(ok=False, error=f"unknown pair backend {request.offer!r}")
+            backend = choose_backend(offer, request.device_uuid, self.device)
+            # The sender reads the choice before it builds its end of the group.
+            self.store.set(backend_key(request.peer), backend.value)
+            # Gloo blocks here until the prefill worker joins as rank 1 of the pair.
             self._locks[request.peer] = threading.Lock()
+            self._pairs[request.peer] = Pair(
+                self.store, request.peer, 0, backend, self.device, self.timeout
+            )
         return kv_pb2.KvAck(ok=True)
 
     def ExpectTorch(self, request: kv_pb2.KvHeader, context: grpc.ServicerContext) -> kv_pb2.KvAck:
         self._check(context)
-        group = self._groups.get(request.peer)
-        if group is None:
-            return kv_pb2.KvAck(ok=False, error=f"unknown torch peer {request.peer!r}")
+        pair = self._pairs.get(request.peer)
+        if pair is None:
+            error = f"unknown torch peer {request.peer!r}"
+            return kv_pb2.KvAck(ok=False, error=error, pair_lost=True)
+        deadline = self._deadline(context)
         try:
-            # One transfer at a time per peer keeps the pair's tags matched.
+            # One transfer at a time per peer keeps the pair's messages matched.
             with self._locks[request.peer]:
-                try:
-                    landing = self._land(request, whole=True)
-                except TransferError:
-                    _drain(group, request)
-                    raise
-                complete = False
-                try:
-                    if landing.packed:
-                        _recv_segments(group, landing)
-                    else:
-                        n, k_pe = landing.split_buffers()
-                        group.recv([n], 1, 0).wait()
-                        group.recv([k_pe], 1, 1).wait()
-                    complete = True
-                finally:
-                    landing.close(complete)
+                total = self._expect(pair, request, deadline)
         except (TransferError, ValueError, RuntimeError) as exc:
-            return kv_pb2.KvAck(ok=False, error=str(exc))
-        self.bytes_received += landing.total
-        return kv_pb2.KvAck(ok=True, bytes=landing.total)
+            return kv_pb2.KvAck(ok=False, error=str(exc), pair_lost=pair.broken)
+        self.bytes_received += total
+        return kv_pb2.KvAck(ok=True, bytes=total)
+
+    def _expect(self, pair: Pair, header: kv_pb2.KvHeader, deadline: float) -> int:
+        try:
+            landing = self._land(header, pair.device, whole=True)
+        except TransferError:  # refused: drained, the pair stays matched and in use
+            try:
+                _drain(pair, header, deadline)
+            except BaseException:
+                self._drop(pair)
+                raise
+            raise
+        try:
+            complete = False
+            try:
+                _recv_segments(pair, landing, deadline)
+                complete = True
+            finally:
+                landing.close(complete, deadline)
+        except BaseException:
+            self._drop(pair)
+            raise
+        return landing.total
+
+    def _drop(self, pair: Pair) -> None:
+        """A transfer failed midway on `pair`: abort it; the sender builds a new pair, under
+        a new name, for its next shard."""
+        pair.fail()
+        self._pairs.pop(pair.name, None)
 
 
 def add_kv_receiver(servicer: KvReceiverServicer, server: grpc.Server) -> None:
@@ -334,31 +387,30 @@ def add_kv_receiver(servicer: KvReceiverServicer, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
-def _drain(group: dist.ProcessGroup, header: kv_pb2.KvHeader) -> None:
+def _drain(pair: Pair, header: kv_pb2.KvHeader, deadline: float) -> None:
     """Receive and drop a rejected shard's messages: its sender has posted them already, and
-    left pending they would be matched by the pair's next transfer, which reuses the tags."""
+    left pending they would be matched by the pair's next transfer."""
     row = row_bytes(header)
-    if header.layout == kv_pb2.KV_LAYOUT_PACKED:
-        sizes = [(seg.stop - seg.start) * row for seg in row_plan(header).segments]
-    else:
-        tokens = header.num_layers * header.num_tokens
-        sizes = [tokens * row * header.latent_width // (header.latent_width + header.rope_width)]
-        sizes.append(tokens * row - sizes[0])
-    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8)
+    sizes = [(seg.stop - seg.start) * row for seg in row_plan(header).segments]
+    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=pair.device)
+    # One at a time into one scratch buffer: each receive completes before the next is posted.
     for tag, size in enumerate(sizes):
-        group.recv([scratch[:size]], 1, tag).wait()
+        pair.complete([pair.recv(scratch[:size], tag)], deadline)
 
 
-def _recv_segments(group: dist.ProcessGroup, landing: _Landing) -> None:
+def _recv_segments(pair: Pair, landing: _Landing, deadline: float) -> None:
     """Receive a packed payload's segments (tag = index), writing each as it completes.
 
     Every receive is posted first: gloo matches a message to a posted receive before it moves
     the bytes, and its IO thread keeps filling later segments while this one writes earlier
     ones. (Receiving a few segments ahead through a small reused ring measured slower: each
-    late post costs the sender a round trip, and the ring's hand-offs cost CPU.)
+    late post costs the sender a round trip, and the ring's hand-offs cost CPU.) On NCCL the
+    receives and the writes are only queued here, on the shard's stream; `_Landing.close`
+    waits for them once.
     """
-    bufs = [landing.buffer(i) for i in range(len(landing.segments))]
-    works = [group.recv([buf], 1, tag) for tag, buf in enumerate(bufs)]
-    for index, (buf, work) in enumerate(zip(bufs, works, strict=True)):
-        work.wait()
-        landing.filled(index, buf)
+    with landing.on_stream():
+        bufs = [landing.buffer(i) for i in range(len(landing.segments))]
+        works = [pair.recv(buf, tag) for tag, buf in enumerate(bufs)]
+        for index, (buf, work) in enumerate(zip(bufs, works, strict=True)):
+            pair.wait(work, deadline)
+            landing.filled(index, buf)

@@ -5,10 +5,12 @@ cache stores it: kv [L, N, w + d_r], n and k_pe adjacent per token. Both backend
 to the same receiver (`common.kv.receiver`), which every decode rank runs, cut into the
 segments both ends agree on (`common.kv.wire`).
 
-* `GrpcKvSender`   client-streams 1 MiB chunks (`KvReceiver.Push`);
-* `TorchKvSender`  sends the segments point-to-point over a 2-rank gloo (NCCL on GPU) group
-                   built once per (prefill worker, decode rank) pair from the rank's TCPStore,
-                   so workers can join at any time; a small gRPC call carries the header.
+* `GrpcKvSender`   client-streams 1 MiB chunks (`KvReceiver.Push`) from pinned host memory;
+* `TorchKvSender`  sends the segments point-to-point over a 2-rank group built once per
+                   (prefill worker, decode rank) pair from the rank's TCPStore, so workers can
+                   join at any time (`common.kv.pair`): NCCL from the prefill GPU straight to
+                   the decode GPU, gloo from host memory otherwise; a small gRPC call carries
+                   the header.
 
 Every transfer has a deadline; a failed one leaves its reservation to the decode lease.
 """
@@ -16,7 +18,9 @@ Every transfer has a deadline; a failed one leaves its reservation to the decode
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +31,8 @@ import grpc
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from common.kv.pair import Pair, PairBackend, backend_key, device_uuid, poll_until
 
 # DTYPES and TransferError are part of this module's interface; they are defined in wire,
 # whose header checks need them, so that wire does not import this module.
@@ -48,22 +54,9 @@ class Shard:
     latent_width: int  # w
     block_size: int
     block_ids: tuple[int, ...]
-    positions: tuple[int, ...] = ()  # empty: token positions 0..N-1
-
-    @classmethod
-    def from_parts(
-        cls,
-        request_id: str,
-        rank: int,
-        n: Tensor,
-        k_pe: Tensor,
-        block_size: int,
-        block_ids: tuple[int, ...],
-        positions: tuple[int, ...] = (),
-    ) -> Shard:
-        """A shard from n [L, N, w] and k_pe [L, N, d_r] (one copy, to pack them)."""
-        kv = torch.cat([n, k_pe], dim=-1).contiguous()
-        return cls(request_id, rank, kv, n.shape[2], block_size, block_ids, positions)
+    # On a GPU: recorded on the stream that cut `kv`, after the cut. A send waits for this
+    # event alone, not for whatever the producing stream queued since (the next prefill).
+    ready: torch.cuda.Event | None = None
 
     @property
     def n(self) -> Tensor:
@@ -89,9 +82,7 @@ class Shard:
             dtype=dtype,
             block_size=self.block_size,
             block_ids=list(self.block_ids),
-            positions=list(self.positions),
             peer=peer,
-            layout=kv_pb2.KV_LAYOUT_PACKED,
         )
 
 
@@ -127,7 +118,11 @@ def cut_shard(
     for layer, (n, k_pe) in enumerate(zip(n_layers, k_pe_layers, strict=True)):
         kv[layer, :, :w] = n[rows, cols]
         kv[layer, :, w:] = k_pe[rows]
-    return Shard(request_id, target.rank, kv, w, block_size, target.block_ids)
+    ready = None
+    if kv.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(kv.device))
+    return Shard(request_id, target.rank, kv, w, block_size, target.block_ids, ready=ready)
 
 
 def staged_on_host(shards: list[Shard]) -> list[Shard]:
@@ -144,13 +139,18 @@ def staged_on_host(shards: list[Shard]) -> list[Shard]:
             continue
         host = torch.empty(shard.kv.shape, dtype=shard.kv.dtype, pin_memory=True)
         host.copy_(shard.kv, non_blocking=True)
-        staged.append(dataclasses.replace(shard, kv=host))
+        staged.append(dataclasses.replace(shard, kv=host, ready=None))
     torch.cuda.current_stream(on_device[0].kv.device).synchronize()
     return staged
 
 
 class KvSender(abc.ABC):
     name: str
+
+    def prepare(self, shards: list[Shard]) -> list[Shard]:
+        """The shards as `send` takes them, for all of a job's shards at once (so that one
+        wait covers every device-to-host copy a backend needs). By default: on the host."""
+        return staged_on_host(shards)
 
     @abc.abstractmethod
     def send(self, shard: Shard, grpc_address: str, torch_address: str, deadline_s: float) -> int:
@@ -255,7 +255,7 @@ class GrpcKvSender(KvSender):
 
 
 class TorchKvSender(KvSender):
-    """Point-to-point tensors over one 2-rank group per decode rank (this worker is rank 1)."""
+    """Point-to-point tensors over one pair group per decode rank (this worker is rank 1)."""
 
     name = "torch"
 
@@ -263,67 +263,121 @@ class TorchKvSender(KvSender):
         self.worker_id = worker_id
         self._ch = _Channels(token)
         self.timeout = timedelta(seconds=timeout_s)
-        self._groups: dict[str, dist.ProcessGroup] = {}
-        # One transfer at a time per decode rank keeps that pair's tags ordered; shards for
-        # different ranks travel in parallel (a worker-wide lock serialized them).
+        self._pairs: dict[str, Pair] = {}
+        self._names = itertools.count()  # a rebuilt pair gets a fresh name (fresh store keys)
+        # One transfer at a time per decode rank keeps that pair's messages ordered; shards
+        # for different ranks travel in parallel (a worker-wide lock serialized them).
         self._pair_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # guards the lock table
+        self._streams: dict[str, torch.cuda.Stream] = {}  # per decode rank
+
+    def prepare(self, shards: list[Shard]) -> list[Shard]:
+        # Where the pair is NCCL the shards leave from the device; a gloo pair stages each
+        # one in `send`.
+        return shards
 
     def _pair_lock(self, torch_address: str) -> threading.Lock:
         with self._lock:
             return self._pair_locks.setdefault(torch_address, threading.Lock())
 
-    def _group(
-        self, grpc_address: str, torch_address: str, deadline_s: float
-    ) -> tuple[dist.ProcessGroup, str]:
-        peer = f"{self.worker_id}->{torch_address}"
-        if torch_address not in self._groups:
-            host, port = torch_address.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
-            connect = self._ch.stub(grpc_address).ConnectTorch.future(
-                kv_pb2.TorchPeer(peer=peer), timeout=deadline_s, metadata=self._ch.metadata
-            )
-            group = dist.ProcessGroupGloo(dist.PrefixStore(peer, store), 1, 2, self.timeout)
-            ack = connect.result()
-            if not ack.ok:
-                raise TransferError(f"torch pair with {torch_address} refused: {ack.error}")
-            self._groups[torch_address] = group
-        return self._groups[torch_address], peer
+    def _pair(
+        self, grpc_address: str, torch_address: str, device: torch.device, deadline: float
+    ) -> Pair:
+        pair = self._pairs.get(torch_address)
+        if pair is not None and not pair.broken:
+            return pair
+        name = f"{self.worker_id}#{next(self._names)}->{torch_address}"
+        host, port = torch_address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+        offer = PairBackend.NCCL if device.type == "cuda" else PairBackend.GLOO
+        connect = self._ch.stub(grpc_address).ConnectTorch.future(
+            kv_pb2.TorchPeer(peer=name, offer=offer.value, device_uuid=device_uuid(device)),
+            timeout=max(deadline - time.monotonic(), 1.0),
+            metadata=self._ch.metadata,
+        )
+        key = backend_key(name)
+        # The receiver publishes its choice before it builds its end (and before it answers,
+        # since gloo's rendezvous blocks until both ends joined): an early answer is a refusal.
+        # (Each check is a round trip to the rank's store: polled coarsely, once per pair.)
+        poll_until(lambda: connect.done() or store.check([key]), deadline, interval_s=0.005)
+        if not store.check([key]):
+            _refused(connect.result(), torch_address)
+        backend = PairBackend(store.get(key).decode())
+        pair = Pair(store, name, 1, backend, device, self.timeout)
+        _refused(connect.result(), torch_address)
+        self._pairs[torch_address] = pair
+        return pair
+
+    def _stream(
+        self, pair: Pair, shard: Shard, torch_address: str
+    ) -> contextlib.AbstractContextManager[object]:
+        """NCCL sends are queued behind the current stream: on a stream of the pair's own,
+        after the shard's cut only, they wait neither for the next batch's prefill nor for
+        the other ranks' sends."""
+        if pair.backend is not PairBackend.NCCL:
+            return contextlib.nullcontext()
+        stream = self._streams.get(torch_address)
+        if stream is None:
+            stream = self._streams[torch_address] = torch.cuda.Stream(pair.device)
+        if shard.ready is not None:
+            stream.wait_event(shard.ready)
+        return torch.cuda.stream(stream)
 
     def send(self, shard: Shard, grpc_address: str, torch_address: str, deadline_s: float) -> int:
         if not torch_address:
             raise TransferError(f"rank {shard.rank} offers no torch transport address")
-        start = time.monotonic()
+        deadline = time.monotonic() + deadline_s
+        pair: Pair | None = None
         try:
             with self._pair_lock(torch_address):
-                group, peer = self._group(grpc_address, torch_address, deadline_s)
-                left = max(deadline_s - (time.monotonic() - start), 1.0)
-                header = shard.header(peer)
+                pair = self._pair(grpc_address, torch_address, shard.kv.device, deadline)
+                if pair.device != shard.kv.device:
+                    shard = staged_on_host([shard])[0]
+                header = shard.header(pair.name)
                 ack_future = self._ch.stub(grpc_address).ExpectTorch.future(
-                    header, timeout=left, metadata=self._ch.metadata
+                    header,
+                    timeout=max(deadline - time.monotonic(), 1.0),
+                    metadata=self._ch.metadata,
                 )
                 # Every segment is posted at once: the receiver matches them as it posts its
                 # receives, and the bytes move while it writes earlier segments.
                 payload = shard.kv.contiguous().view(-1).view(torch.uint8)
                 row = row_bytes(header)
-                sends = [
-                    group.send([payload[seg.start * row : seg.stop * row]], 0, tag)
-                    for tag, seg in enumerate(row_plan(header).segments)
-                ]
-                for work in sends:
-                    work.wait()
+                with self._stream(pair, shard, torch_address):
+                    sends = [
+                        pair.send(payload[seg.start * row : seg.stop * row], tag)
+                        for tag, seg in enumerate(row_plan(header).segments)
+                    ]
                 ack = ack_future.result()
+                if ack.pair_lost:
+                    self._failed(pair, torch_address)
+                else:
+                    pair.complete(sends, deadline)
         except grpc.RpcError as exc:
+            self._failed(pair, torch_address)
             raise TransferError(
                 f"torch KV transfer to rank {shard.rank} failed: {exc.code().name}"
             ) from exc
-        except RuntimeError as exc:  # gloo errors (peer gone, timeout)
+        except (TransferError, RuntimeError) as exc:  # gloo / NCCL errors, deadlines
+            self._failed(pair, torch_address)
             raise TransferError(f"torch KV transfer to rank {shard.rank} failed: {exc}") from exc
         return _ack(ack, shard)
 
+    def _failed(self, pair: Pair | None, torch_address: str) -> None:
+        """A transfer on `pair` failed midway: the next shard builds a new pair."""
+        if pair is not None:
+            pair.fail()
+            if self._pairs.get(torch_address) is pair:
+                del self._pairs[torch_address]
+
     def close(self) -> None:
         self._ch.close()
-        self._groups.clear()
+        self._pairs.clear()
+
+
+def _refused(ack: kv_pb2.KvAck, torch_address: str) -> None:
+    if not ack.ok:
+        raise TransferError(f"torch pair with {torch_address} refused: {ack.error}")
 
 
 def make_sender(name: str, worker_id: str, token: str | None = None) -> KvSender:

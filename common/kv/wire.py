@@ -7,14 +7,15 @@ messages (gloo p2p) sends one message per segment, and one that streams bytes (g
 in order:
 
 * a direct segment lies in one run of consecutive cache slots of one layer: it is received
-  straight into the cache, with no copy besides the transport's own;
+  straight into the cache, with no copy besides the transport's own (when the transport's
+  buffers live where the cache does: host memory for gRPC and gloo, the GPU for NCCL);
 * a staged segment (rows of scattered blocks) is received into a staging buffer and written
   by `ShardWriter` while the next segments arrive, so the cache write overlaps the transfer
   instead of following it.
 
-The `KvHeader` that precedes a payload says what it holds (dtype, shape, layout) and where it
-goes (block table, positions); the helpers at the end read it the same way on both ends, and
-raise `TransferError` on a header the rank cannot take.
+The `KvHeader` that precedes a payload says what it holds (dtype, shape) and where it goes
+(its block table: tokens 0..N-1 fill the blocks in order); the helpers at the end read it the
+same way on both ends, and raise `TransferError` on a header the rank cannot take.
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ def plan_segments(
     num_layers: int,
     slots: Tensor,
     block_size: int,
-    explicit_positions: bool,
     row_bytes: int,
 ) -> RowPlan:
     """Cut a packed payload of `num_layers` x len(slots) rows into segments.
@@ -88,8 +88,8 @@ def plan_segments(
     """
     n = len(slots)
     # Tokens 0..N-1 fill blocks in order, so groups of gcd(N, block_size) tokens sit in one
-    # block and never cross a layer; explicit positions may scatter every token.
-    group = 1 if explicit_positions or n == 0 else math.gcd(n, block_size)
+    # block and never cross a layer.
+    group = 1 if n == 0 else math.gcd(n, block_size)
     group_slots = slots[::group].to(torch.int64).contiguous()
     if n == 0:
         return RowPlan(num_layers, n, group, group_slots, ())
@@ -124,44 +124,66 @@ def _cut(start: int, stop: int, step: int, direct: bool) -> list[Segment]:
 
 class StagingPool:
     """Reusable staging buffers shared by a receiver's transfers: a fresh multi-MB buffer per
-    shard would pay its page faults every time, which costs about as much as the copy."""
+    shard would pay its page faults (or its pinning, or its device allocation) every time,
+    which costs about as much as the copy. Buffers live on one device; host buffers are
+    pinned when they feed asynchronous copies into a GPU cache."""
 
     def __init__(self) -> None:
-        self._free: list[Tensor] = []
+        self._free: dict[tuple[str, bool], list[Tensor]] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> Tensor:
-        """A buffer of at least `nbytes` bytes (give it back when done)."""
+    def take(self, nbytes: int, device: torch.device, pinned: bool = False) -> Tensor:
+        """A flat uint8 buffer of at least `nbytes` bytes on `device` (give it back when
+        nothing reads or writes it any more)."""
         with self._lock:
-            fits = [i for i, buf in enumerate(self._free) if buf.numel() >= nbytes]
+            free = self._free.setdefault((str(device), pinned), [])
+            fits = [i for i, buf in enumerate(free) if buf.numel() >= nbytes]
             if fits:  # the smallest that fits, so one large shard's buffer is not taken by many
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        return torch.empty(max(nbytes, SEGMENT_BYTES), dtype=torch.uint8)
+                return free.pop(min(fits, key=lambda i: free[i].numel()))
+        size = max(nbytes, SEGMENT_BYTES)
+        return torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pinned)
 
     def give(self, buf: Tensor) -> None:
         with self._lock:
-            self._free.append(buf)
+            self._free.setdefault((str(buf.device), buf.is_pinned()), []).append(buf)
 
 
 class ShardWriter:
     """Writes one packed payload's segments into the cache as they arrive.
 
-    A direct segment is received in place (`cache_bytes`) unless the cache holds another
-    dtype than the wire; every other segment is received into staging and handed to `write`.
-    The caller receives later segments meanwhile (gloo's IO thread and grpc's core keep
-    reading the socket while this thread writes, and torch's copy releases the GIL), so the
-    write overlaps the transfer instead of following it.
+    A direct segment is received in place (`cache_bytes`) when the transport's buffers live
+    where the cache does and in its dtype; every other segment is received into staging and
+    handed to `write`. The caller receives later segments meanwhile (gloo's IO thread, NCCL's
+    stream and grpc's core keep the bytes moving while this thread writes, and torch's copy
+    releases the GIL), so the write overlaps the transfer instead of following it.
+
+    On a GPU cache every write is queued on the caller's current stream and nothing here
+    waits for the device: host bytes go up by asynchronous copies (from pinned staging), and
+    the scatter into the blocks follows on the same stream. The receiver waits once per shard.
     """
 
-    def __init__(self, cache: PagedLatentCache, plan: RowPlan, wire_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cache: PagedLatentCache,
+        plan: RowPlan,
+        wire_dtype: torch.dtype,
+        recv_device: torch.device,
+    ) -> None:
         self.cache, self.plan, self.dtype = cache, plan, wire_dtype
         self.width = cache.kv.shape[-1]
         self.row_bytes = self.width * torch.empty((), dtype=wire_dtype).element_size()
-        self._dest = plan.dest_groups(cache.kv.shape[1])
-        # In place means received straight into cache memory: host memory only (a GPU
-        # cache takes every segment through host staging and a copy).
-        self._in_place = wire_dtype == cache.kv.dtype and cache.kv.is_cpu
-        self.seconds = 0.0  # time spent writing staged rows into the cache
+        self._in_place = wire_dtype == cache.kv.dtype and recv_device == cache.kv.device
+        dest = plan.dest_groups(cache.kv.shape[1])
+        self._host_cache = cache.kv.is_cpu
+        if not self._host_cache:
+            groups = cache.kv.numel() // (plan.group * self.width)
+            if len(dest) and (int(dest.min()) < 0 or int(dest.max()) >= groups):
+                raise TransferError("shard addresses blocks outside this rank's pool")
+            # Checked here on the host, once: the device scatter below does not check again
+            # (that would wait for the device on every segment).
+            dest = dest.pin_memory().to(cache.kv.device, non_blocking=True)
+        self._dest = dest
+        self.seconds = 0.0  # time spent writing (on a GPU: queueing) staged rows
 
     def nbytes(self, seg: Segment) -> int:
         return (seg.stop - seg.start) * self.row_bytes
@@ -176,11 +198,18 @@ class ShardWriter:
         return rows.view(-1).view(torch.uint8)
 
     def write(self, seg: Segment, buf: Tensor) -> None:
-        """Store a staged segment's bytes (flat uint8, `nbytes(seg)` long) in the cache."""
+        """Store a staged segment's bytes (flat uint8, `nbytes(seg)` long, on the host or on
+        the cache's device) in the cache."""
         t0 = time.perf_counter()
         g = self.plan.group
-        rows = buf.view(self.dtype).view(-1, self.width)
-        self.cache.write_row_groups(self._dest[seg.start // g : seg.stop // g], rows, g)
+        groups = self._dest[seg.start // g : seg.stop // g]
+        if self._host_cache:
+            rows = buf.view(self.dtype).view(-1, self.width)
+            self.cache.write_row_groups(groups, rows, g)
+        else:
+            buf = buf.to(self.cache.kv.device, non_blocking=True)
+            rows = buf.view(self.dtype).to(self.cache.kv.dtype).view(-1, g * self.width)
+            self.cache.kv.view(-1, g * self.width).index_copy_(0, groups, rows)
         self.seconds += time.perf_counter() - t0
 
 
@@ -188,12 +217,8 @@ class ShardWriter:
 
 
 def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
-    """Flat cache slots of the shard's tokens, from its block table."""
-    positions = (
-        torch.tensor(list(header.positions), dtype=torch.int64)
-        if header.positions
-        else torch.arange(header.num_tokens)
-    )
+    """Flat cache slots of the shard's tokens 0..N-1, from its block table."""
+    positions = torch.arange(header.num_tokens)
     blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
     index = positions // header.block_size
     if len(positions) and int(index.max()) >= len(blocks):
@@ -219,16 +244,7 @@ def payload_bytes(h: kv_pb2.KvHeader) -> int:
     return h.num_layers * h.num_tokens * row_bytes(h)
 
 
-def split_views(h: kv_pb2.KvHeader, raw: Tensor) -> tuple[Tensor, Tensor]:
-    """n [L, N, w] and k_pe [L, N, d_r] of a split-layout payload in a flat byte buffer."""
-    dt, tokens = check_dtype(h), h.num_layers * h.num_tokens
-    n_bytes = tokens * h.latent_width * (row_bytes(h) // (h.latent_width + h.rope_width))
-    n = raw[:n_bytes].view(dt).view(h.num_layers, h.num_tokens, h.latent_width)
-    k_pe = raw[n_bytes : payload_bytes(h)].view(dt).view(h.num_layers, h.num_tokens, h.rope_width)
-    return n, k_pe
-
-
 def row_plan(h: kv_pb2.KvHeader, slots: Tensor | None = None) -> RowPlan:
     """The segments of a packed payload with header `h`, as both ends cut it."""
     slots = shard_slots(h) if slots is None else slots
-    return plan_segments(h.num_layers, slots, h.block_size, bool(h.positions), row_bytes(h))
+    return plan_segments(h.num_layers, slots, h.block_size, row_bytes(h))

@@ -154,12 +154,8 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-        quant = raw.get("quantization_config")
-        if quant:
-            raise ConfigError(
-                f"quantized checkpoints are not supported (quantization_config: "
-                f"{quant.get('quant_method', quant)}); dequantize to bf16/fp32 first"
-            )
+        # quantization_config says how the weights are stored, not what the model is: the
+        # loader reads it (`common.model.checkpoint.Quantization`).
         if raw.get("attention_bias") or raw.get("mlp_bias"):
             raise ConfigError("attention_bias / mlp_bias are not used by DeepSeek checkpoints")
         act = raw.get("hidden_act", "silu")

@@ -7,6 +7,8 @@ Names follow DESIGN §1: `n` is the normalized latent (d_c) and `k_pe` the share
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -14,6 +16,58 @@ from torch import Tensor, nn
 from common.model.args import ModelConfig
 from common.model.attn_backend import PrefillAttentionBackend
 from common.model.rope import RotaryEmbedding
+
+Linear = Callable[[Tensor, Tensor], Tensor]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Normalize in at least fp32 like the reference (bf16 serving), fp64 stays fp64; the
+    # weight multiplies after the cast back.
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def project_queries(
+    x: Tensor,
+    q_a: Tensor | None,
+    q_a_norm: Callable[[Tensor], Tensor] | None,
+    q_b: Tensor,
+    head_dims: tuple[int, int],
+    rope: RotaryEmbedding,
+    cos: Tensor,
+    sin: Tensor,
+    linear: Linear = F.linear,
+) -> tuple[Tensor, Tensor]:
+    """x [T, D] -> q_nope [T, h, d_n], rotated q_pe [T, h, d_r] for the h heads whose rows
+    `q_b` holds (q_a / q_a_norm None: no query LoRA, `q_b` is q_proj).
+
+    The one query path: the full model, the oracle and every decode rank call it.
+    """
+    d_n, d_r = head_dims
+    if q_a is not None and q_a_norm is not None:
+        x = q_a_norm(linear(x, q_a))
+    q = linear(x, q_b)
+    q_nope, q_pe = q.view(q.shape[0], -1, d_n + d_r).split([d_n, d_r], dim=-1)
+    return q_nope, rope.apply(q_pe, cos[:, None], sin[:, None])
+
+
+def project_latent(
+    x: Tensor,
+    w_latent: Tensor,
+    w_rope: Tensor,
+    norm: Callable[[Tensor], Tensor],
+    rope: RotaryEmbedding,
+    cos: Tensor,
+    sin: Tensor,
+    linear: Linear = F.linear,
+) -> tuple[Tensor, Tensor]:
+    """x [T, D] -> norm(x W_latent^T) and the rotated k_pe [T, d_r]: the one latent path.
+
+    `w_latent` is kv_a_proj_with_mqa's latent rows (all d_c, or a rank's slice), `w_rope` its
+    d_r rope rows; `norm` is the full RMSNorm or a rank's (exact then sliced, or sliced).
+    """
+    return norm(linear(x, w_latent)), rope.apply(linear(x, w_rope), cos, sin)
 
 
 class RMSNorm(nn.Module):
@@ -23,11 +77,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalize in at least fp32 like the reference (bf16 serving), fp64 stays fp64; the
-        # weight multiplies after the cast back.
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MLAttention(nn.Module):
@@ -68,19 +118,26 @@ class MLAttention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """h [T, D] -> q_nope [T, H, d_n], rotated q_pe [T, H, d_r]."""
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
-        else:
-            q = self.q_proj(h)
-        q = q.view(h.shape[0], self.num_heads, self.d_n + self.d_r)
-        q_nope, q_pe = q.split([self.d_n, self.d_r], dim=-1)
-        return q_nope, rope.apply(q_pe, cos[:, None], sin[:, None])
+            return project_queries(
+                h,
+                self.q_a_proj.weight,
+                self.q_a_layernorm,
+                self.q_b_proj.weight,
+                (self.d_n, self.d_r),
+                rope,
+                cos,
+                sin,
+            )
+        return project_queries(
+            h, None, None, self.q_proj.weight, (self.d_n, self.d_r), rope, cos, sin
+        )
 
     def latents(
         self, h: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor]:
         """h [T, D] -> n [T, d_c] (normalized latent), k_pe [T, d_r] (rotated)."""
-        x, k_r = self.kv_a_proj_with_mqa(h).split([self.d_c, self.d_r], dim=-1)
-        return self.kv_a_layernorm(x), rope.apply(k_r, cos, sin)
+        w = self.kv_a_proj_with_mqa.weight
+        return project_latent(h, w[: self.d_c], w[self.d_c :], self.kv_a_layernorm, rope, cos, sin)
 
     def w_uk(self) -> Tensor:
         return self.kv_b_proj.weight.view(self.num_heads, self.d_n + self.d_v, self.d_c)[
@@ -113,6 +170,22 @@ class MLAttention(nn.Module):
         )
         k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)
         return backend.causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens, self.scale)
+
+    def expanded_over_past(self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor) -> Tensor:
+        """`expanded` for Q new tokens of one prompt that continue a cached prefix: n [P + Q,
+        d_c] and k_pe [P + Q, d_r] hold the prefix's latents then the new tokens'; query i
+        attends over keys 0..P + i. Returns [Q, H, d_v]."""
+        q_len, total = q_nope.shape[0], n.shape[0]
+        kv = F.linear(n, self.kv_b_proj.weight).view(total, self.num_heads, self.d_n + self.d_v)
+        k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)[None]  # [1, H, Q, d_qk]
+        k = torch.cat((k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)), dim=-1)
+        k = k.transpose(0, 1)[None]
+        valid = torch.ones(q_len, total, dtype=torch.bool, device=n.device).tril(total - q_len)
+        o = F.scaled_dot_product_attention(
+            q, k, v.transpose(0, 1)[None], attn_mask=valid, scale=self.scale
+        )
+        return o[0].transpose(0, 1)
 
     def absorb_query(self, q_nope: Tensor) -> Tensor:
         """q~^h = W_UK^h^T q_nope^h: [..., H, d_n] -> [..., H, d_c]."""

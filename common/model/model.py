@@ -7,6 +7,7 @@ protocol, so the engine can back it with a paged pool without touching this file
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Protocol
@@ -36,6 +37,19 @@ class PrefillOutput:
     logits: Tensor  # [num_seqs, V] at each prompt's last token, or [T, V] with all_logits
     n: list[Tensor]  # per layer, packed [T, d_c]
     k_pe: list[Tensor]  # per layer, packed [T, d_r]
+
+
+@dataclass(frozen=True)
+class PastLatents:
+    """A prompt's cached prefix for prefill: per layer n [P, d_c] and k_pe [P, d_r] of its
+    first P tokens. The prompt's new tokens then start at position P and attend over them."""
+
+    n: list[Tensor]
+    k_pe: list[Tensor]
+
+    @property
+    def length(self) -> int:
+        return int(self.n[0].shape[0])
 
 
 class DecoderLayer(nn.Module):
@@ -89,9 +103,12 @@ class DeepseekForCausalLM(nn.Module):
         *,
         all_logits: bool = False,
         absorbed: bool = False,
+        past: Sequence[PastLatents | None] | None = None,
     ) -> PrefillOutput:
-        """Exact MLA over packed prompts (each starting at position 0), without autograd."""
-        return self(input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed)
+        """Exact MLA over packed prompts, without autograd. Each prompt starts at position 0,
+        or after its `past` (a cached prefix whose latents it attends over; the output then
+        covers only the new tokens)."""
+        return self(input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past)
 
     def forward(
         self,
@@ -100,27 +117,40 @@ class DeepseekForCausalLM(nn.Module):
         *,
         all_logits: bool = False,
         absorbed: bool = False,
+        past: Sequence[PastLatents | None] | None = None,
     ) -> PrefillOutput:
         """Packed prompts -> logits and per-layer latents (differentiable; used for training).
 
         `absorbed=True` runs the latent-space path instead of the expanded one (a reference
-        for tests; prefill is compute-bound, so the expanded path is the fast one).
+        for tests; prefill is compute-bound, so the expanded path is the fast one). `past`:
+        per prompt, its cached prefix or None (see `prefill`).
         """
         cu = [0]
         for length in seq_lens:
             cu.append(cu[-1] + length)
         if cu[-1] != input_ids.shape[0] or min(seq_lens, default=0) <= 0:
             raise ValueError("seq_lens must be positive and sum to len(input_ids)")
-        positions = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens])
+        pasts = list(past) if past is not None else [None] * len(seq_lens)
+        if len(pasts) != len(seq_lens):
+            raise ValueError("past must have one entry per prompt")
+        starts = [p.length if p is not None else 0 for p in pasts]
+        device = input_ids.device
+        positions = torch.cat(
+            [torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens, strict=True)]
+        )
         cos, sin = self.rope.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         all_n, all_k_pe = [], []
-        for layer in self.model.layers:
+        for index, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q_nope, q_pe = attn.queries(x, self.rope, cos, sin)
             n, k_pe = attn.latents(x, self.rope, cos, sin)
-            if absorbed:
+            if any(starts):
+                o = _over_past(
+                    attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, self.prefill_backend
+                )
+            elif absorbed:
                 o = _absorbed_causal(attn, q_nope, q_pe, n, k_pe, cu)
             else:
                 o = attn.expanded(q_nope, q_pe, n, k_pe, cu, self.prefill_backend)
@@ -145,6 +175,45 @@ class DeepseekForCausalLM(nn.Module):
             o = attn.absorbed(q_nope[:, None], q_pe[:, None], n, k_pe, valid[:, None])[:, 0]
             h = layer.feed_forward(h + attn.output(o))
         return self.logits(h)
+
+
+def _over_past(
+    attn: MLAttention,
+    q_nope: Tensor,
+    q_pe: Tensor,
+    n: Tensor,
+    k_pe: Tensor,
+    cu: list[int],
+    pasts: list[PastLatents | None],
+    layer: int,
+    absorbed: bool,
+    backend: PrefillAttentionBackend,
+) -> Tensor:
+    """Attention for a batch where some prompts continue a cached prefix: each prompt on its
+    own, a prompt without a past exactly as in a batch without any."""
+    out = []
+    for (start, end), past in zip(pairwise(cu), pasts, strict=True):
+        rows = slice(start, end)
+        if past is None:
+            span = [0, end - start]
+            o = (
+                _absorbed_causal(attn, q_nope[rows], q_pe[rows], n[rows], k_pe[rows], span)
+                if absorbed
+                else attn.expanded(q_nope[rows], q_pe[rows], n[rows], k_pe[rows], span, backend)
+            )
+        else:
+            n_all = torch.cat([past.n[layer].to(n.dtype), n[rows]])
+            k_all = torch.cat([past.k_pe[layer].to(k_pe.dtype), k_pe[rows]])
+            if absorbed:
+                q, p = end - start, past.length
+                valid = torch.ones(q, p + q, dtype=torch.bool, device=n.device).tril(p)
+                o = attn.absorbed(
+                    q_nope[None, rows], q_pe[None, rows], n_all[None], k_all[None], valid[None]
+                )[0]
+            else:
+                o = attn.expanded_over_past(q_nope[rows], q_pe[rows], n_all, k_all)
+        out.append(o)
+    return torch.cat(out)
 
 
 def _absorbed_causal(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.model.mla import MLAttention
+from common.model.mla import MLAttention, rms_norm
 
 
 class RmsNormMode(enum.Enum):
@@ -89,10 +89,18 @@ def sliced_rmsnorm(
     return gamma_slice * (xf / (rms * rms_correction)).to(x_slice.dtype)
 
 
-def normalize_latent_slice(attn: MLAttention, x_slice: Tensor, shard: LatentShard) -> Tensor:
-    """Sliced RMSNorm of x[S_i] (pre-norm latent slice), with the layer's gamma slice."""
-    gamma = attn.kv_a_layernorm.weight[shard.start : shard.end]
-    return sliced_rmsnorm(x_slice, gamma, attn.kv_a_layernorm.eps, shard.rms_correction)
+def latent_norm(
+    gamma: Tensor, eps: float, shard: LatentShard, mode: RmsNormMode
+) -> Callable[[Tensor], Tensor]:
+    """How rank i normalizes new tokens' latents (what `project_latent` gets as `norm`):
+
+    exact: the whole pre-norm latent [T, d_c] normalized, then its slice S_i kept;
+    sliced: its pre-norm slice x[S_i] normalized alone (`sliced_rmsnorm`).
+    """
+    if mode is RmsNormMode.EXACT:
+        return lambda lat: rms_norm(lat, gamma, eps)[..., shard.start : shard.end]
+    gamma_slice = gamma[shard.start : shard.end]
+    return lambda lat: sliced_rmsnorm(lat, gamma_slice, eps, shard.rms_correction)
 
 
 def new_token_latent(
@@ -104,11 +112,9 @@ def new_token_latent(
     normalization differs between modes.
     """
     w = attn.kv_a_proj_with_mqa.weight
-    if mode is RmsNormMode.EXACT:
-        x = torch.nn.functional.linear(h, w[: attn.d_c])
-        return attn.kv_a_layernorm(x)[..., shard.start : shard.end], rope_k
-    x_slice = torch.nn.functional.linear(h, w[shard.start : shard.end])
-    return normalize_latent_slice(attn, x_slice, shard), rope_k
+    rows = slice(0, attn.d_c) if mode is RmsNormMode.EXACT else slice(shard.start, shard.end)
+    norm = latent_norm(attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, shard, mode)
+    return norm(torch.nn.functional.linear(h, w[rows])), rope_k
 
 
 def latent_slice_attention(

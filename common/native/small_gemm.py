@@ -2,10 +2,11 @@
 MoE layer's routed experts for a few tokens, behind checked calls that fall back to PyTorch.
 
 `linear` is `F.linear` (no bias), `mlp` is `MLP.forward` and `moe_experts` is the expert loop
-of `MoE.forward`; all
-run natively only where the kernel wins and is safe: fp32 contiguous CPU tensors, no
-autograd, few rows (BLAS is as fast from ~16 rows of a linear up, measured per product on
-the development VM). Anything else takes the PyTorch path, so callers never branch.
+of `MoE.forward`; all run natively only where the kernel wins and is safe: fp32 contiguous
+CPU tensors, no autograd, few rows (BLAS is as fast from ~16 rows of a linear up, measured per
+product on the development VM). Anything else takes the PyTorch path: `linear` and `mlp` run
+it themselves; `moe_experts` returns None and its caller runs the model's expert loop, whose
+module this package does not import.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common.model.moe import routed_experts
 from common.native.library import load_optional
 
 # Rows up to which the native linear beats BLAS on the development VM (1.6-2x at 2-4 rows,
@@ -93,9 +93,12 @@ def mlp(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """`routed_experts` (the expert loop of `MoE.forward`), natively for up to MAX_MOE_ROWS
-    fp32 tokens."""
+def moe_experts(
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
+) -> Tensor | None:
+    """`routed_experts` (common/model/moe.py, the expert loop of `MoE.forward`), natively for up
+    to MAX_MOE_ROWS fp32 tokens; None where the kernel does not apply and the caller runs the
+    reference (which lives with the model: this package never imports the model)."""
     m, d = x.shape
     e, two_i, _ = gate_up.shape
     if (
@@ -127,4 +130,4 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
         if status:
             raise ValueError(f"moe_experts: an expert id is outside [0, {e})")
         return out
-    return routed_experts(x, ids, weights, gate_up, down)
+    return None

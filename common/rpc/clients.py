@@ -7,17 +7,20 @@ typed errors of common.errors. Message-size limits are set deliberately on every
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from common.decode_api import DecodeLoad, TokenEvent
 from common.errors import from_grpc
 from common.rpc.convert import (
+    PrefillResult,
     ReservationInfo,
+    load_from_pb,
     params_to_pb,
     reservation_from_pb,
-    target_to_pb,
+    reservation_to_pb,
+    result_from_pb,
     token_from_pb,
     token_to_pb,
 )
@@ -43,40 +46,6 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_METADATA_KEY, token),) if token else ()
 
 
-@dataclass(frozen=True)
-class DecodeEvent:
-    token: SampledToken | None
-    finish_reason: str | None
-    index: int = 0  # the choice
-
-
-@dataclass(frozen=True)
-class DecodeLoadInfo:
-    running: int
-    waiting: int
-    reserved: int
-    blocks_used: int
-    blocks_total: int
-    block_size: int
-    tp: int
-    latent_groups: int
-    parallel: str
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_tokens: tuple[SampledToken, ...]  # one per choice
-    prefill_seconds: float
-    transfer_seconds: float
-    transfer_bytes: int
-    # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
-    prompt_logprobs: tuple[SampledToken, ...] = ()
-
-    @property
-    def first_token(self) -> SampledToken:
-        return self.first_tokens[0]
-
-
 class DecodeClient:
     def __init__(self, address: str, token: str | None = None) -> None:
         self.address = address
@@ -91,11 +60,17 @@ class DecodeClient:
         max_tokens: int,
         timeout: float = 10.0,
         n: int = 1,
+        prompt_ids: Sequence[int] = (),
     ) -> ReservationInfo:
+        """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them."""
         try:
             msg = await self._stub.Reserve(
                 decode_pb2.ReserveRequest(
-                    request_id=request_id, prompt_len=prompt_len, max_tokens=max_tokens, n=n
+                    request_id=request_id,
+                    prompt_len=prompt_len,
+                    max_tokens=max_tokens,
+                    prompt_ids=list(prompt_ids),
+                    n=n,
                 ),
                 timeout=timeout,
                 metadata=self._md,
@@ -110,9 +85,14 @@ class DecodeClient:
         first_token: SampledToken | tuple[SampledToken, ...],
         params: SamplingParams,
         idle_timeout: float = 60.0,
-    ) -> AsyncIterator[DecodeEvent]:
+        *,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
+    ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens, every choice's (one first token each); ends when
-        every choice has ended. `idle_timeout` bounds the wait for each event."""
+        every choice has ended. `idle_timeout` bounds the wait for each event.
+        `output_ids`: tokens generated before `first_token` elsewhere (a migrated request);
+        `prompt_ids`: only for a repetition penalty."""
         firsts = first_token if isinstance(first_token, tuple) else (first_token,)
         call = self._stub.Generate(
             decode_pb2.GenerateRequest(
@@ -120,6 +100,8 @@ class DecodeClient:
                 first_token=token_to_pb(firsts[0]),
                 first_tokens=[token_to_pb(t) for t in firsts] if len(firsts) > 1 else [],
                 params=params_to_pb(params),
+                prompt_ids=list(prompt_ids),
+                output_ids=list(output_ids),
             ),
             metadata=self._md,
         )
@@ -133,7 +115,7 @@ class DecodeClient:
                 if msg is grpc.aio.EOF:
                     return
                 token = token_from_pb(msg.token) if msg.HasField("token") else None
-                yield DecodeEvent(token, msg.finish_reason or None, msg.index)
+                yield TokenEvent(token, msg.finish_reason or None, index=msg.index)
                 if msg.finish_reason:
                     left -= 1
                     if not left:
@@ -157,22 +139,12 @@ class DecodeClient:
             raise from_grpc(exc) from exc
         return resp.found
 
-    async def load(self, timeout: float = 5.0) -> DecodeLoadInfo:
+    async def load(self, timeout: float = 5.0) -> DecodeLoad:
         try:
             m = await self._stub.GetLoad(common_pb2.Empty(), timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
-        return DecodeLoadInfo(
-            m.running,
-            m.waiting,
-            m.reserved,
-            m.blocks_used,
-            m.blocks_total,
-            m.block_size,
-            m.tp,
-            m.latent_groups,
-            m.parallel,
-        )
+        return load_from_pb(m)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -193,37 +165,29 @@ class PrefillClient:
         reservation: ReservationInfo,
         transport: str = "grpc",
         timeout: float = 60.0,
+        num_output_tokens: int = 0,
         n: int = 1,
         prompt_logprobs: int | None = None,
     ) -> PrefillResult:
         """Prefill into the reservation; sample n first tokens (one per choice) and, when
-        `prompt_logprobs` is set, the prompt's logprobs with that many alternatives."""
+        `prompt_logprobs` is set, the prompt's logprobs with that many alternatives.
+        `num_output_tokens`: the last prompt ids are the request's own earlier output."""
         req = prefill_pb2.PrefillRequest(
             n=n,
             prompt_logprobs=prompt_logprobs,
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params_to_pb(params),
-            block_size=reservation.block_size,
-            num_layers=reservation.num_layers,
-            rope_width=reservation.rope_width,
-            dtype=reservation.dtype,
-            targets=[target_to_pb(t) for t in reservation.targets],
+            reservation=reservation_to_pb(reservation),
             transport=transport,
             deadline_seconds=timeout,
+            num_output_tokens=num_output_tokens,
         )
         try:
             m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
-        firsts = tuple(token_from_pb(t) for t in m.first_tokens) or (token_from_pb(m.first_token),)
-        return PrefillResult(
-            firsts,
-            m.prefill_seconds,
-            m.transfer_seconds,
-            m.transfer_bytes,
-            tuple(token_from_pb(t) for t in m.prompt_logprobs),
-        )
+        return result_from_pb(m)
 
     async def load(self, timeout: float = 5.0) -> tuple[int, int]:
         try:

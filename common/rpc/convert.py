@@ -1,15 +1,28 @@
-"""Conversions between wire messages and in-process dataclasses, defined once."""
+"""The in-process types that cross services, and their conversions to and from the wire,
+defined once.
+
+A reservation travels from the decode group's Reserve through the router to the prefill
+worker as one type: `ReservationInfo` in process (its `KvTargetInfo` per rank), the decode
+service's `ReserveResponse` on the wire (the prefill request carries it as it came). The
+prefill worker cuts one `common.kv.transfer.Shard` per target, whose `KvHeader` tells the
+receiver what arrives. A prefill's outcome is `PrefillResult`, `PrefillResponse` on the wire.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from common.rpc.gen import common_pb2, decode_pb2
-from common.sampling import SampledToken, SamplingParams
+from common.decode_api import DecodeLoad
+from common.grammar import GrammarKind, GrammarSpec
+from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
+from common.sampling import SampledToken, SamplingError, SamplingParams
 
 
 @dataclass(frozen=True)
 class KvTargetInfo:
+    """Where one decode rank receives its shard of a request, and which part it caches."""
+
     rank: int
     grpc_address: str
     torch_address: str
@@ -21,6 +34,8 @@ class KvTargetInfo:
 
 @dataclass(frozen=True)
 class ReservationInfo:
+    """A request's reserved KV on a decode group: the cache's shape and each rank's target."""
+
     request_id: str
     block_size: int
     num_layers: int
@@ -28,6 +43,24 @@ class ReservationInfo:
     dtype: str
     lease_seconds: float
     targets: tuple[KvTargetInfo, ...]
+    cached_tokens: int = 0  # leading prompt tokens the group holds already: not shipped
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: SampledToken  # choice 0's
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
+    cached_tokens: int = 0  # leading prompt tokens the prefill reused from its own cache
+    choice_tokens: tuple[SampledToken, ...] = ()  # n > 1: every choice's first token, in order
+    # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
+    prompt_logprobs: tuple[SampledToken, ...] = ()
+
+    @property
+    def first_tokens(self) -> tuple[SampledToken, ...]:
+        """One first token per choice."""
+        return self.choice_tokens or (self.first_token,)
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -39,9 +72,17 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        min_p=p.min_p,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.grammar is not None:
+        msg.grammar.CopyFrom(common_pb2.Grammar(kind=p.grammar.kind.value, spec=p.grammar.spec))
     return msg
 
 
@@ -56,7 +97,21 @@ def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens,
+        min_p=msg.min_p,
+        grammar=_grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
     )
+
+
+def _grammar_from_pb(msg: common_pb2.Grammar) -> GrammarSpec:
+    try:
+        return GrammarSpec(GrammarKind(msg.kind), msg.spec)
+    except ValueError:
+        raise SamplingError(f"unknown grammar kind {msg.kind!r}") from None
 
 
 def token_to_pb(t: SampledToken) -> common_pb2.TokenInfo:
@@ -106,4 +161,50 @@ def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> ReservationInfo:
         msg.dtype,
         msg.lease_seconds,
         tuple(target_from_pb(t) for t in msg.targets),
+        msg.cached_tokens,
     )
+
+
+def reservation_to_pb(r: ReservationInfo) -> decode_pb2.ReserveResponse:
+    return decode_pb2.ReserveResponse(
+        request_id=r.request_id,
+        block_size=r.block_size,
+        num_layers=r.num_layers,
+        rope_width=r.rope_width,
+        dtype=r.dtype,
+        lease_seconds=r.lease_seconds,
+        targets=[target_to_pb(t) for t in r.targets],
+        cached_tokens=r.cached_tokens,
+    )
+
+
+def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
+    return prefill_pb2.PrefillResponse(
+        first_token=token_to_pb(r.first_token),
+        prefill_seconds=r.prefill_seconds,
+        transfer_seconds=r.transfer_seconds,
+        transfer_bytes=r.transfer_bytes,
+        cached_tokens=r.cached_tokens,
+        first_tokens=[token_to_pb(t) for t in r.choice_tokens],
+        prompt_logprobs=[token_to_pb(t) for t in r.prompt_logprobs],
+    )
+
+
+def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
+    return PrefillResult(
+        token_from_pb(msg.first_token),
+        msg.prefill_seconds,
+        msg.transfer_seconds,
+        msg.transfer_bytes,
+        msg.cached_tokens,
+        tuple(token_from_pb(t) for t in msg.first_tokens),
+        tuple(token_from_pb(t) for t in msg.prompt_logprobs),
+    )
+
+
+def load_to_pb(load: DecodeLoad) -> decode_pb2.DecodeLoad:
+    return decode_pb2.DecodeLoad(**dataclasses.asdict(load))
+
+
+def load_from_pb(msg: decode_pb2.DecodeLoad) -> DecodeLoad:
+    return DecodeLoad(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(DecodeLoad)})

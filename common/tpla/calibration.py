@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from common.demo import corpus
+from common import corpus
 from common.model.model import DeepseekForCausalLM
 
 DEFAULT_CALIB_CHARS = 200_000

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from common.model.args import ModelConfig
+from common.model.checkpoint import Quantization
 from common.model.loader import checkpoint_files
 from common.model.mla import MLAttention
 from common.model.model import DeepseekForCausalLM
+from common.model.weights import rotate_kv_a, rotate_kv_b
 from common.tpla.calibration import LatentStatistics
 from common.tpla.transforms import Method, rotated_spectrum, rotation
 
@@ -76,7 +80,7 @@ def side_file_name(method: Method) -> str:
     return f"tpla_{method.value}.json"
 
 
-def fingerprint(kv_a_weights: list[Tensor]) -> str:
+def fingerprint(kv_a_weights: Iterable[Tensor]) -> str:
     """sha256 of every layer's kv_a_proj_with_mqa weight rounded to bf16.
 
     Rounding to bf16 makes the same checkpoint fingerprint identically whether it is stored
@@ -101,12 +105,7 @@ def reparameterized_weights(
     Computed in float64 and returned in each input's dtype. The rope rows of kv_a (after
     the first d_c) are untouched.
     """
-    d_c = gamma.shape[0]
-    r64 = r.to(torch.float64)
-    a = kv_a.to(torch.float64).clone()
-    a[:d_c] = r64.T @ a[:d_c]
-    b = (kv_b.to(torch.float64) * gamma.to(torch.float64)[None, :]) @ r64
-    return a.to(kv_a.dtype), torch.ones_like(gamma), b.to(kv_b.dtype)
+    return rotate_kv_a(kv_a, r), torch.ones_like(gamma), rotate_kv_b(kv_b, gamma, r)
 
 
 def _reparameterize_attention(attn: MLAttention, r: Tensor) -> None:
@@ -158,31 +157,56 @@ def build_reparameterization(
     )
 
 
-def apply_reparameterization(model: DeepseekForCausalLM, side: Reparameterization) -> list[Tensor]:
-    """Fold gamma and apply each layer's R to `model` in place; return the spectra per layer.
+def basis_rotations(
+    side: Reparameterization,
+    config: ModelConfig,
+    kv_a_weights: Iterable[Tensor],
+    gamma: Callable[[int], Tensor],
+) -> list[Tensor] | None:
+    """Check that `side` belongs to these weights; each layer's R to apply (identity where
+    the side file has none), or None for a converted checkpoint's side file (R applied).
 
-    A side file of a converted checkpoint (`rotation_applied`) only checks that gamma is
-    already folded. A fingerprint mismatch (other weights, or R applied twice) is an error.
+    `kv_a_weights` yields each layer's kv_a_proj_with_mqa weight in the serving dtype (one at
+    a time is enough: only their fingerprint is kept); `gamma(i)` is layer i's kv_a_layernorm
+    weight. A fingerprint mismatch (other weights, or R applied twice) is an error.
     """
-    c = model.config
+    c = config
     if side.kv_lora_rank != c.kv_lora_rank or len(side.layers) != c.num_hidden_layers:
         raise SideFileError(
             f"side file is for d_c={side.kv_lora_rank} with {len(side.layers)} layers; the model "
             f"has d_c={c.kv_lora_rank} with {c.num_hidden_layers} layers"
         )
-    if model_fingerprint(model) != side.fingerprint:
+    if fingerprint(kv_a_weights) != side.fingerprint:
         raise SideFileError(
             "the side file was made for different weights (retrained model, or the "
             f"{side.method.value} rotation is already applied); regenerate it with `tpla convert`"
         )
-    for layer, rep in zip(model.model.layers, side.layers, strict=True):
-        attn = layer.self_attn
-        if side.rotation_applied:
-            if not torch.all(attn.kv_a_layernorm.weight == 1):
+    if side.rotation_applied:
+        for i in range(c.num_hidden_layers):
+            if not torch.all(gamma(i) == 1):
                 raise SideFileError("rotation_applied is set but kv_a_layernorm is not folded")
-            continue
-        r = rep.rotation if rep.rotation is not None else torch.eye(c.kv_lora_rank)
-        _reparameterize_attention(attn, r)
+        return None
+    return [
+        rep.rotation if rep.rotation is not None else torch.eye(c.kv_lora_rank)
+        for rep in side.layers
+    ]
+
+
+def apply_reparameterization(model: DeepseekForCausalLM, side: Reparameterization) -> list[Tensor]:
+    """Fold gamma and apply each layer's R to `model` in place; return the spectra per layer.
+
+    A side file of a converted checkpoint (`rotation_applied`) only checks that gamma is
+    already folded.
+    """
+    layers = model.model.layers
+    rotations = basis_rotations(
+        side,
+        model.config,
+        [layer.self_attn.kv_a_proj_with_mqa.weight for layer in layers],
+        lambda i: layers[i].self_attn.kv_a_layernorm.weight,
+    )
+    for layer, r in zip(layers, rotations or [], strict=False):
+        _reparameterize_attention(layer.self_attn, r)
     return side.spectra()
 
 
@@ -310,6 +334,12 @@ def convert_checkpoint(
         raise SideFileError("--out must differ from --model (the source is read while writing)")
     if side.rotation_applied:
         raise SideFileError("this side file is already applied to its checkpoint")
+    if Quantization.from_dir(src).method is not None:
+        # Rotating block-quantized weights would need requantizing; the side file alone
+        # applies R at load time instead (after dequantizing).
+        raise SideFileError(
+            "cannot write a rotated copy of a quantized checkpoint; serve it with the side file"
+        )
     out.mkdir(parents=True, exist_ok=True)
     rotations = {
         i: (layer.rotation if layer.rotation is not None else torch.eye(side.kv_lora_rank))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from common.demo import corpus
+from common import corpus
 from common.model.loader import load_model
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import RmsNormMode
@@ -64,6 +64,8 @@ class EvalConfig:
     calib_chars: int | None = None  # None: DEFAULT_CALIB_CHARS
     eval_path: str | None = None
     progress: bool = True
+    device: str = "cpu"  # resolved (`common.settings.placed`): cpu, cuda or cuda:N
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -177,7 +179,7 @@ def _method_models(
 def evaluate(model_dir: str | Path, config: EvalConfig) -> EvalReport:
     """Perplexity of every variant in `variant_grid()` on the eval text."""
     model_dir = Path(model_dir)
-    base = load_model(model_dir)
+    base = load_model(model_dir, dtype=config.dtype, device=config.device)
     c = base.config
     if c.kv_lora_rank % config.groups or c.num_attention_heads % config.groups:
         raise ValueError(
@@ -194,7 +196,9 @@ def evaluate(model_dir: str | Path, config: EvalConfig) -> EvalReport:
     tok = Tokenizer.from_dir(model_dir)
     text = load_text(config.eval_path, config.max_tokens * _CHARS_PER_TOKEN, corpus.Split.EVAL)
     ids = tok.encode(text.text, add_bos=False)[: config.max_tokens]
-    windows = [w for w in token_windows(ids, window) if len(w) - 1 > config.prefill_len]
+    windows = [
+        w.to(config.device) for w in token_windows(ids, window) if len(w) - 1 > config.prefill_len
+    ]
     if not windows:
         raise ValueError(
             f"the eval text has {len(ids)} tokens: too few to score after --prefill-len "

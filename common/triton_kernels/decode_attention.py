@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.kv.slots import token_slots
+
 try:  # A CPU deployment without triton imports this module and never launches a kernel.
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without triton
@@ -404,8 +406,8 @@ def paged_decode_attention_reference(
     pos = torch.arange(block_ids.shape[1] * block_size, device=q.device)
     valid = pos[None] < lengths[:, None]  # [B, T]
     # Table entries past a sequence's end may hold anything (padding): never dereference them.
-    blocks = block_ids[:, pos // block_size].long().masked_fill(~valid, 0)
-    rows = kv[blocks * block_size + pos % block_size].float()  # [B, T, W + R]
+    slots = token_slots(block_ids.long(), pos.expand(len(lengths), -1), block_size)
+    rows = kv[slots.masked_fill(~valid, 0)].float()  # [B, T, W + R]
     scores = torch.einsum("bhc,btc->bht", q.float(), rows)
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a sequence with no tokens

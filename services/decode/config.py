@@ -1,7 +1,9 @@
 """The decode engine's configuration: the parallel layout and everything a rank starts with.
 
 Frozen dataclasses, validated when built; `engine_config` maps the settings (env and flags,
-`common/settings.py`) onto them, once. A follower rank receives its `EngineConfig` as JSON.
+`common/settings.py`) onto them, once. A spawned follower receives its leader's
+`EngineConfig` as JSON; a rank started on its own builds its own, which it checks against
+the group's (services/decode/group.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from common.settings import TORCH_PORT_OFFSET, Settings
 
 class ParallelError(ValueError):
     """The requested parallel layout does not fit the model."""
+
+
+class Launch(enum.Enum):
+    """How a decode group's follower ranks start (services/decode/group.py: both then join
+    the same way)."""
+
+    SPAWN = "spawn"  # children of the leader, on its host (`tpla decode`, `tpla serve`)
+    JOIN = "join"  # each on its own (`tpla decode --rank K`), over the network, maybe other hosts
 
 
 class ParallelMode(enum.Enum):
@@ -102,27 +112,49 @@ class EngineConfig:
     # torch.distributed's gloo. Activations on GPUs always go through NCCL.
     collectives: str = "shm"
     shm_path: str | None = None  # set by the leader: the group file its ranks map
+    launch: Launch = Launch.SPAWN
+    # The leader's rendezvous store (a TCPStore it serves on master_port, every interface):
+    # where the followers join the group.
+    master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    join_timeout_s: float = 300.0  # every follower joins (a follower: the leader answers) by then
     collective_timeout_s: float = 120.0
     record_logits: bool = False  # keep each step's logits on token events (tests, eval)
     # KV receivers: rank k serves KvReceiver on kv_port_base + k and, for the torch
     # transport, a TCPStore on kv_port_base + TORCH_PORT_OFFSET + k. None: no receivers.
     host: str = "127.0.0.1"
+    # The host others (the leader, prefill workers) reach this rank's receiver at; "" = host.
+    advertise_host: str = ""
     kv_port_base: int | None = None
     internal_token: str | None = None
+    # Keep finished prompts' full blocks for reuse by later prompts (common.kv.prefix_cache).
+    prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.launch is Launch.JOIN and self.collectives == "shm":
+            raise ValueError(
+                "TPLA_COLLECTIVES=shm: shared memory cannot reach ranks started on their own "
+                "(--rank / --group-addr), which may run on other hosts; use dist or auto"
+            )
+
+    def local_index(self, rank: int) -> int:
+        """Rank `rank`'s index on its host: the offset of its GPU (`rank_device`) and of its
+        KV ports. Spawned ranks share the leader's host; a rank started on its own is the
+        first of its process (its own TPLA_DEVICE and TPLA_KV_PORT_BASE)."""
+        return rank if self.launch is Launch.SPAWN else 0
 
     def kv_addresses(self, rank: int) -> tuple[str, str]:
-        """(gRPC receiver, torch TCPStore) addresses of a rank's KV endpoints."""
+        """(gRPC receiver, torch TCPStore) addresses of rank `rank`'s KV endpoints, when this
+        process runs it: receiver on kv_port_base + its local index, the store 100 above."""
         assert self.kv_port_base is not None
-        return (
-            f"{self.host}:{self.kv_port_base + rank}",
-            f"{self.host}:{self.kv_port_base + TORCH_PORT_OFFSET + rank}",
-        )
+        host, port = self.advertise_host or self.host, self.kv_port_base + self.local_index(rank)
+        return f"{host}:{port}", f"{host}:{port + TORCH_PORT_OFFSET}"
 
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
         raw["parallel"]["rmsnorm"] = self.parallel.rmsnorm.value
         raw["parallel"]["mode"] = self.parallel.mode.value
+        raw["launch"] = self.launch.value
         return json.dumps(raw)
 
     @classmethod
@@ -131,6 +163,7 @@ class EngineConfig:
         par = raw.pop("parallel")
         par["rmsnorm"] = RmsNormMode(par["rmsnorm"])
         par["mode"] = ParallelMode(par["mode"])
+        raw["launch"] = Launch(raw["launch"])
         return cls(parallel=ParallelConfig(**par), **raw)
 
 
@@ -142,14 +175,21 @@ def engine_config(s: Settings) -> EngineConfig:
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
     if s.decode_kernel not in KERNELS:
         raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
-    if s.collectives not in ("shm", "dist"):
-        raise ValueError(f"collectives {s.collectives!r} is not shm or dist")
+    if s.collectives not in ("auto", "shm", "dist"):
+        raise ValueError(f"collectives {s.collectives!r} is not auto, shm or dist")
+    tp, launch, master_addr, master_port = s.tp, Launch.SPAWN, "127.0.0.1", s.dist_port
+    if s.group_size or s.group_addr or s.rank:
+        tp, master_addr, master_port = joined_group(s)
+        launch = Launch.JOIN
+    collectives = s.collectives
+    if collectives == "auto":
+        collectives = "shm" if launch is Launch.SPAWN else "dist"
     latent_groups = s.latent_groups if s.parallel == "tpla" else 1
     mode = ParallelMode.SP if s.parallel == "sp" else ParallelMode.TPLA
     return EngineConfig(
         model=s.model,
         parallel=ParallelConfig(
-            tp=s.tp,
+            tp=tp,
             latent_groups=latent_groups,
             rmsnorm=RmsNormMode(s.rmsnorm),
             mode=mode,
@@ -164,9 +204,36 @@ def engine_config(s: Settings) -> EngineConfig:
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
         decode_kernel=s.decode_kernel,
-        collectives=s.collectives,
-        master_port=s.dist_port,
+        collectives=collectives,
+        launch=launch,
+        master_addr=master_addr,
+        master_port=master_port,
+        join_timeout_s=s.group_join_timeout_s,
         host=s.host,
+        advertise_host=s.advertise_host,
         kv_port_base=s.kv_port_base,
         internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
+        prefix_cache=s.prefix_cache,
     )
+
+
+def joined_group(s: Settings) -> tuple[int, str, int]:
+    """(tp, leader host, rendezvous port) of a group whose ranks are started on their own
+    (`--rank K --group-size N --group-addr HOST:PORT`); ValueError naming what is wrong."""
+    if not s.group_size:
+        raise ValueError("--rank and --group-addr need --group-size (TPLA_GROUP_SIZE)")
+    if not s.group_addr:
+        raise ValueError("--group-size needs --group-addr HOST:PORT (TPLA_GROUP_ADDR)")
+    if s.rank >= s.group_size:
+        raise ValueError(f"--rank {s.rank} is outside a group of {s.group_size} ranks (0..N-1)")
+    host, _, port = s.group_addr.rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal, [::1]:29500
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--group-addr {s.group_addr!r} is not HOST:PORT (TPLA_GROUP_ADDR)")
+    # A rank is one tensor-parallel shard: the group size is tp (TPLA_TP may be left unset).
+    if "tp" in s.model_fields_set and s.tp != s.group_size:
+        raise ValueError(
+            f"--group-size {s.group_size} but TPLA_TP={s.tp}: a group has one rank per "
+            "tensor-parallel shard"
+        )
+    return s.group_size, host, int(port)

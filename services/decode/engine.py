@@ -1,15 +1,24 @@
 """The decode engine: a leader (rank 0, in this process) driving a TP group of ranks.
 
 API (thread-safe; the decode gRPC servicer is a thin shell over it):
-    reserve(request_id, prompt_len, max_tokens, n) -> Reservation  blocks on every rank, leased
+    reserve(request_id, prompt_len, max_tokens, prompt_ids, n) -> Reservation
+                                               blocks on every rank, leased (the prompt
+                                               once, max_tokens per choice); reuses the
+                                               longest cached prefix of prompt_ids
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
     generate(request_id, first_tokens, params) -> TokenStream     streams tokens as sampled
     abort(request_id, choices)                 at any time; blocks are freed
     load() -> Load                             running, waiting, blocks used / total
 
+Start-up: open the group's rendezvous (services/decode/group.py), spawn ranks 1..tp-1 here or
+wait for them to join from elsewhere (bounded), load this rank's share, meet every rank at a
+barrier, and learn where each rank's KV receiver is.
+
 n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
 full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
-with its own generator, and stream into one TokenStream with each event's choice index.
+with its own generator and its own controls (penalty counts and grammar state forked from
+the request's at its first token), and stream into one TokenStream with each event's choice
+index.
 
 All collectives run on one loop thread: callers enqueue commands and wait on futures. Each
 loop iteration applies commands, expires leases, and runs one decode step for every running
@@ -26,7 +35,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
@@ -37,11 +46,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common import group_files
+from common.decode_api import DecodeLoad as Load
+from common.decode_api import TokenEvent
 from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
+from common.kv.prefix_cache import block_hashes, model_identity
 from common.model.args import ModelConfig
-from common.ports import free_port
+from common.ports import PortUse, check_ports, free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import (
     DECODE_STAGE,
@@ -50,7 +62,9 @@ from common.sampling import (
     make_generator,
     sample_batch,
 )
-from services.decode.config import EngineConfig, rank_latent_columns
+from services.decode.config import EngineConfig, Launch, rank_latent_columns
+from services.decode.controls import SequenceControls, StepControls
+from services.decode.group import LeaderGroup, RankStartError
 from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.runtime import (
     CONFIG_ENV,
@@ -59,8 +73,9 @@ from services.decode.runtime import (
     create_shm_group,
     init_group,
 )
-from services.decode.scheduler import Scheduler, SchedulerError, SeqState, Sequence
-from services.decode.stream import EngineError, Load, Reservation, TokenEvent, TokenStream
+from services.decode.scheduler import Scheduler, SchedulerError, SeqState
+from services.decode.scheduler import Sequence as DecodeSequence
+from services.decode.stream import EngineError, Reservation, TokenStream
 
 if TYPE_CHECKING:
     import grpc
@@ -68,44 +83,45 @@ if TYPE_CHECKING:
 _IDLE_WAIT_S = 0.05
 
 
-class RankStartError(ValueError):
-    """A follower rank could not start for a reason it printed (e.g. a port in use). A
-    ValueError, like that reason: `tpla decode` prints it and exits 2, not restarted."""
-
-
 @dataclass
 class _Active:
     params: SamplingParams
     stream: TokenStream
     generator: torch.Generator
+    controls: SequenceControls
     choice: int = 0
 
 
 class DecodeEngine:
     def __init__(self, cfg: EngineConfig, *, eos_token_ids: tuple[int, ...] | None = None) -> None:
-        # Every rank's device exists (one GPU per rank), checked before any process starts.
-        rank_device(cfg.device, cfg.parallel.tp - 1)
+        # Every rank's device here exists (one GPU per rank), checked before anything starts.
+        spawn = cfg.launch is Launch.SPAWN
+        rank_device(cfg.device, cfg.parallel.tp - 1 if spawn else 0)
         if cfg.parallel.tp > 1 and cfg.master_port == 0:
             cfg = replace(cfg, master_port=free_port())
         # The group's file has a name from here to the barrier. Whoever sees the group end
         # in between removes it: this process on an exception (below), a follower that fails
         # or sees this process gone (runtime.follower_main), `tpla serve` once this process
         # is gone (the name carries its pid), `tpla decode` on SIGTERM (service.py).
-        shm_path = create_shm_group(cfg)
+        shm_path = create_shm_group(cfg) if spawn else None
         cfg = replace(cfg, shm_path=shm_path)
         self.cfg = cfg
         self._followers: list[subprocess.Popen] = []
         self._receiver: grpc.Server | None = None
-        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
-        env = {**os.environ, CONFIG_ENV: cfg.to_json()}
+        self.group: LeaderGroup | None = None
         try:
-            for rank in range(1, cfg.parallel.tp):
-                argv = [*follower, str(rank), str(os.getpid())]
-                self._followers.append(subprocess.Popen(argv, env=env))
-            init_group(cfg, 0)
+            if cfg.parallel.tp > 1:
+                self.group = self._open_group()
+                if spawn:
+                    self._spawn_followers()
+                self.group.wait_for_followers(self._follower_exit_code)
+            init_group(cfg, 0, self.group.store if self.group else None)
             self.runtime = RankRuntime(cfg, 0)
             self._receiver = self.runtime.start_kv_receiver()
             self.runtime.comm.barrier()
+            # Where each rank receives its KV shards: its own receiver, wherever it runs.
+            own = cfg.kv_addresses(0) if self._receiver is not None else ("", "")
+            self.kv_endpoints = [own, *(self.group.endpoints() if self.group else [])]
         except BaseException as exc:
             self._abort_start(exc)
             raise
@@ -126,7 +142,10 @@ class DecodeEngine:
             cfg.block_size,
             par.tp,
             par.chunk_size if par.sp else None,
+            prefix_cache=cfg.prefix_cache,
         )
+        # The root of this group's block hash chains: the model and its side file.
+        self.prefix_root = model_identity(cfg.model, cfg.reparam) if cfg.prefix_cache else 0
         self.scheduler = Scheduler(self.pool, cfg.max_batch, max_len)
         self._active: dict[str, _Active] = {}
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
@@ -144,6 +163,9 @@ class DecodeEngine:
         # Rank k's logits are padded to a common width for the gather; these columns of the
         # gathered row are the real vocabulary, in order. Computed once, used every step.
         padded = self.runtime.model.vocab_size_padded
+        self.controls = StepControls(
+            cfg.model, self.vocab_size, self.eos_token_ids, cfg.max_batch, self.runtime.device
+        )
         self._vocab_columns = torch.cat(
             [
                 k * padded + torch.arange(len(chunk))
@@ -157,32 +179,58 @@ class DecodeEngine:
 
     # -- public API --------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, n: int = 1) -> Reservation:
-        """Blocks for the prompt once and max_tokens for each of the n choices."""
+    def reserve(
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        prompt_ids: Sequence[int] = (),
+        n: int = 1,
+    ) -> Reservation:
+        """Blocks for the prompt once and max_tokens for each of the n choices, on every
+        rank. With `prompt_ids` (and prefix caching on), the blocks of the longest cached
+        prefix are reused: `cached_tokens` of them."""
+        if prompt_ids and len(prompt_ids) != prompt_len:
+            raise SchedulerError(f"{len(prompt_ids)} prompt ids for a prompt of {prompt_len}")
+        hashes = (
+            block_hashes(self.prefix_root, prompt_ids, self.cfg.block_size)
+            if self.cfg.prefix_cache
+            else []
+        )
 
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
-            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, n)
+            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, hashes, n)
             width = self.runtime.layout.latent_width
             return Reservation(
-                request_id, self.cfg.block_size, tables, [width] * self.cfg.parallel.tp
+                request_id,
+                self.cfg.block_size,
+                tables,
+                [width] * self.cfg.parallel.tp,
+                self.scheduler.seqs[request_id].cached_tokens,
             )
 
         return self._call(run)
 
     def kv_targets(self, reservation: Reservation, prompt_len: int) -> list[KvTargetInfo]:
-        """Where each rank's shard of a reserved request goes, and which part it is."""
+        """Where each rank's shard of a reserved request goes, and which part it is: the
+        prompt tokens after the cached prefix, into the blocks after the cached ones (the
+        prefix is whole blocks on every rank, so the shard starts at a block boundary)."""
         cfg, par = self.cfg, self.cfg.parallel
         d_c = self.runtime.model.config.kv_lora_rank
+        cached = reservation.cached_tokens
         targets = []
-        for rank, blocks in enumerate(reservation.block_tables):
+        for rank, table in enumerate(reservation.block_tables):
             cols = rank_latent_columns(par, rank, d_c)
+            blocks = table[self.pool.local_tokens(rank, cached) // cfg.block_size :]
             ranges: tuple[int, ...] = ()
             if par.sp:
                 owned = owned_ranges(prompt_len, rank, par.chunk_size, par.tp)
                 # An empty list means "every token" on the wire, so "none" is (0, 0).
-                ranges = tuple(x for pair in owned for x in pair) or (0, 0)
-            grpc_addr, torch_addr = cfg.kv_addresses(rank) if cfg.kv_port_base else ("", "")
+                ranges = tuple(
+                    x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)
+                ) or (0, 0)
+            grpc_addr, torch_addr = self.kv_endpoints[rank]
             targets.append(
                 KvTargetInfo(
                     rank,
@@ -209,7 +257,8 @@ class DecodeEngine:
             if not 0 <= rank < self.cfg.parallel.tp:
                 raise SchedulerError(f"rank {rank} is outside the group of {self.cfg.parallel.tp}")
             layout = self.runtime.layout
-            tokens = self.pool.local_tokens(rank, seq.prompt_len)
+            skip = self.pool.local_tokens(rank, seq.cached_tokens)  # held already
+            tokens = self.pool.local_tokens(rank, seq.prompt_len) - skip
             expected = (layout.num_layers, tokens, layout.latent_width)
             expected_rope = (*expected[:2], layout.rope_width)
             if tuple(n.shape) != expected or tuple(k_pe.shape) != expected_rope:
@@ -218,7 +267,7 @@ class DecodeEngine:
                 )
             if tokens == 0:
                 return  # an SP rank that owns none of a short prompt
-            slots = self._slots(request_id, rank, tokens)
+            slots = self._slots(request_id, rank, tokens, skip)
             device, comm = self.runtime.device, self.runtime.comm
             n_ = n.to(device, layout.dtype).contiguous()
             k_ = k_pe.to(device, layout.dtype).contiguous()
@@ -232,23 +281,39 @@ class DecodeEngine:
         self._call(run)
 
     def generate(
-        self, request_id: str, first_tokens: int | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        first_tokens: int | list[int],
+        params: SamplingParams,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
     ) -> TokenStream:
         """Start the reserved request from each choice's first token (one per choice it was
-        reserved for); its stream carries every choice's events."""
+        reserved for); its stream carries every choice's events. `output_ids`: what the
+        request generated before on another group (a migrated request); `prompt_ids`: its
+        prompt, needed only for a repetition penalty. Both feed the penalties and grammar."""
         firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
         stream = TokenStream(len(firsts))
+        # The grammar is compiled and replayed here, off the loop thread: a new schema must
+        # not stall the running sequences' steps. Each choice's copy takes its first token.
+        matcher = self.controls.matcher(params, output_ids)
 
         def run() -> None:
             seqs = self.scheduler.start(request_id, firsts)
             self._copy_blocks(seqs)
-            for seq in seqs:
+            # The request's controls before its first tokens, forked once per choice.
+            base = self.controls.start(params, matcher, prompt_ids, output_ids)
+            controls = [base, *(self.controls.fork(base) for _ in seqs[1:])]
+            self.controls.advance(controls, firsts)
+            for seq, ctl in zip(seqs, controls, strict=True):
                 stage = choice_stream(seq.choice, DECODE_STAGE)
                 generator = make_generator(params, self.runtime.device, stream=stage)
-                self._active[seq.seq_id] = _Active(params, stream, generator, seq.choice)
-            for seq in seqs:
+                self._active[seq.seq_id] = _Active(params, stream, generator, ctl, seq.choice)
+            for seq, ctl in zip(seqs, controls, strict=True):
                 token = seq.generated[0]
                 reason = params.finish_reason(token, 1, self.eos_token_ids, seq.max_tokens)
+                if reason is None and ctl.failed:
+                    reason = f"error: structured output: {ctl.failed}"
                 if reason is not None:
                     self._finish(seq.seq_id, reason)
 
@@ -261,7 +326,7 @@ class DecodeEngine:
         def run() -> bool:
             ended = self.scheduler.abort(request_id, choices)
             for seq in ended:
-                active = self._active.pop(seq.seq_id, None)
+                active = self._pop_active(seq.seq_id)
                 if active is not None:
                     active.stream.put(TokenEvent(None, "abort", index=seq.choice))
             return bool(ended)
@@ -280,9 +345,17 @@ class DecodeEngine:
                 self.pool.num_used,
                 self.pool.num_blocks,
                 self.cfg.block_size,
+                blocks_cached=self.pool.num_cached,
+                prefix_queried_tokens=self.scheduler.prefix_queried_tokens,
+                prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
             )
 
         return self._call(run, timeout)
+
+    def cached_hashes(self, limit: int, timeout: float | None = None) -> list[int]:
+        """Up to `limit` block hashes this group holds, most recently used first (what it
+        publishes for KV-aware routing); EngineError if the loop does not answer in time."""
+        return self._call(lambda: self.pool.recent_hashes(limit), timeout)
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the loop thread between two decode steps and return its result: every
@@ -293,12 +366,23 @@ class DecodeEngine:
         return self.runtime.model.parameter_bytes()
 
     def follower_alive(self) -> list[bool]:
-        """Whether each rank's process is running (rank 0 is this process)."""
-        return [self._error is None] + [p.poll() is None for p in self._followers]
+        """Whether each rank's process is running (rank 0 is this process): a spawned one's
+        status, and for every follower a beat through the group's store within the last
+        seconds (ranks on other hosts have no other sign of life until a collective)."""
+        alive = [self._error is None]
+        if self.group is not None:
+            try:
+                beats = self.group.alive()
+            except dist.DistError:  # the store went with a shut-down group
+                beats = [False] * len(self.group.followers)
+            spawned = [p.poll() is None for p in self._followers] or [True] * len(beats)
+            alive += [b and s for b, s in zip(beats, spawned, strict=True)]
+        return alive
 
     @property
     def follower_pids(self) -> list[int]:
-        return [p.pid for p in self._followers]
+        """Each follower's pid, as it introduced itself (on its own host)."""
+        return [m.pid for m in self.group.members] if self.group is not None else []
 
     @property
     def failed(self) -> BaseException | None:
@@ -344,7 +428,7 @@ class DecodeEngine:
                 self._check_ranks()
                 self._drain_commands(block=not self.scheduler.has_work())
                 for rid in self.scheduler.expire_leases(time.monotonic()):
-                    self._active.pop(rid, None)
+                    self._pop_active(rid)
                 batch = self.scheduler.schedule()
                 if batch:
                     self._step(batch)
@@ -399,7 +483,7 @@ class DecodeEngine:
                 return
             fut.set_exception(EngineError(f"decode group stopped: {self._error or 'shutdown'}"))
 
-    def _copy_blocks(self, seqs: list[Sequence]) -> None:
+    def _copy_blocks(self, seqs: list[DecodeSequence]) -> None:
         """Every rank copies the forks' own blocks from the prompt's (before their first
         step): one plan for all of a request's forks."""
         per_pool = [
@@ -418,9 +502,9 @@ class DecodeEngine:
             send_plan(plan, self.runtime.comm)
         self.runtime.copy_blocks(plan)
 
-    def _slots(self, request_id: str, rank: int, num_tokens: int) -> Tensor:
+    def _slots(self, request_id: str, rank: int, num_tokens: int, first: int = 0) -> Tensor:
         blocks = torch.tensor(self.pool.tables(request_id)[rank], dtype=torch.int64)
-        pos = torch.arange(num_tokens)
+        pos = torch.arange(first, first + num_tokens)
         return blocks[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
 
     def _step(self, batch: list) -> None:
@@ -469,36 +553,80 @@ class DecodeEngine:
             logits = local
         logits = logits[:, self._vocab_columns]
         actives = [self._active[seq.seq_id] for seq in batch]
-        tokens = sample_batch(logits, [a.params for a in actives], [a.generator for a in actives])
+        params = [a.params for a in actives]
+        seqs = [a.controls for a in actives]
+        processed = any(p.processed for p in params)
+        generated = [len(seq.generated) for seq in batch]
+        context = self.controls.context(seqs, generated) if processed else None
+        tokens = sample_batch(logits, params, [a.generator for a in actives], context)
+        if processed:
+            self.controls.advance(seqs, [t.token_id for t in tokens])
         for row, (seq, active, tok) in enumerate(zip(batch, actives, tokens, strict=True)):
             reason = active.params.finish_reason(
                 tok.token_id, len(seq.generated) + 1, self.eos_token_ids, seq.max_tokens
             )
+            if reason is None and active.controls.failed:
+                reason = f"error: structured output: {active.controls.failed}"
             kept = logits[row].to("cpu", copy=True) if self.cfg.record_logits else None
             active.stream.put(TokenEvent(tok, reason, kept, active.choice))
             self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
             if reason is not None:
-                del self._active[seq.seq_id]
+                self._pop_active(seq.seq_id)
         seconds = time.perf_counter() - t0
         self.step_seconds.append(seconds)
         if self.on_step is not None:
             self.on_step(seconds, len(batch))
 
+    def _pop_active(self, seq_id: str) -> _Active | None:
+        active = self._active.pop(seq_id, None)
+        if active is not None:
+            self.controls.release(active.controls)
+        return active
+
     def _finish(self, seq_id: str, reason: str) -> None:
         self.scheduler.finish(seq_id)
-        active = self._active.pop(seq_id)
+        active = self._pop_active(seq_id)
+        assert active is not None
         active.stream.put(TokenEvent(None, reason, index=active.choice))
+
+    def _open_group(self) -> LeaderGroup:
+        """The group's store on the rendezvous port (PortInUse if taken, named with its
+        setting, not an error in c10d's words)."""
+        setting = "TPLA_DIST_PORT" if self.cfg.launch is Launch.SPAWN else "TPLA_GROUP_ADDR"
+        use = PortUse(self.cfg.master_port, "decode rendezvous", setting)
+        check_ports(self.cfg.host, [use])
+        try:
+            return LeaderGroup(self.cfg)
+        except dist.DistNetworkError:
+            check_ports(self.cfg.host, [use])
+            raise
+
+    def _spawn_followers(self) -> None:
+        """Ranks 1..tp-1 as children, on this host: each joins the group as a rank started
+        on its own would (runtime.follower_main), with this process's config."""
+        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
+        env = {**os.environ, CONFIG_ENV: self.cfg.to_json()}
+        for rank in range(1, self.cfg.parallel.tp):
+            argv = [*follower, str(rank), str(os.getpid())]
+            self._followers.append(subprocess.Popen(argv, env=env))
+
+    def _follower_exit_code(self, rank: int) -> int | None:
+        return self._followers[rank - 1].poll() if self._followers else None
 
     def _abort_start(self, exc: BaseException) -> None:
         """The group failed to start: stop the followers (a follower's own start-up error
-        has ended it already), and raise RankStartError if one reported a configuration
-        error (a port in use): that error, not the collective that broke, is the cause."""
+        has ended it already), and raise RankStartError if one reported an error (a port in
+        use, a config that differs): that error, not the collective that broke, is the
+        cause."""
         if self._receiver is not None:
             self._receiver.stop(grace=0)
         self._kill_followers(grace_s=1.0)
         if dist.is_initialized():  # a later engine in this process starts a group again
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        if self.group is not None and isinstance(exc, Exception):
+            with contextlib.suppress(dist.DistError):
+                self.group.raise_reported()
         for rank, proc in enumerate(self._followers, start=1):
             if proc.returncode == START_ERROR_EXIT and isinstance(exc, Exception):
                 raise RankStartError(f"decode rank {rank} could not start (its error is above)")

@@ -17,15 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from common import serving_model
+from common.decode_api import TokenEvent
 from common.generate import Generation
+from common.grammar import allowed_now
 from common.kv.transfer import cut_shard
+from common.logits import context_for
 from common.model.model import DeepseekForCausalLM
 from common.sampling import SampledToken, SamplingParams, make_generator, sample
 from common.serving_model import side_file_path
 from common.settings import Settings
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.decode.stream import TokenEvent, TokenStream
+from services.decode.stream import TokenStream
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,11 @@ def submit(
                 out.n, out.k_pe, start, start + len(prompt), target, rid, reservation.block_size
             )
             engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
-        first = sample(out.logits[row], p, make_generator(p, device, stream=0))
+        eos, vocab = engine.eos_token_ids, prefill.config.vocab_size
+        matcher = engine.controls.matcher(p, [])
+        allowed = None if matcher is None else allowed_now(matcher, vocab, device)
+        context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
+        first = sample(out.logits[row], p, make_generator(p, device, stream=0), context)
         started.append((first, engine.generate(rid, first.token_id, p)))
         start += len(prompt)
     return started

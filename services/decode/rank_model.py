@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
-from common.model.mla import RMSNorm
+from common.model.mla import Linear, RMSNorm, project_latent, project_queries
 from common.model.model import DeepseekForCausalLM
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials
-from common.model.tpla import LatentShard, RmsNormMode, latent_slice_attention, sliced_rmsnorm
+from common.model.tpla import LatentShard, RmsNormMode, latent_norm, latent_slice_attention
+from common.model.weights import ModelWeights, WeightSource
 from services.decode.backends import DecodeBackend, TorchBackend
 from services.decode.comm import Comm
 from services.decode.config import ParallelConfig, split_range
-
-Linear = Callable[[Tensor, Tensor], Tensor]
 
 log = logging.getLogger(__name__)
 
@@ -38,61 +36,78 @@ class RankAttention(nn.Module):
     """A rank's share of one layer's attention weights and the math around its kernel."""
 
     def __init__(
-        self, full: nn.Module, heads: slice, shard: LatentShard, mode: RmsNormMode
+        self,
+        src: WeightSource,
+        layer: int,
+        heads: slice,
+        shard: LatentShard,
+        mode: RmsNormMode,
     ) -> None:
         super().__init__()
-        a = full
-        self.d_n, self.d_r, self.d_v, self.d_c = a.d_n, a.d_r, a.d_v, a.d_c
+        c = src.config
+        p = f"model.layers.{layer}.self_attn."
+        self.d_n, self.d_r, self.d_v, self.d_c = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        )
         self.num_heads = heads.stop - heads.start
         self.head_offset = heads.start
-        self.scale = a.scale
+        self.scale = c.softmax_scale
         self.shard = shard
-        self.exact_rmsnorm = mode is RmsNormMode.EXACT
-        qk = a.d_n + a.d_r
+        self.mode = mode
+        qk = self.d_n + self.d_r
         rows = slice(heads.start * qk, heads.stop * qk)
-        if a.q_lora:
-            self.q_a = nn.Parameter(a.q_a_proj.weight.detach().clone())
-            self.q_a_norm = RMSNorm(a.q_a_proj.weight.shape[0], a.q_a_layernorm.eps)
-            self.q_a_norm.weight = nn.Parameter(a.q_a_layernorm.weight.detach().clone())
-            self.q_b = nn.Parameter(a.q_b_proj.weight[rows].detach().clone())
+        if c.q_lora_rank is not None:
+            self.q_a: nn.Parameter | None = nn.Parameter(src.tensor(p + "q_a_proj.weight"))
+            self.q_a_norm: RMSNorm | None = _norm(src, p + "q_a_layernorm.weight", c.rms_norm_eps)
+            self.q_b = nn.Parameter(src.tensor(p + "q_b_proj.weight", rows))
         else:
             self.q_a, self.q_a_norm = None, None
-            self.q_b = nn.Parameter(a.q_proj.weight[rows].detach().clone())
-        w_kva = a.kv_a_proj_with_mqa.weight.detach()
+            self.q_b = nn.Parameter(src.tensor(p + "q_proj.weight", rows))
+        kv_a = p + "kv_a_proj_with_mqa.weight"
         # Exact mode needs the whole (small) latent projection to normalize exactly; sliced
         # mode holds only its slice's rows. The rope rows are replicated either way.
-        latent_rows = slice(0, a.d_c) if self.exact_rmsnorm else slice(shard.start, shard.end)
-        self.kv_a_latent = nn.Parameter(w_kva[latent_rows].clone())
-        self.kv_a_rope = nn.Parameter(w_kva[a.d_c :].clone())
-        self.gamma = nn.Parameter(a.kv_a_layernorm.weight.detach().clone())
-        self.eps = a.kv_a_layernorm.eps
-        cols = slice(shard.start, shard.end)
-        self.w_uk = nn.Parameter(a.w_uk()[heads, :, cols].detach().clone())
-        self.w_uv = nn.Parameter(a.w_uv()[heads, :, cols].detach().clone())
-        w_o = a.o_proj.weight.detach().view(-1, a.num_heads, a.d_v)
-        self.w_o = nn.Parameter(w_o[:, heads].reshape(w_o.shape[0], -1).clone())
+        exact = mode is RmsNormMode.EXACT
+        latent_rows = slice(0, self.d_c) if exact else slice(shard.start, shard.end)
+        self.kv_a_latent = nn.Parameter(src.tensor(kv_a, latent_rows))
+        self.kv_a_rope = nn.Parameter(src.tensor(kv_a, slice(self.d_c, None)))
+        self.gamma = nn.Parameter(src.tensor(p + "kv_a_layernorm.weight"))
+        self.eps = c.rms_norm_eps
+        # W_UK / W_UV of these heads, latent columns S_i: rows of kv_b_proj [h (d_n + d_v), w].
+        kv = self.d_n + self.d_v
+        w_kv = src.tensor(
+            p + "kv_b_proj.weight",
+            slice(heads.start * kv, heads.stop * kv),
+            slice(shard.start, shard.end),
+        ).view(self.num_heads, kv, shard.width)
+        self.w_uk = nn.Parameter(w_kv[:, : self.d_n].contiguous())
+        self.w_uv = nn.Parameter(w_kv[:, self.d_n :].contiguous())
+        del w_kv
+        self.w_o = nn.Parameter(
+            src.tensor(
+                p + "o_proj.weight", cols=slice(heads.start * self.d_v, heads.stop * self.d_v)
+            )
+        )
+
+    @property
+    def exact_rmsnorm(self) -> bool:
+        return self.mode is RmsNormMode.EXACT
 
     def queries(
         self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor, linear: Linear
     ) -> tuple[Tensor, Tensor]:
-        if self.q_a is not None:
-            x = self.q_a_norm(linear(x, self.q_a))
-        q = linear(x, self.q_b).view(x.shape[0], self.num_heads, self.d_n + self.d_r)
-        q_nope, q_pe = q.split([self.d_n, self.d_r], dim=-1)
-        return q_nope, rope.apply(q_pe, cos[:, None], sin[:, None])
+        return project_queries(
+            x, self.q_a, self.q_a_norm, self.q_b, (self.d_n, self.d_r), rope, cos, sin, linear
+        )
 
     def new_latent(
         self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor, linear: Linear
     ) -> tuple[Tensor, Tensor]:
         """This rank's slice n[S_i] and the rotated k_pe of new tokens."""
-        k_pe = rope.apply(linear(x, self.kv_a_rope), cos, sin)
-        lat = linear(x, self.kv_a_latent)
-        s = self.shard
-        if self.exact_rmsnorm:
-            lf = lat.float()
-            n = lf * torch.rsqrt(lf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (self.gamma * n.to(x.dtype))[:, s.start : s.end], k_pe
-        return sliced_rmsnorm(lat, self.gamma[s.start : s.end], self.eps, s.rms_correction), k_pe
+        norm = latent_norm(self.gamma, self.eps, self.shard, self.mode)
+        return project_latent(x, self.kv_a_latent, self.kv_a_rope, norm, rope, cos, sin, linear)
 
     def attend(
         self,
@@ -153,43 +168,61 @@ class RankAttention(nn.Module):
         return backend.linear(o.reshape(b, -1), self.w_o)
 
 
-def _shard_ffn(module: nn.Module, config, rank: int, tp: int) -> nn.Module:
+def _norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
+    weight = src.tensor(name)
+    with torch.device("meta"):
+        norm = RMSNorm(weight.shape[0], eps)
+    norm.weight = nn.Parameter(weight)
+    return norm
+
+
+def _mlp(src: WeightSource, prefix: str, cols: slice) -> MLP:
+    """Rows `cols` of gate / up and columns `cols` of down (a slice of the intermediate dim)."""
+    gate = src.tensor(prefix + "gate_proj.weight", cols)
+    with torch.device("meta"):
+        local = MLP(gate.shape[1], gate.shape[0])
+    local.gate_proj.weight = nn.Parameter(gate)
+    local.up_proj.weight = nn.Parameter(src.tensor(prefix + "up_proj.weight", cols))
+    local.down_proj.weight = nn.Parameter(src.tensor(prefix + "down_proj.weight", cols=cols))
+    return local
+
+
+def _shard_ffn(src: WeightSource, layer: int, rank: int, tp: int) -> nn.Module:
     """A 1/tp slice of a dense MLP or of every expert of a MoE (intermediate dimension)."""
-    if isinstance(module, MoE):
-        inter = config.moe_intermediate_size
-        cols = split_range(inter, tp, rank, "moe_intermediate_size")
-        local = MoE(dataclasses.replace(config, moe_intermediate_size=cols.stop - cols.start))
-        local.gate.load_state_dict(module.gate.state_dict())
-        gu = module.experts.gate_up_proj.detach()
-        local.experts.gate_up_proj = nn.Parameter(
-            torch.cat((gu[:, :inter][:, cols], gu[:, inter:][:, cols]), dim=1).clone()
-        )
-        local.experts.down_proj = nn.Parameter(
-            module.experts.down_proj.detach()[:, :, cols].clone()
-        )
-        if module.shared_experts is not None:
-            local.shared_experts = _shard_ffn(module.shared_experts, config, rank, tp)
-        return local
-    inter = module.gate_proj.weight.shape[0]
-    cols = split_range(inter, tp, rank, "intermediate_size")
-    local = MLP(module.gate_proj.weight.shape[1], cols.stop - cols.start)
-    local.gate_proj.weight = nn.Parameter(module.gate_proj.weight.detach()[cols].clone())
-    local.up_proj.weight = nn.Parameter(module.up_proj.weight.detach()[cols].clone())
-    local.down_proj.weight = nn.Parameter(module.down_proj.weight.detach()[:, cols].clone())
+    c = src.config
+    p = f"model.layers.{layer}.mlp."
+    if not c.is_moe_layer(layer):
+        return _mlp(src, p, split_range(c.intermediate_size, tp, rank, "intermediate_size"))
+    cols = split_range(c.moe_intermediate_size, tp, rank, "moe_intermediate_size")
+    with torch.device("meta"):
+        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start))
+    # The router runs in float32 whatever the serving dtype (its scores pick the experts).
+    local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight").float())
+    if c.topk_method == "noaux_tc":
+        bias = src.tensor(p + "gate.e_score_correction_bias").float()
+        local.gate.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+    local.experts.gate_up_proj = nn.Parameter(src.gate_up(p + "experts", cols))
+    local.experts.down_proj = nn.Parameter(src.down(p + "experts", cols))
+    if c.n_shared_experts:
+        shared = c.moe_intermediate_size * c.n_shared_experts
+        cols = split_range(shared, tp, rank, "shared experts' intermediate size")
+        local.shared_experts = _mlp(src, p + "shared_experts.", cols)
     return local
 
 
 class RankLayer(nn.Module):
-    def __init__(self, attn: RankAttention, layer: nn.Module, ffn: nn.Module) -> None:
+    def __init__(self, src: WeightSource, layer: int, attn: RankAttention, ffn: nn.Module) -> None:
         super().__init__()
-        self.input_norm = layer.input_layernorm
+        eps, p = src.config.rms_norm_eps, f"model.layers.{layer}."
+        self.input_norm = _norm(src, p + "input_layernorm.weight", eps)
         self.attn = attn
-        self.post_norm = layer.post_attention_layernorm
+        self.post_norm = _norm(src, p + "post_attention_layernorm.weight", eps)
         self.ffn = ffn
 
 
 class RankModel(nn.Module):
-    """Everything one rank needs for decode; built from the full model, which is then freed.
+    """Everything one rank needs for decode, read from a `WeightSource`: a checkpoint (each
+    tensor sliced as it is read) or an already loaded full model.
 
     The step is device-generic PyTorch; what a kernel can speed up goes through the rank's
     `DecodeBackend` (`use_backend`), chosen once at start-up.
@@ -197,31 +230,37 @@ class RankModel(nn.Module):
 
     def __init__(
         self,
-        full: DeepseekForCausalLM,
+        source: WeightSource | DeepseekForCausalLM,
         parallel: ParallelConfig,
         rank: int,
         shards_per_layer: list[list[LatentShard]],
         backend: DecodeBackend | None = None,
     ) -> None:
         super().__init__()
-        c = full.config
+        src = ModelWeights(source) if isinstance(source, DeepseekForCausalLM) else source
+        c = src.config
         self.config, self.parallel, self.rank = c, parallel, rank
         i, j = parallel.coords(rank)
         heads = split_range(c.num_attention_heads, parallel.head_groups, j, "num_attention_heads")
         self.layers = nn.ModuleList(
             RankLayer(
-                RankAttention(layer.self_attn, heads, shards_per_layer[n][i], parallel.rmsnorm),
-                layer,
-                _shard_ffn(layer.mlp, c, rank, parallel.tp),
+                src,
+                n,
+                RankAttention(src, n, heads, shards_per_layer[n][i], parallel.rmsnorm),
+                _shard_ffn(src, n, rank, parallel.tp),
             )
-            for n, layer in enumerate(full.model.layers)
+            for n in range(c.num_hidden_layers)
         )
-        self.embed = full.model.embed_tokens
-        self.norm = full.model.norm
+        self.embed = nn.Embedding.from_pretrained(
+            src.tensor("model.embed_tokens.weight"), freeze=False
+        )
+        self.norm = _norm(src, "model.norm.weight", c.rms_norm_eps)
+        # torch.tensor_split's split: the first V % tp ranks get one extra row.
         vocab = torch.tensor_split(torch.arange(c.vocab_size), parallel.tp)
         self.vocab_size_padded = max(len(v) for v in vocab)
-        self.lm_head = nn.Parameter(full.lm_head.weight.detach()[vocab[rank]].clone())
-        self.rope = RotaryEmbedding(c, full.lm_head.weight.device)
+        rows = slice(int(vocab[rank][0]), int(vocab[rank][-1]) + 1)
+        self.lm_head = nn.Parameter(src.tensor("lm_head.weight", rows))
+        self.rope = RotaryEmbedding(c, self.lm_head.device)
         self.latent_width = shards_per_layer[0][i].width
         self.backend: DecodeBackend = TorchBackend()
         self.use_backend(backend or TorchBackend())

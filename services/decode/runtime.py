@@ -1,9 +1,11 @@
 """What every decode rank runs: its config, its model share and KV pool, and its step.
 
 The leader (rank 0) and follower ranks share `RankRuntime`; only the leader schedules. A
-follower is a separate OS process started as `python -m services.decode.runtime RANK` with
-its config as JSON in TPLA_ENGINE_CONFIG, so nothing but JSON and tensors crosses a process
-boundary.
+follower is a separate OS process: one the leader spawned runs `python -m
+services.decode.runtime RANK LEADER_PID` with the leader's config as JSON in
+TPLA_ENGINE_CONFIG (nothing but JSON and tensors crosses a process boundary); a rank started
+on its own (`tpla decode --rank K`) builds its config from its settings. Both then join the
+group the same way (services/decode/group.py) and run `follower_main`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from common.device import rank_device
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
+from common.kv.slots import token_slots
 from common.kv.wire import TransferError, shard_slots
 from common.model.tpla import latent_shards
 from common.native import shm_group
@@ -34,10 +37,11 @@ from common.native.shm_group import CollectiveError, ShmGroup
 from common.ports import bind_grpc, check_ports, kv_receiver_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from common.serving_model import load_serving_model
+from common.serving_model import open_serving_weights
 from services.decode.backends import select_decode_backend
 from services.decode.comm import Comm, DistCollectives, ShmCollectives
 from services.decode.config import EngineConfig
+from services.decode.group import FollowerGroup
 from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, recv_plan
 from services.decode.rank_model import RankModel
 
@@ -49,13 +53,13 @@ class RankRuntime:
 
     def __init__(self, cfg: EngineConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
-        self.device = rank_device(cfg.device, rank)
+        self.device = rank_device(cfg.device, cfg.local_index(rank))
         torch.set_num_threads(cfg.torch_threads)
-        full, spectra = load_serving_model(cfg.model, cfg.reparam, cfg.dtype)
+        # Only this rank's share is read from the checkpoint, straight onto its device.
+        weights, spectra = open_serving_weights(cfg.model, cfg.reparam, cfg.dtype, self.device)
         r = cfg.parallel.latent_groups
-        shards = [latent_shards(full.config.kv_lora_rank, r, s) for s in spectra]
-        self.model = RankModel(full, cfg.parallel, rank, shards)
-        del full  # only this rank's share stays resident
+        shards = [latent_shards(weights.config.kv_lora_rank, r, s) for s in spectra]
+        self.model = RankModel(weights, cfg.parallel, rank, shards)
         dtype = getattr(torch, cfg.dtype)
         self.model.place(self.device)
         self.model.use_backend(select_decode_backend(cfg.decode_kernel, self.device, dtype))
@@ -72,20 +76,18 @@ class RankRuntime:
         plan = self.inputs.load(plan)
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
-        rows = torch.arange(len(positions), device=self.device)
         if par.sp:
             # This rank caches only its chunks: local lengths, and the new token only if owned.
             c = par.chunk_size
             lengths = local_length(positions + 1, self.rank, c, par.tp)
             local = local_index(positions, c, par.tp)
             owned = chunk_owner(positions, c, par.tp) == self.rank
-            # Non-owned rows may index past this rank's table: clamp, then mask them out.
-            block = (local // bs).clamp(max=tables.shape[1] - 1)
-            write_slots = tables[rows, block] * bs + local % bs
+            # Non-owned rows may index past this rank's table (token_slots clamps): mask them.
+            write_slots = token_slots(tables, local[:, None], bs)[:, 0]
             write_slots = torch.where(owned, write_slots, torch.full_like(write_slots, -1))
             reads = CacheReads.tokens(tables, lengths, bs)
         else:
-            write_slots = tables[rows, positions // bs] * bs + positions % bs
+            write_slots = token_slots(tables, positions[:, None], bs)[:, 0]
             longest = int(host_positions.max()) + 1
             reads = CacheReads.blocks(tables, positions + 1, bs, longest)
         return self.model.decode_step(
@@ -123,7 +125,9 @@ class RankRuntime:
         if self.cfg.kv_port_base is None:
             return None
         host = self.cfg.host
-        grpc_use, store_use = kv_receiver_ports(self.cfg.kv_port_base, self.rank)
+        grpc_use, store_use = kv_receiver_ports(
+            self.cfg.kv_port_base, self.rank, index=self.cfg.local_index(self.rank)
+        )
         # A taken port is PortInUse, named with its setting, not an error in c10d's words.
         check_ports(host, [store_use])
         try:
@@ -138,7 +142,9 @@ class RankRuntime:
             check_ports(host, [store_use])
             raise
         server = grpc.server(ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
-        self.receiver = KvReceiverServicer(self.shard_target, store, self.cfg.internal_token)
+        self.receiver = KvReceiverServicer(
+            self.shard_target, store, self.cfg.internal_token, device=self.device
+        )
         add_kv_receiver(self.receiver, server)
         bind_grpc(server, host, grpc_use)
         server.start()
@@ -203,21 +209,22 @@ class StepInputs:
         return DecodePlan(dev[:b], dev[b : 2 * b], dev[2 * b :].view(plan.block_tables.shape))
 
 
-def init_group(cfg: EngineConfig, rank: int) -> None:
+def init_group(cfg: EngineConfig, rank: int, store: dist.Store | None = None) -> None:
     """Join the group's torch.distributed default group: gloo, the CPU control group (and
-    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data."""
+    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data. The
+    rendezvous is the group's store (services/decode/group.py), else a tcp:// one on the
+    leader's port."""
     if cfg.parallel.tp == 1:
         return
-    device = rank_device(cfg.device, rank)
+    device = rank_device(cfg.device, cfg.local_index(rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg.master_port}",
-        world_size=cfg.parallel.tp,
-        rank=rank,
-        timeout=timedelta(seconds=cfg.collective_timeout_s),
-    )
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    if store is None:
+        init = {"init_method": f"tcp://{cfg.master_addr}:{cfg.master_port}"}
+    else:
+        init = {"store": dist.PrefixStore("tpla/pg", store)}
+    dist.init_process_group("gloo", world_size=cfg.parallel.tp, rank=rank, timeout=timeout, **init)
 
 
 # Each rank's slot in the group file; larger messages (a big batch's logits) go in rounds.
@@ -283,30 +290,62 @@ def exit_with_parent(parent: int | None = None, on_exit: Callable[[], None] | No
 
 
 def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> int:
-    """A follower rank: execute the leader's plans until shutdown; the exit code.
+    """A follower rank: join the group, execute the leader's plans until shutdown; the exit
+    code. `leader`: the pid of the leader that spawned this process (None: started on its own).
 
-    Until the start-up barrier the group's file has a name: a follower that fails to start,
-    or sees its leader (pid `leader`) gone, removes it, since the group cannot start. A
-    configuration error (a port in use) is one line on stderr and START_ERROR_EXIT, which
-    the leader reports (services/decode/engine.py)."""
+    Until the start-up barrier a spawned group's file has a name: a follower that fails to
+    start, or sees its leader gone, removes it, since the group cannot start. A start-up
+    error of its configuration (a port in use, a config that differs from the leader's) is
+    one line on stderr, reported to the leader through the group's store, and
+    START_ERROR_EXIT."""
     remove_file = (lambda: group_files.remove(cfg.shm_path)) if cfg.shm_path else None
-    exit_with_parent(leader, remove_file)
+    if leader is not None:
+        exit_with_parent(leader, remove_file)
+    group: FollowerGroup | None = None
     try:
-        init_group(cfg, rank)
+        group = FollowerGroup.join(cfg, rank, remove_file)
+        init_group(cfg, rank, group.store)
         runtime = RankRuntime(cfg, rank)
         receiver = runtime.start_kv_receiver()
+        group.publish_endpoints(*(cfg.kv_addresses(rank) if receiver else ("", "")))
         runtime.comm.barrier()  # the leader waits until every rank has loaded its share
+        if leader is None:
+            kv = cfg.kv_addresses(rank)[0] if receiver else "none"
+            print(
+                f"decode rank {rank} of {cfg.parallel.tp} joined the group at "
+                f"{group.address} (KV receiver {kv})",
+                flush=True,
+            )
     except BaseException as exc:
         if remove_file is not None:
             remove_file()
-        if isinstance(exc, ValueError | FileNotFoundError):  # as common/cli.py main
+        if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main
+            if group is not None:
+                group.report(str(exc))
             print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
             return START_ERROR_EXIT
         raise
+    try:
+        run_plans(runtime)
+    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
+        if group.leader_alive():
+            raise  # this rank's own failure: its traceback
+        group.end()
+        group.leader_gone()
+        return 1
+    group.end()
+    if receiver is not None:
+        receiver.stop(grace=1)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_plans(runtime: RankRuntime) -> None:
+    """Execute the leader's plans until its shutdown plan."""
     while True:
         plan = recv_plan(runtime.comm)
         if plan is None:
-            break
+            return
         if isinstance(plan, DecodePlan):
             runtime.comm.gather(runtime.step(plan))  # to the leader, which samples
         elif isinstance(plan, PingPlan):
@@ -315,16 +354,12 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
             runtime.copy_blocks(plan)
         else:
             runtime.receive_write(plan)
-    if receiver is not None:
-        receiver.stop(grace=1)
-    dist.destroy_process_group()
-    return 0
 
 
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
 CONFIG_ENV = "TPLA_ENGINE_CONFIG"
-# A follower's exit code after printing a configuration error (`tpla`'s, common/cli.py).
+# A follower's exit code after printing a configuration error (`tpla`'s, tools/cli/main.py).
 START_ERROR_EXIT = 2
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ class Sequence:
     choice: int = 0
     # Per pool: the (source, destination) blocks to copy before this fork's first step.
     block_copies: list[list[tuple[int, int]]] = field(default_factory=list)
+    # Prefix reuse (fork 0): the full prompt blocks' hashes (indexed once the KV is written)
+    # and how many leading prompt tokens the group held already (their KV is not shipped).
+    block_hashes: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
 
     @property
     def seq_id(self) -> str:
@@ -79,12 +83,25 @@ class Scheduler:
         self.requests: dict[str, list[str]] = {}  # request id -> its live forks' ids
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
+        # Prefix-cache counters in prompt tokens (the decode service's metrics).
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def reserve(
-        self, request_id: str, prompt_len: int, max_tokens: int, deadline: float, n: int = 1
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        deadline: float,
+        block_hashes: list[int] | None = None,
+        n: int = 1,
     ) -> list[list[int]]:
         """Hold blocks for the whole request on every rank: the prompt once and room for
-        max_tokens per choice. Returns each rank's table of fork 0 (where the KV goes)."""
+        max_tokens per choice. Returns each rank's table of fork 0 (where the KV goes).
+
+        `block_hashes` (the prompt's full blocks, `common.kv.prefix_cache`): reuse the longest
+        cached prefix; fork 0's `cached_tokens` says how much. The forks share those blocks
+        like the rest of the prompt's full blocks (a reference each)."""
         ids = [fork_id(request_id, i) for i in range(n)]
         if request_id in self.requests or any(i in self.seqs for i in ids):
             raise SchedulerError(f"request {request_id!r} already exists")
@@ -97,8 +114,24 @@ class Scheduler:
                 f"context limit of {self.max_model_len} tokens"
             )
         # The last generated token is never fed back, so it needs no slot.
-        tables = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
-        seqs = [Sequence(request_id, prompt_len, max_tokens, lease_deadline=deadline)]
+        hashes = list(block_hashes or ())
+        cached = 0
+        if hashes and self.pool.prefix_cache:
+            cached = self.pool.allocate_prefix(request_id, total - 1, hashes)  # OutOfBlocks
+            tables = self.pool.tables(request_id)
+        else:
+            hashes = []
+            tables = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
+        seqs = [
+            Sequence(
+                request_id,
+                prompt_len,
+                max_tokens,
+                lease_deadline=deadline,
+                block_hashes=hashes,
+                cached_tokens=cached,
+            )
+        ]
         try:
             for i, fid in enumerate(ids[1:], start=1):
                 copies = self.pool.fork(fid, request_id, prompt_len, total - 1)
@@ -116,6 +149,9 @@ class Scheduler:
             for fid in ids:
                 self.pool.free(fid)
             raise
+        if hashes:
+            self.prefix_queried_tokens += prompt_len
+            self.prefix_hit_tokens += cached
         for seq in seqs:
             self.seqs[seq.seq_id] = seq
         self.requests[request_id] = ids
@@ -138,6 +174,14 @@ class Scheduler:
             seq.generated.append(token)
             seq.state = SeqState.WAITING
             self.waiting.append(seq.seq_id)
+        # The prompt's KV is complete now (every shard acknowledged before the first token
+        # came here): its full blocks may serve later prompts. Only prompt blocks: they hold
+        # the exact prefill's latents, while generated tokens' latents come from the decode
+        # step (sliced in TPLA, and not bit-equal to a prefill anywhere), so reusing them
+        # would make a request's output depend on what ran before it. Fork 0 holds them
+        # (every fork shares the same full blocks).
+        if seqs[0].block_hashes:
+            self.pool.cache_prompt(request_id, seqs[0].block_hashes)
         return seqs
 
     def forks(self, request_id: str) -> list[Sequence]:

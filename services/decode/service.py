@@ -1,16 +1,20 @@
-"""`tpla decode`: the decode group's leader process, serving the Decode gRPC API.
+"""`tpla decode`: the decode group's leader process, serving the Decode gRPC API, or (with
+--rank K > 0) one follower rank of a group whose ranks are started on their own.
 
-Lifecycle: start the rank group (followers are child processes) -> serve Reserve / Generate /
-Abort / GetLoad and every rank's KV receiver -> publish one registry record per rank with
-heartbeats -> on SIGTERM/SIGINT stop accepting, abort live requests, shut the group down.
-A port in use stops it before it starts, named with its setting; SIGTERM/SIGINT during
-start-up end it at once, leaving no shared-memory file behind.
+Leader lifecycle: start the rank group (followers are child processes, or ranks that join
+over the network) -> serve Reserve / Generate / Abort / GetLoad and its KV receiver ->
+publish one registry record per rank with heartbeats -> on SIGTERM/SIGINT stop accepting,
+abort live requests, shut the group down. A port in use stops it before it starts, named
+with its setting; SIGTERM/SIGINT during start-up end it at once, leaving no shared-memory
+file behind. A follower runs until its group ends (services/decode/runtime.follower_main);
+SIGTERM/SIGINT end it at once.
 The servicer only translates protocol types; the engine holds all the logic.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -26,16 +30,30 @@ from prometheus_client import CollectorRegistry
 from common import group_files
 from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
-from common.metrics import DecodeMetrics, GaugeCallback, serve_metrics
-from common.ports import bind_grpc, check_ports, decode_group_ports
+from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes
+from common.metrics import (
+    PREFIX_CACHE_HELP,
+    CounterCallback,
+    DecodeMetrics,
+    GaugeCallback,
+    serve_metrics,
+)
+from common.ports import PortUse, bind_grpc, check_ports, decode_group_ports
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.convert import params_from_pb, target_to_pb, token_from_pb, token_to_pb
+from common.rpc.convert import (
+    load_to_pb,
+    params_from_pb,
+    target_to_pb,
+    token_from_pb,
+    token_to_pb,
+)
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.sampling import SamplingError
-from services.decode.config import EngineConfig
+from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
+from services.decode.runtime import follower_main
 from services.decode.scheduler import SchedulerError
 from services.decode.stream import EngineError
 
@@ -79,7 +97,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         res = self._call(
             context,
             lambda: self.engine.reserve(
-                request.request_id, request.prompt_len, request.max_tokens, request.n or 1
+                request.request_id,
+                request.prompt_len,
+                request.max_tokens,
+                request.prompt_ids,
+                request.n or 1,
             ),
         )
         cfg = self.engine.cfg
@@ -93,6 +115,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             dtype=cfg.dtype,
             lease_seconds=cfg.lease_seconds,
             targets=targets,
+            cached_tokens=res.cached_tokens,
         )
 
     def Generate(
@@ -103,7 +126,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         stream = self._call(
             context,
             lambda: self.engine.generate(
-                rid, [token_from_pb(t).token_id for t in firsts], params_from_pb(request.params)
+                rid,
+                [token_from_pb(t).token_id for t in firsts],
+                params_from_pb(request.params),
+                prompt_ids=request.prompt_ids,
+                output_ids=request.output_ids,
             ),
         )
         # A client that goes away (router abort, disconnect) frees the request's blocks.
@@ -133,17 +160,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.DecodeLoad:
         load = self._call(context, self.engine.load)
         par = self.engine.cfg.parallel
-        return decode_pb2.DecodeLoad(
-            running=load.running,
-            waiting=load.waiting,
-            reserved=load.reserved,
-            blocks_used=load.blocks_used,
-            blocks_total=load.blocks_total,
-            block_size=load.block_size,
-            tp=par.tp,
-            latent_groups=par.latent_groups,
-            parallel=par.name,
-        )
+        layout = {"tp": par.tp, "latent_groups": par.latent_groups, "parallel": par.name}
+        return load_to_pb(dataclasses.replace(load, **layout))
 
 
 # A decode step this long means a rank hangs (a step takes milliseconds to a second): the
@@ -159,9 +177,11 @@ def rank_records(
     try:
         # Bounded: a loop stuck in a collective must not stop the heartbeat that reports it.
         load = engine.load(timeout=1.0)
-        used, total = load.blocks_used, load.blocks_total
+        used, total, cached = load.blocks_used, load.blocks_total, load.blocks_cached
+        hashes = engine.cached_hashes(PUBLISHED_HASHES, 1.0) if engine.cfg.prefix_cache else []
     except EngineError:
-        used, total, stalled = 0, engine.pool.num_blocks, True
+        used, total, cached, stalled = 0, engine.pool.num_blocks, 0, True
+        hashes = []
     par = engine.cfg.parallel
     pids = [os.getpid(), *engine.follower_pids]
     alive = engine.follower_alive()
@@ -180,6 +200,11 @@ def rank_records(
             latent_groups=par.latent_groups,
             parallel=par.name,
             model=model,
+            kv_blocks_cached=cached,
+            block_size=engine.cfg.block_size,
+            # The leader's record carries the group's prefix (the router reads rank 0's).
+            prefix_root=f"{engine.prefix_root:x}" if rank == 0 and engine.cfg.prefix_cache else "",
+            prefix_hashes=format_hashes(hashes) if rank == 0 else "",
         )
         for rank, (pid, ok) in enumerate(zip(pids, alive, strict=True))
     ]
@@ -196,8 +221,10 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
         return {
             "tpla:num_requests_running": load.running,
             "tpla:num_requests_waiting": load.waiting,
-            "tpla:kv_cache_usage_ratio": load.blocks_used / max(load.blocks_total, 1),
+            "tpla:kv_cache_usage_ratio": load.usage_ratio,
             "tpla:kv_blocks_total": load.blocks_total,
+            "tpla:kv_blocks_used": load.blocks_used,
+            "tpla:kv_blocks_cached": load.blocks_cached,
             "tpla:decode_step_seconds_recent": sum(steps) / len(steps) if steps else 0.0,
         }
 
@@ -207,16 +234,28 @@ def _serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
             {
                 "tpla:kv_cache_usage_ratio": "fraction of KV blocks in use on each rank",
                 "tpla:decode_step_seconds_recent": "mean time of the last 20 decode steps",
+                "tpla:kv_blocks_used": "KV blocks live requests hold",
+                "tpla:kv_blocks_cached": "cached prefix blocks no live request holds",
             },
         )
     )
+
+    def counters() -> dict[str, float]:
+        load = engine.load(timeout=1.0)
+        return {
+            "tpla:prefix_cache_queries": load.prefix_queried_tokens,
+            "tpla:prefix_cache_hits": load.prefix_hit_tokens,
+        }
+
+    registry.register(CounterCallback(counters, PREFIX_CACHE_HELP))
     serve_metrics(registry, host, port)
 
 
 @contextlib.contextmanager
-def _ends_start_up_on_signal() -> Iterator[None]:
-    """While the group starts, SIGTERM / SIGINT end this process at once, after removing its
-    group's shared-memory file (its followers then see it gone and exit).
+def _signals_end_at_once() -> Iterator[None]:
+    """Inside, SIGTERM / SIGINT end this process at once, after removing its group's
+    shared-memory file (its followers then see it gone and exit): a leader while its group
+    starts, a follower started on its own for its whole life.
 
     A Python signal handler would wait for the main thread, which may sit in the group's
     rendezvous or barrier for up to the collective timeout: longer than a pod's grace period,
@@ -271,15 +310,19 @@ def serve_decode(
     after a requested stop, 1 when the group failed (a rank died or a collective timed
     out), so a supervisor restarts the whole group. PortInUse (a ValueError) if a port of
     the group is taken: checked before the group starts, so nothing is loaded or spawned."""
-    ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, cfg.parallel.tp)
+    # Ranks that join from elsewhere bind their own ports; the rendezvous is the group's.
+    local_ranks = cfg.parallel.tp if cfg.launch is Launch.SPAWN else 1
+    ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, local_ranks)
+    if local_ranks < cfg.parallel.tp:
+        ports.append(PortUse(cfg.master_port, "decode rendezvous", "TPLA_GROUP_ADDR"))
     check_ports(cfg.host, ports)
-    with _ends_start_up_on_signal():
+    with _signals_end_at_once():
         engine = DecodeEngine(cfg)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_batch * 2 + 16), options=CHANNEL_OPTIONS
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, cfg.internal_token), server)
-    address = f"{cfg.host}:{port}"
+    address = f"{cfg.advertise_host or cfg.host}:{port}"
     grpc_use, metrics_use = ports[:2]
     try:
         bind_grpc(server, cfg.host, grpc_use)
@@ -324,3 +367,11 @@ def serve_decode(
         server.stop(grace=2)
         engine.shutdown()
     return code
+
+
+def serve_rank(cfg: EngineConfig, rank: int) -> int:
+    """`tpla decode --rank K` with K > 0: one follower rank, started on its own, until its
+    group ends. The exit code: 0 when the leader ended the group, 2 after a start-up error
+    it printed (and reported to the leader), 1 when the leader or a collective failed."""
+    with _signals_end_at_once():
+        return follower_main(cfg, rank)

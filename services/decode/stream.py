@@ -1,4 +1,5 @@
-"""What the decode engine hands its callers: reservations, token events and streams, load.
+"""What the decode engine hands its callers besides common/decode_api.py's events and load:
+reservations, token streams and the error a failed group raises.
 
 Plain data, shared by the engine, its gRPC servicer and the local driver.
 """
@@ -9,9 +10,7 @@ import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from torch import Tensor
-
-from common.sampling import SampledToken
+from common.decode_api import TokenEvent
 
 
 class EngineError(RuntimeError):
@@ -24,24 +23,7 @@ class Reservation:
     block_size: int
     block_tables: list[list[int]]  # one per rank (identical unless SP splits tokens)
     latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token: SampledToken | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
-    logits: Tensor | None = None
-    index: int = 0  # the choice (fork) this event belongs to
-
-
-@dataclass(frozen=True)
-class Load:
-    running: int
-    waiting: int
-    reserved: int
-    blocks_used: int
-    blocks_total: int
-    block_size: int
+    cached_tokens: int = 0  # leading prompt tokens the group held already (whole blocks)
 
 
 class TokenStream:

@@ -14,22 +14,26 @@ import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import redis
 from prometheus_client import CollectorRegistry
 
 from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
+from common.grammar import GrammarCompiler
+from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes, model_identity
 from common.kv.transfer import TransferError, make_sender
 from common.metrics import PrefillMetrics, serve_metrics
 from common.ports import bind_grpc, check_ports, prefill_worker_ports
-from common.prefill_threads import PrefillThreads
 from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.convert import params_from_pb, target_from_pb, token_to_pb
+from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.serving_model import load_prefill_model
+from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -56,9 +60,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 request.request_id,
                 list(request.prompt_ids),
                 params_from_pb(request.params),
-                tuple(target_from_pb(t) for t in request.targets),
-                request.block_size,
+                reservation_from_pb(request.reservation),
                 deadline,
+                request.num_output_tokens,
                 n=request.n or 1,
                 prompt_logprobs=(
                     request.prompt_logprobs if request.HasField("prompt_logprobs") else None
@@ -70,7 +74,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise InvalidRequest(
                     f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {job.prompt_logprobs}"
                 )
-            if not job.targets:
+            if not job.reservation.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
             done = self.worker.submit(job).result(timeout=deadline)
         except TimeoutError:
@@ -82,14 +86,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except (InvalidRequest, ValueError) as exc:
             err = exc if isinstance(exc, TplaError) else InvalidRequest(str(exc))
             context.abort(err.grpc_code, err.message)
-        return prefill_pb2.PrefillResponse(
-            first_token=token_to_pb(done.first_token),
-            first_tokens=[token_to_pb(t) for t in done.sampled.tokens],
-            prompt_logprobs=[token_to_pb(t) for t in done.sampled.prompt_logprobs],
-            prefill_seconds=done.prefill_seconds,
-            transfer_seconds=done.transfer_seconds,
-            transfer_bytes=done.transfer_bytes,
-        )
+        return result_to_pb(done)
 
     def GetLoad(
         self, request: common_pb2.Empty, context: grpc.ServicerContext
@@ -98,6 +95,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillLoad(
             queued_requests=self.worker.queued_requests, queued_tokens=self.worker.queued_tokens
         )
+
+
+def _published(cache: LatentPrefixCache | None) -> dict[str, Any]:
+    """The registry record's prefix fields: the latent cache's root, block size and most
+    recently used block hashes, for KV-aware routing of prefills."""
+    if cache is None:
+        return {}
+    return {
+        "prefix_root": f"{cache.root:x}",
+        "block_size": cache.block_size,
+        "prefix_hashes": format_hashes(cache.recent(PUBLISHED_HASHES)),
+    }
 
 
 def serve_prefill(
@@ -117,6 +126,7 @@ def serve_prefill(
     attention_backend: str = "auto",
     threads: PrefillThreads | None = None,
     max_batch_tokens: int = 2048,
+    prefix_cache_mb: float = 0.0,
     stop: threading.Event | None = None,
 ) -> None:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks. PortInUse (a
@@ -134,6 +144,14 @@ def serve_prefill(
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
         max_batch_tokens=max_batch_tokens,
+        grammars=GrammarCompiler.from_model_dir(
+            model_dir, model.config.vocab_size, model.config.eos_token_ids
+        ),
+        prefix_cache=(
+            LatentPrefixCache(model_identity(model_dir, reparam), int(prefix_cache_mb * 2**20))
+            if prefix_cache_mb > 0
+            else None
+        ),
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)
@@ -164,6 +182,7 @@ def serve_prefill(
                     pid=os.getpid(),
                     queued_tokens=worker.queued_tokens,
                     model=model_dir,
+                    **_published(worker.prefix_cache),
                 )
             ],
             heartbeat_s,

@@ -1,9 +1,12 @@
 """The prefill worker's core: batch prompts, run exact MLA, sample, ship per-rank shards.
 
 Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
-one packed exact prefill -> first token sampled with the request's params (n of them for n
-choices, each from its own generator; the prompt's logprobs too when asked) -> the latent cut
-into each decode rank's shard (its latent columns, or its token ranges in SP mode) and pushed
+its longest cached prefix looked up in the latent prefix cache (if any) -> one packed exact
+prefill of the batch's new tokens, each over its cached prefix -> its new full blocks stored
+in the cache -> first token sampled with the request's params (n of them for n choices, each
+from its own generator; the prompt's logprobs too when asked) -> the latents the decode group
+lacks (from its Reserve answer on: cached prefix and new tokens alike) cut into each decode
+rank's shard (its latent columns, or its token ranges in SP mode) and pushed
 over the chosen transport, all ranks and all of the batch's jobs in parallel, while the next
 batch already runs -> the job's future resolves when its last shard is acknowledged. A failed
 push fails only its job; the decode side frees the reservation by lease or by the router's
@@ -13,20 +16,27 @@ abort.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from common.kv.transfer import KvSender, TransferError, cut_shard, staged_on_host
+from common.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    allowed_now,
+)
+from common.kv.transfer import KvSender, TransferError, cut_shard
+from common.logits import LogitsContext, context_for
 from common.metrics import PrefillMetrics
-from common.model.model import DeepseekForCausalLM, PrefillOutput
-from common.prefill_threads import PrefillThreads
-from common.rpc.convert import KvTargetInfo
+from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.rpc.convert import KvTargetInfo, PrefillResult, ReservationInfo
 from common.sampling import (
     PREFILL_STAGE,
     SampledToken,
@@ -35,6 +45,8 @@ from common.sampling import (
     make_generator,
     sample_batch,
 )
+from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.threads import PrefillThreads
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
 MAX_SHIPPING = 64
@@ -42,14 +54,24 @@ MAX_SHIPPING = 64
 
 @dataclass(frozen=True)
 class PrefillJob:
+    """One prompt to prefill into `reservation` (its KV targets), within `deadline_s`."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    targets: tuple[KvTargetInfo, ...]
-    block_size: int
+    reservation: ReservationInfo
     deadline_s: float
+    # The last N prompt ids are the request's own earlier output (a migrated request).
+    num_output_tokens: int = 0
+    matcher: GrammarMatcher | None = None  # set by submit() for a structured output
     n: int = 1  # choices: first tokens to sample
     prompt_logprobs: int | None = None  # set: the prompt's logprobs, this many alternatives
+
+    @property
+    def cached_tokens(self) -> int:
+        """Leading prompt tokens the decode group holds already (its Reserve answer): their
+        KV is not shipped; the targets name only the blocks after them."""
+        return self.reservation.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -61,27 +83,18 @@ class FirstTokens:
     prompt_logprobs: tuple[SampledToken, ...] = ()
 
 
-@dataclass(frozen=True)
-class PrefillDone:
-    sampled: FirstTokens
-    prefill_seconds: float
-    transfer_seconds: float
-    transfer_bytes: int
-
-    @property
-    def first_token(self) -> SampledToken:
-        return self.sampled.tokens[0]
-
-
-def first_tokens(logits: Tensor, job: PrefillJob) -> tuple[SampledToken, ...]:
-    """Choice i's first token from the last prompt position's logits [V], drawn from its
-    own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice is seeded
-    apart and reproducible."""
+def first_tokens(
+    logits: Tensor, params: SamplingParams, n: int, context: LogitsContext | None = None
+) -> tuple[SampledToken, ...]:
+    """Choice i's first token (of n) from the last prompt position's logits [V], drawn from
+    its own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice is seeded
+    apart and reproducible. `context` holds the n rows' processing (the same for every
+    choice: they share the prompt, and their grammars stand at the same place)."""
     gens = [
-        make_generator(job.params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
-        for i in range(job.n)
+        make_generator(params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
+        for i in range(n)
     ]
-    return tuple(sample_batch(logits[None].expand(job.n, -1), [job.params] * job.n, gens))
+    return tuple(sample_batch(logits[None].expand(n, -1), [params] * n, gens, context))
 
 
 def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[SampledToken, ...]:
@@ -111,8 +124,14 @@ class PrefillWorker:
         metrics: PrefillMetrics | None = None,
         transfer_timeout_s: float = 30.0,
         threads: PrefillThreads | None = None,
+        grammars: GrammarCompiler | None = None,
+        prefix_cache: LatentPrefixCache | None = None,
     ) -> None:
         self.model = model
+        # Structured outputs' grammars over the model's tokenizer (None: none can be served).
+        self.grammars = grammars
+        # None: every prompt is prefilled whole.
+        self.prefix_cache = prefix_cache
         # None: every batch on the process's current thread count.
         self.threads = threads
         # One push may take at most this long even when the request allows more: a hung
@@ -126,8 +145,8 @@ class PrefillWorker:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         self.max_batch_tokens = max_batch_tokens
-        self._held: tuple[PrefillJob, Future[PrefillDone]] | None = None  # next batch's first
-        self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillDone]] | None] = queue.Queue()
+        self._held: tuple[PrefillJob, Future[PrefillResult]] | None = None  # next batch's first
+        self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillResult]] | None] = queue.Queue()
         self._pushers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-push")
         # Jobs whose shards are still travelling, at most this many: past it the batcher waits
         # for pushes instead of queueing more batches' latents in memory behind a slow rank.
@@ -138,25 +157,37 @@ class PrefillWorker:
         self._thread = threading.Thread(target=self._run, name="prefill-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, job: PrefillJob) -> Future[PrefillDone]:
+    def submit(self, job: PrefillJob) -> Future[PrefillResult]:
         vocab = self.model.config.vocab_size
         if not job.prompt_ids or min(job.prompt_ids) < 0 or max(job.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
         if len(job.prompt_ids) > self.model.config.max_position_embeddings:
             raise ValueError("prompt exceeds the model's context length")
-        if any(t.token_ranges for t in job.targets):
-            # SP targets name the prompt positions they cache; together they must be the prompt.
+        if not 0 <= job.cached_tokens <= len(job.prompt_ids):
+            raise ValueError(f"cached_tokens {job.cached_tokens} is outside the prompt")
+        targets = job.reservation.targets
+        if any(t.token_ranges for t in targets):
+            # SP targets name the prompt positions they cache; together they must be the
+            # prompt after the decode group's cached prefix.
             covered = sum(
                 hi - lo
-                for t in job.targets
+                for t in targets
                 for lo, hi in zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True)
             )
-            if covered != len(job.prompt_ids):
+            if covered != len(job.prompt_ids) - job.cached_tokens:
                 raise ValueError(
                     f"the KV targets cover {covered} prompt tokens, the prompt has "
-                    f"{len(job.prompt_ids)}: reserve for this prompt"
+                    f"{len(job.prompt_ids) - job.cached_tokens} to ship: reserve for this prompt"
                 )
-        fut: Future[PrefillDone] = Future()
+        if not 0 <= job.num_output_tokens < len(job.prompt_ids):
+            raise ValueError("num_output_tokens must be smaller than the prompt")
+        if job.params.grammar is not None:
+            if self.grammars is None:
+                raise GrammarError("structured outputs need the model's tokenizer.json")
+            # Compiled here, on the caller's thread, not in the batcher's way.
+            outputs = job.prompt_ids[len(job.prompt_ids) - job.num_output_tokens :]
+            job = replace(job, matcher=self.grammars.matcher(job.params.grammar, outputs))
+        fut: Future[PrefillResult] = Future()
         with self._lock:
             self.queued_tokens += len(job.prompt_ids)
         self._jobs.put((job, fut))
@@ -172,7 +203,7 @@ class PrefillWorker:
         self._pushers.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
 
-    def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillDone]]] | None:
+    def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillResult]]] | None:
         """Queued jobs in arrival order, as many as fit `max_batch_tokens` (at least one).
 
         Only the batcher thread calls this; the job that did not fit opens the next batch."""
@@ -207,47 +238,82 @@ class PrefillWorker:
                 with self._lock:
                     self.queued_tokens -= sum(len(job.prompt_ids) for job, _ in batch)
 
-    def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillDone]]]) -> None:
+    def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillResult]]]) -> None:
         t0 = time.perf_counter()
-        lens = [len(job.prompt_ids) for job, _ in batch]
+        cache = self.prefix_cache
+        hashes = [cache.hashes(job.prompt_ids) if cache is not None else [] for job, _ in batch]
+        # A job asking for its prompt's logprobs needs every prompt position's logits: it
+        # prefills whole (and still stores its blocks for later prompts).
+        pasts: list[PastLatents | None] = [
+            cache.lookup(h, len(job.prompt_ids))
+            if cache is not None and job.prompt_logprobs is None
+            else None
+            for h, (job, _) in zip(hashes, batch, strict=True)
+        ]
+        hits = [p.length if p is not None else 0 for p in pasts]
+        lens = [len(job.prompt_ids) - hit for (job, _), hit in zip(batch, hits, strict=True)]
         device = self.model.lm_head.weight.device
         ids = torch.tensor(
-            [t for job, _ in batch for t in job.prompt_ids], dtype=torch.long, device=device
+            [t for (job, _), hit in zip(batch, hits, strict=True) for t in job.prompt_ids[hit:]],
+            dtype=torch.long,
+            device=device,
         )
         # Prompt logprobs need every position's logits: only batches that ask pay for them.
         every = any(job.prompt_logprobs is not None for job, _ in batch)
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
-            out = self.model.prefill(ids, lens, all_logits=every)
+            out = self.model.prefill(ids, lens, all_logits=every, past=pasts if any(hits) else None)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
+            if cache is not None:
+                self.metrics.prefix_queries.inc(sum(len(job.prompt_ids) for job, _ in batch))
+                self.metrics.prefix_hits.inc(sum(hits))
         start = 0
         for row, (job, fut) in enumerate(batch):
-            end = start + len(job.prompt_ids)
+            end = start + lens[row]
             try:
+                if cache is not None:
+                    cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
+                context = self._context(job, device)
                 first = FirstTokens(
-                    first_tokens(out.logits[end - 1 if every else row], job),
+                    first_tokens(out.logits[end - 1 if every else row], job.params, job.n, context),
                     ()
                     if job.prompt_logprobs is None
                     else prompt_logprobs(
                         out.logits[start : end - 1], job.prompt_ids, job.prompt_logprobs
                     ),
                 )
-                self._ship(out, start, end, job, fut, first, prefill_s)
+                n, k_pe = _unshipped(out, start, end, pasts[row], job.cached_tokens)
+                self._ship(n, k_pe, job, fut, first, prefill_s, hits[row])
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
                     fut.set_exception(exc)
             start = end
 
+    def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
+        """The first tokens' logits processing, one row per choice: the same as every later
+        token's at decode. The choices share the prompt and the history before their first
+        token, so their rows agree (the grammar's allowed tokens too: one matcher's)."""
+        split = len(job.prompt_ids) - job.num_output_tokens
+        prompt, outputs = job.prompt_ids[:split], job.prompt_ids[split:]
+        eos, vocab = self.model.config.eos_token_ids, self.model.config.vocab_size
+        allowed = None
+        if job.matcher is not None:
+            allowed = allowed_now(job.matcher, vocab, device).expand(job.n, -1)
+        n = job.n
+        return context_for(
+            [job.params] * n, [prompt] * n, [outputs] * n, eos, vocab, device, allowed
+        )
+
     def _ship(
         self,
-        out: PrefillOutput,
-        start: int,
-        end: int,
+        n: list[Tensor],
+        k_pe: list[Tensor],
         job: PrefillJob,
-        fut: Future[PrefillDone],
+        fut: Future[PrefillResult],
         first: FirstTokens,
         prefill_s: float,
+        reused: int,
     ) -> None:
         """Push the job's shards to every target rank without waiting for them.
 
@@ -256,11 +322,16 @@ class PrefillWorker:
         push one job after another). `fut` resolves when the last rank acknowledged, or fails
         with the first error; the shards' sends run on the pusher threads.
         """
+        # n / k_pe cover what the decode group lacks: prompt positions [skip, N). SP targets
+        # name their positions in the prompt, so their ranges move by the same offset.
+        res = job.reservation
+        skip = job.cached_tokens
+        rows = len(job.prompt_ids) - skip
         cut = [
-            cut_shard(out.n, out.k_pe, start, end, t, job.request_id, job.block_size)
-            for t in job.targets
+            cut_shard(n, k_pe, 0, rows, _shifted(t, skip), job.request_id, res.block_size)
+            for t in res.targets
         ]
-        shards = list(zip(staged_on_host(cut), job.targets, strict=True))
+        shards = list(zip(self.sender.prepare(cut), res.targets, strict=True))
         timeout = min(job.deadline_s, self.transfer_timeout_s)
         self._shipping.acquire()
         t0 = time.perf_counter()
@@ -277,7 +348,7 @@ class PrefillWorker:
             raise
         if not sends:
             self._shipping.release()
-            self._shipped(fut, first, prefill_s, 0.0, sends)
+            self._shipped(fut, first, prefill_s, 0.0, sends, reused)
             return
         remaining = len(sends)
         lock = threading.Lock()
@@ -289,18 +360,19 @@ class PrefillWorker:
                 if remaining:
                     return
             self._shipping.release()
-            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends)
+            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends, reused)
 
         for send in sends:
             send.add_done_callback(arrived)
 
     def _shipped(
         self,
-        fut: Future[PrefillDone],
+        fut: Future[PrefillResult],
         first: FirstTokens,
         prefill_s: float,
         transfer_s: float,
         sends: list[Future[int]],
+        reused: int,
     ) -> None:
         """Resolve a job once every one of its sends finished (on the pusher thread that
         finished the last one; on the batcher's when the job had nothing to send)."""
@@ -318,7 +390,42 @@ class PrefillWorker:
         with self._lock:
             self.transfer_bytes_total += sent
         if not fut.done():
-            fut.set_result(PrefillDone(first, prefill_s, transfer_s, sent))
+            fut.set_result(
+                PrefillResult(
+                    first.tokens[0],
+                    prefill_s,
+                    transfer_s,
+                    sent,
+                    reused,
+                    first.tokens if len(first.tokens) > 1 else (),
+                    first.prompt_logprobs,
+                )
+            )
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
+
+
+def _unshipped(
+    out: PrefillOutput, start: int, end: int, past: PastLatents | None, skip: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """One prompt's latents from position `skip` (the decode group holds the rest) to its
+    end, per layer. Its rows [start, end) of `out` are positions [P, N) after a cached prefix
+    of P tokens; what the decode group lacks of that prefix comes from the cache."""
+    hit = past.length if past is not None else 0
+    if skip >= hit:
+        lo = start + skip - hit
+        return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
+    assert past is not None
+    return (
+        [torch.cat([p[skip:], n[start:end]]) for p, n in zip(past.n, out.n, strict=True)],
+        [torch.cat([p[skip:], k[start:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
+    )
+
+
+def _shifted(target: KvTargetInfo, skip: int) -> KvTargetInfo:
+    """An SP target with its token ranges counted from prompt position `skip`."""
+    if not target.token_ranges or not skip:
+        return target
+    ranges = tuple(max(x - skip, 0) for x in target.token_ranges)
+    return dataclasses.replace(target, token_ranges=ranges)

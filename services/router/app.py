@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.errors import NotFound, TplaError
+from common.grammar import GrammarCompiler
 from common.ports import PortInUse, PortUse, router_port
 from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
@@ -141,7 +142,11 @@ def _worker_json(r: WorkerRecord) -> dict[str, Any]:
         "updated_at": r.updated_at,
     }
     if r.role is WorkerRole.DECODE:
-        entry |= {"kv_blocks_used": r.kv_blocks_used, "kv_blocks_total": r.kv_blocks_total}
+        entry |= {
+            "kv_blocks_used": r.kv_blocks_used,
+            "kv_blocks_cached": r.kv_blocks_cached,
+            "kv_blocks_total": r.kv_blocks_total,
+        }
     else:
         entry["queued_tokens"] = r.queued_tokens
     return entry
@@ -155,7 +160,12 @@ def _routes() -> APIRouter:
         st, arrival = _state(request), time.monotonic()
         req = await anyio.to_thread.run_sync(prepare.prepare_chat, body, st.info, arrival)
         fmt = ChatFormat(
-            req.request_id, st.info.served_name, body.logprobs, body.include_usage, req.n
+            req.request_id,
+            st.info.served_name,
+            body.logprobs,
+            body.include_usage,
+            n=req.n,
+            calling=req.tools,
         )
         return await _serve(request, [req], fmt)
 
@@ -222,11 +232,15 @@ def create_app(
     """The router app. `policy` defaults to settings.routing_policy; `refresh_s` paces
     registry reads."""
     model_dir = settings.model
+    tokenizer = Tokenizer.from_dir(model_dir)
     info = prepare.ModelInfo(
         served_name=settings.served_model_name,
-        tokenizer=Tokenizer.from_dir(model_dir),
+        tokenizer=tokenizer,
         max_model_len=prepare.context_limit(model_dir),
         log_prompts=settings.log_prompts,
+        grammars=GrammarCompiler.from_model_dir(
+            model_dir, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
+        ),
     )
     token = settings.internal_token.get_secret_value() if settings.internal_token else None
     sync_redis = redis.Redis.from_url(redis_url)
@@ -252,7 +266,7 @@ def create_app(
         ),
         info.tokenizer,
         directory,
-        policy or make_policy(settings.routing_policy),
+        policy or make_policy(settings.routing_policy, settings.overlap_weight),
         requests,
         metrics,
     )

@@ -37,8 +37,8 @@ import redis
 
 from common.errors import DeadlineExceeded, Overloaded, TplaError, TransferFailed, Unavailable
 from common.redis_state import InvalidTransition, RequestLog, RequestState
-from common.rpc.clients import DecodeClient, PrefillResult
-from common.rpc.convert import ReservationInfo
+from common.rpc.clients import DecodeClient
+from common.rpc.convert import PrefillResult, ReservationInfo
 from common.sampling import SampledToken, SamplingParams
 from common.tokenizer import Tokenizer
 from services.router.admission import Admission
@@ -151,7 +151,7 @@ class Pipeline:
         if self.config.log_prompts:
             log.info("request %s prompt: %r", req.request_id, req.prompt_text)
         try:
-            await self._place(run, len(req.prompt_ids), req.params.max_tokens)
+            await self._place(run, req.prompt_ids, req.params.max_tokens)
             yield Started(req.request_id)
 
             first = await self._prefill_anywhere(run, req.prompt_ids, req.params)
@@ -162,6 +162,8 @@ class Pipeline:
                 )
             if req.echo_text is not None:
                 yield Prompt(req.echo_text, self._prompt_logprobs(req, first.prompt_logprobs))
+            assert run.reservation is not None
+            cached = max(first.cached_tokens, run.reservation.cached_tokens)
             texts = [
                 TextStream(
                     self.tokenizer,
@@ -169,12 +171,13 @@ class Pipeline:
                     req.stops,
                     req.params.stop_token_ids,
                     self._token_text if req.want_logprobs else None,
+                    skip_special_tokens=not req.keep_special_tokens,
                 )
                 for _ in range(req.n)
             ]
             ended: dict[int, str] = {}
             if req.score_only:  # echo with max_tokens 0: the prompt's logprobs are the answer
-                await self._prefilled(req, first)
+                await self._prefilled(run, first)
                 for i in range(req.n):
                     ended[i] = "length"
                     yield ChoiceEnd(i, "length")
@@ -222,7 +225,7 @@ class Pipeline:
             self._finish_metrics(req, count, Outcome.FINISHED)
             if self.config.log_prompts:
                 log.info("request %s output: %r", req.request_id, [t.text for t in texts])
-            yield Done(reasons, len(req.prompt_ids), count)
+            yield Done(reasons, len(req.prompt_ids), count, cached)
         except BaseException as exc:
             if run.finished:  # the consumer closed us after Done: nothing left to clean up
                 raise
@@ -233,7 +236,7 @@ class Pipeline:
                 raise error from exc
             raise
 
-    async def _place(self, run: _Run, prompt_len: int, max_tokens: int) -> None:
+    async def _place(self, run: _Run, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
         """Reserve KV on a decode group with room; wait for room up to queue_timeout_s.
 
         Full groups (this router's per-group limit, or their KV pool) are skipped; a group
@@ -250,7 +253,10 @@ class Pipeline:
             while True:
                 try:
                     group = self.policy.choose_decode(
-                        self.directory.snapshot, self.directory.pending, frozenset(skip)
+                        self.directory.snapshot,
+                        self.directory.pending,
+                        frozenset(skip),
+                        prompt_ids,
                     )
                 except Unavailable:
                     if not self._healthy_groups_exist():
@@ -260,7 +266,12 @@ class Pipeline:
                 client = self.directory.decode_client(group.address)
                 try:
                     run.reservation = await client.reserve(
-                        rid, prompt_len, max_tokens, timeout=_RESERVE_TIMEOUT_S, n=run.req.n
+                        rid,
+                        len(prompt_ids),
+                        max_tokens,
+                        timeout=_RESERVE_TIMEOUT_S,
+                        prompt_ids=prompt_ids,
+                        n=run.req.n,
                     )
                 except Overloaded:  # its KV pool is full right now
                     skip.add(group.group_id)
@@ -299,15 +310,17 @@ class Pipeline:
         (choice, None) when the leader ended a choice (its reason in run.reasons). An n = 1
         request migrates to another group if its group fails mid-stream."""
         req = run.req
-        await self._prefilled(req, first)
+        await self._prefilled(run, first)
         generated = [first.first_token.token_id]  # choice 0's (what a migration re-feeds)
         feeds = first.first_tokens
         for index, token in enumerate(feeds):
             yield index, token
         while True:
-            params = replace(req.params, max_tokens=req.params.max_tokens - len(generated) + 1)
+            # The group starts from `feeds`; (n = 1) the rest of `generated` came before.
+            params = _remaining(req.params, len(generated) - 1)
+            stream = self._decode_stream(run, feeds, params, generated[:-1])
             try:
-                async with contextlib.aclosing(self._decode_stream(run, feeds, params)) as events:
+                async with contextlib.aclosing(stream) as events:
                     async for index, token in events:
                         if token is not None and index == 0:
                             generated.append(token.token_id)
@@ -321,8 +334,9 @@ class Pipeline:
                 feeds = (feed,)
                 yield 0, feed
 
-    async def _prefilled(self, req: GenerationRequest, first: PrefillResult) -> None:
+    async def _prefilled(self, run: _Run, first: PrefillResult) -> None:
         """The prefill is done and its KV in place: TTFT ends, the request is decoding."""
+        req = run.req
         ttft = time.monotonic() - req.arrival
         self.metrics.observe_ttft(ttft)
         await self._record(
@@ -331,16 +345,23 @@ class Pipeline:
             transfer_bytes=first.transfer_bytes,
             transfer_seconds=first.transfer_seconds,
             prefill_seconds=first.prefill_seconds,
+            prefill_cached_tokens=first.cached_tokens,
+            decode_cached_tokens=run.reservation.cached_tokens if run.reservation else 0,
             ttft_seconds=round(ttft, 6),
         )
         await self._record(req.request_id, RequestState.DECODING)
 
     async def _decode_stream(
-        self, run: _Run, feeds: tuple[SampledToken, ...], params: SamplingParams
+        self,
+        run: _Run,
+        feeds: tuple[SampledToken, ...],
+        params: SamplingParams,
+        earlier: list[int],
     ) -> AsyncIterator[tuple[int, SampledToken | None]]:
         """Decode.Generate on the current group from each choice's `feeds` token, as
-        `_tokens` yields it. A group that dies, or sends nothing for token_timeout_s, raises
-        Unavailable (which may migrate the request)."""
+        `_tokens` yields it (`earlier`: what the request generated before `feeds` elsewhere,
+        a migrated request's). A group that dies, or sends nothing for token_timeout_s,
+        raises Unavailable (which may migrate the request)."""
         req = run.req
         assert run.decode is not None and run.group is not None
         deadline = req.arrival + self.config.request_timeout_s
@@ -350,7 +371,13 @@ class Pipeline:
         # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
         # client gone) cancels the call right away.
         events = run.decode.generate(
-            req.request_id, feeds, params, idle_timeout=self.config.token_timeout_s
+            req.request_id,
+            feeds,
+            params,
+            idle_timeout=self.config.token_timeout_s,
+            # The penalties and the grammar count what the request generated elsewhere.
+            prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else (),
+            output_ids=earlier,
         )
         left = len(feeds)
         try:
@@ -411,11 +438,10 @@ class Pipeline:
             req.request_id, RequestState.QUEUED, retry_reason=f"migration: {cause.message}"
         )
         context = (*req.prompt_ids, *generated)
-        remaining = req.params.max_tokens - len(generated)
+        params = _remaining(req.params, len(generated))
         try:
-            await self._place(run, len(context), remaining)
-            params = replace(req.params, max_tokens=remaining)
-            result = await self._prefill_anywhere(run, context, params)
+            await self._place(run, context, params.max_tokens)
+            result = await self._prefill_anywhere(run, context, params, len(generated))
         except TplaError as exc:
             raise cause from exc
         await self._record(
@@ -458,12 +484,17 @@ class Pipeline:
         self._leave_group(run)
 
     async def _prefill_anywhere(
-        self, run: _Run, prompt_ids: tuple[int, ...], params: SamplingParams
+        self,
+        run: _Run,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        num_output_tokens: int = 0,
     ) -> PrefillResult:
         """`_prefill`; if the KV push to the request's decode group fails (that group died or
-        hangs, the prefill worker is fine), once more on another group."""
+        hangs, the prefill worker is fine), once more on another group. The last
+        `num_output_tokens` of `prompt_ids` are the request's own output (a migration)."""
         try:
-            return await self._prefill(run, prompt_ids, params)
+            return await self._prefill(run, prompt_ids, params, num_output_tokens)
         except TransferFailed as exc:
             self._drop_group(run)
             if not self._healthy_groups_exist():
@@ -476,11 +507,15 @@ class Pipeline:
             await self._record(
                 run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
             )
-            await self._place(run, len(prompt_ids), params.max_tokens)
-            return await self._prefill(run, prompt_ids, params)
+            await self._place(run, prompt_ids, params.max_tokens)
+            return await self._prefill(run, prompt_ids, params, num_output_tokens)
 
     async def _prefill(
-        self, run: _Run, prompt_ids: tuple[int, ...], params: SamplingParams
+        self,
+        run: _Run,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        num_output_tokens: int,
     ) -> PrefillResult:
         """Prefill into run's reservation on a chosen worker; if that worker is unavailable,
         once more on another one (the new push overwrites whatever the first one wrote)."""
@@ -488,7 +523,7 @@ class Pipeline:
         assert group is not None and reservation is not None
         tried: set[str] = set()
         inflight = self.directory.prefill_inflight
-        worker = self.policy.choose_prefill(self.directory.snapshot, inflight)
+        worker = self.policy.choose_prefill(self.directory.snapshot, inflight, prompt=prompt_ids)
         remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
         while True:
             # Counted before the first await: the other requests of a burst choose while
@@ -511,6 +546,7 @@ class Pipeline:
                     reservation,
                     transport=self.config.transport,
                     timeout=max(remaining, 1.0),
+                    num_output_tokens=num_output_tokens,
                     n=req.n,
                     # Only the first prefill: a migration's context is not the prompt.
                     prompt_logprobs=req.prompt_logprobs if run.migrations == 0 else None,
@@ -523,7 +559,7 @@ class Pipeline:
                     raise
                 try:
                     worker = self.policy.choose_prefill(
-                        self.directory.snapshot, inflight, frozenset(tried)
+                        self.directory.snapshot, inflight, frozenset(tried), prompt_ids
                     )
                 except Unavailable:
                     raise exc from None
@@ -574,6 +610,16 @@ class Pipeline:
         self.metrics.outcome(outcome)
         self.metrics.add_tokens(len(req.prompt_ids), generated)
         self.metrics.observe_e2e(time.monotonic() - req.arrival)
+
+
+def _remaining(params: SamplingParams, done: int) -> SamplingParams:
+    """The request's params for what is left after `done` tokens: its token limits shrink,
+    everything else (penalties, grammar) carries on over the tokens sent along."""
+    return replace(
+        params,
+        max_tokens=params.max_tokens - done,
+        min_tokens=max(params.min_tokens - done, 0),
+    )
 
 
 def _checked_reason(reason: str) -> str:

@@ -1,21 +1,25 @@
 """OpenAI request bodies -> `GenerationRequest` (the boundary where pydantic ends).
 
-Checks what only the server can check (model name, context length, token id range),
-renders the chat template, tokenizes, and fills defaults: max_tokens = min(256, context
-left); stop token ids = the tokenizer's EOS ids unless ignore_eos. A completions request
-becomes one GenerationRequest per prompt of its batch.
+Checks what only the server can check (model name, context length, token id range, that a
+structured output's grammar compiles), renders the chat template, tokenizes, and fills
+defaults: max_tokens = min(256, context left); stop token ids = the request's stop_token_ids
+plus the tokenizer's EOS ids unless ignore_eos. A completions request becomes one
+GenerationRequest per prompt of its batch.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.errors import InvalidRequest, NotFound
+from common.errors import InvalidRequest, NotFound, TokenizerError
+from common.grammar import GrammarCompiler, GrammarSpec
 from common.sampling import SamplingError, SamplingParams
-from common.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from common.tokenizer import Tokenizer
+from services.router import constraints, tools
 from services.router.request import GenerationRequest
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -47,6 +51,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_model_len: int
     log_prompts: bool = False
+    grammars: GrammarCompiler | None = None  # None: structured outputs are refused
 
 
 def new_request_id(prefix: str) -> str:
@@ -55,14 +60,17 @@ def new_request_id(prefix: str) -> str:
 
 def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -> GenerationRequest:
     _check_model(body.model, info)
+    calling = constraints.tool_calling(body)
+    # Before the prompt is rendered: a bad parameters schema is the error to report.
+    tool_grammar = constraints.tool_grammar(body, calling, info.grammars)
     try:
-        messages = [ChatMessage(m.template_role, m.text) for m in body.messages]
-        prompt_ids = info.tokenizer.encode_chat(messages)
+        messages, tool_defs = constraints.chat_messages(body, calling, info.tokenizer)
+        prompt_ids = info.tokenizer.encode_chat(messages, tools=tool_defs)
     except TokenizerError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
     top = body.top_logprobs or 0
     text = "\n".join(m.text for m in body.messages) if info.log_prompts else ""
-    return _build(
+    req = _build(
         new_request_id("chatcmpl"),
         body,
         prompt_ids,
@@ -72,7 +80,13 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -
         info,
         arrival,
         text,
+        tool_grammar,
     )
+    if calling is None:
+        return req
+    # A model's own call markers are special tokens: the text must keep them to parse them.
+    markers = len(info.tokenizer.encode(tools.DEEPSEEK_CALLS_BEGIN)) == 1
+    return replace(req, tools=calling, keep_special_tokens=markers)
 
 
 def prepare_completion(
@@ -141,6 +155,7 @@ def _build(
     info: ModelInfo,
     arrival: float,
     prompt_text: str,
+    tool_grammar: GrammarSpec | None = None,
 ) -> GenerationRequest:
     limit = info.max_model_len
     prefix = request_id.split("-", 1)[0]
@@ -167,7 +182,23 @@ def _build(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    stop_ids = () if body.ignore_eos else tuple(sorted(info.tokenizer.eos_token_ids))
+    vocab = info.tokenizer.vocab_size
+    _check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")
+    bias = tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items()))
+    _check_token_ids([t for t, _ in bias], vocab, "logit_bias")
+    eos = () if body.ignore_eos else info.tokenizer.eos_token_ids
+    stop_ids = tuple(sorted({*(body.stop_token_ids or ()), *eos}))
+    grammar = tool_grammar or constraints.output_grammar(body, info.grammars)
+    if grammar is not None and body.ignore_eos:
+        raise InvalidRequest(
+            "ignore_eos cannot be combined with a structured output (it ends with EOS)",
+            param="ignore_eos",
+        )
+    if body.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -178,6 +209,13 @@ def _build(
             stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
             logprobs=top_logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            logit_bias=bias,
+            min_tokens=body.min_tokens,
+            min_p=body.min_p or 0.0,
+            grammar=grammar,
         )
     except SamplingError as exc:
         raise InvalidRequest(str(exc)) from exc
@@ -192,3 +230,11 @@ def _build(
         prompt_text=prompt_text,
         n=body.choices,
     )
+
+
+def _check_token_ids(ids: Sequence[int], vocab: int, param: str) -> None:
+    bad = sorted(t for t in ids if not 0 <= t < vocab)
+    if bad:
+        raise InvalidRequest(
+            f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab})", param=param
+        )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from common.sampling import SamplingParams
 from services.router.text import TokenLogprob
+from services.router.tools import ToolCalling
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class GenerationRequest:
     # echo with max_tokens 0: prefill and score the prompt, generate nothing (params and the
     # reservation still say 1 token, which is never decoded)
     score_only: bool = False
+    tools: ToolCalling | None = None  # the output is parsed for tool calls
+    keep_special_tokens: bool = False  # in the text (a model's tool-call markers)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class Done:
     finish_reasons: tuple[str, ...]  # per choice
     prompt_tokens: int  # the prompt once, whatever n
     completion_tokens: int  # every choice's
+    # Prompt tokens not recomputed: the longest cached prefix the prefill worker or the
+    # decode group held (whichever reused more).
+    cached_tokens: int = 0
 
 
 Output = Started | Prompt | Delta | ChoiceEnd | Done

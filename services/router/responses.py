@@ -11,6 +11,7 @@ logprobs, the prompt's logprobs, the first token's null).
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Sequence
 
@@ -20,6 +21,15 @@ from common.errors import TplaError
 from services.router import schemas as s
 from services.router.request import ChoiceEnd, Delta, Done, Output, Prompt
 from services.router.text import TokenLogprob
+from services.router.tools import (
+    DEEPSEEK_CALLS_BEGIN,
+    ToolCall,
+    ToolCalling,
+    ToolMode,
+    may_be_call,
+    new_call_id,
+    parse,
+)
 
 DONE_LINE = "data: [DONE]\n\n"
 
@@ -38,7 +48,12 @@ def _usage(dones: Sequence[Done]) -> s.Usage:
     prompt = sum(d.prompt_tokens for d in dones)
     completion = sum(d.completion_tokens for d in dones)
     return s.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=s.PromptTokensDetails(
+            cached_tokens=sum(d.cached_tokens for d in dones)
+        ),
     )
 
 
@@ -98,12 +113,79 @@ class _Choices:
         return [e for d in self.deltas.get(index, ()) for e in d.logprobs]
 
 
+class _ChatText:
+    """One chat choice's text on its way out. With tools it is parsed for calls: a named
+    function's arguments stream as they come; otherwise text that may open a call is held
+    back and, if it does, sent as `tool_calls` deltas once complete, with finish_reason
+    "tool_calls"."""
+
+    def __init__(self, calling: ToolCalling | None) -> None:
+        self.calling = calling
+        self.held = ""  # text that is, or may become, tool calls
+        self.held_logprobs: list[TokenLogprob] = []
+        self.mode = _Stream.CONTENT
+        if calling is not None:
+            self.mode = {
+                ToolMode.NAMED: _Stream.ARGUMENTS,
+                ToolMode.REQUIRED: _Stream.CALLS,
+                ToolMode.AUTO: _Stream.UNDECIDED,
+            }[calling.mode]
+        self.call_id = new_call_id()
+
+    def route(self, text: str) -> str | s.ToolCallDelta | None:
+        """What a text delta becomes on the wire: content, a call's arguments, or nothing
+        yet (held back)."""
+        if self.mode is _Stream.ARGUMENTS:
+            if not text:
+                return None
+            first = not self.held
+            self.held += text
+            assert self.calling is not None
+            return s.ToolCallDelta(
+                index=0,
+                id=self.call_id if first else None,
+                type="function" if first else None,
+                function=s.FunctionCallDelta(
+                    name=self.calling.named if first else None, arguments=text
+                ),
+            )
+        if self.mode is _Stream.CONTENT:
+            if self.calling is not None and DEEPSEEK_CALLS_BEGIN in text:
+                before, marker, after = text.partition(DEEPSEEK_CALLS_BEGIN)
+                self.mode, self.held = _Stream.CALLS, marker + after
+                return before or None
+            return text
+        self.held += text
+        if self.mode is _Stream.UNDECIDED and not may_be_call(self.held):
+            self.mode = _Stream.CONTENT
+            held, self.held = self.held, ""
+            return self.route(held)
+        return None
+
+    def calls(self, reason: str) -> tuple[str, list[ToolCall]] | None:
+        if self.mode is _Stream.CONTENT or self.calling is None or reason != "stop":
+            return None
+        if self.mode is _Stream.ARGUMENTS:
+            return "", [ToolCall(self.call_id, self.calling.named or "", self.held)]
+        return parse(self.held, self.calling)
+
+
 class ChatFormat:
+    """Chat bodies and chunks, each choice's text through its own `_ChatText`."""
+
     def __init__(
-        self, request_id: str, model: str, logprobs: bool, include_usage: bool, n: int = 1
+        self,
+        request_id: str,
+        model: str,
+        logprobs: bool,
+        include_usage: bool,
+        n: int = 1,
+        calling: ToolCalling | None = None,
     ) -> None:
         self.id, self.model = request_id, model
         self.logprobs, self.include_usage, self.n = logprobs, include_usage, n
+        self.calling = calling
+        self._texts = [_ChatText(calling) for _ in range(n)]
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> str:
         return sse(
@@ -121,15 +203,52 @@ class ChatFormat:
     def event(self, run: int, out: Output) -> list[str]:
         """The SSE lines of one output of run `run` (chat has one run)."""
         if isinstance(out, Delta):
-            lp = _chat_logprobs(out.logprobs) if self.logprobs else None
-            delta = s.ChatDelta(content=out.text)
-            return [self._chunk([s.ChatChunkChoice(index=out.index, delta=delta, logprobs=lp)])]
+            return self._delta(out)
         if isinstance(out, ChoiceEnd):
-            end = s.ChatChunkChoice(
-                index=out.index, delta=s.ChatDelta(), finish_reason=out.finish_reason
-            )
-            return [self._chunk([end])]
+            return self._end(out)
         return []
+
+    def _delta(self, d: Delta) -> list[str]:
+        text_out = self._texts[d.index]
+        # Logprobs of held-back text go out with it when it turns out to be content.
+        text_out.held_logprobs.extend(d.logprobs)
+        text = text_out.route(d.text)
+        if text is None:
+            return []
+        if isinstance(text, s.ToolCallDelta):
+            delta = s.ChatDelta(tool_calls=[text])
+            return [self._chunk([s.ChatChunkChoice(index=d.index, delta=delta)])]
+        entries, text_out.held_logprobs = text_out.held_logprobs, []
+        lp = _chat_logprobs(entries) if self.logprobs else None
+        delta = s.ChatDelta(content=text)
+        return [self._chunk([s.ChatChunkChoice(index=d.index, delta=delta, logprobs=lp)])]
+
+    def _end(self, end: ChoiceEnd) -> list[str]:
+        lines = []
+        i, text_out = end.index, self._texts[end.index]
+        reason = end.finish_reason
+        parsed = text_out.calls(reason)
+        if parsed is not None:
+            reason = "tool_calls"
+            if text_out.mode is not _Stream.ARGUMENTS:
+                deltas = [
+                    s.ToolCallDelta(
+                        index=k,
+                        id=c.id,
+                        type="function",
+                        function=s.FunctionCallDelta(name=c.name, arguments=c.arguments),
+                    )
+                    for k, c in enumerate(parsed[1])
+                ]
+                delta = s.ChatDelta(tool_calls=deltas)
+                lines.append(self._chunk([s.ChatChunkChoice(index=i, delta=delta)]))
+        elif text_out.held and text_out.mode is not _Stream.ARGUMENTS:
+            lp = _chat_logprobs(text_out.held_logprobs) if self.logprobs else None
+            delta = s.ChatDelta(content=text_out.held)
+            lines.append(self._chunk([s.ChatChunkChoice(index=i, delta=delta, logprobs=lp)]))
+        finish = s.ChatChunkChoice(index=i, delta=s.ChatDelta(), finish_reason=reason)
+        lines.append(self._chunk([finish]))
+        return lines
 
     def closing(self, dones: Sequence[Done]) -> list[str]:
         return [self._chunk([], usage=_usage(dones))] if self.include_usage else []
@@ -139,17 +258,41 @@ class ChatFormat:
         return s.ChatCompletionResponse(
             id=self.id,
             model=self.model,
-            choices=[
-                s.ChatChoice(
-                    index=i,
-                    message=s.ChatMessageOut(content=got.text(i)),
-                    logprobs=_chat_logprobs(got.entries(i)) if self.logprobs else None,
-                    finish_reason=got.reasons[i],
-                )
-                for i in got.indices()
-            ],
+            choices=[self._choice(i, got) for i in got.indices()],
             usage=_usage(got.dones),
         )
+
+    def _choice(self, i: int, got: _Choices) -> s.ChatChoice:
+        text, reason = got.text(i), got.reasons[i]
+        message = s.ChatMessageOut(content=text)
+        parsed = parse(text, self.calling) if self.calling and reason == "stop" else None
+        if parsed is not None:
+            content, calls = parsed
+            reason = "tool_calls"
+            message = s.ChatMessageOut(
+                content=content or None,
+                tool_calls=[
+                    s.ToolCallOut(
+                        id=c.id, function=s.FunctionCallOut(name=c.name, arguments=c.arguments)
+                    )
+                    for c in calls
+                ],
+            )
+        return s.ChatChoice(
+            index=i,
+            message=message,
+            logprobs=_chat_logprobs(got.entries(i)) if self.logprobs else None,
+            finish_reason=reason,
+        )
+
+
+class _Stream(enum.Enum):
+    """Where a chat stream's text goes."""
+
+    CONTENT = "content"  # to the client as content
+    UNDECIDED = "undecided"  # held: it may still open a tool call (auto)
+    CALLS = "calls"  # held: tool calls, parsed at the end
+    ARGUMENTS = "arguments"  # a named function's arguments, streamed as they come
 
 
 class CompletionFormat:

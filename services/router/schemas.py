@@ -3,11 +3,12 @@
 Requests are validated here and converted by the pipeline into `SamplingParams` and plain
 dataclasses; nothing past the route handlers sees a pydantic model. Validation is strict, as
 OpenAI's is: `true`, `"5"` or `5.0` is not an integer and `"true"` is not a boolean. Unknown
-fields are ignored (as vLLM does), but OpenAI fields we cannot honour (penalties, tools,
-response formats, logit bias, completions' best_of and suffix, ...) are rejected with a
-clear 400 naming the field instead of being silently dropped. Strings must be valid
-Unicode: JSON can smuggle lone surrogates (`"\\ud800"`) that no tokenizer, log line or Redis
-record can encode.
+fields are ignored (as vLLM does), but OpenAI fields we cannot honour (audio, completions'
+best_of and suffix, ...) are rejected with a clear 400 naming the field instead of being
+silently dropped. Sampling controls take OpenAI's ranges, and vLLM's for its extensions
+(top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+structured_outputs). Strings must be valid Unicode: JSON can smuggle lone surrogates
+(`"\\ud800"`) that no tokenizer, log line or Redis record can encode.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ MAX_STOPS = 4
 MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_STOP_TOKEN_IDS = 64
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed travels as a protobuf int64
 
@@ -45,12 +48,8 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 # OpenAI parameters we do not implement, and the values that mean "not used" (accepted).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -62,6 +61,48 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 def _unsupported(description: str) -> Any:
     return Field(None, description=f"not supported: {description}")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured-output constraints; exactly one is given."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = Field(None, min_length=1)
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [v for v in (self.json_, self.regex, self.choice, self.grammar) if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar")
+        return self
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = False
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object or json_schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -91,13 +132,23 @@ class _SamplingRequest(BaseModel):
         1, ge=1, le=MAX_CHOICES, description="choices, sharing one prefill of the prompt"
     )
     ignore_eos: bool = Field(False, description="vLLM extension")
-    presence_penalty: float | None = Field(
-        0.0, allow_inf_nan=False, description="only 0 is supported"
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=2.0, allow_inf_nan=False, description="vLLM extension; 1 = off"
     )
-    frequency_penalty: float | None = Field(
-        0.0, allow_inf_nan=False, description="only 0 is supported"
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> [-100, 100]"
     )
-    logit_bias: dict[str, Any] | None = _unsupported("only {} or null")
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX, description="vLLM extension")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: exactly one of json, regex, choice, grammar"
+    )
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -109,11 +160,14 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("presence/frequency penalties are not supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError("keys must be token ids (decimal strings)")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias for token {key} must be in [-100, 100]")
         return v
 
     @field_validator(*_UNSUPPORTED, mode="after", check_fields=False)
@@ -143,6 +197,52 @@ class _SamplingRequest(BaseModel):
         return self.n or 1
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Text
+    arguments: Text
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -154,9 +254,29 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     # "developer" is OpenAI's newer name for "system"; the chat template sees "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+    # After the fields above: its validator reads them.
+    content: Text | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessageIn:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_given(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError(
+                "content is required (only an assistant turn with tool_calls may omit it)"
+            )
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -175,8 +295,8 @@ class ChatMessageIn(BaseModel):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
 
 
@@ -185,12 +305,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = _unsupported("only [] or null")
-    tool_choice: Any = _unsupported('only "none" or null')
-    parallel_tool_calls: bool | None = Field(None, description="accepted; no tools are called")
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = _unsupported("only [] or null")
     function_call: Any = _unsupported('only "none" or null')
-    response_format: dict[str, Any] | None = _unsupported('only {"type": "text"} or null')
     audio: Any = _unsupported("only null")
     modalities: list[Any] | None = _unsupported('only ["text"] or null')
     prediction: Any = _unsupported("only null")
@@ -201,6 +320,14 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be unique")
+        return v
 
     @property
     def token_limit(self) -> int | None:
@@ -273,10 +400,15 @@ class CompletionRequest(_SamplingRequest):
 # -- responses ---------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class TopLogprobOut(BaseModel):
@@ -301,9 +433,34 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # Left out unless there are calls, as OpenAI does.
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -316,6 +473,7 @@ class ChatChoice(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from common.detokenizer import IncrementalDetokenizer
 from common.sampling import SampledToken
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.tokenizer import Tokenizer
 from services.router.stops import StopMatcher
 
 
@@ -31,9 +32,13 @@ class TextStream:
         stops: Sequence[str],
         stop_token_ids: Sequence[int],
         token_text: Callable[[int], str] | None = None,
+        *,
+        skip_special_tokens: bool = True,
     ) -> None:
         """`token_text` renders one token for logprobs; None means logprobs are off."""
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens
+        )
         self._matcher = StopMatcher(stops)
         self._stop_ids = frozenset(stop_token_ids)
         self._token_text = token_text

@@ -49,15 +49,18 @@ class WorkerDirectory:
 
     async def refresh(self) -> WorkerSnapshot:
         try:
-            # WorkerRegistry speaks synchronous redis; keep it off the event loop.
-            records = await asyncio.to_thread(self._registry.list)
+            # WorkerRegistry speaks synchronous redis; keep it off the event loop, and the
+            # parsing too (each decode leader publishes up to thousands of block hashes).
+            snapshot = await asyncio.to_thread(
+                lambda: WorkerSnapshot.from_records(self._registry.list())
+            )
         except (redis.RedisError, OSError) as exc:
             error = f"worker registry unreachable: {exc}"
             if error != self.last_error:  # once per outage, not every refresh
                 log.warning(error)
             self.last_error = error
             return self.snapshot
-        self.snapshot = WorkerSnapshot.from_records(records)
+        self.snapshot = snapshot
         self.pending.clear()
         self.last_error = None
         return self.snapshot

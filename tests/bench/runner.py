@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli import tpla_json
 
 
-def run_bench(*args: str, timeout: float = 300) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "bench", *args],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_bench(*args: str, timeout: float = 300) -> Any:
+    return tpla_json("bench", *args, timeout=timeout)

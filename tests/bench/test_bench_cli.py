@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.bench.capacity import cache_shapes, expected_ratio, measure_capacity
-from common.bench.decode_attn import DeviceWork, device_work, shapes
-from common.bench.decode_attn import run_bench as time_grid
-from common.bench.prefill import prefill_work
-from common.bench.roofline import Roofline
 from tests.bench.runner import run_bench
+from tools.bench.capacity import cache_shapes, expected_ratio, measure_capacity
+from tools.bench.decode_attn import DeviceWork, device_work, shapes
+from tools.bench.decode_attn import run_bench as time_grid
+from tools.bench.prefill import prefill_work
+from tools.bench.roofline import Roofline
 
 ROOT = Path(__file__).resolve().parents[2]
 

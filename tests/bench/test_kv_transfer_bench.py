@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.bench.kv_transfer import BACKENDS
 from tests.bench.runner import run_bench
+from tools.bench.kv_transfer import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS, SYNTHETIC = 200, 40

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from common.bench.load import Arrival, Load, drive, drive_blocking
-from common.bench.stats import RequestTiming, gaps, summarize
+from tools.bench.load import Arrival, Load, drive, drive_blocking
+from tools.bench.stats import RequestTiming, gaps, summarize
 
 
 def test_poisson_schedule_is_seeded_and_has_the_rate() -> None:

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from tests.bench.runner import run_bench
-from tests.model.tiny import save_tiny_chat_model
+from tests.tiny import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from common.demo import corpus
-from common.demo.train import DemoArch, TrainConfig, train
+from common import corpus
+from common.chat_template import ChatMessage
 from common.model.loader import load_model
-from common.tokenizer import ChatMessage, Tokenizer
+from common.tokenizer import Tokenizer
+from tools.demo.train import DemoArch, TrainConfig, train
 
 TINY = DemoArch.tiny(vocab_size=400, max_position_embeddings=512)
 

@@ -90,21 +90,44 @@ def find(docs: list[Doc], kind: str, name: str) -> Doc:
     return matches[0]
 
 
-def pod_spec(doc: Doc) -> Doc:
+def pod_specs(doc: Doc) -> dict[str, Doc]:
+    """A workload's pod templates: a LeaderWorkerSet's leader (rank 0) and workers (ranks
+    1..size-1), another workload's one."""
     if doc["kind"] == "LeaderWorkerSet":
-        return doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
-    return doc["spec"]["template"]["spec"]
+        templates = doc["spec"]["leaderWorkerTemplate"]
+        return {t: templates[f"{t}Template"]["spec"] for t in ("leader", "worker")}
+    return {"pod": doc["spec"]["template"]["spec"]}
 
 
-def workloads(docs: list[Doc]) -> Iterator[tuple[str, Doc, Doc]]:
-    """(role, workload, its tpla container) for the router, prefill and decode workloads."""
+def pod_spec(doc: Doc, template: str = "pod") -> Doc:
+    return pod_specs(doc)[template]
+
+
+def workloads(docs: list[Doc]) -> Iterator[tuple[str, Doc, str, Doc]]:
+    """(role, workload, template, its tpla container) for each pod template of the router,
+    prefill and decode workloads."""
     for doc in docs:
         if doc["kind"] not in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
             continue
         role = doc["metadata"]["labels"].get("app.kubernetes.io/component")
         if role in TPLA_ROLES:
-            containers = pod_spec(doc)["containers"]
-            yield role, doc, next(c for c in containers if c["name"] == role)
+            for template, spec in pod_specs(doc).items():
+                container = next(c for c in spec["containers"] if c["name"] == role)
+                yield role, doc, template, container
+
+
+def joined_rank_args(cfg: dict[str, str]) -> list[str]:
+    """What every pod of the decode LeaderWorkerSet runs: its rank of the group, joining the
+    leader pod's rendezvous (LWS sets the variables)."""
+    return [
+        "decode",
+        "--rank",
+        "$(LWS_WORKER_INDEX)",
+        "--group-size",
+        "$(LWS_GROUP_SIZE)",
+        "--group-addr",
+        f"$(LWS_LEADER_ADDRESS):{cfg['TPLA_DIST_PORT']}",
+    ]
 
 
 def config(docs: list[Doc]) -> dict[str, str]:
@@ -217,7 +240,7 @@ def test_probes_and_ports_match_the_services(
     cfg = config(docs)
     grpc_port = {"prefill": int(cfg["TPLA_PREFILL_PORT"]), "decode": int(cfg["TPLA_DECODE_PORT"])}
     roles = set()
-    for role, _, container in workloads(docs):
+    for role, _, template, container in workloads(docs):
         roles.add(role)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
@@ -225,6 +248,10 @@ def test_probes_and_ports_match_the_services(
             assert ports["http"] == int(cfg["TPLA_ROUTER_PORT"])
             assert probes["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
             assert probes["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        elif template == "worker":  # a follower rank: only its own KV receiver
+            assert set(ports) == {"kv0", "torch-kv0"}
+            for probe in probes.values():
+                assert probe["tcpSocket"] == {"port": "kv0"}
         else:
             assert ports["grpc"] == grpc_port[role]
             assert ports["metrics"] == grpc_port[role] + 1000  # common.metrics offset
@@ -232,11 +259,17 @@ def test_probes_and_ports_match_the_services(
                 assert probe["tcpSocket"] == {"port": "grpc"}
         if role == "decode":
             base, tp = int(cfg["TPLA_KV_PORT_BASE"]), int(cfg["TPLA_TP"])
-            assert ports["dist"] == int(cfg["TPLA_DIST_PORT"])
-            for rank in range(tp):
+            if template != "worker":
+                assert ports["dist"] == int(cfg["TPLA_DIST_PORT"])
+            # A pod runs every rank (one port pair each) or one rank (on the base).
+            local = tp if template == "pod" else 1
+            for rank in range(local):
                 assert ports[f"kv{rank}"] == base + rank
                 assert ports[f"torch-kv{rank}"] == base + 100 + rank
-        assert container["args"] == [role]
+            assert len(ports) == (3 if template != "worker" else 0) + 2 * local
+            assert container["args"] == (["decode"] if template == "pod" else joined_rank_args(cfg))
+        else:
+            assert container["args"] == [role]
         assert container["resources"]["requests"] and container["resources"]["limits"]
     assert roles == set(TPLA_ROLES)
 
@@ -288,7 +321,7 @@ def test_settings_and_secrets_are_real(
         for d in docs
         if d["kind"] == "Secret"
     }
-    for _, _, container in workloads(docs):
+    for _, _, _, container in workloads(docs):
         assert {"configMapRef": {"name": "tpla-config"}} in container["envFrom"]
         for env in container.get("env", []):
             name = env["name"]
@@ -311,27 +344,43 @@ def by_name(value: Any) -> Any:
     return value
 
 
-def test_decode_statefulset_runs_the_lws_pod(rendered: dict[tuple[str, bool], str]) -> None:
+def without(spec: Doc, *fields: str) -> Doc:
+    """A pod spec with these fields of its first container left out."""
+    container = {k: v for k, v in spec["containers"][0].items() if k not in fields}
+    return by_name({**spec, "containers": [container, *spec["containers"][1:]]})
+
+
+def test_decode_statefulset_runs_the_lws_leaders_pod(rendered: dict[tuple[str, bool], str]) -> None:
+    """The StatefulSet alternative is the LWS leader's pod running the whole group in it:
+    the same image, settings, volumes and security; its own command, ports and sizes."""
     for overlay in OVERLAYS:
-        lws = find(docs_of(rendered[(overlay, False)]), "LeaderWorkerSet", "tpla-decode")
+        docs = docs_of(rendered[(overlay, False)])
+        lws = find(docs, "LeaderWorkerSet", "tpla-decode")
         sts = find(docs_of(rendered[(overlay, True)]), "StatefulSet", "tpla-decode")
-        assert by_name(pod_spec(sts)) == by_name(pod_spec(lws)), overlay
+        differ = ("args", "ports", "resources", "startupProbe", "readinessProbe", "livenessProbe")
+        sts_pod = {k: v for k, v in pod_spec(sts).items() if k != "subdomain"}
+        assert without(sts_pod, *differ) == without(pod_spec(lws, "leader"), *differ), overlay
+        assert without(pod_spec(lws, "worker"), *differ) == without(
+            pod_spec(lws, "leader"), *differ
+        )
         assert sts["spec"]["serviceName"] == "tpla-decode-group"
-        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 1  # one pod runs the group
+        # One pod per rank: LWS_GROUP_SIZE is the group's tp (tpla decode checks it too).
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == int(config(docs)["TPLA_TP"])
 
 
 def test_gpu_overlay_gives_each_decode_rank_a_gpu(rendered: dict[tuple[str, bool], str]) -> None:
     for with_components in (False, True):
         docs = docs_of(rendered[("gpu", with_components)])
         tp = int(config(docs)["TPLA_TP"])
-        for role, doc, container in workloads(docs):
+        for role, doc, template, container in workloads(docs):
             if role == "router":
                 continue
-            want = str(tp) if role == "decode" else "1"
+            # A pod of the LeaderWorkerSet runs one rank; the StatefulSet's pod all of them.
+            want = str(tp) if (role, template) == ("decode", "pod") else "1"
             assert container["resources"]["limits"]["nvidia.com/gpu"] == want, role
             assert container["image"].startswith("tpla-serve-cuda:")
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
             assert {"/dev/shm", "/models"} <= mounts, role
-            shm = next(v for v in pod_spec(doc)["volumes"] if v["name"] == "shm")
+            shm = next(v for v in pod_spec(doc, template)["volumes"] if v["name"] == "shm")
             assert shm["emptyDir"]["medium"] == "Memory"
             assert any(e["name"].startswith("NCCL_") for e in container["env"])

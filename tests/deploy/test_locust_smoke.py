@@ -1,6 +1,6 @@
 """A 20-second Locust smoke run through `loadtest/run.py` against a real local stack.
 
-The stack is `python -m common.cli serve` (embedded Redis, prefill worker, a decode group of
+The stack is `python -m tools.cli serve` (embedded Redis, prefill worker, a decode group of
 two ranks with TPLA r=2, router) on free loopback ports, serving a tiny random DeepSeek-V2
 checkpoint with a trained tokenizer and chat template, so the test needs no demo model.
 The driver finds the stack ready and leaves it running; the test then stops it with SIGINT
@@ -21,8 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from services.local_stack import LocalStack
-from tests.model.tiny import save_tiny_chat_model
+from tests.tiny import save_tiny_chat_model
+from tools.local_stack import LocalStack
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-smoke"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.local_stack import LocalStack
-from tests.model.tiny import save_tiny_chat_model
 from tests.stack import start_stack
+from tests.tiny import save_tiny_chat_model
+from tools.local_stack import LocalStack
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from services.local_stack import LocalStack
 from tests.stack import MODEL_NAME, start_stack
+from tools.local_stack import LocalStack
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
 # Small blocks and SP chunks: the prompts span several chunks and end inside a block, so

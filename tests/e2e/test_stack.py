@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -14,9 +10,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.tokenizer import ChatMessage, Tokenizer
-from services.local_stack import LocalStack
+from common.chat_template import ChatMessage
+from common.tokenizer import Tokenizer
+from tests.cli import tpla_json
 from tests.stack import MODEL_NAME, start_stack
+from tools.local_stack import LocalStack
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
 
@@ -25,44 +23,66 @@ def _client(stack: LocalStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _reference_text(stack: LocalStack, max_tokens: int) -> tuple[str, list[int]]:
-    """`tpla generate` greedy on the same chat prompt, same mode (TPLA tp=2, r=2)."""
+def _reference_text(
+    stack: LocalStack, max_tokens: int, messages: list[dict[str, str]] = MESSAGES
+) -> tuple[str, list[int]]:
+    """`tpla generate` greedy on the same chat prompt, same mode (TPLA tp=2, r=2), without
+    any prefix cache."""
     tok = Tokenizer.from_dir(stack.model_dir)
-    ids = tok.encode_chat([ChatMessage(m["role"], m["content"]) for m in MESSAGES])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "common.cli",
-            "generate",
-            "--model",
-            str(stack.model_dir),
-            "--prompt-ids",
-            ",".join(map(str, ids)),
-            "--max-tokens",
-            str(max_tokens),
-            "--tp",
-            "2",
-            "--latent-groups",
-            "2",
-            "--method",
-            "identity",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ids = tok.encode_chat([ChatMessage(m["role"], m["content"]) for m in messages])
+    ids_arg = ",".join(map(str, ids))
+    out = tpla_json(
+        "generate", "--model", str(stack.model_dir), "--prompt-ids", ids_arg,
+        "--max-tokens", str(max_tokens), "--tp", "2", "--latent-groups", "2",
+        "--method", "identity", "--json", timeout=300,
+    )  # fmt: skip
     return out["text"], out["token_ids"]
 
 
-def _chat(stack: LocalStack, **kw: object):
+def _chat(stack: LocalStack, messages: list[dict[str, str]] = MESSAGES, **kw: object):
     return _client(stack).chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, temperature=0, **kw
+        model=MODEL_NAME, messages=messages, temperature=0, **kw
     )
+
+
+SYSTEM = {
+    "role": "system",
+    "content": "you are a careful assistant. " * 12 + "answer the quick brown fox questions.",
+}
+
+
+def _conversation_reuses_cached_prefixes(stack: LocalStack, tag: str) -> None:
+    """Two turns of one conversation, the first sent twice: the repeat and the second turn
+    reuse the cached prefix (usage says how much) and answer exactly as `tpla generate`,
+    which has no cache; afterwards no block is held and the prefixes stay cached."""
+    first = [SYSTEM, {"role": "user", "content": f"{tag}: hello world, the quick brown fox"}]
+    a = _chat(stack, first, max_tokens=6)
+    again = _chat(stack, first, max_tokens=6)
+    assert again.choices[0].message.content == a.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16 * (a.usage.prompt_tokens // 16)
+    second = [
+        *first,
+        {"role": "assistant", "content": a.choices[0].message.content},
+        {"role": "user", "content": "and then?"},
+    ]
+    turn = _chat(stack, second, max_tokens=6)
+    assert turn.usage.prompt_tokens_details.cached_tokens >= 16
+    assert turn.choices[0].message.content == _reference_text(stack, 6, second)[0]
+    leader = next(
+        w
+        for w in httpx.get(f"{stack.url}/admin/workers", timeout=10).json()
+        if w["role"] == "decode" and w["rank"] == 0
+    )
+    assert leader["kv_blocks_cached"] > 0
+    deadline = time.monotonic() + 10
+    while leader["kv_blocks_used"] and time.monotonic() < deadline:  # the heartbeat may lag
+        time.sleep(0.5)
+        leader = next(
+            w
+            for w in httpx.get(f"{stack.url}/admin/workers", timeout=10).json()
+            if w["role"] == "decode" and w["rank"] == 0
+        )
+    assert leader["kv_blocks_used"] == 0
 
 
 def test_non_streaming_greedy_equals_tpla_generate(stack: LocalStack) -> None:
@@ -97,6 +117,10 @@ def test_sixteen_concurrent_streams_complete(stack: LocalStack) -> None:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         reasons = list(pool.map(one, range(16)))
     assert all(r in ("stop", "length") for r in reasons)
+
+
+def test_prefix_cache_reuse_keeps_greedy_output(stack: LocalStack) -> None:
+    _conversation_reuses_cached_prefixes(stack, "grpc")
 
 
 def test_redis_record_walks_the_state_machine(stack: LocalStack) -> None:
@@ -138,6 +162,7 @@ def test_workers_listed_and_sigint_stops_everything(tiny_model) -> None:
     try:
         expected_text, _ = _reference_text(s, 8)
         assert _chat(s, max_tokens=8).choices[0].message.content == expected_text
+        _conversation_reuses_cached_prefixes(s, "torch")
         workers = httpx.get(f"{s.url}/admin/workers", timeout=10).json()
         roles = sorted((w["role"], w["rank"]) for w in workers)
         assert roles == [("decode", 0), ("decode", 1), ("prefill", 0)]

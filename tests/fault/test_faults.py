@@ -22,13 +22,29 @@ import httpx
 import psutil
 import pytest
 
-from services.local_stack import LocalStack
-from tests.model.tiny import save_tiny_chat_model
 from tests.stack import MODEL_NAME, start_stack
+from tests.tiny import save_tiny_chat_model
+from tools.local_stack import LocalStack
 
 CLIENT_TIMEOUT_S = 60.0  # a client that waits longer than this counts as hung
 RECOVERY_TIMEOUT_S = 90.0
-PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(6)]
+# Two streams carry sampling state that must survive a migration: penalties over the tokens
+# generated so far, and a grammar that resumes where it stopped (the new group replays them).
+CONTROLLED: dict[str, dict] = {
+    "request 4: penalized": {
+        "frequency_penalty": 1.0,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.3,
+    },
+    "request 5: constrained": {
+        "structured_outputs": {"regex": "[a-z ]{1000}"},
+        "ignore_eos": False,  # EOS comes only after the regex, far beyond max_tokens
+    },
+}
+PROMPTS = [
+    *(f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(4)),
+    *CONTROLLED,
+]
 MAX_TOKENS = 160
 
 
@@ -64,6 +80,7 @@ class Client:
         }
         if self.n > 1:
             body["n"] = self.n
+        body |= CONTROLLED.get(self.prompt, {})
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -167,6 +184,8 @@ def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None
             and len(ranks) == 2 * groups
             and all(w["healthy"] for w in ranks)
             and all(w["kv_blocks_used"] == 0 for w in leaders)
+            # Cached prefix blocks are free for reuse, never more than the pool.
+            and all(w["kv_blocks_cached"] <= w["kv_blocks_total"] for w in leaders)
             and len(pre) == prefill
             and all(_running(w["pid"]) for w in ws)
         ):
@@ -227,6 +246,48 @@ def reference(stack: LocalStack) -> dict[str, str]:
     return {p: complete(stack.url, p) for p in PROMPTS}
 
 
+def test_repeated_prompts_go_to_the_group_holding_their_prefix(stack: LocalStack) -> None:
+    """KV-aware routing (the default policy) on the two groups and the two prefill workers:
+    prompts sent at once spread over both groups (each sees the others' pending requests);
+    once the workers have published their cached hashes, each prompt again goes where its
+    prefix is, and the Redis record says the decode group held the whole prompt's full blocks
+    and the prefill worker reused its latents. (The least-loaded policy sends every repeat to
+    the same idle group, and the prompts first placed on the other one miss.) It runs first,
+    on the undisturbed stack: a group the faults below fail stays quarantined by the router."""
+    wait_recovered(stack)
+    prompts = [
+        f"prefix {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in (1, 2)
+    ]
+
+    def send(prompt: str) -> dict:
+        resp = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json=Client(stack.url, prompt, 4).body(stream=False),
+            timeout=CLIENT_TIMEOUT_S,
+        )
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def record(resp: dict) -> dict:
+        return httpx.get(f"{stack.url}/admin/requests/{resp['id']}", timeout=10).json()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        first = list(pool.map(send, prompts))
+    # Sent at once, they spread over both groups (each sees the others' pending requests).
+    assert len({record(r)["decode_group"] for r in first}) == 2
+    time.sleep(2.0)  # a heartbeat (0.5 s) and a router refresh (0.5 s), with room to spare
+    for prompt, before in zip(prompts, first, strict=True):
+        again = send(prompt)
+        rec = record(again)
+        assert rec["decode_group"] == record(before)["decode_group"]
+        assert rec["prefill_worker"] == record(before)["prefill_worker"]
+        assert int(rec["prefill_cached_tokens"]) >= 16
+        full_blocks = 16 * (again["usage"]["prompt_tokens"] // 16)
+        assert int(rec["decode_cached_tokens"]) == full_blocks
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks
+        assert again["choices"][0]["message"] == before["choices"][0]["message"]
+
+
 def _killed_mid_stream(stack: LocalStack, reference: dict[str, str], victim: str) -> None:
     clients = [Client(stack.url, p) for p in PROMPTS]
     pool, futures = run_clients(clients)
@@ -241,6 +302,8 @@ def _killed_mid_stream(stack: LocalStack, reference: dict[str, str], victim: str
         # repeated, the same greedy text as without the fault.
         assert r.text == reference[client.prompt]
         assert r.completion_tokens == MAX_TOKENS
+        if "structured_outputs" in CONTROLLED.get(client.prompt, {}):
+            assert set(r.text) <= set("abcdefghijklmnopqrstuvwxyz ")
     metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
     assert "tpla:request_migrations_total" in metrics
     wait_recovered(stack)
@@ -401,7 +464,7 @@ def test_stalled_rank_times_out_the_transfer_and_frees_blocks(stack: LocalStack)
     finally:
         for pid in followers:
             os.kill(pid, signal.SIGCONT)
-    assert resp.status_code in (503, 504), resp.text
+    assert resp.status_code in (503, 504), resp.text + stack.log()[-8000:]
     assert elapsed < 20, f"the failure took {elapsed:.1f} s"
     wait_recovered(stack)
 

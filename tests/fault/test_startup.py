@@ -28,9 +28,10 @@ from common.group_files import files_of
 from common.native import shm_group
 from common.ports import PortInUse, free_port
 from services.decode.config import EngineConfig, ParallelConfig
-from services.decode.engine import DecodeEngine, RankStartError
-from services.local_stack import LocalStack
-from tests.model.tiny import save_tiny_chat_model
+from services.decode.engine import DecodeEngine
+from services.decode.group import RankStartError
+from tests.tiny import save_tiny_chat_model
+from tools.local_stack import LocalStack
 
 EXIT_TIMEOUT_S = 20.0
 needs_shm = pytest.mark.skipif(not shm_group.available(), reason="no shared-memory collectives")
@@ -177,7 +178,7 @@ def test_serve_stops_everything_when_a_child_finds_its_port_taken(stack_of) -> N
 def decode_leader(watched: Watched) -> psutil.Process | None:
     for proc in watched.poll():
         try:
-            if "common.cli decode" in " ".join(proc.cmdline()):
+            if "tools.cli decode" in " ".join(proc.cmdline()):
                 return proc
         except psutil.NoSuchProcess:
             continue
@@ -229,7 +230,7 @@ def start_decode(model: Path) -> tuple[subprocess.Popen, Watched]:
     }
     env.pop("TPLA_REDIS_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "decode"], env=env, start_new_session=True
+        [sys.executable, "-m", "tools.cli", "decode"], env=env, start_new_session=True
     )
     return proc, Watched("TPLA_DECODE_PORT", str(port))
 
@@ -313,6 +314,7 @@ def test_a_taken_kv_port_fails_the_group_and_leaves_no_file(
     if rank == 0:
         assert str(err.value) == message
     else:
-        assert str(err.value) == "decode rank 1 could not start (its error is above)"
+        # The follower's own reason, reported through the group's store.
+        assert str(err.value) == f"decode rank 1 could not start: {message}"
         assert f"decode rank 1: error: {message}" in capfd.readouterr().err
     assert not group_files({os.getpid()})

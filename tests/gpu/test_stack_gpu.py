@@ -3,18 +3,15 @@ placed on GPUs (`make test-gpu`; every test skips with its reason where CUDA is 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 import torch
 
-from tests.model.tiny import save_tiny_chat_model
+from tests.cli import generate_ids
 from tests.stack import MODEL_NAME, start_stack
+from tests.tiny import save_tiny_chat_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,19 +23,9 @@ PROMPT = "def fibonacci(n):"
 
 
 def _generate(device: str, *args: str, dtype: str = "float32") -> list[int]:
-    env = {**os.environ, "TPLA_DEVICE": device, "TPLA_DTYPE": dtype, "OMP_NUM_THREADS": "1"}
+    env = {"TPLA_DEVICE": device, "TPLA_DTYPE": dtype}
     args = ("--model", str(DEMO), "--prompt", PROMPT, "--max-tokens", "16", *args)
-    proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", "--ignore-eos", "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "cannot run here" not in proc.stderr, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"]
+    return generate_ids("--ignore-eos", *args, env=env, timeout=600)
 
 
 @pytest.mark.parametrize(

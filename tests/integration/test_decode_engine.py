@@ -22,8 +22,8 @@ from services.decode.comm import ShmCollectives
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.local import collect, load_prefill_model, submit
-from services.prefill.worker import PrefillJob, first_tokens
-from tests.model.tiny import save_hf
+from services.prefill.worker import first_tokens
+from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -248,8 +248,7 @@ def _submit_forked(engine: DecodeEngine, prefill, prompt: list[int], p: Sampling
     for target in engine.kv_targets(reservation, len(prompt)):
         shard = cut_shard(out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size)
         engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
-    job = PrefillJob(rid, prompt, p, (), reservation.block_size, 30.0, n=n)
-    firsts = first_tokens(out.logits[0], job)
+    firsts = first_tokens(out.logits[0], p, n)
     return rid, firsts, engine.generate(rid, [t.token_id for t in firsts], p)
 
 

@@ -1,5 +1,5 @@
 """The internal token on every internal gRPC server: real decode leader (with its rank's KV
-receiver) and prefill worker, started as tests/integration/test_services.py starts them.
+receiver) and prefill worker, started in threads of the test (tests/stack.py).
 
 Every method of Decode, Prefill and KvReceiver answers UNAUTHENTICATED without the token or
 with a wrong one, before doing any work; with the token a whole disaggregated request runs
@@ -9,7 +9,6 @@ with a wrong one, before doing any work; with the token a whole disaggregated re
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import grpc
 import pytest
 
 from common.errors import Unauthorized
+from common.ports import free_port
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, DecodeClient, PrefillClient
 from common.rpc.gen import (
     common_pb2,
@@ -30,10 +30,8 @@ from common.rpc.gen import (
 )
 from common.sampling import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig
-from services.decode.engine import free_port
-from services.decode.service import serve_decode
-from services.prefill.service import serve_prefill
-from tests.model.tiny import save_hf
+from tests.stack import services_in_threads
+from tests.tiny import save_hf
 
 TOKEN = "s3cret-internal-token"
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -44,56 +42,17 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     """A tp=1 decode leader (+ its KV receiver) and a prefill worker, both with TOKEN."""
     model_dir: Path = tmp_path_factory.mktemp("auth-model")
     save_hf("v2-group-yarn", model_dir, std=0.08)
-    stop, ready = threading.Event(), threading.Event()
-    decode_port, prefill_port, kv_base = free_port(), free_port(), free_port()
     cfg = EngineConfig(
         model=str(model_dir),
         parallel=ParallelConfig(tp=1, latent_groups=1),
         master_port=free_port(),
         kv_budget_mb=2,
         block_size=8,
-        kv_port_base=kv_base,
+        kv_port_base=free_port(),
         internal_token=TOKEN,
     )
-    decode = threading.Thread(
-        target=serve_decode,
-        args=(cfg, decode_port, None),
-        kwargs={"ready": ready, "stop": stop},
-        daemon=True,
-    )
-    prefill = threading.Thread(
-        target=serve_prefill,
-        args=(str(model_dir), None, "127.0.0.1", prefill_port, None),
-        kwargs={"transport": "grpc", "token": TOKEN, "stop": stop},
-        daemon=True,
-    )
-    decode.start()
-    prefill.start()
-    addresses = {
-        "decode": f"127.0.0.1:{decode_port}",
-        "prefill": f"127.0.0.1:{prefill_port}",
-        "kv": cfg.kv_addresses(0)[0],
-    }
-    try:
-        assert ready.wait(120), "decode leader did not start"
-        _wait_for_prefill(addresses["prefill"])
-        yield addresses
-    finally:
-        stop.set()  # also when start-up failed: nothing may outlive the test
-        decode.join(timeout=30)
-        prefill.join(timeout=30)
-
-
-def _wait_for_prefill(address: str) -> None:
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = prefill_pb2_grpc.PrefillStub(channel)
-        for _ in range(600):  # the worker may still be loading its model
-            try:
-                stub.GetLoad(common_pb2.Empty(), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=1)
-                return
-            except grpc.RpcError:
-                threading.Event().wait(0.1)
-    raise AssertionError("prefill worker did not start")
+    with services_in_threads(cfg, None, token=TOKEN, start_timeout_s=120) as svc:
+        yield {"decode": svc.decode, "prefill": svc.prefill["grpc"], "kv": cfg.kv_addresses(0)[0]}
 
 
 Call = Callable[[grpc.Channel, tuple[tuple[str, str], ...]], Any]
@@ -128,7 +87,7 @@ PREFILL_CALLS: dict[str, Call] = {
 }
 KV_CALLS: dict[str, Call] = {
     "Push": lambda ch, md: kv_pb2_grpc.KvReceiverStub(ch).Push(
-        iter([kv_pb2.KvChunk(header=kv_pb2.KvHeader(request_id="intruder"), data=b"\0" * 64)]),
+        iter([kv_pb2.KvChunk(header=kv_pb2.KvHeader(request_id="intruder"), rows=b"\0" * 64)]),
         metadata=md,
         timeout=5,
     ),

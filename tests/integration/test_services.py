@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import redis
 
-from common.embedded_redis import EmbeddedRedis
 from common.errors import InvalidRequest
 from common.generate import generate
 from common.model.loader import load_model
+from common.ports import free_port
 from common.redis_state import WorkerRegistry, WorkerRole
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.sampling import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
-from services.decode.engine import free_port
-from services.decode.service import serve_decode
-from services.prefill.service import serve_prefill
-from tests.model.tiny import save_hf
+from services.embedded_redis import EmbeddedRedis
+from tests.stack import services_in_threads
+from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -28,52 +26,38 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     model_dir = tmp_path_factory.mktemp("svc-model")
     save_hf("v2-group-yarn", model_dir, std=0.08)
-    redis_server = EmbeddedRedis(free_port())
-    stop = threading.Event()
-    ready = threading.Event()
-    decode_port, kv_base = free_port(), free_port()
+    parallel = (
+        ParallelConfig(tp=2, latent_groups=1, mode=ParallelMode.SP, chunk_size=8)
+        if request.param == "sp"
+        else ParallelConfig(tp=2, latent_groups=1)
+    )
     cfg = EngineConfig(
         model=str(model_dir),
-        parallel=ParallelConfig(
-            tp=2, latent_groups=1, mode=ParallelMode(request.param), chunk_size=8
-        )
-        if request.param == "sp"
-        else ParallelConfig(tp=2, latent_groups=1),
+        parallel=parallel,
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
-        kv_port_base=kv_base,
+        kv_port_base=free_port(),
     )
-    decode = threading.Thread(
-        target=serve_decode,
-        args=(cfg, decode_port, redis_server.url),
-        kwargs={"ready": ready, "stop": stop, "heartbeat_s": 0.5},
-        daemon=True,
-    )
-    decode.start()
-    prefills = {}
-    for transport in ("grpc", "torch"):
-        port = free_port()
-        t = threading.Thread(
-            target=serve_prefill,
-            args=(str(model_dir), None, "127.0.0.1", port, redis_server.url),
-            kwargs={"transport": transport, "stop": stop, "heartbeat_s": 0.5},
-            daemon=True,
-        )
-        t.start()
-        prefills[transport] = f"127.0.0.1:{port}"
-    try:
-        assert ready.wait(300), "decode group did not start"
-        yield model_dir, f"127.0.0.1:{decode_port}", prefills, redis_server
-    finally:
-        stop.set()  # also when start-up failed: nothing may outlive the test
-        decode.join(timeout=30)
-        redis_server.stop()
+    with (
+        EmbeddedRedis(free_port()) as redis_server,
+        services_in_threads(
+            cfg, redis_server.url, ("grpc", "torch"), heartbeat_s=0.5, prefix_cache_mb=16.0
+        ) as svc,
+    ):
+        yield model_dir, svc.decode, svc.prefill, redis_server
 
 
 async def _run(
-    decode_addr: str, prefill_addr: str, rid: str, prompt: list[int], transport: str
+    decode_addr: str,
+    prefill_addr: str,
+    rid: str,
+    prompt: list[int],
+    transport: str,
+    cached: int | None = None,
 ) -> list[int]:
+    """Reserve, prefill, decode; `cached`: send the prompt ids with Reserve and expect the
+    group to hold that many of its leading tokens already."""
     decode, prefill = DecodeClient(decode_addr), PrefillClient(prefill_addr)
     try:
         for _ in range(100):  # the prefill worker may still be loading
@@ -82,14 +66,17 @@ async def _run(
                 break
             except Exception:  # the worker is not up yet
                 await asyncio.sleep(0.1)
-        res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens)
+        ids = prompt if cached is not None else ()
+        res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens, prompt_ids=ids)
         assert [t.rank for t in res.targets] == [0, 1]
+        assert res.cached_tokens == (cached or 0)
         out = await prefill.prefill(rid, prompt, GREEDY, res, transport=transport)
         # Exactly each rank's part: its tokens (SP: its chunks) x its latent width + d_r, fp32.
         expected = 0
         for t in res.targets:
             ranges = list(zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True))
-            tokens = sum(hi - lo for lo, hi in ranges) if ranges else len(prompt)
+            shipped = len(prompt) - res.cached_tokens
+            tokens = sum(hi - lo for lo, hi in ranges) if ranges else shipped
             expected += tokens * res.num_layers * (t.latent_width + res.rope_width) * 4
         assert out.transfer_bytes == expected
         tokens = [out.first_token.token_id]
@@ -110,6 +97,62 @@ def test_disaggregated_greedy_equals_single_process(stack, transport: str) -> No
     expected = generate(load_model(model_dir), prompt, GREEDY).token_ids
     got = asyncio.run(_run(decode_addr, prefills[transport], f"req-{transport}", prompt, transport))
     assert got == expected
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+def test_prefix_reuse_ships_only_missing_blocks_and_keeps_output(stack, transport: str) -> None:
+    """A prompt's full blocks stay cached after it finishes; the same prompt, and a longer one
+    sharing it, reuse them (only the rest is shipped) and decode exactly as without cache."""
+    model_dir, decode_addr, prefills, _ = stack
+    model = load_model(model_dir)
+    base = [5 + (7 * i + len(transport)) % 90 for i in range(29)]  # 3 full blocks of 8
+    longer = [*base, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 38: 4 full blocks, 3 shared
+    addr = prefills[transport]
+    first = asyncio.run(_run(decode_addr, addr, f"p1-{transport}", base, transport, cached=0))
+    again = asyncio.run(_run(decode_addr, addr, f"p2-{transport}", base, transport, cached=24))
+    more = asyncio.run(_run(decode_addr, addr, f"p3-{transport}", longer, transport, cached=24))
+    assert first == again == generate(model, base, GREEDY).token_ids
+    assert more == generate(model, longer, GREEDY).token_ids
+
+    async def load() -> tuple[int, int]:
+        client = DecodeClient(decode_addr)
+        try:
+            info = await client.load()
+        finally:
+            await client.close()
+        return info.blocks_used, info.blocks_cached
+
+    used, cached = asyncio.run(load())
+    assert used == 0 and cached >= 4  # nothing held by a live request; the prefixes stay
+
+
+def test_aborts_and_failures_leave_the_cache_consistent(stack) -> None:
+    """Two live reservations share the cached prefix of the prompt above (its blocks leave
+    the evictable set while referenced); one prefill fails, both are aborted: nothing is
+    held and exactly the same blocks are cached again."""
+    _, decode_addr, prefills, _ = stack
+    base = [5 + (7 * i + len("grpc")) % 90 for i in range(29)]  # cached by the test above
+
+    async def check() -> None:
+        decode, prefill = DecodeClient(decode_addr), PrefillClient(prefills["grpc"])
+        try:
+            before = await decode.load()
+            assert before.blocks_used == 0 and before.blocks_cached >= 3
+            one = await decode.reserve("share-1", len(base), 4, prompt_ids=base)
+            two = await decode.reserve("share-2", len(base), 4, prompt_ids=base)
+            assert one.cached_tokens == two.cached_tokens == 24
+            during = await decode.load()
+            assert during.blocks_cached == before.blocks_cached - 3  # referenced: not evictable
+            with pytest.raises(Exception, match=r"overflows|rejected|reserve for this prompt"):
+                await prefill.prefill("share-2", list(range(1, 60)), GREEDY, two)
+            assert await decode.abort("share-2") and await decode.abort("share-1")
+            after = await decode.load()
+            assert (after.blocks_used, after.blocks_cached) == (0, before.blocks_cached)
+        finally:
+            await decode.close()
+            await prefill.close()
+
+    asyncio.run(check())
 
 
 @pytest.mark.parametrize("transport", ["grpc", "torch"])
@@ -214,3 +257,8 @@ def test_worker_metrics_parse(stack) -> None:
     prefill = scrape(prefills["grpc"])
     # The disaggregated tests above pushed shards through this worker.
     assert prefill["tpla:kv_transfer_bytes_total[('transport', 'grpc')]"] > 0
+    # The prefix-reuse test hit both caches (tokens; queries count every looked-up token).
+    for scraped in (decode, prefill):
+        hits = scraped["tpla:prefix_cache_hits_total[]"]
+        assert 0 < hits <= scraped["tpla:prefix_cache_queries_total[]"]
+    assert decode["tpla:kv_blocks_cached[]"] > 0 and decode["tpla:kv_blocks_used[]"] == 0

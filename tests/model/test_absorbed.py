@@ -7,7 +7,7 @@ import torch
 
 from common.model.loader import load_model
 from common.model.model import ContiguousLatentCache
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 CONTEXT = 520
 STEPS = 6

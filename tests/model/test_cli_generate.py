@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,8 @@ from common.generate import generate
 from common.model.loader import load_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from tests.model.tiny import save_tiny_chat_model
+from tests.cli import run_tpla
+from tests.tiny import save_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +22,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    return run_tpla("generate", *args)
 
 
 def test_generate_json_matches_in_process(model_dir: Path) -> None:

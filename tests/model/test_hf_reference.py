@@ -10,7 +10,7 @@ import torch
 from common.generate import generate
 from common.model.loader import load_model
 from common.sampling import SamplingParams
-from tests.model.tiny import VARIANTS, save_hf
+from tests.tiny import VARIANTS, save_hf
 
 PROMPT_LEN = 37
 NEW_TOKENS = 16

@@ -150,7 +150,7 @@ def test_backend_selection_and_fallback() -> None:
 
 def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
     from common.serving_model import load_prefill_model
-    from tests.model.tiny import save_tiny_chat_model
+    from tests.tiny import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
     native = load_prefill_model(model_dir, None, attention_backend="auto")
@@ -172,7 +172,7 @@ def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(tmp_
     # TPLA_ATTENTION_BACKEND must reach them as it reaches the prefill service.
     from services.decode.config import EngineConfig
     from services.decode.local import load_prefill_model
-    from tests.model.tiny import save_tiny_chat_model
+    from tests.tiny import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
     cfg = EngineConfig(model=str(model_dir))

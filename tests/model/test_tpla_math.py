@@ -13,7 +13,7 @@ from common.model.tpla import (
     new_token_latent,
     shard_attention,
 )
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 
 @pytest.fixture(scope="module")

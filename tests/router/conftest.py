@@ -23,14 +23,15 @@ import pytest
 import redis
 import uvicorn
 
-from common.embedded_redis import EmbeddedRedis
+from common.ports import free_port
 from common.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.clients import TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from common.settings import Settings
 from common.tokenizer import Tokenizer
+from services.embedded_redis import EmbeddedRedis
 from services.router.app import create_app
-from tests.unit.test_tokenizer import CORPUS, TEMPLATE, _train
+from tests.tiny import save_tokenizer
 
 MAX_POSITIONS = 64
 INTERNAL_TOKEN = "internal-secret"
@@ -41,20 +42,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tokenizer + chat template + a config.json with a small context (64 tokens)."""
     path = tmp_path_factory.mktemp("router-model")
-    _train(400, CORPUS).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE})
-    )
+    save_tokenizer(path, 400)
     (path / "config.json").write_text(json.dumps({"max_position_embeddings": MAX_POSITIONS}))
     return path
 

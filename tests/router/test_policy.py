@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from common.errors import Unavailable
+from common.kv.prefix_cache import block_hashes, format_hashes, root_hash
 from common.redis_state import WorkerRecord, WorkerRole
 from services.router.policy import (
+    KvAwarePolicy,
     LeastLoadedPolicy,
     RoundRobinPolicy,
     WorkerSnapshot,
@@ -103,3 +105,82 @@ def test_no_workers_is_unavailable() -> None:
             policy.choose_prefill(only_decode, {})
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random")
+
+
+def test_kv_aware_weighs_prefix_overlap_against_load() -> None:
+    root = root_hash("tiny")
+    prompt = list(range(64))  # 4 blocks of 16
+    chain = block_hashes(root, prompt, 16)
+
+    def group(name: str, used: int, cached: int) -> WorkerRecord:
+        return decode(
+            name,
+            used=used,
+            block_size=16,
+            prefix_root=f"{root:x}",
+            prefix_hashes=format_hashes(chain[:cached]),
+        )
+
+    snap = WorkerSnapshot.from_records(
+        [group("g1", used=10, cached=4), group("g2", used=8, cached=0), prefill("p1")]
+    )
+    assert snap.decode_groups[0].prefix.cached_tokens(prompt, {}) == 64
+    policy = make_policy("kv-aware", overlap_weight=1.0)
+    assert isinstance(policy, KvAwarePolicy)
+    # g1 holds the whole prompt: 0 blocks to receive + 10 held < 4 + 8.
+    assert policy.choose_decode(snap, {}, prompt=prompt).group_id == "g1"
+    # Without a prompt (or with another one) load decides.
+    assert policy.choose_decode(snap, {}).group_id == "g2"
+    assert policy.choose_decode(snap, {}, prompt=[9] * 64).group_id == "g2"
+    # Load outweighs overlap once g1 is busy enough; a higher weight favours overlap again.
+    busy = WorkerSnapshot.from_records(
+        [group("g1", used=30, cached=4), group("g2", used=8, cached=0)]
+    )
+    assert policy.choose_decode(busy, {}, prompt=prompt).group_id == "g2"
+    heavy = KvAwarePolicy(overlap_weight=8.0)
+    assert heavy.choose_decode(busy, {}, prompt=prompt).group_id == "g1"
+    # Requests this router sent since the snapshot count as load (a burst spreads out).
+    assert policy.choose_decode(snap, {"g1": 2}, prompt=prompt).group_id == "g2"
+    # A different chain root (another model or side file) never matches.
+    other = WorkerSnapshot.from_records(
+        [
+            decode(
+                "g1",
+                used=10,
+                block_size=16,
+                prefix_root=f"{root_hash('x'):x}",
+                prefix_hashes=format_hashes(chain),
+            ),
+            group("g2", used=8, cached=0),
+        ]
+    )
+    assert policy.choose_decode(other, {}, prompt=prompt).group_id == "g2"
+
+
+def test_kv_aware_sends_a_prompt_to_the_prefill_worker_holding_its_prefix() -> None:
+    root = root_hash("tiny-prefill")
+    prompt = list(range(100))
+    chain = block_hashes(root, prompt, 16)  # 6 full blocks: 96 tokens
+
+    def worker(name: str, queued: int, cached: int) -> WorkerRecord:
+        return WorkerRecord(
+            name,
+            WorkerRole.PREFILL,
+            f"{name}:1",
+            queued_tokens=queued,
+            block_size=16,
+            prefix_root=f"{root:x}",
+            prefix_hashes=format_hashes(chain[:cached]),
+        )
+
+    snap = WorkerSnapshot.from_records([worker("p1", 50, 6), worker("p2", 0, 0)])
+    policy = KvAwarePolicy()
+    # p1: 50 queued + 4 to compute < p2: 0 + 100.
+    assert policy.choose_prefill(snap, {}, prompt=prompt).worker_id == "p1"
+    assert policy.choose_prefill(snap, {}).worker_id == "p2"  # no prompt: load alone
+    busy = WorkerSnapshot.from_records([worker("p1", 500, 6), worker("p2", 0, 0)])
+    assert policy.choose_prefill(busy, {}, prompt=prompt).worker_id == "p2"
+    # This router's tokens in flight count as queued there.
+    assert policy.choose_prefill(snap, {"p1": 400}, prompt=prompt).worker_id == "p2"
+    # Least-loaded ignores the prefix.
+    assert LeastLoadedPolicy().choose_prefill(snap, {}, prompt=prompt).worker_id == "p2"

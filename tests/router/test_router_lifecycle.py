@@ -52,10 +52,13 @@ async def test_chat_walks_the_state_machine(
         n_completion = len(stack.script.ids)  # the EOS token counts, but is not text
         prompt_len = stack.decode.reserved[0].prompt_len
         assert prompt_len > 0
+        # The prompt's ids go with Reserve, so the group can reuse a cached prefix.
+        assert len(stack.decode.reserved[0].prompt_ids) == prompt_len
         assert body["usage"] == {
             "prompt_tokens": prompt_len,
             "completion_tokens": n_completion,
             "total_tokens": prompt_len + n_completion,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         # The id the client sees is the id on every gRPC call and in Redis.
         assert stack.decode.reserved[0].request_id == rid

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,21 +19,14 @@ from common.tokenizer import Tokenizer
 from common.tpla.convert import load_side_file
 from common.tpla.eval import EvalConfig, evaluate
 from common.tpla.transforms import Method
-from tests.unit.test_tokenizer import CORPUS
+from tests.cli import run_tpla
+from tests.tiny import CORPUS
 
 WINDOW, PREFILL, MAX_TOKENS = 64, 16, 200
 
 
 def _tpla(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    return run_tpla(*args)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +100,9 @@ def test_eval_bad_input_is_a_clear_error(model_dir: Path, text_file: Path) -> No
     config = EvalConfig(groups=2, window=32, prefill_len=31, eval_path=str(text_file))
     with pytest.raises(ValueError, match="leaves nothing to score in windows of 32"):
         evaluate(model_dir, config)
+    if not torch.cuda.is_available():  # a GPU asked for where there is none: exit 2, named
+        proc = _tpla("eval", "--model", str(model_dir), "--groups", "2", "--device", "cuda")
+        assert proc.returncode == 2 and "no visible CUDA device" in proc.stderr
 
 
 def test_generate_modes(model_dir: Path) -> None:

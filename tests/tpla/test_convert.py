@@ -21,8 +21,7 @@ from common.tpla.convert import (
     side_file_name,
 )
 from common.tpla.transforms import Method
-from tests.model.tiny import save_hf
-from tests.tpla.conftest import calibrate, random_windows
+from tests.tiny import calibrate, random_windows, save_hf
 
 
 @pytest.mark.parametrize("method", [Method.PCA, Method.HADAMARD])

@@ -4,32 +4,26 @@ published DeepSeek-V3 / V2-Lite configs through the real CLI."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from common.cli import main
 from common.model.loader import load_model
 from common.model.tpla import RmsNormMode, latent_shards
-from common.tpla.plan import (
-    GIB,
-    Hardware,
+from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
+from common.tpla.rank_memory import (
     Kind,
     Layout,
-    PlanRequest,
-    build_plan,
-    checkpoint_from_hf_dict,
     kv_bytes_per_stored_token,
     rank_tensors,
     weight_bytes,
 )
 from services.decode.config import ParallelConfig, ParallelMode
 from services.decode.rank_model import RankModel
-from tests.model.tiny import save_hf
+from tests.cli import run_tpla
+from tests.tiny import save_hf
+from tools.cli.main import main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 V3, V2_LITE = CONFIGS / "deepseek-v3" / "config.json", CONFIGS / "deepseek-v2-lite" / "config.json"
@@ -92,14 +86,7 @@ def test_bf16_rank_model_holds_the_bf16_bytes(tmp_path: Path) -> None:
 
 def _plan(args: str) -> dict:
     """Run `tpla plan ARGS --json` as a real process; the parsed last stdout line."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "plan", *shlex.split(args), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=False,
-    )
+    proc = run_tpla("plan", *shlex.split(args), "--json")
     assert proc.returncode == 0, proc.stderr
     table, last = proc.stdout.strip().rsplit("\n", 1)
     assert "layout" in table and "fits" in table  # the human table comes first
@@ -239,12 +226,6 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_a_bad_input_exits_non_zero_from_a_real_process() -> None:
     args = f"--config {V3} --gpu-mem-gib 80 --context 4096 --gpus-per-group 8 --latent-groups 3"
-    proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "plan", *shlex.split(args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_tpla("plan", *shlex.split(args))
     assert proc.returncode == 2
     assert "tpla plan: error: tp=8 is not a multiple of latent_groups=3" in proc.stderr

@@ -13,7 +13,7 @@ from common.model.tpla import RmsNormMode, latent_shards
 from common.tpla.convert import apply_reparameterization, build_reparameterization
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from common.tpla.transforms import Method
-from tests.tpla.conftest import calibrate, random_windows
+from tests.tiny import calibrate, random_windows
 
 T, P = 40, 12
 

@@ -16,7 +16,7 @@ from common.tpla.transforms import (
     rotated_spectrum,
     rotation,
 )
-from tests.tpla.conftest import calibrate
+from tests.tiny import calibrate
 
 
 def _psd(d: int, seed: int = 0) -> torch.Tensor:

@@ -10,6 +10,7 @@ import queue
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from common.native import shm_group
 from common.ports import free_port
@@ -63,6 +64,11 @@ def _rank(cfg_json: str, rank: int, out: mp.Queue) -> None:
     comm.barrier()
     results["bytes"] = comm.bytes
     out.put((rank, results))
+    # Both ranks leave the group before either exits: a gloo rank whose peer (or the store on
+    # rank 0) vanished first may abort in its threads at exit ("terminate called ...").
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("collectives", ["shm", "dist"])

@@ -4,7 +4,6 @@ a password-protected Redis (real redis-server processes on 127.0.0.1)."""
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,20 +11,15 @@ import httpx
 import pytest
 import redis
 
-from common.embedded_redis import EmbeddedRedis
+from common.ports import free_port
 from common.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
+from services.embedded_redis import EmbeddedRedis
 from services.router.app import create_app
 
 # Characters that must be escaped in redis.conf and percent-encoded in a URL.
 PASSWORD = 'p@ss:w/rd "q" \\ #%?'
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "demo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The KV wire: hand-built chunks are the protobuf messages they claim to be, and every way a
-payload lands in the paged cache (packed in place, packed staged, split) writes exact bytes."""
+payload lands in the paged cache (in place, staged) writes exact bytes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from common.kv import wire
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, parse_chunk
-from common.kv.transfer import Shard, TransferError, encode_chunks
+from common.kv.transfer import Shard, TransferError, cut_shard, encode_chunks
 from common.kv.wire import row_plan, shard_slots
+from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2
 
 
@@ -29,12 +30,10 @@ def _shard(
 @pytest.mark.parametrize("chunk_bytes", [7, 1000, 1 << 20])
 @pytest.mark.parametrize("tokens", [0, 1, 37])
 def test_encode_chunks_is_wire_identical_to_kvchunk(chunk_bytes: int, tokens: int) -> None:
-    shard = _shard(tokens, (4, 9, 2), positions=tuple(range(100, 100 + tokens)))
+    shard = _shard(tokens, (4, 9, 2))
     chunks = [kv_pb2.KvChunk.FromString(raw) for raw in encode_chunks(shard, chunk_bytes)]
     assert chunks[0].HasField("header") and chunks[0].header == shard.header()
-    assert chunks[0].header.layout == kv_pb2.KV_LAYOUT_PACKED
     assert not any(c.HasField("header") for c in chunks[1:])
-    assert not any(c.data for c in chunks)  # packed rows never ride in the split field
     assert b"".join(c.rows for c in chunks) == shard.kv.numpy().tobytes()
     assert all(len(c.rows) <= chunk_bytes for c in chunks)
     # And byte for byte what protobuf itself would have sent for the first chunk.
@@ -42,10 +41,16 @@ def test_encode_chunks_is_wire_identical_to_kvchunk(chunk_bytes: int, tokens: in
     assert next(iter(encode_chunks(shard, chunk_bytes))) == first
 
 
+def _retired_data_chunk(header: kv_pb2.KvHeader, data: bytes) -> bytes:
+    """A chunk as senders of the retired split layout built it: payload in field 2."""
+    head = header.SerializeToString()
+    return b"\x0a" + bytes([len(head)]) + head + b"\x12" + bytes([len(data)]) + data
+
+
 def test_parse_chunk_reads_what_protobuf_writes() -> None:
     header = kv_pb2.KvHeader(request_id="r", num_tokens=3, block_ids=[1, 2])
     for msg in (
-        kv_pb2.KvChunk(header=header, data=b"abc"),
+        kv_pb2.KvChunk(header=header, rows=b"abc"),
         kv_pb2.KvChunk(rows=b"\x00" * 300),
         kv_pb2.KvChunk(header=header),
         kv_pb2.KvChunk(),
@@ -54,17 +59,22 @@ def test_parse_chunk_reads_what_protobuf_writes() -> None:
         assert (kv_pb2.KvHeader.FromString(head) if head is not None else None) == (
             msg.header if msg.HasField("header") else None
         )
-        assert bytes(payload) == (msg.data or msg.rows)
-        assert field_no == (2 if msg.data else 3 if msg.rows else 0)
+        assert bytes(payload) == msg.rows
+        assert field_no == (3 if msg.rows else 0)
+    head, field_no, payload = parse_chunk(_retired_data_chunk(header, b"abc"))
+    assert head is not None and (field_no, bytes(payload)) == (2, b"abc")
     with pytest.raises(TransferError):
         parse_chunk(kv_pb2.KvChunk(rows=b"xyz").SerializeToString()[:-1])
 
 
-def test_shard_from_parts_packs_n_and_k_pe() -> None:
-    n, k_pe = torch.randn(2, 5, 6), torch.randn(2, 5, 3)
-    shard = Shard.from_parts("r", 1, n, k_pe, 16, (0,))
-    assert torch.equal(shard.n, n) and torch.equal(shard.k_pe, k_pe)
-    assert shard.kv.is_contiguous() and shard.nbytes == n.nbytes + k_pe.nbytes
+def test_cut_shard_packs_n_and_k_pe() -> None:
+    n = [torch.randn(5, 6) for _ in range(2)]
+    k_pe = [torch.randn(5, 3) for _ in range(2)]
+    target = KvTargetInfo(1, "", "", 2, 4, (0,))
+    shard = cut_shard(n, k_pe, 1, 4, target, "r", 16)
+    assert torch.equal(shard.n, torch.stack([x[1:4, 2:6] for x in n]))
+    assert torch.equal(shard.k_pe, torch.stack([x[1:4] for x in k_pe]))
+    assert shard.kv.is_contiguous() and shard.ready is None  # an event only on a GPU
 
 
 class _Sink:
@@ -102,22 +112,21 @@ CONTIGUOUS = tuple(range(100))  # one run: rows are received in place
 
 
 @pytest.mark.parametrize(
-    ("tokens", "blocks", "positions"),
+    ("tokens", "blocks"),
     [
-        (0, (3,), ()),
-        (37, (4, 9, 2), ()),  # partial last block, rows move one by one (gcd(37, 16) = 1)
-        (1600, SCATTERED, ()),
-        (1600, CONTIGUOUS, ()),  # direct segments, cut at SEGMENT_BYTES
-        (1000, CONTIGUOUS[:30] + SCATTERED[:40], ()),  # direct and staged in each layer
-        (48, (7, 3, 5, 0, 11, 12), (20, 21, 22, 0, 1, 2, *range(40, 82))),  # explicit positions
+        (0, (3,)),
+        (37, (4, 9, 2)),  # partial last block, rows move one by one (gcd(37, 16) = 1)
+        (1600, SCATTERED),
+        (1600, CONTIGUOUS),  # direct segments, cut at SEGMENT_BYTES
+        (1000, CONTIGUOUS[:30] + SCATTERED[:40]),  # direct and staged in each layer
     ],
 )
 @pytest.mark.parametrize("chunk_bytes", [1000, 1 << 20])
 @pytest.mark.usefixtures("small_segments")
 def test_grpc_push_lands_exact_bytes(
-    tokens: int, blocks: tuple[int, ...], positions: tuple[int, ...], chunk_bytes: int
+    tokens: int, blocks: tuple[int, ...], chunk_bytes: int
 ) -> None:
-    shard = _shard(tokens, blocks, positions=positions)
+    shard = _shard(tokens, blocks)
     cache = _cache(shard)
     sink = _Sink(cache)
     received = KvReceiverServicer(sink, None)._push(iter(encode_chunks(shard, chunk_bytes)))
@@ -153,20 +162,6 @@ def test_wire_dtype_other_than_the_cache_is_converted() -> None:
     _assert_landed(cache, shard)
 
 
-def test_split_layout_from_older_senders_still_lands() -> None:
-    shard = _shard(37, (4, 9, 2))
-    header = shard.header()
-    header.layout = kv_pb2.KV_LAYOUT_SPLIT
-    payload = shard.n.contiguous().numpy().tobytes() + shard.k_pe.contiguous().numpy().tobytes()
-    chunks = [
-        kv_pb2.KvChunk(header=header, data=payload[:1000]).SerializeToString(),
-        kv_pb2.KvChunk(data=payload[1000:]).SerializeToString(),
-    ]
-    cache = _cache(shard)
-    assert KvReceiverServicer(_Sink(cache), None)._push(iter(chunks)) == shard.nbytes
-    _assert_landed(cache, shard)
-
-
 def test_bad_pushes_are_rejected() -> None:
     shard = _shard(37, (4, 9, 2))
     chunks = list(encode_chunks(shard, 1000))
@@ -175,10 +170,9 @@ def test_bad_pushes_are_rejected() -> None:
         servicer._push(iter(chunks[:-1]))
     with pytest.raises(TransferError, match="no header"):
         servicer._push(iter(chunks[1:]))
-    # Packed rows in the split field: a receiver must not take them for split bytes.
-    split_field = kv_pb2.KvChunk(header=shard.header(), data=b"\0" * 8).SerializeToString()
+    # A sender of the retired split layout: its payload field is refused, not taken for rows.
     with pytest.raises(TransferError, match="field 2"):
-        servicer._push(iter([split_field]))
+        servicer._push(iter([_retired_data_chunk(shard.header(), b"\0" * 8)]))
 
 
 def test_write_all_layers_matches_the_reference() -> None:

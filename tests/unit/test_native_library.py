@@ -66,7 +66,7 @@ def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
     from services.decode.backends import select_decode_backend
     from services.decode.config import ParallelConfig
     from services.decode.rank_model import RankModel
-    from tests.model.tiny import save_hf
+    from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     full = load_model(tmp_path)

@@ -12,10 +12,14 @@ import pytest
 import torch
 
 from common.kv.transfer import make_sender
+from common.rpc.convert import ReservationInfo
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
+
+# A reservation with no KV targets: the prefill runs, nothing is shipped.
+NO_TARGETS = ReservationInfo("", 16, 0, 0, "float32", 30.0, ())
 
 
 def test_batches_fill_the_token_budget_in_arrival_order(tmp_path: Path) -> None:
@@ -38,7 +42,7 @@ def test_batches_fill_the_token_budget_in_arrival_order(tmp_path: Path) -> None:
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     lengths = [10, 40, 40, 60, 30, 150, 5]
     jobs = [
-        PrefillJob(f"r{i}", [3 + (i * 7 + t) % 300 for t in range(n)], greedy, (), 16, 30.0)
+        PrefillJob(f"r{i}", [3 + (i * 7 + t) % 300 for t in range(n)], greedy, NO_TARGETS, 30.0)
         for i, n in enumerate(lengths)
     ]
     try:

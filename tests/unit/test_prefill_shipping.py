@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.kv.transfer import KvSender, Shard, TransferError, make_sender
-from common.rpc.convert import KvTargetInfo
+from common.rpc.convert import KvTargetInfo, ReservationInfo
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
 
 WAIT_S = 60.0
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -62,7 +63,8 @@ def _job(model, request_id: str, length: int, seed: int) -> PrefillJob:  # type:
         for rank in range(2)
     )
     ids = [3 + (seed * 7 + t) % 300 for t in range(length)]
-    return PrefillJob(request_id, ids, GREEDY, targets, 16, 30.0)
+    reservation = ReservationInfo(request_id, 16, 0, 0, "float32", 30.0, targets)
+    return PrefillJob(request_id, ids, GREEDY, reservation, 30.0)
 
 
 @pytest.fixture
@@ -95,7 +97,7 @@ def test_the_next_batch_is_prefilled_while_shards_travel(model, tmp_path: Path) 
         done = [a.result(timeout=WAIT_S), b.result(timeout=WAIT_S)]
         # The reference worker ships to no rank: only the first token is compared.
         want = [
-            alone.submit(PrefillJob(j.request_id, j.prompt_ids, GREEDY, (), 16, 30.0)).result(
+            alone.submit(replace(j, reservation=replace(j.reservation, targets=()))).result(
                 timeout=WAIT_S
             )
             for j in (first, second)

@@ -8,14 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import prefill_threads
 from common.kv.transfer import make_sender
-from common.prefill_threads import PrefillThreads
+from common.rpc.convert import ReservationInfo
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from common.settings import load_settings
+from services.prefill import threads as prefill_threads
+from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
-from tests.model.tiny import save_hf
+from tests.tiny import save_hf
+
+# A reservation with no KV targets: the prefill runs, nothing is shipped.
+NO_TARGETS = ReservationInfo("", 16, 0, 0, "float32", 30.0, ())
 
 
 def test_large_batches_get_the_larger_count() -> None:
@@ -78,7 +82,7 @@ def test_a_prefill_worker_runs_each_batch_on_its_thread_count(tmp_path: Path) ->
     try:
         for n in (4, 40):
             # No KV targets: the job ends after its prefill and first token, nothing is sent.
-            job = PrefillJob(f"r{n}", list(range(3, 3 + n)), greedy, (), 16, 10.0)
+            job = PrefillJob(f"r{n}", list(range(3, 3 + n)), greedy, NO_TARGETS, 10.0)
             done = worker.submit(job).result(timeout=60)
             want = reference.submit(job).result(timeout=60)
             assert done.first_token.token_id == want.first_token.token_id

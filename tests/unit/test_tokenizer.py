@@ -1,4 +1,5 @@
-"""Tests for common.tokenizer against a real byte-level BPE tokenizer trained in-process."""
+"""common.tokenizer, chat_template and detokenizer against a real byte-level BPE tokenizer
+trained in-process."""
 
 from __future__ import annotations
 
@@ -11,27 +12,13 @@ import pytest
 import tokenizers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from common.tokenizer import (
-    ChatMessage,
-    IncrementalDetokenizer,
-    Tokenizer,
-    TokenizerError,
-)
+from common.chat_template import ChatMessage
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import TokenizerError
+from common.tokenizer import Tokenizer
+from tests.tiny import CORPUS, SPECIAL_TOKENS, TEMPLATE, train_tokenizer
 
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-CORPUS = [
-    "héllo wörld 你好 🙂 hello world",
-    "the quick brown fox jumps over the lazy dog",
-    "naïve café résumé 東京 世界 你好世界 🙂🙂 🚀 emoji 🎉",
-    "Grüße aus München, ça va? señor piñata",
-    "def main():\n    return 42  # ascii code",
-] * 20
 # Mixed-script texts whose characters span 1-4 UTF-8 bytes.
 UNICODE_TEXTS = [
     "hello world",
@@ -40,20 +27,6 @@ UNICODE_TEXTS = [
     "a🦀b 𝄞 z",  # 🦀 and 𝄞 are not in the corpus, so they split into byte tokens
     "",
 ]
-
-
-def _train(vocab_size: int, corpus: Sequence[str]) -> tokenizers.Tokenizer:
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    return tok
 
 
 def _write_model_dir(
@@ -84,13 +57,13 @@ def _default_config(**overrides: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def backend() -> tokenizers.Tokenizer:
-    return _train(400, CORPUS)
+    return train_tokenizer(400, CORPUS)
 
 
 @pytest.fixture(scope="module")
 def bytes_backend() -> tokenizers.Tokenizer:
     # vocab = specials + the 256 byte symbols: no merges, so every byte is its own token.
-    return _train(len(SPECIAL_TOKENS) + 256, ["x"])
+    return train_tokenizer(len(SPECIAL_TOKENS) + 256, ["x"])
 
 
 @pytest.fixture(scope="module")

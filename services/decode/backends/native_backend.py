@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.mla import RMSNorm
-from common.model.moe import MoE
+from common.model.moe import MoE, routed_experts
 from common.model.rope import RotaryEmbedding
 from common.native import decode_layer, latent_attention, small_gemm
 from services.decode.backends.torch_backend import TorchBackend
@@ -57,7 +57,10 @@ class NativeBackend(TorchBackend):
         if isinstance(module, MoE):
             weights, ids = module.gate(x)
             experts = module.experts
-            out = small_gemm.moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj)
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            out = small_gemm.moe_experts(x, ids, weights, gate_up, down)
+            if out is None:
+                out = routed_experts(x, ids, weights, gate_up, down)
             if module.shared_experts is not None:
                 out = out + self.ffn(module.shared_experts, x)
             return out

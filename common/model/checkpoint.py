@@ -1,0 +1,278 @@
+"""Read a safetensors checkpoint slice by slice, straight into the serving dtype and device.
+
+A single `model.safetensors` or the shards of `model.safetensors.index.json`. A read takes
+the rows / columns asked for with `get_slice` and copies them out. safetensors maps the whole
+file into the process: a private mapping whose touched pages count as this process's memory
+until the file is closed. So one file is open at a time, and it is closed once the reads
+through it have touched `READ_CHUNK_BYTES` (larger reads go in chunks of that size): a rank
+holds the slices it keeps plus at most one chunk of mapped pages, and opens each file about
+once per chunk, not once per tensor (an open parses the file's header: ~2 ms for a shard of
+DeepSeek-V3, with ~100k reads per rank).
+
+FP8 checkpoints in DeepSeek-V3's format (`quantization_config.quant_method: fp8`) store a
+linear weight `W` as `float8_e4m3fn` with `W_scale_inv`, one float32 per `weight_block_size`
+block (shape ceil-divided). A slice is dequantized on its own, with the scales of the blocks
+it overlaps (a slice may start mid-block): `w * scale` in float32, then cast to the serving
+dtype, which is exactly what dequantizing the whole file beforehand and casting gives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = "_scale_inv"
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "BOOL": torch.bool,
+}
+
+Index = Sequence[slice]
+# Reads larger than this are split by leading rows (see `CheckpointReader.read`).
+READ_CHUNK_BYTES = 64 * 2**20
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match its config (or cannot be read)."""
+
+
+class UnsupportedQuantization(CheckpointError):
+    """The checkpoint is quantized with a method the loader cannot dequantize."""
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the checkpoint stores its linear weights: plain (method None) or block FP8."""
+
+    method: str | None = None
+    block: tuple[int, int] = (128, 128)
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any]) -> Quantization:
+        quant = raw.get("quantization_config")
+        if not quant:
+            return cls()
+        method = quant.get("quant_method")
+        if method != "fp8":
+            raise UnsupportedQuantization(
+                f"quantization_config.quant_method {method!r} is not supported: only DeepSeek's "
+                "block-wise 'fp8' (weight_block_size) is; dequantize the checkpoint first"
+            )
+        block = quant.get("weight_block_size") or [128, 128]
+        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise UnsupportedQuantization(
+                f"quantization_config.weight_block_size {block!r} is not [rows, cols]"
+            )
+        return cls(method, (block[0], block[1]))
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Quantization:
+        path = model_dir / "config.json"
+        return cls.from_config(json.loads(path.read_text())) if path.is_file() else cls()
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        raise CheckpointError(
+            f"no model.safetensors or model.safetensors.index.json in {model_dir}"
+        )
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint shards listed in the index are missing: {missing}")
+    return files
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class CheckpointReader:
+    """Names, shapes and sliced reads of a checkpoint's tensors (headers only at start)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.quant = Quantization.from_dir(self.model_dir)
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in checkpoint_files(self.model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    part = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"{name}: unsupported dtype {part.get_dtype()}")
+                    self.tensors[name] = TensorInfo(path, tuple(part.get_shape()), dtype)
+        self._file: Path | None = None
+        self._handle: Any = None  # safe_open of self._file
+        self._touched = 0  # bytes of self._file spanned by reads since it was opened
+        self._check_quantized()
+
+    def _check_quantized(self) -> None:
+        """Every FP8 tensor has a float scale per block; found before anything is read."""
+        for name, info in self.tensors.items():
+            if info.dtype not in FP8_DTYPES:
+                continue
+            if self.quant.method != "fp8":
+                raise CheckpointError(
+                    f"{name} is stored in {info.dtype} but config.json has no "
+                    "quantization_config with quant_method 'fp8'"
+                )
+            if len(info.shape) < 2:
+                raise CheckpointError(f"{name}: an FP8 tensor of shape {info.shape} has no blocks")
+            scale = self.tensors.get(name + SCALE_SUFFIX)
+            if scale is None:
+                raise CheckpointError(f"{name}: FP8 weight without its scale {name}{SCALE_SUFFIX}")
+            expected = self.scale_shape(info.shape)
+            if scale.shape != expected or not scale.dtype.is_floating_point:
+                raise CheckpointError(
+                    f"{name}{SCALE_SUFFIX}: shape {scale.shape} ({scale.dtype}); expected "
+                    f"{expected} floats, one per {self.quant.block} block of {name} {info.shape}"
+                )
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(shape) < 2:
+            return shape
+        (b0, b1), (rows, cols) = self.quant.block, shape[-2:]
+        return (*shape[:-2], math.ceil(rows / b0), math.ceil(cols / b1))
+
+    def is_scale(self, name: str) -> bool:
+        base = name.removesuffix(SCALE_SUFFIX)
+        return base != name and base in self.tensors and self.tensors[base].dtype in FP8_DTYPES
+
+    def read(
+        self,
+        name: str,
+        index: Index = (),
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> Tensor:
+        """Tensor `name`[index] (one slice per leading dim, step 1) as a fresh `dtype` tensor
+        on `device`; FP8 weights are dequantized with their block scales."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"missing: {name}")
+        bounds = _bounds(name, index, info.shape)
+        sizes = [b - a for a, b in bounds]
+        # Whole stored rows, not the slice's: reading some columns of a row faults in its
+        # neighbouring pages too (the kernel maps pages around a fault), so a column slice
+        # makes about the whole rows resident.
+        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+        step = max(1, READ_CHUNK_BYTES // max(row_bytes, 1))
+        if not bounds or sizes[0] <= step:
+            return self._read_once(name, info, bounds, dtype, device)
+        # A large slice goes in chunks of leading rows, the file closed after each, so the
+        # mapped pages of at most one chunk are resident beside the result.
+        out = torch.empty(sizes, dtype=dtype, device=device)
+        first, last = bounds[0]
+        for start in range(first, last, step):
+            stop = min(start + step, last)
+            chunk = [(start, stop), *bounds[1:]]
+            self._read_once(name, info, chunk, dtype, device, out[start - first : stop - first])
+        return out
+
+    def _read_once(
+        self,
+        name: str,
+        info: TensorInfo,
+        bounds: list[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """The slice `bounds` of `name`, into `out` when given (copied straight from the
+        mapped file: no second copy of a chunk)."""
+        key = tuple(slice(a, b) for a, b in bounds)
+        f = self._open(info.file)
+        part = f.get_slice(name)[key] if key else f.get_tensor(name)
+        if info.dtype not in FP8_DTYPES:
+            result = (
+                out.copy_(part)
+                if out is not None
+                else part.to(device=device, dtype=dtype, copy=True).contiguous()
+            )
+            del part
+            self._account(info, bounds)
+            return result
+        w = part.to(device=device, copy=True)
+        del part
+        self._account(info, bounds)
+        values = self._dequantize(name, w, bounds)
+        return out.copy_(values) if out is not None else values.to(dtype).contiguous()
+
+    def _open(self, path: Path) -> Any:
+        if self._file != path:
+            self.close()
+            self._handle = safe_open(str(path), framework="pt")
+            self._file = path
+        return self._handle
+
+    def _account(self, info: TensorInfo, bounds: list[tuple[int, int]]) -> None:
+        """Count the stored bytes a read spanned (whole rows, see `read`); past the budget
+        the file is closed, unmapping the pages the reads made resident."""
+        rows = bounds[0][1] - bounds[0][0] if bounds else 1
+        self._touched += rows * math.prod(info.shape[1:]) * info.dtype.itemsize
+        if self._touched >= READ_CHUNK_BYTES:
+            self.close()
+
+    def close(self) -> None:
+        """Close the open file (dropping the mapping and the pages it made resident)."""
+        self._handle, self._file, self._touched = None, None, 0
+
+    def _dequantize(self, name: str, w: Tensor, bounds: list[tuple[int, int]]) -> Tensor:
+        """w [..., rows, cols] (the slice `bounds` of `name`) times its blocks' scales."""
+        lead, (r0, r1), (c0, c1) = bounds[:-2], bounds[-2], bounds[-1]
+        b0, b1 = self.quant.block
+        scale_index = [
+            *lead,
+            (r0 // b0, -(-r1 // b0)),
+            (c0 // b1, -(-c1 // b1)),
+        ]
+        scale = self.read(
+            name + SCALE_SUFFIX,
+            [slice(a, b) for a, b in scale_index],
+            dtype=torch.float32,
+            device=w.device,
+        )
+        # Blocks -> elements, then drop the part of the first block before the slice start.
+        scale = scale.repeat_interleave(b0, dim=-2).repeat_interleave(b1, dim=-1)
+        scale = scale[..., r0 % b0 : r0 % b0 + (r1 - r0), c0 % b1 : c0 % b1 + (c1 - c0)]
+        return w.to(torch.float32) * scale
+
+
+def _bounds(name: str, index: Index, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[start, stop) per dimension (all of a dimension the index leaves out)."""
+    if len(index) > len(shape):
+        raise CheckpointError(f"{name}: {len(index)} slices for a {len(shape)}-d tensor")
+    out = []
+    for dim, size in enumerate(shape):
+        s = index[dim] if dim < len(index) else slice(None)
+        start, stop, step = s.indices(size)
+        if step != 1 or stop < start:
+            raise CheckpointError(f"{name}: slice {s} of dim {dim} is not contiguous")
+        out.append((start, stop))
+    return out

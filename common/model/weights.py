@@ -1,0 +1,258 @@
+"""Where a model's weights come from: a loaded model, or a checkpoint read slice by slice.
+
+Both sources answer the same questions by our parameter names (`model.layers.N.self_attn.
+kv_b_proj.weight`, fused `mlp.experts.gate_up_proj`): "rows a:b, columns c:d of this tensor"
+and "these columns of every expert". The full model (`build_model`) and a decode rank
+(`RankModel`) are both built from a source, so a rank reading a checkpoint gets exactly the
+tensors it would have sliced out of the loaded model, without the model ever existing.
+
+A checkpoint source can also serve the weights in a rotated latent basis (a TPLA side file,
+`use_basis`): gamma folded into kv_b_proj and each layer's R applied, in float64 as
+`common.tpla.convert` does, so the result equals rotating the loaded model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from common.model.args import ModelConfig
+from common.model.checkpoint import CheckpointError, CheckpointReader
+from common.model.model import DeepseekForCausalLM
+
+ALL = slice(None)
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LATENT = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj)\.weight$"
+)
+
+
+class WeightSource(Protocol):
+    """Tensors by parameter name, sliced, in the serving dtype (fresh tensors, owned by the
+    caller)."""
+
+    config: ModelConfig
+
+    def tensor(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Tensor:
+        """name[rows, cols] (a 1-D tensor takes `rows` only)."""
+
+    def gate_up(self, prefix: str, cols: slice = ALL) -> Tensor:
+        """Every expert's gate rows `cols` then up rows `cols`: [E, 2 |cols|, D]."""
+
+    def down(self, prefix: str, cols: slice = ALL) -> Tensor:
+        """Every expert's down_proj columns `cols`: [E, D, |cols|]."""
+
+
+def rotate_kv_a(kv_a: Tensor, r: Tensor) -> Tensor:
+    """kv_a_proj_with_mqa with its latent rows (the first d_c) mapped to R^T x; fp64 math."""
+    d_c = r.shape[0]
+    a = kv_a.to(torch.float64).clone()
+    a[:d_c] = r.to(torch.float64).T @ a[:d_c]
+    return a.to(kv_a.dtype)
+
+
+def rotate_kv_b(kv_b: Tensor, gamma: Tensor, r: Tensor) -> Tensor:
+    """(kv_b_proj rows) x diag(gamma) x R: gamma folded, latent columns rotated; fp64 math."""
+    b = kv_b.to(torch.float64) * gamma.to(torch.float64)[None, :]
+    return (b @ r.to(torch.float64)).to(kv_b.dtype)
+
+
+class ModelWeights:
+    """A loaded model as a `WeightSource` (slices are copied out of its parameters)."""
+
+    def __init__(self, model: DeepseekForCausalLM) -> None:
+        self.config = model.config
+        self._params = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+
+    def tensor(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Tensor:
+        t = self._params[name][rows]
+        return (t[:, cols] if t.ndim == 2 else t).clone()
+
+    def gate_up(self, prefix: str, cols: slice = ALL) -> Tensor:
+        gu = self._params[f"{prefix}.gate_up_proj"]
+        inter = gu.shape[1] // 2
+        return torch.cat((gu[:, :inter][:, cols], gu[:, inter:][:, cols]), dim=1)
+
+    def down(self, prefix: str, cols: slice = ALL) -> Tensor:
+        return self._params[f"{prefix}.down_proj"][:, :, cols].clone()
+
+
+class CheckpointWeights:
+    """A checkpoint directory as a `WeightSource`; its names and shapes are checked against
+    the config up front, every mismatch named in one `CheckpointError`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = ModelConfig.from_dir(model_dir)
+        self.reader = CheckpointReader(model_dir)
+        self.dtype, self.device = dtype, torch.device(device)
+        self._rotations: list[Tensor] | None = None
+        self._plain: dict[str, str] = {}
+        self._experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+        for name in self.reader.tensors:
+            layer = _LAYER.match(name)
+            if name.endswith("rotary_emb.inv_freq") or self.reader.is_scale(name):
+                continue  # derived from the config / read with their weights
+            if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
+                continue  # multi-token-prediction layers (V3) are not used for serving
+            if expert := _EXPERT.match(name):
+                self._experts[expert.group(1)][int(expert.group(2))][expert.group(3)] = name
+            else:
+                self._plain[name] = name
+        if self.config.tie_word_embeddings and "lm_head.weight" not in self._plain:
+            self._plain["lm_head.weight"] = "model.embed_tokens.weight"
+        self._validate()
+
+    def use_basis(self, rotations: Sequence[Tensor]) -> None:
+        """Serve every layer's latent tensors folded and rotated by its R [d_c, d_c]."""
+        if len(rotations) != self.config.num_hidden_layers:
+            raise CheckpointError(f"{len(rotations)} rotations for a model with more layers")
+        self._rotations = list(rotations)
+
+    # -- WeightSource -------------------------------------------------------------------------
+
+    def tensor(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Tensor:
+        latent = _LATENT.match(name)
+        if latent and self._rotations is not None:
+            return self._rotated(int(latent.group(1)), latent.group(2), rows, cols)
+        return self._read(name, rows, cols)
+
+    def gate_up(self, prefix: str, cols: slice = ALL) -> Tensor:
+        fused = f"{prefix}.gate_up_proj"
+        if fused in self._plain:
+            if cols == ALL:
+                return self._read(fused)
+            inter = self.reader.tensors[fused].shape[1] // 2
+            start, stop, _ = cols.indices(inter)
+            gate = self._read(fused, ALL, slice(start, stop))
+            up = self._read(fused, ALL, slice(inter + start, inter + stop))
+            return torch.cat((gate, up), dim=1)
+        experts = self._experts[prefix]
+        first = self.reader.tensors[experts[0]["gate_proj"]].shape
+        width = len(range(*cols.indices(first[0])))
+        out = torch.empty(len(experts), 2 * width, first[1], dtype=self.dtype, device=self.device)
+        for e, names in experts.items():
+            out[e, :width] = self._read_raw(names["gate_proj"], (cols,))
+            out[e, width:] = self._read_raw(names["up_proj"], (cols,))
+        return out
+
+    def down(self, prefix: str, cols: slice = ALL) -> Tensor:
+        fused = f"{prefix}.down_proj"
+        if fused in self._plain:
+            return self._read(fused, ALL, ALL, cols)
+        experts = self._experts[prefix]
+        first = self.reader.tensors[experts[0]["down_proj"]].shape
+        width = len(range(*cols.indices(first[1])))
+        out = torch.empty(len(experts), first[0], width, dtype=self.dtype, device=self.device)
+        for e, names in experts.items():
+            out[e] = self._read_raw(names["down_proj"], (ALL, cols))
+        return out
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _read(self, name: str, *index: slice, device: torch.device | None = None) -> Tensor:
+        if name not in self._plain:
+            raise CheckpointError(f"missing: {name}")
+        return self._read_raw(self._plain[name], index, device)
+
+    def _read_raw(
+        self, name: str, index: Sequence[slice], device: torch.device | None = None
+    ) -> Tensor:
+        shape = self.reader.tensors[name].shape
+        index = tuple(index)[: len(shape)]
+        return self.reader.read(name, index, dtype=self.dtype, device=device or self.device)
+
+    def _rotated(self, layer: int, leaf: str, rows: slice, cols: slice) -> Tensor:
+        """A latent tensor in the rotated basis, computed on the CPU in float64 from tensors
+        cast to the serving dtype first (as rotating the loaded model does)."""
+        assert self._rotations is not None
+        r = self._rotations[layer]
+        prefix = f"model.layers.{layer}.self_attn."
+        cpu = torch.device("cpu")
+        if leaf == "kv_a_layernorm":
+            gamma = self._read(prefix + "kv_a_layernorm.weight", rows, device=cpu)
+            return torch.ones_like(gamma, device=self.device)
+        if leaf == "kv_a_proj_with_mqa":
+            # R^T mixes every latent row, so the whole kv_a (d_c + d_r rows x D, the layer's
+            # smallest projection) is materialized even when a rank keeps only its slice.
+            a = rotate_kv_a(self._read(prefix + "kv_a_proj_with_mqa.weight", device=cpu), r)
+            return a[rows, cols].to(self.device).contiguous()
+        # R mixes every latent column: the kept rows of kv_b are materialized at full width.
+        b = self._read(prefix + "kv_b_proj.weight", rows, device=cpu)
+        gamma = self._read(prefix + "kv_a_layernorm.weight", device=cpu)
+        return rotate_kv_b(b, gamma, r)[:, cols].to(self.device).contiguous()
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """What each parameter's shape would be after the expert tensors are fused."""
+        shapes = {k: self.reader.tensors[v].shape for k, v in self._plain.items()}
+        n = self.config.n_routed_experts
+        for prefix, experts in self._experts.items():
+            if sorted(experts) != list(range(n)):
+                raise CheckpointError(
+                    f"{prefix}: expected experts 0..{n - 1}, found {len(experts)}"
+                )
+            per: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+            for e, names in experts.items():
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    if proj not in names:
+                        raise CheckpointError(f"{prefix}.{e}: an expert lacks '{proj}'")
+                    per[proj].add(self.reader.tensors[names[proj]].shape)
+            if len(per["gate_proj"] | per["up_proj"]) != 1 or len(per["down_proj"]) != 1:
+                raise CheckpointError(f"{prefix}: experts of different shapes")
+            (inter, hidden), (down,) = next(iter(per["gate_proj"])), per["down_proj"]
+            shapes[f"{prefix}.gate_up_proj"] = (n, 2 * inter, hidden)
+            shapes[f"{prefix}.down_proj"] = (n, *down)
+        return shapes
+
+    def _validate(self) -> None:
+        with torch.device("meta"):
+            model = DeepseekForCausalLM(self.config)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        found = self._shapes()
+        missing = sorted(set(expected) - set(found))
+        unexpected = sorted(set(found) - set(expected))
+        misshaped = [
+            f"{k}: checkpoint {found[k]} vs model {v}"
+            for k, v in expected.items()
+            if k in found and found[k] != v
+        ]
+        if missing or unexpected or misshaped:
+            lines = (
+                [f"missing: {k}" for k in missing[:20]]
+                + [f"unexpected: {k}" for k in unexpected[:20]]
+                + misshaped[:20]
+            )
+            raise CheckpointError(
+                f"{self.reader.model_dir} does not match its config.json:\n  " + "\n  ".join(lines)
+            )
+
+
+def build_model(src: WeightSource) -> DeepseekForCausalLM:
+    """The full model from `src`, one tensor at a time (nothing is held twice)."""
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(src.config)
+    state: dict[str, Tensor] = {}
+    for name in model.state_dict():
+        if name.endswith("experts.gate_up_proj"):
+            state[name] = src.gate_up(name.removesuffix(".gate_up_proj"))
+        elif name.endswith("experts.down_proj"):
+            state[name] = src.down(name.removesuffix(".down_proj"))
+        else:
+            state[name] = src.tensor(name)
+    model.load_state_dict(state, assign=True)
+    return model.eval()

@@ -1,0 +1,185 @@
+"""What one decode rank holds, per layout: its weights tensor by tensor, and its cache bytes
+per token.
+
+Pure arithmetic over `ModelConfig` (no torch, no I/O). The weights mirror how
+`services.decode.rank_model.RankModel` shards a model (a test holds them equal to
+`RankModel.parameter_bytes()` for every rank); the cache follows DESIGN §1. `tpla plan`
+(plan.py) turns these into the context that fits a card.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+
+from common.model.args import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP8 = "float8"  # weights only: DeepSeek's block-quantized e4m3 with one fp32 scale per block
+WEIGHT_DTYPES = (*DTYPE_BYTES, FP8)
+
+
+class PlanError(ValueError):
+    """The hardware, layout or model given to the planner is inconsistent."""
+
+
+class Kind(enum.Enum):
+    MLA_TP = "mla-tp"
+    TPLA = "tpla"
+    SP = "sp"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """tp ranks as latent_groups (r) x head groups (m), like `ParallelConfig`."""
+
+    kind: Kind
+    tp: int
+    latent_groups: int = 1
+    exact_rmsnorm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
+            raise PlanError(f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}")
+        if self.kind is not Kind.TPLA and self.latent_groups != 1:
+            raise PlanError(f"{self.kind.value} keeps the full latent: latent_groups=1")
+
+    @property
+    def head_groups(self) -> int:
+        return self.tp // self.latent_groups
+
+    @property
+    def label(self) -> str:
+        return f"tpla r={self.latent_groups}" if self.kind is Kind.TPLA else self.kind.value
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(latent group i, head group j) of a rank, as `ParallelConfig.coords`."""
+        return rank // self.head_groups, rank % self.head_groups
+
+    def check(self, c: ModelConfig) -> None:
+        """Raise PlanError where `RankModel` would refuse this layout for `c`."""
+        moe = [c.is_moe_layer(n) for n in range(c.num_hidden_layers)]
+        splits = [
+            ("num_attention_heads", c.num_attention_heads, self.head_groups),
+            ("kv_lora_rank", c.kv_lora_rank, self.latent_groups),
+        ]
+        if not all(moe):
+            splits.append(("intermediate_size", c.intermediate_size, self.tp))
+        if any(moe):
+            splits.append(("moe_intermediate_size", c.moe_intermediate_size, self.tp))
+        for name, total, parts in splits:
+            if total % parts:
+                raise PlanError(f"{self.label}: {name} ({total}) is not divisible by {parts}")
+
+
+@dataclass(frozen=True)
+class RankTensor:
+    """`count` tensors of one 2-D (or 1-D) shape held by a rank, e.g. one per layer."""
+
+    part: str  # attention | dense_mlp | routed_experts | shared_experts | router | norms | ...
+    shape: tuple[int, ...]
+    count: int = 1
+    quantized: bool = False  # a linear weight that DeepSeek's FP8 checkpoints store in fp8
+    # The engine keeps it in float32 whatever the model dtype: `_shard_ffn` builds a fresh
+    # MoE (default dtype) and copies the router in with load_state_dict, which keeps fp32.
+    float32: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.count * math.prod(self.shape)
+
+
+def _layer_tensors(c: ModelConfig, layout: Layout, moe: bool) -> list[RankTensor]:
+    d, heads = c.hidden_size, c.num_attention_heads // layout.head_groups
+    width = c.kv_lora_rank // layout.latent_groups
+    out: list[RankTensor] = []
+
+    def add(part: str, *shape: int, count: int = 1, q: bool = True) -> None:
+        out.append(RankTensor(part, shape, count, q, float32=part == "router"))
+
+    if c.q_lora_rank is not None:  # q_a and its norm replicated, q_b rows of this head group
+        add("attention", c.q_lora_rank, d)
+        add("attention", c.q_lora_rank, q=False)
+        add("attention", heads * c.qk_head_dim, c.q_lora_rank)
+    else:
+        add("attention", heads * c.qk_head_dim, d)
+    # kv_a: exact RMSNorm needs every latent row to normalize; sliced mode keeps its slice.
+    add("attention", c.kv_lora_rank if layout.exact_rmsnorm else width, d)
+    add("attention", c.qk_rope_head_dim, d)
+    add("attention", c.kv_lora_rank, q=False)  # kv_a_layernorm's gamma, whole
+    add("attention", heads * c.qk_nope_head_dim, width)  # W_UK[heads, :, S_i]
+    add("attention", heads * c.v_head_dim, width)  # W_UV[heads, :, S_i]
+    add("attention", d, heads * c.v_head_dim)  # o_proj columns of these heads
+    add("norms", d, q=False)
+    add("norms", d, q=False)
+    if not moe:
+        inter = c.intermediate_size // layout.tp
+        add("dense_mlp", inter, d, count=2)  # gate, up
+        add("dense_mlp", d, inter)
+        return out
+    e, inter = c.n_routed_experts, c.moe_intermediate_size // layout.tp
+    add("router", e, d, q=False)
+    if c.topk_method == "noaux_tc":
+        add("router", e, q=False)  # e_score_correction_bias
+    add("routed_experts", 2 * inter, d, count=e)  # gate_up of every expert
+    add("routed_experts", d, inter, count=e)
+    if c.n_shared_experts:
+        shared = c.moe_intermediate_size * c.n_shared_experts // layout.tp
+        add("shared_experts", shared, d, count=2)
+        add("shared_experts", d, shared)
+    return out
+
+
+def rank_tensors(c: ModelConfig, layout: Layout, rank: int) -> list[RankTensor]:
+    """Every tensor `RankModel(full, layout, rank, ...)` holds (MTP layers are never loaded)."""
+    layout.check(c)
+    if not 0 <= rank < layout.tp:
+        raise PlanError(f"rank {rank} is outside tp={layout.tp}")
+    n_moe = sum(c.is_moe_layer(n) for n in range(c.num_hidden_layers))
+    out: list[RankTensor] = []
+    for moe, layers in ((False, c.num_hidden_layers - n_moe), (True, n_moe)):
+        if layers:
+            out += [replace(t, count=t.count * layers) for t in _layer_tensors(c, layout, moe)]
+    # torch.tensor_split: the first vocab % tp ranks get one extra lm_head row.
+    vocab_rows = c.vocab_size // layout.tp + (rank < c.vocab_size % layout.tp)
+    out += [
+        RankTensor("embedding", (c.vocab_size, c.hidden_size)),  # replicated, whole vocab
+        RankTensor("norms", (c.hidden_size,)),
+        RankTensor("lm_head", (vocab_rows, c.hidden_size)),
+    ]
+    return out
+
+
+def weight_bytes(
+    tensors: list[RankTensor], weight_dtype: str, fp8_block: tuple[int, int] = (128, 128)
+) -> int:
+    """Bytes of `tensors` in `weight_dtype` (the router stays float32, as in the engine).
+
+    FP8 counts DeepSeek's checkpoint layout: quantized linears at 1 byte plus an fp32 scale
+    per block (counted on the rank's own slice of each matrix), norms, embedding and lm_head
+    in bf16.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise PlanError(f"unknown weight dtype {weight_dtype!r}; choose one of {WEIGHT_DTYPES}")
+    total = 0
+    for t in tensors:
+        if t.float32:
+            total += 4 * t.numel
+        elif weight_dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[weight_dtype] * t.numel
+        elif t.quantized:
+            rows, cols = t.shape
+            blocks = math.ceil(rows / fp8_block[0]) * math.ceil(cols / fp8_block[1])
+            total += t.numel + 4 * t.count * blocks
+        else:
+            total += 2 * t.numel
+    return total
+
+
+def kv_bytes_per_stored_token(c: ModelConfig, layout: Layout, kv_dtype: str) -> int:
+    """Bytes one token takes in a rank's cache, all layers: (latent slice + d_r) x L x bytes."""
+    if kv_dtype not in DTYPE_BYTES:
+        raise PlanError(f"unknown KV dtype {kv_dtype!r}; choose one of {tuple(DTYPE_BYTES)}")
+    width = c.kv_lora_rank // layout.latent_groups
+    return (width + c.qk_rope_head_dim) * c.num_hidden_layers * DTYPE_BYTES[kv_dtype]

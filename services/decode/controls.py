@@ -1,0 +1,107 @@
+"""The decode leader's per-sequence sampling state beyond params: each sequence's row of
+generated-token counts (penalties) and its grammar matcher (structured outputs).
+
+Lifecycle: `matcher()` compiles and replays a request's grammar off the loop thread; `start`
+gives the sequence its history row; `fork` copies a sequence's row and grammar state for a
+choice forked from it (n > 1); every step, `context` gathers the batch's counts and
+fills the grammars' bitmask (one host buffer, one copy to the device) for
+`common.logits.process_logits`, and `advance` counts the sampled tokens with one scatter and
+moves each grammar on; `release` frees the row when the sequence ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    allowed_tokens,
+    new_bitmask,
+)
+from common.logits import LogitsContext, TokenHistory
+from common.sampling import SamplingParams
+
+
+@dataclass
+class SequenceControls:
+    matcher: GrammarMatcher | None = None  # a structured output's grammar state
+    history_row: int = 0  # the sequence's TokenHistory row (0: no penalties)
+    failed: str = ""  # the grammar rejected a sampled token (never expected: it is masked)
+
+
+class StepControls:
+    def __init__(
+        self,
+        model_dir: str,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        max_batch: int,
+        device: torch.device,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.history = TokenHistory(vocab_size, device)
+        self.grammars = GrammarCompiler.from_model_dir(model_dir, vocab_size, sorted(eos_token_ids))
+        words = self.grammars.mask_words if self.grammars else 1
+        self._bitmask = new_bitmask(max_batch, words, pin=device.type == "cuda")
+
+    def matcher(self, params: SamplingParams, history: Sequence[int]) -> GrammarMatcher | None:
+        """The request's grammar advanced past `history`; None without one. GrammarError if
+        it does not compile or rejects the history."""
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise GrammarError("structured outputs need the model's tokenizer.json")
+        return self.grammars.matcher(params.grammar, history)
+
+    def start(
+        self,
+        params: SamplingParams,
+        matcher: GrammarMatcher | None,
+        prompt_ids: Sequence[int],
+        history: Sequence[int],
+    ) -> SequenceControls:
+        row = self.history.track(prompt_ids, history) if params.penalized else 0
+        return SequenceControls(matcher, row)
+
+    def fork(self, seq: SequenceControls) -> SequenceControls:
+        """Independent controls at `seq`'s position: its counts and grammar state, copied."""
+        matcher = seq.matcher.fork() if seq.matcher is not None else None
+        return SequenceControls(matcher, self.history.fork(seq.history_row), seq.failed)
+
+    def release(self, seq: SequenceControls) -> None:
+        self.history.release(seq.history_row)
+        seq.history_row = 0
+
+    def context(self, seqs: Sequence[SequenceControls], generated: Sequence[int]) -> LogitsContext:
+        """The batch's counts and allowed tokens, gathered once for the whole batch."""
+        counts = prompt_mask = allowed = None
+        if any(s.history_row for s in seqs):
+            rows = torch.tensor([s.history_row for s in seqs], device=self.device)
+            counts, prompt_mask = self.history.gather(rows)
+        if any(s.matcher is not None for s in seqs):
+            mask = self._bitmask[: len(seqs)]
+            mask.fill_(-1)
+            for row, s in enumerate(seqs):
+                if s.matcher is not None:
+                    s.matcher.fill(mask[row])
+            allowed = allowed_tokens(mask.to(self.device, non_blocking=True), self.vocab_size)
+        return LogitsContext(generated, self.eos_token_ids, counts, prompt_mask, allowed)
+
+    def advance(self, seqs: Sequence[SequenceControls], tokens: Sequence[int]) -> None:
+        """Count the tracked sequences' sampled tokens (one scatter) and move each grammar."""
+        tracked = [(s.history_row, t) for s, t in zip(seqs, tokens, strict=True) if s.history_row]
+        if tracked:
+            self.history.record(
+                torch.tensor([r for r, _ in tracked], device=self.device),
+                torch.tensor([t for _, t in tracked], device=self.device),
+            )
+        for s, t in zip(seqs, tokens, strict=True):
+            if s.matcher is not None and not s.matcher.accept(t):
+                s.failed = s.failed or s.matcher.error or f"token {t} rejected"

@@ -1,0 +1,34 @@
+"""`tpla bench loading`'s pieces on a small checkpoint: the generated shards load, and a
+child process reports the rank's parameter bytes (equal to `tpla plan`'s) and its peak RSS."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tools.bench.loading import WIDE_CONFIG, planned_rank_bytes, run_child, write_checkpoint
+
+SMALL = {
+    **WIDE_CONFIG,
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "q_lora_rank": 96,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+}
+
+
+def test_children_load_the_generated_shards_and_report_their_share(tmp_path: Path) -> None:
+    size = write_checkpoint(tmp_path, 1 << 20, "float32", 2, SMALL)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 3 and size > 3 << 20
+    overhead = run_child(tmp_path, "float32", "overhead")
+    rank = run_child(tmp_path, "float32", "rank", "tpla", 1)
+    assert overhead["parameter_bytes"] == 0 and overhead["peak_rss_bytes"] > 50 << 20
+    assert rank["parameter_bytes"] == planned_rank_bytes(tmp_path, "tpla", 1, "float32")
+    assert rank["peak_rss_bytes"] > rank["parameter_bytes"]

@@ -1,0 +1,46 @@
+"""Shard-wise loading onto a GPU: a rank read straight onto cuda (FP8 dequantized there, the
+side file's rotation computed on the CPU) holds the same bits as the same rank read on the
+CPU and moved (run by `pytest -m gpu` where CUDA exists)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.model.tpla import latent_shards
+from common.serving_model import open_serving_weights
+from services.decode.config import ParallelConfig
+from services.decode.rank_model import RankModel
+from tests.model.shard_checkpoints import (
+    CONFIG,
+    FP8_CONFIG,
+    quantize,
+    random_state,
+    save_checkpoint,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rank_read_onto_cuda_equals_one_read_on_the_cpu(tmp_path: Path, dtype: str) -> None:
+    fp8, _ = quantize(random_state())
+    model_dir = save_checkpoint(fp8, tmp_path / "fp8", quantization_config=FP8_CONFIG)
+    parallel = ParallelConfig(tp=2, latent_groups=2)
+    shards = [latent_shards(CONFIG["kv_lora_rank"], 2)] * CONFIG["num_hidden_layers"]
+    for rank in range(2):
+        cuda = RankModel(
+            open_serving_weights(model_dir, None, dtype, "cuda")[0], parallel, rank, shards
+        )
+        cpu = RankModel(
+            open_serving_weights(model_dir, None, dtype, "cpu")[0], parallel, rank, shards
+        )
+        got, want = dict(cuda.named_parameters()), dict(cpu.named_parameters())
+        assert sorted(got) == sorted(want)
+        for name, p in got.items():
+            assert p.is_cuda and torch.equal(p.cpu(), want[name]), name

@@ -1,0 +1,172 @@
+"""Small multi-shard checkpoints written on the fly: plain, FP8 (DeepSeek-V3's block format)
+and the same FP8 weights dequantized beforehand; and an in-process decode group (threads) to
+run a real multi-rank decode step without processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from common.model.args import ModelConfig
+from common.model.model import DeepseekForCausalLM
+from services.decode.comm import Collectives, ReduceOp
+
+# Widths around FP8's 128 x 128 blocks: rank slices start mid-block (q_b rows of a head
+# group, MLP rows at tp = 4, latent columns of a TPLA slice) and the last blocks are partial.
+CONFIG: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 300,
+    "hidden_size": 192,
+    "intermediate_size": 320,
+    "moe_intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "q_lora_rank": 160,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 24,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+BLOCK = 128
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [BLOCK, BLOCK],
+}
+
+
+def random_state(seed: int = 0) -> dict[str, Tensor]:
+    """Random weights in the hub layout (one tensor per expert projection)."""
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(ModelConfig.from_hf_dict(CONFIG))
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, Tensor] = {}
+    for name, p in model.state_dict().items():
+        if "norm" in name:
+            state[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            state[name] = 0.05 * torch.randn(p.shape, generator=gen)
+    for name in [k for k in state if k.endswith("experts.gate_up_proj")]:
+        prefix = name.removesuffix(".gate_up_proj")
+        gate, up = state.pop(name).chunk(2, dim=1)
+        down = state.pop(f"{prefix}.down_proj")
+        for e in range(gate.shape[0]):
+            state[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()
+            state[f"{prefix}.{e}.up_proj.weight"] = up[e].clone()
+            state[f"{prefix}.{e}.down_proj.weight"] = down[e].clone()
+    return state
+
+
+def is_quantized(name: str, t: Tensor) -> bool:
+    """DeepSeek-V3 stores every linear weight in FP8 except the router and the embeddings."""
+    return (
+        t.ndim == 2
+        and "norm" not in name
+        and "embed" not in name
+        and "lm_head" not in name
+        and (not name.endswith("mlp.gate.weight"))
+    )
+
+
+def quantize(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(FP8 checkpoint with `_scale_inv` tensors, the same weights dequantized in float32)."""
+    fp8: dict[str, Tensor] = {}
+    dequantized: dict[str, Tensor] = {}
+    for name, w in state.items():
+        if not is_quantized(name, w):
+            fp8[name] = dequantized[name] = w
+            continue
+        rows, cols = w.shape
+        br, bc = math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
+        padded = torch.zeros(br * BLOCK, bc * BLOCK)
+        padded[:rows, :cols] = w
+        amax = padded.view(br, BLOCK, bc, BLOCK).abs().amax(dim=(1, 3))
+        scale = (amax / 448.0).clamp(min=1e-12)
+        full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
+        q = (w / full).to(torch.float8_e4m3fn)
+        fp8[name], fp8[f"{name}_scale_inv"] = q, scale
+        dequantized[name] = q.float() * full
+    return fp8, dequantized
+
+
+def save_checkpoint(state: dict[str, Tensor], path: Path, files: int = 3, **config: Any) -> Path:
+    """`state` split over `files` shards with an index (one file: model.safetensors)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**CONFIG, **config}))
+    names = sorted(state)
+    if files == 1:
+        save_file({k: state[k].contiguous() for k in names}, str(path / "model.safetensors"))
+        return path
+    weight_map = {}
+    for i in range(files):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        # Interleaved, so a weight and its scale usually land in different files.
+        part = names[i::files]
+        save_file({k: state[k].contiguous() for k in part}, str(path / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+class ThreadGroup:
+    """The shared state of an in-process group whose ranks are threads."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list[Tensor | None] = [None] * world
+
+
+class ThreadCollectives(Collectives):
+    """Collectives between threads of one process: every rank reduces in rank order."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.rank = group, rank
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        g = self.group
+        g.slots[self.rank] = t.clone()
+        g.barrier.wait()
+        out = torch.stack([s for s in g.slots if s is not None])
+        g.barrier.wait()
+        return out
+
+    def all_reduce_(self, t: Tensor, op: ReduceOp) -> None:
+        parts = self.all_gather(t)
+        t.copy_(parts.sum(0) if op is ReduceOp.SUM else parts.amax(0))
+
+    def broadcast_(self, t: Tensor, src: int) -> None:
+        t.copy_(self.all_gather(t)[src])
+
+    def gather(self, t: Tensor, dst: int) -> Tensor | None:
+        out = self.all_gather(t)
+        return out if self.rank == dst else None
+
+    def send(self, t: Tensor, dst: int) -> None:
+        raise NotImplementedError("a decode step sends nothing point to point")
+
+    def recv(self, t: Tensor, src: int) -> None:
+        raise NotImplementedError("a decode step receives nothing point to point")
+
+    def barrier(self) -> None:
+        self.group.barrier.wait()

@@ -1,0 +1,600 @@
+"""`tpla bench decode-attn`: per-device absorbed decode attention, MLA-TP vs TPLA, vs roofline.
+
+Per device at tp = 2 (the paper's Figure 3 setting):
+  * MLA-TP: r = 1, H/2 heads, the full latent d_c + d_r per cached token;
+  * TPLA:   r = 2, all H heads, half the latent d_c/2 + the replicated d_r.
+
+Timed region (what the decode engine runs per layer for attention, `RankModel.decode_step`):
+`fused_slice_attention` reading the cache through `PagedLatentCache.rows` (whole-block copies
+of a batch's block tables, a few MB per chunk; blocks in shuffled pool order, as after
+allocator churn): q~ = q_nope W_UK, scores against [n | k_pe], padding mask, split-K
+softmax, u = p n, o = u W_UV^T. It starts from the rotated
+queries [B, h, d_n + d_r] and ends at per-head values [B, h, d_v]; the query projection, the
+new token's cache write and o_proj are dense per-token layers, not attention, and are
+excluded. `--kernel reference` times the per-token `gather` + einsum `latent_slice_attention`
+(the engine's previous code) instead. MLA-TP and TPLA calls alternate (same background load
+for both); the fastest of the repeats of every sweep of the grid (`--rounds`) is `ms`, their
+median `ms_median`.
+
+`--kernel triton` times the Triton paged kernel (common/triton_kernels/decode_attention.py)
+on a CUDA GPU over the same region, bf16: absorbed queries, the kernel reading the paged
+cache in place, the W_UV product. It scores each row against the GPU's HBM roofline (see
+`gpu_peak`) instead of this CPU's; on a machine without CUDA it says so and times nothing
+(the interpreter's speed means nothing).
+
+FLOPs and bytes are counted once, in `DeviceWork`: matmul FLOPs only (2 per multiply-add;
+the softmax's O(h T) exps are not counted) and ideal bytes (cache read once, weights, queries
+and output once; the gather's copy is the kernel's overhead, not part of the bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.kv.paged_cache import CacheLayout, PagedLatentCache
+from common.model.args import ModelConfig
+from common.model.tpla import fused_slice_attention, latent_slice_attention
+from common.native.latent_attention import paged_latent_attention
+from tools.bench.roofline import Roofline, measure_roofline, roofline_record
+
+TP = 2
+BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size)
+COLD_BYTES = 96 * 2**20  # > the 32 MB L3 of the development VM, so each layer comes from DRAM
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    name: str
+    heads: int
+    d_c: int
+    d_r: int
+    d_n: int
+    d_v: int
+
+
+def shapes(demo_dir: str = "models/demo") -> list[AttnShape]:
+    demo = ModelConfig.from_dir(demo_dir)
+    return [
+        AttnShape("deepseek-v3", 128, 512, 64, 128, 128),
+        AttnShape("deepseek-v2-lite", 16, 512, 64, 128, 128),
+        AttnShape(
+            "demo",
+            demo.num_attention_heads,
+            demo.kv_lora_rank,
+            demo.qk_rope_head_dim,
+            demo.qk_nope_head_dim,
+            demo.v_head_dim,
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Published peak numbers for a projection; the roofline model, not a measurement."""
+
+    name: str
+    bytes_per_s: float
+    flops_per_s: float  # dense bf16
+    itemsize: int = 2
+
+    def bound_seconds(self, work: DeviceWork) -> float:
+        return max(work.bytes(self.itemsize) / self.bytes_per_s, work.flops() / self.flops_per_s)
+
+
+GPUS = (
+    Accelerator("H100 SXM", 3.35e12, 989e12),
+    Accelerator("H200", 4.8e12, 989e12),
+)
+
+
+@dataclass(frozen=True)
+class DeviceWork:
+    """One device's attention work for one decode step of one layer."""
+
+    heads: int  # heads on this device
+    width: int  # latent columns cached on this device (d_c or d_c / r)
+    d_r: int
+    d_n: int
+    d_v: int
+    batch: int
+    context: int  # cached tokens per sequence (all valid)
+
+    def flops(self) -> float:
+        """q~ = W_UK^T q_nope, scores over [n | k_pe], u = p n, o = W_UV u (2 per MAC)."""
+        b, h, w, t = self.batch, self.heads, self.width, self.context
+        absorb = 2 * b * h * self.d_n * w
+        scores = 2 * b * h * t * (w + self.d_r)
+        values = 2 * b * h * t * w
+        out = 2 * b * h * w * self.d_v
+        return float(absorb + scores + values + out)
+
+    def bytes(self, itemsize: int = 4) -> float:
+        """Cache read once, W_UK and W_UV slices, the queries in and the values out."""
+        b, h, w, t = self.batch, self.heads, self.width, self.context
+        cache = b * t * (w + self.d_r)
+        weights = h * (self.d_n + self.d_v) * w
+        queries = b * h * (self.d_n + self.d_r)
+        out = b * h * self.d_v
+        return float(itemsize * (cache + weights + queries + out))
+
+
+def per_device(shape: AttnShape, mode: str, ranks: int = TP) -> tuple[int, int]:
+    """(heads, latent width) on one device: head-parallel MLA ("mla-tp") splits the heads,
+    TPLA ("tpla") splits the latent."""
+    if mode == "mla-tp":
+        return shape.heads // ranks, shape.d_c
+    if mode == "tpla":
+        return shape.heads, shape.d_c // ranks
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def device_work(shape: AttnShape, mode: str, batch: int, context: int) -> DeviceWork:
+    heads, width = per_device(shape, mode)
+    return DeviceWork(heads, width, shape.d_r, shape.d_n, shape.d_v, batch, context)
+
+
+def prepare_attention(
+    work: DeviceWork, kernel: str, seed: int = 0
+) -> Callable[[int], torch.Tensor]:
+    """`run(i)`: one call of the engine's attention on a real paged cache (see module doc).
+
+    Like the engine, consecutive calls read different layers' caches, and there are enough
+    layers (at least COLD_BYTES of cache) that a call never finds its layer still in the CPU
+    cache from the previous one; otherwise small shapes would run from L3, not DRAM.
+    """
+    g = torch.Generator().manual_seed(seed)
+    per_seq = math.ceil(work.context / BLOCK_SIZE)
+    num_blocks = work.batch * per_seq
+    layer_bytes = num_blocks * BLOCK_SIZE * (work.width + work.d_r) * 4
+    layers = min(max(math.ceil(COLD_BYTES / layer_bytes), 1), 256)
+    layout = CacheLayout(layers, work.width, work.d_r, BLOCK_SIZE)
+    cache = PagedLatentCache(layout, num_blocks)
+    cache.kv.normal_(generator=g)
+    # Shuffled pool order: block tables as after allocator churn, never one contiguous run.
+    block_ids = torch.randperm(num_blocks, generator=g).view(work.batch, per_seq)
+    lengths = torch.full((work.batch,), work.context)
+    b, h = work.batch, work.heads
+    q_nope = torch.randn(b, h, work.d_n, generator=g)
+    q_pe = torch.randn(b, h, work.d_r, generator=g)
+    w_uk = torch.randn(h, work.d_n, work.width, generator=g) * 0.05
+    w_uv = torch.randn(h, work.d_v, work.width, generator=g) * 0.05
+    scale, beta = (work.d_n + work.d_r) ** -0.5, 0.5
+    chunk = cache.chunk_tokens(b)
+    pos = torch.arange(work.context)
+    slots = block_ids[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    valid = torch.ones(b, 1, work.context, dtype=torch.bool)
+
+    def run(layer: int) -> torch.Tensor:
+        if kernel == "native":
+            return paged_latent_attention(
+                q_nope,
+                q_pe,
+                cache.kv[layer],
+                block_ids,
+                lengths,
+                BLOCK_SIZE,
+                w_uk,
+                w_uv,
+                scale,
+                beta,
+            )
+        if kernel == "fast":
+            rows = cache.rows(layer, block_ids)
+            return fused_slice_attention(
+                q_nope, q_pe, rows.read, rows.total, chunk, lengths, w_uk, w_uv, scale, beta
+            )
+        n, k_pe = cache.gather(layer, slots)
+        return latent_slice_attention(
+            q_nope[:, None], q_pe[:, None], n, k_pe, valid, w_uk, w_uv, scale, beta
+        )
+
+    return lambda i: run(i % layers)
+
+
+def time_pair(works: dict[str, DeviceWork], kernel: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call for each mode, calls interleaved so that both modes see the same
+    background load on a shared machine (their ratio is the result that matters)."""
+    runs = {mode: prepare_attention(work, kernel) for mode, work in works.items()}
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    with torch.inference_mode():
+        for run in runs.values():
+            run(-1)  # warm-up: workspace, BLAS dispatch
+        for i in range(repeats):
+            for mode, run in runs.items():
+                t0 = time.perf_counter()
+                run(i)
+                times[mode].append(time.perf_counter() - t0)
+    return times
+
+
+def grid(quick: bool) -> list[tuple[int, int]]:
+    """(context, batch) pairs; large batches only where the pool stays a few hundred MB."""
+    if quick:
+        return [(c, b) for c in (1024, 4096) for b in (1, 4)]
+    contexts = (1024, 2048, 4096, 8192, 16384, 32768)
+    return [(c, b) for c in contexts for b in (1, 4, 16) if c * b <= 65536]
+
+
+def run_bench(
+    roof: Roofline,
+    quick: bool,
+    kernel: str = "fast",
+    demo_dir: str = "models/demo",
+    names: list[str] | None = None,
+    rounds: int = 1,
+    remeasure: Callable[[], Roofline] | None = None,
+) -> tuple[list[dict[str, Any]], Roofline]:
+    """Time every (shape, context, batch, mode) -> (rows, the roofline they are scored on).
+
+    The grid is swept `rounds` times and each row keeps the repeats of every round, so that
+    its fastest call is not all taken in one minute: on a shared VM a slow minute otherwise
+    lands on a run of consecutive rows (measured: one run's V3 rows at 2K-32K x 1 came out
+    15-35% slower in both modes, and equal to the previous kernel when alternated after).
+    The roofline is the denominator, so it gets the same treatment: `remeasure()` runs after
+    every round and the best peaks are kept (quick runs measured 70-84 GFLOP/s and 13.8-16.2
+    GB/s from one run to the next, moving every fraction with them).
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    cells = [
+        (shape, context, batch)
+        for shape in shapes(demo_dir)
+        if not names or shape.name in names
+        for context, batch in grid(quick)
+    ]
+    timed: dict[tuple[str, int, int], dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for shape, context, batch in cells:
+            works = {m: device_work(shape, m, batch, context) for m in ("mla-tp", "tpla")}
+            # About 0.3 s of ideal work per mode and round, at least 5 repeats, at most 20.
+            ideal = max(roof.bound_seconds(w.flops(), w.bytes(4)) for w in works.values())
+            repeats = max(5, min(20, int(0.3 / max(ideal, 1e-6))))
+            cell = timed.setdefault((shape.name, context, batch), {m: [] for m in works})
+            for mode, times in time_pair(works, kernel, repeats).items():
+                cell[mode].extend(times)
+        if remeasure is not None:
+            roof = roof.best(remeasure())
+    rows: list[dict[str, Any]] = []
+    for shape, context, batch in cells:
+        for mode, times in timed[(shape.name, context, batch)].items():
+            work = device_work(shape, mode, batch, context)
+            rows.append(
+                {
+                    "shape": shape.name,
+                    "mode": mode,
+                    "context": context,
+                    "batch": batch,
+                    "kernel": kernel,
+                    "heads_per_device": work.heads,
+                    "latent_width": work.width,
+                    "d_r": work.d_r,
+                    "d_n": work.d_n,
+                    "d_v": work.d_v,
+                    "ms": 1e3 * min(times),
+                    "ms_median": 1e3 * statistics.median(times),
+                    "repeats": len(times),
+                }
+            )
+    finish_rows(rows, roof)
+    return rows, roof
+
+
+def work_of(row: dict[str, Any]) -> DeviceWork:
+    return DeviceWork(
+        row["heads_per_device"],
+        row["latent_width"],
+        row["d_r"],
+        row["d_n"],
+        row["d_v"],
+        row["batch"],
+        row["context"],
+    )
+
+
+def finish_rows(rows: list[dict[str, Any]], roof: Roofline) -> None:
+    """(Re)compute every derived field of timed rows from `roof`: rates, bounds, ratios."""
+    by_key: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        work = work_of(row)
+        seconds = row["ms"] / 1e3
+        flops, nbytes = work.flops(), work.bytes(4)
+        bound = roof.bound_seconds(flops, nbytes)
+        memory_bound = nbytes / roof.bytes_per_s >= flops / roof.flops_per_s
+        row.update(
+            {
+                "flops": flops,
+                "bytes": nbytes,
+                "intensity_flop_per_byte": flops / nbytes,
+                "gflops_per_s": flops / seconds / 1e9,
+                "gbytes_per_s": nbytes / seconds / 1e9,
+                "bound_ms": 1e3 * bound,
+                "bound_by": "memory" if memory_bound else "compute",
+                "roofline_fraction": bound / seconds,
+            }
+        )
+        by_key.setdefault((row["shape"], row["context"], row["batch"]), {})[row["mode"]] = row
+    for pair in by_key.values():
+        if set(pair) != {"mla-tp", "tpla"}:
+            continue
+        mla, tpla = pair["mla-tp"], pair["tpla"]
+        tpla["speedup_vs_mla_tp"] = mla["ms"] / tpla["ms"]
+        tpla["predicted_speedup_cpu"] = mla["bound_ms"] / tpla["bound_ms"]
+        for gpu in GPUS:
+            key = "predicted_speedup_" + gpu.name.split()[0].lower()
+            tpla[key] = gpu.bound_seconds(work_of(mla)) / gpu.bound_seconds(work_of(tpla))
+
+
+GPU_COLD_BYTES = 256 * 2**20  # > the 50 MB L2 of an H100 / H200: every call reads HBM
+GPU_CALLS = 20  # back-to-back calls per timing, between two CUDA events
+NO_GPU = (
+    "the Triton rows need a CUDA GPU: no CUDA device here, so nothing was timed "
+    "(CPU rows: --kernel native | fast | reference)"
+)
+
+
+def gpu_peak(device: torch.device) -> tuple[Accelerator, str, float]:
+    """(the roofline's accelerator, where its bandwidth comes from, measured copy bandwidth).
+
+    Published HBM peaks for the GPUs in `GPUS` (an H100 PCIe has 2 TB/s, not the SXM's 3.35:
+    it is not matched); any other GPU gets its measured device-to-device copy bandwidth
+    (read + write bytes of a 1 GiB clone, best of 5) and no compute bound.
+    """
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    copy_bw = 2 * src.numel() / best
+    name = torch.cuda.get_device_name(device)
+    for gpu in GPUS:
+        if gpu.name.split()[0] in name and "PCIe" not in name:
+            return gpu, f"published peak ({gpu.name})", copy_bw
+    return Accelerator(name, copy_bw, float("inf")), "measured copy bandwidth", copy_bw
+
+
+def prepare_triton(
+    work: DeviceWork, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> Callable[[int], torch.Tensor]:
+    """`run(i)`: the Triton decode attention of layer i % layers, from the rotated queries to
+    the per-head values (`prepare_attention`'s region). The layers hold GPU_COLD_BYTES
+    together, so a caller that counts i up never finds a layer still in L2."""
+    from common.model.tpla import absorbed_queries
+    from common.triton_kernels.decode_attention import paged_decode_attention
+
+    g = torch.Generator().manual_seed(seed)
+    per_seq = math.ceil(work.context / BLOCK_SIZE)
+    num_blocks = work.batch * per_seq
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layer_bytes = num_blocks * BLOCK_SIZE * (work.width + work.d_r) * itemsize
+    layers = min(max(math.ceil(GPU_COLD_BYTES / layer_bytes), 1), 4096)
+    cache = PagedLatentCache(
+        CacheLayout(layers, work.width, work.d_r, BLOCK_SIZE, dtype), num_blocks, device
+    )
+    cache.kv.normal_()
+    block_ids = torch.randperm(num_blocks, generator=g).view(work.batch, per_seq).to(device)
+    lengths = torch.full((work.batch,), work.context, device=device)
+    b, h = work.batch, work.heads
+
+    def rand(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(device, dtype)
+
+    q_nope, q_pe = rand(b, h, work.d_n), rand(b, h, work.d_r)
+    w_uk = rand(h, work.d_n, work.width, std=0.05)
+    w_uv = rand(h, work.d_v, work.width, std=0.05)
+    scale, beta = (work.d_n + work.d_r) ** -0.5, 0.5
+
+    def run(layer: int) -> torch.Tensor:
+        q = absorbed_queries(q_nope, q_pe, w_uk, scale, beta)
+        u, _ = paged_decode_attention(
+            q, cache.kv[layer % layers], block_ids, lengths, BLOCK_SIZE, rope_width=work.d_r
+        )
+        return torch.bmm(u.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    return run
+
+
+def time_gpu(runs: dict[str, Callable[[int], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call, modes alternating. Each sample is GPU_CALLS back-to-back calls
+    between two CUDA events divided by their number: the host queues ahead, as it does in a
+    decode step, so the launches' host cost is hidden wherever the kernels take longer."""
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    calls = 0  # one count for every call: each reads the next layer, never one still in L2
+    with torch.inference_mode():
+        for run in runs.values():
+            run(calls)  # compiles the kernels for this shape
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for mode, run in runs.items():
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(GPU_CALLS):
+                    calls += 1
+                    run(calls)
+                end.record()
+                end.synchronize()
+                times[mode].append(start.elapsed_time(end) / 1e3 / GPU_CALLS)
+    return times
+
+
+def run_triton_bench(
+    quick: bool, demo_dir: str, names: list[str] | None, rounds: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Time the Triton kernel at every (shape, context, batch, mode) on cuda:0, bf16."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.bfloat16
+    gpu, source, copy_bw = gpu_peak(device)
+    rows: list[dict[str, Any]] = []
+    for shape in shapes(demo_dir):
+        if names and shape.name not in names:
+            continue
+        for context, batch in grid(quick):
+            works = {m: device_work(shape, m, batch, context) for m in ("mla-tp", "tpla")}
+            runs = {m: prepare_triton(w, device, dtype) for m, w in works.items()}
+            pair: dict[str, dict[str, Any]] = {}
+            for mode, times in time_gpu(runs, 5 * rounds).items():
+                work = works[mode]
+                seconds = min(times)
+                nbytes, bound = work.bytes(2), gpu.bound_seconds(work)
+                pair[mode] = {
+                    "shape": shape.name,
+                    "mode": mode,
+                    "context": context,
+                    "batch": batch,
+                    "kernel": "triton",
+                    "dtype": "bf16",
+                    "heads_per_device": work.heads,
+                    "latent_width": work.width,
+                    "d_r": work.d_r,
+                    "d_n": work.d_n,
+                    "d_v": work.d_v,
+                    "ms": 1e3 * seconds,
+                    "ms_median": 1e3 * statistics.median(times),
+                    "repeats": len(times) * GPU_CALLS,
+                    "bytes": nbytes,
+                    "flops": work.flops(),
+                    "gbytes_per_s": nbytes / seconds / 1e9,
+                    "hbm_fraction": nbytes / seconds / gpu.bytes_per_s,
+                    "bound_ms": 1e3 * bound,
+                    "roofline_fraction": bound / seconds,
+                }
+            mla, tpla = pair["mla-tp"], pair["tpla"]
+            tpla["speedup_vs_mla_tp"] = mla["ms"] / tpla["ms"]
+            # The paper's TPLA / MLA-TP ratio: the roofline's, from bytes and FLOPs alone.
+            tpla["predicted_speedup"] = mla["bound_ms"] / tpla["bound_ms"]
+            rows += [mla, tpla]
+            del runs
+            torch.cuda.empty_cache()
+    device_info = {
+        "device": torch.cuda.get_device_name(device),
+        "hbm_bytes_per_s": gpu.bytes_per_s,
+        "roofline_source": source,
+        "copy_bytes_per_s": copy_bw,
+    }
+    return rows, device_info
+
+
+def _run_triton(args: argparse.Namespace) -> int:
+    summary: dict[str, Any] = {"kernel": "triton", "tp": TP, "block_size": BLOCK_SIZE}
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        summary.update({"rows": [], "skipped": NO_GPU})
+    else:
+        rows, device_info = run_triton_bench(args.quick, args.demo, args.shapes, args.rounds)
+        summary.update({"rows": rows, "quick": args.quick, "rounds": args.rounds, **device_info})
+        print(_gpu_table(rows))
+        print(
+            f"{device_info['device']}: HBM roofline {device_info['hbm_bytes_per_s'] / 1e12:.2f}"
+            f" TB/s ({device_info['roofline_source']}; measured copy "
+            f"{device_info['copy_bytes_per_s'] / 1e12:.2f} TB/s)"
+        )
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _gpu_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'shape':17} {'mode':6} {'ctx':>6} {'B':>3} {'ms':>8} {'GB/s':>7} {'hbm':>5} "
+        f"{'roof':>5} {'speedup':>8} {'pred':>6}"
+    ]
+    for r in rows:
+        sp = f"{r['speedup_vs_mla_tp']:.2f}x" if "speedup_vs_mla_tp" in r else ""
+        pr = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else ""
+        lines.append(
+            f"{r['shape']:17} {r['mode']:6} {r['context']:>6} {r['batch']:>3} {r['ms']:>8.4f} "
+            f"{r['gbytes_per_s']:>7.1f} {r['hbm_fraction']:>5.2f} {r['roofline_fraction']:>5.2f} "
+            f"{sp:>8} {pr:>6}"
+        )
+    return "\n".join(lines)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'shape':17} {'mode':6} {'ctx':>6} {'B':>3} {'ms':>9} {'GFLOP/s':>8} {'GB/s':>6} "
+        f"{'bound':>8} {'frac':>5} {'speedup':>8} {'pred':>5}"
+    )
+    lines = [head]
+    for r in rows:
+        sp = f"{r['speedup_vs_mla_tp']:.2f}x" if "speedup_vs_mla_tp" in r else ""
+        pr = f"{r['predicted_speedup_cpu']:.2f}x" if "predicted_speedup_cpu" in r else ""
+        lines.append(
+            f"{r['shape']:17} {r['mode']:6} {r['context']:>6} {r['batch']:>3} {r['ms']:>9.3f} "
+            f"{r['gflops_per_s']:>8.1f} {r['gbytes_per_s']:>6.1f} {r['bound_ms']:>8.3f} "
+            f"{r['roofline_fraction']:>5.2f} {sp:>8} {pr:>5}"
+        )
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.kernel == "triton":
+        return _run_triton(args)
+    sizes = (1024, 256.0) if args.quick else (2048, 512.0)
+    rows, roof = run_bench(
+        measure_roofline(*sizes),
+        args.quick,
+        args.kernel,
+        args.demo,
+        args.shapes,
+        args.rounds,
+        remeasure=lambda: measure_roofline(*sizes),
+    )
+    median_fraction = statistics.median(float(r["roofline_fraction"]) for r in rows)
+    summary = {
+        "rows": rows,
+        "roofline": roofline_record(roof),
+        "tp": TP,
+        "block_size": BLOCK_SIZE,
+        "kernel": args.kernel,
+        "quick": args.quick,
+        "rounds": args.rounds,
+        "median_roofline_fraction": median_fraction,
+        "gpus": [asdict(g) for g in GPUS],
+    }
+    if args.plot:
+        from tools.bench.plots import plot_decode_attn
+
+        plot_decode_attn(summary, Path(args.plot))
+    print(_table(rows))
+    print(f"median roofline_fraction {median_fraction:.2f} (threads {roof.threads})")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("decode-attn", help="per-device decode attention vs roofline")
+    p.add_argument("--quick", action="store_true", help="a small subset (well under a minute)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="sweeps of the grid; each row keeps its fastest call over all of them (default 3)",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=["native", "fast", "reference", "triton"],
+        default="native",
+        help="CPU kernels, or the Triton kernel on a CUDA GPU (bf16; HBM roofline)",
+    )
+    p.add_argument("--demo", default="models/demo", help="demo model dir for its shapes")
+    p.add_argument("--shapes", nargs="+", help="subset of deepseek-v3 deepseek-v2-lite demo")
+    p.add_argument("--plot", help="write a Figure-3-style PNG here (CPU kernels)")
+    p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
+    p.set_defaults(func=_run)

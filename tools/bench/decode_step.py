@@ -1,0 +1,212 @@
+"""`tpla bench decode-step`: the real engine's step time, MLA-TP and TPLA side by side.
+
+Synthetic latents are written into reserved blocks (the step cost does not depend on their
+values), then every request decodes with ignore_eos. Each configuration reports the median
+of `steps` step times per batch size, timing only steps that run the whole batch (requests
+join and leave one by one; a partial batch is a cheaper step), after warm-up; ratios against
+MLA-TP (r = 1) come from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from common.model.tpla import RmsNormMode
+from common.sampling import SamplingParams
+from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+
+WARMUP_STEPS = 2  # full-batch steps not timed (first calls into each kernel's buffers)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    layout: str  # mla-tp | tpla | sp
+    collectives: str  # shm | dist
+    tp: int
+    latent_groups: int
+    batch: int
+    context: int
+    median_ms: float
+    step_ms: list[float]  # every timed step (full batch, after warm-up), in order
+    cache_bytes_per_token_layer: int  # per rank, per cached token (SP: a rank caches ~1/tp)
+    cache_bytes_per_sequence: int  # rank 0's share of one sequence's cache at `context`
+    comm_bytes_per_step: int  # payload rank 0 puts into collectives per step (measured)
+    parameter_bytes_rank0: int
+
+
+def measure(
+    model: str,
+    layout: str,
+    tp: int,
+    r: int,
+    batches: list[int],
+    context: int,
+    steps: int,
+    reparam: str | None,
+    threads: int = 1,
+    chunk_size: int = 256,
+    kernel: str = "auto",
+    collectives: str = "shm",
+) -> list[StepResult]:
+    """Median step time per batch size for one layout, with its cache and comm footprint."""
+    from services.decode.engine import DecodeEngine  # not imported by `tpla --help`
+
+    mode = ParallelMode.SP if layout == "sp" else ParallelMode.TPLA
+    par = ParallelConfig(tp, r, RmsNormMode.EXACT, mode, chunk_size)
+    cfg = EngineConfig(
+        model=model,
+        parallel=par,
+        reparam=reparam if r > 1 else None,
+        master_port=0,
+        max_batch=max(batches),
+        kv_budget_mb=512,
+        torch_threads=threads,
+        decode_kernel=kernel,
+        collectives=collectives,
+    )
+    results = []
+    with DecodeEngine(cfg) as engine:
+        cache = engine.runtime.layout
+        comm = engine.runtime.comm
+        for batch in batches:
+            # Requests join one by one and leave as they started: only steps that run the
+            # whole batch are timed. Each request is long enough for `steps` of them plus
+            # warm-up, whatever the spread of joins.
+            params = SamplingParams(
+                max_tokens=steps + batch + WARMUP_STEPS + 2, temperature=0.0, ignore_eos=True
+            )
+            streams = []
+            for _ in range(batch):
+                rid = uuid.uuid4().hex
+                engine.reserve(rid, context, params.max_tokens)
+                for rank in range(tp):
+                    tokens = engine.pool.local_tokens(rank, context)
+                    n = torch.randn(cache.num_layers, tokens, cache.latent_width) * 0.1
+                    k_pe = torch.randn(cache.num_layers, tokens, cache.rope_width) * 0.1
+                    engine.write_kv(rid, rank, n, k_pe)
+                streams.append((rid, params))
+            steps_seen: list[tuple[float, int, int]] = []  # (seconds, batch, comm bytes after)
+            before = comm.bytes
+
+            def record(seconds: float, size: int, seen: list = steps_seen) -> None:
+                seen.append((seconds, size, comm.bytes))
+
+            engine.on_step = record
+            running = [engine.generate(rid, 1, p) for rid, p in streams]
+            for stream in running:
+                for _ in stream:
+                    pass
+            engine.on_step = None
+            full = []
+            for seconds, size, after in steps_seen:
+                if size == batch:
+                    full.append((seconds, after - before))
+                before = after
+            if len(full) <= WARMUP_STEPS:
+                raise RuntimeError(f"batch {batch}: only {len(full)} steps ran the whole batch")
+            timed = full[WARMUP_STEPS:][:steps]
+            per_seq = (
+                cache.bytes_per_token_per_layer
+                * cache.num_layers
+                * engine.pool.local_tokens(0, context)
+            )
+            results.append(
+                StepResult(
+                    layout,
+                    collectives,
+                    tp,
+                    r,
+                    batch,
+                    context,
+                    1000 * statistics.median(t for t, _ in timed),
+                    [1000 * t for t, _ in timed],
+                    cache.bytes_per_token_per_layer,
+                    per_seq,
+                    timed[-1][1],
+                    engine.parameter_bytes(),
+                )
+            )
+    return results
+
+
+def cmd_decode_step(args: argparse.Namespace) -> int:
+    rows = []
+    for collectives in args.collectives:
+        for layout in args.layouts:
+            r = args.tp if layout == "tpla" else 1
+            rows += measure(
+                args.model,
+                layout,
+                args.tp,
+                r,
+                args.batch,
+                args.context,
+                args.steps,
+                args.reparam,
+                args.threads,
+                args.chunk_size,
+                args.kernel,
+                collectives,
+            )
+    # Speedups are against MLA-TP with the same collectives, from this run.
+    base = {(row.collectives, row.batch): row for row in rows if row.layout == "mla-tp"}
+    print(
+        f"{'coll':>5} {'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
+        f"{'speedup':>8} {'cache KiB/seq':>14} {'vs MLA-TP':>10} {'comm KiB/step':>14} "
+        f"{'rank0 MB':>9}"
+    )
+    out = []
+    for row in rows:
+        ref = base.get((row.collectives, row.batch))
+        speed = ref.median_ms / row.median_ms if ref else float("nan")
+        mem = ref.cache_bytes_per_sequence / row.cache_bytes_per_sequence if ref else float("nan")
+        print(
+            f"{row.collectives:>5} {row.layout:>7} {row.tp:>3} {row.latent_groups:>3} "
+            f"{row.batch:>6} {row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
+            f"{row.cache_bytes_per_sequence / 1024:>14.1f} {mem:>9.2f}x "
+            f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f}"
+        )
+        out.append({**row.__dict__, "speedup_vs_mla_tp": speed, "cache_saving_vs_mla_tp": mem})
+    if args.json:
+        print(json.dumps({"rows": out}))
+    return 0
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    ds = bsub.add_parser("decode-step", help="real engine step: MLA-TP vs TPLA vs SP")
+    ds.add_argument("--model", default="models/demo")
+    ds.add_argument("--tp", type=int, default=2)
+    ds.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["mla-tp", "tpla", "sp"],
+        default=["mla-tp", "tpla", "sp"],
+        help="tpla uses r = tp",
+    )
+    ds.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
+    ds.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ds.add_argument("--context", type=int, default=1024)
+    ds.add_argument("--steps", type=int, default=12, help="full-batch steps timed per batch size")
+    ds.add_argument("--reparam", default="tpla_pca")
+    ds.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ds.add_argument(
+        "--kernel",
+        choices=["auto", "native", "torch", "triton"],
+        default="auto",
+        help="decode backend (TPLA_DECODE_KERNEL)",
+    )
+    ds.add_argument(
+        "--collectives",
+        nargs="+",
+        choices=["shm", "dist"],
+        default=["shm"],
+        help="group collectives: shared memory and/or torch.distributed (gloo)",
+    )
+    ds.add_argument("--json", action="store_true")
+    ds.set_defaults(func=cmd_decode_step)

@@ -1,0 +1,272 @@
+"""`tpla bench loading`: peak resident memory of a process that loads a model, per rank.
+
+Writes a random multi-shard checkpoint (a wide config, few layers, per-expert hub layout, at
+least 2 GB by default) into a temporary directory, then loads it in fresh child processes and
+reports each child's peak RSS (VmHWM, `peak_rss_bytes`) next to the bytes of parameters it keeps:
+
+- `overhead`: imports everything a rank imports and reads the config, loads no weights;
+- `whole`: the whole model (`load_model`, what the prefill worker holds);
+- `rank`: one rank of tp = 2 TPLA (r = 2) and of tp = 2 MLA-TP, read shard-wise;
+- `whole-then-slice`: the old way, the whole model loaded and then a rank's share kept.
+
+A rank read shard-wise should peak near overhead + its share. The checkpoint is deleted at
+the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+# ~2.8 GB in float32: a 4096-wide model with a dense layer and a MoE layer, 32k vocabulary.
+WIDE_CONFIG: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 32768,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+def write_checkpoint(
+    out: Path,
+    shard_bytes: int,
+    dtype: str,
+    layers: int,
+    config: dict[str, Any] | None = None,
+) -> int:
+    """A random checkpoint of `config` (WIDE_CONFIG) in `out`, split into shards of
+    ~`shard_bytes`; only one shard's tensors are in memory at a time. Returns the bytes
+    written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from common.model.args import ModelConfig
+    from common.model.model import DeepseekForCausalLM
+
+    config = {**(config or WIDE_CONFIG), "num_hidden_layers": layers, "torch_dtype": dtype}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        meta = DeepseekForCausalLM(ModelConfig.from_hf_dict(config))
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for name, p in meta.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, (e, two_i, d) = name.removesuffix(".gate_up_proj"), p.shape
+            for i in range(e):
+                shapes.append((f"{prefix}.{i}.gate_proj.weight", (two_i // 2, d)))
+                shapes.append((f"{prefix}.{i}.up_proj.weight", (two_i // 2, d)))
+        elif name.endswith("experts.down_proj"):
+            prefix, (e, d, inter) = name.removesuffix(".down_proj"), p.shape
+            shapes += [(f"{prefix}.{i}.down_proj.weight", (d, inter)) for i in range(e)]
+        else:
+            shapes.append((name, tuple(p.shape)))
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    files: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = torch.Size(shape).numel() * torch_dtype.itemsize
+        if files[-1] and size + nbytes > shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append((name, shape))
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, entries in enumerate(files):
+        file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = {
+            name: (
+                1.0 + 0.1 * torch.randn(shape, generator=gen)
+                if "norm" in name
+                else 0.02 * torch.randn(shape, generator=gen)
+            ).to(torch_dtype)
+            for name, shape in entries
+        }
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        total += (out / file).stat().st_size
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+# -- the child: one load, one measurement -------------------------------------------------------
+
+
+def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict[str, Any]:
+    """Load as `mode` says and report peak RSS and the parameter bytes kept (in this process)."""
+    import torch
+
+    from common.model.loader import load_model
+    from common.model.tpla import latent_shards
+    from common.serving_model import open_serving_weights
+    from services.decode.config import ParallelConfig
+    from services.decode.rank_model import RankModel
+
+    torch.set_num_threads(1)
+    parallel = ParallelConfig(tp=2, latent_groups=2 if layout == "tpla" else 1)
+    start = time.perf_counter()
+    kept = 0
+    if mode == "overhead":
+        open_serving_weights(model_dir, None, dtype)  # headers and config only
+    elif mode == "whole":
+        model = load_model(model_dir, dtype=dtype)
+        kept = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        if mode == "rank":
+            source: Any = open_serving_weights(model_dir, None, dtype)[0]
+        else:  # whole-then-slice
+            source = load_model(model_dir, dtype=dtype)
+        c = source.config
+        shards = [latent_shards(c.kv_lora_rank, parallel.latent_groups)] * c.num_hidden_layers
+        rank_model = RankModel(source, parallel, rank, shards)
+        del source
+        kept = rank_model.parameter_bytes()
+    seconds = time.perf_counter() - start
+    peak = peak_rss_bytes()
+    return {
+        "mode": mode,
+        "layout": layout,
+        "rank": rank,
+        "peak_rss_bytes": peak,
+        "parameter_bytes": kept,
+        "load_seconds": round(seconds, 2),
+    }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM). Not `ru_maxrss`: Linux carries a parent's
+    peak over fork and exec into it, so a child of a big parent would report the parent's."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB too
+
+
+def run_child(model_dir: Path, dtype: str, mode: str, layout: str = "-", rank: int = 0) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.bench.loading",
+        mode,
+        str(model_dir),
+        dtype,
+        layout,
+        str(rank),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+    }
+
+
+def planned_rank_bytes(model_dir: Path, layout: str, rank: int, dtype: str) -> int:
+    from common.model.args import ModelConfig
+    from common.tpla.plan import Kind, Layout, rank_tensors, weight_bytes
+
+    c = ModelConfig.from_dir(model_dir)
+    lay = Layout(Kind.TPLA, 2, 2) if layout == "tpla" else Layout(Kind.MLA_TP, 2, 1)
+    return weight_bytes(rank_tensors(c, lay, rank), dtype)
+
+
+def _run(args: argparse.Namespace) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="tpla-loading-", dir=args.tmp_dir))
+    try:
+        t0 = time.perf_counter()
+        size = write_checkpoint(tmp, int(args.shard_gb * GIB), args.dtype, args.layers)
+        files = len(list(tmp.glob("*.safetensors")))
+        print(
+            f"checkpoint: {size / GIB:.2f} GiB in {files} shards ({time.perf_counter() - t0:.0f} s)"
+        )
+        rows = [run_child(tmp, args.dtype, "overhead"), run_child(tmp, args.dtype, "whole")]
+        for layout in ("tpla", "mla-tp"):
+            rows += [run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
+        rows.append(run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
+        overhead = rows[0]["peak_rss_bytes"]
+        for r in rows:
+            r["peak_minus_overhead_bytes"] = r["peak_rss_bytes"] - overhead
+            if r["mode"] in ("rank", "whole-then-slice"):
+                r["planned_bytes"] = planned_rank_bytes(tmp, r["layout"], r["rank"], args.dtype)
+        result = {
+            "checkpoint_bytes": size,
+            "shards": files,
+            "dtype": args.dtype,
+            "config": {**WIDE_CONFIG, "num_hidden_layers": args.layers},
+            "machine": _machine(),
+            "rows": rows,
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"{'mode':18} {'layout':7} {'rank':>4} {'peak RSS':>10} {'- overhead':>11} "
+        f"{'kept':>10} {'load s':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['mode']:18} {r['layout']:7} {r['rank']:>4} {r['peak_rss_bytes'] / GIB:>8.2f} G "
+            f"{r['peak_minus_overhead_bytes'] / GIB:>9.2f} G {r['parameter_bytes'] / GIB:>8.2f} G "
+            f"{r['load_seconds']:>7}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("loading", help="peak RSS of whole-model and shard-wise rank loads")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (1 dense, rest MoE)")
+    p.add_argument("--shard-gb", type=float, default=0.75, help="target size of a shard file")
+    p.add_argument("--tmp-dir", default=None, help="where the checkpoint is written")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
+    p.set_defaults(func=_run)
+
+
+if __name__ == "__main__":
+    mode, model_dir, dtype, layout, rank = sys.argv[1:6]
+    print(json.dumps(child(mode, model_dir, dtype, layout, int(rank))))

@@ -1,0 +1,413 @@
+"""`tpla bench serve`: serving configurations under a concurrency sweep, one run, same requests.
+
+Configurations (each only when selected with --configs):
+* tpla       - the disaggregated stack (`tpla serve`, tp=2, TPLA r=2, PCA basis), over HTTP;
+* mla-tp     - the same stack with r=1 (plain MLA tensor parallelism), over HTTP;
+* colocated  - the same TPLA decode group with prefill in its leader, no transfer
+               (tools/bench/colocated.py), in-process;
+* hf-naive / hf-static - HF transformers `generate` on the same weights
+               (tools/bench/hf_baseline.py): one request at a time, or static batches.
+
+Each mix has a fixed prompt length and exactly `max_tokens` outputs per request (ignore_eos,
+greedy), prompts are windows of real Python source, and every configuration serves the same
+prompts (overlapping windows: nothing here caches prefixes). The load is swept either as
+closed loops (a level of concurrency c is c clients over waves * c requests, at least 2) or,
+with --request-rate, as Poisson arrivals (a level is `requests` requests at that rate; see
+tools/bench/load.py for why both), each level after one untimed warm-up request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from common.settings import load_settings
+from services.prefill.threads import PrefillThreads, usable_cores
+from tools.bench.load import Arrival, Load, drive_blocking
+from tools.bench.stats import LoadSummary, RequestTiming, summarize
+
+CONFIGS = ("tpla", "mla-tp", "colocated", "hf-naive", "hf-static")
+DISAGGREGATED = {"tpla": (2, "tpla_pca"), "mla-tp": (1, "")}  # latent groups, reparam
+
+
+@dataclass(frozen=True)
+class Mix:
+    name: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    model: str
+    configs: tuple[str, ...]
+    mixes: tuple[Mix, ...]
+    loads: tuple[Load, ...]  # all closed loops, or all Poisson rates
+    waves: int  # closed loops: requests per level = waves x concurrency (at least 2)
+    requests: int  # Poisson: requests per level
+    hf_max_concurrency: int
+    hf_threads: int
+    reparam: str  # TPLA basis for the tpla and colocated configs ("" = identity)
+    prefill_workers: int = 1  # of the disaggregated stacks
+
+    def __post_init__(self) -> None:
+        unknown = set(self.configs) - set(CONFIGS)
+        if unknown:
+            raise ValueError(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
+        if not self.loads or len({load.arrival for load in self.loads}) != 1:
+            raise ValueError("sweep one kind of load: closed loops or Poisson rates")
+        if self.waves < 1 or self.requests < 2:
+            raise ValueError("waves must be >= 1 and requests >= 2")
+
+    @property
+    def arrival(self) -> Arrival:
+        return self.loads[0].arrival
+
+    def count(self, load: Load) -> int:
+        """Requests served at one level."""
+        if load.arrival is Arrival.POISSON:
+            return self.requests
+        return max(self.waves * load.concurrency, 2)
+
+
+def make_prompts(model: str, mix: Mix, count: int) -> list[list[int]]:
+    """`count` distinct windows of `mix.prompt_tokens` tokens of Python source text."""
+    import inspect
+
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model)
+    ids: list[int] = []
+    for module in (argparse, json.decoder, dataclasses, inspect):
+        ids += tok.encode(inspect.getsource(module), add_bos=False)
+        if len(ids) >= mix.prompt_tokens + 97 * count:
+            break
+    span = len(ids) - mix.prompt_tokens
+    if span < 1:
+        raise ValueError(f"not enough text for {mix.prompt_tokens}-token prompts")
+    return [ids[(97 * i) % span : (97 * i) % span + mix.prompt_tokens] for i in range(count)]
+
+
+Runner = Callable[[Sequence[Sequence[int]], int, Load], tuple[list[RequestTiming], float]]
+
+
+def _sweep(
+    name: str,
+    runner: Runner,
+    sweep: SweepConfig,
+    prompts: dict[str, list[list[int]]],
+    loads: Sequence[Load],
+) -> list[dict]:
+    rows = []
+    for mix in sweep.mixes:
+        # One untimed request first: connections, process groups and first-call paths.
+        runner(prompts[mix.name][:1], mix.max_tokens, Load.closed(1))
+        for load in loads:
+            timings, wall = runner(prompts[mix.name][: sweep.count(load)], mix.max_tokens, load)
+            summary: LoadSummary = summarize(timings, wall)
+            row = {"config": name, "mix": mix.name, **load.row(), **dataclasses.asdict(mix)}
+            row.update(dataclasses.asdict(summary))
+            rows.append(row)
+            print(
+                f"{name:<10} {mix.name:<6} {load.label():<7} "
+                f"{summary.completed}/{summary.requests} ok "
+                f"{summary.output_tok_s:8.1f} tok/s  TTFT p50 {summary.ttft_p50_ms:8.1f} ms  "
+                f"TPOT p50 {summary.tpot_p50_ms:7.1f} p99 {summary.tpot_p99_ms:7.1f} ms  "
+                f"ITL p99 {summary.itl_p99_ms:7.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+    return rows
+
+
+def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]]]) -> list[dict]:
+    """One configuration over every mix and level; whatever it started is stopped on return."""
+    if name in DISAGGREGATED:
+        from tools.bench.serve_stack import StackConfig, drive_http, running_stack
+
+        groups, reparam = DISAGGREGATED[name]
+        cfg = StackConfig(
+            name,
+            groups,
+            sweep.reparam if groups > 1 else reparam,
+            prefill_workers=sweep.prefill_workers,
+        )
+        with running_stack(cfg, sweep.model) as url:
+            http = functools.partial(drive_http, url, cfg.served_name)
+            return _sweep(name, http, sweep, prompts, sweep.loads)
+    if name == "colocated":
+        from tools.bench.colocated import ColocatedServer
+
+        with ColocatedServer(sweep.model, sweep.reparam, 2, 2) as server:
+            runner = functools.partial(drive_blocking, server.request)
+            return _sweep(name, runner, sweep, prompts, sweep.loads)
+    if name == "hf-static" and sweep.arrival is Arrival.POISSON:
+        # Static batches are the c prompts of a closed loop taken together: no schedule.
+        print("hf-static: closed loops only, skipped under --request-rate", file=sys.stderr)
+        return []
+    from tools.bench.hf_baseline import HfServer
+
+    hf = HfServer(sweep.model, sweep.hf_threads)
+    hf_runner: Runner = (
+        functools.partial(drive_blocking, hf.request)
+        if name == "hf-naive"
+        else lambda batch, max_tokens, load: hf.static_batches(batch, max_tokens, load.concurrency)
+    )
+    loads = [
+        load
+        for load in sweep.loads
+        if load.arrival is Arrival.POISSON or load.concurrency <= sweep.hf_max_concurrency
+    ]
+    return _sweep(name, hf_runner, sweep, prompts, loads)
+
+
+def run(sweep: SweepConfig) -> dict:
+    most = max(sweep.count(load) for load in sweep.loads)
+    prompts = {m.name: make_prompts(sweep.model, m, most) for m in sweep.mixes}
+    rows: list[dict] = []
+    for name in sweep.configs:
+        rows += _run_config(name, sweep, prompts)
+    # What the stack's processes (and the colocated prefill) ran on: the same settings.
+    settings = load_settings()
+    prefill = PrefillThreads.from_settings(settings)
+    return {
+        "bench": "serve",
+        "model": sweep.model,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "stack_torch_threads_per_process": settings.torch_threads,
+            "stack_prefill_threads": {
+                "batches_from_tokens": prefill.min_tokens,
+                "threads": prefill.large,
+            },
+            "hf_torch_threads": sweep.hf_threads,
+        },
+        "sweep": {
+            "configs": list(sweep.configs),
+            "arrival": sweep.arrival.value,
+            "concurrency": [x.concurrency for x in sweep.loads if x.arrival is Arrival.CLOSED],
+            "request_rates": [x.rate for x in sweep.loads if x.arrival is Arrival.POISSON],
+            "waves": sweep.waves,
+            "requests_per_rate": sweep.requests,
+            "seed": sweep.loads[0].seed,
+            "prefill_workers": sweep.prefill_workers,
+            "mixes": [dataclasses.asdict(m) for m in sweep.mixes],
+        },
+        "results": rows,
+        "goals": goals(rows),
+    }
+
+
+def _level(row: dict) -> float:
+    return row["concurrency"] if row["arrival"] == Arrival.CLOSED else row["request_rate"]
+
+
+def _find(rows: list[dict], config: str, mix: str, level: float) -> dict | None:
+    for r in rows:
+        if (r["config"], r["mix"], _level(r)) == (config, mix, level):
+            return r
+    return None
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's goals as measured ratios (None where a configuration was not run).
+
+    Throughput against HF at 16 closed-loop streams (or the largest level); disaggregated
+    against colocated TPOT p99 on the long mix at every level, and ITL p99 beside it."""
+    out: dict = {}
+    closed = sorted({r["concurrency"] for r in rows if r["arrival"] == Arrival.CLOSED})
+    at = 16 if 16 in closed else (closed[-1] if closed else 0)
+    for mix in sorted({r["mix"] for r in rows}):
+        for disagg in DISAGGREGATED:
+            d = _find(rows, disagg, mix, at)
+            for hf in ("hf-naive", "hf-static"):
+                h = _find(rows, hf, mix, at)
+                if d and h and h["output_tok_s"] > 0:
+                    out[f"{disagg}_vs_{hf}_throughput_{mix}_c{at}"] = (
+                        d["output_tok_s"] / h["output_tok_s"]
+                    )
+    for r in rows:
+        if r["config"] != "tpla" or r["mix"] != "long":
+            continue
+        col = _find(rows, "colocated", "long", _level(r))
+        closed = r["arrival"] == Arrival.CLOSED
+        tag = f"c{r['concurrency']}" if closed else f"rate{r['request_rate']:g}"
+        for metric in ("tpot_p99_ms", "itl_p99_ms"):
+            if col and col[metric] > 0:
+                out[f"tpla_vs_colocated_{metric[:-3]}_long_{tag}"] = r[metric] / col[metric]
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    """Throughput, TPOT p99 and ITL p99 against the load, one row per request mix."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = report["sweep"]["arrival"] == Arrival.CLOSED
+    mixes = [m["name"] for m in report["sweep"]["mixes"]]
+    fig, axes = plt.subplots(len(mixes), 3, figsize=(17, 4.2 * len(mixes)), squeeze=False)
+    colors = dict(zip(CONFIGS, ("C0", "C1", "C2", "C3", "C4"), strict=True))
+    for (ax_t, ax_p, ax_i), mix in zip(axes, mixes, strict=True):
+        for config in report["sweep"]["configs"]:
+            pts = [
+                r
+                for r in report["results"]
+                if r["config"] == config and r["mix"] == mix and r["completed"]
+            ]
+            if not pts:
+                continue
+            xs = [_level(r) for r in pts]
+            kw = dict(color=colors[config], marker="o", label=config)
+            ax_t.plot(xs, [r["output_tok_s"] for r in pts], **kw)
+            ax_p.plot(xs, [r["tpot_p99_ms"] for r in pts], **kw)
+            ax_i.plot(xs, [r["itl_p99_ms"] for r in pts], **kw)
+        prompt = next(m for m in report["sweep"]["mixes"] if m["name"] == mix)
+        what = f"{mix} mix ({prompt['prompt_tokens']} prompt, {prompt['max_tokens']} output tokens)"
+        ax_t.set_title(f"Output throughput - {what}", fontsize=10)
+        ax_p.set_title(f"TPOT p99 - {what}", fontsize=10)
+        ax_i.set_title(f"ITL p99 - {what}", fontsize=10)
+        ax_t.set_ylabel("output tokens / s")
+        ax_p.set_ylabel("ms per output token (log)")
+        ax_i.set_ylabel("ms between two output chunks (log)")
+        for ax in (ax_t, ax_p, ax_i):
+            if closed:
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams" if closed else "requests / s (Poisson arrivals)")
+            ax.grid(True, which="both", alpha=0.3)
+        for ax in (ax_p, ax_i):
+            ax.set_yscale("log")
+        ax_t.legend(fontsize=8)
+    fig.suptitle(f"tpla bench serve - {report['model']} - {report['date']} (2-core CPU, fp32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _mixes(quick: bool, names: Sequence[str]) -> tuple[Mix, ...]:
+    catalog = (
+        {"short": Mix("short", 16, 8), "long": Mix("long", 256, 8)}
+        if quick
+        else {"short": Mix("short", 64, 32), "long": Mix("long", 1536, 32)}
+    )
+    return tuple(catalog[n] for n in names)
+
+
+def _shared_prefix(args: argparse.Namespace) -> int:
+    """The shared-prefix mix: its own run (common/bench/shared_prefix.py)."""
+    from tools.bench import shared_prefix
+
+    cfg = shared_prefix.SharedPrefixConfig(
+        model=args.model,
+        users=args.users,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        max_tokens=args.max_tokens or 32,
+        reparam=args.reparam,
+    )
+    report = shared_prefix.run(cfg)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        shared_prefix.plot(report, args.plot)
+    print(json.dumps(report) if args.json else json.dumps(report["ratios"], indent=2))
+    return 0 if all(r["completed"] == r["requests"] for r in report["results"]) else 1
+
+
+def cmd(args: argparse.Namespace) -> int:
+    if args.mixes and "shared-prefix" in args.mixes:
+        if len(args.mixes) > 1:
+            raise SystemExit("--mixes shared-prefix is a run of its own: pass it alone")
+        return _shared_prefix(args)
+    mixes = args.mixes or (["short"] if args.quick else ["short", "long"])
+    if args.request_rate:
+        if args.concurrency:
+            raise SystemExit("--concurrency and --request-rate are two kinds of load: pick one")
+        loads = tuple(Load.poisson(rate, args.seed) for rate in args.request_rate)
+    else:
+        concurrency = args.concurrency or ([1, 2] if args.quick else [1, 4, 16, 32])
+        loads = tuple(Load.closed(c) for c in concurrency)
+    sweep = SweepConfig(
+        model=args.model,
+        configs=tuple(args.configs),
+        mixes=_mixes(args.quick, mixes),
+        loads=loads,
+        waves=args.waves or 1,
+        requests=args.requests,
+        hf_max_concurrency=args.hf_max_concurrency,
+        hf_threads=args.hf_threads,
+        reparam=args.reparam,
+        prefill_workers=args.prefill_workers,
+    )
+    report = run(sweep)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(report, Path(args.plot))
+    print(json.dumps(report) if args.json else json.dumps(report["goals"], indent=2))
+    return 0 if all(r["completed"] == r["requests"] for r in report["results"]) else 1
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("serve", help="serving configurations under a concurrency sweep")
+    p.add_argument("--model", default="models/demo")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument(
+        "--mixes",
+        nargs="+",
+        choices=("short", "long", "shared-prefix"),
+        help="default: short and long; shared-prefix (alone): multi-turn chat over one "
+        "system prompt, prefix cache on and off",
+    )
+    p.add_argument("--users", type=int, default=16, help="shared-prefix: conversations")
+    p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns each")
+    p.add_argument(
+        "--system-tokens", type=int, default=1536, help="shared-prefix: system prompt tokens"
+    )
+    p.add_argument("--max-tokens", type=int, help="shared-prefix: answer tokens (default 32)")
+    p.add_argument("--concurrency", nargs="+", type=int, help="default 1 4 16 32 (quick: 1 2)")
+    p.add_argument(
+        "--waves", type=int, help="requests per level = waves x concurrency (min 2); default 1"
+    )
+    p.add_argument(
+        "--request-rate",
+        nargs="+",
+        type=float,
+        help="instead of closed loops: Poisson arrivals at these rates (requests/s)",
+    )
+    p.add_argument(
+        "--requests", type=int, default=32, help="requests per --request-rate level (default 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival schedule")
+    p.add_argument("--hf-max-concurrency", type=int, default=16)
+    p.add_argument(
+        "--hf-threads",
+        type=int,
+        default=usable_cores(),
+        help="HF intra-op threads (default: the usable cores; HF serves alone on the machine, "
+        "and on the 2-core VM 2 threads ran the long mix 1.4x faster than 1, short alike)",
+    )
+    p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=1,
+        help="prefill workers of the disaggregated stacks (tpla serve's default: 1)",
+    )
+    p.add_argument("--reparam", default="tpla_pca", help='TPLA basis side file ("" = identity)')
+    p.add_argument("--quick", action="store_true", help="tiny prompts, concurrency 1 and 2")
+    p.add_argument("--json", action="store_true", help="JSON report as the last stdout line")
+    p.add_argument("--out", default="", help="also write the JSON report here")
+    p.add_argument("--plot", default="", help="write the throughput / TPOT p99 chart here")
+    p.set_defaults(func=cmd)

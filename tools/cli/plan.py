@@ -1,0 +1,164 @@
+"""`tpla plan`: the capacity plan of a decode group (common/tpla/plan.py) for a checkpoint's
+config.json on given cards, as a table and, with --json, its contract line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tools.cli.tpla import DTYPES, RMSNORM_MODES
+
+if TYPE_CHECKING:
+    from common.tpla.plan import Checkpoint, Plan
+
+
+def _read_checkpoint(args: argparse.Namespace) -> tuple[Path, Checkpoint]:
+    from common.tpla.plan import checkpoint_from_hf_dict
+
+    path = Path(args.config) if args.config else Path(args.model) / "config.json"
+    if not path.is_file():
+        where = f"--config {args.config}" if args.config else f"model directory {args.model}"
+        raise ValueError(f"no config.json found ({where})")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return path, checkpoint_from_hf_dict(raw)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`tpla plan`: the table on stdout; with --json, the plan as the last stdout line."""
+    from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan
+
+    path, ckpt = _read_checkpoint(args)
+    hardware = Hardware(
+        gpu_mem_bytes=round(args.gpu_mem_gib * GIB),
+        gpus_per_group=args.gpus_per_group,
+        reserve_bytes=None if args.reserve_gib is None else round(args.reserve_gib * GIB),
+    )
+    request = PlanRequest(
+        hardware=hardware,
+        latent_groups=tuple(args.latent_groups),
+        context=args.context,
+        kv_dtype=args.dtype,
+        weight_dtype=args.weight_dtype or args.dtype,
+        exact_rmsnorm=args.rmsnorm == "exact",
+        block_size=args.block_size,
+        chunk_size=args.chunk_size,
+        fp8_block=ckpt.fp8_block,
+    )
+    plan = build_plan(ckpt.config, request)
+    print(format_plan(plan, path, ckpt))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "config": str(path),
+                    "checkpoint_quantization": ckpt.quant_method,
+                    "mtp_layers_not_loaded": ckpt.mtp_layers,
+                    **plan.to_json(),
+                }
+            )
+        )
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
+    """The human-readable plan: one row per layout, then what the numbers mean."""
+    from common.tpla.rank_memory import FP8, Kind
+
+    c, req = plan.config, plan.request
+    hw, ctx = req.hardware, req.context
+    mtp = f" (+{ckpt.mtp_layers} MTP layer(s), not loaded)" if ckpt.mtp_layers else ""
+    quant = f"; checkpoint stored as {ckpt.quant_method}" if ckpt.quant_method else ""
+    base = plan.by_kind(Kind.MLA_TP).max_tokens
+    lines = [
+        f"{path}: {c.model_type}, {c.num_hidden_layers} layers{mtp}, {c.num_attention_heads} "
+        f"heads, d_c={c.kv_lora_rank} d_r={c.qk_rope_head_dim}{quant}",
+        f"decode group: {hw.gpus_per_group} GPUs x {_gib(hw.gpu_mem_bytes)} GiB; reserve "
+        f"{_gib(hw.reserve)} GiB per GPU; weights {req.weight_dtype}, KV {req.kv_dtype}, "
+        f"RMSNorm {'exact' if req.exact_rmsnorm else 'sliced'}, block {req.block_size}, "
+        f"SP chunk {req.chunk_size}",
+        "",
+        f"{'layout':<10} {'heads':>5} {'latent':>6} {'weights':>8} {'KV bytes':>9} "
+        f"{'KV budget':>9} {'tokens':>11} {'vs':>6} {'seqs':>7}  fits",
+        f"{'':<10} {'/rank':>5} {'/rank':>6} {'GiB':>8} {'/token':>9} "
+        f"{'GiB':>9} {'/group':>11} {'mla-tp':>6} {f'@{ctx}':>7}",
+    ]
+    for p in plan.layouts:
+        lay = p.layout
+        kv = f"{p.kv_bytes_per_token:,.0f}" + ("*" if lay.kind is Kind.SP else "")
+        ratio = f"{p.max_tokens / base:.2f}x" if base else "-"
+        lines.append(
+            f"{lay.label:<10} {c.num_attention_heads // lay.head_groups:>5} "
+            f"{c.kv_lora_rank // lay.latent_groups:>6} {_gib(p.weights_bytes):>8} {kv:>9} "
+            f"{_gib(p.kv_budget_bytes):>9} {p.max_tokens:>11,} {ratio:>6} "
+            f"{p.max_sequences:>7,}  {'yes' if p.fits else 'NO'}"
+        )
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.breakdown)
+    lines += [
+        "",
+        f"{plan.chosen.layout.label} rank weights (GiB): {parts}",
+        "* SP: a rank caches whole-width tokens of its round-robin chunks only, about 1/tp "
+        "of each sequence; per context token that is (d_c + d_r) x layers x bytes / tp.",
+        "tokens: context tokens the group can cache, bounded by one rank's pool (whole "
+        f"blocks); seqs: sequences of {ctx} tokens (prompt + max_tokens) held at once.",
+        "fits: weights + reserve < GPU memory. A rank reads only its share from the "
+        f"checkpoint (the whole model is {_gib(plan.full_model_bytes)} GiB).",
+    ]
+    if req.weight_dtype == FP8:
+        lines.append(
+            "float8 weights are a what-if: the loader reads FP8 checkpoints but dequantizes "
+            "them to the serving dtype (plan those with --weight-dtype bfloat16)."
+        )
+    return "\n".join(lines)
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `tpla plan`."""
+    p = sub.add_parser(
+        "plan",
+        help="capacity plan of a decode group: per-rank weights, KV bytes, tokens that fit",
+        description="From config.json alone (no weights): per decode rank, the weights the "
+        "engine holds and the KV cache left for MLA-TP, TPLA and SP.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model directory holding config.json")
+    src.add_argument("--config", help="path of a config.json")
+    p.add_argument("--gpu-mem-gib", type=float, required=True, help="memory of one GPU (GiB)")
+    p.add_argument("--gpus-per-group", type=int, required=True, help="decode ranks (tp)")
+    p.add_argument(
+        "--latent-groups",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="TPLA latent groups r (several compare several; the first is what --json's "
+        "tpla keys and `fits` describe)",
+    )
+    p.add_argument(
+        "--context", type=int, required=True, help="tokens per sequence (prompt + max_tokens)"
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="KV cache dtype")
+    p.add_argument(
+        "--weight-dtype",
+        choices=[*sorted(DTYPES), "float8"],
+        help="weights' dtype (default: --dtype); float8 = DeepSeek's block-FP8 format",
+    )
+    p.add_argument(
+        "--reserve-gib",
+        type=float,
+        help="per-GPU memory kept off weights and KV (default: max(2 GiB, 10%% of the GPU))",
+    )
+    p.add_argument("--rmsnorm", choices=RMSNORM_MODES, default="exact")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
+    p.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
+    p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
+    p.set_defaults(func=cmd_plan)

@@ -1,0 +1,174 @@
+"""Sub-commands that run services: `tpla decode | prefill | router | serve`."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.settings import Settings, load_settings, placed
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    fields = (
+        "model",
+        "tp",
+        "latent_groups",
+        "rmsnorm",
+        "reparam",
+        "transport",
+        "redis_url",
+        "host",
+        "router_port",
+        "prefill_port",
+        "decode_port",
+        "kv_port_base",
+        "dist_port",
+        "kv_budget_mb",
+        "max_batch",
+        "parallel",
+        "chunk_size",
+        "torch_threads",
+        "rank",
+        "group_size",
+        "group_addr",
+        "advertise_host",
+    )
+    over = {f: getattr(args, f, None) for f in fields}
+    if getattr(args, "port", None) is not None:
+        over[args.port_field] = args.port
+    if over.get("reparam") == "none":
+        over["reparam"] = ""
+    return load_settings(**over)
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.decode.config import engine_config
+    from services.decode.service import serve_decode
+
+    s = placed(_settings(args))
+    torch.set_num_threads(s.torch_threads)
+    if s.rank > 0:  # a follower of a group whose ranks are started on their own
+        from services.decode.service import serve_rank
+
+        return serve_rank(engine_config(s), s.rank)
+    return serve_decode(
+        engine_config(s),
+        s.decode_port,
+        s.redis_url,
+        heartbeat_s=s.heartbeat_s,
+        worker_ttl_s=s.worker_ttl_s,
+    )
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.prefill.service import serve_prefill
+    from services.prefill.threads import PrefillThreads
+
+    s = placed(_settings(args))
+    torch.set_num_threads(s.torch_threads)
+    token = s.internal_token.get_secret_value() if s.internal_token else None
+    serve_prefill(
+        s.model,
+        s.reparam or None,
+        s.host,
+        s.prefill_port,
+        s.redis_url,
+        transport=s.transport,
+        token=token,
+        dtype=s.dtype,
+        device=s.device,
+        heartbeat_s=s.heartbeat_s,
+        worker_ttl_s=s.worker_ttl_s,
+        transfer_timeout_s=s.transfer_timeout_s,
+        attention_backend=s.attention_backend,
+        threads=PrefillThreads.from_settings(s),
+        max_batch_tokens=s.prefill_batch_tokens,
+        prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
+    )
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from services.router.app import run_router
+
+    run_router(_settings(args))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from common.placement import stack_devices
+    from services.serve import serve_stack
+
+    settings = _settings(args)
+    # A device that does not exist, or too few GPUs for the groups, fails here, before
+    # anything starts.
+    device = placed(settings).device
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    devices = stack_devices(
+        device, settings.decode_groups, settings.tp, settings.prefill_workers, gpus
+    )
+    return serve_stack(settings, smoke=args.smoke, devices=devices)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (TPLA_MODEL)")
+    p.add_argument("--redis-url", help="TPLA_REDIS_URL")
+    p.add_argument("--host", help="interface to bind (TPLA_HOST, default 127.0.0.1)")
+    p.add_argument("--torch-threads", type=int)
+    p.add_argument("--reparam", help="TPLA side file in the model dir (tpla_pca, ...) or none")
+
+
+def _decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, help="decode ranks (TPLA_TP)")
+    p.add_argument("--latent-groups", type=int, help="TPLA latent groups r (1 = MLA-TP)")
+    p.add_argument("--rmsnorm", choices=["exact", "sliced"])
+    p.add_argument("--parallel", choices=["tpla", "mla-tp", "sp"], help="decode parallel mode")
+    p.add_argument("--chunk-size", type=int, help="SP: tokens per round-robin chunk")
+    p.add_argument("--kv-port-base", type=int)
+    p.add_argument("--dist-port", type=int)
+    p.add_argument("--kv-budget-mb", type=float)
+    p.add_argument("--max-batch", type=int)
+
+
+def add_service_parsers(sub: argparse._SubParsersAction) -> None:
+    dec = sub.add_parser("decode", help="run a decode group (leader + ranks) serving gRPC")
+    _common(dec)
+    _decode_args(dec)
+    dec.add_argument("--port", type=int, help="Decode gRPC port (default 50061)")
+    # A group across hosts: each rank its own process (docs/deploy.md); rank 0 leads.
+    dec.add_argument("--rank", type=int, help="this rank of a joined group (TPLA_RANK)")
+    dec.add_argument("--group-size", type=int, help="ranks of the group (TPLA_GROUP_SIZE)")
+    dec.add_argument("--group-addr", help="leader's HOST:PORT rendezvous (TPLA_GROUP_ADDR)")
+    dec.add_argument(
+        "--advertise-host", help="host others reach this rank at (TPLA_ADVERTISE_HOST)"
+    )
+    dec.set_defaults(func=cmd_decode, port_field="decode_port")
+
+    pre = sub.add_parser("prefill", help="run a prefill worker serving gRPC")
+    _common(pre)
+    pre.add_argument("--port", type=int, help="Prefill gRPC port (default 50051)")
+    pre.add_argument("--transport", choices=["grpc", "torch"])
+    pre.set_defaults(func=cmd_prefill, port_field="prefill_port")
+
+    rtr = sub.add_parser("router", help="run the OpenAI-compatible HTTP router")
+    _common(rtr)
+    rtr.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    rtr.add_argument("--transport", choices=["grpc", "torch"])
+    rtr.set_defaults(func=cmd_router, port_field="router_port")
+
+    srv = sub.add_parser("serve", help="the whole stack locally: Redis, prefill, decode, router")
+    _common(srv)
+    _decode_args(srv)
+    srv.add_argument("--port", type=int, help="router HTTP port (default 8000)")
+    srv.add_argument("--transport", choices=["grpc", "torch"])
+    srv.add_argument(
+        "--smoke",
+        action="store_true",
+        help="start, send one chat request, print it, stop (used by tests)",
+    )
+    srv.set_defaults(func=cmd_serve, port_field="router_port")

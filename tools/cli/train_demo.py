@@ -1,0 +1,62 @@
+"""`tpla train-demo`: train the small demo model on CPU (tools/demo/train.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from common.settings import load_settings
+
+
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from tools.demo.train import DemoArch, TrainConfig, train
+
+    settings = load_settings(torch_threads=args.threads)
+    torch.set_num_threads(settings.torch_threads)
+    arch = DemoArch() if args.arch == "demo" else DemoArch.tiny()
+    cfg = TrainConfig(
+        out=Path(args.out),
+        work_dir=Path(args.work_dir or Path("runs") / "train-demo"),
+        corpus_root=Path(args.corpus) if args.corpus else None,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        eval_every=args.eval_every,
+        card_eval_chars=args.card_eval_chars,
+        prior_cpu_seconds=args.prior_cpu_minutes * 60,
+        arch=arch,
+    )
+    report = train(cfg)
+    print(json.dumps({"steps": report["steps"], "metrics": report["metrics"]}))
+    return 0
+
+
+def add_train_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    td = sub.add_parser("train-demo", help="train the small demo model on CPU (offline)")
+    td.add_argument("--out", default="models/demo", help="HF-format output directory")
+    td.add_argument("--corpus", help="folder of .py files (default: this Python's stdlib)")
+    td.add_argument("--work-dir", help="tokenizer, token cache and resumable checkpoint")
+    td.add_argument("--minutes", type=float, default=40.0, help="wall-clock training budget")
+    td.add_argument("--max-steps", type=int)
+    td.add_argument("--seq-len", type=int, default=1024)
+    td.add_argument("--batch-size", type=int, default=4)
+    td.add_argument("--eval-every", type=int, default=50)
+    td.add_argument("--card-eval-chars", type=int, default=200_000)
+    td.add_argument(
+        "--arch",
+        choices=["demo", "tiny"],
+        default="demo",
+        help="tiny: a minimal model for smoke tests of the trainer",
+    )
+    td.add_argument("--threads", type=int)
+    td.add_argument(
+        "--prior-cpu-minutes",
+        type=float,
+        default=0.0,
+        help="CPU time of a resumed run's earlier part, if its checkpoint lacks it",
+    )
+    td.set_defaults(func=cmd_train_demo)
