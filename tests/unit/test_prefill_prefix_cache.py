@@ -10,7 +10,7 @@ import torch
 
 from common.kv.prefix_cache import model_identity
 from common.kv.transfer import KvSender, Shard
-from common.rpc.convert import KvTargetInfo
+from common.rpc.convert import KvTargetInfo, ReservationInfo
 from common.sampling import SamplingParams
 from common.serving_model import load_prefill_model
 from services.prefill.latent_cache import LatentPrefixCache
@@ -63,6 +63,12 @@ def _sp(model, skip: int) -> tuple[KvTargetInfo, ...]:  # type: ignore[no-untype
     )
 
 
+def _job(rid: str, targets: tuple[KvTargetInfo, ...], skip: int) -> PrefillJob:
+    """PROMPT into blocks of 8 of a decode group that holds its first `skip` tokens."""
+    reservation = ReservationInfo(rid, 8, 0, 0, "", 30.0, targets, skip)
+    return PrefillJob(rid, PROMPT, GREEDY, reservation, 30.0)
+
+
 @pytest.mark.parametrize("layout", [_tpla, _sp])
 def test_cached_prefix_ships_what_the_decode_group_lacks(model, layout) -> None:  # type: ignore[no-untyped-def]
     model_dir, net = model
@@ -79,9 +85,9 @@ def test_cached_prefix_ships_what_the_decode_group_lacks(model, layout) -> None:
         }
         done = {}
         for rid, (worker, skip) in jobs.items():
-            job = PrefillJob(rid, PROMPT, GREEDY, layout(net, skip), 8, 30.0, skip)
+            job = _job(rid, layout(net, skip), skip)
             done[rid] = worker.submit(job).result(timeout=60)
-        ref = plain.submit(PrefillJob("ref", PROMPT, GREEDY, layout(net, 0), 8, 30.0)).result(60)
+        ref = plain.submit(_job("ref", layout(net, 0), 0)).result(60)
     finally:
         plain.close()
         cached.close()
