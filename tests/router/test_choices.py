@@ -35,6 +35,7 @@ async def test_n_choices_share_one_reservation_and_prefill(
             "prompt_tokens": prompt_len,
             "completion_tokens": 3 * per_choice,
             "total_tokens": prompt_len + 3 * per_choice,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         record = await stack.record(body["id"])
         assert record["state"] == "FINISHED" and record["finish_reason"] == "stop,stop,stop"
