@@ -3,11 +3,13 @@ official `openai` client, on a real stack in each decode layout (TPLA, MLA-TP, S
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -110,6 +112,49 @@ def test_closing_an_n_stream_frees_every_fork(layout_stack: LocalStack) -> None:
         time.sleep(0.1)
     assert record["state"] == "ABORTED"  # the router aborted it, not a finish
     time.sleep(1.2)  # past the heartbeats that reported the group before the abort
+    _wait_blocks_free(layout_stack)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_n_choices_each_follow_a_json_schema(layout_stack: LocalStack) -> None:
+    """Each fork carries its own grammar state (forked at its first token): every choice of
+    a sampled n = 3 request is a complete JSON document valid for the schema."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    resp = _chat(layout_stack, n=3, temperature=1.0, seed=4, max_tokens=200, response_format=fmt)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for c in resp.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    assert len({c.message.content for c in resp.choices}) > 1  # forked, not copied
+    _wait_blocks_free(layout_stack)
+
+
+def test_n_choices_with_a_presence_penalty_and_a_seed(layout_stack: LocalStack) -> None:
+    """Each fork has its own penalty counts (copied at its first token, which went through
+    the same processing at the prefill worker): greedy choices all equal the n = 1 answer
+    under the penalty, and seeded choices reproduce, choice 0 being the n = 1 request's."""
+    base = {"max_tokens": 12, "presence_penalty": 1.5, "extra_body": {"ignore_eos": True}}
+    greedy = {**base, "temperature": 0}
+    one = _chat(layout_stack, **greedy).choices[0].message.content
+    plain = _chat(layout_stack, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+    assert one != plain.choices[0].message.content  # the penalty is applied
+    two = _chat(layout_stack, n=2, **greedy)
+    assert [c.message.content for c in two.choices] == [one, one]
+    seeded = {**base, "temperature": 1.0, "seed": 21}
+    texts = [c.message.content for c in _chat(layout_stack, n=3, **seeded).choices]
+    assert texts == [c.message.content for c in _chat(layout_stack, n=3, **seeded).choices]
+    assert texts[0] == _chat(layout_stack, **seeded).choices[0].message.content
+    assert len(set(texts)) > 1
     _wait_blocks_free(layout_stack)
 
 

@@ -148,3 +148,37 @@ def test_scheduler_expires_every_fork_of_a_reservation() -> None:
     assert "big" not in sched.requests and "big#1" not in pools.pools[0]
     assert sched.expire_leases(now=2.0) == ["r"]
     assert pools.num_used == 0 and not sched.seqs
+
+
+def test_forks_share_cached_prefix_blocks_and_keep_them_from_eviction() -> None:
+    """A prompt's cached blocks, reused by an n = 3 request, are referenced by every fork:
+    they are not evictable while any fork lives (a request that needs them is refused) and
+    go back to the cache, not the free list, when the last fork ends."""
+    pools = RankPools(num_blocks=12, block_size=4, ranks=1, prefix_cache=True)
+    pool = pools.pools[0]
+    sched = Scheduler(pools, max_batch=8, max_model_len=100)
+    hashes = [11, 22]  # the prompt's two full blocks (10 tokens)
+    sched.reserve("a", prompt_len=10, max_tokens=2, deadline=10.0, block_hashes=hashes)
+    sched.start("a", 5)
+    prefix = pools.tables("a")[0][:2]
+    sched.finish("a")
+    assert [pool.state(b) for b in prefix] == [BlockState.CACHED] * 2
+
+    sched.reserve("b", prompt_len=10, max_tokens=2, deadline=10.0, block_hashes=hashes, n=3)
+    assert sched.seqs["b"].cached_tokens == 8 and sched.prefix_hit_tokens == 8
+    assert all(pools.tables(f)[0][:2] == prefix for f in ("b", "b#1", "b#2"))
+    assert [pool.refcount(b) for b in prefix] == [3, 3] and pool.num_cached == 0
+    # Each fork copies the partly filled third block into one of its own.
+    copies = [s.block_copies[0] for s in sched.forks("b")[1:]]
+    assert [src for [(src, _)] in copies] == [pools.tables("b")[0][2]] * 2
+    sched.reserve("x", prompt_len=20, max_tokens=9, deadline=10.0)  # every free block
+    with pytest.raises(OutOfBlocks):  # the forks' cached blocks cannot be evicted
+        sched.reserve("y", prompt_len=1, max_tokens=4, deadline=10.0)
+    sched.start("b", [5, 6, 7])
+    sched.abort("x")
+    sched.abort("b", frozenset({0, 1}))
+    assert [pool.state(b) for b in prefix] == [BlockState.IN_USE] * 2  # fork 2 holds them
+    sched.abort("b")
+    assert [pool.state(b) for b in prefix] == [BlockState.CACHED] * 2 and pool.num_cached == 2
+    sched.reserve("z", prompt_len=40, max_tokens=8, deadline=10.0)  # needs the cached ones
+    assert pool.num_cached == 0 and pool.num_used == 12
