@@ -6,7 +6,8 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
                                                once, max_tokens per choice); reuses the
                                                longest cached prefix of prompt_ids
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
-    generate(request_id, first_tokens, params) -> TokenStream     streams tokens as sampled
+    generate(request_id, first_tokens, params, prompt_ids, output_ids) -> TokenStream
+                                               streams every choice's tokens as sampled
     abort(request_id, choices)                 at any time; blocks are freed
     load() -> Load                             running, waiting, blocks used / total
 
