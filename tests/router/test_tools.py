@@ -241,6 +241,21 @@ def test_prompt_describes_tools_when_the_template_does_not(
         ),
         (chat(messages=[{"role": "tool", "content": "x"}]), "messages.0", "tool_call_id"),
         (
+            chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "function": {"name": "f", "arguments": "}not json"}}
+                        ],
+                    }
+                ]
+            ),
+            "messages",
+            "not valid JSON",
+        ),
+        (
             chat(messages=[{"role": "user", "content": None}]),
             "messages.0.content",
             "content is required",
