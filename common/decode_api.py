@@ -22,6 +22,7 @@ class TokenEvent:
     token: SampledToken | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
     logits: Tensor | None = None  # in process only (tests compare them); never on the wire
+    index: int = 0  # the choice (n > 1); a request's stream ends after every choice's last
 
 
 @dataclass(frozen=True)

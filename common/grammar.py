@@ -92,6 +92,10 @@ class GrammarMatcher:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._m = matcher
 
+    def fork(self) -> GrammarMatcher:
+        """An independent matcher at this one's position (a forked sequence's)."""
+        return GrammarMatcher(self._m.deep_copy())
+
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar rejects it."""
         return self._m.consume_token(token_id)

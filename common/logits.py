@@ -140,6 +140,17 @@ class TokenHistory:
         self.prompt[row] = token_rows([prompt_ids], self.vocab, self.device)[0] > 0
         return row
 
+    def fork(self, row: int) -> int:
+        """A new row holding a copy of `row` (a sequence forked from it: n > 1 choices)."""
+        if not row:
+            return 0
+        if not self._free:
+            self._grow()
+        new = self._free.pop()
+        self.counts[new] = self.counts[row]
+        self.prompt[new] = self.prompt[row]
+        return new
+
     def release(self, row: int) -> None:
         if row:
             self._free.append(row)

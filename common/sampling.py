@@ -131,6 +131,17 @@ def make_generator(
     return gen
 
 
+PREFILL_STAGE, DECODE_STAGE = 0, 1
+
+
+def choice_stream(choice: int, stage: int) -> int:
+    """The generator stream of one choice (n > 1) at one stage: choice i of a seeded request
+    draws from streams 2i (its first token, at the prefill worker) and 2i + 1 (the rest, at
+    the decode leader). Choice 0 is therefore the n = 1 request with the same seed, and
+    every choice reproduces whatever n it is asked with."""
+    return 2 * choice + stage
+
+
 def filtered_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     """Apply temperature, top-k and top-p to one row of logits [V] (float32)."""
     return filtered_logits_batch(logits[None], [params])[0]

@@ -6,10 +6,14 @@ every rank; each rank just stores its own slice of the latent there.
 
 Block lifecycle: FREE -> (allocate) IN_USE -> (last reference released) FREE.
 A request's table grows one block at a time as its sequence grows; `free` releases all of
-its references at once (finish, abort, failed transfer, expired lease).
+its references at once (finish, abort, failed transfer, expired lease). `fork` starts a
+sequence that shares another's full blocks (n > 1 choices of one prompt): a shared block is
+released only when its last holder ends.
 With a prefix index (`common.kv.prefix_cache`), a released block that holds an indexed prompt
 block is CACHED instead of FREE: reusable by a later request with the same prefix, evicted
-(least recently used first) only when the pool needs room.
+(least recently used first) only when the pool needs room. Every reference goes through
+`_acquire` / `_take` and `_release`, so a cached block a fork shares is never evicted while
+any holder lives.
 """
 
 from __future__ import annotations
@@ -126,8 +130,33 @@ class BlockPool:
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
         for block in src:
-            self._refcount[block] += 1
+            self._acquire(block)
         self._tables[request_id] = BlockTable(list(src), len(src) * self.block_size)
+
+    def fork(
+        self, request_id: str, source_id: str, shared_tokens: int, num_tokens: int
+    ) -> list[tuple[int, int]]:
+        """Start `request_id` as a copy of the first `shared_tokens` tokens of `source_id`,
+        with room for `num_tokens` tokens (all-or-nothing).
+
+        The full blocks are shared (one more reference each). A partly filled last block
+        cannot be: both sequences write their next tokens into it. The fork gets a fresh
+        block in its place (copy on write, done at once because every fork writes there next);
+        returns that copy as [(source block, fork's block)], or [] when the shared tokens fill
+        whole blocks. The caller copies the block's slots before the fork's first step.
+        """
+        if num_tokens < shared_tokens:
+            raise ValueError("a fork holds at least the tokens it shares")
+        full, partial = divmod(shared_tokens, self.block_size)
+        self.share(request_id, source_id, full)
+        try:
+            self.grow(request_id, num_tokens)
+        except OutOfBlocks:
+            self.free(request_id)
+            raise
+        if not partial:
+            return []
+        return [(self._tables[source_id].blocks[full], self._tables[request_id].blocks[full])]
 
     def free(self, request_id: str) -> int:
         """Release the request's references; returns how many blocks became free."""
@@ -301,6 +330,27 @@ class RankPools:
         found = prefix.get(block_hash)
         assert found is not None, "matched just before"
         return found
+
+    def fork(
+        self, request_id: str, source_id: str, shared_tokens: int, num_tokens: int
+    ) -> list[list[tuple[int, int]]]:
+        """`BlockPool.fork` on every rank's pool (all-or-nothing); each pool's block copies
+        (one list when every rank shares the tables; SP: per rank, for its own tokens)."""
+        copies: list[list[tuple[int, int]]] = []
+        try:
+            for k, pool in enumerate(self.pools):
+                copies.append(
+                    pool.fork(
+                        request_id,
+                        source_id,
+                        self.local_tokens(k, shared_tokens),
+                        self.local_tokens(k, num_tokens),
+                    )
+                )
+        except OutOfBlocks:
+            self.free(request_id)
+            raise
+        return copies
 
     def free(self, request_id: str) -> int:
         return sum(pool.free(request_id) for pool in self.pools)

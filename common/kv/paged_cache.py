@@ -70,6 +70,11 @@ class PagedLatentCache:
         for dest, src in ((self.n, n), (self.k_pe, k_pe)):
             copy_words(dest, slots, src.contiguous(), dim=1)
 
+    def copy_blocks(self, src: Tensor, dst: Tensor) -> None:
+        """Copy whole blocks, every layer: block src[i] -> block dst[i] (int64 [P])."""
+        blocks = self.kv.view(self.layout.num_layers, self.num_blocks, -1)
+        blocks[:, dst] = blocks[:, src]
+
     def write_row_groups(self, groups: Tensor, rows: Tensor, group: int) -> None:
         """Store packed cache rows (n and k_pe adjacent per token, as `kv` holds them).
 

@@ -59,6 +59,7 @@ class DecodeClient:
         prompt_len: int,
         max_tokens: int,
         timeout: float = 10.0,
+        n: int = 1,
         prompt_ids: Sequence[int] = (),
     ) -> ReservationInfo:
         """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them."""
@@ -69,6 +70,7 @@ class DecodeClient:
                     prompt_len=prompt_len,
                     max_tokens=max_tokens,
                     prompt_ids=list(prompt_ids),
+                    n=n,
                 ),
                 timeout=timeout,
                 metadata=self._md,
@@ -80,26 +82,30 @@ class DecodeClient:
     async def generate(
         self,
         request_id: str,
-        first_token: SampledToken,
+        first_token: SampledToken | tuple[SampledToken, ...],
         params: SamplingParams,
         idle_timeout: float = 60.0,
         *,
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
     ) -> AsyncIterator[TokenEvent]:
-        """Stream the request's tokens; `idle_timeout` bounds the wait for each event.
+        """Stream the request's tokens, every choice's (one first token each); ends when
+        every choice has ended. `idle_timeout` bounds the wait for each event.
         `output_ids`: tokens generated before `first_token` elsewhere (a migrated request);
         `prompt_ids`: only for a repetition penalty."""
+        firsts = first_token if isinstance(first_token, tuple) else (first_token,)
         call = self._stub.Generate(
             decode_pb2.GenerateRequest(
                 request_id=request_id,
-                first_token=token_to_pb(first_token),
+                first_token=token_to_pb(firsts[0]),
+                first_tokens=[token_to_pb(t) for t in firsts] if len(firsts) > 1 else [],
                 params=params_to_pb(params),
                 prompt_ids=list(prompt_ids),
                 output_ids=list(output_ids),
             ),
             metadata=self._md,
         )
+        left = len(firsts)
         try:
             while True:
                 # Scoped to the read alone (the caller's work between events must not
@@ -109,18 +115,25 @@ class DecodeClient:
                 if msg is grpc.aio.EOF:
                     return
                 token = token_from_pb(msg.token) if msg.HasField("token") else None
-                yield TokenEvent(token, msg.finish_reason or None)
+                yield TokenEvent(token, msg.finish_reason or None, index=msg.index)
                 if msg.finish_reason:
-                    return
+                    left -= 1
+                    if not left:
+                        return
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
         finally:
             call.cancel()
 
-    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+    async def abort(
+        self, request_id: str, timeout: float = 5.0, choices: tuple[int, ...] = ()
+    ) -> bool:
+        """End the request (only `choices` of it when given); whether the leader had it."""
         try:
             resp = await self._stub.Abort(
-                decode_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self._md
+                decode_pb2.AbortRequest(request_id=request_id, choices=list(choices)),
+                timeout=timeout,
+                metadata=self._md,
             )
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
@@ -153,9 +166,15 @@ class PrefillClient:
         transport: str = "grpc",
         timeout: float = 60.0,
         num_output_tokens: int = 0,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
     ) -> PrefillResult:
-        """`num_output_tokens`: the last prompt ids are the request's own earlier output."""
+        """Prefill into the reservation; sample n first tokens (one per choice) and, when
+        `prompt_logprobs` is set, the prompt's logprobs with that many alternatives.
+        `num_output_tokens`: the last prompt ids are the request's own earlier output."""
         req = prefill_pb2.PrefillRequest(
+            n=n,
+            prompt_logprobs=prompt_logprobs,
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params_to_pb(params),

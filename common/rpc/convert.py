@@ -48,11 +48,19 @@ class ReservationInfo:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    first_token: SampledToken
+    first_token: SampledToken  # choice 0's
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
     cached_tokens: int = 0  # leading prompt tokens the prefill reused from its own cache
+    choice_tokens: tuple[SampledToken, ...] = ()  # n > 1: every choice's first token, in order
+    # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
+    prompt_logprobs: tuple[SampledToken, ...] = ()
+
+    @property
+    def first_tokens(self) -> tuple[SampledToken, ...]:
+        """One first token per choice."""
+        return self.choice_tokens or (self.first_token,)
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -177,6 +185,8 @@ def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
         transfer_seconds=r.transfer_seconds,
         transfer_bytes=r.transfer_bytes,
         cached_tokens=r.cached_tokens,
+        first_tokens=[token_to_pb(t) for t in r.choice_tokens],
+        prompt_logprobs=[token_to_pb(t) for t in r.prompt_logprobs],
     )
 
 
@@ -187,6 +197,8 @@ def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
         msg.transfer_seconds,
         msg.transfer_bytes,
         msg.cached_tokens,
+        tuple(token_from_pb(t) for t in msg.first_tokens),
+        tuple(token_from_pb(t) for t in msg.prompt_logprobs),
     )
 
 

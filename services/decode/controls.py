@@ -2,7 +2,8 @@
 generated-token counts (penalties) and its grammar matcher (structured outputs).
 
 Lifecycle: `matcher()` compiles and replays a request's grammar off the loop thread; `start`
-gives the sequence its history row; every step, `context` gathers the batch's counts and
+gives the sequence its history row; `fork` copies a sequence's row and grammar state for a
+choice forked from it (n > 1); every step, `context` gathers the batch's counts and
 fills the grammars' bitmask (one host buffer, one copy to the device) for
 `common.logits.process_logits`, and `advance` counts the sampled tokens with one scatter and
 moves each grammar on; `release` frees the row when the sequence ends.
@@ -68,6 +69,11 @@ class StepControls:
     ) -> SequenceControls:
         row = self.history.track(prompt_ids, history) if params.penalized else 0
         return SequenceControls(matcher, row)
+
+    def fork(self, seq: SequenceControls) -> SequenceControls:
+        """Independent controls at `seq`'s position: its counts and grammar state, copied."""
+        matcher = seq.matcher.fork() if seq.matcher is not None else None
+        return SequenceControls(matcher, self.history.fork(seq.history_row), seq.failed)
 
     def release(self, seq: SequenceControls) -> None:
         self.history.release(seq.history_row)

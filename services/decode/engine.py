@@ -1,17 +1,25 @@
 """The decode engine: a leader (rank 0, in this process) driving a TP group of ranks.
 
 API (thread-safe; the decode gRPC servicer is a thin shell over it):
-    reserve(request_id, prompt_len, max_tokens, prompt_ids) -> Reservation
-                                               blocks on every rank, leased; reuses the
+    reserve(request_id, prompt_len, max_tokens, prompt_ids, n) -> Reservation
+                                               blocks on every rank, leased (the prompt
+                                               once, max_tokens per choice); reuses the
                                                longest cached prefix of prompt_ids
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
-    generate(request_id, first_token, params) -> TokenStream      streams tokens as sampled
-    abort(request_id)                          at any time; blocks are freed
+    generate(request_id, first_tokens, params, prompt_ids, output_ids) -> TokenStream
+                                               streams every choice's tokens as sampled
+    abort(request_id, choices)                 at any time; blocks are freed
     load() -> Load                             running, waiting, blocks used / total
 
 Start-up: open the group's rendezvous (services/decode/group.py), spawn ranks 1..tp-1 here or
 wait for them to join from elsewhere (bounded), load this rank's share, meet every rank at a
 barrier, and learn where each rank's KV receiver is.
+
+n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
+full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
+with its own generator and its own controls (penalty counts and grammar state forked from
+the request's at its first token), and stream into one TokenStream with each event's choice
+index.
 
 All collectives run on one loop thread: callers enqueue commands and wait on futures. Each
 loop iteration applies commands, expires leases, and runs one decode step for every running
@@ -48,11 +56,17 @@ from common.kv.prefix_cache import block_hashes, model_identity
 from common.model.args import ModelConfig
 from common.ports import PortUse, check_ports, free_port
 from common.rpc.convert import KvTargetInfo
-from common.sampling import SamplingParams, make_generator, sample_batch
+from common.sampling import (
+    DECODE_STAGE,
+    SamplingParams,
+    choice_stream,
+    make_generator,
+    sample_batch,
+)
 from services.decode.config import EngineConfig, Launch, rank_latent_columns
 from services.decode.controls import SequenceControls, StepControls
 from services.decode.group import LeaderGroup, RankStartError
-from services.decode.plan import DecodePlan, PingPlan, WritePlan, send_plan
+from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.runtime import (
     CONFIG_ENV,
     START_ERROR_EXIT,
@@ -61,6 +75,7 @@ from services.decode.runtime import (
     init_group,
 )
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
+from services.decode.scheduler import Sequence as DecodeSequence
 from services.decode.stream import EngineError, Reservation, TokenStream
 
 if TYPE_CHECKING:
@@ -75,6 +90,7 @@ class _Active:
     stream: TokenStream
     generator: torch.Generator
     controls: SequenceControls
+    choice: int = 0
 
 
 class DecodeEngine:
@@ -165,10 +181,16 @@ class DecodeEngine:
     # -- public API --------------------------------------------------------------------------
 
     def reserve(
-        self, request_id: str, prompt_len: int, max_tokens: int, prompt_ids: Sequence[int] = ()
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        prompt_ids: Sequence[int] = (),
+        n: int = 1,
     ) -> Reservation:
-        """Blocks for the request on every rank. With `prompt_ids` (and prefix caching on),
-        the blocks of the longest cached prefix are reused: `cached_tokens` of them."""
+        """Blocks for the prompt once and max_tokens for each of the n choices, on every
+        rank. With `prompt_ids` (and prefix caching on), the blocks of the longest cached
+        prefix are reused: `cached_tokens` of them."""
         if prompt_ids and len(prompt_ids) != prompt_len:
             raise SchedulerError(f"{len(prompt_ids)} prompt ids for a prompt of {prompt_len}")
         hashes = (
@@ -179,7 +201,7 @@ class DecodeEngine:
 
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
-            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, hashes)
+            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, hashes, n)
             width = self.runtime.layout.latent_width
             return Reservation(
                 request_id,
@@ -262,39 +284,53 @@ class DecodeEngine:
     def generate(
         self,
         request_id: str,
-        first_token: int,
+        first_tokens: int | list[int],
         params: SamplingParams,
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
     ) -> TokenStream:
-        """Start decoding from the prefill's first token. `output_ids`: what the request
-        generated before it on another group (a migrated request); `prompt_ids`: its prompt,
-        needed only for a repetition penalty. Both feed the penalties and the grammar."""
-        stream = TokenStream()
-        history = [*output_ids, first_token]
+        """Start the reserved request from each choice's first token (one per choice it was
+        reserved for); its stream carries every choice's events. `output_ids`: what the
+        request generated before on another group (a migrated request); `prompt_ids`: its
+        prompt, needed only for a repetition penalty. Both feed the penalties and grammar."""
+        firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
+        stream = TokenStream(len(firsts))
         # The grammar is compiled and replayed here, off the loop thread: a new schema must
-        # not stall the running sequences' steps.
-        matcher = self.controls.matcher(params, history)
+        # not stall the running sequences' steps. Each choice's copy takes its first token.
+        matcher = self.controls.matcher(params, output_ids)
 
         def run() -> None:
-            seq = self.scheduler.start(request_id, first_token)
-            generator = make_generator(params, self.runtime.device, stream=1)
-            controls = self.controls.start(params, matcher, prompt_ids, history)
-            self._active[request_id] = _Active(params, stream, generator, controls)
-            reason = params.finish_reason(first_token, 1, self.eos_token_ids, seq.max_tokens)
-            if reason is not None:
-                self._finish(request_id, reason)
+            seqs = self.scheduler.start(request_id, firsts)
+            self._copy_blocks(seqs)
+            # The request's controls before its first tokens, forked once per choice.
+            base = self.controls.start(params, matcher, prompt_ids, output_ids)
+            controls = [base, *(self.controls.fork(base) for _ in seqs[1:])]
+            self.controls.advance(controls, firsts)
+            for seq, ctl in zip(seqs, controls, strict=True):
+                stage = choice_stream(seq.choice, DECODE_STAGE)
+                generator = make_generator(params, self.runtime.device, stream=stage)
+                self._active[seq.seq_id] = _Active(params, stream, generator, ctl, seq.choice)
+            for seq, ctl in zip(seqs, controls, strict=True):
+                token = seq.generated[0]
+                reason = params.finish_reason(token, 1, self.eos_token_ids, seq.max_tokens)
+                if reason is None and ctl.failed:
+                    reason = f"error: structured output: {ctl.failed}"
+                if reason is not None:
+                    self._finish(seq.seq_id, reason)
 
         self._call(run)
         return stream
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, choices: frozenset[int] | None = None) -> bool:
+        """End the request's live choices (only `choices` when given); whether any was."""
+
         def run() -> bool:
-            found = self.scheduler.abort(request_id)
-            active = self._pop_active(request_id)
-            if active is not None:
-                active.stream.put(TokenEvent(None, "abort"))
-            return found
+            ended = self.scheduler.abort(request_id, choices)
+            for seq in ended:
+                active = self._pop_active(seq.seq_id)
+                if active is not None:
+                    active.stream.put(TokenEvent(None, "abort", index=seq.choice))
+            return bool(ended)
 
         return self._call(run)
 
@@ -407,7 +443,7 @@ class DecodeEngine:
             # No stream may wait forever: every live request ends, whatever stopped the loop.
             reason = f"error: {self._error}" if self._error else "error: decode engine shut down"
             for active in self._active.values():
-                active.stream.put(TokenEvent(None, reason))
+                active.stream.put(TokenEvent(None, reason, index=active.choice))
             self._active.clear()
             self._fail_pending_commands()
             if dist.is_initialized():
@@ -448,6 +484,25 @@ class DecodeEngine:
                 return
             fut.set_exception(EngineError(f"decode group stopped: {self._error or 'shutdown'}"))
 
+    def _copy_blocks(self, seqs: list[DecodeSequence]) -> None:
+        """Every rank copies the forks' own blocks from the prompt's (before their first
+        step): one plan for all of a request's forks."""
+        per_pool = [
+            [pair for seq in seqs for pair in (seq.block_copies[k] if seq.block_copies else [])]
+            for k in range(len(self.pool.pools))
+        ]
+        width = max(len(p) for p in per_pool)
+        if not width:
+            return
+        pairs = torch.full((len(per_pool), width, 2), -1, dtype=torch.int64)
+        for k, pool_pairs in enumerate(per_pool):
+            if pool_pairs:
+                pairs[k, : len(pool_pairs)] = torch.tensor(pool_pairs, dtype=torch.int64)
+        plan = CopyPlan(pairs)
+        if self.cfg.parallel.tp > 1:
+            send_plan(plan, self.runtime.comm)
+        self.runtime.copy_blocks(plan)
+
     def _slots(self, request_id: str, rank: int, num_tokens: int, first: int = 0) -> Tensor:
         blocks = torch.tensor(self.pool.tables(request_id)[rank], dtype=torch.int64)
         pos = torch.arange(first, first + num_tokens)
@@ -474,7 +529,7 @@ class DecodeEngine:
     def _run_step(self, batch: list) -> None:
         t0 = time.perf_counter()
         # [R, B, max_blocks]: one table per rank in SP mode, one shared table otherwise.
-        per_seq = [self.pool.tables(s.request_id) for s in batch]
+        per_seq = [self.pool.tables(s.seq_id) for s in batch]
         ranks = self.cfg.parallel.tp if self.cfg.parallel.sp else 1
         width = max(max(len(t) for t in tables) for tables in per_seq)
         block_tables = torch.full((ranks, len(batch), width), -1, dtype=torch.int64)
@@ -498,7 +553,7 @@ class DecodeEngine:
         else:
             logits = local
         logits = logits[:, self._vocab_columns]
-        actives = [self._active[seq.request_id] for seq in batch]
+        actives = [self._active[seq.seq_id] for seq in batch]
         params = [a.params for a in actives]
         seqs = [a.controls for a in actives]
         processed = any(p.processed for p in params)
@@ -514,26 +569,26 @@ class DecodeEngine:
             if reason is None and active.controls.failed:
                 reason = f"error: structured output: {active.controls.failed}"
             kept = logits[row].to("cpu", copy=True) if self.cfg.record_logits else None
-            active.stream.put(TokenEvent(tok, reason, kept))
-            self.scheduler.append(seq.request_id, tok.token_id, finished=reason is not None)
+            active.stream.put(TokenEvent(tok, reason, kept, active.choice))
+            self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
             if reason is not None:
-                self._pop_active(seq.request_id)
+                self._pop_active(seq.seq_id)
         seconds = time.perf_counter() - t0
         self.step_seconds.append(seconds)
         if self.on_step is not None:
             self.on_step(seconds, len(batch))
 
-    def _pop_active(self, request_id: str) -> _Active | None:
-        active = self._active.pop(request_id, None)
+    def _pop_active(self, seq_id: str) -> _Active | None:
+        active = self._active.pop(seq_id, None)
         if active is not None:
             self.controls.release(active.controls)
         return active
 
-    def _finish(self, request_id: str, reason: str) -> None:
-        self.scheduler.finish(request_id)
-        active = self._pop_active(request_id)
+    def _finish(self, seq_id: str, reason: str) -> None:
+        self.scheduler.finish(seq_id)
+        active = self._pop_active(seq_id)
         assert active is not None
-        active.stream.put(TokenEvent(None, reason))
+        active.stream.put(TokenEvent(None, reason, index=active.choice))
 
     def _open_group(self) -> LeaderGroup:
         """The group's store on the rendezvous port (PortInUse if taken, named with its

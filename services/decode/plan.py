@@ -4,6 +4,9 @@ Every plan is a fixed 8-word header, then an op-specific int64 payload:
     DECODE    tokens [B], positions [B], block_tables [R, B, max_blocks] (-1 padded;
               R = 1 when every rank shares the tables, R = tp in SP mode)
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
+    COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 or tp as above):
+              every rank copies its pairs' slots, all layers (a forked sequence's own copy
+              of the prompt's partly filled last block)
     PING      nothing: an idle leader's keep-alive (see `PingPlan`)
     SHUTDOWN  nothing
 """
@@ -28,6 +31,7 @@ class Op(enum.IntEnum):
     WRITE_KV = 2
     SHUTDOWN = 3
     PING = 4
+    COPY = 5
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,16 @@ class WritePlan:
 
 
 @dataclass(frozen=True)
+class CopyPlan:
+    pairs: Tensor  # [R, P, 2] int64: (source block, destination block), -1 padded
+
+    def rank_pairs(self, rank: int) -> Tensor:
+        """This rank's (source, destination) block pairs [P', 2], padding dropped."""
+        pairs = self.pairs[rank if self.pairs.shape[0] > 1 else 0]
+        return pairs[pairs[:, 0] >= 0]
+
+
+@dataclass(frozen=True)
 class PingPlan:
     """Sent by an idle leader every second or so. Followers wait for plans in a collective,
     which times out (`collective_timeout_s`): without it an idle group's followers would
@@ -51,7 +65,7 @@ class PingPlan:
     then blocks like a stuck step, and the group reports itself stalled."""
 
 
-Plan = DecodePlan | WritePlan | PingPlan | None  # None = shutdown
+Plan = DecodePlan | WritePlan | CopyPlan | PingPlan | None  # None = shutdown
 
 
 def send_plan(plan: Plan, comm: Comm) -> None:
@@ -66,6 +80,10 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         header[:4] = torch.tensor([Op.DECODE, b, m, 0])
         header[5] = r
         payload = torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()])
+    elif isinstance(plan, CopyPlan):
+        r, p, _ = plan.pairs.shape
+        header[:3] = torch.tensor([Op.COPY, r, p])
+        payload = plan.pairs.flatten()
     else:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
@@ -88,6 +106,11 @@ def recv_plan(comm: Comm) -> Plan:
         payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
         comm.broadcast_plan_(payload)
         return DecodePlan(payload[:b], payload[b : 2 * b], payload[2 * b :].view(r, b, m))
+    if op is Op.COPY:
+        r, p = int(header[1]), int(header[2])
+        payload = torch.empty(r * p * 2, dtype=torch.int64)
+        comm.broadcast_plan_(payload)
+        return CopyPlan(payload.view(r, p, 2))
     n = int(header[3])
     payload = torch.empty(n, dtype=torch.int64)
     comm.broadcast_plan_(payload)

@@ -42,7 +42,7 @@ from services.decode.backends import select_decode_backend
 from services.decode.comm import Comm, DistCollectives, ShmCollectives
 from services.decode.config import EngineConfig
 from services.decode.group import FollowerGroup
-from services.decode.plan import DecodePlan, PingPlan, WritePlan, recv_plan
+from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, recv_plan
 from services.decode.rank_model import RankModel
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,12 @@ class RankRuntime:
         server.start()
         self._store = store  # keep the TCPStore server alive with the receiver
         return server
+
+    def copy_blocks(self, plan: CopyPlan) -> None:
+        """This rank's part of a block copy (forks of a prompt: see Scheduler)."""
+        pairs = plan.rank_pairs(self.rank).to(self.device)
+        if len(pairs):
+            self.cache.copy_blocks(pairs[:, 0], pairs[:, 1])
 
     def receive_write(self, plan: WritePlan) -> None:
         """Follower side of a local KV write: receive the shard from the leader."""
@@ -344,6 +350,8 @@ def run_plans(runtime: RankRuntime) -> None:
             runtime.comm.gather(runtime.step(plan))  # to the leader, which samples
         elif isinstance(plan, PingPlan):
             continue
+        elif isinstance(plan, CopyPlan):
+            runtime.copy_blocks(plan)
         else:
             runtime.receive_write(plan)
 

@@ -10,6 +10,12 @@ Request lifecycle on a decode group:
 Blocks for the whole request (prompt + max_tokens) are reserved up front. That makes
 admission the only place a request can be refused for memory: a running request never
 stalls or gets preempted mid-stream, and nothing can deadlock.
+
+A request with n > 1 choices is n sequences (forks) from its reservation on: fork 0 is keyed
+by the request id and receives the prompt's KV; fork i (`fork_id`) shares fork 0's full
+prompt blocks and holds its own copy of the partly filled last one (`block_copies`, which the
+engine copies before the forks' first step) plus its own room for max_tokens. Each fork runs
+and ends on its own; aborting or expiring the request ends every fork still live.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ class SchedulerError(ValueError):
     """A request the scheduler cannot take (unknown id, wrong state, too long)."""
 
 
+def fork_id(request_id: str, choice: int) -> str:
+    """The key of a request's fork `choice` in the scheduler and the block pools."""
+    return request_id if choice == 0 else f"{request_id}#{choice}"
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -41,10 +52,17 @@ class Sequence:
     state: SeqState = SeqState.RESERVED
     lease_deadline: float = 0.0
     generated: list[int] = field(default_factory=list)
-    # Prefix reuse: the full prompt blocks' hashes (indexed once the KV is written) and how
-    # many leading prompt tokens the group held already (their KV is not shipped).
+    choice: int = 0
+    # Per pool: the (source, destination) blocks to copy before this fork's first step.
+    block_copies: list[list[tuple[int, int]]] = field(default_factory=list)
+    # Prefix reuse (fork 0): the full prompt blocks' hashes (indexed once the KV is written)
+    # and how many leading prompt tokens the group held already (their KV is not shipped).
     block_hashes: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+
+    @property
+    def seq_id(self) -> str:
+        return fork_id(self.request_id, self.choice)
 
     @property
     def next_position(self) -> int:
@@ -61,7 +79,8 @@ class Scheduler:
         self.pool = pool
         self.max_batch = max_batch
         self.max_model_len = max_model_len
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # by fork id
+        self.requests: dict[str, list[str]] = {}  # request id -> its live forks' ids
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
         # Prefix-cache counters in prompt tokens (the decode service's metrics).
@@ -75,15 +94,19 @@ class Scheduler:
         max_tokens: int,
         deadline: float,
         block_hashes: list[int] | None = None,
+        n: int = 1,
     ) -> list[list[int]]:
-        """Hold blocks for the whole request on every rank; returns each rank's table.
+        """Hold blocks for the whole request on every rank: the prompt once and room for
+        max_tokens per choice. Returns each rank's table of fork 0 (where the KV goes).
 
         `block_hashes` (the prompt's full blocks, `common.kv.prefix_cache`): reuse the longest
-        cached prefix; the sequence's `cached_tokens` says how much."""
-        if request_id in self.seqs:
+        cached prefix; fork 0's `cached_tokens` says how much. The forks share those blocks
+        like the rest of the prompt's full blocks (a reference each)."""
+        ids = [fork_id(request_id, i) for i in range(n)]
+        if request_id in self.requests or any(i in self.seqs for i in ids):
             raise SchedulerError(f"request {request_id!r} already exists")
-        if prompt_len < 1 or max_tokens < 1:
-            raise SchedulerError("prompt_len and max_tokens must be positive")
+        if prompt_len < 1 or max_tokens < 1 or n < 1:
+            raise SchedulerError("prompt_len, max_tokens and n must be positive")
         total = prompt_len + max_tokens
         if total > self.max_model_len:
             raise SchedulerError(
@@ -96,53 +119,95 @@ class Scheduler:
         if hashes and self.pool.prefix_cache:
             cached = self.pool.allocate_prefix(request_id, total - 1, hashes)  # OutOfBlocks
             tables = self.pool.tables(request_id)
-            self.prefix_queried_tokens += prompt_len
-            self.prefix_hit_tokens += cached
         else:
             hashes = []
             tables = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
-        self.seqs[request_id] = Sequence(
-            request_id,
-            prompt_len,
-            max_tokens,
-            lease_deadline=deadline,
-            block_hashes=hashes,
-            cached_tokens=cached,
-        )
+        seqs = [
+            Sequence(
+                request_id,
+                prompt_len,
+                max_tokens,
+                lease_deadline=deadline,
+                block_hashes=hashes,
+                cached_tokens=cached,
+            )
+        ]
+        try:
+            for i, fid in enumerate(ids[1:], start=1):
+                copies = self.pool.fork(fid, request_id, prompt_len, total - 1)
+                seqs.append(
+                    Sequence(
+                        request_id,
+                        prompt_len,
+                        max_tokens,
+                        lease_deadline=deadline,
+                        choice=i,
+                        block_copies=copies,
+                    )
+                )
+        except OutOfBlocks:
+            for fid in ids:
+                self.pool.free(fid)
+            raise
+        if hashes:
+            self.prefix_queried_tokens += prompt_len
+            self.prefix_hit_tokens += cached
+        for seq in seqs:
+            self.seqs[seq.seq_id] = seq
+        self.requests[request_id] = ids
         return tables
 
-    def start(self, request_id: str, first_token: int) -> Sequence:
-        seq = self._get(request_id)
-        if seq.state is not SeqState.RESERVED:
-            raise SchedulerError(f"request {request_id!r} is {seq.state.value}, not reserved")
-        seq.generated.append(first_token)
-        seq.state = SeqState.WAITING
+    def start(self, request_id: str, first_tokens: int | list[int]) -> list[Sequence]:
+        """The reserved request's forks start, fork i from first_tokens[i]."""
+        firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
+        ids = self.requests.get(request_id)
+        if ids is None:
+            raise SchedulerError(f"unknown request {request_id!r}")
+        seqs = [self.seqs[i] for i in ids]
+        if any(s.state is not SeqState.RESERVED for s in seqs):
+            raise SchedulerError(f"request {request_id!r} is {seqs[0].state.value}, not reserved")
+        if len(firsts) != len(seqs):
+            raise SchedulerError(
+                f"request {request_id!r} has {len(seqs)} choices, got {len(firsts)} first tokens"
+            )
+        for seq, token in zip(seqs, firsts, strict=True):
+            seq.generated.append(token)
+            seq.state = SeqState.WAITING
+            self.waiting.append(seq.seq_id)
         # The prompt's KV is complete now (every shard acknowledged before the first token
         # came here): its full blocks may serve later prompts. Only prompt blocks: they hold
         # the exact prefill's latents, while generated tokens' latents come from the decode
         # step (sliced in TPLA, and not bit-equal to a prefill anywhere), so reusing them
-        # would make a request's output depend on what ran before it.
-        if seq.block_hashes:
-            self.pool.cache_prompt(request_id, seq.block_hashes)
-        self.waiting.append(request_id)
-        return seq
+        # would make a request's output depend on what ran before it. Fork 0 holds them
+        # (every fork shares the same full blocks).
+        if seqs[0].block_hashes:
+            self.pool.cache_prompt(request_id, seqs[0].block_hashes)
+        return seqs
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request in any live state and free its blocks; False if unknown/ended."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.state in (SeqState.FINISHED, SeqState.ABORTED):
-            return False
-        self._end(seq, SeqState.ABORTED)
-        return True
+    def forks(self, request_id: str) -> list[Sequence]:
+        """The request's live forks (none when it is unknown or over)."""
+        return [self.seqs[i] for i in self.requests.get(request_id, ())]
+
+    def abort(self, request_id: str, choices: frozenset[int] | None = None) -> list[Sequence]:
+        """End the request's live forks (only `choices` when given) and free their blocks;
+        returns the forks ended (none when the request is unknown or over)."""
+        ended = [s for s in self.forks(request_id) if choices is None or s.choice in choices]
+        for seq in ended:
+            self._end(seq, SeqState.ABORTED)
+        return ended
 
     def expire_leases(self, now: float) -> list[str]:
+        """End reservations never started by their lease deadline; their request ids."""
         expired = [
-            s.request_id
-            for s in self.seqs.values()
-            if s.state is SeqState.RESERVED and s.lease_deadline <= now
+            rid
+            for rid, ids in self.requests.items()
+            if any(
+                self.seqs[i].state is SeqState.RESERVED and self.seqs[i].lease_deadline <= now
+                for i in ids
+            )
         ]
         for rid in expired:
-            self._end(self.seqs[rid], SeqState.ABORTED)
+            self.abort(rid)
         return expired
 
     def schedule(self) -> list[Sequence]:
@@ -153,14 +218,14 @@ class Scheduler:
             self.running.append(rid)
         return [self.seqs[rid] for rid in self.running]
 
-    def append(self, request_id: str, token: int, finished: bool) -> None:
-        seq = self.seqs[request_id]
+    def append(self, seq_id: str, token: int, finished: bool) -> None:
+        seq = self.seqs[seq_id]
         seq.generated.append(token)
         if finished or len(seq.generated) >= seq.max_tokens:
             self._end(seq, SeqState.FINISHED)
 
-    def finish(self, request_id: str) -> None:
-        self._end(self._get(request_id), SeqState.FINISHED)
+    def finish(self, seq_id: str) -> None:
+        self._end(self._get(seq_id), SeqState.FINISHED)
 
     @property
     def num_running(self) -> int:
@@ -173,20 +238,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def _get(self, request_id: str) -> Sequence:
+    def _get(self, seq_id: str) -> Sequence:
         try:
-            return self.seqs[request_id]
+            return self.seqs[seq_id]
         except KeyError:
-            raise SchedulerError(f"unknown request {request_id!r}") from None
+            raise SchedulerError(f"unknown request {seq_id!r}") from None
 
     def _end(self, seq: Sequence, state: SeqState) -> None:
-        if seq.request_id in self.running:
-            self.running.remove(seq.request_id)
-        if seq.request_id in self.waiting:
-            self.waiting.remove(seq.request_id)
+        sid = seq.seq_id
+        if sid in self.running:
+            self.running.remove(sid)
+        if sid in self.waiting:
+            self.waiting.remove(sid)
         seq.state = state
-        self.pool.free(seq.request_id)
-        del self.seqs[seq.request_id]
+        self.pool.free(sid)
+        del self.seqs[sid]
+        ids = self.requests[seq.request_id]
+        ids.remove(sid)
+        if not ids:
+            del self.requests[seq.request_id]
 
 
-__all__ = ["OutOfBlocks", "Scheduler", "SchedulerError", "SeqState", "Sequence"]
+__all__ = ["OutOfBlocks", "Scheduler", "SchedulerError", "SeqState", "Sequence", "fork_id"]

@@ -97,7 +97,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         res = self._call(
             context,
             lambda: self.engine.reserve(
-                request.request_id, request.prompt_len, request.max_tokens, request.prompt_ids
+                request.request_id,
+                request.prompt_len,
+                request.max_tokens,
+                request.prompt_ids,
+                request.n or 1,
             ),
         )
         cfg = self.engine.cfg
@@ -118,11 +122,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.GenerateEvent]:
         rid = request.request_id
+        firsts = list(request.first_tokens) or [request.first_token]
         stream = self._call(
             context,
             lambda: self.engine.generate(
                 rid,
-                token_from_pb(request.first_token).token_id,
+                [token_from_pb(t).token_id for t in firsts],
                 params_from_pb(request.params),
                 prompt_ids=request.prompt_ids,
                 output_ids=request.output_ids,
@@ -131,7 +136,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # A client that goes away (router abort, disconnect) frees the request's blocks.
         context.add_callback(lambda: self._abort_quietly(rid))
         for event in stream:
-            msg = decode_pb2.GenerateEvent(finish_reason=event.finish_reason or "")
+            msg = decode_pb2.GenerateEvent(
+                finish_reason=event.finish_reason or "", index=event.index
+            )
             if event.token is not None:
                 msg.token.CopyFrom(token_to_pb(event.token))
             yield msg
@@ -144,7 +151,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Abort(
         self, request: decode_pb2.AbortRequest, context: grpc.ServicerContext
     ) -> decode_pb2.AbortResponse:
-        found = self._call(context, lambda: self.engine.abort(request.request_id))
+        choices = frozenset(request.choices) or None
+        found = self._call(context, lambda: self.engine.abort(request.request_id, choices))
         return decode_pb2.AbortResponse(found=found)
 
     def GetLoad(

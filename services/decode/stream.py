@@ -27,20 +27,25 @@ class Reservation:
 
 
 class TokenStream:
-    """Iterator over a request's TokenEvents; ends after the event with a finish_reason."""
+    """Iterator over a request's TokenEvents, every choice's interleaved; ends after each of
+    its `choices` has sent its event with a finish_reason."""
 
-    def __init__(self) -> None:
+    def __init__(self, choices: int = 1) -> None:
         self._q: queue.Queue[TokenEvent] = queue.Queue()
+        self.choices = choices
 
     def put(self, event: TokenEvent) -> None:
         self._q.put(event)
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        left = self.choices
         while True:
             event = self._q.get()
             yield event
             if event.finish_reason is not None:
-                return
+                left -= 1
+                if not left:
+                    return
 
     def get(self, timeout: float | None = None) -> TokenEvent:
         return self._q.get(timeout=timeout)

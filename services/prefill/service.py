@@ -38,6 +38,9 @@ from services.prefill.worker import PrefillJob, PrefillWorker
 
 log = logging.getLogger(__name__)
 
+MAX_CHOICES = 128  # OpenAI's limit on n
+MAX_TOP_LOGPROBS = 20
+
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, token: str | None = None) -> None:
@@ -60,7 +63,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 reservation_from_pb(request.reservation),
                 deadline,
                 request.num_output_tokens,
+                n=request.n or 1,
+                prompt_logprobs=(
+                    request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+                ),
             )
+            if not 1 <= job.n <= MAX_CHOICES:
+                raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {job.n}")
+            if job.prompt_logprobs is not None and job.prompt_logprobs > MAX_TOP_LOGPROBS:
+                raise InvalidRequest(
+                    f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {job.prompt_logprobs}"
+                )
             if not job.reservation.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
             done = self.worker.submit(job).result(timeout=deadline)

@@ -3,7 +3,8 @@
 Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
 its longest cached prefix looked up in the latent prefix cache (if any) -> one packed exact
 prefill of the batch's new tokens, each over its cached prefix -> its new full blocks stored
-in the cache -> first token sampled with the request's params -> the latents the decode group
+in the cache -> first token sampled with the request's params (n of them for n choices, each
+from its own generator; the prompt's logprobs too when asked) -> the latents the decode group
 lacks (from its Reserve answer on: cached prefix and new tokens alike) cut into each decode
 rank's shard (its latent columns, or its token ranges in SP mode) and pushed
 over the chosen transport, all ranks and all of the batch's jobs in parallel, while the next
@@ -36,7 +37,14 @@ from common.logits import LogitsContext, context_for
 from common.metrics import PrefillMetrics
 from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
 from common.rpc.convert import KvTargetInfo, PrefillResult, ReservationInfo
-from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from common.sampling import (
+    PREFILL_STAGE,
+    SampledToken,
+    SamplingParams,
+    choice_stream,
+    make_generator,
+    sample_batch,
+)
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
 
@@ -56,12 +64,55 @@ class PrefillJob:
     # The last N prompt ids are the request's own earlier output (a migrated request).
     num_output_tokens: int = 0
     matcher: GrammarMatcher | None = None  # set by submit() for a structured output
+    n: int = 1  # choices: first tokens to sample
+    prompt_logprobs: int | None = None  # set: the prompt's logprobs, this many alternatives
 
     @property
     def cached_tokens(self) -> int:
         """Leading prompt tokens the decode group holds already (its Reserve answer): their
         KV is not shipped; the targets name only the blocks after them."""
         return self.reservation.cached_tokens
+
+
+@dataclass(frozen=True)
+class FirstTokens:
+    """What a job samples from its prefill: each choice's first token, and the logprobs of
+    prompt tokens 1..N-1 when asked for (the first has nothing to be predicted from)."""
+
+    tokens: tuple[SampledToken, ...]
+    prompt_logprobs: tuple[SampledToken, ...] = ()
+
+
+def first_tokens(
+    logits: Tensor, params: SamplingParams, n: int, context: LogitsContext | None = None
+) -> tuple[SampledToken, ...]:
+    """Choice i's first token (of n) from the last prompt position's logits [V], drawn from
+    its own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice is seeded
+    apart and reproducible. `context` holds the n rows' processing (the same for every
+    choice: they share the prompt, and their grammars stand at the same place)."""
+    gens = [
+        make_generator(params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
+        for i in range(n)
+    ]
+    return tuple(sample_batch(logits[None].expand(n, -1), [params] * n, gens, context))
+
+
+def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[SampledToken, ...]:
+    """Logprobs of prompt tokens 1..N-1 from the prefill's logits at positions 0..N-2 [N-1, V],
+    with the `top` most likely alternatives of each position."""
+    if len(prompt_ids) < 2:
+        return ()
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(prompt_ids[1:], device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    alt_lps, alt_ids = (
+        logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], targets[:, None][:, :0])
+    )
+    alt_ids_l, alt_lps_l = alt_ids.tolist(), alt_lps.tolist()
+    return tuple(
+        SampledToken(tok, lp, tuple(zip(alt_ids_l[i], alt_lps_l[i], strict=True)))
+        for i, (tok, lp) in enumerate(zip(prompt_ids[1:], chosen, strict=True))
+    )
 
 
 class PrefillWorker:
@@ -191,8 +242,12 @@ class PrefillWorker:
         t0 = time.perf_counter()
         cache = self.prefix_cache
         hashes = [cache.hashes(job.prompt_ids) if cache is not None else [] for job, _ in batch]
+        # A job asking for its prompt's logprobs needs every prompt position's logits: it
+        # prefills whole (and still stores its blocks for later prompts).
         pasts: list[PastLatents | None] = [
-            cache.lookup(h, len(job.prompt_ids)) if cache is not None else None
+            cache.lookup(h, len(job.prompt_ids))
+            if cache is not None and job.prompt_logprobs is None
+            else None
             for h, (job, _) in zip(hashes, batch, strict=True)
         ]
         hits = [p.length if p is not None else 0 for p in pasts]
@@ -203,8 +258,10 @@ class PrefillWorker:
             dtype=torch.long,
             device=device,
         )
+        # Prompt logprobs need every position's logits: only batches that ask pay for them.
+        every = any(job.prompt_logprobs is not None for job, _ in batch)
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
-            out = self.model.prefill(ids, lens, past=pasts if any(hits) else None)
+            out = self.model.prefill(ids, lens, all_logits=every, past=pasts if any(hits) else None)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
@@ -217,8 +274,15 @@ class PrefillWorker:
             try:
                 if cache is not None:
                     cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
-                generator = make_generator(job.params, device, stream=0)
-                first = sample(out.logits[row], job.params, generator, self._context(job, device))
+                context = self._context(job, device)
+                first = FirstTokens(
+                    first_tokens(out.logits[end - 1 if every else row], job.params, job.n, context),
+                    ()
+                    if job.prompt_logprobs is None
+                    else prompt_logprobs(
+                        out.logits[start : end - 1], job.prompt_ids, job.prompt_logprobs
+                    ),
+                )
                 n, k_pe = _unshipped(out, start, end, pasts[row], job.cached_tokens)
                 self._ship(n, k_pe, job, fut, first, prefill_s, hits[row])
             except Exception as exc:  # this job's error; the batch's other jobs go on
@@ -227,12 +291,19 @@ class PrefillWorker:
             start = end
 
     def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
-        """The first token's logits processing: the same as every later token's at decode."""
+        """The first tokens' logits processing, one row per choice: the same as every later
+        token's at decode. The choices share the prompt and the history before their first
+        token, so their rows agree (the grammar's allowed tokens too: one matcher's)."""
         split = len(job.prompt_ids) - job.num_output_tokens
         prompt, outputs = job.prompt_ids[:split], job.prompt_ids[split:]
         eos, vocab = self.model.config.eos_token_ids, self.model.config.vocab_size
-        allowed = None if job.matcher is None else allowed_now(job.matcher, vocab, device)
-        return context_for([job.params], [prompt], [outputs], eos, vocab, device, allowed)
+        allowed = None
+        if job.matcher is not None:
+            allowed = allowed_now(job.matcher, vocab, device).expand(job.n, -1)
+        n = job.n
+        return context_for(
+            [job.params] * n, [prompt] * n, [outputs] * n, eos, vocab, device, allowed
+        )
 
     def _ship(
         self,
@@ -240,7 +311,7 @@ class PrefillWorker:
         k_pe: list[Tensor],
         job: PrefillJob,
         fut: Future[PrefillResult],
-        first: SampledToken,
+        first: FirstTokens,
         prefill_s: float,
         reused: int,
     ) -> None:
@@ -297,7 +368,7 @@ class PrefillWorker:
     def _shipped(
         self,
         fut: Future[PrefillResult],
-        first: SampledToken,
+        first: FirstTokens,
         prefill_s: float,
         transfer_s: float,
         sends: list[Future[int]],
@@ -319,7 +390,17 @@ class PrefillWorker:
         with self._lock:
             self.transfer_bytes_total += sent
         if not fut.done():
-            fut.set_result(PrefillResult(first, prefill_s, transfer_s, sent, reused))
+            fut.set_result(
+                PrefillResult(
+                    first.tokens[0],
+                    prefill_s,
+                    transfer_s,
+                    sent,
+                    reused,
+                    first.tokens if len(first.tokens) > 1 else (),
+                    first.prompt_logprobs,
+                )
+            )
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)

@@ -14,7 +14,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from common.ports import PortInUse, PortUse, router_port
 from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
 from common.tokenizer import Tokenizer
-from services.router import prepare, schemas
+from services.router import batch, prepare, schemas
 from services.router.edge import (
     MAX_BODY_BYTES,
     GuardMiddleware,
@@ -43,7 +43,7 @@ from services.router.metrics import RouterMetrics
 from services.router.openapi import document_responses
 from services.router.pipeline import Pipeline, PipelineConfig
 from services.router.policy import RoutingPolicy, make_policy
-from services.router.request import Delta, Done, GenerationRequest
+from services.router.request import Done, GenerationRequest, Output
 from services.router.responses import DONE_LINE, ChatFormat, CompletionFormat, sse_error
 from services.router.workers import WorkerDirectory
 
@@ -67,37 +67,42 @@ def _state(request: Request) -> RouterState:
 
 
 async def _serve(
-    request: Request, req: GenerationRequest, fmt: ChatFormat | CompletionFormat
+    request: Request, reqs: list[GenerationRequest], fmt: ChatFormat | CompletionFormat
 ) -> Response:
+    """Run the requests (one, or a completions batch's prompts) through the pipeline and
+    answer with one response: JSON, or SSE when they stream."""
     st = _state(request)
-    outputs = st.pipeline.run(req)
-    try:
-        await anext(outputs)  # Started: admission, routing and Reserve succeeded (or raised)
-    except BaseException:
+    runs = [st.pipeline.run(req) for req in reqs]
+    await batch.start(runs)  # admission, routing and Reserve succeeded (or raised)
+    outputs = batch.merged(runs)
+
+    async def close() -> None:
         await outputs.aclose()
-        raise
-    if req.stream:
-        return SSEResponse(_sse_body(outputs, fmt), on_close=outputs.aclose)
-    deltas: list[Delta] = []
-    done: Done | None = None
+        await batch.close(runs)  # also when the body never started
+
+    if reqs[0].stream:
+        return SSEResponse(_sse_body(outputs, fmt), on_close=close)
+    collected: list[list[Output]] = [[] for _ in runs]
+    finished = False
     error: TplaError | None = None
-    async with aclosing(outputs), anyio.create_task_group() as tg:
-        # The client may leave while we wait for the whole completion: watch for it.
-        tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-        try:
-            async for out in outputs:
-                if isinstance(out, Delta):
-                    deltas.append(out)
-                elif isinstance(out, Done):
-                    done = out
-        except TplaError as exc:  # caught here so it is not wrapped in an ExceptionGroup
-            error = exc
-        tg.cancel_scope.cancel()
+    try:
+        async with anyio.create_task_group() as tg:
+            # The client may leave while we wait for the whole completion: watch for it.
+            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+            try:
+                async for k, out in outputs:
+                    collected[k].append(out)
+                finished = True
+            except TplaError as exc:  # caught here so it is not wrapped in an ExceptionGroup
+                error = exc
+            tg.cancel_scope.cancel()
+    finally:
+        await close()
     if error is not None:
         raise error
-    if done is None:
+    if not finished:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(fmt.full(deltas, done).model_dump(mode="json"))
+    return JSONResponse(fmt.full(collected).model_dump(mode="json"))
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
@@ -107,19 +112,19 @@ async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> N
 
 
 async def _sse_body(
-    outputs: AsyncIterator[object], fmt: ChatFormat | CompletionFormat
+    outputs: AsyncIterator[tuple[int, Output]], fmt: ChatFormat | CompletionFormat
 ) -> AsyncIterator[str]:
     for line in fmt.opening():
         yield line
+    dones: list[Done] = []
     try:
-        async for out in outputs:
-            if isinstance(out, Delta):
-                line = fmt.delta(out)
-                if line:  # empty while text is held back (a tool call may be starting)
-                    yield line
-            elif isinstance(out, Done):
-                for line in fmt.closing(out):
-                    yield line
+        async for k, out in outputs:
+            if isinstance(out, Done):
+                dones.append(out)
+            for line in fmt.event(k, out):
+                yield line
+        for line in fmt.closing(dones):
+            yield line
     except TplaError as exc:
         yield sse_error(exc)
     yield DONE_LINE
@@ -155,17 +160,26 @@ def _routes() -> APIRouter:
         st, arrival = _state(request), time.monotonic()
         req = await anyio.to_thread.run_sync(prepare.prepare_chat, body, st.info, arrival)
         fmt = ChatFormat(
-            req.request_id, st.info.served_name, body.logprobs, body.include_usage, req.tools
+            req.request_id,
+            st.info.served_name,
+            body.logprobs,
+            body.include_usage,
+            n=req.n,
+            calling=req.tools,
         )
-        return await _serve(request, req, fmt)
+        return await _serve(request, [req], fmt)
 
     @api.post("/v1/completions", dependencies=[Depends(require_json)])
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         st, arrival = _state(request), time.monotonic()
-        req = await anyio.to_thread.run_sync(prepare.prepare_completion, body, st.info, arrival)
+        response_id, reqs = await anyio.to_thread.run_sync(
+            prepare.prepare_completion, body, st.info, arrival
+        )
         want = body.logprobs is not None
-        fmt = CompletionFormat(req.request_id, st.info.served_name, want, body.include_usage)
-        return await _serve(request, req, fmt)
+        fmt = CompletionFormat(
+            response_id, st.info.served_name, want, body.include_usage, reqs[0].n
+        )
+        return await _serve(request, reqs, fmt)
 
     @api.get("/v1/models")
     async def models(request: Request) -> schemas.ModelList:

@@ -79,7 +79,13 @@ def chat_messages(
         elif m.role == "tool":
             messages.append(ChatMessage("user", f"Tool result ({m.tool_call_id}): {m.text}"))
         elif calls:
-            content = tools.calls_json([(n, a) for _, n, a in calls])
+            try:
+                content = tools.calls_json([(n, a) for _, n, a in calls])
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(
+                    f"an earlier tool call's arguments are not valid JSON: {exc}",
+                    param="messages",
+                ) from exc
             messages.append(ChatMessage("assistant", f"{m.text}\n{content}".lstrip()))
         else:
             messages.append(ChatMessage(m.template_role, m.text))

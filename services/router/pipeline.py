@@ -6,10 +6,15 @@
        queue_timeout_s; a group that fails Reserve is quarantined and another one tried)
     -> PREFILLING: Prefill.Prefill (one retry on another worker if Unavailable)
     -> TRANSFERRING (KV already pushed when Prefill returns; TTFT ends) -> DECODING
-    -> Decode.Generate: detokenize, apply stop strings  yield Delta ...
+    -> Decode.Generate: detokenize, apply stop strings  yield Delta ... ChoiceEnd
        (the group dies or stalls mid-stream: migrate — re-prefill prompt + the tokens
        generated so far on another group and continue the stream, no token lost or repeated)
     -> FINISHED                                        yield Done
+n > 1 choices: one reservation (the prompt once, room for every choice), one prefill that
+samples every choice's first token, one Generate stream carrying every choice's tokens with
+its index; each choice has its own detokenizer and stop strings, and a choice that meets a
+stop string is aborted alone on the leader while the others go on. Such a request is not
+migrated: a decode group failing under it fails it (its forks end with the group).
 Any error -> Decode.Abort (blocks freed) + FAILED; the consumer going away (client
 disconnect, cancellation, aclose) -> Decode.Abort + ABORTED. Cleanup is shielded from
 cancellation so a disconnect can never leak a reservation or leave a record live. Every
@@ -24,23 +29,31 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field, replace
 
 import anyio
 import redis
 
 from common.errors import DeadlineExceeded, Overloaded, TplaError, TransferFailed, Unavailable
 from common.redis_state import InvalidTransition, RequestLog, RequestState
-from common.rpc.clients import DecodeClient, PrefillResult
-from common.rpc.convert import ReservationInfo
+from common.rpc.clients import DecodeClient
+from common.rpc.convert import PrefillResult, ReservationInfo
 from common.sampling import SampledToken, SamplingParams
 from common.tokenizer import Tokenizer
 from services.router.admission import Admission
 from services.router.metrics import Outcome, RouterMetrics
 from services.router.policy import DecodeGroup, RoutingPolicy
-from services.router.request import Delta, Done, GenerationRequest, Output, Started
-from services.router.text import TextStream
+from services.router.request import (
+    ChoiceEnd,
+    Delta,
+    Done,
+    GenerationRequest,
+    Output,
+    Prompt,
+    Started,
+)
+from services.router.text import TextStream, TokenLogprob
 from services.router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -75,7 +88,8 @@ class _Run:
     decode: DecodeClient | None = None
     reservation: ReservationInfo | None = None
     decode_live: bool = False  # the leader holds blocks for us that Abort must free
-    reason: str | None = None  # the leader's finish_reason
+    reasons: dict[int, str] = field(default_factory=dict)  # the leader's, per choice
+    stopped: set[int] = field(default_factory=set)  # choices ended here by a stop string
     finished: bool = False
     migrations: int = 0
 
@@ -103,8 +117,9 @@ class Pipeline:
         self.group_load: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
 
-    async def run(self, req: GenerationRequest) -> AsyncIterator[Output]:
-        """The request's outputs: Started, then Deltas, then Done. Raises TplaError."""
+    async def run(self, req: GenerationRequest) -> AsyncGenerator[Output, None]:
+        """The request's outputs: Started, (with echo) Prompt, every choice's Deltas and
+        ChoiceEnd, then Done. Raises TplaError."""
         try:
             await self.admission.acquire()
         except Overloaded:
@@ -140,46 +155,77 @@ class Pipeline:
             yield Started(req.request_id)
 
             first = await self._prefill_anywhere(run, req.prompt_ids, req.params)
+            if len(first.first_tokens) != req.n:
+                raise TplaError(
+                    f"the prefill worker sampled {len(first.first_tokens)} first tokens "
+                    f"for {req.n} choices"
+                )
+            if req.echo_text is not None:
+                yield Prompt(req.echo_text, self._prompt_logprobs(req, first.prompt_logprobs))
             assert run.reservation is not None
             cached = max(first.cached_tokens, run.reservation.cached_tokens)
-            text = TextStream(
-                self.tokenizer,
-                req.prompt_ids,
-                req.stops,
-                req.params.stop_token_ids,
-                self._token_text if req.want_logprobs else None,
-                skip_special_tokens=not req.keep_special_tokens,
-            )
-            async with contextlib.aclosing(self._tokens(run, first)) as tokens:
-                async for token in tokens:
-                    out = text.push(token)
-                    if out is not None:
-                        yield Delta(*out)
-                    if text.stopped:
-                        break
-            if run.decode_live:  # stopped on a stop string: the leader is still generating
+            texts = [
+                TextStream(
+                    self.tokenizer,
+                    req.prompt_ids,
+                    req.stops,
+                    req.params.stop_token_ids,
+                    self._token_text if req.want_logprobs else None,
+                    skip_special_tokens=not req.keep_special_tokens,
+                )
+                for _ in range(req.n)
+            ]
+            ended: dict[int, str] = {}
+            if req.score_only:  # echo with max_tokens 0: the prompt's logprobs are the answer
+                await self._prefilled(run, first)
+                for i in range(req.n):
+                    ended[i] = "length"
+                    yield ChoiceEnd(i, "length")
+            else:
+                async with contextlib.aclosing(self._tokens(run, first)) as tokens:
+                    async for index, token in tokens:
+                        text = texts[index]
+                        if index in ended:
+                            continue
+                        if token is not None:
+                            out = text.push(token)
+                            if out is not None:
+                                yield Delta(*out, index=index)
+                            if not text.stopped:
+                                continue
+                            # A stop string: this choice is over here, and on the leader.
+                            run.stopped.add(index)
+                            if run.decode_live and len(ended) + 1 < req.n:
+                                assert run.decode is not None
+                                await self._abort(run.decode, req.request_id, (index,))
+                        out = text.finish()
+                        if out is not None:
+                            yield Delta(*out, index=index)
+                        ended[index] = "stop" if text.stopped else run.reasons[index]
+                        yield ChoiceEnd(index, ended[index])
+                        if len(ended) == req.n:
+                            break
+            # Ended on stop strings (or only scored the prompt): the leader still has it.
+            if run.decode_live:
                 run.decode_live = False
                 assert run.decode is not None
                 await self._abort(run.decode, req.request_id)
-            out = text.finish()
-            if out is not None:
-                yield Delta(*out)
-            reason = "stop" if text.stopped else run.reason
-            assert reason is not None, "the token stream ends with a reason or raises"
+            reasons = tuple(ended[i] for i in range(req.n))
+            count = sum(t.count for t in texts)
             await self._record(
                 req.request_id,
                 RequestState.FINISHED,
-                completion_tokens=text.count,
-                finish_reason=reason,
+                completion_tokens=count,
+                finish_reason=",".join(reasons),
                 migrations=run.migrations,
                 e2e_seconds=round(time.monotonic() - req.arrival, 6),
             )
             run.finished = True
             self._leave_group(run)
-            self._finish_metrics(req, text.count, Outcome.FINISHED)
+            self._finish_metrics(req, count, Outcome.FINISHED)
             if self.config.log_prompts:
-                log.info("request %s output: %r", req.request_id, text.text)
-            yield Done(reason, len(req.prompt_ids), text.count, cached)
+                log.info("request %s output: %r", req.request_id, [t.text for t in texts])
+            yield Done(reasons, len(req.prompt_ids), count, cached)
         except BaseException as exc:
             if run.finished:  # the consumer closed us after Done: nothing left to clean up
                 raise
@@ -225,6 +271,7 @@ class Pipeline:
                         max_tokens,
                         timeout=_RESERVE_TIMEOUT_S,
                         prompt_ids=prompt_ids,
+                        n=run.req.n,
                     )
                 except Overloaded:  # its KV pool is full right now
                     skip.add(group.group_id)
@@ -256,9 +303,39 @@ class Pipeline:
             run.group = None
             self.admission.released()
 
-    async def _tokens(self, run: _Run, first: PrefillResult) -> AsyncIterator[SampledToken]:
-        """The prefill's first token, then Decode.Generate's, migrating to another group if
-        the decode group fails mid-stream; sets run.reason at the end."""
+    async def _tokens(
+        self, run: _Run, first: PrefillResult
+    ) -> AsyncIterator[tuple[int, SampledToken | None]]:
+        """(choice, token): the prefill's first tokens, then Decode.Generate's, and
+        (choice, None) when the leader ended a choice (its reason in run.reasons). An n = 1
+        request migrates to another group if its group fails mid-stream."""
+        req = run.req
+        await self._prefilled(run, first)
+        generated = [first.first_token.token_id]  # choice 0's (what a migration re-feeds)
+        feeds = first.first_tokens
+        for index, token in enumerate(feeds):
+            yield index, token
+        while True:
+            # The group starts from `feeds`; (n = 1) the rest of `generated` came before.
+            params = _remaining(req.params, len(generated) - 1)
+            stream = self._decode_stream(run, feeds, params, generated[:-1])
+            try:
+                async with contextlib.aclosing(stream) as events:
+                    async for index, token in events:
+                        if token is not None and index == 0:
+                            generated.append(token.token_id)
+                        yield index, token
+                return
+            except Unavailable as exc:
+                if req.n > 1 or not self._may_migrate(run, generated):
+                    raise
+                feed = await self._migrate(run, generated, exc)
+                generated.append(feed.token_id)
+                feeds = (feed,)
+                yield 0, feed
+
+    async def _prefilled(self, run: _Run, first: PrefillResult) -> None:
+        """The prefill is done and its KV in place: TTFT ends, the request is decoding."""
         req = run.req
         ttft = time.monotonic() - req.arrival
         self.metrics.observe_ttft(ttft)
@@ -273,60 +350,53 @@ class Pipeline:
             ttft_seconds=round(ttft, 6),
         )
         await self._record(req.request_id, RequestState.DECODING)
-        generated = [first.first_token.token_id]
-        feed = first.first_token
-        yield feed
-        while True:
-            # The group starts from `feed`, the last of `generated`: the rest came before.
-            params = _remaining(req.params, len(generated) - 1)
-            earlier = generated[:-1]
-            stream = self._decode_stream(run, feed, params, earlier)
-            try:
-                async with contextlib.aclosing(stream) as tokens:
-                    async for token in tokens:
-                        generated.append(token.token_id)
-                        yield token
-                return
-            except Unavailable as exc:
-                if not self._may_migrate(run, generated):
-                    raise
-                feed = await self._migrate(run, generated, exc)
-                generated.append(feed.token_id)
-                yield feed
 
     async def _decode_stream(
-        self, run: _Run, feed: SampledToken, params: SamplingParams, earlier: list[int]
-    ) -> AsyncIterator[SampledToken]:
-        """Decode.Generate on the current group from `feed`. A group that dies, or sends
-        nothing for token_timeout_s, raises Unavailable (which may migrate the request)."""
+        self,
+        run: _Run,
+        feeds: tuple[SampledToken, ...],
+        params: SamplingParams,
+        earlier: list[int],
+    ) -> AsyncIterator[tuple[int, SampledToken | None]]:
+        """Decode.Generate on the current group from each choice's `feeds` token, as
+        `_tokens` yields it (`earlier`: what the request generated before `feeds` elsewhere,
+        a migrated request's). A group that dies, or sends nothing for token_timeout_s,
+        raises Unavailable (which may migrate the request)."""
         req = run.req
         assert run.decode is not None and run.group is not None
         deadline = req.arrival + self.config.request_timeout_s
-        last = time.monotonic()
+        started = time.monotonic()
+        last: dict[int, float] = {}  # per choice: the gap between one choice's tokens
         # Generate runs even when the first token already ends the request: the leader then
         # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
         # client gone) cancels the call right away.
         events = run.decode.generate(
             req.request_id,
-            feed,
+            feeds,
             params,
             idle_timeout=self.config.token_timeout_s,
             # The penalties and the grammar count what the request generated elsewhere.
             prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else (),
             output_ids=earlier,
         )
+        left = len(feeds)
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     now = time.monotonic()
-                    if event.finish_reason is not None:
-                        run.decode_live = False
-                        run.reason = _checked_reason(event.finish_reason)
+                    index, reason = event.index, event.finish_reason
+                    if reason is not None:
+                        left -= 1
+                        run.decode_live = left > 0
+                        if index not in run.stopped:  # (a stopped choice ends as "abort")
+                            run.reasons[index] = _checked_reason(reason)
                     if event.token is not None:
-                        self.metrics.observe_itl(now - last)
-                        last = now
-                        yield event.token
-                    if run.reason is not None:
+                        self.metrics.observe_itl(now - last.get(index, started))
+                        last[index] = now
+                        yield index, event.token
+                    if reason is not None and index not in run.stopped:
+                        yield index, None
+                    if not left:
                         return
                     if now > deadline:
                         raise DeadlineExceeded(
@@ -477,6 +547,9 @@ class Pipeline:
                     transport=self.config.transport,
                     timeout=max(remaining, 1.0),
                     num_output_tokens=num_output_tokens,
+                    n=req.n,
+                    # Only the first prefill: a migration's context is not the prompt.
+                    prompt_logprobs=req.prompt_logprobs if run.migrations == 0 else None,
                 )
             except TransferFailed:
                 raise  # the decode group's fault: another prefill worker would fail the same
@@ -497,9 +570,30 @@ class Pipeline:
                 if inflight[sent_to] <= 0:
                     del inflight[sent_to]
 
-    async def _abort(self, decode: DecodeClient, request_id: str) -> None:
+    def _prompt_logprobs(
+        self, req: GenerationRequest, scored: tuple[SampledToken, ...]
+    ) -> tuple[TokenLogprob, ...]:
+        """The echoed prompt's logprobs (none unless asked for): its first token has none."""
+        if req.prompt_logprobs is None:
+            return ()
+        first = TokenLogprob(self._token_text(req.prompt_ids[0]), None)
+        return (
+            first,
+            *(
+                TokenLogprob(
+                    self._token_text(t.token_id),
+                    t.logprob,
+                    tuple((self._token_text(i), lp) for i, lp in t.top_logprobs),
+                )
+                for t in scored
+            ),
+        )
+
+    async def _abort(
+        self, decode: DecodeClient, request_id: str, choices: tuple[int, ...] = ()
+    ) -> None:
         try:
-            await decode.abort(request_id)
+            await decode.abort(request_id, choices=choices)
         except TplaError as exc:  # the lease frees the blocks if the leader is unreachable
             log.warning("request %s: abort failed: %s", request_id, exc.message)
 

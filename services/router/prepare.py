@@ -3,7 +3,8 @@
 Checks what only the server can check (model name, context length, token id range, that a
 structured output's grammar compiles), renders the chat template, tokenizes, and fills
 defaults: max_tokens = min(256, context left); stop token ids = the request's stop_token_ids
-plus the tokenizer's EOS ids unless ignore_eos.
+plus the tokenizer's EOS ids unless ignore_eos. A completions request becomes one
+GenerationRequest per prompt of its batch.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -
     top = body.top_logprobs or 0
     text = "\n".join(m.text for m in body.messages) if info.log_prompts else ""
     req = _build(
-        "chatcmpl",
+        new_request_id("chatcmpl"),
         body,
         prompt_ids,
         body.token_limit,
@@ -90,32 +91,48 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -
 
 def prepare_completion(
     body: CompletionRequest, info: ModelInfo, arrival: float
-) -> GenerationRequest:
+) -> tuple[str, list[GenerationRequest]]:
+    """The response id and one request per prompt of the batch (in order). A batch's
+    requests are <response id>-<k> in Redis and on the workers."""
     _check_model(body.model, info)
-    if isinstance(body.prompt, str):
-        prompt_ids = info.tokenizer.encode(body.prompt)
-        text = body.prompt
-    else:
-        bad = [t for t in body.prompt if t >= info.tokenizer.vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token ids {bad[:5]} are outside the vocabulary "
-                f"(size {info.tokenizer.vocab_size})",
-                param="prompt",
+    response_id = new_request_id("cmpl")
+    prompts = body.prompts
+    reqs = []
+    for k, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            prompt_ids, text = info.tokenizer.encode(prompt), prompt
+        else:
+            bad = [t for t in prompt if t >= info.tokenizer.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary "
+                    f"(size {info.tokenizer.vocab_size})",
+                    param="prompt",
+                )
+            prompt_ids = list(prompt)
+            text = info.tokenizer.decode(prompt_ids) if body.echo or info.log_prompts else ""
+        want = body.logprobs is not None
+        score_only = body.max_tokens == 0  # (with echo: the schema checks)
+        req = _build(
+            response_id if len(prompts) == 1 else f"{response_id}-{k}",
+            body,
+            prompt_ids,
+            1 if score_only else body.token_limit,
+            want,
+            body.logprobs or 0,
+            info,
+            arrival,
+            text if info.log_prompts else "",
+        )
+        if body.echo:
+            req = replace(
+                req,
+                echo_text=text,
+                prompt_logprobs=body.logprobs if want else None,
+                score_only=score_only,
             )
-        prompt_ids, text = list(body.prompt), ""
-    want = body.logprobs is not None
-    return _build(
-        "cmpl",
-        body,
-        prompt_ids,
-        body.token_limit,
-        want,
-        body.logprobs or 0,
-        info,
-        arrival,
-        text if info.log_prompts else "",
-    )
+        reqs.append(req)
+    return response_id, reqs
 
 
 def _check_model(model: str, info: ModelInfo) -> None:
@@ -129,7 +146,7 @@ def _check_model(model: str, info: ModelInfo) -> None:
 
 
 def _build(
-    prefix: str,
+    request_id: str,
     body: ChatCompletionRequest | CompletionRequest,
     prompt_ids: list[int],
     max_tokens: int | None,
@@ -141,6 +158,7 @@ def _build(
     tool_grammar: GrammarSpec | None = None,
 ) -> GenerationRequest:
     limit = info.max_model_len
+    prefix = request_id.split("-", 1)[0]
     if not prompt_ids:
         raise InvalidRequest(
             "the prompt is empty", param="messages" if prefix == "chatcmpl" else "prompt"
@@ -202,7 +220,7 @@ def _build(
     except SamplingError as exc:
         raise InvalidRequest(str(exc)) from exc
     return GenerationRequest(
-        request_id=new_request_id(prefix),
+        request_id=request_id,
         prompt_ids=tuple(prompt_ids),
         params=params,
         stops=body.stop_list,
@@ -210,6 +228,7 @@ def _build(
         want_logprobs=want_logprobs,
         arrival=arrival,
         prompt_text=prompt_text,
+        n=body.choices,
     )
 
 

@@ -1,21 +1,25 @@
 """Pipeline outputs -> OpenAI response bodies and SSE chunks (chat and text completions).
 
-Streaming: chat sends a first chunk with the assistant role, then one chunk per Delta, a
-last chunk with the finish_reason, an optional usage chunk (empty choices, when
-stream_options.include_usage) and `data: [DONE]`. Non-streaming gathers the same Deltas.
+Streaming: chat sends a first chunk with the assistant role per choice, then one chunk per
+Delta (with its choice's index), a chunk with the finish_reason as each choice ends, an
+optional usage chunk (empty choices, when stream_options.include_usage) and `data: [DONE]`.
+Non-streaming gathers the same outputs. A completions request with a batch of prompts is one
+pipeline run per prompt; run k's choice j is choice k * n + j of the response (OpenAI's
+order), and usage sums the runs. With echo, each choice starts with its prompt (and, with
+logprobs, the prompt's logprobs, the first token's null).
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 
 from common.errors import TplaError
 from services.router import schemas as s
-from services.router.request import Delta, Done
+from services.router.request import ChoiceEnd, Delta, Done, Output, Prompt
 from services.router.text import TokenLogprob
 from services.router.tools import (
     DEEPSEEK_CALLS_BEGIN,
@@ -40,12 +44,16 @@ def sse_error(error: TplaError) -> str:
     return sse(error.openai_body())
 
 
-def _usage(done: Done) -> s.Usage:
+def _usage(dones: Sequence[Done]) -> s.Usage:
+    prompt = sum(d.prompt_tokens for d in dones)
+    completion = sum(d.completion_tokens for d in dones)
     return s.Usage(
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=done.prompt_tokens + done.completion_tokens,
-        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=done.cached_tokens),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=s.PromptTokensDetails(
+            cached_tokens=sum(d.cached_tokens for d in dones)
+        ),
     )
 
 
@@ -54,7 +62,7 @@ def _chat_logprobs(entries: Sequence[TokenLogprob]) -> s.ChatLogprobs:
         content=[
             s.ChatTokenLogprob(
                 token=e.token,
-                logprob=e.logprob,
+                logprob=e.logprob if e.logprob is not None else 0.0,  # chat has no prompt
                 bytes=list(e.token.encode()),
                 top_logprobs=[
                     s.TopLogprobOut(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top
@@ -70,16 +78,100 @@ def _completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> s.Comp
     for e in entries:
         out.tokens.append(e.token)
         out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append(dict(e.top))
+        # OpenAI: the echoed prompt's first token has null for both.
+        out.top_logprobs.append(dict(e.top) if e.logprob is not None else None)
         out.text_offset.append(offset)
         offset += len(e.token)
     return out
 
 
+class _Choices:
+    """Each choice's outputs of a non-streaming response, by response index."""
+
+    def __init__(self, runs: Sequence[Sequence[Output]], n: int) -> None:
+        self.prompt: dict[int, Prompt] = {}
+        self.deltas: dict[int, list[Delta]] = {}
+        self.dones = [o for outs in runs for o in outs if isinstance(o, Done)]
+        self.reasons: dict[int, str] = {}
+        for k, outs in enumerate(runs):
+            for o in outs:
+                if isinstance(o, Prompt):
+                    for j in range(n):
+                        self.prompt[k * n + j] = o
+                elif isinstance(o, Delta):
+                    self.deltas.setdefault(k * n + o.index, []).append(o)
+                elif isinstance(o, ChoiceEnd):
+                    self.reasons[k * n + o.index] = o.finish_reason
+
+    def indices(self) -> list[int]:
+        return sorted(self.reasons)
+
+    def text(self, index: int) -> str:
+        return "".join(d.text for d in self.deltas.get(index, ()))
+
+    def entries(self, index: int) -> list[TokenLogprob]:
+        return [e for d in self.deltas.get(index, ()) for e in d.logprobs]
+
+
+class _ChatText:
+    """One chat choice's text on its way out. With tools it is parsed for calls: a named
+    function's arguments stream as they come; otherwise text that may open a call is held
+    back and, if it does, sent as `tool_calls` deltas once complete, with finish_reason
+    "tool_calls"."""
+
+    def __init__(self, calling: ToolCalling | None) -> None:
+        self.calling = calling
+        self.held = ""  # text that is, or may become, tool calls
+        self.held_logprobs: list[TokenLogprob] = []
+        self.mode = _Stream.CONTENT
+        if calling is not None:
+            self.mode = {
+                ToolMode.NAMED: _Stream.ARGUMENTS,
+                ToolMode.REQUIRED: _Stream.CALLS,
+                ToolMode.AUTO: _Stream.UNDECIDED,
+            }[calling.mode]
+        self.call_id = new_call_id()
+
+    def route(self, text: str) -> str | s.ToolCallDelta | None:
+        """What a text delta becomes on the wire: content, a call's arguments, or nothing
+        yet (held back)."""
+        if self.mode is _Stream.ARGUMENTS:
+            if not text:
+                return None
+            first = not self.held
+            self.held += text
+            assert self.calling is not None
+            return s.ToolCallDelta(
+                index=0,
+                id=self.call_id if first else None,
+                type="function" if first else None,
+                function=s.FunctionCallDelta(
+                    name=self.calling.named if first else None, arguments=text
+                ),
+            )
+        if self.mode is _Stream.CONTENT:
+            if self.calling is not None and DEEPSEEK_CALLS_BEGIN in text:
+                before, marker, after = text.partition(DEEPSEEK_CALLS_BEGIN)
+                self.mode, self.held = _Stream.CALLS, marker + after
+                return before or None
+            return text
+        self.held += text
+        if self.mode is _Stream.UNDECIDED and not may_be_call(self.held):
+            self.mode = _Stream.CONTENT
+            held, self.held = self.held, ""
+            return self.route(held)
+        return None
+
+    def calls(self, reason: str) -> tuple[str, list[ToolCall]] | None:
+        if self.mode is _Stream.CONTENT or self.calling is None or reason != "stop":
+            return None
+        if self.mode is _Stream.ARGUMENTS:
+            return "", [ToolCall(self.call_id, self.calling.named or "", self.held)]
+        return parse(self.held, self.calling)
+
+
 class ChatFormat:
-    """Chat bodies and chunks. With tools, the text is parsed for calls: a named function's
-    arguments stream as they come; otherwise text that may open a call is held back and, if
-    it does, sent as `tool_calls` deltas once complete, with finish_reason "tool_calls"."""
+    """Chat bodies and chunks, each choice's text through its own `_ChatText`."""
 
     def __init__(
         self,
@@ -87,21 +179,13 @@ class ChatFormat:
         model: str,
         logprobs: bool,
         include_usage: bool,
+        n: int = 1,
         calling: ToolCalling | None = None,
     ) -> None:
         self.id, self.model = request_id, model
-        self.logprobs, self.include_usage = logprobs, include_usage
+        self.logprobs, self.include_usage, self.n = logprobs, include_usage, n
         self.calling = calling
-        self._held = ""  # text that is, or may become, tool calls
-        self._held_logprobs: list[TokenLogprob] = []
-        self._mode = _Stream.CONTENT
-        if calling is not None:
-            self._mode = {
-                ToolMode.NAMED: _Stream.ARGUMENTS,
-                ToolMode.REQUIRED: _Stream.CALLS,
-                ToolMode.AUTO: _Stream.UNDECIDED,
-            }[calling.mode]
-        self._call_id = new_call_id()
+        self._texts = [_ChatText(calling) for _ in range(n)]
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> str:
         return sse(
@@ -109,90 +193,78 @@ class ChatFormat:
         )
 
     def opening(self) -> list[str]:
-        return [self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(role="assistant", content=""))])]
-
-    def delta(self, d: Delta) -> str:
-        # Logprobs of held-back text go out with it when it turns out to be content.
-        self._held_logprobs.extend(d.logprobs)
-        text = self._route(d.text)
-        if text is None:
-            return ""
-        if isinstance(text, s.ToolCallDelta):
-            return self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(tool_calls=[text]))])
-        entries, self._held_logprobs = self._held_logprobs, []
-        lp = _chat_logprobs(entries) if self.logprobs else None
-        return self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=text), logprobs=lp)])
-
-    def _route(self, text: str) -> str | s.ToolCallDelta | None:
-        """What a text delta becomes on the wire: content, a call's arguments, or nothing
-        yet (held back)."""
-        if self._mode is _Stream.ARGUMENTS:
-            if not text:
-                return None
-            first = not self._held
-            self._held += text
-            assert self.calling is not None
-            return s.ToolCallDelta(
-                index=0,
-                id=self._call_id if first else None,
-                type="function" if first else None,
-                function=s.FunctionCallDelta(
-                    name=self.calling.named if first else None, arguments=text
-                ),
+        return [
+            self._chunk(
+                [s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))]
             )
-        if self._mode is _Stream.CONTENT:
-            if self.calling is not None and DEEPSEEK_CALLS_BEGIN in text:
-                before, marker, after = text.partition(DEEPSEEK_CALLS_BEGIN)
-                self._mode, self._held = _Stream.CALLS, marker + after
-                return before or None
-            return text
-        self._held += text
-        if self._mode is _Stream.UNDECIDED and not may_be_call(self._held):
-            self._mode = _Stream.CONTENT
-            held, self._held = self._held, ""
-            return self._route(held)
-        return None
+            for i in range(self.n)
+        ]
 
-    def _calls(self, reason: str) -> tuple[str, list[ToolCall]] | None:
-        if self.calling is None or reason != "stop":
-            return None
-        if self._mode is _Stream.ARGUMENTS:
-            return "", [ToolCall(self._call_id, self.calling.named or "", self._held)]
-        return parse(self._held, self.calling)
+    def event(self, run: int, out: Output) -> list[str]:
+        """The SSE lines of one output of run `run` (chat has one run)."""
+        if isinstance(out, Delta):
+            return self._delta(out)
+        if isinstance(out, ChoiceEnd):
+            return self._end(out)
+        return []
 
-    def closing(self, done: Done) -> list[str]:
+    def _delta(self, d: Delta) -> list[str]:
+        text_out = self._texts[d.index]
+        # Logprobs of held-back text go out with it when it turns out to be content.
+        text_out.held_logprobs.extend(d.logprobs)
+        text = text_out.route(d.text)
+        if text is None:
+            return []
+        if isinstance(text, s.ToolCallDelta):
+            delta = s.ChatDelta(tool_calls=[text])
+            return [self._chunk([s.ChatChunkChoice(index=d.index, delta=delta)])]
+        entries, text_out.held_logprobs = text_out.held_logprobs, []
+        lp = _chat_logprobs(entries) if self.logprobs else None
+        delta = s.ChatDelta(content=text)
+        return [self._chunk([s.ChatChunkChoice(index=d.index, delta=delta, logprobs=lp)])]
+
+    def _end(self, end: ChoiceEnd) -> list[str]:
         lines = []
-        reason = done.finish_reason
-        parsed = self._calls(reason) if self._mode is not _Stream.CONTENT else None
+        i, text_out = end.index, self._texts[end.index]
+        reason = end.finish_reason
+        parsed = text_out.calls(reason)
         if parsed is not None:
             reason = "tool_calls"
-            if self._mode is not _Stream.ARGUMENTS:
+            if text_out.mode is not _Stream.ARGUMENTS:
                 deltas = [
                     s.ToolCallDelta(
-                        index=i,
+                        index=k,
                         id=c.id,
                         type="function",
                         function=s.FunctionCallDelta(name=c.name, arguments=c.arguments),
                     )
-                    for i, c in enumerate(parsed[1])
+                    for k, c in enumerate(parsed[1])
                 ]
-                lines.append(self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(tool_calls=deltas))]))
-        elif self._held and self._mode is not _Stream.ARGUMENTS:
-            lp = _chat_logprobs(self._held_logprobs) if self.logprobs else None
-            lines.append(
-                self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(content=self._held), logprobs=lp)])
-            )
-        lines.append(self._chunk([s.ChatChunkChoice(delta=s.ChatDelta(), finish_reason=reason)]))
-        if self.include_usage:
-            lines.append(self._chunk([], usage=_usage(done)))
+                delta = s.ChatDelta(tool_calls=deltas)
+                lines.append(self._chunk([s.ChatChunkChoice(index=i, delta=delta)]))
+        elif text_out.held and text_out.mode is not _Stream.ARGUMENTS:
+            lp = _chat_logprobs(text_out.held_logprobs) if self.logprobs else None
+            delta = s.ChatDelta(content=text_out.held)
+            lines.append(self._chunk([s.ChatChunkChoice(index=i, delta=delta, logprobs=lp)]))
+        finish = s.ChatChunkChoice(index=i, delta=s.ChatDelta(), finish_reason=reason)
+        lines.append(self._chunk([finish]))
         return lines
 
-    def full(self, deltas: Iterable[Delta], done: Done) -> s.ChatCompletionResponse:
-        deltas = list(deltas)
-        entries = [e for d in deltas for e in d.logprobs]
-        text = "".join(d.text for d in deltas)
+    def closing(self, dones: Sequence[Done]) -> list[str]:
+        return [self._chunk([], usage=_usage(dones))] if self.include_usage else []
+
+    def full(self, runs: Sequence[Sequence[Output]]) -> s.ChatCompletionResponse:
+        got = _Choices(runs, self.n)
+        return s.ChatCompletionResponse(
+            id=self.id,
+            model=self.model,
+            choices=[self._choice(i, got) for i in got.indices()],
+            usage=_usage(got.dones),
+        )
+
+    def _choice(self, i: int, got: _Choices) -> s.ChatChoice:
+        text, reason = got.text(i), got.reasons[i]
         message = s.ChatMessageOut(content=text)
-        reason = done.finish_reason
         parsed = parse(text, self.calling) if self.calling and reason == "stop" else None
         if parsed is not None:
             content, calls = parsed
@@ -206,17 +278,11 @@ class ChatFormat:
                     for c in calls
                 ],
             )
-        return s.ChatCompletionResponse(
-            id=self.id,
-            model=self.model,
-            choices=[
-                s.ChatChoice(
-                    message=message,
-                    logprobs=_chat_logprobs(entries) if self.logprobs else None,
-                    finish_reason=reason,
-                )
-            ],
-            usage=_usage(done),
+        return s.ChatChoice(
+            index=i,
+            message=message,
+            logprobs=_chat_logprobs(got.entries(i)) if self.logprobs else None,
+            finish_reason=reason,
         )
 
 
@@ -230,10 +296,12 @@ class _Stream(enum.Enum):
 
 
 class CompletionFormat:
-    def __init__(self, request_id: str, model: str, logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, logprobs: bool, include_usage: bool, n: int = 1
+    ) -> None:
         self.id, self.model = request_id, model
-        self.logprobs, self.include_usage = logprobs, include_usage
-        self._offset = 0
+        self.logprobs, self.include_usage, self.n = logprobs, include_usage, n
+        self._offsets: dict[int, int] = {}  # streaming: text sent so far, per choice
 
     def _chunk(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> str:
         return sse(s.CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage))
@@ -241,31 +309,58 @@ class CompletionFormat:
     def opening(self) -> list[str]:
         return []
 
-    def delta(self, d: Delta) -> str:
-        lp = _completion_logprobs(d.logprobs, self._offset) if self.logprobs else None
-        self._offset += len(d.text)
-        return self._chunk([s.CompletionChoice(text=d.text, logprobs=lp)])
+    def event(self, run: int, out: Output) -> list[str]:
+        """The SSE lines of one output of prompt `run` of the batch."""
+        if isinstance(out, Prompt):  # echo: every choice of this prompt starts with it
+            lp = _completion_logprobs(out.logprobs, 0) if self.logprobs else None
+            lines = []
+            for j in range(self.n):
+                self._offsets[run * self.n + j] = len(out.text)
+                choice = s.CompletionChoice(index=run * self.n + j, text=out.text, logprobs=lp)
+                lines.append(self._chunk([choice]))
+            return lines
+        if isinstance(out, Delta):
+            index = run * self.n + out.index
+            offset = self._offsets.get(index, 0)
+            lp = _completion_logprobs(out.logprobs, offset) if self.logprobs else None
+            self._offsets[index] = offset + len(out.text)
+            return [self._chunk([s.CompletionChoice(index=index, text=out.text, logprobs=lp)])]
+        if isinstance(out, ChoiceEnd):
+            index = run * self.n + out.index
+            end = s.CompletionChoice(index=index, text="", finish_reason=out.finish_reason)
+            return [self._chunk([end])]
+        return []
 
-    def closing(self, done: Done) -> list[str]:
-        lines = [self._chunk([s.CompletionChoice(text="", finish_reason=done.finish_reason)])]
-        if self.include_usage:
-            lines.append(self._chunk([], usage=_usage(done)))
-        return lines
+    def closing(self, dones: Sequence[Done]) -> list[str]:
+        return [self._chunk([], usage=_usage(dones))] if self.include_usage else []
 
-    def full(self, deltas: Iterable[Delta], done: Done) -> s.CompletionResponse:
-        deltas = list(deltas)
-        entries = [e for d in deltas for e in d.logprobs]
-        return s.CompletionResponse(
-            id=self.id,
-            model=self.model,
-            choices=[
-                s.CompletionChoice(
-                    text="".join(d.text for d in deltas),
-                    logprobs=_completion_logprobs(entries, 0) if self.logprobs else None,
-                    finish_reason=done.finish_reason,
+    def full(self, runs: Sequence[Sequence[Output]]) -> s.CompletionResponse:
+        got = _Choices(runs, self.n)
+        choices = []
+        for i in got.indices():
+            prompt = got.prompt.get(i)
+            head = prompt.text if prompt is not None else ""
+            logprobs = None
+            if self.logprobs:
+                logprobs = _completion_logprobs(
+                    [*(prompt.logprobs if prompt is not None else ()), *got.entries(i)], 0
                 )
-            ],
-            usage=_usage(done),
+                # Completion tokens' offsets continue after the echoed prompt's text.
+                skip = len(prompt.logprobs) if prompt is not None else 0
+                offset = len(head)
+                for pos in range(skip, len(logprobs.tokens)):
+                    logprobs.text_offset[pos] = offset
+                    offset += len(logprobs.tokens[pos])
+            choices.append(
+                s.CompletionChoice(
+                    index=i,
+                    text=head + got.text(i),
+                    logprobs=logprobs,
+                    finish_reason=got.reasons[i],
+                )
+            )
+        return s.CompletionResponse(
+            id=self.id, model=self.model, choices=choices, usage=_usage(got.dones)
         )
 
 

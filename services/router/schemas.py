@@ -3,11 +3,12 @@
 Requests are validated here and converted by the pipeline into `SamplingParams` and plain
 dataclasses; nothing past the route handlers sees a pydantic model. Validation is strict, as
 OpenAI's is: `true`, `"5"` or `5.0` is not an integer and `"true"` is not a boolean. Unknown
-fields are ignored (as vLLM does), but OpenAI fields we cannot honour (n > 1, echo, audio,
-...) are rejected with a clear 400 instead of being silently dropped. Sampling controls take
-OpenAI's ranges, and vLLM's for its extensions (top_k, min_p, repetition_penalty, min_tokens,
-stop_token_ids, ignore_eos, structured_outputs). Strings must be valid Unicode: JSON can
-smuggle lone surrogates (`"\\ud800"`) that no tokenizer, log line or Redis record can encode.
+fields are ignored (as vLLM does), but OpenAI fields we cannot honour (audio, completions'
+best_of and suffix, ...) are rejected with a clear 400 naming the field instead of being
+silently dropped. Sampling controls take OpenAI's ranges, and vLLM's for its extensions
+(top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+structured_outputs). Strings must be valid Unicode: JSON can smuggle lone surrogates
+(`"\\ud800"`) that no tokenizer, log line or Redis record can encode.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pydantic import (
 )
 
 MAX_STOPS = 4
+MAX_CHOICES = 128  # OpenAI's limit on n
+MAX_PROMPTS = 64  # prompts in one completions request
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 64
@@ -125,7 +128,9 @@ class _SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, max_length=256)
-    n: int | None = Field(1, description="only 1 is supported")
+    n: int | None = Field(
+        1, ge=1, le=MAX_CHOICES, description="choices, sharing one prefill of the prompt"
+    )
     ignore_eos: bool = Field(False, description="vLLM extension")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -144,13 +149,6 @@ class _SamplingRequest(BaseModel):
         None, description="vLLM extension: exactly one of json, regex, choice, grammar"
     )
     response_format: ResponseFormat | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("n > 1 is not supported" if v > 1 else "n must be 1")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -193,6 +191,10 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
 
 class FunctionDef(BaseModel):
@@ -332,31 +334,63 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def _is_token_ids(v: Any) -> bool:
+    # bool is an int subclass, but `true` is not a token id.
+    return isinstance(v, list) and bool(v) and all(type(t) is int and t >= 0 for t in v)
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: Text | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    # One prompt (text or token ids) or a batch of them (a list of either kind).
+    prompt: (
+        Text
+        | TokenIds
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    max_tokens: int | None = Field(None, ge=0, description="0 with echo: score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool | None = False
-    best_of: int | None = _unsupported("only 1 or null")
+    echo: bool | None = Field(False, description="prepend the prompt (and its logprobs)")
+    best_of: int | None = _unsupported("only 1 or null; use n for several choices")
     suffix: Text | None = _unsupported('only "" or null')
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, v: Any) -> Any:
-        if isinstance(v, str):
+        if isinstance(v, str) or _is_token_ids(v):
             return v
-        # bool is an int subclass, but `true` is not a token id.
-        if isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v):
+        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
             return v
-        if isinstance(v, list) and v and all(isinstance(t, str) for t in v):
-            raise ValueError("batched prompts are not supported; send one prompt per request")
-        raise ValueError("prompt must be a string or a non-empty list of token ids")
+        if isinstance(v, list) and v and all(_is_token_ids(p) for p in v):
+            return v
+        raise ValueError(
+            "prompt must be a string, a non-empty list of token ids, or a non-empty list of "
+            "either (a batch of prompts)"
+        )
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 only scores the prompt: it needs echo")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_size(self) -> CompletionRequest:
+        prompts = len(self.prompts)
+        if prompts * self.choices > MAX_CHOICES:
+            raise ValueError(
+                f"{prompts} prompts x n={self.choices} is over {MAX_CHOICES} choices in one request"
+            )
+        return self
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch: a single prompt is a batch of one."""
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return [self.prompt]  # type: ignore[list-item]
+        return self.prompt  # type: ignore[return-value]
 
     @property
     def token_limit(self) -> int | None:
@@ -393,8 +427,9 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # null for an echoed prompt's first token, as OpenAI sends it
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

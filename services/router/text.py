@@ -20,7 +20,7 @@ from services.router.stops import StopMatcher
 @dataclass(frozen=True)
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing predicts it)
     top: tuple[tuple[str, float], ...] = ()
 
 

@@ -151,7 +151,7 @@ def test_bad_requests_get_openai_errors(stack: LocalStack) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2)
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=0)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=100_000)
 

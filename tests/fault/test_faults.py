@@ -56,6 +56,7 @@ class StreamResult:
     error: dict | None = None
     done: bool = False  # saw data: [DONE]
     completion_tokens: int | None = None
+    request_id: str = ""
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Client:
     prompt: str
     max_tokens: int = MAX_TOKENS
     result: StreamResult = field(default_factory=StreamResult)
+    n: int = 1  # choices (their chunks all count in `tokens`)
 
     def body(self, stream: bool = True) -> dict:
         body = {
@@ -76,6 +78,8 @@ class Client:
             "ignore_eos": True,
             "stream": stream,
         }
+        if self.n > 1:
+            body["n"] = self.n
         body |= CONTROLLED.get(self.prompt, {})
         if stream:
             body["stream_options"] = {"include_usage": True}
@@ -98,6 +102,7 @@ class Client:
                     r.done = True
                     continue
                 event = json.loads(data)
+                r.request_id = event.get("id", r.request_id)
                 if "error" in event:
                     r.error = event["error"]
                     continue
@@ -314,6 +319,35 @@ def test_kill_decode_leader_under_streaming_load_migrates(
     stack: LocalStack, reference: dict[str, str]
 ) -> None:
     _killed_mid_stream(stack, reference, "leader")
+
+
+def test_kill_decode_leader_under_an_n_stream_ends_it_cleanly(stack: LocalStack) -> None:
+    """An n > 1 request is not migrated: killing its group's leader while it decodes ends the
+    stream with an in-band error and [DONE]; no fork is left anywhere."""
+    client = Client(stack.url, PROMPTS[0], max_tokens=600, n=3)
+    pool, futures = run_clients([client])
+    try:
+        record: dict = {}
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while record.get("state") != "DECODING":  # its forks run on the group named there
+            assert time.monotonic() < deadline, f"the request never decoded: {record}"
+            time.sleep(0.02)
+            if client.result.request_id:
+                url = f"{stack.url}/admin/requests/{client.result.request_id}"
+                record = httpx.get(url, timeout=10).json()
+        ranks = decode_groups(stack.url)[record["decode_group"]]
+        # Stopping the follower first freezes the group's steps: the stream cannot finish
+        # before the kill, however fast the machine decodes.
+        os.kill(ranks[1]["pid"], signal.SIGSTOP)
+        try:
+            kill(ranks[0]["pid"])
+        finally:
+            os.kill(ranks[1]["pid"], signal.SIGCONT)
+        [r] = finish(pool, futures)
+        assert r.done and r.error is not None, r
+        assert r.error["type"] == "service_unavailable"
+    finally:
+        wait_recovered(stack)
 
 
 def test_hung_rank_mid_stream_migrates_after_the_token_timeout(

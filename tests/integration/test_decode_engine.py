@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.generate import generate
+from common.kv.transfer import cut_shard
 from common.model.loader import load_model
 from common.model.model import ContiguousLatentCache
 from common.model.tpla import RmsNormMode
@@ -20,6 +22,7 @@ from services.decode.comm import ShmCollectives
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.local import collect, load_prefill_model, submit
+from services.prefill.worker import first_tokens
 from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -234,4 +237,55 @@ def test_an_idle_group_outlives_its_collective_timeout(model_dir: Path, collecti
             engine, load_prefill_model(engine.cfg), [_prompt(9, 3)], [GREEDY]
         )
         assert collect(first, stream).finish_reason == "length"
+        _assert_pool_free(engine)
+
+
+def _submit_forked(engine: DecodeEngine, prefill, prompt: list[int], p: SamplingParams, n: int):
+    """Prefill once, ship once, fork n choices (first tokens as the prefill worker draws them)."""
+    out = prefill.prefill(torch.tensor(prompt), [len(prompt)])
+    rid = uuid.uuid4().hex
+    reservation = engine.reserve(rid, len(prompt), p.max_tokens, n=n)
+    for target in engine.kv_targets(reservation, len(prompt)):
+        shard = cut_shard(out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size)
+        engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
+    firsts = first_tokens(out.logits[0], p, n)
+    return rid, firsts, engine.generate(rid, [t.token_id for t in firsts], p)
+
+
+def _choices(firsts, stream) -> list[list[int]]:
+    tokens = [[t.token_id] for t in firsts]
+    for event in stream:
+        if event.token is not None:
+            tokens[event.index].append(event.token.token_id)
+    return tokens
+
+
+@pytest.mark.parametrize("layout", ["tpla", "mla-tp", "sp"])
+def test_forked_choices_decode_as_separate_requests(model_dir: Path, layout: str) -> None:
+    """n choices of one prompt (prefilled and shipped once, the last block copied on every
+    rank) decode exactly as n = 1 requests: greedy choices all equal the n = 1 answer, a
+    seeded choice 0 equals the n = 1 request and every choice reproduces; aborting the
+    request ends every fork; no block is left."""
+    kw = SP if layout == "sp" else {}
+    prompt = _prompt(13, 7)  # 13 tokens: the last block (of 4) is partly filled
+    greedy = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=7, temperature=1.0, seed=5, ignore_eos=True)
+    with _engine(model_dir, tp=2, r=2 if layout == "tpla" else 1, **kw) as engine:
+        prefill = load_prefill_model(engine.cfg)
+        alone = collect(*submit(engine, prefill, [prompt], [greedy])[0]).token_ids
+        _, firsts, stream = _submit_forked(engine, prefill, prompt, greedy, 3)
+        assert _choices(firsts, stream) == [alone] * 3
+        seeded_alone = collect(*submit(engine, prefill, [prompt], [seeded])[0]).token_ids
+        _, firsts, stream = _submit_forked(engine, prefill, prompt, seeded, 3)
+        first_run = _choices(firsts, stream)
+        _, firsts, stream = _submit_forked(engine, prefill, prompt, seeded, 3)
+        assert _choices(firsts, stream) == first_run
+        assert first_run[0] == seeded_alone and len({tuple(c) for c in first_run}) > 1
+        _assert_pool_free(engine)
+        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        rid, firsts, stream = _submit_forked(engine, prefill, prompt, long, 3)
+        assert engine.abort(rid)
+        ends = [e for e in stream if e.finish_reason is not None]
+        assert sorted(e.index for e in ends) == [0, 1, 2]
+        assert {e.finish_reason for e in ends} == {"abort"}
         _assert_pool_free(engine)

@@ -155,6 +155,38 @@ def test_aborts_and_failures_leave_the_cache_consistent(stack) -> None:
     asyncio.run(check())
 
 
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+def test_forked_choices_over_the_services(stack, transport: str) -> None:
+    """n = 3 over real gRPC: one Reserve and one Prefill (its KV pushed once over either
+    transport), three first tokens, one Generate stream of indexed choices that all equal
+    the single-process greedy answer; every block is free afterwards."""
+    model_dir, decode_addr, prefills, _ = stack
+    prompt = list(range(3, 40))  # 37 tokens: the last block of 8 is partly filled
+    expected = generate(load_model(model_dir), prompt, GREEDY).token_ids
+
+    async def run() -> list[list[int]]:
+        decode, prefill = DecodeClient(decode_addr), PrefillClient(prefills[transport])
+        try:
+            rid = f"forked-{transport}"
+            res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens, n=3)
+            out = await prefill.prefill(rid, prompt, GREEDY, res, transport=transport, n=3)
+            tokens = [[t.token_id] for t in out.first_tokens]
+            ends = {}
+            async for event in decode.generate(rid, out.first_tokens, GREEDY):
+                if event.token is not None:
+                    tokens[event.index].append(event.token.token_id)
+                if event.finish_reason is not None:
+                    ends[event.index] = event.finish_reason
+            assert ends == {0: "length", 1: "length", 2: "length"}
+            assert (await decode.load()).blocks_used == 0
+            return tokens
+        finally:
+            await decode.close()
+            await prefill.close()
+
+    assert asyncio.run(run()) == [expected] * 3
+
+
 def test_registry_and_load(stack) -> None:
     _, decode_addr, _, redis_server = stack
     registry = WorkerRegistry(redis.Redis.from_url(redis_server.url))

@@ -88,6 +88,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.reserved: list[decode_pb2.ReserveRequest] = []
         self.generated: list[decode_pb2.GenerateRequest] = []
         self.aborted: list[str] = []
+        self.choice_aborts: list[tuple[str, tuple[int, ...]]] = []  # single choices ended
         self.tokens_seen: list[str | None] = []
         self.full_reserves = 0  # answer this many Reserves with "KV cache full" first
 
@@ -113,28 +114,37 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         )
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Every choice follows the script, the choices' events interleaved token by token."""
         self.generated.append(request)
         params, rid = request.params, request.request_id
         stops = set(params.stop_token_ids)
-        if request.first_token.token_id in stops:
-            yield decode_pb2.GenerateEvent(finish_reason="stop")
-            return
+        firsts = list(request.first_tokens) or [request.first_token]
+        live = {i for i, first in enumerate(firsts) if first.token_id not in stops}
+        for i in sorted(set(range(len(firsts))) - live):
+            yield decode_pb2.GenerateEvent(finish_reason="stop", index=i)
         count = 1
         for tok in self.script.ids[1:]:
-            if count >= params.max_tokens:
+            if count >= params.max_tokens or not live:
                 break
             await asyncio.sleep(self.script.delay_s)
             if rid in self.aborted:
                 return
             count += 1
             reason = "stop" if tok in stops else ("length" if count >= params.max_tokens else "")
-            yield decode_pb2.GenerateEvent(token=_token(tok, params.logprobs), finish_reason=reason)
+            for i in sorted(live):
+                yield decode_pb2.GenerateEvent(
+                    token=_token(tok, params.logprobs), finish_reason=reason, index=i
+                )
             if reason:
                 return
-        yield decode_pb2.GenerateEvent(finish_reason=self.script.final or "length")
+        for i in sorted(live):
+            yield decode_pb2.GenerateEvent(finish_reason=self.script.final or "length", index=i)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.aborted.append(request.request_id)
+        if request.choices:  # single choices: the script runs on for the others
+            self.choice_aborts.append((request.request_id, tuple(request.choices)))
+        else:
+            self.aborted.append(request.request_id)
         return decode_pb2.AbortResponse(found=True)
 
 
@@ -150,8 +160,12 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         await asyncio.sleep(self.delay_s)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is down")
+        first = _token(self.script.ids[0], request.params.logprobs)
+        prompt = [_token(t, request.prompt_logprobs) for t in request.prompt_ids[1:]]
         return prefill_pb2.PrefillResponse(
-            first_token=_token(self.script.ids[0], request.params.logprobs),
+            first_token=first,
+            first_tokens=[first] * max(request.n, 1),
+            prompt_logprobs=prompt if request.HasField("prompt_logprobs") else [],
             prefill_seconds=0.01,
             transfer_seconds=0.002,
             transfer_bytes=4096,

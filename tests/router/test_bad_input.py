@@ -165,7 +165,6 @@ async def test_wrong_types_are_400(
         (chat(modalities=["text", "audio"]), "modalities"),
         (chat(prediction={"type": "content", "content": "x"}), "prediction"),
         (chat(web_search_options={}), "web_search_options"),
-        (chat(n=0), "n"),
         (completion(best_of=2), "best_of"),
         (completion(suffix="}"), "suffix"),
     ],
@@ -174,8 +173,7 @@ async def test_unsupported_features_are_a_clear_400(
     client: httpx.AsyncClient, body: dict[str, Any], param: str
 ) -> None:
     # Before: these were silently ignored and the client got an answer it did not ask for.
-    fragment = "not supported" if param != "n" else "n must be 1"
-    await expect_400(client, route(body), raw(body), param, fragment)
+    await expect_400(client, route(body), raw(body), param, "not supported")
 
 
 async def test_unknown_model_is_404_and_not_echoed_in_full(client: httpx.AsyncClient) -> None:

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.anyio
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [
-        (chat(n=2), "n", "n > 1 is not supported"),
+        (chat(n=0), "n", "greater than or equal to 1"),
+        (chat(n=129), "n", "less than or equal to 128"),
         (chat(temperature=2.5), "temperature", "less than or equal to 2"),
         (chat(top_p=0), "top_p", "greater than 0"),
         (chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
@@ -88,9 +89,13 @@ pytestmark = pytest.mark.anyio
             "ignore_eos",
             "structured output",
         ),
-        ({"model": "tpla-test", "prompt": ["a", "b"]}, "prompt", "batched prompts"),
+        ({"model": "tpla-test", "prompt": ["a", [1]]}, "prompt", "a batch of prompts"),
+        ({"model": "tpla-test", "prompt": [[1], []]}, "prompt", "a batch of prompts"),
         ({"model": "tpla-test", "prompt": 3}, "prompt", "list of token ids"),
-        ({"model": "tpla-test", "prompt": "x", "echo": True}, "echo", "echo is not supported"),
+        ({"model": "tpla-test", "prompt": ["a"] * 65}, "prompt", "at most 64"),
+        ({"model": "tpla-test", "prompt": ["a"] * 3, "n": 50}, None, "over 128 choices"),
+        ({"model": "tpla-test", "prompt": "x", "best_of": 3}, "best_of", "not supported"),
+        ({"model": "tpla-test", "prompt": "x", "suffix": "y"}, "suffix", "not supported"),
     ],
 )
 async def test_invalid_params_are_400(
@@ -157,6 +162,11 @@ def test_models_convert_cleanly() -> None:
     assert req.stop_list == ("x",) and req.token_limit == 5 and req.messages[0].text == "ab"
     comp = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "stop": None})
     assert comp.stop_list == () and comp.token_limit is None and not comp.include_usage
+    assert comp.prompts == [[1, 2]] and comp.choices == 1
+    batch = CompletionRequest.model_validate({"model": "m", "prompt": [[1], [2, 3]], "n": 2})
+    assert batch.prompts == [[1], [2, 3]] and batch.choices == 2
+    texts = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "echo": True})
+    assert texts.prompts == ["a", "b"] and texts.echo
 
 
 def test_developer_role_strict_types_and_unicode_at_the_model_level() -> None:

@@ -16,7 +16,7 @@ from common.grammar import GrammarCompiler
 from common.tokenizer import Tokenizer
 from services.router import tools
 from services.router.prepare import ModelInfo, prepare_chat
-from services.router.request import Delta, Done
+from services.router.request import ChoiceEnd, Delta, Done
 from services.router.responses import ChatFormat
 from services.router.schemas import ChatCompletionRequest
 from services.router.text import TokenLogprob
@@ -102,38 +102,69 @@ def _sse_json(lines: list[str]) -> list[dict[str, Any]]:
     return [json.loads(line.removeprefix("data: ")) for line in lines if line]
 
 
+def _end(fmt: ChatFormat, index: int = 0) -> list[dict[str, Any]]:
+    return _sse_json(fmt.event(0, ChoiceEnd(index, "stop")))
+
+
 def test_stream_sends_tool_call_deltas_and_content_passes_through() -> None:
-    auto = ChatFormat("id", "m", False, False, _calling(tools.ToolMode.AUTO))
+    auto = ChatFormat("id", "m", False, False, calling=_calling(tools.ToolMode.AUTO))
     pieces = ['  [{"name": "get_weather", ', '"parameters": {"city": "Rome"}}]']
-    assert [auto.delta(Delta(p)) for p in pieces] == ["", ""]  # held: it is a call
-    chunks = _sse_json(auto.closing(Done("stop", 3, 5)))
+    assert [auto.event(0, Delta(p)) for p in pieces] == [[], []]  # held: it is a call
+    chunks = _end(auto)
     [call] = chunks[0]["choices"][0]["delta"]["tool_calls"]
     assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
-    prose = ChatFormat("id", "m", True, False, _calling(tools.ToolMode.AUTO))
-    assert prose.delta(Delta(" ", (TokenLogprob(" ", -0.5),))) == ""  # could still open a call
-    [chunk] = _sse_json([prose.delta(Delta(" Hi", (TokenLogprob(" Hi", -1.0),)))])
+    prose = ChatFormat("id", "m", True, False, calling=_calling(tools.ToolMode.AUTO))
+    assert prose.event(0, Delta(" ", (TokenLogprob(" ", -0.5),))) == []  # may open a call
+    [chunk] = _sse_json(prose.event(0, Delta(" Hi", (TokenLogprob(" Hi", -1.0),))))
     assert chunk["choices"][0]["delta"]["content"] == "  Hi"
     # The held token's logprob goes out with its text.
     assert [e["logprob"] for e in chunk["choices"][0]["logprobs"]["content"]] == [-0.5, -1.0]
-    assert _sse_json(prose.closing(Done("stop", 3, 2)))[-1]["choices"][0]["finish_reason"] == "stop"
+    assert _end(prose)[-1]["choices"][0]["finish_reason"] == "stop"
 
-    named = ChatFormat("id", "m", False, False, _calling(tools.ToolMode.NAMED, "get_weather"))
-    first, second = (_sse_json([named.delta(Delta(t))])[0] for t in ('{"city"', ': "Oslo"}'))
+    named = ChatFormat(
+        "id", "m", False, False, calling=_calling(tools.ToolMode.NAMED, "get_weather")
+    )
+    first, second = (_sse_json(named.event(0, Delta(t)))[0] for t in ('{"city"', ': "Oslo"}'))
     head = first["choices"][0]["delta"]["tool_calls"][0]
     assert head["function"] == {"name": "get_weather", "arguments": '{"city"'} and head["id"]
     tail = second["choices"][0]["delta"]["tool_calls"][0]
     assert tail["id"] is None and tail["function"]["arguments"] == ': "Oslo"}'
-    assert _sse_json(named.closing(Done("stop", 3, 4)))[-1]["choices"][0]["finish_reason"] == (
-        "tool_calls"
-    )
-    full = named.full([Delta('{"city": "Oslo"}')], Done("stop", 3, 4))
+    assert _end(named)[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    run = [Delta('{"city": "Oslo"}'), ChoiceEnd(0, "stop"), Done(("stop",), 3, 4)]
+    full = named.full([run])
     [out] = full.choices[0].message.tool_calls  # type: ignore[misc]
     jsonschema.validate(json.loads(out.function.arguments), WEATHER.schema)
     assert full.choices[0].finish_reason == "tool_calls" and full.choices[0].message.content is None
+
+
+def test_each_choice_is_parsed_for_tool_calls_on_its_own() -> None:
+    """n = 2 under auto: choice 0 calls a tool while choice 1 writes prose; each choice's
+    held text, chunks and finish_reason are its own."""
+    fmt = ChatFormat("id", "m", False, False, n=2, calling=_calling(tools.ToolMode.AUTO))
+    call = '[{"name": "get_time", "parameters": {}}]'
+    assert fmt.event(0, Delta(call, index=0)) == []  # held: a call
+    [prose] = _sse_json(fmt.event(0, Delta("Hello", index=1)))
+    assert prose["choices"][0] == {**prose["choices"][0], "index": 1}
+    assert prose["choices"][0]["delta"]["content"] == "Hello"
+    ends = _end(fmt, 0)
+    assert ends[0]["choices"][0]["index"] == 0
+    assert ends[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert ends[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert _end(fmt, 1)[-1]["choices"][0]["finish_reason"] == "stop"
+    run = [
+        Delta(call, index=0),
+        Delta("Hello", index=1),
+        ChoiceEnd(0, "stop"),
+        ChoiceEnd(1, "stop"),
+        Done(("stop", "stop"), 3, 9),
+    ]
+    full = fmt.full([run])
+    assert [c.finish_reason for c in full.choices] == ["tool_calls", "stop"]
+    assert full.choices[1].message.content == "Hello" and not full.choices[1].message.tool_calls
 
 
 def test_prompt_describes_tools_when_the_template_does_not(
@@ -209,6 +240,21 @@ def test_prompt_describes_tools_when_the_template_does_not(
             "cannot be combined",
         ),
         (chat(messages=[{"role": "tool", "content": "x"}]), "messages.0", "tool_call_id"),
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "function": {"name": "f", "arguments": "}not json"}}
+                        ],
+                    }
+                ]
+            ),
+            "messages",
+            "not valid JSON",
+        ),
         (
             chat(messages=[{"role": "user", "content": None}]),
             "messages.0.content",

@@ -73,6 +73,24 @@ def test_replay_resumes_where_the_tokens_left_off(tokenizer) -> None:
         compiler.matcher(spec, replay=tok.encode("1"))
 
 
+def test_a_forked_matcher_goes_on_independently(tokenizer) -> None:
+    """n > 1: each choice's matcher is forked from the request's before its first token; a
+    fork starts where its parent stands and what one accepts does not move the other."""
+    tok, _ = tokenizer
+    compiler = _compiler(tokenizer)
+    spec = GrammarSpec(GrammarKind.CHOICE, json.dumps(["cat", "dog"]))
+    parent = compiler.matcher(spec)
+    fork = parent.fork()
+    vocab = compiler.vocab_size
+    assert torch.equal(allowed_now(parent, vocab, "cpu"), allowed_now(fork, vocab, "cpu"))
+    for t in tok.encode("cat"):
+        assert parent.accept(t)
+    for t in tok.encode("dog"):
+        assert fork.accept(t)
+    assert parent.finished and fork.finished
+    assert not fork.fork().accept(tok.encode("cat")[0])  # a finished fork stays finished
+
+
 def test_batch_bitmask_rows_and_unconstrained_rows(tokenizer) -> None:
     compiler = _compiler(tokenizer)
     mask = new_bitmask(3, compiler.mask_words)

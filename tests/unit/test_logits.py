@@ -118,6 +118,17 @@ def test_token_history_matches_token_lists() -> None:
     assert not prompt_mask[0].any()
 
 
+def test_token_history_fork_copies_a_row_that_then_goes_its_own_way() -> None:
+    history = TokenHistory(V, "cpu", rows=2)
+    parent = history.track([3, 4], [5, 5])
+    fork = history.fork(parent)  # the table grows: 2 rows hold only row 0 and one sequence
+    assert fork not in (0, parent) and history.fork(0) == 0
+    history.record(torch.tensor([parent, fork]), torch.tensor([6, 7]))
+    counts, prompt = history.gather(torch.tensor([parent, fork]))
+    assert counts[:, 5].tolist() == [2, 2] and prompt[:, 3].tolist() == [True, True]
+    assert counts[:, 6].tolist() == [1, 0] and counts[:, 7].tolist() == [0, 1]
+
+
 def test_huge_logit_bias_forces_its_token_greedy_and_sampled() -> None:
     logits = torch.randn(3, V)
     params = [

@@ -63,9 +63,10 @@ def _sp(model, skip: int) -> tuple[KvTargetInfo, ...]:  # type: ignore[no-untype
     )
 
 
-def _reservation(targets: tuple[KvTargetInfo, ...], skip: int) -> ReservationInfo:
-    """Blocks of 8 tokens; the decode group holds the first `skip` prompt tokens."""
-    return ReservationInfo("", 8, 0, 0, "float32", 30.0, targets, skip)
+def _job(rid: str, targets: tuple[KvTargetInfo, ...], skip: int) -> PrefillJob:
+    """PROMPT into blocks of 8 of a decode group that holds its first `skip` tokens."""
+    reservation = ReservationInfo(rid, 8, 0, 0, "", 30.0, targets, skip)
+    return PrefillJob(rid, PROMPT, GREEDY, reservation, 30.0)
 
 
 @pytest.mark.parametrize("layout", [_tpla, _sp])
@@ -84,10 +85,9 @@ def test_cached_prefix_ships_what_the_decode_group_lacks(model, layout) -> None:
         }
         done = {}
         for rid, (worker, skip) in jobs.items():
-            job = PrefillJob(rid, PROMPT, GREEDY, _reservation(layout(net, skip), skip), 30.0)
+            job = _job(rid, layout(net, skip), skip)
             done[rid] = worker.submit(job).result(timeout=60)
-        ref_job = PrefillJob("ref", PROMPT, GREEDY, _reservation(layout(net, 0), 0), 30.0)
-        ref = plain.submit(ref_job).result(60)
+        ref = plain.submit(_job("ref", layout(net, 0), 0)).result(60)
     finally:
         plain.close()
         cached.close()
