@@ -1,11 +1,13 @@
-"""Docker HEALTHCHECK for every role of the one tpla-serve image (stdlib only, < 1 s).
+"""Docker HEALTHCHECK for every role of the one tpla-serve image (< 1 s).
 
 The role is the sub-command PID 1 runs (`tpla router|serve|prefill|decode`), read from
 /proc/1/cmdline: the router (and `serve`, which fronts the stack with it) must answer
-GET /health; prefill and decode workers must accept connections on their gRPC port, which
-they open only once their model is loaded; a decode follower started on its own (`decode
---rank K`, K > 0) on its KV receiver port, opened once it has joined its group and loaded its
-share. Ports and host come from the TPLA_ settings.
+GET /health; a prefill worker and a decode leader must answer their service's GetLoad on the
+gRPC port they open once their model is loaded (a decode leader answers it from its loop
+thread, so a group whose loop hangs fails the check, where an accepted connection would not
+tell); a decode follower started on its own (`decode --rank K`, K > 0) must accept
+connections on its KV receiver port, opened once it has joined its group and loaded its
+share. Ports, host and the internal token come from the TPLA_ settings.
 """
 
 from __future__ import annotations
@@ -58,11 +60,32 @@ def main() -> int:
             return 0 if resp.status == 200 else 1
     if which == "decode" and follower_rank(args):
         port = int(os.environ.get("TPLA_KV_PORT_BASE", "50071"))
-    else:
-        default = "50051" if which == "prefill" else "50061"
-        port = int(os.environ.get(f"TPLA_{which.upper()}_PORT", default))
-    with socket.create_connection((host, port), timeout=TIMEOUT_S):
-        return 0
+        with socket.create_connection((host, port), timeout=TIMEOUT_S):
+            return 0
+    default = "50051" if which == "prefill" else "50061"
+    port = int(os.environ.get(f"TPLA_{which.upper()}_PORT", default))
+    return get_load(which, f"{host}:{port}")
+
+
+def get_load(which: str, address: str) -> int:
+    """The service's GetLoad within TIMEOUT_S: 0 when it answers."""
+    import grpc
+
+    from common.rpc.clients import TOKEN_METADATA_KEY
+    from common.rpc.gen import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+    token = os.environ.get("TPLA_INTERNAL_TOKEN")
+    metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+    with grpc.insecure_channel(address) as channel:
+        stub_class = (
+            prefill_pb2_grpc.PrefillStub if which == "prefill" else decode_pb2_grpc.DecodeStub
+        )
+        try:
+            stub_class(channel).GetLoad(common_pb2.Empty(), timeout=TIMEOUT_S, metadata=metadata)
+        except grpc.RpcError as exc:
+            print(f"healthcheck: {which} GetLoad at {address}: {exc.code().name}", file=sys.stderr)
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

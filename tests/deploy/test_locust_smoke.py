@@ -83,6 +83,9 @@ def test_locust_smoke_20s_zero_failures(stack: LocalStack, tmp_path: Path) -> No
     url, proc = stack.url, stack.proc
     for role in ("router", "prefill", "decode"):  # the image's HEALTHCHECK, on the real stack
         assert _healthcheck(role, stack.env) == 0, role + _tail(stack)
+    # A port that accepts connections but does not answer the service's GetLoad is unhealthy.
+    router_port = url.rsplit(":", 1)[1]
+    assert _healthcheck("prefill", {**stack.env, "TPLA_PREFILL_PORT": router_port}) == 1
     processes = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(_cmdline(p) for p in processes)
     assert "redis-server" in names and "services.decode.runtime" in names, names  # all of it
@@ -138,6 +141,7 @@ def test_locust_smoke_20s_zero_failures(stack: LocalStack, tmp_path: Path) -> No
         alive = _alive(alive)
     assert not alive, [p.pid for p in alive]
     assert _healthcheck("router", stack.env) == 1
+    assert _healthcheck("decode", stack.env) == 1
 
 
 def _healthcheck(role: str, env: dict[str, str]) -> int:
