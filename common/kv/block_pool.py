@@ -77,11 +77,6 @@ class BlockPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_hold(self, request_id: str, num_tokens: int) -> bool:
-        """Whether the request could grow to `num_tokens` with the blocks free now."""
-        have = len(self._tables[request_id].blocks) if request_id in self._tables else 0
-        return self.blocks_for(num_tokens) - have <= self.num_free
-
     def table(self, request_id: str) -> BlockTable:
         return self._tables[request_id]
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from common.kv.paged_cache import PagedLatentCache
+from common.kv.slots import token_slots
 from common.rpc.gen import kv_pb2
 
 SEGMENT_BYTES = 4 * 2**20
@@ -225,7 +226,7 @@ def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
         raise TransferError(
             f"shard of {header.num_tokens} tokens overflows its {len(blocks)} reserved blocks"
         )
-    return blocks[index] * header.block_size + positions % header.block_size
+    return token_slots(blocks, positions, header.block_size)
 
 
 def check_dtype(h: kv_pb2.KvHeader) -> torch.dtype:

@@ -11,9 +11,9 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
     abort(request_id, choices)                 at any time; blocks are freed
     load() -> Load                             running, waiting, blocks used / total
 
-Start-up: open the group's rendezvous (services/decode/group.py), spawn ranks 1..tp-1 here or
-wait for them to join from elsewhere (bounded), load this rank's share, meet every rank at a
-barrier, and learn where each rank's KV receiver is.
+Start-up: open the group's rendezvous, spawn ranks 1..tp-1 here or wait for them to join from
+elsewhere, bounded (services/decode/group_processes.py), load this rank's share, meet every
+rank at a barrier, and learn where each rank's KV receiver is.
 
 n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
 full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
@@ -29,10 +29,7 @@ sequence (continuous batching: requests join and leave between steps).
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -53,8 +50,9 @@ from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.kv.prefix_cache import block_hashes, model_identity
+from common.kv.slots import token_slots
 from common.model.args import ModelConfig
-from common.ports import PortUse, check_ports, free_port
+from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
 from common.sampling import (
     DECODE_STAGE,
@@ -65,15 +63,9 @@ from common.sampling import (
 )
 from services.decode.config import EngineConfig, Launch, rank_latent_columns
 from services.decode.controls import SequenceControls, StepControls
-from services.decode.group import LeaderGroup, RankStartError
+from services.decode.group_processes import GroupProcesses
 from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
-from services.decode.runtime import (
-    CONFIG_ENV,
-    START_ERROR_EXIT,
-    RankRuntime,
-    create_shm_group,
-    init_group,
-)
+from services.decode.runtime import RankRuntime, create_shm_group, init_group
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.scheduler import Sequence as DecodeSequence
 from services.decode.stream import EngineError, Reservation, TokenStream
@@ -107,22 +99,17 @@ class DecodeEngine:
         shm_path = create_shm_group(cfg) if spawn else None
         cfg = replace(cfg, shm_path=shm_path)
         self.cfg = cfg
-        self._followers: list[subprocess.Popen] = []
         self._receiver: grpc.Server | None = None
-        self.group: LeaderGroup | None = None
+        self.processes = GroupProcesses(cfg)
         try:
-            if cfg.parallel.tp > 1:
-                self.group = self._open_group()
-                if spawn:
-                    self._spawn_followers()
-                self.group.wait_for_followers(self._follower_exit_code)
-            init_group(cfg, 0, self.group.store if self.group else None)
+            self.processes.start()
+            init_group(cfg, 0, self.processes.store)
             self.runtime = RankRuntime(cfg, 0)
             self._receiver = self.runtime.start_kv_receiver()
             self.runtime.comm.barrier()
             # Where each rank receives its KV shards: its own receiver, wherever it runs.
             own = cfg.kv_addresses(0) if self._receiver is not None else ("", "")
-            self.kv_endpoints = [own, *(self.group.endpoints() if self.group else [])]
+            self.kv_endpoints = [own, *self.processes.endpoints()]
         except BaseException as exc:
             self._abort_start(exc)
             raise
@@ -367,23 +354,14 @@ class DecodeEngine:
         return self.runtime.model.parameter_bytes()
 
     def follower_alive(self) -> list[bool]:
-        """Whether each rank's process is running (rank 0 is this process): a spawned one's
-        status, and for every follower a beat through the group's store within the last
-        seconds (ranks on other hosts have no other sign of life until a collective)."""
-        alive = [self._error is None]
-        if self.group is not None:
-            try:
-                beats = self.group.alive()
-            except dist.DistError:  # the store went with a shut-down group
-                beats = [False] * len(self.group.followers)
-            spawned = [p.poll() is None for p in self._followers] or [True] * len(beats)
-            alive += [b and s for b, s in zip(beats, spawned, strict=True)]
-        return alive
+        """Whether each rank's process is running: rank 0 (this process) while its loop
+        has not failed, then each follower (GroupProcesses.alive)."""
+        return [self._error is None, *self.processes.alive()]
 
     @property
     def follower_pids(self) -> list[int]:
         """Each follower's pid, as it introduced itself (on its own host)."""
-        return [m.pid for m in self.group.members] if self.group is not None else []
+        return self.processes.pids
 
     @property
     def failed(self) -> BaseException | None:
@@ -401,7 +379,7 @@ class DecodeEngine:
             self._thread.join(timeout=30)
         if self._receiver is not None:
             self._receiver.stop(grace=1)
-        self._kill_followers()
+        self.processes.stop()
 
     def __enter__(self) -> DecodeEngine:
         return self
@@ -426,7 +404,7 @@ class DecodeEngine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._check_ranks()
+                self.processes.check()
                 self._drain_commands(block=not self.scheduler.has_work())
                 for rid in self.scheduler.expire_leases(time.monotonic()):
                     self._pop_active(rid)
@@ -449,14 +427,6 @@ class DecodeEngine:
             if dist.is_initialized():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
-
-    def _check_ranks(self) -> None:
-        """A follower that died fails the group now, not at the next collective: an idle
-        group would otherwise accept reservations it can never serve."""
-        for rank, proc in enumerate(self._followers, start=1):
-            code = proc.poll()
-            if code is not None:
-                raise EngineError(f"rank {rank} exited with code {code}")
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -504,9 +474,10 @@ class DecodeEngine:
         self.runtime.copy_blocks(plan)
 
     def _slots(self, request_id: str, rank: int, num_tokens: int, first: int = 0) -> Tensor:
+        """Cache slots of the rank's local tokens first..first+num_tokens-1 (all inside its
+        reserved blocks: write_kv checked the shard's size against the reservation)."""
         blocks = torch.tensor(self.pool.tables(request_id)[rank], dtype=torch.int64)
-        pos = torch.arange(first, first + num_tokens)
-        return blocks[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
+        return token_slots(blocks, torch.arange(first, first + num_tokens), self.cfg.block_size)
 
     def _step(self, batch: list) -> None:
         self._step_started = time.monotonic()
@@ -590,52 +561,13 @@ class DecodeEngine:
         assert active is not None
         active.stream.put(TokenEvent(None, reason, index=active.choice))
 
-    def _open_group(self) -> LeaderGroup:
-        """The group's store on the rendezvous port (PortInUse if taken, named with its
-        setting, not an error in c10d's words)."""
-        setting = "TPLA_DIST_PORT" if self.cfg.launch is Launch.SPAWN else "TPLA_GROUP_ADDR"
-        use = PortUse(self.cfg.master_port, "decode rendezvous", setting)
-        check_ports(self.cfg.host, [use])
-        try:
-            return LeaderGroup(self.cfg)
-        except dist.DistNetworkError:
-            check_ports(self.cfg.host, [use])
-            raise
-
-    def _spawn_followers(self) -> None:
-        """Ranks 1..tp-1 as children, on this host: each joins the group as a rank started
-        on its own would (runtime.follower_main), with this process's config."""
-        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
-        env = {**os.environ, CONFIG_ENV: self.cfg.to_json()}
-        for rank in range(1, self.cfg.parallel.tp):
-            argv = [*follower, str(rank), str(os.getpid())]
-            self._followers.append(subprocess.Popen(argv, env=env))
-
-    def _follower_exit_code(self, rank: int) -> int | None:
-        return self._followers[rank - 1].poll() if self._followers else None
-
     def _abort_start(self, exc: BaseException) -> None:
         """The group failed to start: stop the followers (a follower's own start-up error
-        has ended it already), and raise RankStartError if one reported an error (a port in
-        use, a config that differs): that error, not the collective that broke, is the
-        cause."""
+        has ended it already), and raise a follower's reported error as the cause."""
         if self._receiver is not None:
             self._receiver.stop(grace=0)
-        self._kill_followers(grace_s=1.0)
+        self.processes.stop(grace_s=1.0)
         if dist.is_initialized():  # a later engine in this process starts a group again
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        if self.group is not None and isinstance(exc, Exception):
-            with contextlib.suppress(dist.DistError):
-                self.group.raise_reported()
-        for rank, proc in enumerate(self._followers, start=1):
-            if proc.returncode == START_ERROR_EXIT and isinstance(exc, Exception):
-                raise RankStartError(f"decode rank {rank} could not start (its error is above)")
-
-    def _kill_followers(self, grace_s: float = 10.0) -> None:
-        for proc in self._followers:
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        self.processes.raise_start_error(exc)

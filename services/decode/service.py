@@ -43,9 +43,10 @@ from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRo
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import (
+    ReservationInfo,
     load_to_pb,
     params_from_pb,
-    target_to_pb,
+    reservation_to_pb,
     token_from_pb,
     token_to_pb,
 )
@@ -106,17 +107,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         cfg = self.engine.cfg
         layout = self.engine.runtime.layout
-        targets = [target_to_pb(t) for t in self.engine.kv_targets(res, request.prompt_len)]
-        return decode_pb2.ReserveResponse(
+        info = ReservationInfo(
             request_id=res.request_id,
             block_size=res.block_size,
             num_layers=layout.num_layers,
             rope_width=layout.rope_width,
             dtype=cfg.dtype,
             lease_seconds=cfg.lease_seconds,
-            targets=targets,
+            targets=tuple(self.engine.kv_targets(res, request.prompt_len)),
             cached_tokens=res.cached_tokens,
         )
+        return reservation_to_pb(info)
 
     def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext

@@ -31,7 +31,7 @@ from common.ports import PortInUse, PortUse, router_port
 from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.settings import Settings
 from common.tokenizer import Tokenizer
-from services.router import batch, prepare, schemas
+from services.router import batch, prepare, response_schemas, schemas
 from services.router.edge import (
     MAX_BODY_BYTES,
     GuardMiddleware,
@@ -182,10 +182,10 @@ def _routes() -> APIRouter:
         return await _serve(request, reqs, fmt)
 
     @api.get("/v1/models")
-    async def models(request: Request) -> schemas.ModelList:
+    async def models(request: Request) -> response_schemas.ModelList:
         info = _state(request).info
-        return schemas.ModelList(
-            data=[schemas.ModelCard(id=info.served_name, max_model_len=info.max_model_len)]
+        return response_schemas.ModelList(
+            data=[response_schemas.ModelCard(id=info.served_name, max_model_len=info.max_model_len)]
         )
 
     @api.get("/health")

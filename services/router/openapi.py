@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from services.router import schemas as s
+from services.router import response_schemas as s
 from services.router.edge import MAX_BODY_BYTES
 
 

@@ -19,31 +19,30 @@ Any error -> Decode.Abort (blocks freed) + FAILED; the consumer going away (clie
 disconnect, cancellation, aclose) -> Decode.Abort + ABORTED. Cleanup is shielded from
 cancellation so a disconnect can never leak a reservation or leave a record live. Every
 wait is bounded: admission and room by queue_timeout_s, each token by token_timeout_s, the
-whole request by request_timeout_s.
+whole request by request_timeout_s. Placing the request on a decode group and a prefill
+worker (and leaving the group) is services/router/placement.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import anyio
 import redis
 
-from common.errors import DeadlineExceeded, Overloaded, TplaError, TransferFailed, Unavailable
+from common.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
 from common.redis_state import InvalidTransition, RequestLog, RequestState
-from common.rpc.clients import DecodeClient
-from common.rpc.convert import PrefillResult, ReservationInfo
+from common.rpc.convert import PrefillResult
 from common.sampling import SampledToken, SamplingParams
 from common.tokenizer import Tokenizer
 from services.router.admission import Admission
 from services.router.metrics import Outcome, RouterMetrics
-from services.router.policy import DecodeGroup, RoutingPolicy
+from services.router.placement import Placement, Run, abort
+from services.router.policy import RoutingPolicy
 from services.router.request import (
     ChoiceEnd,
     Delta,
@@ -59,7 +58,6 @@ from services.router.workers import WorkerDirectory
 log = logging.getLogger(__name__)
 
 _CLEANUP_TIMEOUT_S = 5.0
-_RESERVE_TIMEOUT_S = 10.0
 _MAX_MIGRATIONS = 2  # per request: a stream that keeps killing groups is not moved forever
 
 
@@ -77,21 +75,6 @@ class PipelineConfig:
     # How long a failed worker or group is skipped: by then its registry record has expired.
     quarantine_s: float = 10.0
     log_prompts: bool = False
-
-
-@dataclass
-class _Run:
-    """One request's bookkeeping, shared by the lifecycle steps and the cleanup."""
-
-    req: GenerationRequest
-    group: DecodeGroup | None = None  # the decode group holding the request now
-    decode: DecodeClient | None = None
-    reservation: ReservationInfo | None = None
-    decode_live: bool = False  # the leader holds blocks for us that Abort must free
-    reasons: dict[int, str] = field(default_factory=dict)  # the leader's, per choice
-    stopped: set[int] = field(default_factory=set)  # choices ended here by a stop string
-    finished: bool = False
-    migrations: int = 0
 
 
 class Pipeline:
@@ -113,9 +96,7 @@ class Pipeline:
         self.admission = Admission(
             config.max_inflight, config.max_waiting, config.queue_timeout_s, metrics.set_load
         )
-        # Requests this router has on each decode group right now (the per-group limit).
-        self.group_load: Counter[str] = Counter()
-        self._background: set[asyncio.Task[None]] = set()
+        self.placement = Placement(config, directory, policy, self.admission, self._record)
 
     async def run(self, req: GenerationRequest) -> AsyncGenerator[Output, None]:
         """The request's outputs: Started, (with echo) Prompt, every choice's Deltas and
@@ -135,7 +116,7 @@ class Pipeline:
             self.admission.release()
 
     async def _lifecycle(self, req: GenerationRequest) -> AsyncIterator[Output]:
-        run = _Run(req)
+        run = Run(req)
         try:
             await self.requests.create(
                 req.request_id,
@@ -151,10 +132,10 @@ class Pipeline:
         if self.config.log_prompts:
             log.info("request %s prompt: %r", req.request_id, req.prompt_text)
         try:
-            await self._place(run, req.prompt_ids, req.params.max_tokens)
+            await self.placement.place(run, req.prompt_ids, req.params.max_tokens)
             yield Started(req.request_id)
 
-            first = await self._prefill_anywhere(run, req.prompt_ids, req.params)
+            first = await self.placement.prefill_anywhere(run, req.prompt_ids, req.params)
             if len(first.first_tokens) != req.n:
                 raise TplaError(
                     f"the prefill worker sampled {len(first.first_tokens)} first tokens "
@@ -197,7 +178,7 @@ class Pipeline:
                             run.stopped.add(index)
                             if run.decode_live and len(ended) + 1 < req.n:
                                 assert run.decode is not None
-                                await self._abort(run.decode, req.request_id, (index,))
+                                await abort(run.decode, req.request_id, (index,))
                         out = text.finish()
                         if out is not None:
                             yield Delta(*out, index=index)
@@ -209,7 +190,7 @@ class Pipeline:
             if run.decode_live:
                 run.decode_live = False
                 assert run.decode is not None
-                await self._abort(run.decode, req.request_id)
+                await abort(run.decode, req.request_id)
             reasons = tuple(ended[i] for i in range(req.n))
             count = sum(t.count for t in texts)
             await self._record(
@@ -221,7 +202,7 @@ class Pipeline:
                 e2e_seconds=round(time.monotonic() - req.arrival, 6),
             )
             run.finished = True
-            self._leave_group(run)
+            self.placement.leave_group(run)
             self._finish_metrics(req, count, Outcome.FINISHED)
             if self.config.log_prompts:
                 log.info("request %s output: %r", req.request_id, [t.text for t in texts])
@@ -236,75 +217,8 @@ class Pipeline:
                 raise error from exc
             raise
 
-    async def _place(self, run: _Run, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
-        """Reserve KV on a decode group with room; wait for room up to queue_timeout_s.
-
-        Full groups (this router's per-group limit, or their KV pool) are skipped; a group
-        that fails Reserve is quarantined and the next one tried. Unavailable only when no
-        healthy group exists at all.
-        """
-        rid = run.req.request_id
-        deadline = time.monotonic() + self.config.queue_timeout_s
-        while True:
-            full = {
-                g for g, n in self.group_load.items() if n >= self.config.max_inflight_per_group
-            }
-            skip = set(self.directory.quarantined()) | full
-            while True:
-                try:
-                    group = self.policy.choose_decode(
-                        self.directory.snapshot,
-                        self.directory.pending,
-                        frozenset(skip),
-                        prompt_ids,
-                    )
-                except Unavailable:
-                    if not self._healthy_groups_exist():
-                        raise
-                    break  # every healthy group is full: wait for room
-                self.directory.pending[group.group_id] += 1
-                client = self.directory.decode_client(group.address)
-                try:
-                    run.reservation = await client.reserve(
-                        rid,
-                        len(prompt_ids),
-                        max_tokens,
-                        timeout=_RESERVE_TIMEOUT_S,
-                        prompt_ids=prompt_ids,
-                        n=run.req.n,
-                    )
-                except Overloaded:  # its KV pool is full right now
-                    skip.add(group.group_id)
-                    continue
-                except (Unavailable, DeadlineExceeded) as exc:
-                    log.warning(
-                        "request %s: decode group %s failed Reserve: %s",
-                        rid,
-                        group.group_id,
-                        exc.message,
-                    )
-                    self.directory.quarantine(group.group_id, self.config.quarantine_s)
-                    skip.add(group.group_id)
-                    continue
-                run.group, run.decode, run.decode_live = group, client, True
-                self.group_load[group.group_id] += 1
-                return
-            await self.admission.room(deadline)
-
-    def _healthy_groups_exist(self) -> bool:
-        bad = self.directory.quarantined()
-        return any(g.group_id not in bad for g in self.directory.snapshot.healthy_groups())
-
-    def _leave_group(self, run: _Run) -> None:
-        if run.group is not None:
-            self.group_load[run.group.group_id] -= 1
-            if self.group_load[run.group.group_id] <= 0:
-                del self.group_load[run.group.group_id]
-            run.group = None
-            self.admission.released()
-
     async def _tokens(
-        self, run: _Run, first: PrefillResult
+        self, run: Run, first: PrefillResult
     ) -> AsyncIterator[tuple[int, SampledToken | None]]:
         """(choice, token): the prefill's first tokens, then Decode.Generate's, and
         (choice, None) when the leader ended a choice (its reason in run.reasons). An n = 1
@@ -334,7 +248,7 @@ class Pipeline:
                 feeds = (feed,)
                 yield 0, feed
 
-    async def _prefilled(self, run: _Run, first: PrefillResult) -> None:
+    async def _prefilled(self, run: Run, first: PrefillResult) -> None:
         """The prefill is done and its KV in place: TTFT ends, the request is decoding."""
         req = run.req
         ttft = time.monotonic() - req.arrival
@@ -353,7 +267,7 @@ class Pipeline:
 
     async def _decode_stream(
         self,
-        run: _Run,
+        run: Run,
         feeds: tuple[SampledToken, ...],
         params: SamplingParams,
         earlier: list[int],
@@ -409,7 +323,7 @@ class Pipeline:
             ) from None
         raise Unavailable("the decode stream ended without a finish reason")
 
-    def _may_migrate(self, run: _Run, generated: list[int]) -> bool:
+    def _may_migrate(self, run: Run, generated: list[int]) -> bool:
         return (
             self.config.migrate
             and run.migrations < _MAX_MIGRATIONS
@@ -417,13 +331,13 @@ class Pipeline:
             and time.monotonic() < run.req.arrival + self.config.request_timeout_s
         )
 
-    async def _migrate(self, run: _Run, generated: list[int], cause: Unavailable) -> SampledToken:
+    async def _migrate(self, run: Run, generated: list[int], cause: Unavailable) -> SampledToken:
         """Move the stream to another decode group: re-prefill prompt + generated tokens
         there and return the next token. Raises `cause` when no other group can take it."""
         req, old = run.req, run.group
         assert old is not None
-        self._drop_group(run)
-        if not self._healthy_groups_exist():
+        self.placement.drop_group(run)
+        if not self.placement.healthy_groups_exist():
             raise cause
         run.migrations += 1
         self.metrics.migrated()
@@ -440,8 +354,8 @@ class Pipeline:
         context = (*req.prompt_ids, *generated)
         params = _remaining(req.params, len(generated))
         try:
-            await self._place(run, context, params.max_tokens)
-            result = await self._prefill_anywhere(run, context, params, len(generated))
+            await self.placement.place(run, context, params.max_tokens)
+            result = await self.placement.prefill_anywhere(run, context, params, len(generated))
         except TplaError as exc:
             raise cause from exc
         await self._record(
@@ -455,13 +369,13 @@ class Pipeline:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _cleanup(self, run: _Run, error: TplaError | None) -> None:
+    async def _cleanup(self, run: Run, error: TplaError | None) -> None:
         """Free the reservation and close the record: FAILED on error, else ABORTED."""
         rid = run.req.request_id
         if run.decode is not None and run.decode_live:
             run.decode_live = False
-            await self._abort(run.decode, rid)
-        self._leave_group(run)
+            await abort(run.decode, rid)
+        self.placement.leave_group(run)
         if error is None:
             await self._record(rid, RequestState.ABORTED, reason="client_gone")
             self._finish_metrics(run.req, 0, Outcome.ABORTED)
@@ -470,105 +384,6 @@ class Pipeline:
                 rid, RequestState.FAILED, error=error.message, error_type=error.error_type
             )
             self._finish_metrics(run.req, 0, Outcome.FAILED)
-
-    def _drop_group(self, run: _Run) -> None:
-        """Leave a decode group that failed us: quarantine it and abort our request there in
-        the background (a stalled leader answers only once its step ends; nobody waits)."""
-        assert run.group is not None and run.decode is not None
-        self.directory.quarantine(run.group.group_id, self.config.quarantine_s)
-        if run.decode_live:
-            run.decode_live = False
-            task = asyncio.create_task(self._abort(run.decode, run.req.request_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        self._leave_group(run)
-
-    async def _prefill_anywhere(
-        self,
-        run: _Run,
-        prompt_ids: tuple[int, ...],
-        params: SamplingParams,
-        num_output_tokens: int = 0,
-    ) -> PrefillResult:
-        """`_prefill`; if the KV push to the request's decode group fails (that group died or
-        hangs, the prefill worker is fine), once more on another group. The last
-        `num_output_tokens` of `prompt_ids` are the request's own output (a migration)."""
-        try:
-            return await self._prefill(run, prompt_ids, params, num_output_tokens)
-        except TransferFailed as exc:
-            self._drop_group(run)
-            if not self._healthy_groups_exist():
-                raise
-            log.warning(
-                "request %s: KV push failed (%s); placing it on another decode group",
-                run.req.request_id,
-                exc.message,
-            )
-            await self._record(
-                run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
-            )
-            await self._place(run, prompt_ids, params.max_tokens)
-            return await self._prefill(run, prompt_ids, params, num_output_tokens)
-
-    async def _prefill(
-        self,
-        run: _Run,
-        prompt_ids: tuple[int, ...],
-        params: SamplingParams,
-        num_output_tokens: int,
-    ) -> PrefillResult:
-        """Prefill into run's reservation on a chosen worker; if that worker is unavailable,
-        once more on another one (the new push overwrites whatever the first one wrote)."""
-        req, group, reservation = run.req, run.group, run.reservation
-        assert group is not None and reservation is not None
-        tried: set[str] = set()
-        inflight = self.directory.prefill_inflight
-        worker = self.policy.choose_prefill(self.directory.snapshot, inflight, prompt=prompt_ids)
-        remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
-        while True:
-            # Counted before the first await: the other requests of a burst choose while
-            # this one records its state, and must see the tokens it is about to send.
-            sent_to = worker.worker_id
-            inflight[sent_to] += len(prompt_ids)
-            try:
-                await self._record(
-                    req.request_id,
-                    RequestState.PREFILLING,
-                    prefill_worker=worker.worker_id,
-                    decode_group=group.group_id,
-                    attempt=len(tried) + 1,
-                )
-                client = self.directory.prefill_client(worker.address)
-                return await client.prefill(
-                    req.request_id,
-                    list(prompt_ids),
-                    params,
-                    reservation,
-                    transport=self.config.transport,
-                    timeout=max(remaining, 1.0),
-                    num_output_tokens=num_output_tokens,
-                    n=req.n,
-                    # Only the first prefill: a migration's context is not the prompt.
-                    prompt_logprobs=req.prompt_logprobs if run.migrations == 0 else None,
-                )
-            except TransferFailed:
-                raise  # the decode group's fault: another prefill worker would fail the same
-            except Unavailable as exc:
-                tried.add(worker.worker_id)
-                if len(tried) > 1:
-                    raise
-                try:
-                    worker = self.policy.choose_prefill(
-                        self.directory.snapshot, inflight, frozenset(tried), prompt_ids
-                    )
-                except Unavailable:
-                    raise exc from None
-                log.warning("request %s: prefill failed (%s); retrying", req.request_id, exc)
-                await self._record(req.request_id, RequestState.QUEUED, retry_reason=exc.message)
-            finally:
-                inflight[sent_to] -= len(prompt_ids)
-                if inflight[sent_to] <= 0:
-                    del inflight[sent_to]
 
     def _prompt_logprobs(
         self, req: GenerationRequest, scored: tuple[SampledToken, ...]
@@ -588,14 +403,6 @@ class Pipeline:
                 for t in scored
             ),
         )
-
-    async def _abort(
-        self, decode: DecodeClient, request_id: str, choices: tuple[int, ...] = ()
-    ) -> None:
-        try:
-            await decode.abort(request_id, choices=choices)
-        except TplaError as exc:  # the lease frees the blocks if the leader is unreachable
-            log.warning("request %s: abort failed: %s", request_id, exc.message)
 
     async def _record(self, rid: str, state: RequestState, **fields: object) -> None:
         """Best effort once the request exists: a Redis outage must not fail requests that

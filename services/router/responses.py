@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel
 
 from common.errors import TplaError
-from services.router import schemas as s
+from services.router import response_schemas as s
 from services.router.request import ChoiceEnd, Delta, Done, Output, Prompt
 from services.router.text import TokenLogprob
 from services.router.tools import (

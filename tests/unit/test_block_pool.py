@@ -27,7 +27,11 @@ def test_out_of_blocks_is_all_or_nothing() -> None:
     with pytest.raises(OutOfBlocks):
         pool.allocate("b", 3)
     assert "b" not in pool and pool.num_free == 1
-    assert pool.can_hold("a", 6) and not pool.can_hold("a", 7)
+    # Growing past the free blocks fails whole too: the table keeps what it had.
+    with pytest.raises(OutOfBlocks):
+        pool.grow("a", 7)
+    assert pool.table("a").blocks == [0, 1] and pool.num_free == 1
+    assert pool.grow("a", 6) == [0, 1, 2] and pool.num_free == 0
 
 
 def test_scheduler_lifecycle_and_batch_limit() -> None:

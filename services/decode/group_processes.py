@@ -1,0 +1,122 @@
+"""The leader's hold on a decode group's other ranks as processes.
+
+Start-up: open the group's rendezvous store (services/decode/group.py) on the configured
+port, spawn ranks 1..tp-1 here (`Launch.SPAWN`) or let them join from elsewhere, and wait
+(bounded) until each has claimed its rank. While the group runs: whether each follower is
+alive (its beat through the store, and a spawned one's exit status). On a failed start or
+at shutdown: stop the spawned followers, and name a follower's own start-up error as the
+cause. A group of one rank has no followers and every call here is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from common.ports import PortUse, check_ports
+from services.decode.config import EngineConfig, Launch
+from services.decode.group import LeaderGroup, RankStartError
+from services.decode.runtime import CONFIG_ENV, START_ERROR_EXIT
+from services.decode.stream import EngineError
+
+
+class GroupProcesses:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.group: LeaderGroup | None = None
+        self._followers: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        """Open the rendezvous, spawn the followers (if this process launches them) and
+        wait for every rank to join."""
+        if self.cfg.parallel.tp <= 1:
+            return
+        self.group = self._open_group()
+        if self.cfg.launch is Launch.SPAWN:
+            self._spawn_followers()
+        self.group.wait_for_followers(self._follower_exit_code)
+
+    @property
+    def store(self) -> dist.Store | None:
+        return self.group.store if self.group is not None else None
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """Ranks 1..tp-1's KV receiver addresses, as each published them."""
+        return self.group.endpoints() if self.group is not None else []
+
+    def alive(self) -> list[bool]:
+        """Whether each follower (ranks 1..tp-1) is running: a spawned one's status, and
+        for every follower a beat through the group's store within the last seconds (ranks
+        on other hosts have no other sign of life until a collective)."""
+        if self.group is None:
+            return []
+        try:
+            beats = self.group.alive()
+        except dist.DistError:  # the store went with a shut-down group
+            beats = [False] * len(self.group.followers)
+        spawned = [p.poll() is None for p in self._followers] or [True] * len(beats)
+        return [b and s for b, s in zip(beats, spawned, strict=True)]
+
+    @property
+    def pids(self) -> list[int]:
+        """Each follower's pid, as it introduced itself (on its own host)."""
+        return [m.pid for m in self.group.members] if self.group is not None else []
+
+    def check(self) -> None:
+        """A spawned follower that died fails the group now, not at the next collective:
+        an idle group would otherwise accept reservations it can never serve."""
+        for rank, proc in enumerate(self._followers, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise EngineError(f"rank {rank} exited with code {code}")
+
+    def raise_start_error(self, exc: BaseException) -> None:
+        """After a failed start (the followers stopped): raise RankStartError if a follower
+        reported an error (a port in use, a config that differs): that error, not the
+        collective that broke, is the cause."""
+        if not isinstance(exc, Exception):
+            return
+        if self.group is not None:
+            with contextlib.suppress(dist.DistError):
+                self.group.raise_reported()
+        for rank, proc in enumerate(self._followers, start=1):
+            if proc.returncode == START_ERROR_EXIT:
+                raise RankStartError(f"decode rank {rank} could not start (its error is above)")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Wait up to `grace_s` for each spawned follower to end (the group's last plan ends
+        it), then kill it."""
+        for proc in self._followers:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def _open_group(self) -> LeaderGroup:
+        """The group's store on the rendezvous port (PortInUse if taken, named with its
+        setting, not an error in c10d's words)."""
+        setting = "TPLA_DIST_PORT" if self.cfg.launch is Launch.SPAWN else "TPLA_GROUP_ADDR"
+        use = PortUse(self.cfg.master_port, "decode rendezvous", setting)
+        check_ports(self.cfg.host, [use])
+        try:
+            return LeaderGroup(self.cfg)
+        except dist.DistNetworkError:
+            check_ports(self.cfg.host, [use])
+            raise
+
+    def _spawn_followers(self) -> None:
+        """Ranks 1..tp-1 as children, on this host: each joins the group as a rank started
+        on its own would (runtime.follower_main), with this process's config."""
+        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
+        env = {**os.environ, CONFIG_ENV: self.cfg.to_json()}
+        for rank in range(1, self.cfg.parallel.tp):
+            argv = [*follower, str(rank), str(os.getpid())]
+            self._followers.append(subprocess.Popen(argv, env=env))
+
+    def _follower_exit_code(self, rank: int) -> int | None:
+        return self._followers[rank - 1].poll() if self._followers else None

@@ -1,0 +1,251 @@
+"""Where a request runs: a decode group and a prefill worker, and leaving the group.
+
+    place: a decode group with room + Decode.Reserve (a full group is skipped; when every
+           group is full, wait for room up to queue_timeout_s; a group that fails Reserve
+           is quarantined and another one tried)
+    prefill_anywhere: Prefill.Prefill into the reservation on a chosen worker (one retry on
+           another worker if Unavailable); a failed KV push drops the decode group and
+           places + prefills once more on another one
+    leave_group / drop_group: the request is done there, or the group failed it
+           (quarantined, the request aborted there in the background)
+
+The Pipeline (services/router/pipeline.py) runs a request's lifecycle over these steps,
+and a migration is a second place + prefill_anywhere with the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from common.errors import DeadlineExceeded, Overloaded, TplaError, TransferFailed, Unavailable
+from common.redis_state import RequestState
+from common.rpc.clients import DecodeClient
+from common.rpc.convert import PrefillResult, ReservationInfo
+from common.sampling import SamplingParams
+from services.router.admission import Admission
+from services.router.policy import DecodeGroup, RoutingPolicy
+from services.router.request import GenerationRequest
+from services.router.workers import WorkerDirectory
+
+if TYPE_CHECKING:
+    from services.router.pipeline import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+_RESERVE_TIMEOUT_S = 10.0
+
+# Records a request's state transition (best effort): Pipeline._record.
+Record = Callable[..., Awaitable[None]]
+
+
+@dataclass
+class Run:
+    """One request's bookkeeping, shared by the lifecycle steps and the cleanup."""
+
+    req: GenerationRequest
+    group: DecodeGroup | None = None  # the decode group holding the request now
+    decode: DecodeClient | None = None
+    reservation: ReservationInfo | None = None
+    decode_live: bool = False  # the leader holds blocks for us that Abort must free
+    reasons: dict[int, str] = field(default_factory=dict)  # the leader's, per choice
+    stopped: set[int] = field(default_factory=set)  # choices ended here by a stop string
+    finished: bool = False
+    migrations: int = 0
+
+
+class Placement:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        directory: WorkerDirectory,
+        policy: RoutingPolicy,
+        admission: Admission,
+        record: Record,
+    ) -> None:
+        self.config = config
+        self.directory = directory
+        self.policy = policy
+        self.admission = admission
+        self._record = record
+        # Requests this router has on each decode group right now (the per-group limit).
+        self.group_load: Counter[str] = Counter()
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def place(self, run: Run, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
+        """Reserve KV on a decode group with room; wait for room up to queue_timeout_s.
+
+        Full groups (this router's per-group limit, or their KV pool) are skipped; a group
+        that fails Reserve is quarantined and the next one tried. Unavailable only when no
+        healthy group exists at all.
+        """
+        rid = run.req.request_id
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        while True:
+            full = {
+                g for g, n in self.group_load.items() if n >= self.config.max_inflight_per_group
+            }
+            skip = set(self.directory.quarantined()) | full
+            while True:
+                try:
+                    group = self.policy.choose_decode(
+                        self.directory.snapshot,
+                        self.directory.pending,
+                        frozenset(skip),
+                        prompt_ids,
+                    )
+                except Unavailable:
+                    if not self.healthy_groups_exist():
+                        raise
+                    break  # every healthy group is full: wait for room
+                self.directory.pending[group.group_id] += 1
+                client = self.directory.decode_client(group.address)
+                try:
+                    run.reservation = await client.reserve(
+                        rid,
+                        len(prompt_ids),
+                        max_tokens,
+                        timeout=_RESERVE_TIMEOUT_S,
+                        prompt_ids=prompt_ids,
+                        n=run.req.n,
+                    )
+                except Overloaded:  # its KV pool is full right now
+                    skip.add(group.group_id)
+                    continue
+                except (Unavailable, DeadlineExceeded) as exc:
+                    log.warning(
+                        "request %s: decode group %s failed Reserve: %s",
+                        rid,
+                        group.group_id,
+                        exc.message,
+                    )
+                    self.directory.quarantine(group.group_id, self.config.quarantine_s)
+                    skip.add(group.group_id)
+                    continue
+                run.group, run.decode, run.decode_live = group, client, True
+                self.group_load[group.group_id] += 1
+                return
+            await self.admission.room(deadline)
+
+    def healthy_groups_exist(self) -> bool:
+        bad = self.directory.quarantined()
+        return any(g.group_id not in bad for g in self.directory.snapshot.healthy_groups())
+
+    def leave_group(self, run: Run) -> None:
+        if run.group is not None:
+            self.group_load[run.group.group_id] -= 1
+            if self.group_load[run.group.group_id] <= 0:
+                del self.group_load[run.group.group_id]
+            run.group = None
+            self.admission.released()
+
+    def drop_group(self, run: Run) -> None:
+        """Leave a decode group that failed us: quarantine it and abort our request there in
+        the background (a stalled leader answers only once its step ends; nobody waits)."""
+        assert run.group is not None and run.decode is not None
+        self.directory.quarantine(run.group.group_id, self.config.quarantine_s)
+        if run.decode_live:
+            run.decode_live = False
+            task = asyncio.create_task(abort(run.decode, run.req.request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        self.leave_group(run)
+
+    async def prefill_anywhere(
+        self,
+        run: Run,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        num_output_tokens: int = 0,
+    ) -> PrefillResult:
+        """`_prefill_on_worker`; if the KV push to the request's decode group fails (that
+        group died or hangs, the prefill worker is fine), once more on another group. The last
+        `num_output_tokens` of `prompt_ids` are the request's own output (a migration)."""
+        try:
+            return await self._prefill_on_worker(run, prompt_ids, params, num_output_tokens)
+        except TransferFailed as exc:
+            self.drop_group(run)
+            if not self.healthy_groups_exist():
+                raise
+            log.warning(
+                "request %s: KV push failed (%s); placing it on another decode group",
+                run.req.request_id,
+                exc.message,
+            )
+            await self._record(
+                run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
+            )
+            await self.place(run, prompt_ids, params.max_tokens)
+            return await self._prefill_on_worker(run, prompt_ids, params, num_output_tokens)
+
+    async def _prefill_on_worker(
+        self,
+        run: Run,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        num_output_tokens: int,
+    ) -> PrefillResult:
+        """Prefill into run's reservation on a chosen worker; if that worker is unavailable,
+        once more on another one (the new push overwrites whatever the first one wrote)."""
+        req, group, reservation = run.req, run.group, run.reservation
+        assert group is not None and reservation is not None
+        tried: set[str] = set()
+        inflight = self.directory.prefill_inflight
+        worker = self.policy.choose_prefill(self.directory.snapshot, inflight, prompt=prompt_ids)
+        remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
+        while True:
+            # Counted before the first await: the other requests of a burst choose while
+            # this one records its state, and must see the tokens it is about to send.
+            sent_to = worker.worker_id
+            inflight[sent_to] += len(prompt_ids)
+            try:
+                await self._record(
+                    req.request_id,
+                    RequestState.PREFILLING,
+                    prefill_worker=worker.worker_id,
+                    decode_group=group.group_id,
+                    attempt=len(tried) + 1,
+                )
+                client = self.directory.prefill_client(worker.address)
+                return await client.prefill(
+                    req.request_id,
+                    list(prompt_ids),
+                    params,
+                    reservation,
+                    transport=self.config.transport,
+                    timeout=max(remaining, 1.0),
+                    num_output_tokens=num_output_tokens,
+                    n=req.n,
+                    # Only the first prefill: a migration's context is not the prompt.
+                    prompt_logprobs=req.prompt_logprobs if run.migrations == 0 else None,
+                )
+            except TransferFailed:
+                raise  # the decode group's fault: another prefill worker would fail the same
+            except Unavailable as exc:
+                tried.add(worker.worker_id)
+                if len(tried) > 1:
+                    raise
+                try:
+                    worker = self.policy.choose_prefill(
+                        self.directory.snapshot, inflight, frozenset(tried), prompt_ids
+                    )
+                except Unavailable:
+                    raise exc from None
+                log.warning("request %s: prefill failed (%s); retrying", req.request_id, exc)
+                await self._record(req.request_id, RequestState.QUEUED, retry_reason=exc.message)
+            finally:
+                inflight[sent_to] -= len(prompt_ids)
+                if inflight[sent_to] <= 0:
+                    del inflight[sent_to]
+
+
+async def abort(decode: DecodeClient, request_id: str, choices: tuple[int, ...] = ()) -> None:
+    try:
+        await decode.abort(request_id, choices=choices)
+    except TplaError as exc:  # the lease frees the blocks if the leader is unreachable
+        log.warning("request %s: abort failed: %s", request_id, exc.message)
