@@ -126,6 +126,12 @@ class Placement:
                     )
                     self.directory.quarantine(group.group_id, self.config.quarantine_s)
                     skip.add(group.group_id)
+                    # The record says why the request waited and where it did not go.
+                    await self._record(
+                        rid,
+                        RequestState.QUEUED,
+                        retry_reason=f"reserve on {group.group_id}: {exc.message}",
+                    )
                     continue
                 run.group, run.decode, run.decode_live = group, client, True
                 self.group_load[group.group_id] += 1
