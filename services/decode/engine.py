@@ -528,8 +528,9 @@ class DecodeEngine:
         params = [a.params for a in actives]
         seqs = [a.controls for a in actives]
         processed = any(p.processed for p in params)
-        generated = [len(seq.generated) for seq in batch]
-        context = self.controls.context(seqs, generated) if processed else None
+        context = None
+        if processed:
+            context = self.controls.context(seqs, [len(seq.generated) for seq in batch])
         tokens = sample_batch(logits, params, [a.generator for a in actives], context)
         if processed:
             self.controls.advance(seqs, [t.token_id for t in tokens])
