@@ -16,8 +16,8 @@ from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.transfer import Shard, TransferError
 from common.kv.wire import shard_slots
-from common.ports import free_ports
 from common.rpc.gen import kv_pb2
+from common.runtime.ports import free_ports
 
 LATENT, ROPE, BLOCK, LAYERS = 24, 8, 16, 3
 BLOCKS = 64

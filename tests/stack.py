@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 
-from common.ports import free_port
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, prefill_pb2_grpc
+from common.runtime.ports import free_port
 from services.decode.config import EngineConfig
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill

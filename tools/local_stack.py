@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from common.ports import free_port, wait_ready
+from common.runtime.ports import free_port, wait_ready
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
@@ -53,7 +53,7 @@ class LocalStack:
         """`start` without waiting for /ready (tests of start-up failures)."""
         # Room for what the services derive from each port (metrics on +1000, rank k's KV
         # receiver on base + k, torch stores on +100, a second group or worker on the
-        # strides of services/serve.py), none of it overlapping another service's.
+        # strides of services/stack/serve.py), none of it overlapping another service's.
         workers = (0, 1, 1000, 1001)
         kv = tuple(g * 200 + off + r for g in (0, 1) for off in (0, 100) for r in range(4))
         taken: set[int] = set()

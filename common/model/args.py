@@ -155,7 +155,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         # quantization_config says how the weights are stored, not what the model is: the
-        # loader reads it (`common.model.checkpoint.Quantization`).
+        # loader reads it (`common.loading.checkpoint.Quantization`).
         if raw.get("attention_bias") or raw.get("mlp_bias"):
             raise ConfigError("attention_bias / mlp_bias are not used by DeepSeek checkpoints")
         act = raw.get("hidden_act", "silu")

@@ -1,7 +1,7 @@
 """Typed asyncio clients for the prefill and decode services (used by the router).
 
 They speak dataclasses to callers and protos to the wire, and turn gRPC failures into the
-typed errors of common.errors. Message-size limits are set deliberately on every channel.
+typed errors of common.runtime.errors. Message-size limits are set deliberately on every channel.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from common.decode_api import DecodeLoad, TokenEvent
-from common.errors import from_grpc
+from common.messages import DecodeLoad, TokenEvent
 from common.rpc.convert import (
     PrefillResult,
     ReservationInfo,
@@ -25,7 +24,8 @@ from common.rpc.convert import (
     token_to_pb,
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from common.sampling import SampledToken, SamplingParams
+from common.runtime.errors import from_grpc
+from common.sampling.sampler import SampledToken, SamplingParams
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from common.decode_api import DecodeLoad
-from common.grammar import GrammarKind, GrammarSpec
+from common.messages import DecodeLoad
 from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
-from common.sampling import SampledToken, SamplingError, SamplingParams
+from common.sampling.grammar import GrammarKind, GrammarSpec
+from common.sampling.sampler import SampledToken, SamplingError, SamplingParams
 
 
 @dataclass(frozen=True)

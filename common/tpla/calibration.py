@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from common import corpus
 from common.model.model import DeepseekForCausalLM
+from common.tpla import corpus
 
 DEFAULT_CALIB_CHARS = 200_000
 

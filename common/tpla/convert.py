@@ -28,12 +28,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from common.loading.checkpoint import Quantization
+from common.loading.loader import checkpoint_files
+from common.loading.weights import rotate_kv_a, rotate_kv_b
 from common.model.args import ModelConfig
-from common.model.checkpoint import Quantization
-from common.model.loader import checkpoint_files
 from common.model.mla import MLAttention
 from common.model.model import DeepseekForCausalLM
-from common.model.weights import rotate_kv_a, rotate_kv_b
 from common.tpla.calibration import LatentStatistics
 from common.tpla.transforms import Method, rotated_spectrum, rotation
 

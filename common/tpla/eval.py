@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from common import corpus
-from common.model.loader import load_model
+from common.loading.loader import load_model
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import RmsNormMode
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
+from common.tpla import corpus
 from common.tpla.calibration import (
     DEFAULT_CALIB_CHARS,
     LatentStatistics,
@@ -64,7 +64,7 @@ class EvalConfig:
     calib_chars: int | None = None  # None: DEFAULT_CALIB_CHARS
     eval_path: str | None = None
     progress: bool = True
-    device: str = "cpu"  # resolved (`common.settings.placed`): cpu, cuda or cuda:N
+    device: str = "cpu"  # resolved (`common.runtime.settings.placed`): cpu, cuda or cuda:N
     dtype: str = "float32"
 
     def __post_init__(self) -> None:

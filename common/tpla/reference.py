@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from common.generate import Generation
+from common.model.generate import Generation
 from common.model.mla import MLAttention
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import (
@@ -38,7 +38,7 @@ from common.model.tpla import (
     new_token_latent,
     shard_attention,
 )
-from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
 
 
 class Variant(enum.Enum):
@@ -285,7 +285,7 @@ def generate(
     """Generate with the oracle: prefill the prompt, then one `decode` per new token.
 
     Sampling uses the served stack's generator streams (first token: stream 0, the rest:
-    stream 1), so a seeded request reproduces the engine's tokens, not `common.generate`'s.
+    stream 1), so a seeded request reproduces the engine's tokens, not `common.model.generate`'s.
     """
     if not prompt_ids:
         raise ValueError("prompt must contain at least one token")

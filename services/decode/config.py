@@ -1,9 +1,9 @@
 """The decode engine's configuration: the parallel layout and everything a rank starts with.
 
 Frozen dataclasses, validated when built; `engine_config` maps the settings (env and flags,
-`common/settings.py`) onto them, once. A spawned follower receives its leader's
+`common/runtime/settings.py`) onto them, once. A spawned follower receives its leader's
 `EngineConfig` as JSON; a rank started on its own builds its own, which it checks against
-the group's (services/decode/group.py).
+the group's (services/decode/group/join.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from common.model.tpla import RmsNormMode
-from common.settings import TORCH_PORT_OFFSET, Settings
+from common.runtime.settings import TORCH_PORT_OFFSET, Settings
 
 
 class ParallelError(ValueError):
@@ -22,7 +22,7 @@ class ParallelError(ValueError):
 
 
 class Launch(enum.Enum):
-    """How a decode group's follower ranks start (services/decode/group.py: both then join
+    """How a decode group's follower ranks start (services/decode/group/join.py: both then join
     the same way)."""
 
     SPAWN = "spawn"  # children of the leader, on its host (`tpla decode`, `tpla serve`)
@@ -169,7 +169,7 @@ class EngineConfig:
 
 def engine_config(s: Settings) -> EngineConfig:
     """The decode engine's config from `placed` settings: the one mapping of the two."""
-    from services.decode.backends import KERNELS
+    from services.decode.rank.backends import KERNELS
 
     if s.parallel not in ("tpla", "mla-tp", "sp"):
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")

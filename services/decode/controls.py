@@ -5,8 +5,8 @@ Lifecycle: `matcher()` compiles and replays a request's grammar off the loop thr
 gives the sequence its history row; `fork` copies a sequence's row and grammar state for a
 choice forked from it (n > 1); every step, `context` gathers the batch's counts and
 fills the grammars' bitmask (one host buffer, one copy to the device) for
-`common.logits.process_logits`, and `advance` counts the sampled tokens with one scatter and
-moves each grammar on; `release` frees the row when the sequence ends.
+`common.sampling.logits.process_logits`, and `advance` counts the sampled tokens with one
+scatter and moves each grammar on; `release` frees the row when the sequence ends.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from common.grammar import (
+from common.sampling.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarMatcher,
     allowed_tokens,
     new_bitmask,
 )
-from common.logits import LogitsContext, TokenHistory
-from common.sampling import SamplingParams
+from common.sampling.logits import LogitsContext, TokenHistory
+from common.sampling.sampler import SamplingParams
 
 
 @dataclass

@@ -12,7 +12,7 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
     load() -> Load                             running, waiting, blocks used / total
 
 Start-up: open the group's rendezvous, spawn ranks 1..tp-1 here or wait for them to join from
-elsewhere, bounded (services/decode/group_processes.py), load this rank's share, meet every
+elsewhere, bounded (services/decode/group/processes.py), load this rank's share, meet every
 rank at a barrier, and learn where each rank's KV receiver is.
 
 n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
@@ -43,18 +43,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from common import group_files
-from common.decode_api import DecodeLoad as Load
-from common.decode_api import TokenEvent
-from common.device import rank_device
 from common.kv.block_pool import RankPools
 from common.kv.chunks import owned_ranges
 from common.kv.prefix_cache import block_hashes, model_identity
 from common.kv.slots import token_slots
+from common.messages import DecodeLoad as Load
+from common.messages import TokenEvent
 from common.model.args import ModelConfig
-from common.ports import free_port
 from common.rpc.convert import KvTargetInfo
-from common.sampling import (
+from common.runtime import group_files
+from common.runtime.device import rank_device
+from common.runtime.ports import free_port
+from common.sampling.sampler import (
     DECODE_STAGE,
     SamplingParams,
     choice_stream,
@@ -63,9 +63,9 @@ from common.sampling import (
 )
 from services.decode.config import EngineConfig, Launch, rank_latent_columns
 from services.decode.controls import SequenceControls, StepControls
-from services.decode.group_processes import GroupProcesses
-from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
-from services.decode.runtime import RankRuntime, create_shm_group, init_group
+from services.decode.group.processes import GroupProcesses
+from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
+from services.decode.rank.runtime import RankRuntime, create_shm_group, init_group
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.scheduler import Sequence as DecodeSequence
 from services.decode.stream import EngineError, Reservation, TokenStream

@@ -27,19 +27,8 @@ import grpc
 import redis
 from prometheus_client import CollectorRegistry
 
-from common import group_files
-from common.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.kv.block_pool import OutOfBlocks
 from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes
-from common.metrics import (
-    PREFIX_CACHE_HELP,
-    CounterCallback,
-    DecodeMetrics,
-    GaugeCallback,
-    serve_metrics,
-)
-from common.ports import PortUse, bind_grpc, check_ports, decode_group_ports
-from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import (
@@ -51,10 +40,21 @@ from common.rpc.convert import (
     token_to_pb,
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
-from common.sampling import SamplingError
+from common.runtime import group_files
+from common.runtime.errors import InvalidRequest, Overloaded, TplaError, Unavailable
+from common.runtime.metrics import (
+    PREFIX_CACHE_HELP,
+    CounterCallback,
+    DecodeMetrics,
+    GaugeCallback,
+    serve_metrics,
+)
+from common.runtime.ports import PortUse, bind_grpc, check_ports, decode_group_ports
+from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
+from common.sampling.sampler import SamplingError
 from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
-from services.decode.runtime import follower_main
+from services.decode.rank.runtime import follower_main
 from services.decode.scheduler import SchedulerError
 from services.decode.stream import EngineError
 

@@ -1,4 +1,4 @@
-"""What the decode engine hands its callers besides common/decode_api.py's events and load:
+"""What the decode engine hands its callers besides common/messages.py's events and load:
 reservations, token streams and the error a failed group raises.
 
 Plain data, shared by the engine, its gRPC servicer and the local driver.
@@ -10,7 +10,7 @@ import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from common.decode_api import TokenEvent
+from common.messages import TokenEvent
 
 
 class EngineError(RuntimeError):

@@ -20,18 +20,18 @@ import grpc
 import redis
 from prometheus_client import CollectorRegistry
 
-from common.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
-from common.grammar import GrammarCompiler
 from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes, model_identity
 from common.kv.transfer import TransferError, make_sender
-from common.metrics import PrefillMetrics, serve_metrics
-from common.ports import bind_grpc, check_ports, prefill_worker_ports
-from common.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
+from common.loading.serving_model import load_prefill_model
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
-from common.serving_model import load_prefill_model
+from common.runtime.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
+from common.runtime.metrics import PrefillMetrics, serve_metrics
+from common.runtime.ports import bind_grpc, check_ports, prefill_worker_ports
+from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
+from common.sampling.grammar import GrammarCompiler
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.settings import Settings
+from common.runtime.settings import Settings
 
 # Batches of at least this many tokens get the larger thread count.
 PARALLEL_MIN_TOKENS = 512

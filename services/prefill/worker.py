@@ -26,18 +26,18 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from common.grammar import (
+from common.kv.transfer import KvSender, TransferError, cut_shard
+from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.rpc.convert import KvTargetInfo, PrefillResult, ReservationInfo
+from common.runtime.metrics import PrefillMetrics
+from common.sampling.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarMatcher,
     allowed_now,
 )
-from common.kv.transfer import KvSender, TransferError, cut_shard
-from common.logits import LogitsContext, context_for
-from common.metrics import PrefillMetrics
-from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
-from common.rpc.convert import KvTargetInfo, PrefillResult, ReservationInfo
-from common.sampling import (
+from common.sampling.logits import LogitsContext, context_for
+from common.sampling.sampler import (
     PREFILL_STAGE,
     SampledToken,
     SamplingParams,

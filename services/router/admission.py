@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import anyio
 
-from common.errors import Overloaded
+from common.runtime.errors import Overloaded
 
 # A waiter also looks again this often without a wake-up: room can appear on a decode
 # group through another router's requests ending, which this router is never told about.

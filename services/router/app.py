@@ -4,7 +4,7 @@ Lifecycle of the app: `create_app` loads the tokenizer and context limit and wir
 the worker directory, the routing policy and the metrics; startup loads the registry and
 starts its background refresh; shutdown stops it and closes every channel and connection.
 Routes only translate: body -> GenerationRequest (prepare.py) -> Pipeline.run -> OpenAI
-bodies or SSE (responses.py). Every error leaves as an OpenAI error body (common.errors).
+bodies or SSE (responses.py). Every error leaves as an OpenAI error body (common.runtime.errors).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from common.errors import NotFound, TplaError
-from common.grammar import GrammarCompiler
-from common.ports import PortInUse, PortUse, router_port
-from common.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
-from common.settings import Settings
-from common.tokenizer import Tokenizer
+from common.runtime.errors import NotFound, TplaError
+from common.runtime.ports import PortInUse, PortUse, router_port
+from common.runtime.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
+from common.runtime.settings import Settings
+from common.sampling.grammar import GrammarCompiler
+from common.text.tokenizer import Tokenizer
 from services.router import batch, prepare, response_schemas, schemas
 from services.router.edge import (
     MAX_BODY_BYTES,

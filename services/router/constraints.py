@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from common.chat_template import ChatMessage
-from common.errors import InvalidRequest
-from common.grammar import GrammarCompiler, GrammarError, GrammarKind, GrammarSpec
-from common.tokenizer import Tokenizer
+from common.runtime.errors import InvalidRequest
+from common.sampling.grammar import GrammarCompiler, GrammarError, GrammarKind, GrammarSpec
+from common.text.chat_template import ChatMessage
+from common.text.tokenizer import Tokenizer
 from services.router import tools
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 

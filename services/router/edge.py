@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.errors import (
+from common.runtime.errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,

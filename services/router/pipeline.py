@@ -34,11 +34,11 @@ from dataclasses import dataclass, replace
 import anyio
 import redis
 
-from common.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
-from common.redis_state import InvalidTransition, RequestLog, RequestState
 from common.rpc.convert import PrefillResult
-from common.sampling import SampledToken, SamplingParams
-from common.tokenizer import Tokenizer
+from common.runtime.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
+from common.runtime.redis_state import InvalidTransition, RequestLog, RequestState
+from common.sampling.sampler import SampledToken, SamplingParams
+from common.text.tokenizer import Tokenizer
 from services.router.admission import Admission
 from services.router.metrics import Outcome, RouterMetrics
 from services.router.placement import Placement, Run, abort

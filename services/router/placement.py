@@ -23,11 +23,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.errors import DeadlineExceeded, Overloaded, TplaError, TransferFailed, Unavailable
-from common.redis_state import RequestState
 from common.rpc.clients import DecodeClient
 from common.rpc.convert import PrefillResult, ReservationInfo
-from common.sampling import SamplingParams
+from common.runtime.errors import (
+    DeadlineExceeded,
+    Overloaded,
+    TplaError,
+    TransferFailed,
+    Unavailable,
+)
+from common.runtime.redis_state import RequestState
+from common.sampling.sampler import SamplingParams
 from services.router.admission import Admission
 from services.router.policy import DecodeGroup, RoutingPolicy
 from services.router.request import GenerationRequest

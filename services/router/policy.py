@@ -13,9 +13,9 @@ import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from common.errors import Unavailable
 from common.kv.prefix_cache import PublishedPrefixes
-from common.redis_state import WorkerRecord, WorkerRole
+from common.runtime.errors import Unavailable
+from common.runtime.redis_state import WorkerRecord, WorkerRole
 
 
 @dataclass(frozen=True)

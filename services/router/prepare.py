@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.errors import InvalidRequest, NotFound, TokenizerError
-from common.grammar import GrammarCompiler, GrammarSpec
-from common.sampling import SamplingError, SamplingParams
-from common.tokenizer import Tokenizer
+from common.runtime.errors import InvalidRequest, NotFound, TokenizerError
+from common.sampling.grammar import GrammarCompiler, GrammarSpec
+from common.sampling.sampler import SamplingError, SamplingParams
+from common.text.tokenizer import Tokenizer
 from services.router import constraints, tools
 from services.router.request import GenerationRequest
 from services.router.schemas import ChatCompletionRequest, CompletionRequest

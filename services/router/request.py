@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from services.router.text import TokenLogprob
 from services.router.tools import ToolCalling
 

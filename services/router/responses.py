@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from common.errors import TplaError
+from common.runtime.errors import TplaError
 from services.router import response_schemas as s
 from services.router.request import ChoiceEnd, Delta, Done, Output, Prompt
 from services.router.text import TokenLogprob

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from common.detokenizer import IncrementalDetokenizer
-from common.sampling import SampledToken
-from common.tokenizer import Tokenizer
+from common.sampling.sampler import SampledToken
+from common.text.detokenizer import IncrementalDetokenizer
+from common.text.tokenizer import Tokenizer
 from services.router.stops import StopMatcher
 
 

@@ -25,7 +25,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from common.grammar import GrammarSpec
+from common.sampling.grammar import GrammarSpec
 
 DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 _DEEPSEEK_CALL = re.compile(

@@ -17,8 +17,8 @@ from collections import Counter
 
 import redis
 
-from common.redis_state import WorkerRegistry
 from common.rpc.clients import DecodeClient, PrefillClient
+from common.runtime.redis_state import WorkerRegistry
 from services.router.policy import WorkerSnapshot
 
 log = logging.getLogger(__name__)

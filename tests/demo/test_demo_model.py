@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model.loader import load_model
-from common.tokenizer import Tokenizer
+from common.loading.loader import load_model
+from common.text.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from common import corpus
-from common.chat_template import ChatMessage
-from common.model.loader import load_model
-from common.tokenizer import Tokenizer
+from common.loading.loader import load_model
+from common.text.chat_template import ChatMessage
+from common.text.tokenizer import Tokenizer
+from common.tpla import corpus
 from tools.demo.train import DemoArch, TrainConfig, train
 
 TINY = DemoArch.tiny(vocab_size=400, max_position_embeddings=512)

@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from referencing import Registry, Resource
 
-from common.settings import Settings
+from common.runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -254,7 +254,7 @@ def test_probes_and_ports_match_the_services(
                 assert probe["tcpSocket"] == {"port": "kv0"}
         else:
             assert ports["grpc"] == grpc_port[role]
-            assert ports["metrics"] == grpc_port[role] + 1000  # common.metrics offset
+            assert ports["metrics"] == grpc_port[role] + 1000  # common.runtime.metrics offset
             for probe in probes.values():
                 assert probe["tcpSocket"] == {"port": "grpc"}
         if role == "decode":

@@ -220,6 +220,6 @@ def test_completions_echo_logprobs_and_batches(layout_stack: LocalStack) -> None
 
 
 def _tokenize(stack: LocalStack, text: str) -> list[int]:
-    from common.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(stack.model_dir).encode(text)

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.stack import MODEL_NAME, start_stack
 from tools.local_stack import LocalStack
 

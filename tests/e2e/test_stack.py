@@ -10,8 +10,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.chat_template import ChatMessage
-from common.tokenizer import Tokenizer
+from common.text.chat_template import ChatMessage
+from common.text.tokenizer import Tokenizer
 from tests.cli import tpla_json
 from tests.stack import MODEL_NAME, start_stack
 from tools.local_stack import LocalStack

@@ -24,12 +24,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from common.group_files import files_of
 from common.native import shm_group
-from common.ports import PortInUse, free_port
+from common.runtime.group_files import files_of
+from common.runtime.ports import PortInUse, free_port
 from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.engine import DecodeEngine
-from services.decode.group import RankStartError
+from services.decode.group.join import RankStartError
 from tests.tiny import save_tiny_chat_model
 from tools.local_stack import LocalStack
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.grammar import GrammarKind, GrammarSpec
-from common.logits import context_for, process_logits
+from common.sampling.grammar import GrammarKind, GrammarSpec
+from common.sampling.logits import context_for, process_logits
 from services.decode.controls import StepControls
 from tests.tiny import save_tiny_chat_model
 from tests.unit.test_logits import EOS, PARAMS, V, _case

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.loading.serving_model import open_serving_weights
 from common.model.tpla import latent_shards
-from common.serving_model import open_serving_weights
 from services.decode.config import ParallelConfig
-from services.decode.rank_model import RankModel
+from services.decode.rank.model import RankModel
 from tests.model.shard_checkpoints import (
     CONFIG,
     FP8_CONFIG,

@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.generate import generate
 from common.kv.transfer import cut_shard
-from common.model.loader import load_model
+from common.loading.loader import load_model
+from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
 from common.model.tpla import RmsNormMode
-from common.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
-from services.decode.comm import ShmCollectives
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
-from services.decode.local import collect, load_prefill_model, submit
+from services.decode.group.comm import ShmCollectives
 from services.prefill.worker import first_tokens
 from tests.tiny import save_hf
+from tools.cli.local import collect, load_prefill_model, submit
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -16,8 +16,6 @@ from typing import Any
 import grpc
 import pytest
 
-from common.errors import Unauthorized
-from common.ports import free_port
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, DecodeClient, PrefillClient
 from common.rpc.gen import (
     common_pb2,
@@ -28,7 +26,9 @@ from common.rpc.gen import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from common.sampling import SamplingParams
+from common.runtime.errors import Unauthorized
+from common.runtime.ports import free_port
+from common.sampling.sampler import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig
 from tests.stack import services_in_threads
 from tests.tiny import save_hf

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from common.group_files import files_of
-from common.ports import free_port
 from common.rpc.clients import DecodeClient, PrefillClient
-from common.sampling import SamplingParams
-from common.settings import load_settings
+from common.runtime.group_files import files_of
+from common.runtime.ports import free_port
+from common.runtime.settings import load_settings
+from common.sampling.sampler import SamplingParams
 from services.decode.config import EngineConfig, Launch, ParallelConfig, ParallelMode, engine_config
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.ports import free_port
 from common.rpc.clients import CHANNEL_OPTIONS
+from common.runtime.ports import free_port
 
 METHOD = "/tpla.test.Echo/Call"
 

@@ -14,13 +14,13 @@ import jsonschema
 import pytest
 import torch
 
-from common.grammar import GrammarKind, GrammarSpec
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from common.sampling.grammar import GrammarKind, GrammarSpec
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
-from services.decode.local import collect, load_prefill_model, submit
 from tests.tiny import save_tiny_chat_model
+from tools.cli.local import collect, load_prefill_model, submit
 
 LAYOUTS = {
     "tpla": {"tp": 2, "latent_groups": 2},

@@ -7,15 +7,15 @@ import asyncio
 import pytest
 import redis
 
-from common.errors import InvalidRequest
-from common.generate import generate
-from common.model.loader import load_model
-from common.ports import free_port
-from common.redis_state import WorkerRegistry, WorkerRole
+from common.loading.loader import load_model
+from common.model.generate import generate
 from common.rpc.clients import DecodeClient, PrefillClient
-from common.sampling import SamplingParams
+from common.runtime.errors import InvalidRequest
+from common.runtime.ports import free_port
+from common.runtime.redis_state import WorkerRegistry, WorkerRole
+from common.sampling.sampler import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
-from services.embedded_redis import EmbeddedRedis
+from services.stack.embedded_redis import EmbeddedRedis
 from tests.stack import services_in_threads
 from tests.tiny import save_hf
 
@@ -235,7 +235,7 @@ def test_worker_metrics_parse(stack) -> None:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from common.metrics import METRICS_PORT_OFFSET
+    from common.runtime.metrics import METRICS_PORT_OFFSET
 
     _, decode_addr, prefills, _ = stack
 

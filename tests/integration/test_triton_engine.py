@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
-from common.model.loader import load_model
+from common.loading.loader import load_model
+from common.loading.weights import ModelWeights
 from common.model.sp import merge_partials
 from common.model.tpla import RmsNormMode, latent_shards
-from common.model.weights import ModelWeights
 from common.triton_kernels import decode_attention
-from services.decode.backends import TorchBackend, select_decode_backend
-from services.decode.rank_model import RankAttention
+from services.decode.rank.backends import TorchBackend, select_decode_backend
+from services.decode.rank.model import RankAttention
 from tests.cli import generate_ids
 from tests.tiny import save_hf
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from common.generate import generate
-from common.model.loader import load_model
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from common.loading.loader import load_model
+from common.model.generate import generate
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from tests.cli import run_tpla
 from tests.tiny import save_tiny_chat_model
 

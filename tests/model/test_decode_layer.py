@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
-from common.model.loader import load_model
+from common.loading.loader import load_model
 from common.model.mla import RMSNorm
 from common.model.tpla import RmsNormMode, latent_shards
 from common.native import decode_layer
-from services.decode.backends import TorchBackend
-from services.decode.backends.native_backend import NativeBackend
-from services.decode.comm import Comm
 from services.decode.config import ParallelConfig, ParallelMode
-from services.decode.rank_model import RankModel
+from services.decode.group.comm import Comm
+from services.decode.rank.backends import TorchBackend
+from services.decode.rank.backends.native_backend import NativeBackend
+from services.decode.rank.model import RankModel
 from tests.tiny import VARIANTS, save_hf
 
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="native library not built")

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.generate import generate
-from common.model.loader import load_model
-from common.sampling import SamplingParams
+from common.loading.loader import load_model
+from common.model.generate import generate
+from common.sampling.sampler import SamplingParams
 from tests.tiny import VARIANTS, save_hf
 
 PROMPT_LEN = 37
@@ -75,7 +75,7 @@ def test_greedy_tokens_match_hf(pair, path: str) -> None:
 def test_loader_rejects_mismatched_checkpoint(tmp_path: Path) -> None:
     import json
 
-    from common.model.loader import CheckpointError
+    from common.loading.loader import CheckpointError
 
     save_hf("v2-greedy", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

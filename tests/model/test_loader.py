@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from common.loading.loader import CheckpointError, load_model
 from common.model.args import ConfigError, ModelConfig
-from common.model.loader import CheckpointError, load_model
 from tests.tiny import save_hf
 
 

@@ -135,12 +135,12 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     """The engine's `RankAttention.attend` with the native kernel and with the torch kernel,
     on a TPLA rank (r = 2, equal shards, beta = 1/2) and an MLA-TP rank (a head group) of a
     real (tiny) checkpoint, against `attend_reference`."""
-    from common.model.loader import load_model
+    from common.loading.loader import load_model
+    from common.loading.weights import ModelWeights
     from common.model.tpla import RmsNormMode, latent_shards
-    from common.model.weights import ModelWeights
-    from services.decode.backends import TorchBackend
-    from services.decode.backends.native_backend import NativeBackend
-    from services.decode.rank_model import RankAttention
+    from services.decode.rank.backends import TorchBackend
+    from services.decode.rank.backends.native_backend import NativeBackend
+    from services.decode.rank.model import RankAttention
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)

@@ -149,7 +149,7 @@ def test_backend_selection_and_fallback() -> None:
 
 
 def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
-    from common.serving_model import load_prefill_model
+    from common.loading.serving_model import load_prefill_model
     from tests.tiny import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
@@ -168,11 +168,11 @@ def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
 
 
 def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(tmp_path) -> None:
-    # `tpla generate --tp` and the colocated baseline prefill through services.decode.local;
+    # `tpla generate --tp` and the colocated baseline prefill through tools.cli.local;
     # TPLA_ATTENTION_BACKEND must reach them as it reaches the prefill service.
     from services.decode.config import EngineConfig
-    from services.decode.local import load_prefill_model
     from tests.tiny import save_tiny_chat_model
+    from tools.cli.local import load_prefill_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
     cfg = EngineConfig(model=str(model_dir))

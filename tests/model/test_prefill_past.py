@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.loader import load_model
+from common.loading.loader import load_model
 from common.model.model import PastLatents
 from tests.tiny import save_hf
 

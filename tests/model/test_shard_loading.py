@@ -17,11 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
-from common.model.checkpoint import CheckpointError, UnsupportedQuantization
-from common.model.loader import load_model
+from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
+from common.loading.loader import load_model
+from common.loading.serving_model import load_prefill_model, open_serving_weights
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import RmsNormMode, latent_shards
-from common.serving_model import load_prefill_model, open_serving_weights
 from common.tpla.convert import (
     LayerReparameterization,
     Reparameterization,
@@ -30,9 +30,9 @@ from common.tpla.convert import (
     save_side_file,
 )
 from common.tpla.transforms import Method
-from services.decode.comm import Comm
 from services.decode.config import ParallelConfig, ParallelMode
-from services.decode.rank_model import RankModel
+from services.decode.group.comm import Comm
+from services.decode.rank.model import RankModel
 from tests.model.shard_checkpoints import (
     CONFIG,
     FP8_CONFIG,

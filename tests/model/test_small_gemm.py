@@ -100,12 +100,12 @@ def test_moe_experts_reject_bad_ids_and_decline_above_the_row_bound() -> None:
 def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     """The native FFN forward of every layer's slice (dense MLP, MoE with shared experts)
     equals the module's own forward; the native backend runs the native products."""
-    from common.model.loader import load_model
+    from common.loading.loader import load_model
     from common.model.moe import MoE
     from common.model.tpla import latent_shards
-    from services.decode.backends.native_backend import NativeBackend
     from services.decode.config import ParallelConfig
-    from services.decode.rank_model import RankModel
+    from services.decode.rank.backends.native_backend import NativeBackend
+    from services.decode.rank.model import RankModel
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)

@@ -23,14 +23,14 @@ import pytest
 import redis
 import uvicorn
 
-from common.ports import free_port
-from common.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
 from common.rpc.clients import TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from common.settings import Settings
-from common.tokenizer import Tokenizer
-from services.embedded_redis import EmbeddedRedis
+from common.runtime.ports import free_port
+from common.runtime.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
+from common.runtime.settings import Settings
+from common.text.tokenizer import Tokenizer
 from services.router.app import create_app
+from services.stack.embedded_redis import EmbeddedRedis
 from tests.tiny import save_tokenizer
 
 MAX_POSITIONS = 64

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from common.settings import Settings
-from common.tokenizer import Tokenizer
+from common.runtime.settings import Settings
+from common.text.tokenizer import Tokenizer
 from services.router.app import create_app
 from tests.router.conftest import UNUSED_REDIS, Script, chat, run_stack
 

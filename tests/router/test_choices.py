@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.router.conftest import run_stack
 from tests.router.test_router_lifecycle import TEXT, chat_body, script_for, sse_events
 

@@ -29,7 +29,7 @@ from schemathesis.checks import (
 )
 from schemathesis.core.failures import FailureGroup
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.router.conftest import Script, run_stack
 
 EXAMPLES_PER_OPERATION = 40  # per operation and generation mode: ~15 s in all

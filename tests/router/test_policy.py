@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import Unavailable
 from common.kv.prefix_cache import block_hashes, format_hashes, root_hash
-from common.redis_state import WorkerRecord, WorkerRole
+from common.runtime.errors import Unavailable
+from common.runtime.redis_state import WorkerRecord, WorkerRole
 from services.router.policy import (
     KvAwarePolicy,
     LeastLoadedPolicy,

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.router.conftest import INTERNAL_TOKEN, Script, run_stack
 
 pytestmark = pytest.mark.anyio

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling import SampledToken
-from common.tokenizer import Tokenizer
+from common.sampling.sampler import SampledToken
+from common.text.tokenizer import Tokenizer
 from services.router.stops import StopMatcher
 from services.router.text import TextStream
 

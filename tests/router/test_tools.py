@@ -12,8 +12,8 @@ import httpx
 import jsonschema
 import pytest
 
-from common.grammar import GrammarCompiler
-from common.tokenizer import Tokenizer
+from common.sampling.grammar import GrammarCompiler
+from common.text.tokenizer import Tokenizer
 from services.router import tools
 from services.router.prepare import ModelInfo, prepare_chat
 from services.router.request import ChoiceEnd, Delta, Done

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.model.loader import load_model
+from common.loading.loader import load_model
 from common.model.model import DeepseekForCausalLM
 from tests.tiny import save_tiny_chat_model
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.generate import generate
-from common.model.loader import load_model
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from common.loading.loader import load_model
+from common.model.generate import generate
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from common.tpla.convert import load_side_file
 from common.tpla.eval import EvalConfig, evaluate
 from common.tpla.transforms import Method

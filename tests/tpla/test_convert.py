@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model.loader import load_model
+from common.loading.loader import load_model
 from common.tpla.convert import (
     SideFileError,
     apply_reparameterization,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.model.loader import load_model
+from common.loading.loader import load_model
 from common.model.tpla import RmsNormMode, latent_shards
 from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
 from common.tpla.rank_memory import (
@@ -20,7 +20,7 @@ from common.tpla.rank_memory import (
     weight_bytes,
 )
 from services.decode.config import ParallelConfig, ParallelMode
-from services.decode.rank_model import RankModel
+from services.decode.rank.model import RankModel
 from tests.cli import run_tpla
 from tests.tiny import save_hf
 from tools.cli.main import main

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.device import DeviceError, rank_device, resolve_device
+from common.runtime.device import DeviceError, rank_device, resolve_device
 from services.decode.config import EngineConfig, ParallelConfig
 from services.decode.engine import DecodeEngine
 

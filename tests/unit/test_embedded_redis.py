@@ -11,11 +11,11 @@ import httpx
 import pytest
 import redis
 
-from common.ports import free_port
-from common.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
-from common.settings import Settings
-from services.embedded_redis import EmbeddedRedis
+from common.runtime.ports import free_port
+from common.runtime.redis_state import WorkerRecord, WorkerRegistry, WorkerRole
+from common.runtime.settings import Settings
 from services.router.app import create_app
+from services.stack.embedded_redis import EmbeddedRedis
 
 # Characters that must be escaped in redis.conf and percent-encoded in a URL.
 PASSWORD = 'p@ss:w/rd "q" \\ #%?'

@@ -1,4 +1,4 @@
-"""The grammar compiler and matcher (common/grammar.py) over a real BPE tokenizer: masks,
+"""The grammar compiler and matcher (common/sampling/grammar.py) over a real BPE tokenizer: masks,
 EOS only where the grammar accepts, replay after migration, the LRU cache, clear errors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.grammar import (
+from common.sampling.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarKind,
@@ -18,7 +18,7 @@ from common.grammar import (
     allowed_tokens,
     new_bitmask,
 )
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.tiny import CORPUS, train_tokenizer
 
 EOS = 1

@@ -60,9 +60,9 @@ def edges() -> list[tuple[str, str]]:
 
 def test_the_sources_are_found() -> None:
     importers = {src for src, _ in edges()}
-    assert "common.settings" in importers
+    assert "common.runtime.settings" in importers
     assert "services.decode.engine" in importers
-    assert ("services.serve", "common.ports") in edges()
+    assert ("services.stack.serve", "common.runtime.ports") in edges()
 
 
 def _violations(pairs: list[tuple[str, str]]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Logits processing (common/logits.py): the batch at once == each row alone == a naive
+"""Logits processing (common/sampling/logits.py): the batch at once == each row alone == a naive
 per-token Python implementation; the decode leader's TokenHistory == counts from lists."""
 
 from __future__ import annotations
@@ -10,8 +10,14 @@ from collections import Counter
 import pytest
 import torch
 
-from common.logits import LogitsContext, TokenHistory, context_for, process_logits, token_rows
-from common.sampling import SamplingError, SamplingParams, make_generator, sample_batch
+from common.sampling.logits import (
+    LogitsContext,
+    TokenHistory,
+    context_for,
+    process_logits,
+    token_rows,
+)
+from common.sampling.sampler import SamplingError, SamplingParams, make_generator, sample_batch
 
 V = 48
 EOS = (1,)
@@ -162,7 +168,7 @@ def test_min_tokens_forbids_stop_until_reached_and_seeded_sampling_reproduces() 
 
 
 def test_min_p_keeps_tokens_near_the_top() -> None:
-    from common.sampling import filtered_logits_batch
+    from common.sampling.sampler import filtered_logits_batch
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = torch.isfinite(filtered_logits_batch(logits, [SamplingParams(min_p=0.25)]))

@@ -60,12 +60,12 @@ def test_an_unwritable_cache_is_reported_not_raised_as_oserror(tmp_path, monkeyp
 
 def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
     """A rank asked for the native kernel where it cannot run uses the torch kernel."""
-    from common.model.loader import load_model
+    from common.loading.loader import load_model
     from common.model.tpla import latent_shards
     from common.native import latent_attention
-    from services.decode.backends import select_decode_backend
     from services.decode.config import ParallelConfig
-    from services.decode.rank_model import RankModel
+    from services.decode.rank.backends import select_decode_backend
+    from services.decode.rank.model import RankModel
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.placement import StackDevices, stack_devices
-from common.settings import load_settings
-from services.serve import stack_children
+from common.runtime.settings import load_settings
+from services.stack.devices import StackDevices, stack_devices
+from services.stack.serve import stack_children
 
 
 def test_each_decode_group_takes_its_own_tp_gpus() -> None:

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from common.ports import free_port
-from common.settings import load_settings
-from services.serve import stack_ports
+from common.runtime.ports import free_port
+from common.runtime.settings import load_settings
+from services.stack.serve import stack_ports
 
 
 def test_a_port_avoids_the_ports_already_handed_out() -> None:

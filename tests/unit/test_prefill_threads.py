@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from common.kv.transfer import make_sender
+from common.loading.serving_model import load_prefill_model
 from common.rpc.convert import ReservationInfo
-from common.sampling import SamplingParams
-from common.serving_model import load_prefill_model
-from common.settings import load_settings
+from common.runtime.settings import load_settings
+from common.sampling.sampler import SamplingParams
 from services.prefill import threads as prefill_threads
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
@@ -95,7 +95,7 @@ def test_a_prefill_worker_runs_each_batch_on_its_thread_count(tmp_path: Path) ->
 def test_the_local_stack_lets_a_threaded_prefill_worker_sleep_while_waiting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.serve import _env
+    from services.stack.serve import _env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert "OMP_WAIT_POLICY" not in _env(load_settings(prefill_threads=1), "redis://x")

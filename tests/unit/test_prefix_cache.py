@@ -195,7 +195,7 @@ def test_pool_without_an_index_is_unchanged() -> None:
 
 
 def test_tpla_prefix_cache_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from common.settings import load_settings, placed
+    from common.runtime.settings import load_settings, placed
     from services.decode.config import engine_config
 
     assert engine_config(placed(load_settings(device="cpu"))).prefix_cache

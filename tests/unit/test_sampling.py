@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import (
+from common.sampling.sampler import (
     SamplingError,
     SamplingParams,
     filtered_logits,

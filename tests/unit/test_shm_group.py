@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from common import group_files
 from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
+from common.runtime import group_files
 
 pytestmark = pytest.mark.skipif(not shm_group.available(), reason="native library unavailable")
 

@@ -1,4 +1,4 @@
-"""common.tokenizer, chat_template and detokenizer against a real byte-level BPE tokenizer
+"""common.text.tokenizer, chat_template and detokenizer against a real byte-level BPE tokenizer
 trained in-process."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import tokenizers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from common.chat_template import ChatMessage
-from common.detokenizer import IncrementalDetokenizer
-from common.errors import TokenizerError
-from common.tokenizer import Tokenizer
+from common.runtime.errors import TokenizerError
+from common.text.chat_template import ChatMessage
+from common.text.detokenizer import IncrementalDetokenizer
+from common.text.tokenizer import Tokenizer
 from tests.tiny import CORPUS, SPECIAL_TOKENS, TEMPLATE, train_tokenizer
 
 # Mixed-script texts whose characters span 1-4 UTF-8 bytes.

@@ -21,13 +21,13 @@ import torch
 from common.kv.transfer import cut_shard
 from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
-from common.sampling import SamplingParams, make_generator, sample
-from common.settings import load_settings
+from common.runtime.settings import load_settings
+from common.sampling.sampler import SamplingParams, make_generator, sample
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
-from services.decode.local import load_prefill_model
 from services.prefill.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
+from tools.cli.local import load_prefill_model
 
 
 class ColocatedServer:

@@ -33,9 +33,9 @@ import grpc
 import torch
 
 from common.kv.transfer import CHUNK_BYTES, KvSender, Shard, cut_shard, make_sender
-from common.ports import free_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import KvTargetInfo
+from common.runtime.ports import free_ports
 from tools.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig, recv_exact
 
 BACKENDS = ("raw_tcp", "grpc", "torch", "grpc_bytes")
@@ -95,8 +95,8 @@ def demo_sets(model_dir: str, tokens: int) -> list[ShardSet]:
     import inspect
     import json as json_module
 
-    from common.serving_model import load_serving_model
-    from common.tokenizer import Tokenizer
+    from common.loading.serving_model import load_serving_model
+    from common.text.tokenizer import Tokenizer
 
     model, _ = load_serving_model(model_dir, "tpla_pca", "float32")
     tok = Tokenizer.from_dir(model_dir)

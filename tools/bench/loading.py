@@ -125,11 +125,11 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     """Load as `mode` says and report peak RSS and the parameter bytes kept (in this process)."""
     import torch
 
-    from common.model.loader import load_model
+    from common.loading.loader import load_model
+    from common.loading.serving_model import open_serving_weights
     from common.model.tpla import latent_shards
-    from common.serving_model import open_serving_weights
     from services.decode.config import ParallelConfig
-    from services.decode.rank_model import RankModel
+    from services.decode.rank.model import RankModel
 
     torch.set_num_threads(1)
     parallel = ParallelConfig(tp=2, latent_groups=2 if layout == "tpla" else 1)

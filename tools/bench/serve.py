@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from common.settings import load_settings
+from common.runtime.settings import load_settings
 from services.prefill.threads import PrefillThreads, usable_cores
 from tools.bench.load import Arrival, Load, drive_blocking
 from tools.bench.stats import LoadSummary, RequestTiming, summarize
@@ -83,7 +83,7 @@ def make_prompts(model: str, mix: Mix, count: int) -> list[list[int]]:
     """`count` distinct windows of `mix.prompt_tokens` tokens of Python source text."""
     import inspect
 
-    from common.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model)
     ids: list[int] = []

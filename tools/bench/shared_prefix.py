@@ -61,7 +61,7 @@ def corpus(model: str, cfg: SharedPrefixConfig) -> tuple[list[int], list[list[li
     import dataclasses
     import inspect
 
-    from common.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model)
     ids: list[int] = []
@@ -88,7 +88,7 @@ async def _turn(
 
 
 async def _conversations(url: str, cfg: SharedPrefixConfig) -> tuple[list[list[Turn]], float]:
-    from common.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(cfg.model)
     system, questions = corpus(cfg.model, cfg)

@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.settings import Settings, load_settings, placed
+from common.runtime.settings import Settings, load_settings, placed
 from tools.cli.tpla import METHODS, RMSNORM_MODES
 
 if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
-    from common.generate import Generation
+    from common.model.generate import Generation
     from common.model.model import DeepseekForCausalLM
-    from common.sampling import SamplingParams
-    from common.tokenizer import Tokenizer
+    from common.sampling.sampler import SamplingParams
+    from common.text.tokenizer import Tokenizer
 
 MODES = ("mla", "tpla", "tpla-pd", "gla")  # the oracle's variants (common/tpla/reference.py)
 
@@ -35,12 +35,12 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from common.generate import generate
+    from common.loading.loader import load_model
     from common.model.args import ModelConfig
     from common.model.attn_backend import select_backend
-    from common.model.loader import load_model
-    from common.sampling import SamplingParams
-    from common.tokenizer import Tokenizer
+    from common.model.generate import generate
+    from common.sampling.sampler import SamplingParams
+    from common.text.tokenizer import Tokenizer
 
     settings = placed(
         load_settings(
@@ -67,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     if args.tp is not None:  # the engine's ranks load their own shares of the weights
-        from services.decode.local import generate_distributed
+        from tools.cli.local import generate_distributed
 
         result = generate_distributed(
             settings.model, prompt_ids, params, sorted(eos), args, settings
@@ -85,7 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _print_generation(
     args: argparse.Namespace, settings: Settings, tokenizer: Tokenizer | None, result: Generation
 ) -> int:
-    from common.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     text = None
     if tokenizer is None:

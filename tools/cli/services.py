@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.settings import Settings, load_settings, placed
+from common.runtime.settings import Settings, load_settings, placed
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -101,8 +101,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
-    from common.placement import stack_devices
-    from services.serve import serve_stack
+    from services.stack.devices import stack_devices
+    from services.stack.serve import serve_stack
 
     settings = _settings(args)
     # A device that does not exist, or too few GPUs for the groups, fails here, before

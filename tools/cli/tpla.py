@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.settings import load_settings, placed
+from common.runtime.settings import load_settings, placed
 
 METHODS = ("identity", "hadamard", "pca")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -27,8 +27,8 @@ def _threads(count: int | None) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from common.model.loader import load_model
-    from common.tokenizer import Tokenizer
+    from common.loading.loader import load_model
+    from common.text.tokenizer import Tokenizer
     from common.tpla.calibration import (
         DEFAULT_CALIB_CHARS,
         collect_latent_statistics,

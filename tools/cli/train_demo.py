@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common.settings import load_settings
+from common.runtime.settings import load_settings
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:

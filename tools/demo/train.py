@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from common import corpus
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM
 from common.model.moe import MoE
+from common.tpla import corpus
 from tools.demo.chat_data import chat_documents
 from tools.demo.tokenizer_train import END, save_tokenizer, special_ids, train_tokenizer
 
@@ -384,7 +384,7 @@ def export(
     save_tokenizer(tok, out, cfg.arch.max_position_embeddings)
 
     # Measure the exported (bf16-rounded) weights, exactly what users load.
-    from common.model.loader import load_model
+    from common.loading.loader import load_model
 
     exported = load_model(out)
     text = corpus.eval_text(max_chars=cfg.card_eval_chars, root=cfg.corpus_root)
@@ -436,7 +436,7 @@ context {a["max_position_embeddings"]}. Weights stored in bf16; load as fp32.
 ## Data
 The standard-library `.py` sources of Python {platform.python_version()}, split by a hash of
 each file's relative path: 90% train, 5% calibration, 5% eval
-(`common.corpus.calibration_text()` / `eval_text()` rebuild the held-out text on any
+(`common.tpla.corpus.calibration_text()` / `eval_text()` rebuild the held-out text on any
 machine with this Python version). About 10% of training documents are chat-formatted
 (user: a docstring's first line; assistant: the function), so the chat template means
 something.

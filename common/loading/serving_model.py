@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from common.loading.loader import serving_dtype
+from common.loading.weights import CheckpointWeights, build_model
 from common.model.attn_backend import select_backend
-from common.model.loader import serving_dtype
 from common.model.model import DeepseekForCausalLM
-from common.model.weights import CheckpointWeights, build_model
 
 
 def side_file_path(model_dir: str | Path, reparam: str) -> Path:

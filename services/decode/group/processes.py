@@ -1,6 +1,6 @@
 """The leader's hold on a decode group's other ranks as processes.
 
-Start-up: open the group's rendezvous store (services/decode/group.py) on the configured
+Start-up: open the group's rendezvous store (services/decode/group/join.py) on the configured
 port, spawn ranks 1..tp-1 here (`Launch.SPAWN`) or let them join from elsewhere, and wait
 (bounded) until each has claimed its rank. While the group runs: whether each follower is
 alive (its beat through the store, and a spawned one's exit status). On a failed start or
@@ -17,10 +17,10 @@ import sys
 
 import torch.distributed as dist
 
-from common.ports import PortUse, check_ports
+from common.runtime.ports import PortUse, check_ports
 from services.decode.config import EngineConfig, Launch
-from services.decode.group import LeaderGroup, RankStartError
-from services.decode.runtime import CONFIG_ENV, START_ERROR_EXIT
+from services.decode.group.join import LeaderGroup, RankStartError
+from services.decode.rank.runtime import CONFIG_ENV, START_ERROR_EXIT
 from services.decode.stream import EngineError
 
 
@@ -112,7 +112,7 @@ class GroupProcesses:
     def _spawn_followers(self) -> None:
         """Ranks 1..tp-1 as children, on this host: each joins the group as a rank started
         on its own would (runtime.follower_main), with this process's config."""
-        follower = [sys.executable, "-m", "services.decode.runtime"]  # RANK LEADER_PID
+        follower = [sys.executable, "-m", "services.decode.rank.runtime"]  # RANK LEADER_PID
         env = {**os.environ, CONFIG_ENV: self.cfg.to_json()}
         for rank in range(1, self.cfg.parallel.tp):
             argv = [*follower, str(rank), str(os.getpid())]

@@ -63,7 +63,8 @@ class Settings(BaseSettings):
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
     lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
     # A group across hosts: every rank is a `tpla decode --rank K --group-size N --group-addr
-    # HOST:PORT` of its own (services/decode/group.py); without them the leader spawns its ranks.
+    # HOST:PORT` of its own (services/decode/group/join.py); without them the leader spawns
+    # its ranks.
     rank: int = Field(0, ge=0, description="this process's rank in a joined group (0: leader)")
     group_size: int = Field(
         0, ge=0, description="ranks of a joined group (= tp); 0: the leader spawns its followers"
@@ -129,7 +130,7 @@ def placed(settings: Settings) -> Settings:
     """`settings` with an `auto` device and dtype resolved for this machine; a DeviceError
     (a ValueError: the CLI prints it and exits 2) where the device does not exist. What every
     command that computes starts with, before it starts anything else."""
-    from common.device import resolve_device, resolve_dtype  # torch only where it computes
+    from common.runtime.device import resolve_device, resolve_dtype  # torch only where it computes
 
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from common import group_files
-from common.metrics import METRICS_PORT_OFFSET
-from common.placement import StackDevices
-from common.ports import (
+from common.runtime import group_files
+from common.runtime.metrics import METRICS_PORT_OFFSET
+from common.runtime.ports import (
     PortUse,
     check_ports,
     decode_group_ports,
@@ -39,8 +38,9 @@ from common.ports import (
     router_port,
     wait_ready,
 )
-from common.settings import TORCH_PORT_OFFSET, Settings
-from services.embedded_redis import EmbeddedRedis
+from common.runtime.settings import TORCH_PORT_OFFSET, Settings
+from services.stack.devices import StackDevices
+from services.stack.embedded_redis import EmbeddedRedis
 
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 300.0

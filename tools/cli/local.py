@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from common import serving_model
-from common.decode_api import TokenEvent
-from common.generate import Generation
-from common.grammar import allowed_now
 from common.kv.transfer import cut_shard
-from common.logits import context_for
+from common.loading import serving_model
+from common.loading.serving_model import side_file_path
+from common.messages import TokenEvent
+from common.model.generate import Generation
 from common.model.model import DeepseekForCausalLM
-from common.sampling import SampledToken, SamplingParams, make_generator, sample
-from common.serving_model import side_file_path
-from common.settings import Settings
+from common.runtime.settings import Settings
+from common.sampling.grammar import allowed_now
+from common.sampling.logits import context_for
+from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.stream import TokenStream

@@ -24,7 +24,7 @@ from common.model.mla import RMSNorm
 from common.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from services.decode.rank_model import RankAttention, RankLayer, RankModel
+    from services.decode.rank.model import RankAttention, RankLayer, RankModel
 
 
 class DecodeBackend(abc.ABC):

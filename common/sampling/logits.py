@@ -2,7 +2,7 @@
 logit_bias, the grammar's allowed tokens, and the repetition / frequency / presence penalties.
 
 The prefill worker's first token and the decode leader's steps both go through
-`process_logits` (via `common.sampling.sample_batch`), so a request is treated the same at
+`process_logits` (via `common.sampling.sampler.sample_batch`), so a request is treated the same at
 every token. Definitions and order follow vLLM:
     min_tokens   stop tokens (stop_token_ids, and EOS unless ignore_eos) get -inf while the
                  request has generated fewer than min_tokens tokens
@@ -11,7 +11,7 @@ every token. Definitions and order follow vLLM:
     repetition   tokens seen in the prompt or the output: logit / p if positive, * p if not
     frequency    logit -= frequency_penalty * (times the token was generated)
     presence     logit -= presence_penalty * (1 if the token was generated)
-Temperature, min_p, top-k and top-p come after, in `common.sampling`.
+Temperature, min_p, top-k and top-p come after, in `common.sampling.sampler`.
 
 Per-sequence history lives in `TokenHistory`: one row of output-token counts (and of prompt
 presence, for the repetition penalty) per tracked sequence, on the logits' device, updated
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from common.sampling import SamplingParams
+    from common.sampling.sampler import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from common.errors import TokenizerError
+from common.runtime.errors import TokenizerError
 
 CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
 

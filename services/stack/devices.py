@@ -1,7 +1,7 @@
 """Which GPUs the processes of one node's stack take (`tpla serve`): pure, torch-free.
 
 Decode group i of tp ranks takes GPUs first + i * tp .. first + i * tp + tp - 1 (its rank k
-runs on its group's first GPU + k, `common.device.rank_device`), so groups never share a
+runs on its group's first GPU + k, `common.runtime.device.rank_device`), so groups never share a
 GPU. Prefill worker j takes the next GPU after the decode groups' when the node has one;
 past the last GPU the workers wrap around and share the decode groups' GPUs (prefill is
 bursty compute beside decode's steady memory traffic, and a shared GPU still serves; the

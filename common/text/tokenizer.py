@@ -16,8 +16,8 @@ from typing import Any
 
 import tokenizers
 
-from common.chat_template import ChatMessage, ChatTemplate, chat_template_from_config
-from common.errors import TokenizerError
+from common.runtime.errors import TokenizerError
+from common.text.chat_template import ChatMessage, ChatTemplate, chat_template_from_config
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -283,7 +283,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's chat template (common/chat_template.py).
+        """Render ``messages`` with the model's chat template (common/text/chat_template.py).
 
         Args:
             messages: The conversation so far.

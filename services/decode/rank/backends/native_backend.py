@@ -18,10 +18,10 @@ from common.model.mla import RMSNorm
 from common.model.moe import MoE, routed_experts
 from common.model.rope import RotaryEmbedding
 from common.native import decode_layer, latent_attention, small_gemm
-from services.decode.backends.torch_backend import TorchBackend
+from services.decode.rank.backends.torch_backend import TorchBackend
 
 if TYPE_CHECKING:
-    from services.decode.rank_model import RankAttention, RankLayer, RankModel
+    from services.decode.rank.model import RankAttention, RankLayer, RankModel
 
 
 class NativeBackend(TorchBackend):

@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from services.decode.backends.interface import DecodeBackend
-from services.decode.backends.torch_backend import TorchBackend
+from services.decode.rank.backends.interface import DecodeBackend
+from services.decode.rank.backends.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
 
@@ -18,11 +18,11 @@ def _backend_class(name: str) -> type[DecodeBackend]:
     # Imported on demand: the native backend builds C++ libraries on first use, the Triton
     # one imports triton; neither may slow down or break a rank that does not use it.
     if name == "native":
-        from services.decode.backends.native_backend import NativeBackend
+        from services.decode.rank.backends.native_backend import NativeBackend
 
         return NativeBackend
     if name == "triton":
-        from services.decode.backends.triton_backend import TritonBackend
+        from services.decode.rank.backends.triton_backend import TritonBackend
 
         return TritonBackend
     return TorchBackend

@@ -1,6 +1,6 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, top-k
-logprobs, after the logits processing of `common.logits` (penalties, logit_bias, min_tokens,
-grammars).
+logprobs, after the logits processing of `common.sampling.logits` (penalties, logit_bias,
+min_tokens, grammars).
 
 Pure tensor math shared by `tpla generate`, the prefill worker's first token and the decode
 engine's leader. Each request owns a `torch.Generator` seeded from its seed, so a seeded
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from common.grammar import GrammarSpec
-from common.logits import LogitsContext, process_logits
+from common.sampling.grammar import GrammarSpec
+from common.sampling.logits import LogitsContext, process_logits
 
 
 class SamplingError(ValueError):
@@ -84,7 +84,7 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether any logits processing applies (see common.logits)."""
+        """Whether any logits processing applies (see common.sampling.logits)."""
         return (
             self.penalized or bool(self.logit_bias or self.min_tokens) or self.grammar is not None
         )
@@ -194,7 +194,7 @@ def sample_batch(
 ) -> list[SampledToken]:
     """Pick every row's next token from logits [B, V] at once, on the logits' device, with
     one transfer of the results to the host. `context` carries what the logits processing
-    needs (common.logits); None when no row has anything to process.
+    needs (common.sampling.logits); None when no row has anything to process.
 
     Row b draws only from generators[b] (on the logits' device), so a seeded request samples
     the same tokens whichever requests share its batch. A draw is an exponential race:

@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from common.loading.checkpoint import CheckpointError, CheckpointReader
 from common.model.args import ModelConfig
-from common.model.checkpoint import CheckpointError, CheckpointReader
 from common.model.model import DeepseekForCausalLM
 
 ALL = slice(None)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from common.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
 # What the ByteLevel decoder (and lossy UTF-8 decoding in general) produces for bytes that do
 # not (yet) form a complete character.

@@ -17,10 +17,10 @@ from torch import Tensor
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.tpla import absorbed_queries
 from common.triton_kernels import decode_attention
-from services.decode.backends.torch_backend import TorchBackend
+from services.decode.rank.backends.torch_backend import TorchBackend
 
 if TYPE_CHECKING:
-    from services.decode.rank_model import RankAttention
+    from services.decode.rank.model import RankAttention
 
 
 class TritonBackend(TorchBackend):

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from common.metrics import METRICS_PORT_OFFSET
-from common.settings import TORCH_PORT_OFFSET
+from common.runtime.metrics import METRICS_PORT_OFFSET
+from common.runtime.settings import TORCH_PORT_OFFSET
 
 if TYPE_CHECKING:
     import grpc

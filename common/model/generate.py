@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from common.model.model import ContiguousLatentCache, DeepseekForCausalLM
-from common.sampling import SampledToken, SamplingParams, make_generator, sample
+from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
 
 PATHS = ("absorbed", "expanded")
 

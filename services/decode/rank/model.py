@@ -18,16 +18,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
+from common.loading.weights import ModelWeights, WeightSource
 from common.model.mla import Linear, RMSNorm, project_latent, project_queries
 from common.model.model import DeepseekForCausalLM
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials
 from common.model.tpla import LatentShard, RmsNormMode, latent_norm, latent_slice_attention
-from common.model.weights import ModelWeights, WeightSource
-from services.decode.backends import DecodeBackend, TorchBackend
-from services.decode.comm import Comm
 from services.decode.config import ParallelConfig, split_range
+from services.decode.group.comm import Comm
+from services.decode.rank.backends import DecodeBackend, TorchBackend
 
 log = logging.getLogger(__name__)
 

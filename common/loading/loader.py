@@ -3,7 +3,7 @@
 Accepts a single `model.safetensors` or shards listed in `model.safetensors.index.json`,
 either expert layout (per-expert hub tensors `mlp.experts.N.gate_proj.weight`, stacked here,
 or transformers-5 fused `mlp.experts.gate_up_proj`) and DeepSeek-V3's block FP8 weights
-(dequantized while reading, `common.model.checkpoint`). Every missing, unexpected or
+(dequantized while reading, `common.loading.checkpoint`). Every missing, unexpected or
 mis-shaped tensor is reported by name in one `CheckpointError`.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from common.model.checkpoint import CheckpointError, UnsupportedQuantization, checkpoint_files
+from common.loading.checkpoint import CheckpointError, UnsupportedQuantization, checkpoint_files
+from common.loading.weights import CheckpointWeights, build_model
 from common.model.model import DeepseekForCausalLM
-from common.model.weights import CheckpointWeights, build_model
 
 __all__ = [
     "DTYPES",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.sampling import SampledToken
+from common.sampling.sampler import SampledToken
 
 if TYPE_CHECKING:
     from torch import Tensor

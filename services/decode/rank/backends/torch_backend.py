@@ -12,10 +12,10 @@ from common.model.mla import RMSNorm
 from common.model.rope import RotaryEmbedding
 from common.model.sp import partial_attention
 from common.model.tpla import fused_slice_attention
-from services.decode.backends.interface import DecodeBackend
+from services.decode.rank.backends.interface import DecodeBackend
 
 if TYPE_CHECKING:
-    from services.decode.rank_model import RankAttention, RankLayer
+    from services.decode.rank.model import RankAttention, RankLayer
 
 
 class TorchBackend(DecodeBackend):

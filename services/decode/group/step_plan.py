@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from services.decode.comm import Comm
+    from services.decode.group.comm import Comm
 
 HEADER_WORDS = 8
 

@@ -2,10 +2,10 @@
 
 The leader (rank 0) and follower ranks share `RankRuntime`; only the leader schedules. A
 follower is a separate OS process: one the leader spawned runs `python -m
-services.decode.runtime RANK LEADER_PID` with the leader's config as JSON in
+services.decode.rank.runtime RANK LEADER_PID` with the leader's config as JSON in
 TPLA_ENGINE_CONFIG (nothing but JSON and tensors crosses a process boundary); a rank started
 on its own (`tpla decode --rank K`) builds its config from its settings. Both then join the
-group the same way (services/decode/group.py) and run `follower_main`.
+group the same way (services/decode/group/join.py) and run `follower_main`.
 """
 
 from __future__ import annotations
@@ -24,26 +24,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from common import group_files
-from common.device import rank_device
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.slots import token_slots
 from common.kv.wire import TransferError, shard_slots
+from common.loading.serving_model import open_serving_weights
 from common.model.tpla import latent_shards
 from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
-from common.ports import bind_grpc, check_ports, kv_receiver_ports
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from common.serving_model import open_serving_weights
-from services.decode.backends import select_decode_backend
-from services.decode.comm import Comm, DistCollectives, ShmCollectives
+from common.runtime import group_files
+from common.runtime.device import rank_device
+from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
-from services.decode.group import FollowerGroup
-from services.decode.plan import CopyPlan, DecodePlan, PingPlan, WritePlan, recv_plan
-from services.decode.rank_model import RankModel
+from services.decode.group.comm import Comm, DistCollectives, ShmCollectives
+from services.decode.group.join import FollowerGroup
+from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, WritePlan, recv_plan
+from services.decode.rank.backends import select_decode_backend
+from services.decode.rank.model import RankModel
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class StepInputs:
 def init_group(cfg: EngineConfig, rank: int, store: dist.Store | None = None) -> None:
     """Join the group's torch.distributed default group: gloo, the CPU control group (and
     point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data. The
-    rendezvous is the group's store (services/decode/group.py), else a tcp:// one on the
+    rendezvous is the group's store (services/decode/group/join.py), else a tcp:// one on the
     leader's port."""
     if cfg.parallel.tp == 1:
         return
@@ -363,7 +363,7 @@ CONFIG_ENV = "TPLA_ENGINE_CONFIG"
 START_ERROR_EXIT = 2
 
 if __name__ == "__main__":
-    # python -m services.decode.runtime RANK LEADER_PID
+    # python -m services.decode.rank.runtime RANK LEADER_PID
     sys.exit(
         follower_main(
             EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]), int(sys.argv[2])
