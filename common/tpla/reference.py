@@ -38,7 +38,8 @@ from common.model.tpla import (
     new_token_latent,
     shard_attention,
 )
-from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken, make_generator, sample
 
 
 class Variant(enum.Enum):

@@ -37,10 +37,10 @@ from common.sampling.grammar import (
     allowed_now,
 )
 from common.sampling.logits import LogitsContext, context_for
+from common.sampling.params import SamplingParams
 from common.sampling.sampler import (
     PREFILL_STAGE,
     SampledToken,
-    SamplingParams,
     choice_stream,
     make_generator,
     sample_batch,

@@ -16,7 +16,7 @@ from common.loading.loader import load_model
 from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
 from common.model.tpla import RmsNormMode
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine

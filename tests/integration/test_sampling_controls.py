@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.sampling.grammar import GrammarKind, GrammarSpec
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine

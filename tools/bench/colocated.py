@@ -22,7 +22,8 @@ from common.kv.transfer import cut_shard
 from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
 from common.runtime.settings import load_settings
-from common.sampling.sampler import SamplingParams, make_generator, sample
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import make_generator, sample
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.prefill.threads import PrefillThreads

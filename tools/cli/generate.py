@@ -15,7 +15,7 @@ from tools.cli.tpla import METHODS, RMSNORM_MODES
 if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
     from common.model.generate import Generation
     from common.model.model import DeepseekForCausalLM
-    from common.sampling.sampler import SamplingParams
+    from common.sampling.params import SamplingParams
     from common.text.tokenizer import Tokenizer
 
 MODES = ("mla", "tpla", "tpla-pd", "gla")  # the oracle's variants (common/tpla/reference.py)
@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from common.model.args import ModelConfig
     from common.model.attn_backend import select_backend
     from common.model.generate import generate
-    from common.sampling.sampler import SamplingParams
+    from common.sampling.params import SamplingParams
     from common.text.tokenizer import Tokenizer
 
     settings = placed(

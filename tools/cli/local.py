@@ -25,7 +25,8 @@ from common.model.model import DeepseekForCausalLM
 from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
-from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken, make_generator, sample
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.stream import TokenStream
