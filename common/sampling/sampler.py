@@ -30,9 +30,8 @@ class SampledToken:
 def make_generator(
     params: SamplingParams, device: torch.device | str = "cpu", stream: int = 0
 ) -> torch.Generator:
-    """A request's generator. `stream` separates the draws of different stages (the prefill
-    worker samples the first token with stream 0, the decode leader the rest with stream 1)
-    so a seeded request never reuses a random draw."""
+    """A request's generator. `stream` separates the draws of different stages and choices
+    (`choice_stream`), so a seeded request never reuses a random draw."""
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
@@ -51,6 +50,20 @@ def choice_stream(choice: int, stage: int) -> int:
     the decode leader). Choice 0 is therefore the n = 1 request with the same seed, and
     every choice reproduces whatever n it is asked with."""
     return 2 * choice + stage
+
+
+def first_tokens(
+    logits: Tensor, params: SamplingParams, n: int = 1, context: LogitsContext | None = None
+) -> tuple[SampledToken, ...]:
+    """Each of n choices' first token from the last prompt position's logits [V], choice i
+    drawn from its own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice
+    is seeded apart and reproducible. `context` holds the n rows' processing (the same for
+    every choice: they share the prompt, and their grammars stand at the same place)."""
+    gens = [
+        make_generator(params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
+        for i in range(n)
+    ]
+    return tuple(sample_batch(logits[None].expand(n, -1), [params] * n, gens, context))
 
 
 def filtered_logits(logits: Tensor, params: SamplingParams) -> Tensor:

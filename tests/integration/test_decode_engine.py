@@ -17,11 +17,11 @@ from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
 from common.model.tpla import RmsNormMode
 from common.sampling.params import SamplingParams
+from common.sampling.sampler import first_tokens
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.group.comm import ShmCollectives
-from services.prefill.worker import first_tokens
 from tests.tiny import save_hf
 from tools.cli.local import collect, load_prefill_model, submit
 

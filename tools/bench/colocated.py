@@ -23,7 +23,7 @@ from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import make_generator, sample
+from common.sampling.sampler import first_tokens
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.prefill.threads import PrefillThreads
@@ -93,7 +93,7 @@ class ColocatedServer:
                     out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size
                 )
                 self.engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
-            first = sample(out.logits[0], params, make_generator(params, stream=0))
+            [first] = first_tokens(out.logits[0], params)
             times = [time.perf_counter()]
             reason = ""
             for event in self.engine.generate(rid, first.token_id, params):

@@ -26,7 +26,7 @@ from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import SampledToken, make_generator, sample
+from common.sampling.sampler import SampledToken, first_tokens
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.stream import TokenStream
@@ -70,7 +70,7 @@ def submit(
         matcher = engine.controls.matcher(p, [])
         allowed = None if matcher is None else allowed_now(matcher, vocab, device)
         context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
-        first = sample(out.logits[row], p, make_generator(p, device, stream=0), context)
+        [first] = first_tokens(out.logits[row], p, 1, context)
         started.append((first, engine.generate(rid, first.token_id, p)))
         start += len(prompt)
     return started
