@@ -167,14 +167,16 @@ def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
     torch.testing.assert_close(a.k_pe, b.k_pe, rtol=1e-4, atol=1e-5)
 
 
-def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(tmp_path) -> None:
-    # `tpla generate --tp` and the colocated baseline prefill through tools.cli.local;
+def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `tpla generate --tp` and the colocated baseline prefill in the engine's process;
     # TPLA_ATTENTION_BACKEND must reach them as it reaches the prefill service.
-    from services.decode.config import EngineConfig
     from tests.tiny import save_tiny_chat_model
-    from tools.cli.local import load_prefill_model
+    from tools.bench.colocated import ColocatedServer
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
-    cfg = EngineConfig(model=str(model_dir))
-    assert load_prefill_model(cfg, "sdpa").prefill_backend.name == "sdpa"
-    assert load_prefill_model(cfg).prefill_backend.name == "native"
+    for setting, chosen in (("sdpa", "sdpa"), ("auto", "native")):
+        monkeypatch.setenv("TPLA_ATTENTION_BACKEND", setting)
+        with ColocatedServer(str(model_dir), None, tp=1, latent_groups=1) as server:
+            assert server.prefill_model.prefill_backend.name == chosen

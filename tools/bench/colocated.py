@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from common.kv.transfer import cut_shard
+from common.loading.serving_model import load_prefill_model
 from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
 from common.runtime.settings import load_settings
@@ -28,7 +29,6 @@ from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.prefill.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
-from tools.cli.local import load_prefill_model
 
 
 class ColocatedServer:
@@ -55,7 +55,9 @@ class ColocatedServer:
         )
         self.engine = DecodeEngine(cfg)
         try:
-            self.prefill_model = load_prefill_model(cfg, settings.attention_backend)
+            self.prefill_model = load_prefill_model(
+                cfg.model, cfg.reparam, cfg.dtype, settings.attention_backend, cfg.device
+            )
         except BaseException:
             self.engine.shutdown()
             raise
