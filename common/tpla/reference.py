@@ -242,7 +242,7 @@ class ReferenceModel:
         if first == 0:
             # A prompt with no history: the model's own expanded prefill path (fastest, exact).
             o = attn.expanded(
-                q_nope, q_pe, n[:rows], k_pe[:rows], [0, rows], self.model.prefill_backend
+                q_nope, q_pe, n[:rows], k_pe[:rows], [0, rows], self.model.prefill_attention
             )
         else:
             o = attn.absorbed(q_nope[None], q_pe[None], n[None], k_pe[None], valid[None])[0]
