@@ -42,7 +42,7 @@ from common.kv.wire import (
     check_dtype,
     payload_bytes,
     row_bytes,
-    row_plan,
+    shard_segments,
 )
 from common.rpc.auth import require_token
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
@@ -68,7 +68,7 @@ Sink = Callable[[kv_pb2.KvHeader], ShardTarget]
 class _Landing:
     """One shard on its way into the cache, as a list of segments to fill in order.
 
-    The plan's segments, in place or staged and written as each one completes. Staged
+    The shard's segments, in place or staged and written as each one completes. Staged
     segments share one staging buffer on the transport's device (`recv_device`): each at its
     own offset if `whole` (torch posts every receive at once; copies into a GPU cache are
     asynchronous and read their staging later), else all at offset 0 (gRPC into a host cache
@@ -92,9 +92,9 @@ class _Landing:
         self.stream = torch.cuda.Stream(cache_device) if cache_device.type == "cuda" else None
         whole = whole or self.stream is not None
         with self.on_stream():
-            plan = row_plan(header, target.slots)
-            self.writer = ShardWriter(target.cache, plan, check_dtype(header), recv_device)
-        self.segments = self.writer.plan.segments
+            cut = shard_segments(header, target.slots)
+            self.writer = ShardWriter(target.cache, cut, check_dtype(header), recv_device)
+        self.segments = self.writer.cut.segments
         self.sizes = [self.writer.nbytes(seg) for seg in self.segments]
         self._offsets: list[int | None] = []  # staging offset per segment; None: in place
         offset = 0
@@ -340,7 +340,7 @@ def _drain(pair: Pair, header: kv_pb2.KvHeader, deadline: float) -> None:
     """Receive and drop a rejected shard's messages: its sender has posted them already, and
     left pending they would be matched by the pair's next transfer."""
     row = row_bytes(header)
-    sizes = [(seg.stop - seg.start) * row for seg in row_plan(header).segments]
+    sizes = [(seg.stop - seg.start) * row for seg in shard_segments(header).segments]
     scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=pair.device)
     # One at a time into one scratch buffer: each receive completes before the next is posted.
     for tag, size in enumerate(sizes):

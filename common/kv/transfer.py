@@ -37,7 +37,7 @@ from common.kv.pair import Pair, PairBackend, backend_key, device_uuid, poll_unt
 
 # DTYPES and TransferError are part of this module's interface; they are defined in wire,
 # whose header checks need them, so that wire does not import this module.
-from common.kv.wire import DTYPES, TransferError, row_bytes, row_plan
+from common.kv.wire import DTYPES, TransferError, row_bytes, shard_segments
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
@@ -328,7 +328,7 @@ class TorchKvSender(KvSender):
                 with self._stream(pair, shard, torch_address):
                     sends = [
                         pair.send(payload[seg.start * row : seg.stop * row], tag)
-                        for tag, seg in enumerate(row_plan(header).segments)
+                        for tag, seg in enumerate(shard_segments(header).segments)
                     ]
                 ack = ack_future.result()
                 if ack.pair_lost:

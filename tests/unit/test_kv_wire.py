@@ -14,7 +14,7 @@ from common.kv.framing import parse_chunk
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget
 from common.kv.transfer import Shard, TransferError, cut_shard
-from common.kv.wire import row_plan, shard_slots
+from common.kv.wire import shard_segments, shard_slots
 from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2
 
@@ -139,12 +139,12 @@ def test_grpc_push_lands_exact_bytes(
 def test_segments_tile_the_payload_and_direct_ones_are_runs() -> None:
     shard = _shard(1000, CONTIGUOUS[:30] + SCATTERED[:40])
     header = shard.header()
-    plan = row_plan(header)
-    rows = [(s.start, s.stop) for s in plan.segments]
+    cut = shard_segments(header)
+    rows = [(s.start, s.stop) for s in cut.segments]
     assert rows[0][0] == 0 and rows[-1][1] == 3 * 1000
     assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
     row_bytes = shard.kv.shape[2] * 4
-    direct = [s for s in plan.segments if s.direct]
+    direct = [s for s in cut.segments if s.direct]
     assert direct and all((s.stop - s.start) * row_bytes <= wire.SEGMENT_BYTES for s in direct)
     slots = shard_slots(header)
     for s in direct:
