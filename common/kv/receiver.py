@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.kv.framing import ROWS_FIELD, parse_chunk
 from common.kv.paged_cache import PagedLatentCache
 from common.kv.pair import Pair, PairBackend, backend_key, choose_backend, settle_stream
 from common.kv.wire import (
@@ -41,7 +42,7 @@ from common.kv.wire import (
     check_dtype,
     payload_bytes,
     row_bytes,
-    row_plan,
+    shard_segments,
 )
 from common.rpc.auth import require_token
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
@@ -67,7 +68,7 @@ Sink = Callable[[kv_pb2.KvHeader], ShardTarget]
 class _Landing:
     """One shard on its way into the cache, as a list of segments to fill in order.
 
-    The plan's segments, in place or staged and written as each one completes. Staged
+    The shard's segments, in place or staged and written as each one completes. Staged
     segments share one staging buffer on the transport's device (`recv_device`): each at its
     own offset if `whole` (torch posts every receive at once; copies into a GPU cache are
     asynchronous and read their staging later), else all at offset 0 (gRPC into a host cache
@@ -91,9 +92,9 @@ class _Landing:
         self.stream = torch.cuda.Stream(cache_device) if cache_device.type == "cuda" else None
         whole = whole or self.stream is not None
         with self.on_stream():
-            plan = row_plan(header, target.slots)
-            self.writer = ShardWriter(target.cache, plan, check_dtype(header), recv_device)
-        self.segments = self.writer.plan.segments
+            cut = shard_segments(header, target.slots)
+            self.writer = ShardWriter(target.cache, cut, check_dtype(header), recv_device)
+        self.segments = self.writer.cut.segments
         self.sizes = [self.writer.nbytes(seg) for seg in self.segments]
         self._offsets: list[int | None] = []  # staging offset per segment; None: in place
         offset = 0
@@ -176,58 +177,6 @@ class _ByteFeed:
                 self._index += 1
                 self._view = self._tensor = None
         self.received += len(data)
-
-
-ROWS_FIELD = 3  # KvChunk.rows
-# KvChunk's retired `data` field (reserved): senders that predate packed rows put their
-# payload there, and `Push` rejects it by number instead of mistaking it for rows.
-_RETIRED_DATA_FIELD = 2
-
-
-def parse_chunk(raw: bytes) -> tuple[bytes | None, int, memoryview]:
-    """A serialized `KvChunk` read without protobuf: (serialized header or None, payload field
-    number (0: none), payload as a view of `raw`). Protobuf would copy the payload twice."""
-    view = memoryview(raw)
-    header: list[bytes] = []
-    field_no, payload = 0, view[:0]
-    pos = 0
-    while pos < len(view):  # bounded: every field advances pos
-        key, pos = _read_varint(view, pos)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            _, pos = _read_varint(view, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            length, pos = _read_varint(view, pos)
-            if pos + length > len(view):
-                raise TransferError("truncated KvChunk")
-            if number == 1:  # repeated occurrences of a message field merge
-                header.append(bytes(view[pos : pos + length]))
-            elif number in (_RETIRED_DATA_FIELD, ROWS_FIELD):
-                field_no, payload = number, view[pos : pos + length]
-            pos += length
-        else:
-            raise TransferError(f"unsupported wire type {wire_type} in KvChunk")
-    if pos != len(view):
-        raise TransferError("truncated KvChunk")
-    return (b"".join(header) if header else None), field_no, payload
-
-
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    for _ in range(10):  # a varint has at most 10 bytes
-        if pos >= len(view):
-            raise TransferError("truncated KvChunk")
-        byte = view[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-    raise TransferError("malformed varint in KvChunk")
 
 
 class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
@@ -391,7 +340,7 @@ def _drain(pair: Pair, header: kv_pb2.KvHeader, deadline: float) -> None:
     """Receive and drop a rejected shard's messages: its sender has posted them already, and
     left pending they would be matched by the pair's next transfer."""
     row = row_bytes(header)
-    sizes = [(seg.stop - seg.start) * row for seg in row_plan(header).segments]
+    sizes = [(seg.stop - seg.start) * row for seg in shard_segments(header).segments]
     scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=pair.device)
     # One at a time into one scratch buffer: each receive completes before the next is posted.
     for tag, size in enumerate(sizes):

@@ -32,16 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.kv.framing import CHUNK_BYTES, encode_chunks
 from common.kv.pair import Pair, PairBackend, backend_key, device_uuid, poll_until
 
 # DTYPES and TransferError are part of this module's interface; they are defined in wire,
 # whose header checks need them, so that wire does not import this module.
-from common.kv.wire import DTYPES, TransferError, row_bytes, row_plan
+from common.kv.wire import DTYPES, TransferError, row_bytes, shard_segments
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
-
-CHUNK_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,17 @@ class Shard:
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes
+
+    @property
+    def payload(self) -> Tensor:
+        """The packed rows as flat uint8: what goes on the wire."""
+        return self.kv.contiguous().view(-1).view(torch.uint8)
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The shard (on the host) as `Push`'s serialized `KvChunk` messages, each framed
+        around a view of its rows (`common.kv.framing`)."""
+        header = self.header().SerializeToString()
+        yield from encode_chunks(header, memoryview(self.payload.numpy()), chunk_bytes)
 
     def header(self, peer: str = "") -> kv_pb2.KvHeader:
         dtype = next(k for k, v in DTYPES.items() if v == self.kv.dtype)
@@ -178,7 +188,7 @@ class _Channels:
         return self.stubs[address]
 
     def push(self, address: str) -> grpc.StreamUnaryMultiCallable:
-        """`KvReceiver.Push` taking pre-serialized chunks (see `encode_chunks`)."""
+        """`KvReceiver.Push` taking pre-serialized chunks (see `Shard.chunks`)."""
         if address not in self.pushes:
             self.pushes[address] = self._channel(address).stream_unary(
                 _PUSH_METHOD, request_serializer=None, response_deserializer=kv_pb2.KvAck.FromString
@@ -203,34 +213,6 @@ def _ack(ack: kv_pb2.KvAck, shard: Shard) -> int:
 
 
 _PUSH_METHOD = "/{}/Push".format(kv_pb2.DESCRIPTOR.services_by_name["KvReceiver"].full_name)
-_ROWS_TAG = b"\x1a"  # KvChunk.rows: field 3, length-delimited (a packed payload)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def encode_chunks(shard: Shard, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The shard as serialized `KvChunk` messages, built straight from a view of its rows.
-
-    Wire-identical to `KvChunk(header=..., rows=...).SerializeToString()`, but each chunk
-    costs one copy: constructing the message copies the payload and serializing copies it
-    again, and in a sender whose GIL drives every rank's stream those copies are the cost.
-    """
-    header = shard.header().SerializeToString()
-    head = b"\x0a" + _varint(len(header)) + header  # KvChunk.header: field 1
-    view = memoryview(shard.kv.contiguous().view(-1).view(torch.uint8).numpy())
-    for start in range(0, len(view), chunk_bytes):
-        data = view[start : start + chunk_bytes]
-        prefix = _ROWS_TAG + _varint(len(data))
-        yield b"".join((head, prefix, data) if start == 0 else (prefix, data))
-    if not len(view):  # an empty shard still announces itself
-        yield head
 
 
 class GrpcKvSender(KvSender):
@@ -242,7 +224,7 @@ class GrpcKvSender(KvSender):
     def send(self, shard: Shard, grpc_address: str, torch_address: str, deadline_s: float) -> int:
         try:
             ack = self._ch.push(grpc_address)(
-                encode_chunks(shard), timeout=deadline_s, metadata=self._ch.metadata
+                shard.chunks(), timeout=deadline_s, metadata=self._ch.metadata
             )
         except grpc.RpcError as exc:
             raise TransferError(
@@ -341,12 +323,12 @@ class TorchKvSender(KvSender):
                 )
                 # Every segment is posted at once: the receiver matches them as it posts its
                 # receives, and the bytes move while it writes earlier segments.
-                payload = shard.kv.contiguous().view(-1).view(torch.uint8)
+                payload = shard.payload
                 row = row_bytes(header)
                 with self._stream(pair, shard, torch_address):
                     sends = [
                         pair.send(payload[seg.start * row : seg.stop * row], tag)
-                        for tag, seg in enumerate(row_plan(header).segments)
+                        for tag, seg in enumerate(shard_segments(header).segments)
                     ]
                 ack = ack_future.result()
                 if ack.pair_lost:

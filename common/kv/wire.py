@@ -2,7 +2,7 @@
 
 A packed payload is a shard's cache rows, kv [L, N, w + d_r] (n and k_pe adjacent per token,
 as `PagedLatentCache.kv` stores them), flattened over layers: row l * N + t is token t of
-layer l. Both ends cut it into the same segments (`plan_segments`), so a transport that frames
+layer l. Both ends cut it into the same segments (`cut_segments`), so a transport that frames
 messages (gloo p2p) sends one message per segment, and one that streams bytes (gRPC) fills them
 in order:
 
@@ -54,9 +54,10 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class RowPlan:
-    """Where a packed payload's rows go: rows move in groups of `group` consecutive tokens
-    (a group never straddles a block, so its rows are consecutive cache slots)."""
+class ShardSegments:
+    """How a shard's packed rows are cut into the segments that both ends of a transfer
+    agree on, and which cache slots they go to: rows move in groups of `group` consecutive
+    tokens (a group never straddles a block, so its rows are consecutive cache slots)."""
 
     num_layers: int
     num_tokens: int
@@ -76,12 +77,12 @@ class RowPlan:
         return (layers * per_layer + self.group_slots[None] // self.group).reshape(-1)
 
 
-def plan_segments(
+def cut_segments(
     num_layers: int,
     slots: Tensor,
     block_size: int,
     row_bytes: int,
-) -> RowPlan:
+) -> ShardSegments:
     """Cut a packed payload of `num_layers` x len(slots) rows into segments.
 
     Sender and receiver call it with the same header-derived arguments (`row_bytes` in the
@@ -93,7 +94,7 @@ def plan_segments(
     group = 1 if n == 0 else math.gcd(n, block_size)
     group_slots = slots[::group].to(torch.int64).contiguous()
     if n == 0:
-        return RowPlan(num_layers, n, group, group_slots, ())
+        return ShardSegments(num_layers, n, group, group_slots, ())
     step = max(SEGMENT_BYTES // (row_bytes * group), 1) * group
     # Runs of groups whose slots follow each other.
     breaks = torch.nonzero(group_slots[1:] != group_slots[:-1] + group).flatten() + 1
@@ -105,7 +106,7 @@ def plan_segments(
         # Everything is staged: cut the whole payload evenly, across layers.
         total = num_layers * n
         segments = [Segment(s, min(s + step, total), False) for s in range(0, total, step)]
-        return RowPlan(num_layers, n, group, group_slots, tuple(segments))
+        return ShardSegments(num_layers, n, group, group_slots, tuple(segments))
     for layer in range(num_layers):
         base = layer * n
         staged_from = base
@@ -116,7 +117,7 @@ def plan_segments(
             segments += _cut(base + lo, base + hi, step, True)
             staged_from = base + hi
         segments += _cut(staged_from, base + n, step, False)
-    return RowPlan(num_layers, n, group, group_slots, tuple(segments))
+    return ShardSegments(num_layers, n, group, group_slots, tuple(segments))
 
 
 def _cut(start: int, stop: int, step: int, direct: bool) -> list[Segment]:
@@ -166,18 +167,18 @@ class ShardWriter:
     def __init__(
         self,
         cache: PagedLatentCache,
-        plan: RowPlan,
+        cut: ShardSegments,
         wire_dtype: torch.dtype,
         recv_device: torch.device,
     ) -> None:
-        self.cache, self.plan, self.dtype = cache, plan, wire_dtype
+        self.cache, self.cut, self.dtype = cache, cut, wire_dtype
         self.width = cache.kv.shape[-1]
         self.row_bytes = self.width * torch.empty((), dtype=wire_dtype).element_size()
         self._in_place = wire_dtype == cache.kv.dtype and recv_device == cache.kv.device
-        dest = plan.dest_groups(cache.kv.shape[1])
+        dest = cut.dest_groups(cache.kv.shape[1])
         self._host_cache = cache.kv.is_cpu
         if not self._host_cache:
-            groups = cache.kv.numel() // (plan.group * self.width)
+            groups = cache.kv.numel() // (cut.group * self.width)
             if len(dest) and (int(dest.min()) < 0 or int(dest.max()) >= groups):
                 raise TransferError("shard addresses blocks outside this rank's pool")
             # Checked here on the host, once: the device scatter below does not check again
@@ -194,7 +195,7 @@ class ShardWriter:
 
     def cache_bytes(self, seg: Segment) -> Tensor:
         """The cache rows an in-place segment is received into, as flat uint8."""
-        layer, slot = self.plan.layer_slot(seg.start)
+        layer, slot = self.cut.layer_slot(seg.start)
         rows = self.cache.rows_at(layer, slot, slot + seg.stop - seg.start)
         return rows.view(-1).view(torch.uint8)
 
@@ -202,7 +203,7 @@ class ShardWriter:
         """Store a staged segment's bytes (flat uint8, `nbytes(seg)` long, on the host or on
         the cache's device) in the cache."""
         t0 = time.perf_counter()
-        g = self.plan.group
+        g = self.cut.group
         groups = self._dest[seg.start // g : seg.stop // g]
         if self._host_cache:
             rows = buf.view(self.dtype).view(-1, self.width)
@@ -245,7 +246,7 @@ def payload_bytes(h: kv_pb2.KvHeader) -> int:
     return h.num_layers * h.num_tokens * row_bytes(h)
 
 
-def row_plan(h: kv_pb2.KvHeader, slots: Tensor | None = None) -> RowPlan:
+def shard_segments(h: kv_pb2.KvHeader, slots: Tensor | None = None) -> ShardSegments:
     """The segments of a packed payload with header `h`, as both ends cut it."""
     slots = shard_slots(h) if slots is None else slots
-    return plan_segments(h.num_layers, slots, h.block_size, row_bytes(h))
+    return cut_segments(h.num_layers, slots, h.block_size, row_bytes(h))

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from common.loading.loader import serving_dtype
 from common.loading.weights import CheckpointWeights, build_model
-from common.model.attn_backend import select_backend
 from common.model.model import DeepseekForCausalLM
+from common.model.prefill_attention import select_prefill_attention
 
 
 def side_file_path(model_dir: str | Path, reparam: str) -> Path:
@@ -84,9 +84,12 @@ def load_prefill_model(
     device: str = "cpu",
 ) -> DeepseekForCausalLM:
     """The serving model for a prefill on `device`: its attention on `attention_backend`
-    (`select_backend`: auto, sdpa, native, flash-attn). Decode ranks build their share with
-    `open_serving_weights` and never prefill, so only here is a prefill kernel chosen."""
+    (`select_prefill_attention`: auto, sdpa, native, flash-attn). Decode ranks build their
+    share with `open_serving_weights` and never prefill, so only here is a prefill kernel
+    chosen."""
     # The latent rotation is computed on the CPU in fp64 as each tensor is read, then placed.
     model = load_serving_model(model_dir, reparam, dtype, device)[0]
-    model.prefill_backend = select_backend(attention_backend, model.lm_head.weight.device)
+    model.prefill_attention = select_prefill_attention(
+        attention_backend, model.lm_head.weight.device
+    )
     return model

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from common.model.model import ContiguousLatentCache, DeepseekForCausalLM
-from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken, make_generator, sample
 
 PATHS = ("absorbed", "expanded")
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.args import ModelConfig
-from common.model.attn_backend import PrefillAttentionBackend
+from common.model.prefill_attention import PrefillAttention
 from common.model.rope import RotaryEmbedding
 
 Linear = Callable[[Tensor, Tensor], Tensor]
@@ -162,7 +162,7 @@ class MLAttention(nn.Module):
         n: Tensor,
         k_pe: Tensor,
         cu_seqlens: list[int],
-        backend: PrefillAttentionBackend,
+        backend: PrefillAttention,
     ) -> Tensor:
         """Training-style attention: per-head K/V up-projected from n. Returns [T, H, d_v]."""
         kv = F.linear(n, self.kv_b_proj.weight).view(

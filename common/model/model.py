@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from common.model.args import ModelConfig
-from common.model.attn_backend import PrefillAttentionBackend, SdpaBackend
 from common.model.mla import MLAttention, RMSNorm
 from common.model.moe import MLP, MoE
+from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding
 
 
@@ -85,7 +85,7 @@ class DeepseekForCausalLM(nn.Module):
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config)
-        self.prefill_backend: PrefillAttentionBackend = SdpaBackend()
+        self.prefill_attention: PrefillAttention = SdpaPrefillAttention()
 
     def to_device(self, device: torch.device | str) -> DeepseekForCausalLM:
         self.to(device)
@@ -148,12 +148,12 @@ class DeepseekForCausalLM(nn.Module):
             n, k_pe = attn.latents(x, self.rope, cos, sin)
             if any(starts):
                 o = _over_past(
-                    attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, self.prefill_backend
+                    attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, self.prefill_attention
                 )
             elif absorbed:
                 o = _absorbed_causal(attn, q_nope, q_pe, n, k_pe, cu)
             else:
-                o = attn.expanded(q_nope, q_pe, n, k_pe, cu, self.prefill_backend)
+                o = attn.expanded(q_nope, q_pe, n, k_pe, cu, self.prefill_attention)
             h = layer.feed_forward(h + attn.output(o))
             all_n.append(n)
             all_k_pe.append(k_pe)
@@ -187,7 +187,7 @@ def _over_past(
     pasts: list[PastLatents | None],
     layer: int,
     absorbed: bool,
-    backend: PrefillAttentionBackend,
+    backend: PrefillAttention,
 ) -> Tensor:
     """Attention for a batch where some prompts continue a cached prefix: each prompt on its
     own, a prompt without a past exactly as in a batch without any."""

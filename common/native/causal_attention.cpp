@@ -1,6 +1,7 @@
 // Native causal self-attention for the expanded (prefill) MLA path (fp32, CPU).
 //
-// What `SdpaBackend.causal` (torch SDPA, the reference) computes, over packed sequences:
+// What `SdpaPrefillAttention.causal` (torch SDPA, the reference) computes, over packed
+// sequences:
 //
 //   o_i^h = sum_{j <= i} softmax_j(scale q_i^h . k_j^h) v_j^h     per sequence and head
 //

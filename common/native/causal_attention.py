@@ -1,8 +1,8 @@
 """The native causal prefill attention kernel (causal_attention.cpp) behind a checked call.
 
-`causal_attention` computes what `SdpaBackend.causal` computes (torch SDPA, the reference)
-for packed sequences: fp32 CPU only. `available()` says whether it can run here;
-`NativeBackend` (common/model/attn_backend.py) keeps SDPA for everything else.
+`causal_attention` computes what `SdpaPrefillAttention.causal` computes (torch SDPA, the
+reference) for packed sequences: fp32 CPU only. `available()` says whether it can run here;
+`NativePrefillAttention` (common/model/prefill_attention.py) keeps SDPA for everything else.
 """
 
 from __future__ import annotations

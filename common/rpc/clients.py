@@ -25,7 +25,8 @@ from common.rpc.convert import (
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from common.runtime.errors import from_grpc
-from common.sampling.sampler import SampledToken, SamplingParams
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from common.messages import DecodeLoad
 from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
 from common.sampling.grammar import GrammarKind, GrammarSpec
-from common.sampling.sampler import SampledToken, SamplingError, SamplingParams
+from common.sampling.params import SamplingError, SamplingParams
+from common.sampling.sampler import SampledToken
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 
 
 @dataclass

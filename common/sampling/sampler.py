@@ -10,103 +10,14 @@ those of the model's raw logits (vLLM's default), before any processing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from common.sampling.grammar import GrammarSpec
 from common.sampling.logits import LogitsContext, process_logits
-
-
-class SamplingError(ValueError):
-    """Sampling parameters out of range."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    logprobs: int = 0  # number of top alternatives to report per token
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1 = off; over the prompt and the output (vLLM)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
-    min_tokens: int = 0  # stop tokens are forbidden until this many tokens are generated
-    min_p: float = 0.0  # 0 = off
-    grammar: GrammarSpec | None = None  # structured output: what the text must match
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise SamplingError(f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.logprobs <= 20:
-            raise SamplingError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise SamplingError(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
-            )
-        if any(not -100.0 <= v <= 100.0 for _, v in self.logit_bias):
-            raise SamplingError("logit_bias values must be in [-100, 100]")
-        if any(t < 0 for t, _ in self.logit_bias):
-            raise SamplingError("logit_bias token ids must be >= 0")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
-        if not 0.0 <= self.min_p <= 1.0:
-            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalized(self) -> bool:
-        """Whether sampling needs the sequence's own history (a penalty is on)."""
-        return bool(self.presence_penalty or self.frequency_penalty) or (
-            self.repetition_penalty != 1.0
-        )
-
-    @property
-    def processed(self) -> bool:
-        """Whether any logits processing applies (see common.sampling.logits)."""
-        return (
-            self.penalized or bool(self.logit_bias or self.min_tokens) or self.grammar is not None
-        )
-
-    def stop_ids(self, eos_ids: Collection[int]) -> frozenset[int]:
-        """The tokens that end the request: stop ids, and EOS unless ignored."""
-        return frozenset(self.stop_token_ids) | (
-            frozenset() if self.ignore_eos else frozenset(eos_ids)
-        )
-
-    def is_stop(self, token_id: int, eos_ids: Collection[int]) -> bool:
-        """Whether generating `token_id` ends the request (stop ids, or EOS unless ignored)."""
-        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in eos_ids)
-
-    def finish_reason(
-        self, token_id: int, generated: int, eos_ids: Collection[int], limit: int | None = None
-    ) -> str | None:
-        """Why `token_id`, the request's `generated`-th token, ends it: "stop", "length" at
-        `limit` tokens (default max_tokens), or None when generation goes on."""
-        if self.is_stop(token_id, eos_ids):
-            return "stop"
-        return "length" if generated >= (self.max_tokens if limit is None else limit) else None
+from common.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -119,9 +30,8 @@ class SampledToken:
 def make_generator(
     params: SamplingParams, device: torch.device | str = "cpu", stream: int = 0
 ) -> torch.Generator:
-    """A request's generator. `stream` separates the draws of different stages (the prefill
-    worker samples the first token with stream 0, the decode leader the rest with stream 1)
-    so a seeded request never reuses a random draw."""
+    """A request's generator. `stream` separates the draws of different stages and choices
+    (`choice_stream`), so a seeded request never reuses a random draw."""
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
@@ -140,6 +50,20 @@ def choice_stream(choice: int, stage: int) -> int:
     the decode leader). Choice 0 is therefore the n = 1 request with the same seed, and
     every choice reproduces whatever n it is asked with."""
     return 2 * choice + stage
+
+
+def first_tokens(
+    logits: Tensor, params: SamplingParams, n: int = 1, context: LogitsContext | None = None
+) -> tuple[SampledToken, ...]:
+    """Each of n choices' first token from the last prompt position's logits [V], choice i
+    drawn from its own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice
+    is seeded apart and reproducible. `context` holds the n rows' processing (the same for
+    every choice: they share the prompt, and their grammars stand at the same place)."""
+    gens = [
+        make_generator(params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
+        for i in range(n)
+    ]
+    return tuple(sample_batch(logits[None].expand(n, -1), [params] * n, gens, context))
 
 
 def filtered_logits(logits: Tensor, params: SamplingParams) -> Tensor:

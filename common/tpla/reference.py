@@ -38,7 +38,14 @@ from common.model.tpla import (
     new_token_latent,
     shard_attention,
 )
-from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import (
+    DECODE_STAGE,
+    choice_stream,
+    first_tokens,
+    make_generator,
+    sample,
+)
 
 
 class Variant(enum.Enum):
@@ -235,7 +242,7 @@ class ReferenceModel:
         if first == 0:
             # A prompt with no history: the model's own expanded prefill path (fastest, exact).
             o = attn.expanded(
-                q_nope, q_pe, n[:rows], k_pe[:rows], [0, rows], self.model.prefill_backend
+                q_nope, q_pe, n[:rows], k_pe[:rows], [0, rows], self.model.prefill_attention
             )
         else:
             o = attn.absorbed(q_nope[None], q_pe[None], n[None], k_pe[None], valid[None])[0]
@@ -284,8 +291,8 @@ def generate(
 ) -> Generation:
     """Generate with the oracle: prefill the prompt, then one `decode` per new token.
 
-    Sampling uses the served stack's generator streams (first token: stream 0, the rest:
-    stream 1), so a seeded request reproduces the engine's tokens, not `common.model.generate`'s.
+    Sampling uses the served stack's generator streams (`first_tokens`, then the decode stage),
+    so a seeded request reproduces the engine's tokens, not `common.model.generate`'s.
     """
     if not prompt_ids:
         raise ValueError("prompt must contain at least one token")
@@ -299,20 +306,15 @@ def generate(
         )
     device = oracle.model.lm_head.weight.device
     eos = frozenset(eos_ids)
-    # Same random streams as the served stack: the prefill worker samples the first token
-    # from stream 0, the decode leader the rest from stream 1, so seeded requests match.
-    gen = make_generator(params, device, stream=0)
     state = oracle.start()
     logits = oracle.prefill(state, torch.tensor(list(prompt_ids), dtype=torch.long, device=device))[
         -1
     ]
-    tokens: list[SampledToken] = []
-    while True:
-        tok = sample(logits, params, gen)
-        tokens.append(tok)
-        if (reason := params.finish_reason(tok.token_id, len(tokens), eos)) is not None:
-            break
-        if len(tokens) == 1:
-            gen = make_generator(params, device, stream=1)
-        logits = oracle.decode(state, tok.token_id)
+    # Same random streams as the served stack (the prefill worker's first token, the decode
+    # leader's stage after it), so seeded requests match.
+    tokens = list(first_tokens(logits, params))
+    gen = make_generator(params, device, stream=choice_stream(0, DECODE_STAGE))
+    while (reason := params.finish_reason(tokens[-1].token_id, len(tokens), eos)) is None:
+        logits = oracle.decode(state, tokens[-1].token_id)
+        tokens.append(sample(logits, params, gen))
     return Generation([t.token_id for t in tokens], tokens, reason)

@@ -24,7 +24,7 @@ from common.sampling.grammar import (
     new_bitmask,
 )
 from common.sampling.logits import LogitsContext, TokenHistory
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 
 
 @dataclass

@@ -54,13 +54,8 @@ from common.rpc.convert import KvTargetInfo
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.ports import free_port
-from common.sampling.sampler import (
-    DECODE_STAGE,
-    SamplingParams,
-    choice_stream,
-    make_generator,
-    sample_batch,
-)
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import DECODE_STAGE, choice_stream, make_generator, sample_batch
 from services.decode.config import EngineConfig, Launch, rank_latent_columns
 from services.decode.controls import SequenceControls, StepControls
 from services.decode.group.processes import GroupProcesses

@@ -51,7 +51,7 @@ from common.runtime.metrics import (
 )
 from common.runtime.ports import PortUse, bind_grpc, check_ports, decode_group_ports
 from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
-from common.sampling.sampler import SamplingError
+from common.sampling.params import SamplingError
 from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
 from services.decode.rank.runtime import follower_main

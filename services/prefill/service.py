@@ -135,7 +135,7 @@ def serve_prefill(
     check_ports(host, [grpc_use, metrics_use])  # before the model loads
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
     model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device)
-    log.info("prefill attention backend: %s", model.prefill_backend.name)
+    log.info("prefill attention backend: %s", model.prefill_attention.name)
     registry = CollectorRegistry()
     worker = PrefillWorker(
         model,

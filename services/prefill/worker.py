@@ -37,14 +37,8 @@ from common.sampling.grammar import (
     allowed_now,
 )
 from common.sampling.logits import LogitsContext, context_for
-from common.sampling.sampler import (
-    PREFILL_STAGE,
-    SampledToken,
-    SamplingParams,
-    choice_stream,
-    make_generator,
-    sample_batch,
-)
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken, first_tokens
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
 
@@ -81,20 +75,6 @@ class FirstTokens:
 
     tokens: tuple[SampledToken, ...]
     prompt_logprobs: tuple[SampledToken, ...] = ()
-
-
-def first_tokens(
-    logits: Tensor, params: SamplingParams, n: int, context: LogitsContext | None = None
-) -> tuple[SampledToken, ...]:
-    """Choice i's first token (of n) from the last prompt position's logits [V], drawn from
-    its own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice is seeded
-    apart and reproducible. `context` holds the n rows' processing (the same for every
-    choice: they share the prompt, and their grammars stand at the same place)."""
-    gens = [
-        make_generator(params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
-        for i in range(n)
-    ]
-    return tuple(sample_batch(logits[None].expand(n, -1), [params] * n, gens, context))
 
 
 def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[SampledToken, ...]:

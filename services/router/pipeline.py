@@ -37,7 +37,8 @@ import redis
 from common.rpc.convert import PrefillResult
 from common.runtime.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
 from common.runtime.redis_state import InvalidTransition, RequestLog, RequestState
-from common.sampling.sampler import SampledToken, SamplingParams
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken
 from common.text.tokenizer import Tokenizer
 from services.router.admission import Admission
 from services.router.metrics import Outcome, RouterMetrics

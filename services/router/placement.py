@@ -33,7 +33,7 @@ from common.runtime.errors import (
     Unavailable,
 )
 from common.runtime.redis_state import RequestState
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.router.admission import Admission
 from services.router.policy import DecodeGroup, RoutingPolicy
 from services.router.request import GenerationRequest

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common.runtime.errors import InvalidRequest, NotFound, TokenizerError
 from common.sampling.grammar import GrammarCompiler, GrammarSpec
-from common.sampling.sampler import SamplingError, SamplingParams
+from common.sampling.params import SamplingError, SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.router import constraints, tools
 from services.router.request import GenerationRequest

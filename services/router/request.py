@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.router.text import TokenLogprob
 from services.router.tools import ToolCalling
 

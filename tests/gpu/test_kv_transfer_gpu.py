@@ -18,7 +18,7 @@ import torch
 from common.kv.paged_cache import PagedLatentCache
 from common.kv.pair import PairBackend
 from common.kv.receiver import KvReceiverServicer, ShardTarget
-from common.kv.transfer import GrpcKvSender, TorchKvSender, TransferError, encode_chunks
+from common.kv.transfer import GrpcKvSender, TorchKvSender, TransferError
 from common.kv.wire import shard_slots
 from common.rpc.gen import kv_pb2
 from common.tpla.eval import EvalConfig, evaluate
@@ -125,7 +125,7 @@ def test_grpc_push_into_a_cuda_pool(wire: torch.dtype, blocks: tuple[int, ...]) 
 
     shard = make_shard("r", 16 * len(blocks) - 5, blocks, seed=len(blocks), dtype=wire)
     servicer = KvReceiverServicer(sink, None, device=cache.kv.device)
-    assert servicer._push(iter(encode_chunks(shard, 4096))) == shard.nbytes
+    assert servicer._push(iter(shard.chunks(4096))) == shard.nbytes
     slots = shard_slots(shard.header()).cuda()
     assert torch.equal(cache.kv[:, slots].cpu(), shard.kv.float())
     assert len(written) == 1

@@ -13,17 +13,18 @@ import torch
 
 from common.kv.transfer import cut_shard
 from common.loading.loader import load_model
+from common.loading.serving_model import load_prefill_model
 from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
 from common.model.tpla import RmsNormMode
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import first_tokens
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.decode.group.comm import ShmCollectives
-from services.prefill.worker import first_tokens
 from tests.tiny import save_hf
-from tools.cli.local import collect, load_prefill_model, submit
+from tools.cli.local import collect, submit
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -76,7 +77,8 @@ def test_mla_tp2_equals_single_process(model_dir: Path, collectives: str, kernel
     with _engine(model_dir, tp=2, r=1, collectives=collectives, kernel=kernel) as engine:
         assert isinstance(engine.runtime.comm.data, ShmCollectives) == (collectives == "shm")
         assert engine.runtime.model.backend.name == kernel
-        [(first, stream)] = submit(engine, load_prefill_model(engine.cfg), [prompt], [GREEDY])
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+        [(first, stream)] = submit(engine, prefill, [prompt], [GREEDY])
         result = collect(first, stream)
         assert result.token_ids == expected
         assert result.finish_reason == "length"
@@ -91,7 +93,8 @@ def test_tpla_logits_match_oracle(model_dir: Path, tp: int, r: int, mode: RmsNor
     model = load_model(model_dir)
     oracle = ReferenceModel(model, AttentionSpec(Variant.TPLA_PD, groups=r, rmsnorm=mode))
     with _engine(model_dir, tp=tp, r=r, rmsnorm=mode) as engine:
-        [(first, stream)] = submit(engine, load_prefill_model(engine.cfg), [prompt], [GREEDY])
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+        [(first, stream)] = submit(engine, prefill, [prompt], [GREEDY])
         result = collect(first, stream)
         _assert_pool_free(engine)
     state = oracle.start()
@@ -117,7 +120,7 @@ def test_continuous_batching_and_aborts(model_dir: Path, layout: str) -> None:
     sampled = SamplingParams(max_tokens=9, temperature=0.9, top_p=0.9, seed=42, ignore_eos=True)
     kw = SP if layout == "sp" else {}
     with _engine(model_dir, tp=2, r=1 if layout == "sp" else 2, **kw) as engine:
-        prefill = load_prefill_model(engine.cfg)
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
         alone = [
             collect(*submit(engine, prefill, [p], [sp])[0]).token_ids
             for p, sp in zip(prompts, params, strict=True)
@@ -183,7 +186,8 @@ def test_sp_is_exact_and_splits_the_cache(model_dir: Path, tp: int) -> None:
     with _engine(model_dir, tp=tp, r=1, **SP) as engine:
         cfg = model.config
         assert engine.runtime.layout.latent_width == cfg.kv_lora_rank  # full width per token
-        [(first, stream)] = submit(engine, load_prefill_model(engine.cfg), [prompt], [GREEDY])
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+        [(first, stream)] = submit(engine, prefill, [prompt], [GREEDY])
         result = collect(first, stream)
         _assert_pool_free(engine)
         res = engine.reserve("split", prompt_len=29, max_tokens=4)
@@ -205,7 +209,7 @@ def test_shutdown_ends_live_streams(model_dir: Path) -> None:
     """A stream open when the engine stops gets a final event instead of blocking forever."""
     engine = _engine(model_dir, tp=1, r=1)
     try:
-        prefill = load_prefill_model(engine.cfg)
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
         long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
         [(_, stream)] = submit(engine, prefill, [_prompt(8, 5)], [long])
     finally:
@@ -233,9 +237,8 @@ def test_an_idle_group_outlives_its_collective_timeout(model_dir: Path, collecti
                 os.kill(follower, signal.SIGCONT)
             time.sleep(0.5)
             assert engine.step_running_for() < 0.5 and engine.failed is None
-        [(first, stream)] = submit(
-            engine, load_prefill_model(engine.cfg), [_prompt(9, 3)], [GREEDY]
-        )
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+        [(first, stream)] = submit(engine, prefill, [_prompt(9, 3)], [GREEDY])
         assert collect(first, stream).finish_reason == "length"
         _assert_pool_free(engine)
 
@@ -271,7 +274,7 @@ def test_forked_choices_decode_as_separate_requests(model_dir: Path, layout: str
     greedy = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=7, temperature=1.0, seed=5, ignore_eos=True)
     with _engine(model_dir, tp=2, r=2 if layout == "tpla" else 1, **kw) as engine:
-        prefill = load_prefill_model(engine.cfg)
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
         alone = collect(*submit(engine, prefill, [prompt], [greedy])[0]).token_ids
         _, firsts, stream = _submit_forked(engine, prefill, prompt, greedy, 3)
         assert _choices(firsts, stream) == [alone] * 3

@@ -28,7 +28,7 @@ from common.rpc.gen import (
 )
 from common.runtime.errors import Unauthorized
 from common.runtime.ports import free_port
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig
 from tests.stack import services_in_threads
 from tests.tiny import save_hf

@@ -28,7 +28,7 @@ from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.group_files import files_of
 from common.runtime.ports import free_port
 from common.runtime.settings import load_settings
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, Launch, ParallelConfig, ParallelMode, engine_config
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill

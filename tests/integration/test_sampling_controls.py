@@ -14,13 +14,14 @@ import jsonschema
 import pytest
 import torch
 
+from common.loading.serving_model import load_prefill_model
 from common.sampling.grammar import GrammarKind, GrammarSpec
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
-from tools.cli.local import collect, load_prefill_model, submit
+from tools.cli.local import collect, submit
 
 LAYOUTS = {
     "tpla": {"tp": 2, "latent_groups": 2},
@@ -80,7 +81,7 @@ def test_penalties_per_sequence_in_a_shared_batch(engine: DecodeEngine) -> None:
             logit_bias=((8, 3.0),),
         ),
     ]
-    prefill = load_prefill_model(engine.cfg)
+    prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
     plain_alone = collect(*submit(engine, prefill, [prompts[0]], [params[0]])[0]).token_ids
     results = [collect(*s) for s in submit(engine, prefill, prompts, params)]
     assert results[0].token_ids == plain_alone
@@ -114,7 +115,7 @@ def test_grammars_from_the_first_token(engine: DecodeEngine, model_dir: Path) ->
         SamplingParams(max_tokens=48, temperature=0.8, seed=s, grammar=g)
         for s, g in enumerate(specs)
     ]
-    prefill = load_prefill_model(engine.cfg)
+    prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
     results = [collect(*s) for s in submit(engine, prefill, [[5, 6, 7]] * 3, params)]
     texts = [tok.decode(r.token_ids) for r in results]
     assert all(r.finish_reason == "stop" for r in results), [r.finish_reason for r in results]
@@ -129,6 +130,7 @@ def test_huge_logit_bias_forces_every_token(engine: DecodeEngine) -> None:
     p = SamplingParams(
         max_tokens=6, temperature=1.0, seed=1, ignore_eos=True, logit_bias=((77, 100.0),)
     )
-    result = collect(*submit(engine, load_prefill_model(engine.cfg), [[9, 10, 11]], [p])[0])
+    prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+    result = collect(*submit(engine, prefill, [[9, 10, 11]], [p])[0])
     assert result.token_ids == [77] * 6
     assert torch.isfinite(torch.tensor([e.token.logprob for e in result.events if e.token])).all()

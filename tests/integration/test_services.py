@@ -13,7 +13,7 @@ from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.errors import InvalidRequest
 from common.runtime.ports import free_port
 from common.runtime.redis_state import WorkerRegistry, WorkerRole
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.stack.embedded_redis import EmbeddedRedis
 from tests.stack import services_in_threads

@@ -10,7 +10,7 @@ import pytest
 
 from common.loading.loader import load_model
 from common.model.generate import generate
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from tests.cli import run_tpla
 from tests.tiny import save_tiny_chat_model

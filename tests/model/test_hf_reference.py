@@ -9,7 +9,7 @@ import torch
 
 from common.loading.loader import load_model
 from common.model.generate import generate
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from tests.tiny import VARIANTS, save_hf
 
 PROMPT_LEN = 37

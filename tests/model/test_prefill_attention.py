@@ -1,8 +1,8 @@
-"""The native causal prefill kernel against its reference (torch SDPA, `SdpaBackend`) and an
-explicit masked softmax, over the shapes prefill meets: packed ragged sequences, the MLA
-widths (d_v < d_qk), lengths around the kernel's 48-row query and 72-key blocks, more than
-one thread, MLA's parts read in place (q_nope | q_pe, strided k_nope | shared k_pe); plus the
-backend's selection and fallbacks."""
+"""The native causal prefill kernel against its reference (torch SDPA,
+`SdpaPrefillAttention`) and an explicit masked softmax, over the shapes prefill meets: packed
+ragged sequences, the MLA widths (d_v < d_qk), lengths around the kernel's 48-row query and
+72-key blocks, more than one thread, MLA's parts read in place (q_nope | q_pe, strided k_nope |
+shared k_pe); plus the backend's selection and fallbacks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ import math
 import pytest
 import torch
 
-from common.model.attn_backend import NativeBackend, SdpaBackend, select_backend
+from common.model.prefill_attention import (
+    NativePrefillAttention,
+    SdpaPrefillAttention,
+    select_prefill_attention,
+)
 from common.native import causal_attention as ca
 
 pytestmark = pytest.mark.skipif(not ca.available(), reason="no C++ compiler for the kernel")
@@ -58,7 +62,7 @@ def test_native_matches_sdpa_and_the_masked_softmax(lengths, heads, d_qk, d_v) -
     q, k, v, cu = _inputs(lengths, heads, d_qk, d_v)
     scale = d_qk**-0.5
     native = ca.causal_attention(q, k, v, cu, scale)
-    sdpa = SdpaBackend().causal(q, k, v, cu, scale)
+    sdpa = SdpaPrefillAttention().causal(q, k, v, cu, scale)
     exact = masked_softmax_reference(q, k, v, cu, scale)
     assert native.shape == (sum(lengths), heads, d_v) and native.dtype == torch.float32
     torch.testing.assert_close(native.double(), exact, rtol=1e-5, atol=1e-5)
@@ -82,7 +86,9 @@ def test_strided_inputs_are_accepted() -> None:
     q, k, v, cu = _inputs([40], 4, 48, 64)
     v_view = v[..., :32]
     out = ca.causal_attention(q, k, v_view, cu, 0.2)
-    torch.testing.assert_close(out, SdpaBackend().causal(q, k, v_view.contiguous(), cu, 0.2))
+    torch.testing.assert_close(
+        out, SdpaPrefillAttention().causal(q, k, v_view.contiguous(), cu, 0.2)
+    )
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -101,10 +107,10 @@ def test_mla_parts_are_read_in_place(threads: int) -> None:
     k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), dim=-1)
     joined = ca.causal_attention(q, k, v.contiguous(), cu, 0.3, threads=threads)
     assert torch.equal(parts, joined)  # the same packed operands, the same arithmetic
-    backend = NativeBackend()
+    backend = NativePrefillAttention()
     assert torch.equal(backend.causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3), joined)
     # The default causal_mla (join, then `causal`) on the reference backend agrees too.
-    sdpa = SdpaBackend().causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3)
+    sdpa = SdpaPrefillAttention().causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3)
     torch.testing.assert_close(parts, sdpa, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="k_pe \\[T, d_r\\]"):
         ca.causal_attention_mla(q_nope, q_pe, k_nope, k_pe[:-1], v, cu, 0.3)
@@ -132,11 +138,14 @@ def test_bad_shapes_and_dtypes_are_refused() -> None:
 
 
 def test_backend_selection_and_fallback() -> None:
-    assert select_backend("auto", "cpu").name == "native"
-    assert select_backend("native").name == "native" and select_backend("sdpa").name == "sdpa"
+    assert select_prefill_attention("auto", "cpu").name == "native"
+    assert (
+        select_prefill_attention("native").name == "native"
+        and select_prefill_attention("sdpa").name == "sdpa"
+    )
     with pytest.raises(ValueError, match="unknown attention backend"):
-        select_backend("fast")
-    backend = NativeBackend()
+        select_prefill_attention("fast")
+    backend = NativePrefillAttention()
     q, k, v, cu = _inputs([12, 7], 2, 16, 8)
     # fp64 is outside the kernel's domain: the backend hands it to SDPA.
     out64 = backend.causal(q.double(), k.double(), v.double(), cu, 0.25)
@@ -155,7 +164,7 @@ def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
     native = load_prefill_model(model_dir, None, attention_backend="auto")
     sdpa = load_prefill_model(model_dir, None, attention_backend="sdpa")
-    assert native.prefill_backend.name == "native" and sdpa.prefill_backend.name == "sdpa"
+    assert native.prefill_attention.name == "native" and sdpa.prefill_attention.name == "sdpa"
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, native.config.vocab_size, (90,), generator=g)
     with torch.no_grad():
@@ -167,14 +176,16 @@ def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
     torch.testing.assert_close(a.k_pe, b.k_pe, rtol=1e-4, atol=1e-5)
 
 
-def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(tmp_path) -> None:
-    # `tpla generate --tp` and the colocated baseline prefill through tools.cli.local;
+def test_the_in_process_prefill_of_a_decode_engine_takes_the_chosen_backend(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `tpla generate --tp` and the colocated baseline prefill in the engine's process;
     # TPLA_ATTENTION_BACKEND must reach them as it reaches the prefill service.
-    from services.decode.config import EngineConfig
     from tests.tiny import save_tiny_chat_model
-    from tools.cli.local import load_prefill_model
+    from tools.bench.colocated import ColocatedServer
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
-    cfg = EngineConfig(model=str(model_dir))
-    assert load_prefill_model(cfg, "sdpa").prefill_backend.name == "sdpa"
-    assert load_prefill_model(cfg).prefill_backend.name == "native"
+    for setting, chosen in (("sdpa", "sdpa"), ("auto", "native")):
+        monkeypatch.setenv("TPLA_ATTENTION_BACKEND", setting)
+        with ColocatedServer(str(model_dir), None, tp=1, latent_groups=1) as server:
+            assert server.prefill_model.prefill_attention.name == chosen

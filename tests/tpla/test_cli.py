@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from common.loading.loader import load_model
 from common.model.generate import generate
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from common.tpla.convert import load_side_file
 from common.tpla.eval import EvalConfig, evaluate

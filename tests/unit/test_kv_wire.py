@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from common.kv import wire
+from common.kv.framing import parse_chunk
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
-from common.kv.receiver import KvReceiverServicer, ShardTarget, parse_chunk
-from common.kv.transfer import Shard, TransferError, cut_shard, encode_chunks
-from common.kv.wire import row_plan, shard_slots
+from common.kv.receiver import KvReceiverServicer, ShardTarget
+from common.kv.transfer import Shard, TransferError, cut_shard
+from common.kv.wire import shard_segments, shard_slots
 from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2
 
@@ -31,14 +32,14 @@ def _shard(
 @pytest.mark.parametrize("tokens", [0, 1, 37])
 def test_encode_chunks_is_wire_identical_to_kvchunk(chunk_bytes: int, tokens: int) -> None:
     shard = _shard(tokens, (4, 9, 2))
-    chunks = [kv_pb2.KvChunk.FromString(raw) for raw in encode_chunks(shard, chunk_bytes)]
+    chunks = [kv_pb2.KvChunk.FromString(raw) for raw in shard.chunks(chunk_bytes)]
     assert chunks[0].HasField("header") and chunks[0].header == shard.header()
     assert not any(c.HasField("header") for c in chunks[1:])
     assert b"".join(c.rows for c in chunks) == shard.kv.numpy().tobytes()
     assert all(len(c.rows) <= chunk_bytes for c in chunks)
     # And byte for byte what protobuf itself would have sent for the first chunk.
     first = kv_pb2.KvChunk(header=shard.header(), rows=chunks[0].rows).SerializeToString()
-    assert next(iter(encode_chunks(shard, chunk_bytes))) == first
+    assert next(iter(shard.chunks(chunk_bytes))) == first
 
 
 def _retired_data_chunk(header: kv_pb2.KvHeader, data: bytes) -> bytes:
@@ -129,7 +130,7 @@ def test_grpc_push_lands_exact_bytes(
     shard = _shard(tokens, blocks)
     cache = _cache(shard)
     sink = _Sink(cache)
-    received = KvReceiverServicer(sink, None)._push(iter(encode_chunks(shard, chunk_bytes)))
+    received = KvReceiverServicer(sink, None)._push(iter(shard.chunks(chunk_bytes)))
     assert received == shard.nbytes and len(sink.written) == 1
     _assert_landed(cache, shard)
 
@@ -138,12 +139,12 @@ def test_grpc_push_lands_exact_bytes(
 def test_segments_tile_the_payload_and_direct_ones_are_runs() -> None:
     shard = _shard(1000, CONTIGUOUS[:30] + SCATTERED[:40])
     header = shard.header()
-    plan = row_plan(header)
-    rows = [(s.start, s.stop) for s in plan.segments]
+    cut = shard_segments(header)
+    rows = [(s.start, s.stop) for s in cut.segments]
     assert rows[0][0] == 0 and rows[-1][1] == 3 * 1000
     assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
     row_bytes = shard.kv.shape[2] * 4
-    direct = [s for s in plan.segments if s.direct]
+    direct = [s for s in cut.segments if s.direct]
     assert direct and all((s.stop - s.start) * row_bytes <= wire.SEGMENT_BYTES for s in direct)
     slots = shard_slots(header)
     for s in direct:
@@ -158,13 +159,13 @@ def test_wire_dtype_other_than_the_cache_is_converted() -> None:
     shard = _shard(1600, CONTIGUOUS, dtype=torch.bfloat16)
     shard = Shard("r", 0, shard.kv.float().bfloat16(), shard.latent_width, 16, CONTIGUOUS)
     cache = _cache(shard, torch.float32)
-    KvReceiverServicer(_Sink(cache), None)._push(iter(encode_chunks(shard)))
+    KvReceiverServicer(_Sink(cache), None)._push(iter(shard.chunks()))
     _assert_landed(cache, shard)
 
 
 def test_bad_pushes_are_rejected() -> None:
     shard = _shard(37, (4, 9, 2))
-    chunks = list(encode_chunks(shard, 1000))
+    chunks = list(shard.chunks(1000))
     servicer = KvReceiverServicer(_Sink(_cache(shard)), None)
     with pytest.raises(TransferError, match="bytes, header says"):
         servicer._push(iter(chunks[:-1]))

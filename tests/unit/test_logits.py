@@ -17,7 +17,8 @@ from common.sampling.logits import (
     process_logits,
     token_rows,
 )
-from common.sampling.sampler import SamplingError, SamplingParams, make_generator, sample_batch
+from common.sampling.params import SamplingError, SamplingParams
+from common.sampling.sampler import make_generator, sample_batch
 
 V = 48
 EOS = (1,)

@@ -14,7 +14,7 @@ import torch
 from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.rpc.convert import ReservationInfo
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
 

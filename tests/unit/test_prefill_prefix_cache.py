@@ -12,7 +12,7 @@ from common.kv.prefix_cache import model_identity
 from common.kv.transfer import KvSender, Shard
 from common.loading.serving_model import load_prefill_model
 from common.rpc.convert import KvTargetInfo, ReservationInfo
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf

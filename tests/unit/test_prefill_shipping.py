@@ -20,7 +20,7 @@ import torch
 from common.kv.transfer import KvSender, Shard, TransferError, make_sender
 from common.loading.serving_model import load_prefill_model
 from common.rpc.convert import KvTargetInfo, ReservationInfo
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
 

@@ -12,7 +12,7 @@ from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.rpc.convert import ReservationInfo
 from common.runtime.settings import load_settings
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.prefill import threads as prefill_threads
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker

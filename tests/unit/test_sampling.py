@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling.sampler import (
-    SamplingError,
-    SamplingParams,
-    filtered_logits,
-    make_generator,
-    sample,
-    sample_batch,
-)
+from common.sampling.params import SamplingError, SamplingParams
+from common.sampling.sampler import filtered_logits, make_generator, sample, sample_batch
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

@@ -19,15 +19,16 @@ from collections.abc import Sequence
 import torch
 
 from common.kv.transfer import cut_shard
+from common.loading.serving_model import load_prefill_model
 from common.model.model import PrefillOutput
 from common.model.tpla import RmsNormMode
 from common.runtime.settings import load_settings
-from common.sampling.sampler import SamplingParams, make_generator, sample
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import first_tokens
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 from services.decode.engine import DecodeEngine
 from services.prefill.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
-from tools.cli.local import load_prefill_model
 
 
 class ColocatedServer:
@@ -54,7 +55,9 @@ class ColocatedServer:
         )
         self.engine = DecodeEngine(cfg)
         try:
-            self.prefill_model = load_prefill_model(cfg, settings.attention_backend)
+            self.prefill_model = load_prefill_model(
+                cfg.model, cfg.reparam, cfg.dtype, settings.attention_backend, cfg.device
+            )
         except BaseException:
             self.engine.shutdown()
             raise
@@ -92,7 +95,7 @@ class ColocatedServer:
                     out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size
                 )
                 self.engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
-            first = sample(out.logits[0], params, make_generator(params, stream=0))
+            [first] = first_tokens(out.logits[0], params)
             times = [time.perf_counter()]
             reason = ""
             for event in self.engine.generate(rid, first.token_id, params):

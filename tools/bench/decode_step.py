@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.model.tpla import RmsNormMode
-from common.sampling.sampler import SamplingParams
+from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
 
 WARMUP_STEPS = 2  # full-batch steps not timed (first calls into each kernel's buffers)

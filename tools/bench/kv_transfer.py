@@ -32,7 +32,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from common.kv.transfer import CHUNK_BYTES, KvSender, Shard, cut_shard, make_sender
+from common.kv.framing import CHUNK_BYTES
+from common.kv.transfer import KvSender, Shard, cut_shard, make_sender
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import KvTargetInfo
 from common.runtime.ports import free_ports

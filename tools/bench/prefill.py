@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from common.model.args import ModelConfig
-from common.model.attn_backend import PrefillAttentionBackend, select_backend
 from common.model.mla import MLAttention
+from common.model.prefill_attention import PrefillAttention, select_prefill_attention
 from tools.bench.decode_attn import AttnShape, per_device, shapes
 
 RANKS = 2
@@ -76,9 +76,7 @@ def _attention(work: PrefillWork) -> MLAttention:
     return attn
 
 
-def prepare_prefill(
-    work: PrefillWork, backend: PrefillAttentionBackend
-) -> Callable[[], torch.Tensor]:
+def prepare_prefill(work: PrefillWork, backend: PrefillAttention) -> Callable[[], torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     attn = _attention(work)
     t, h = work.tokens, work.heads
@@ -114,7 +112,7 @@ def run_bench(
     names: list[str] | None = None,
     backends: tuple[str, ...] = ("sdpa",),
 ) -> list[dict[str, object]]:
-    chosen = {name: select_backend(name) for name in backends}
+    chosen = {name: select_prefill_attention(name) for name in backends}
     rows: list[dict[str, object]] = []
     for shape in shapes(demo_dir):
         if names and shape.name not in names:

@@ -15,7 +15,7 @@ from tools.cli.tpla import METHODS, RMSNORM_MODES
 if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
     from common.model.generate import Generation
     from common.model.model import DeepseekForCausalLM
-    from common.sampling.sampler import SamplingParams
+    from common.sampling.params import SamplingParams
     from common.text.tokenizer import Tokenizer
 
 MODES = ("mla", "tpla", "tpla-pd", "gla")  # the oracle's variants (common/tpla/reference.py)
@@ -37,9 +37,9 @@ def _parse_ids(text: str) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from common.loading.loader import load_model
     from common.model.args import ModelConfig
-    from common.model.attn_backend import select_backend
     from common.model.generate import generate
-    from common.sampling.sampler import SamplingParams
+    from common.model.prefill_attention import select_prefill_attention
+    from common.sampling.params import SamplingParams
     from common.text.tokenizer import Tokenizer
 
     settings = placed(
@@ -74,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         return _print_generation(args, settings, tokenizer, result)
     model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
-    model.prefill_backend = select_backend(settings.attention_backend, settings.device)
+    model.prefill_attention = select_prefill_attention(settings.attention_backend, settings.device)
     if args.mode is not None:
         result = generate_with_mode(model, settings.model, prompt_ids, params, sorted(eos), args)
     else:

@@ -17,16 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from common.kv.transfer import cut_shard
-from common.loading import serving_model
-from common.loading.serving_model import side_file_path
+from common.loading.serving_model import load_prefill_model, side_file_path
 from common.messages import TokenEvent
 from common.model.generate import Generation
 from common.model.model import DeepseekForCausalLM
 from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
-from common.sampling.sampler import SampledToken, SamplingParams, make_generator, sample
-from services.decode.config import EngineConfig
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken, first_tokens
 from services.decode.engine import DecodeEngine
 from services.decode.stream import TokenStream
 
@@ -36,13 +35,6 @@ class LocalResult:
     token_ids: list[int]
     finish_reason: str
     events: list[TokenEvent]
-
-
-def load_prefill_model(cfg: EngineConfig, attention_backend: str = "auto") -> DeepseekForCausalLM:
-    """The exact prefill model, in the same (possibly rotated) latent basis as the ranks."""
-    return serving_model.load_prefill_model(
-        cfg.model, cfg.reparam, cfg.dtype, attention_backend, cfg.device
-    )
 
 
 def submit(
@@ -69,7 +61,7 @@ def submit(
         matcher = engine.controls.matcher(p, [])
         allowed = None if matcher is None else allowed_now(matcher, vocab, device)
         context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
-        first = sample(out.logits[row], p, make_generator(p, device, stream=0), context)
+        [first] = first_tokens(out.logits[row], p, 1, context)
         started.append((first, engine.generate(rid, first.token_id, p)))
         start += len(prompt)
     return started
@@ -124,7 +116,10 @@ def generate_distributed(
         max_model_len=len(prompt_ids) + params.max_tokens,
     )
     with DecodeEngine(cfg, eos_token_ids=tuple(eos_ids)) as engine:
-        prefill = load_prefill_model(cfg, settings.attention_backend)
+        # The exact prefill model, in the same (possibly rotated) latent basis as the ranks.
+        prefill = load_prefill_model(
+            cfg.model, cfg.reparam, cfg.dtype, settings.attention_backend, cfg.device
+        )
         [(first, stream)] = submit(engine, prefill, [prompt_ids], [params])
         result = collect(first, stream)
     tokens = [first] + [e.token for e in result.events if e.token is not None]

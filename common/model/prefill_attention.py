@@ -1,10 +1,11 @@
-"""Causal varlen attention backends for the expanded (prefill) MLA path.
+"""Causal varlen attention of the expanded (prefill) MLA path, chosen once per model by
+`select_prefill_attention` (the decode ranks' backends are another interface).
 
-`SdpaBackend` runs everywhere and is the reference. `NativeBackend` is the CPU fast path
-(common/native/causal_attention.cpp, fp32; anything else goes to SDPA), chosen by `auto` on
-CPU when the kernel builds here. `FlashAttnBackend` is a thin GPU path that is chosen only
-when CUDA and the `flash_attn` package are both present; importing this module never
-imports flash_attn or builds a native library.
+`SdpaPrefillAttention` runs everywhere and is the reference. `NativePrefillAttention` is the
+CPU fast path (common/native/causal_attention.cpp, fp32; anything else goes to SDPA), chosen by
+`auto` on CPU when the kernel builds here. `FlashPrefillAttention` is a thin GPU path that is
+chosen only when CUDA and the `flash_attn` package are both present; importing this module
+never imports flash_attn or builds a native library.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-class PrefillAttentionBackend(abc.ABC):
+class PrefillAttention(abc.ABC):
     """Causal self-attention over packed sequences delimited by `cu_seqlens`."""
 
     name: str
@@ -48,7 +49,7 @@ class PrefillAttentionBackend(abc.ABC):
         return self.causal(q, k, v.contiguous(), cu_seqlens, scale)
 
 
-class SdpaBackend(PrefillAttentionBackend):
+class SdpaPrefillAttention(PrefillAttention):
     """torch SDPA, one call per sequence (no cross-sequence mask memory)."""
 
     name = "sdpa"
@@ -70,7 +71,7 @@ class SdpaBackend(PrefillAttentionBackend):
         return out
 
 
-class NativeBackend(PrefillAttentionBackend):
+class NativePrefillAttention(PrefillAttention):
     """The native CPU kernel for fp32 CPU tensors, SDPA (the reference) for anything else."""
 
     name = "native"
@@ -82,7 +83,7 @@ class NativeBackend(PrefillAttentionBackend):
         if not causal_attention.available():
             raise NativeUnavailable("the native prefill attention kernel cannot be built here")
         self._kernel = causal_attention
-        self._fallback = SdpaBackend()
+        self._fallback = SdpaPrefillAttention()
 
     def causal(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
@@ -110,7 +111,7 @@ class NativeBackend(PrefillAttentionBackend):
         return super().causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens, scale)
 
 
-class FlashAttnBackend(PrefillAttentionBackend):
+class FlashPrefillAttention(PrefillAttention):
     """flash-attn varlen kernel (CUDA only; fp16/bf16)."""
 
     name = "flash-attn"
@@ -132,29 +133,29 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-def select_backend(
+def select_prefill_attention(
     name: str = "auto", device: torch.device | str = "cpu"
-) -> PrefillAttentionBackend:
+) -> PrefillAttention:
     """`auto` picks flash-attn on a CUDA device when installed, the native kernel on CPU
     when it builds here, else SDPA."""
     if name == "sdpa":
-        return SdpaBackend()
+        return SdpaPrefillAttention()
     if name == "native":
-        return NativeBackend()  # NativeUnavailable (a RuntimeError) if it cannot build
+        return NativePrefillAttention()  # NativeUnavailable (a RuntimeError) if it cannot build
     if name == "flash-attn":
         if not flash_attn_available():
             raise RuntimeError("flash-attn backend requested but CUDA or flash_attn is missing")
-        return FlashAttnBackend()
+        return FlashPrefillAttention()
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, native, flash-attn)")
     kind = torch.device(device).type
     if kind == "cuda" and flash_attn_available():
-        return FlashAttnBackend()
+        return FlashPrefillAttention()
     if kind == "cpu":
         from common.native.library import NativeUnavailable
 
         try:
-            return NativeBackend()
+            return NativePrefillAttention()
         except NativeUnavailable:
             pass  # no compiler / unsupported CPU: the library logged why once
-    return SdpaBackend()
+    return SdpaPrefillAttention()
