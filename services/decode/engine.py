@@ -44,7 +44,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.block_pool import RankPools
-from common.kv.chunks import owned_ranges
 from common.kv.prefix_cache import block_hashes, model_identity
 from common.kv.slots import token_slots
 from common.messages import DecodeLoad as Load
@@ -61,7 +60,7 @@ from common.sampling.sampler import (
     make_generator,
     sample_batch,
 )
-from services.decode.config import EngineConfig, Launch, rank_latent_columns
+from services.decode.config import EngineConfig, Launch
 from services.decode.controls import SequenceControls, StepControls
 from services.decode.group.processes import GroupProcesses
 from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
@@ -150,18 +149,12 @@ class DecodeEngine:
         self.on_step: Callable[[float, int], None] | None = None
         # Rank k's logits are padded to a common width for the gather; these columns of the
         # gathered row are the real vocabulary, in order. Computed once, used every step.
-        padded = self.runtime.model.vocab_size_padded
         self.controls = StepControls(
             cfg.model, self.vocab_size, self.eos_token_ids, cfg.max_batch, self.runtime.device
         )
-        self._vocab_columns = torch.cat(
-            [
-                k * padded + torch.arange(len(chunk))
-                for k, chunk in enumerate(
-                    torch.tensor_split(torch.arange(self.vocab_size), cfg.parallel.tp)
-                )
-            ]
-        ).to(self.runtime.device)
+        self._vocab_columns = torch.tensor(
+            cfg.parallel.vocab_columns(self.vocab_size), device=self.runtime.device
+        )
         self._thread = threading.Thread(target=self._loop, name="decode-leader", daemon=True)
         self._thread.start()
 
@@ -209,11 +202,11 @@ class DecodeEngine:
         cached = reservation.cached_tokens
         targets = []
         for rank, table in enumerate(reservation.block_tables):
-            cols = rank_latent_columns(par, rank, d_c)
+            cols = par.latent_columns(rank, d_c)
             blocks = table[self.pool.local_tokens(rank, cached) // cfg.block_size :]
             ranges: tuple[int, ...] = ()
             if par.sp:
-                owned = owned_ranges(prompt_len, rank, par.chunk_size, par.tp)
+                owned = par.owned_ranges(rank, prompt_len)
                 # An empty list means "every token" on the wire, so "none" is (0, 0).
                 ranges = tuple(
                     x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)

@@ -15,10 +15,10 @@ from common.kv.transfer import cut_shard
 from common.loading.loader import load_model
 from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
-from common.model.tpla import RmsNormMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.sampling.sampler import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.group.comm import ShmCollectives
 from services.prefill.worker import first_tokens

@@ -14,10 +14,11 @@ import jsonschema
 import pytest
 import torch
 
+from common.parallel import ParallelConfig, ParallelMode
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.sampler import SamplingParams
 from common.text.tokenizer import Tokenizer
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
 from tools.cli.local import collect, load_prefill_model, submit

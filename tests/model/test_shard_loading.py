@@ -21,7 +21,8 @@ from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model, open_serving_weights
 from common.model.model import DeepseekForCausalLM
-from common.model.tpla import RmsNormMode, latent_shards
+from common.model.tpla import latent_shards
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.convert import (
     LayerReparameterization,
     Reparameterization,
@@ -30,7 +31,6 @@ from common.tpla.convert import (
     save_side_file,
 )
 from common.tpla.transforms import Method
-from services.decode.config import ParallelConfig, ParallelMode
 from services.decode.group.comm import Comm
 from services.decode.rank.model import RankModel
 from tests.model.shard_checkpoints import (
@@ -288,7 +288,7 @@ def test_other_quantization_methods_are_refused_by_name(dirs, tmp_path: Path) ->
 
 def test_large_reads_go_in_row_chunks_with_the_same_bits(dirs, monkeypatch) -> None:
     """Chunks of 21 FP8 rows (and 5 float32 rows): boundaries fall inside scale blocks."""
-    from common.model import checkpoint
+    from common.loading import checkpoint
 
     parallel = LAYOUTS["tpla-tp2-r2"]
     monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 4096)

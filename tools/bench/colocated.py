@@ -20,10 +20,10 @@ import torch
 
 from common.kv.transfer import cut_shard
 from common.model.model import PrefillOutput
-from common.model.tpla import RmsNormMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.settings import load_settings
 from common.sampling.sampler import SamplingParams, make_generator, sample
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.prefill.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
