@@ -14,7 +14,7 @@ from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, parse_chunk
 from common.kv.transfer import Shard, TransferError, cut_shard, encode_chunks
 from common.kv.wire import row_plan, shard_slots
-from common.rpc.convert import KvTargetInfo
+from common.messages import KvTargetInfo
 from common.rpc.gen import kv_pb2
 
 

@@ -87,7 +87,7 @@ class ColocatedServer:
             rid = uuid.uuid4().hex
             reservation = self.engine.reserve(rid, len(prompt), max_tokens)
             out = self._prefill_in_loop(prompt)
-            for target in self.engine.kv_targets(reservation, len(prompt)):
+            for target in reservation.targets:
                 shard = cut_shard(
                     out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size
                 )

@@ -33,9 +33,9 @@ import grpc
 import torch
 
 from common.kv.transfer import CHUNK_BYTES, KvSender, Shard, cut_shard, make_sender
+from common.messages import KvTargetInfo
 from common.parallel import ParallelConfig, span
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.convert import KvTargetInfo
 from common.runtime.ports import free_ports
 from tools.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig, recv_exact
 
