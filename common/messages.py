@@ -1,7 +1,10 @@
-"""What a decode group hands its callers, in process: token events and its load.
+"""The in-process messages between services: one frozen dataclass per message.
 
-One type per message, shared by the engine, its gRPC servicer, the local driver and the
-router's client (common/rpc/convert.py maps them to and from the wire).
+A reservation travels from the decode group's Reserve through the router to the prefill
+worker as one `Reservation` (a `KvTargetInfo` per rank); the prefill worker cuts one
+`common.kv.transfer.Shard` per target, and its outcome is a `PrefillResult`. The decode group
+streams `TokenEvent`s and reports its `DecodeLoad`. common/rpc/convert.py maps each to and
+from its protobuf message.
 """
 
 from __future__ import annotations
@@ -13,6 +16,50 @@ from common.sampling.sampler import SampledToken
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+
+@dataclass(frozen=True)
+class KvTargetInfo:
+    """Where one decode rank receives its shard of a request, and which part it caches."""
+
+    rank: int
+    grpc_address: str
+    torch_address: str
+    latent_start: int
+    latent_width: int
+    block_ids: tuple[int, ...]
+    token_ranges: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A request's reserved KV on a decode group: the cache's shape and each rank's target."""
+
+    request_id: str
+    block_size: int
+    num_layers: int
+    rope_width: int
+    dtype: str
+    lease_seconds: float
+    targets: tuple[KvTargetInfo, ...]
+    cached_tokens: int = 0  # leading prompt tokens the group holds already: not shipped
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: SampledToken  # choice 0's
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
+    cached_tokens: int = 0  # leading prompt tokens the prefill reused from its own cache
+    choice_tokens: tuple[SampledToken, ...] = ()  # n > 1: every choice's first token, in order
+    # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
+    prompt_logprobs: tuple[SampledToken, ...] = ()
+
+    @property
+    def first_tokens(self) -> tuple[SampledToken, ...]:
+        """One first token per choice."""
+        return self.choice_tokens or (self.first_token,)
 
 
 @dataclass(frozen=True)

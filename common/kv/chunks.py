@@ -1,7 +1,8 @@
 """Round-robin token chunks of sequence-parallel decode (pure bookkeeping, no torch).
 
 Position p belongs to chunk p // C, owned by rank (p // C) mod R; each rank stores its
-tokens contiguously in chunk order, so its local cache is an ordinary growing sequence.
+tokens contiguously in chunk order, so its local cache is an ordinary growing sequence. The
+ranges of a prompt each rank owns are `common.parallel.ParallelConfig.owned_ranges`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,3 @@ def local_index(position: Any, chunk_size: int, ranks: int) -> Any:
     """Where the owner of `position` stores it in its own (contiguous) token order."""
     chunk = position // chunk_size
     return (chunk // ranks) * chunk_size + position % chunk_size
-
-
-def owned_ranges(total: int, rank: int, chunk_size: int, ranks: int) -> list[tuple[int, int]]:
-    """The [start, end) position ranges of the first `total` tokens that `rank` owns."""
-    starts = range(rank * chunk_size, total, chunk_size * ranks)
-    return [(s, min(s + chunk_size, total)) for s in starts]

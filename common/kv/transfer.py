@@ -38,8 +38,8 @@ from common.kv.pair import Pair, PairBackend, backend_key, device_uuid, poll_unt
 # DTYPES and TransferError are part of this module's interface; they are defined in wire,
 # whose header checks need them, so that wire does not import this module.
 from common.kv.wire import DTYPES, TransferError, row_bytes, shard_segments
+from common.messages import KvTargetInfo
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
-from common.rpc.convert import KvTargetInfo
 from common.rpc.gen import kv_pb2, kv_pb2_grpc
 
 

@@ -15,7 +15,6 @@ the lossy baseline of the paper's comparison.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,13 +23,7 @@ import torch
 from torch import Tensor
 
 from common.model.mla import MLAttention, rms_norm
-
-
-class RmsNormMode(enum.Enum):
-    """How a rank normalizes the latent of a newly generated token."""
-
-    EXACT = "exact"  # compute the full small projection, normalize exactly, keep the slice
-    SLICED = "sliced"  # see only x[S_i]: rms(x) ~ rms(x[S_i]) * sqrt(1 / (r e_i))
+from common.parallel import RmsNormMode
 
 
 @dataclass(frozen=True)

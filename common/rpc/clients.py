@@ -11,10 +11,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from common.messages import DecodeLoad, TokenEvent
+from common.messages import DecodeLoad, PrefillResult, Reservation, TokenEvent
 from common.rpc.convert import (
-    PrefillResult,
-    ReservationInfo,
     load_from_pb,
     params_to_pb,
     reservation_from_pb,
@@ -62,7 +60,7 @@ class DecodeClient:
         timeout: float = 10.0,
         n: int = 1,
         prompt_ids: Sequence[int] = (),
-    ) -> ReservationInfo:
+    ) -> Reservation:
         """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them."""
         try:
             msg = await self._stub.Reserve(
@@ -163,7 +161,7 @@ class PrefillClient:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        reservation: ReservationInfo,
+        reservation: Reservation,
         transport: str = "grpc",
         timeout: float = 60.0,
         num_output_tokens: int = 0,

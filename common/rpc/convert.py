@@ -1,67 +1,19 @@
-"""The in-process types that cross services, and their conversions to and from the wire,
-defined once.
+"""Conversions of the in-process messages (common/messages.py) to and from protobuf, one
+pair per message.
 
-A reservation travels from the decode group's Reserve through the router to the prefill
-worker as one type: `ReservationInfo` in process (its `KvTargetInfo` per rank), the decode
-service's `ReserveResponse` on the wire (the prefill request carries it as it came). The
-prefill worker cuts one `common.kv.transfer.Shard` per target, whose `KvHeader` tells the
-receiver what arrives. A prefill's outcome is `PrefillResult`, `PrefillResponse` on the wire.
+A `Reservation` is the decode service's `ReserveResponse` on the wire (the prefill request
+carries it as it came); a `PrefillResult` is a `PrefillResponse`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from common.messages import DecodeLoad
+from common.messages import DecodeLoad, KvTargetInfo, PrefillResult, Reservation
 from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.params import SamplingError, SamplingParams
 from common.sampling.sampler import SampledToken
-
-
-@dataclass(frozen=True)
-class KvTargetInfo:
-    """Where one decode rank receives its shard of a request, and which part it caches."""
-
-    rank: int
-    grpc_address: str
-    torch_address: str
-    latent_start: int
-    latent_width: int
-    block_ids: tuple[int, ...]
-    token_ranges: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class ReservationInfo:
-    """A request's reserved KV on a decode group: the cache's shape and each rank's target."""
-
-    request_id: str
-    block_size: int
-    num_layers: int
-    rope_width: int
-    dtype: str
-    lease_seconds: float
-    targets: tuple[KvTargetInfo, ...]
-    cached_tokens: int = 0  # leading prompt tokens the group holds already: not shipped
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: SampledToken  # choice 0's
-    prefill_seconds: float
-    transfer_seconds: float
-    transfer_bytes: int
-    cached_tokens: int = 0  # leading prompt tokens the prefill reused from its own cache
-    choice_tokens: tuple[SampledToken, ...] = ()  # n > 1: every choice's first token, in order
-    # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
-    prompt_logprobs: tuple[SampledToken, ...] = ()
-
-    @property
-    def first_tokens(self) -> tuple[SampledToken, ...]:
-        """One first token per choice."""
-        return self.choice_tokens or (self.first_token,)
 
 
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -153,8 +105,8 @@ def target_from_pb(msg: common_pb2.KvTarget) -> KvTargetInfo:
     )
 
 
-def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> ReservationInfo:
-    return ReservationInfo(
+def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> Reservation:
+    return Reservation(
         msg.request_id,
         msg.block_size,
         msg.num_layers,
@@ -166,7 +118,7 @@ def reservation_from_pb(msg: decode_pb2.ReserveResponse) -> ReservationInfo:
     )
 
 
-def reservation_to_pb(r: ReservationInfo) -> decode_pb2.ReserveResponse:
+def reservation_to_pb(r: Reservation) -> decode_pb2.ReserveResponse:
     return decode_pb2.ReserveResponse(
         request_id=r.request_id,
         block_size=r.block_size,

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from common.loading.loader import load_model
 from common.model.model import DeepseekForCausalLM
-from common.model.tpla import RmsNormMode
+from common.parallel import RmsNormMode
 from common.text.tokenizer import Tokenizer
 from common.tpla import corpus
 from common.tpla.calibration import (

@@ -23,11 +23,10 @@ from typing import Any
 
 from common.kv.chunks import local_length
 from common.model.args import ModelConfig
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.rank_memory import (
     DTYPE_BYTES,
     WEIGHT_DTYPES,
-    Kind,
-    Layout,
     PlanError,
     kv_bytes_per_stored_token,
     rank_tensors,
@@ -101,7 +100,7 @@ class PlanRequest:
     context: int = 32768  # tokens a sequence reserves (prompt + max_tokens, as the scheduler)
     kv_dtype: str = "bfloat16"
     weight_dtype: str = "bfloat16"
-    exact_rmsnorm: bool = True
+    rmsnorm: RmsNormMode = RmsNormMode.EXACT
     block_size: int = 16
     chunk_size: int = 256
     fp8_block: tuple[int, int] = (128, 128)
@@ -120,12 +119,16 @@ class PlanRequest:
                 f"unknown weight dtype {self.weight_dtype!r}; choose one of {WEIGHT_DTYPES}"
             )
 
-    def layouts(self) -> list[Layout]:
-        tp, exact = self.hardware.gpus_per_group, self.exact_rmsnorm
+    def layouts(self) -> list[tuple[str, ParallelConfig]]:
+        """(row name, layout): mla-tp, tpla for each requested r (r = 1 too), sp."""
+        tp, norm, chunk = self.hardware.gpus_per_group, self.rmsnorm, self.chunk_size
         return [
-            Layout(Kind.MLA_TP, tp, 1, exact),
-            *(Layout(Kind.TPLA, tp, r, exact) for r in self.latent_groups),
-            Layout(Kind.SP, tp, 1, exact),
+            ("mla-tp", ParallelConfig(tp, 1, norm, ParallelMode.TPLA, chunk)),
+            *(
+                ("tpla", ParallelConfig(tp, r, norm, ParallelMode.TPLA, chunk))
+                for r in self.latent_groups
+            ),
+            ("sp", ParallelConfig(tp, 1, norm, ParallelMode.SP, chunk)),
         ]
 
 
@@ -133,7 +136,8 @@ class PlanRequest:
 class LayoutPlan:
     """One layout on one rank (the largest rank: lm_head slices differ by a row)."""
 
-    layout: Layout
+    name: str  # mla-tp | tpla | sp: the plan's row (a tpla row may ask for r = 1)
+    layout: ParallelConfig
     weights_bytes: int
     kv_bytes_per_token: float  # per context token of the group, on one rank
     kv_bytes_per_stored_token: int
@@ -144,8 +148,12 @@ class LayoutPlan:
     max_sequences: int  # per group, at the requested context
     fits: bool  # weights + reserve < GPU memory
 
+    @property
+    def label(self) -> str:
+        return f"tpla r={self.layout.latent_groups}" if self.name == "tpla" else self.name
 
-def plan_layout(c: ModelConfig, req: PlanRequest, layout: Layout) -> LayoutPlan:
+
+def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelConfig) -> LayoutPlan:
     hw, bs = req.hardware, req.block_size
     weights = max(
         weight_bytes(rank_tensors(c, layout, rank), req.weight_dtype, req.fp8_block)
@@ -154,11 +162,12 @@ def plan_layout(c: ModelConfig, req: PlanRequest, layout: Layout) -> LayoutPlan:
     stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype)
     budget = hw.gpu_mem_bytes - weights - hw.reserve
     blocks = max(budget, 0) // (stored * bs)  # as CacheLayout.blocks_for_budget
-    sp = layout.kind is Kind.SP
+    sp = layout.sp
     # SP: rank 0 owns the most of a sequence's round-robin chunks; others share one pool.
-    local = local_length(req.context, 0, req.chunk_size, layout.tp) if sp else req.context
+    local = local_length(req.context, 0, layout.chunk_size, layout.tp) if sp else req.context
     per_seq = -(-local // bs)
     return LayoutPlan(
+        name=name,
         layout=layout,
         weights_bytes=weights,
         kv_bytes_per_token=stored / layout.tp if sp else stored,
@@ -184,17 +193,14 @@ class Plan:
     def chosen(self) -> LayoutPlan:
         return self.layouts[1]
 
-    def by_kind(self, kind: Kind) -> LayoutPlan:
-        return (
-            self.chosen
-            if kind is Kind.TPLA
-            else next(p for p in self.layouts if p.layout.kind is kind)
-        )
+    def by_name(self, name: str) -> LayoutPlan:
+        """The row of mla-tp or sp; of tpla, the first r's."""
+        return self.chosen if name == "tpla" else next(p for p in self.layouts if p.name == name)
 
     def to_json(self) -> dict[str, Any]:
         """The `tpla plan --json` contract (keyed by mla-tp / tpla / sp: tpla is the first r)."""
         req, hw = self.request, self.request.hardware
-        keyed = {k.value: self.by_kind(k) for k in Kind}
+        keyed = {name: self.by_name(name) for name in ("mla-tp", "tpla", "sp")}
         return {
             "model_type": self.config.model_type,
             "num_hidden_layers": self.config.num_hidden_layers,
@@ -204,7 +210,7 @@ class Plan:
             "context": req.context,
             "dtype": req.kv_dtype,
             "weight_dtype": req.weight_dtype,
-            "rmsnorm": "exact" if req.exact_rmsnorm else "sliced",
+            "rmsnorm": req.rmsnorm.value,
             "block_size": req.block_size,
             "chunk_size": req.chunk_size,
             "reserve_bytes": hw.reserve,
@@ -228,7 +234,7 @@ def _num(x: float) -> float | int:
 
 def _layout_json(p: LayoutPlan) -> dict[str, Any]:
     return {
-        "layout": p.layout.kind.value,
+        "layout": p.name,
         "latent_groups": p.layout.latent_groups,
         "head_groups": p.layout.head_groups,
         "weights_bytes_per_rank": p.weights_bytes,
@@ -251,18 +257,18 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
             f"({c.max_position_embeddings})"
         )
     layouts = req.layouts()
-    for layout in layouts:
+    for _, layout in layouts:
         layout.check(c)
-    chosen = rank_tensors(c, layouts[1], 0)
+    chosen = rank_tensors(c, layouts[1][1], 0)
     parts: dict[str, int] = {}
     for t in chosen:
         parts[t.part] = parts.get(t.part, 0) + weight_bytes([t], req.weight_dtype, req.fp8_block)
     # load_model casts every tensor, the router too, to the model dtype.
-    full = [replace(t, float32=False) for t in rank_tensors(c, Layout(Kind.MLA_TP, 1), 0)]
+    full = [replace(t, float32=False) for t in rank_tensors(c, ParallelConfig(), 0)]
     return Plan(
         config=c,
         request=req,
-        layouts=tuple(plan_layout(c, req, layout) for layout in layouts),
+        layouts=tuple(plan_layout(c, req, name, layout) for name, layout in layouts),
         breakdown=tuple(parts.items()),
         full_model_bytes=weight_bytes(full, req.weight_dtype, req.fp8_block),
     )

@@ -9,11 +9,11 @@ Pure arithmetic over `ModelConfig` (no torch, no I/O). The weights mirror how
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, replace
 
 from common.model.args import ModelConfig
+from common.parallel import ParallelConfig, RmsNormMode, span
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FP8 = "float8"  # weights only: DeepSeek's block-quantized e4m3 with one fp32 scale per block
@@ -22,55 +22,6 @@ WEIGHT_DTYPES = (*DTYPE_BYTES, FP8)
 
 class PlanError(ValueError):
     """The hardware, layout or model given to the planner is inconsistent."""
-
-
-class Kind(enum.Enum):
-    MLA_TP = "mla-tp"
-    TPLA = "tpla"
-    SP = "sp"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """tp ranks as latent_groups (r) x head groups (m), like `ParallelConfig`."""
-
-    kind: Kind
-    tp: int
-    latent_groups: int = 1
-    exact_rmsnorm: bool = True
-
-    def __post_init__(self) -> None:
-        if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
-            raise PlanError(f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}")
-        if self.kind is not Kind.TPLA and self.latent_groups != 1:
-            raise PlanError(f"{self.kind.value} keeps the full latent: latent_groups=1")
-
-    @property
-    def head_groups(self) -> int:
-        return self.tp // self.latent_groups
-
-    @property
-    def label(self) -> str:
-        return f"tpla r={self.latent_groups}" if self.kind is Kind.TPLA else self.kind.value
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(latent group i, head group j) of a rank, as `ParallelConfig.coords`."""
-        return rank // self.head_groups, rank % self.head_groups
-
-    def check(self, c: ModelConfig) -> None:
-        """Raise PlanError where `RankModel` would refuse this layout for `c`."""
-        moe = [c.is_moe_layer(n) for n in range(c.num_hidden_layers)]
-        splits = [
-            ("num_attention_heads", c.num_attention_heads, self.head_groups),
-            ("kv_lora_rank", c.kv_lora_rank, self.latent_groups),
-        ]
-        if not all(moe):
-            splits.append(("intermediate_size", c.intermediate_size, self.tp))
-        if any(moe):
-            splits.append(("moe_intermediate_size", c.moe_intermediate_size, self.tp))
-        for name, total, parts in splits:
-            if total % parts:
-                raise PlanError(f"{self.label}: {name} ({total}) is not divisible by {parts}")
 
 
 @dataclass(frozen=True)
@@ -90,9 +41,11 @@ class RankTensor:
         return self.count * math.prod(self.shape)
 
 
-def _layer_tensors(c: ModelConfig, layout: Layout, moe: bool) -> list[RankTensor]:
-    d, heads = c.hidden_size, c.num_attention_heads // layout.head_groups
-    width = c.kv_lora_rank // layout.latent_groups
+def _layer_tensors(
+    c: ModelConfig, layout: ParallelConfig, rank: int, moe: bool
+) -> list[RankTensor]:
+    d, heads = c.hidden_size, span(layout.heads(rank, c.num_attention_heads))
+    width = span(layout.latent_columns(rank, c.kv_lora_rank))
     out: list[RankTensor] = []
 
     def add(part: str, *shape: int, count: int = 1, q: bool = True) -> None:
@@ -105,7 +58,7 @@ def _layer_tensors(c: ModelConfig, layout: Layout, moe: bool) -> list[RankTensor
     else:
         add("attention", heads * c.qk_head_dim, d)
     # kv_a: exact RMSNorm needs every latent row to normalize; sliced mode keeps its slice.
-    add("attention", c.kv_lora_rank if layout.exact_rmsnorm else width, d)
+    add("attention", c.kv_lora_rank if layout.rmsnorm is RmsNormMode.EXACT else width, d)
     add("attention", c.qk_rope_head_dim, d)
     add("attention", c.kv_lora_rank, q=False)  # kv_a_layernorm's gamma, whole
     add("attention", heads * c.qk_nope_head_dim, width)  # W_UK[heads, :, S_i]
@@ -114,24 +67,26 @@ def _layer_tensors(c: ModelConfig, layout: Layout, moe: bool) -> list[RankTensor
     add("norms", d, q=False)
     add("norms", d, q=False)
     if not moe:
-        inter = c.intermediate_size // layout.tp
+        inter = span(layout.ffn_columns(rank, c.intermediate_size))
         add("dense_mlp", inter, d, count=2)  # gate, up
         add("dense_mlp", d, inter)
         return out
-    e, inter = c.n_routed_experts, c.moe_intermediate_size // layout.tp
+    e, inter = c.n_routed_experts, span(layout.expert_columns(rank, c.moe_intermediate_size))
     add("router", e, d, q=False)
     if c.topk_method == "noaux_tc":
         add("router", e, q=False)  # e_score_correction_bias
     add("routed_experts", 2 * inter, d, count=e)  # gate_up of every expert
     add("routed_experts", d, inter, count=e)
     if c.n_shared_experts:
-        shared = c.moe_intermediate_size * c.n_shared_experts // layout.tp
+        shared = span(
+            layout.shared_expert_columns(rank, c.moe_intermediate_size, c.n_shared_experts)
+        )
         add("shared_experts", shared, d, count=2)
         add("shared_experts", d, shared)
     return out
 
 
-def rank_tensors(c: ModelConfig, layout: Layout, rank: int) -> list[RankTensor]:
+def rank_tensors(c: ModelConfig, layout: ParallelConfig, rank: int) -> list[RankTensor]:
     """Every tensor `RankModel(full, layout, rank, ...)` holds (MTP layers are never loaded)."""
     layout.check(c)
     if not 0 <= rank < layout.tp:
@@ -140,9 +95,10 @@ def rank_tensors(c: ModelConfig, layout: Layout, rank: int) -> list[RankTensor]:
     out: list[RankTensor] = []
     for moe, layers in ((False, c.num_hidden_layers - n_moe), (True, n_moe)):
         if layers:
-            out += [replace(t, count=t.count * layers) for t in _layer_tensors(c, layout, moe)]
-    # torch.tensor_split: the first vocab % tp ranks get one extra lm_head row.
-    vocab_rows = c.vocab_size // layout.tp + (rank < c.vocab_size % layout.tp)
+            out += [
+                replace(t, count=t.count * layers) for t in _layer_tensors(c, layout, rank, moe)
+            ]
+    vocab_rows = span(layout.vocab_rows(rank, c.vocab_size))
     out += [
         RankTensor("embedding", (c.vocab_size, c.hidden_size)),  # replicated, whole vocab
         RankTensor("norms", (c.hidden_size,)),
@@ -177,9 +133,9 @@ def weight_bytes(
     return total
 
 
-def kv_bytes_per_stored_token(c: ModelConfig, layout: Layout, kv_dtype: str) -> int:
+def kv_bytes_per_stored_token(c: ModelConfig, layout: ParallelConfig, kv_dtype: str) -> int:
     """Bytes one token takes in a rank's cache, all layers: (latent slice + d_r) x L x bytes."""
     if kv_dtype not in DTYPE_BYTES:
         raise PlanError(f"unknown KV dtype {kv_dtype!r}; choose one of {tuple(DTYPE_BYTES)}")
-    width = c.kv_lora_rank // layout.latent_groups
+    width = span(layout.latent_columns(0, c.kv_lora_rank))  # alike on every rank
     return (width + c.qk_rope_head_dim) * c.num_hidden_layers * DTYPE_BYTES[kv_dtype]

@@ -32,12 +32,12 @@ from common.model.mla import MLAttention
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import (
     LatentShard,
-    RmsNormMode,
     head_output,
     latent_shards,
     new_token_latent,
     shard_attention,
 )
+from common.parallel import RmsNormMode
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import (
     DECODE_STAGE,

@@ -1,4 +1,4 @@
-"""The decode engine's configuration: the parallel layout and everything a rank starts with.
+"""The decode engine's configuration: everything a rank starts with.
 
 Frozen dataclasses, validated when built; `engine_config` maps the settings (env and flags,
 `common/runtime/settings.py`) onto them, once. A spawned follower receives its leader's
@@ -13,12 +13,8 @@ import enum
 import json
 from dataclasses import dataclass, field
 
-from common.model.tpla import RmsNormMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.settings import TORCH_PORT_OFFSET, Settings
-
-
-class ParallelError(ValueError):
-    """The requested parallel layout does not fit the model."""
 
 
 class Launch(enum.Enum):
@@ -27,69 +23,6 @@ class Launch(enum.Enum):
 
     SPAWN = "spawn"  # children of the leader, on its host (`tpla decode`, `tpla serve`)
     JOIN = "join"  # each on its own (`tpla decode --rank K`), over the network, maybe other hosts
-
-
-class ParallelMode(enum.Enum):
-    """How a decode group splits the latent cache over its ranks."""
-
-    TPLA = "tpla"  # by latent columns (r groups); r = 1 is MLA-TP, the exact baseline
-    SP = "sp"  # by token chunks, round-robin, full width; exact (log-sum-exp merge)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """tp = latent_groups (r) x head_groups (m). r = 1 is MLA-TP; r = tp is full TPLA.
-
-    In SP mode r = 1 and m = tp: projections are split by heads as in MLA-TP, and the cache
-    by chunks of `chunk_size` tokens.
-    """
-
-    tp: int = 1
-    latent_groups: int = 1
-    rmsnorm: RmsNormMode = RmsNormMode.EXACT
-    mode: ParallelMode = ParallelMode.TPLA
-    chunk_size: int = 256
-
-    def __post_init__(self) -> None:
-        if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
-            raise ParallelError(
-                f"tp={self.tp} is not a multiple of latent_groups={self.latent_groups}"
-            )
-        if self.mode is ParallelMode.SP and self.latent_groups != 1:
-            raise ParallelError("sequence parallelism keeps the full latent: latent_groups=1")
-        if self.chunk_size < 1:
-            raise ParallelError("chunk_size must be positive")
-
-    @property
-    def sp(self) -> bool:
-        return self.mode is ParallelMode.SP
-
-    @property
-    def name(self) -> str:
-        if self.sp:
-            return "sp"
-        return "mla-tp" if self.latent_groups == 1 else "tpla"
-
-    @property
-    def head_groups(self) -> int:
-        return self.tp // self.latent_groups
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(latent group i, head group j) of a rank."""
-        return rank // self.head_groups, rank % self.head_groups
-
-
-def split_range(total: int, parts: int, index: int, what: str) -> slice:
-    if total % parts:
-        raise ParallelError(f"{what} ({total}) is not divisible by {parts}")
-    size = total // parts
-    return slice(index * size, (index + 1) * size)
-
-
-def rank_latent_columns(parallel: ParallelConfig, rank: int, d_c: int) -> slice:
-    """The latent columns rank `rank` caches: slice S_i of its latent group i."""
-    i, _ = parallel.coords(rank)
-    return split_range(d_c, parallel.latent_groups, i, "kv_lora_rank")
 
 
 @dataclass(frozen=True)

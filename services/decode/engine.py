@@ -4,7 +4,8 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
     reserve(request_id, prompt_len, max_tokens, prompt_ids, n) -> Reservation
                                                blocks on every rank, leased (the prompt
                                                once, max_tokens per choice); reuses the
-                                               longest cached prefix of prompt_ids
+                                               longest cached prefix of prompt_ids;
+                                               its targets: where each rank's shard goes
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
     generate(request_id, first_tokens, params, prompt_ids, output_ids) -> TokenStream
                                                streams every choice's tokens as sampled
@@ -44,26 +45,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.block_pool import RankPools
-from common.kv.chunks import owned_ranges
 from common.kv.prefix_cache import block_hashes, model_identity
 from common.kv.slots import token_slots
 from common.messages import DecodeLoad as Load
-from common.messages import TokenEvent
+from common.messages import KvTargetInfo, Reservation, TokenEvent
 from common.model.args import ModelConfig
-from common.rpc.convert import KvTargetInfo
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.ports import free_port
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import DECODE_STAGE, choice_stream, make_generator, sample_batch
-from services.decode.config import EngineConfig, Launch, rank_latent_columns
+from services.decode.config import EngineConfig, Launch
 from services.decode.controls import SequenceControls, StepControls
 from services.decode.group.processes import GroupProcesses
 from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
 from services.decode.rank.runtime import RankRuntime, create_shm_group, init_group
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.scheduler import Sequence as DecodeSequence
-from services.decode.stream import EngineError, Reservation, TokenStream
+from services.decode.stream import EngineError, TokenStream
 
 if TYPE_CHECKING:
     import grpc
@@ -145,18 +144,12 @@ class DecodeEngine:
         self.on_step: Callable[[float, int], None] | None = None
         # Rank k's logits are padded to a common width for the gather; these columns of the
         # gathered row are the real vocabulary, in order. Computed once, used every step.
-        padded = self.runtime.model.vocab_size_padded
         self.controls = StepControls(
             cfg.model, self.vocab_size, self.eos_token_ids, cfg.max_batch, self.runtime.device
         )
-        self._vocab_columns = torch.cat(
-            [
-                k * padded + torch.arange(len(chunk))
-                for k, chunk in enumerate(
-                    torch.tensor_split(torch.arange(self.vocab_size), cfg.parallel.tp)
-                )
-            ]
-        ).to(self.runtime.device)
+        self._vocab_columns = torch.tensor(
+            cfg.parallel.vocab_columns(self.vocab_size), device=self.runtime.device
+        )
         self._thread = threading.Thread(target=self._loop, name="decode-leader", daemon=True)
         self._thread.start()
 
@@ -184,31 +177,36 @@ class DecodeEngine:
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
             tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, hashes, n)
-            width = self.runtime.layout.latent_width
+            cached = self.scheduler.seqs[request_id].cached_tokens
+            layout = self.runtime.layout
             return Reservation(
                 request_id,
                 self.cfg.block_size,
-                tables,
-                [width] * self.cfg.parallel.tp,
-                self.scheduler.seqs[request_id].cached_tokens,
+                layout.num_layers,
+                layout.rope_width,
+                self.cfg.dtype,
+                self.cfg.lease_seconds,
+                self._kv_targets(tables, prompt_len, cached),
+                cached,
             )
 
         return self._call(run)
 
-    def kv_targets(self, reservation: Reservation, prompt_len: int) -> list[KvTargetInfo]:
+    def _kv_targets(
+        self, block_tables: list[list[int]], prompt_len: int, cached: int
+    ) -> tuple[KvTargetInfo, ...]:
         """Where each rank's shard of a reserved request goes, and which part it is: the
         prompt tokens after the cached prefix, into the blocks after the cached ones (the
         prefix is whole blocks on every rank, so the shard starts at a block boundary)."""
         cfg, par = self.cfg, self.cfg.parallel
         d_c = self.runtime.model.config.kv_lora_rank
-        cached = reservation.cached_tokens
         targets = []
-        for rank, table in enumerate(reservation.block_tables):
-            cols = rank_latent_columns(par, rank, d_c)
+        for rank, table in enumerate(block_tables):
+            cols = par.latent_columns(rank, d_c)
             blocks = table[self.pool.local_tokens(rank, cached) // cfg.block_size :]
             ranges: tuple[int, ...] = ()
             if par.sp:
-                owned = owned_ranges(prompt_len, rank, par.chunk_size, par.tp)
+                owned = par.owned_ranges(rank, prompt_len)
                 # An empty list means "every token" on the wire, so "none" is (0, 0).
                 ranges = tuple(
                     x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)
@@ -225,7 +223,7 @@ class DecodeEngine:
                     ranges,
                 )
             )
-        return targets
+        return tuple(targets)
 
     def write_kv(self, request_id: str, rank: int, n: Tensor, k_pe: Tensor) -> None:
         """Write rank `rank`'s shard of the prompt: n [L, N, w], k_pe [L, N, d_r].

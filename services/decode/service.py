@@ -32,7 +32,6 @@ from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import (
-    ReservationInfo,
     load_to_pb,
     params_from_pb,
     reservation_to_pb,
@@ -105,19 +104,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 request.n or 1,
             ),
         )
-        cfg = self.engine.cfg
-        layout = self.engine.runtime.layout
-        info = ReservationInfo(
-            request_id=res.request_id,
-            block_size=res.block_size,
-            num_layers=layout.num_layers,
-            rope_width=layout.rope_width,
-            dtype=cfg.dtype,
-            lease_seconds=cfg.lease_seconds,
-            targets=tuple(self.engine.kv_targets(res, request.prompt_len)),
-            cached_tokens=res.cached_tokens,
-        )
-        return reservation_to_pb(info)
+        return reservation_to_pb(res)
 
     def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext

@@ -1,29 +1,19 @@
-"""What the decode engine hands its callers besides common/messages.py's events and load:
-reservations, token streams and the error a failed group raises.
+"""What the decode engine hands its callers besides common/messages.py's types: a request's
+token stream, or the error a failed group raises.
 
-Plain data, shared by the engine, its gRPC servicer and the local driver.
+Shared by the engine, its gRPC servicer and the local driver.
 """
 
 from __future__ import annotations
 
 import queue
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from common.messages import TokenEvent
 
 
 class EngineError(RuntimeError):
     """The decode group failed; pending and future requests get this error."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    request_id: str
-    block_size: int
-    block_tables: list[list[int]]  # one per rank (identical unless SP splits tokens)
-    latent_widths: list[int]  # per rank: the width of n[S_i] that rank stores
-    cached_tokens: int = 0  # leading prompt tokens the group held already (whole blocks)
 
 
 class TokenStream:

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from common.kv.transfer import KvSender, TransferError, cut_shard
+from common.messages import KvTargetInfo, PrefillResult, Reservation
 from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
-from common.rpc.convert import KvTargetInfo, PrefillResult, ReservationInfo
 from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import (
     GrammarCompiler,
@@ -53,7 +53,7 @@ class PrefillJob:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    reservation: ReservationInfo
+    reservation: Reservation
     deadline_s: float
     # The last N prompt ids are the request's own earlier output (a migrated request).
     num_output_tokens: int = 0

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import anyio
 import redis
 
-from common.rpc.convert import PrefillResult
+from common.messages import PrefillResult
 from common.runtime.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
 from common.runtime.redis_state import InvalidTransition, RequestLog, RequestState
 from common.sampling.params import SamplingParams

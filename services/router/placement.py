@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.messages import PrefillResult, Reservation
 from common.rpc.clients import DecodeClient
-from common.rpc.convert import PrefillResult, ReservationInfo
 from common.runtime.errors import (
     DeadlineExceeded,
     Overloaded,
@@ -57,7 +57,7 @@ class Run:
     req: GenerationRequest
     group: DecodeGroup | None = None  # the decode group holding the request now
     decode: DecodeClient | None = None
-    reservation: ReservationInfo | None = None
+    reservation: Reservation | None = None
     decode_live: bool = False  # the leader holds blocks for us that Abort must free
     reasons: dict[int, str] = field(default_factory=dict)  # the leader's, per choice
     stopped: set[int] = field(default_factory=set)  # choices ended here by a stop string

@@ -25,9 +25,10 @@ import psutil
 import pytest
 
 from common.native import shm_group
+from common.parallel import ParallelConfig
 from common.runtime.group_files import files_of
 from common.runtime.ports import PortInUse, free_port
-from services.decode.config import EngineConfig, ParallelConfig
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.group.join import RankStartError
 from tests.tiny import save_tiny_chat_model

@@ -11,7 +11,7 @@ import torch
 
 from common.loading.serving_model import open_serving_weights
 from common.model.tpla import latent_shards
-from services.decode.config import ParallelConfig
+from common.parallel import ParallelConfig
 from services.decode.rank.model import RankModel
 from tests.model.shard_checkpoints import (
     CONFIG,

@@ -16,11 +16,11 @@ from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
 from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
-from common.model.tpla import RmsNormMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.group.comm import ShmCollectives
 from tests.tiny import save_hf
@@ -158,7 +158,7 @@ def test_cache_bytes_leases_and_bad_input(model_dir: Path) -> None:
             assert 0 < engine.parameter_bytes() < full  # a rank keeps only its share
             if r == 2:
                 res = engine.reserve("leased", prompt_len=10, max_tokens=5)
-                assert len(res.block_tables) == 2 and res.latent_widths == [16, 16]
+                assert [t.latent_width for t in res.targets] == [16, 16]
                 assert engine.load().blocks_used == 4  # ceil(14 / 4)
                 # An unclaimed reservation is freed once its lease runs out.
                 engine.scheduler.seqs["leased"].lease_deadline = time.monotonic()
@@ -192,7 +192,7 @@ def test_sp_is_exact_and_splits_the_cache(model_dir: Path, tp: int) -> None:
         _assert_pool_free(engine)
         res = engine.reserve("split", prompt_len=29, max_tokens=4)
         # 32 tokens in chunks of 4: each of the tp ranks holds 32 / tp (blocks of 4).
-        assert [len(t) for t in res.block_tables] == [32 // tp // 4] * tp
+        assert [len(t.block_ids) for t in res.targets] == [32 // tp // 4] * tp
         assert engine.abort("split")
     cache = ContiguousLatentCache(cfg, 1, len(prompt) + GREEDY.max_tokens)
     out = model.prefill(torch.tensor(prompt), [len(prompt)])
@@ -248,7 +248,7 @@ def _submit_forked(engine: DecodeEngine, prefill, prompt: list[int], p: Sampling
     out = prefill.prefill(torch.tensor(prompt), [len(prompt)])
     rid = uuid.uuid4().hex
     reservation = engine.reserve(rid, len(prompt), p.max_tokens, n=n)
-    for target in engine.kv_targets(reservation, len(prompt)):
+    for target in reservation.targets:
         shard = cut_shard(out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size)
         engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
     firsts = first_tokens(out.logits[0], p, n)

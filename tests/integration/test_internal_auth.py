@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from common.parallel import ParallelConfig
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, DecodeClient, PrefillClient
 from common.rpc.gen import (
     common_pb2,
@@ -29,7 +30,7 @@ from common.rpc.gen import (
 from common.runtime.errors import Unauthorized
 from common.runtime.ports import free_port
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig, ParallelConfig
+from services.decode.config import EngineConfig
 from tests.stack import services_in_threads
 from tests.tiny import save_hf
 

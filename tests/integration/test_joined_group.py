@@ -24,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.group_files import files_of
 from common.runtime.ports import free_port
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig, Launch, ParallelConfig, ParallelMode, engine_config
+from services.decode.config import EngineConfig, Launch, engine_config
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill
 from tests.tiny import save_hf

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from common.loading.serving_model import load_prefill_model
+from common.parallel import ParallelConfig, ParallelMode
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
 from tools.cli.local import collect, submit

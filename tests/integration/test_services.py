@@ -9,12 +9,13 @@ import redis
 
 from common.loading.loader import load_model
 from common.model.generate import generate
+from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.errors import InvalidRequest
 from common.runtime.ports import free_port
 from common.runtime.redis_state import WorkerRegistry, WorkerRole
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 from services.stack.embedded_redis import EmbeddedRedis
 from tests.stack import services_in_threads
 from tests.tiny import save_hf

@@ -17,7 +17,8 @@ from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.loading.loader import load_model
 from common.loading.weights import ModelWeights
 from common.model.sp import merge_partials
-from common.model.tpla import RmsNormMode, latent_shards
+from common.model.tpla import latent_shards
+from common.parallel import RmsNormMode
 from common.triton_kernels import decode_attention
 from services.decode.rank.backends import TorchBackend, select_decode_backend
 from services.decode.rank.model import RankAttention

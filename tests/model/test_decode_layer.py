@@ -11,9 +11,9 @@ import torch
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.loading.loader import load_model
 from common.model.mla import RMSNorm
-from common.model.tpla import RmsNormMode, latent_shards
+from common.model.tpla import latent_shards
 from common.native import decode_layer
-from services.decode.config import ParallelConfig, ParallelMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from services.decode.group.comm import Comm
 from services.decode.rank.backends import TorchBackend
 from services.decode.rank.backends.native_backend import NativeBackend

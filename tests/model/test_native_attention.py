@@ -137,7 +137,8 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     real (tiny) checkpoint, against `attend_reference`."""
     from common.loading.loader import load_model
     from common.loading.weights import ModelWeights
-    from common.model.tpla import RmsNormMode, latent_shards
+    from common.model.tpla import latent_shards
+    from common.parallel import RmsNormMode
     from services.decode.rank.backends import TorchBackend
     from services.decode.rank.backends.native_backend import NativeBackend
     from services.decode.rank.model import RankAttention

@@ -21,7 +21,8 @@ from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model, open_serving_weights
 from common.model.model import DeepseekForCausalLM
-from common.model.tpla import RmsNormMode, latent_shards
+from common.model.tpla import latent_shards
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.convert import (
     LayerReparameterization,
     Reparameterization,
@@ -30,7 +31,6 @@ from common.tpla.convert import (
     save_side_file,
 )
 from common.tpla.transforms import Method
-from services.decode.config import ParallelConfig, ParallelMode
 from services.decode.group.comm import Comm
 from services.decode.rank.model import RankModel
 from tests.model.shard_checkpoints import (

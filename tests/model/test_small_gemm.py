@@ -103,7 +103,7 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     from common.loading.loader import load_model
     from common.model.moe import MoE
     from common.model.tpla import latent_shards
-    from services.decode.config import ParallelConfig
+    from common.parallel import ParallelConfig
     from services.decode.rank.backends.native_backend import NativeBackend
     from services.decode.rank.model import RankModel
     from tests.tiny import save_hf

@@ -6,8 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv.chunks import chunk_owner, local_index, local_length, owned_ranges
+from common.kv.chunks import chunk_owner, local_index, local_length
 from common.model.sp import merge_partials, partial_attention
+from common.parallel import ParallelConfig, ParallelMode
 
 
 @settings(max_examples=60, deadline=None)
@@ -19,11 +20,12 @@ def test_round_robin_bookkeeping(total: int, chunk: int, ranks: int) -> None:
         assert local_index(pos, chunk, ranks) == len(seen[owner])  # contiguous local order
         seen[owner].append(pos)
     lengths = [local_length(total, r, chunk, ranks) for r in range(ranks)]
+    par = ParallelConfig(tp=ranks, mode=ParallelMode.SP, chunk_size=chunk)
     # A growing sequence stays balanced: no rank holds more than one chunk more than another.
     assert max(lengths) - min(lengths) <= chunk
     for r in range(ranks):
         assert lengths[r] == len(seen[r])
-        flat = [p for lo, hi in owned_ranges(total, r, chunk, ranks) for p in range(lo, hi)]
+        flat = [p for lo, hi in par.owned_ranges(r, total) for p in range(lo, hi)]
         assert flat == seen[r]
 
 

@@ -7,12 +7,12 @@ import torch
 
 from common.loading.loader import load_model
 from common.model.tpla import (
-    RmsNormMode,
     head_output,
     latent_shards,
     new_token_latent,
     shard_attention,
 )
+from common.parallel import RmsNormMode
 from tests.tiny import save_hf
 
 

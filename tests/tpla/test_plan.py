@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 
 from common.loading.loader import load_model
-from common.model.tpla import RmsNormMode, latent_shards
+from common.model.tpla import latent_shards
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
-from common.tpla.rank_memory import (
-    Kind,
-    Layout,
-    kv_bytes_per_stored_token,
-    rank_tensors,
-    weight_bytes,
-)
-from services.decode.config import ParallelConfig, ParallelMode
+from common.tpla.rank_memory import kv_bytes_per_stored_token, rank_tensors, weight_bytes
 from services.decode.rank.model import RankModel
 from tests.cli import run_tpla
 from tests.tiny import save_hf
@@ -38,12 +32,6 @@ LAYOUTS = [
 ]
 
 
-def _layout(tp: int, r: int, mode: str, rmsnorm: RmsNormMode) -> tuple[Layout, ParallelConfig]:
-    exact = rmsnorm is RmsNormMode.EXACT
-    kind = Kind.SP if mode == "sp" else (Kind.MLA_TP if r == 1 else Kind.TPLA)
-    return Layout(kind, tp, r, exact), ParallelConfig(tp, r, rmsnorm, ParallelMode(mode))
-
-
 @pytest.mark.parametrize("variant", ["v2-greedy", "v3-noaux-yarn"])
 def test_analytic_rank_weights_equal_rank_model_parameter_bytes(
     variant: str, tmp_path: Path
@@ -52,17 +40,17 @@ def test_analytic_rank_weights_equal_rank_model_parameter_bytes(
     save_hf(variant, tmp_path, vocab_size=163)
     full = load_model(tmp_path)  # fp32
     c = full.config
-    assert weight_bytes(rank_tensors(c, Layout(Kind.MLA_TP, 1), 0), "float32") == sum(
+    assert weight_bytes(rank_tensors(c, ParallelConfig(), 0), "float32") == sum(
         p.numel() * 4 for p in full.parameters()
     )
     for tp, r, mode in LAYOUTS:
         for rmsnorm in RmsNormMode:
-            layout, parallel = _layout(tp, r, mode, rmsnorm)
+            parallel = ParallelConfig(tp, r, rmsnorm, ParallelMode(mode))
             shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
             per_rank = []
             for rank in range(tp):
                 engine = RankModel(full, parallel, rank, shards).parameter_bytes()
-                analytic = weight_bytes(rank_tensors(c, layout, rank), "float32")
+                analytic = weight_bytes(rank_tensors(c, parallel, rank), "float32")
                 assert analytic == engine, (tp, r, mode, rmsnorm, rank)
                 per_rank.append(analytic)
             assert per_rank[0] == max(per_rank)  # the planner's bound is rank 0's
@@ -77,11 +65,11 @@ def test_bf16_rank_model_holds_the_bf16_bytes(tmp_path: Path) -> None:
     request = PlanRequest(Hardware(80 * GIB, 4), context=512, weight_dtype="bfloat16")
     assert build_plan(c, request).full_model_bytes == full_bytes  # the host copy at load
     for tp, r, mode in [(4, 2, "tpla"), (2, 1, "sp")]:
-        layout, parallel = _layout(tp, r, mode, RmsNormMode.EXACT)
+        parallel = ParallelConfig(tp, r, RmsNormMode.EXACT, ParallelMode(mode))
         shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
         for rank in range(tp):
             engine = RankModel(full, parallel, rank, shards).parameter_bytes()
-            assert weight_bytes(rank_tensors(c, layout, rank), "bfloat16") == engine
+            assert weight_bytes(rank_tensors(c, parallel, rank), "bfloat16") == engine
 
 
 def _plan(args: str) -> dict:
@@ -188,7 +176,7 @@ def test_published_configs_parse_and_the_kv_formula() -> None:
     assert (lite.n_routed_experts, lite.n_shared_experts, lite.num_experts_per_tok) == (64, 2, 6)
     assert lite.rope_scaling is not None and lite.rope_scaling.factor == 40
     for r in (1, 2, 4, 8):
-        layout = Layout(Kind.TPLA, 8, r)
+        layout = ParallelConfig(8, r)
         assert kv_bytes_per_stored_token(c, layout, "float16") == (512 // r + 64) * 61 * 2
 
 

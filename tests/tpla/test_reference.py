@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from common.model.model import DeepseekForCausalLM
-from common.model.tpla import RmsNormMode, latent_shards
+from common.model.tpla import latent_shards
+from common.parallel import RmsNormMode
 from common.tpla.convert import apply_reparameterization, build_reparameterization
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from common.tpla.transforms import Method

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from common.native import shm_group
+from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
-from services.decode.config import EngineConfig, ParallelConfig
+from services.decode.config import EngineConfig
 from services.decode.group.comm import Comm, ShmCollectives
 from services.decode.group.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
 from services.decode.rank.runtime import create_shm_group, init_group, open_comm

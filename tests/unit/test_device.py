@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.parallel import ParallelConfig
 from common.runtime.device import DeviceError, rank_device, resolve_device
-from services.decode.config import EngineConfig, ParallelConfig
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -15,7 +15,7 @@ from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget
 from common.kv.transfer import Shard, TransferError, cut_shard
 from common.kv.wire import shard_segments, shard_slots
-from common.rpc.convert import KvTargetInfo
+from common.messages import KvTargetInfo
 from common.rpc.gen import kv_pb2
 
 

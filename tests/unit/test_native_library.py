@@ -63,7 +63,7 @@ def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
     from common.loading.loader import load_model
     from common.model.tpla import latent_shards
     from common.native import latent_attention
-    from services.decode.config import ParallelConfig
+    from common.parallel import ParallelConfig
     from services.decode.rank.backends import select_decode_backend
     from services.decode.rank.model import RankModel
     from tests.tiny import save_hf

@@ -13,13 +13,13 @@ import torch
 
 from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
-from common.rpc.convert import ReservationInfo
+from common.messages import Reservation
 from common.sampling.params import SamplingParams
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
 
 # A reservation with no KV targets: the prefill runs, nothing is shipped.
-NO_TARGETS = ReservationInfo("", 16, 0, 0, "float32", 30.0, ())
+NO_TARGETS = Reservation("", 16, 0, 0, "float32", 30.0, ())
 
 
 def test_batches_fill_the_token_budget_in_arrival_order(tmp_path: Path) -> None:

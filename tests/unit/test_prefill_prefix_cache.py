@@ -11,7 +11,7 @@ import torch
 from common.kv.prefix_cache import model_identity
 from common.kv.transfer import KvSender, Shard
 from common.loading.serving_model import load_prefill_model
-from common.rpc.convert import KvTargetInfo, ReservationInfo
+from common.messages import KvTargetInfo, Reservation
 from common.sampling.params import SamplingParams
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.worker import PrefillJob, PrefillWorker
@@ -65,7 +65,7 @@ def _sp(model, skip: int) -> tuple[KvTargetInfo, ...]:  # type: ignore[no-untype
 
 def _job(rid: str, targets: tuple[KvTargetInfo, ...], skip: int) -> PrefillJob:
     """PROMPT into blocks of 8 of a decode group that holds its first `skip` tokens."""
-    reservation = ReservationInfo(rid, 8, 0, 0, "", 30.0, targets, skip)
+    reservation = Reservation(rid, 8, 0, 0, "", 30.0, targets, skip)
     return PrefillJob(rid, PROMPT, GREEDY, reservation, 30.0)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from common.kv.transfer import KvSender, Shard, TransferError, make_sender
 from common.loading.serving_model import load_prefill_model
-from common.rpc.convert import KvTargetInfo, ReservationInfo
+from common.messages import KvTargetInfo, Reservation
 from common.sampling.params import SamplingParams
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
@@ -63,7 +63,7 @@ def _job(model, request_id: str, length: int, seed: int) -> PrefillJob:  # type:
         for rank in range(2)
     )
     ids = [3 + (seed * 7 + t) % 300 for t in range(length)]
-    reservation = ReservationInfo(request_id, 16, 0, 0, "float32", 30.0, targets)
+    reservation = Reservation(request_id, 16, 0, 0, "float32", 30.0, targets)
     return PrefillJob(request_id, ids, GREEDY, reservation, 30.0)
 
 

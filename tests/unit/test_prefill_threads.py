@@ -10,7 +10,7 @@ import torch
 
 from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
-from common.rpc.convert import ReservationInfo
+from common.messages import Reservation
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from services.prefill import threads as prefill_threads
@@ -19,7 +19,7 @@ from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
 
 # A reservation with no KV targets: the prefill runs, nothing is shipped.
-NO_TARGETS = ReservationInfo("", 16, 0, 0, "float32", 30.0, ())
+NO_TARGETS = Reservation("", 16, 0, 0, "float32", 30.0, ())
 
 
 def test_large_batches_get_the_larger_count() -> None:

@@ -21,11 +21,11 @@ import torch
 from common.kv.transfer import cut_shard
 from common.loading.serving_model import load_prefill_model
 from common.model.model import PrefillOutput
-from common.model.tpla import RmsNormMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.prefill.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
@@ -90,7 +90,7 @@ class ColocatedServer:
             rid = uuid.uuid4().hex
             reservation = self.engine.reserve(rid, len(prompt), max_tokens)
             out = self._prefill_in_loop(prompt)
-            for target in self.engine.kv_targets(reservation, len(prompt)):
+            for target in reservation.targets:
                 shard = cut_shard(
                     out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size
                 )

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.tpla import RmsNormMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig, ParallelConfig, ParallelMode
+from services.decode.config import EngineConfig
 
 WARMUP_STEPS = 2  # full-batch steps not timed (first calls into each kernel's buffers)
 

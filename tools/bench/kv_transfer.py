@@ -34,8 +34,9 @@ import torch
 
 from common.kv.framing import CHUNK_BYTES
 from common.kv.transfer import KvSender, Shard, cut_shard, make_sender
+from common.messages import KvTargetInfo
+from common.parallel import ParallelConfig, span
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.convert import KvTargetInfo
 from common.runtime.ports import free_ports
 from tools.bench.kv_receiver import RAW_GRPC_METHOD, READY, ReceiverConfig, recv_exact
 
@@ -74,11 +75,12 @@ class BackendResult:
 
 def _targets(tp: int, r: int, d_c: int, tokens: int) -> list[tuple[int, int, tuple[int, ...]]]:
     """(latent_start, latent_width, block_ids) per rank; blocks spread so slots are scattered."""
-    width = d_c // r
+    par = ParallelConfig(tp, r)
     blocks = -(-tokens // BLOCK_SIZE)
     # Every other block, as a pool with other requests' blocks in between would hand out.
     ids = tuple(range(1, 2 * blocks + 1, 2))
-    return [((rank // (tp // r)) * width, width, ids) for rank in range(tp)]
+    cols = [par.latent_columns(rank, d_c) for rank in range(tp)]
+    return [(c.start, span(c), ids) for c in cols]
 
 
 def _cut(name: str, layout: str, n: list, k_pe: list, tp: int, r: int, dtype: str) -> ShardSet:

@@ -128,7 +128,7 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     from common.loading.loader import load_model
     from common.loading.serving_model import open_serving_weights
     from common.model.tpla import latent_shards
-    from services.decode.config import ParallelConfig
+    from common.parallel import ParallelConfig
     from services.decode.rank.model import RankModel
 
     torch.set_num_threads(1)
@@ -204,10 +204,11 @@ def _machine() -> dict[str, Any]:
 
 def planned_rank_bytes(model_dir: Path, layout: str, rank: int, dtype: str) -> int:
     from common.model.args import ModelConfig
-    from common.tpla.plan import Kind, Layout, rank_tensors, weight_bytes
+    from common.parallel import ParallelConfig
+    from common.tpla.rank_memory import rank_tensors, weight_bytes
 
     c = ModelConfig.from_dir(model_dir)
-    lay = Layout(Kind.TPLA, 2, 2) if layout == "tpla" else Layout(Kind.MLA_TP, 2, 1)
+    lay = ParallelConfig(tp=2, latent_groups=2 if layout == "tpla" else 1)
     return weight_bytes(rank_tensors(c, lay, rank), dtype)
 
 

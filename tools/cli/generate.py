@@ -172,7 +172,7 @@ def generate_with_mode(
     args: argparse.Namespace,
 ) -> Generation:
     """`tpla generate --mode ...`: reparameterize from the side file, generate with the oracle."""
-    from common.model.tpla import RmsNormMode
+    from common.parallel import RmsNormMode
     from common.tpla.convert import load_reparameterization
     from common.tpla.reference import AttentionSpec, ReferenceModel, Variant, generate
     from common.tpla.transforms import Method

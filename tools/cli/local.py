@@ -52,7 +52,7 @@ def submit(
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = uuid.uuid4().hex
         reservation = engine.reserve(rid, len(prompt), p.max_tokens)
-        for target in engine.kv_targets(reservation, len(prompt)):
+        for target in reservation.targets:
             shard = cut_shard(
                 out.n, out.k_pe, start, start + len(prompt), target, rid, reservation.block_size
             )

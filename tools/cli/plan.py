@@ -32,6 +32,7 @@ def _read_checkpoint(args: argparse.Namespace) -> tuple[Path, Checkpoint]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`tpla plan`: the table on stdout; with --json, the plan as the last stdout line."""
+    from common.parallel import RmsNormMode
     from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan
 
     path, ckpt = _read_checkpoint(args)
@@ -46,7 +47,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         context=args.context,
         kv_dtype=args.dtype,
         weight_dtype=args.weight_dtype or args.dtype,
-        exact_rmsnorm=args.rmsnorm == "exact",
+        rmsnorm=RmsNormMode(args.rmsnorm),
         block_size=args.block_size,
         chunk_size=args.chunk_size,
         fp8_block=ckpt.fp8_block,
@@ -73,19 +74,20 @@ def _gib(n: float) -> str:
 
 def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
     """The human-readable plan: one row per layout, then what the numbers mean."""
-    from common.tpla.rank_memory import FP8, Kind
+    from common.parallel import span
+    from common.tpla.rank_memory import FP8
 
     c, req = plan.config, plan.request
     hw, ctx = req.hardware, req.context
     mtp = f" (+{ckpt.mtp_layers} MTP layer(s), not loaded)" if ckpt.mtp_layers else ""
     quant = f"; checkpoint stored as {ckpt.quant_method}" if ckpt.quant_method else ""
-    base = plan.by_kind(Kind.MLA_TP).max_tokens
+    base = plan.by_name("mla-tp").max_tokens
     lines = [
         f"{path}: {c.model_type}, {c.num_hidden_layers} layers{mtp}, {c.num_attention_heads} "
         f"heads, d_c={c.kv_lora_rank} d_r={c.qk_rope_head_dim}{quant}",
         f"decode group: {hw.gpus_per_group} GPUs x {_gib(hw.gpu_mem_bytes)} GiB; reserve "
         f"{_gib(hw.reserve)} GiB per GPU; weights {req.weight_dtype}, KV {req.kv_dtype}, "
-        f"RMSNorm {'exact' if req.exact_rmsnorm else 'sliced'}, block {req.block_size}, "
+        f"RMSNorm {req.rmsnorm.value}, block {req.block_size}, "
         f"SP chunk {req.chunk_size}",
         "",
         f"{'layout':<10} {'heads':>5} {'latent':>6} {'weights':>8} {'KV bytes':>9} "
@@ -95,18 +97,19 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
     ]
     for p in plan.layouts:
         lay = p.layout
-        kv = f"{p.kv_bytes_per_token:,.0f}" + ("*" if lay.kind is Kind.SP else "")
+        kv = f"{p.kv_bytes_per_token:,.0f}" + ("*" if lay.sp else "")
         ratio = f"{p.max_tokens / base:.2f}x" if base else "-"
+        heads = span(lay.heads(0, c.num_attention_heads))
+        latent = span(lay.latent_columns(0, c.kv_lora_rank))
         lines.append(
-            f"{lay.label:<10} {c.num_attention_heads // lay.head_groups:>5} "
-            f"{c.kv_lora_rank // lay.latent_groups:>6} {_gib(p.weights_bytes):>8} {kv:>9} "
+            f"{p.label:<10} {heads:>5} {latent:>6} {_gib(p.weights_bytes):>8} {kv:>9} "
             f"{_gib(p.kv_budget_bytes):>9} {p.max_tokens:>11,} {ratio:>6} "
             f"{p.max_sequences:>7,}  {'yes' if p.fits else 'NO'}"
         )
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.breakdown)
     lines += [
         "",
-        f"{plan.chosen.layout.label} rank weights (GiB): {parts}",
+        f"{plan.chosen.label} rank weights (GiB): {parts}",
         "* SP: a rank caches whole-width tokens of its round-robin chunks only, about 1/tp "
         "of each sequence; per context token that is (d_c + d_r) x layers x bytes / tp.",
         "tokens: context tokens the group can cache, bounded by one rank's pool (whole "

@@ -24,8 +24,8 @@ from common.model.model import DeepseekForCausalLM
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials
-from common.model.tpla import LatentShard, RmsNormMode, latent_norm, latent_slice_attention
-from services.decode.config import ParallelConfig, split_range
+from common.model.tpla import LatentShard, latent_norm, latent_slice_attention
+from common.parallel import ParallelConfig, RmsNormMode
 from services.decode.group.comm import Comm
 from services.decode.rank.backends import DecodeBackend, TorchBackend
 
@@ -187,13 +187,13 @@ def _mlp(src: WeightSource, prefix: str, cols: slice) -> MLP:
     return local
 
 
-def _shard_ffn(src: WeightSource, layer: int, rank: int, tp: int) -> nn.Module:
+def _shard_ffn(src: WeightSource, layer: int, parallel: ParallelConfig, rank: int) -> nn.Module:
     """A 1/tp slice of a dense MLP or of every expert of a MoE (intermediate dimension)."""
     c = src.config
     p = f"model.layers.{layer}.mlp."
     if not c.is_moe_layer(layer):
-        return _mlp(src, p, split_range(c.intermediate_size, tp, rank, "intermediate_size"))
-    cols = split_range(c.moe_intermediate_size, tp, rank, "moe_intermediate_size")
+        return _mlp(src, p, parallel.ffn_columns(rank, c.intermediate_size))
+    cols = parallel.expert_columns(rank, c.moe_intermediate_size)
     with torch.device("meta"):
         local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start))
     # The router runs in float32 whatever the serving dtype (its scores pick the experts).
@@ -204,8 +204,7 @@ def _shard_ffn(src: WeightSource, layer: int, rank: int, tp: int) -> nn.Module:
     local.experts.gate_up_proj = nn.Parameter(src.gate_up(p + "experts", cols))
     local.experts.down_proj = nn.Parameter(src.down(p + "experts", cols))
     if c.n_shared_experts:
-        shared = c.moe_intermediate_size * c.n_shared_experts
-        cols = split_range(shared, tp, rank, "shared experts' intermediate size")
+        cols = parallel.shared_expert_columns(rank, c.moe_intermediate_size, c.n_shared_experts)
         local.shared_experts = _mlp(src, p + "shared_experts.", cols)
     return local
 
@@ -240,14 +239,14 @@ class RankModel(nn.Module):
         src = ModelWeights(source) if isinstance(source, DeepseekForCausalLM) else source
         c = src.config
         self.config, self.parallel, self.rank = c, parallel, rank
-        i, j = parallel.coords(rank)
-        heads = split_range(c.num_attention_heads, parallel.head_groups, j, "num_attention_heads")
+        i, _ = parallel.coords(rank)
+        heads = parallel.heads(rank, c.num_attention_heads)
         self.layers = nn.ModuleList(
             RankLayer(
                 src,
                 n,
                 RankAttention(src, n, heads, shards_per_layer[n][i], parallel.rmsnorm),
-                _shard_ffn(src, n, rank, parallel.tp),
+                _shard_ffn(src, n, parallel, rank),
             )
             for n in range(c.num_hidden_layers)
         )
@@ -255,10 +254,8 @@ class RankModel(nn.Module):
             src.tensor("model.embed_tokens.weight"), freeze=False
         )
         self.norm = _norm(src, "model.norm.weight", c.rms_norm_eps)
-        # torch.tensor_split's split: the first V % tp ranks get one extra row.
-        vocab = torch.tensor_split(torch.arange(c.vocab_size), parallel.tp)
-        self.vocab_size_padded = max(len(v) for v in vocab)
-        rows = slice(int(vocab[rank][0]), int(vocab[rank][-1]) + 1)
+        self.vocab_size_padded = parallel.padded_vocab(c.vocab_size)
+        rows = parallel.vocab_rows(rank, c.vocab_size)
         self.lm_head = nn.Parameter(src.tensor("lm_head.weight", rows))
         self.rope = RotaryEmbedding(c, self.lm_head.device)
         self.latent_width = shards_per_layer[0][i].width

@@ -1,0 +1,175 @@
+"""The parallel layout: every rank's slices tile the model, the vocabulary is split exactly as
+`torch.tensor_split` (how checkpoints were sharded), and the module needs no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.kv.chunks import chunk_owner
+from common.model.args import ModelConfig
+from common.model.tpla import latent_shards
+from common.parallel import (
+    ParallelConfig,
+    ParallelError,
+    ParallelMode,
+    RmsNormMode,
+    span,
+    split_range,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+# (tp, r): MLA-TP, TPLA at r < tp and r = tp.
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 8)]
+
+V3_LIKE = ModelConfig(
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    num_hidden_layers=4,
+    num_attention_heads=128,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    q_lora_rank=1536,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    moe_intermediate_size=2048,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
+
+
+def _tiles(slices: list[slice], total: int) -> bool:
+    """The slices, in order, cover 0..total contiguously."""
+    return [s.start for s in slices] == [0, *(s.stop for s in slices[:-1])] and (
+        slices[-1].stop == total
+    )
+
+
+@pytest.mark.parametrize("tp", range(1, 10))
+def test_vocab_rows_are_torch_tensor_split(tp: int) -> None:
+    for vocab in [*range(1, 70), 163, 320, 32000, 102400, 129280]:
+        par = ParallelConfig(tp=tp)
+        chunks = torch.tensor_split(torch.arange(vocab), tp)
+        for rank, chunk in enumerate(chunks):
+            assert list(range(vocab)[par.vocab_rows(rank, vocab)]) == chunk.tolist(), (vocab, tp)
+        assert par.padded_vocab(vocab) == max(len(c) for c in chunks)
+        # What the engine computed with torch: the real columns of the padded gathered row.
+        padded = max(len(c) for c in chunks)
+        expected = torch.cat([k * padded + torch.arange(len(c)) for k, c in enumerate(chunks)])
+        assert par.vocab_columns(vocab) == expected.tolist()
+
+
+def test_vocab_rows_ignore_the_latent_split() -> None:
+    """Every rank takes its own vocabulary rows, whatever its latent group."""
+    for tp, r in LAYOUTS:
+        rows = [ParallelConfig(tp, r).vocab_rows(k, 163) for k in range(tp)]
+        assert rows == [ParallelConfig(tp).vocab_rows(k, 163) for k in range(tp)]
+        assert _tiles(rows, 163)
+
+
+@pytest.mark.parametrize(("tp", "r"), LAYOUTS)
+def test_heads_and_latent_columns_follow_the_coordinates(tp: int, r: int) -> None:
+    par = ParallelConfig(tp, r)
+    m = par.head_groups
+    assert m * r == tp
+    coords = [par.coords(k) for k in range(tp)]
+    assert sorted(coords) == [(i, j) for i in range(r) for j in range(m)]  # one rank each
+    heads = [par.heads(k, 128) for k in range(tp)]
+    cols = [par.latent_columns(k, 512) for k in range(tp)]
+    for k, (i, j) in enumerate(coords):
+        assert span(heads[k]) == 128 // m and heads[k] == heads[j]  # rank j of group 0
+        assert span(cols[k]) == 512 // r and cols[k] == cols[i * m]
+    assert _tiles([heads[j] for j in range(m)], 128)
+    assert _tiles([cols[i * m] for i in range(r)], 512)
+    # The math's latent shards (what a rank's attention reads) are the same columns.
+    shards = latent_shards(512, r)
+    assert [slice(shards[i].start, shards[i].end) for i, _ in coords] == cols
+
+
+@pytest.mark.parametrize(("tp", "r"), LAYOUTS)
+def test_every_ffn_is_cut_tp_ways(tp: int, r: int) -> None:
+    par = ParallelConfig(tp, r)
+    ranks = range(tp)
+    assert _tiles([par.ffn_columns(k, 18432) for k in ranks], 18432)
+    assert _tiles([par.expert_columns(k, 2048) for k in ranks], 2048)
+    assert _tiles([par.shared_expert_columns(k, 2048, 2) for k in ranks], 4096)
+
+
+def test_an_uneven_split_names_what_does_not_divide() -> None:
+    par = ParallelConfig(tp=4, latent_groups=2)
+    with pytest.raises(ParallelError, match=r"num_attention_heads \(3\) is not divisible by 2"):
+        par.heads(0, 3)
+    with pytest.raises(ParallelError, match=r"kv_lora_rank \(5\) is not divisible by 2"):
+        par.latent_columns(0, 5)
+    with pytest.raises(ParallelError, match=r"intermediate_size \(6\) is not divisible by 4"):
+        par.ffn_columns(0, 6)
+    with pytest.raises(ParallelError, match=r"moe_intermediate_size \(6\) is not divisible"):
+        par.expert_columns(0, 6)
+    with pytest.raises(ParallelError, match="shared experts' intermediate size"):
+        par.shared_expert_columns(0, 3, 2)
+    assert split_range(12, 3, 2, "x") == slice(8, 12)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_sp_ranks_own_their_round_robin_chunks(tp: int, chunk: int) -> None:
+    par = ParallelConfig(tp=tp, mode=ParallelMode.SP, chunk_size=chunk)
+    for total in range(0, 30):
+        for rank in range(tp):
+            owned = [p for lo, hi in par.owned_ranges(rank, total) for p in range(lo, hi)]
+            assert owned == [p for p in range(total) if chunk_owner(p, chunk, tp) == rank]
+    # Outside SP every rank caches every token.
+    assert ParallelConfig(tp=2).owned_ranges(1, 7) == [(0, 7)]
+    assert ParallelConfig(tp=2).owned_ranges(1, 0) == []
+
+
+def test_names_labels_and_validation() -> None:
+    assert (ParallelConfig().name, ParallelConfig().label) == ("mla-tp", "mla-tp")
+    assert ParallelConfig(4, 2).name == "tpla" and ParallelConfig(4, 2).label == "tpla r=2"
+    sp = ParallelConfig(4, 1, RmsNormMode.SLICED, ParallelMode.SP, 8)
+    assert sp.sp and (sp.name, sp.label) == ("sp", "sp")
+    with pytest.raises(ParallelError, match="tp=6 is not a multiple of latent_groups=4"):
+        ParallelConfig(6, 4)
+    with pytest.raises(ParallelError, match="latent_groups=1"):
+        ParallelConfig(4, 2, mode=ParallelMode.SP)
+    with pytest.raises(ParallelError, match="chunk_size"):
+        ParallelConfig(chunk_size=0)
+
+
+def test_check_refuses_what_a_rank_could_not_slice() -> None:
+    for tp, r in LAYOUTS:
+        ParallelConfig(tp, r).check(V3_LIKE)
+    with pytest.raises(ParallelError, match=r"mla-tp: num_attention_heads \(128\) .* by 256"):
+        ParallelConfig(256).check(V3_LIKE)
+    odd = dataclasses.replace(V3_LIKE, kv_lora_rank=500)
+    with pytest.raises(ParallelError, match=r"tpla r=8: kv_lora_rank \(500\) is not divisible"):
+        ParallelConfig(8, 8).check(odd)
+    dense = dataclasses.replace(V3_LIKE, intermediate_size=100)
+    with pytest.raises(ParallelError, match=r"sp: intermediate_size \(100\) is not divisible"):
+        ParallelConfig(8, mode=ParallelMode.SP).check(dense)
+    # Only the FFNs the model has are checked: no dense layer, no dense split.
+    all_moe = dataclasses.replace(dense, first_k_dense_replace=0)
+    ParallelConfig(8).check(all_moe)
+    with pytest.raises(ParallelError, match=r"mla-tp: moe_intermediate_size \(2052\)"):
+        ParallelConfig(8).check(dataclasses.replace(all_moe, moe_intermediate_size=2048 + 4))
+
+
+def test_the_layout_and_the_planner_import_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "import common.parallel, common.tpla.plan, common.tpla.rank_memory\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
