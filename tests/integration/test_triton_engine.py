@@ -20,7 +20,7 @@ from common.model.sp import merge_partials
 from common.model.tpla import RmsNormMode, latent_shards
 from common.triton_kernels import decode_attention
 from services.decode.rank.backends import TorchBackend, select_decode_backend
-from services.decode.rank.model import RankAttention
+from services.decode.rank.layers import RankAttention
 from tests.cli import generate_ids
 from tests.tiny import save_hf
 
