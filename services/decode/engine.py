@@ -64,8 +64,9 @@ from common.sampling.sampler import (
 from services.decode.config import EngineConfig, Launch, rank_latent_columns
 from services.decode.controls import SequenceControls, StepControls
 from services.decode.group.processes import GroupProcesses
+from services.decode.group.setup import create_shm_group, init_group
 from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, WritePlan, send_plan
-from services.decode.rank.runtime import RankRuntime, create_shm_group, init_group
+from services.decode.rank.runtime import RankRuntime
 from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.scheduler import Sequence as DecodeSequence
 from services.decode.stream import EngineError, Reservation, TokenStream
@@ -94,7 +95,7 @@ class DecodeEngine:
             cfg = replace(cfg, master_port=free_port())
         # The group's file has a name from here to the barrier. Whoever sees the group end
         # in between removes it: this process on an exception (below), a follower that fails
-        # or sees this process gone (runtime.follower_main), `tpla serve` once this process
+        # or sees this process gone (group/follower.py), `tpla serve` once this process
         # is gone (the name carries its pid), `tpla decode` on SIGTERM (service.py).
         shm_path = create_shm_group(cfg) if spawn else None
         cfg = replace(cfg, shm_path=shm_path)

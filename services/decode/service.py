@@ -6,7 +6,7 @@ over the network) -> serve Reserve / Generate / Abort / GetLoad and its KV recei
 publish one registry record per rank with heartbeats -> on SIGTERM/SIGINT stop accepting,
 abort live requests, shut the group down. A port in use stops it before it starts, named
 with its setting; SIGTERM/SIGINT during start-up end it at once, leaving no shared-memory
-file behind. A follower runs until its group ends (services/decode/runtime.follower_main);
+file behind. A follower runs until its group ends (services/decode/group/follower.py);
 SIGTERM/SIGINT end it at once.
 The servicer only translates protocol types; the engine holds all the logic.
 """
@@ -54,7 +54,7 @@ from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, 
 from common.sampling.sampler import SamplingError
 from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
-from services.decode.rank.runtime import follower_main
+from services.decode.group.follower import follower_main
 from services.decode.scheduler import SchedulerError
 from services.decode.stream import EngineError
 
