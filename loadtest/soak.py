@@ -129,7 +129,7 @@ def role_of(proc: psutil.Process) -> str:
     cmd = " ".join(proc.cmdline())
     if "redis-server" in cmd:
         return "redis"
-    if "services.decode.rank.runtime" in cmd:
+    if "services.decode.group.follower" in cmd:
         return "decode-follower"
     for role in ("decode", "prefill", "router"):
         if f"tools.cli {role}" in cmd:

@@ -100,10 +100,12 @@ class EngineConfig:
         return cls(parallel=ParallelConfig(**par), **raw)
 
 
+# The decode kernels a rank can ask for (`select_decode_backend` picks one for `auto`).
+KERNELS = ("auto", "torch", "native", "triton")
+
+
 def engine_config(s: Settings) -> EngineConfig:
     """The decode engine's config from `placed` settings: the one mapping of the two."""
-    from services.decode.rank.backends import KERNELS
-
     if s.parallel not in ("tpla", "mla-tp", "sp"):
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
     if s.decode_kernel not in KERNELS:

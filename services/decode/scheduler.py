@@ -45,7 +45,7 @@ def fork_id(request_id: str, choice: int) -> str:
 
 
 @dataclass
-class Sequence:
+class DecodeSequence:
     request_id: str
     prompt_len: int
     max_tokens: int
@@ -79,7 +79,7 @@ class Scheduler:
         self.pool = pool
         self.max_batch = max_batch
         self.max_model_len = max_model_len
-        self.seqs: dict[str, Sequence] = {}  # by fork id
+        self.seqs: dict[str, DecodeSequence] = {}  # by fork id
         self.requests: dict[str, list[str]] = {}  # request id -> its live forks' ids
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
@@ -123,7 +123,7 @@ class Scheduler:
             hashes = []
             tables = self.pool.allocate(request_id, total - 1)  # raises OutOfBlocks
         seqs = [
-            Sequence(
+            DecodeSequence(
                 request_id,
                 prompt_len,
                 max_tokens,
@@ -136,7 +136,7 @@ class Scheduler:
             for i, fid in enumerate(ids[1:], start=1):
                 copies = self.pool.fork(fid, request_id, prompt_len, total - 1)
                 seqs.append(
-                    Sequence(
+                    DecodeSequence(
                         request_id,
                         prompt_len,
                         max_tokens,
@@ -157,7 +157,7 @@ class Scheduler:
         self.requests[request_id] = ids
         return tables
 
-    def start(self, request_id: str, first_tokens: int | list[int]) -> list[Sequence]:
+    def start(self, request_id: str, first_tokens: int | list[int]) -> list[DecodeSequence]:
         """The reserved request's forks start, fork i from first_tokens[i]."""
         firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
         ids = self.requests.get(request_id)
@@ -184,11 +184,11 @@ class Scheduler:
             self.pool.cache_prompt(request_id, seqs[0].block_hashes)
         return seqs
 
-    def forks(self, request_id: str) -> list[Sequence]:
+    def forks(self, request_id: str) -> list[DecodeSequence]:
         """The request's live forks (none when it is unknown or over)."""
         return [self.seqs[i] for i in self.requests.get(request_id, ())]
 
-    def abort(self, request_id: str, choices: frozenset[int] | None = None) -> list[Sequence]:
+    def abort(self, request_id: str, choices: frozenset[int] | None = None) -> list[DecodeSequence]:
         """End the request's live forks (only `choices` when given) and free their blocks;
         returns the forks ended (none when the request is unknown or over)."""
         ended = [s for s in self.forks(request_id) if choices is None or s.choice in choices]
@@ -210,7 +210,7 @@ class Scheduler:
             self.abort(rid)
         return expired
 
-    def schedule(self) -> list[Sequence]:
+    def schedule(self) -> list[DecodeSequence]:
         """The batch for the next step: everything running plus admitted waiters."""
         while self.waiting and len(self.running) < self.max_batch:
             rid = self.waiting.popleft()
@@ -219,9 +219,12 @@ class Scheduler:
         return [self.seqs[rid] for rid in self.running]
 
     def append(self, seq_id: str, token: int, finished: bool) -> None:
+        """A running sequence's next token; `finished`: it ends the sequence. The caller
+        decides (the leader's finish check, which ends a sequence at its max_tokens)."""
         seq = self.seqs[seq_id]
         seq.generated.append(token)
-        if finished or len(seq.generated) >= seq.max_tokens:
+        assert finished or len(seq.generated) < seq.max_tokens, "past the reserved tokens"
+        if finished:
             self._end(seq, SeqState.FINISHED)
 
     def finish(self, seq_id: str) -> None:
@@ -238,13 +241,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def _get(self, seq_id: str) -> Sequence:
+    def _get(self, seq_id: str) -> DecodeSequence:
         try:
             return self.seqs[seq_id]
         except KeyError:
             raise SchedulerError(f"unknown request {seq_id!r}") from None
 
-    def _end(self, seq: Sequence, state: SeqState) -> None:
+    def _end(self, seq: DecodeSequence, state: SeqState) -> None:
         sid = seq.seq_id
         if sid in self.running:
             self.running.remove(sid)
@@ -259,4 +262,4 @@ class Scheduler:
             del self.requests[seq.request_id]
 
 
-__all__ = ["OutOfBlocks", "Scheduler", "SchedulerError", "SeqState", "Sequence", "fork_id"]
+__all__ = ["DecodeSequence", "OutOfBlocks", "Scheduler", "SchedulerError", "SeqState", "fork_id"]

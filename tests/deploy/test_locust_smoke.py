@@ -88,7 +88,7 @@ def test_locust_smoke_20s_zero_failures(stack: LocalStack, tmp_path: Path) -> No
     assert _healthcheck("prefill", {**stack.env, "TPLA_PREFILL_PORT": router_port}) == 1
     processes = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(_cmdline(p) for p in processes)
-    assert "redis-server" in names and "services.decode.rank.runtime" in names, names  # all of it
+    assert "redis-server" in names and "services.decode.group.follower" in names, names  # all of it
 
     # One user of each class, all spawned at once, prompts sized for the tiny context.
     cmd = [

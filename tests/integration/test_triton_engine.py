@@ -21,7 +21,7 @@ from common.model.tpla import latent_shards
 from common.parallel import RmsNormMode
 from common.triton_kernels import decode_attention
 from services.decode.rank.backends import TorchBackend, select_decode_backend
-from services.decode.rank.model import RankAttention
+from services.decode.rank.layers import RankAttention
 from tests.cli import generate_ids
 from tests.tiny import save_hf
 

@@ -132,7 +132,7 @@ def test_native_rejects_bad_plans_without_reading_out_of_bounds() -> None:
 
 
 def test_rank_attention_kernels_agree(tmp_path) -> None:
-    """The engine's `RankAttention.attend` with the native kernel and with the torch kernel,
+    """The rank step's `attend` with the native kernel and with the torch kernel,
     on a TPLA rank (r = 2, equal shards, beta = 1/2) and an MLA-TP rank (a head group) of a
     real (tiny) checkpoint, against `attend_reference`."""
     from common.loading.loader import load_model
@@ -141,7 +141,8 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     from common.parallel import RmsNormMode
     from services.decode.rank.backends import TorchBackend
     from services.decode.rank.backends.native_backend import NativeBackend
-    from services.decode.rank.model import RankAttention
+    from services.decode.rank.layers import RankAttention
+    from services.decode.rank.model import attend
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
@@ -164,6 +165,6 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
             reference = rank.attend_reference(q_nope, q_pe, n, k_pe, valid)
             outputs = {}
             for backend in (NativeBackend(), TorchBackend()):
-                outputs[backend.name] = rank.attend(q_nope, q_pe, cache, 0, reads, backend)
+                outputs[backend.name] = attend(rank, q_nope, q_pe, cache, 0, reads, backend)
         for out in outputs.values():
             torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)

@@ -44,7 +44,7 @@ def test_scheduler_lifecycle_and_batch_limit() -> None:
     assert [s.request_id for s in batch] == ["a", "b"] and sched.num_waiting == 1
     assert batch[0].next_position == 5 and batch[0].last_token == 7
     sched.append("a", 8, finished=False)
-    sched.append("a", 9, finished=False)  # third token: max_tokens reached
+    sched.append("a", 9, finished=True)  # third token: max_tokens reached (the leader says)
     assert "a" not in sched.seqs
     assert [s.request_id for s in sched.schedule()] == ["b", "c"]
     assert sched.abort("c") and not sched.abort("c")

@@ -17,8 +17,8 @@ from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig
 from services.decode.group.comm import Comm, ShmCollectives
+from services.decode.group.setup import create_shm_group, init_group, open_comm
 from services.decode.group.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
-from services.decode.rank.runtime import create_shm_group, init_group, open_comm
 
 WORLD = 2
 

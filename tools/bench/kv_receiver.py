@@ -40,7 +40,7 @@ from common.kv.transfer import DTYPES, TransferError
 from common.kv.wire import shard_slots
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from services.decode.rank.runtime import exit_with_parent
+from services.decode.group.follower import exit_with_parent
 
 READY = "KV-RECEIVER-READY"
 RAW_GRPC_METHOD = "/tpla.bench.RawGrpc/Push"

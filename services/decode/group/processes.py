@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from common.runtime.ports import PortUse, check_ports
 from services.decode.config import EngineConfig, Launch
+from services.decode.group.follower import CONFIG_ENV, START_ERROR_EXIT
 from services.decode.group.join import LeaderGroup, RankStartError
-from services.decode.rank.runtime import CONFIG_ENV, START_ERROR_EXIT
 from services.decode.stream import EngineError
 
 
@@ -111,8 +111,8 @@ class GroupProcesses:
 
     def _spawn_followers(self) -> None:
         """Ranks 1..tp-1 as children, on this host: each joins the group as a rank started
-        on its own would (runtime.follower_main), with this process's config."""
-        follower = [sys.executable, "-m", "services.decode.rank.runtime"]  # RANK LEADER_PID
+        on its own would (follower.follower_main), with this process's config."""
+        follower = [sys.executable, "-m", "services.decode.group.follower"]  # RANK LEADER_PID
         env = {**os.environ, CONFIG_ENV: self.cfg.to_json()}
         for rank in range(1, self.cfg.parallel.tp):
             argv = [*follower, str(rank), str(os.getpid())]

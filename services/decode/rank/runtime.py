@@ -1,21 +1,12 @@
-"""What every decode rank runs: its config, its model share and KV pool, and its step.
+"""What every decode rank runs: its model share and KV pool on its device, and its step.
 
 The leader (rank 0) and follower ranks share `RankRuntime`; only the leader schedules. A
-follower is a separate OS process: one the leader spawned runs `python -m
-services.decode.rank.runtime RANK LEADER_PID` with the leader's config as JSON in
-TPLA_ENGINE_CONFIG (nothing but JSON and tensors crosses a process boundary); a rank started
-on its own (`tpla decode --rank K`) builds its config from its settings. Both then join the
-group the same way (services/decode/group/join.py) and run `follower_main`.
+follower's process runs it under services/decode/group/follower.py.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -31,19 +22,16 @@ from common.kv.slots import token_slots
 from common.kv.wire import TransferError, shard_slots
 from common.loading.serving_model import open_serving_weights
 from common.model.tpla import latent_shards
-from common.native import shm_group
-from common.native.shm_group import CollectiveError, ShmGroup
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
-from services.decode.group.comm import Comm, DistCollectives, ShmCollectives
-from services.decode.group.join import FollowerGroup
-from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, WritePlan, recv_plan
+from services.decode.group.setup import open_comm
+from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan
 from services.decode.rank.backends import select_decode_backend
 from services.decode.rank.model import RankModel
+from services.decode.rank.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -167,205 +155,3 @@ class RankRuntime:
         self.comm.recv(lat, 0)
         self.comm.recv(rope, 0)
         self.cache.write_all_layers(plan.slots.to(self.device), lat, rope)
-
-
-class StepInputs:
-    """A decode plan's tensors on the rank's device, through buffers made once.
-
-    On a GPU the plan (CPU tensors from the control group) is packed into pinned host
-    memory and copied asynchronously into a device buffer that later steps reuse; two host
-    buffers alternate, each reused only after its previous copy finished. On the CPU the
-    plan's tensors are the step's inputs as they are.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._host: list[Tensor] = []
-        self._done: list[torch.cuda.Event | None] = [None, None]
-        self._device_words = torch.empty(0, dtype=torch.int64, device=device)
-        self._turn = 0
-
-    def load(self, plan: DecodePlan) -> DecodePlan:
-        if self.device.type == "cpu":
-            return plan
-        b = len(plan.tokens)
-        words = 2 * b + plan.block_tables.numel()
-        if self._device_words.numel() < words:
-            size = max(words, 2 * self._device_words.numel())
-            self._host = [torch.empty(size, dtype=torch.int64).pin_memory() for _ in range(2)]
-            self._done = [None, None]
-            self._device_words = torch.empty(size, dtype=torch.int64, device=self.device)
-        turn = self._turn
-        self._turn ^= 1
-        if (done := self._done[turn]) is not None:
-            done.synchronize()
-        host = self._host[turn][:words]
-        torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()], out=host)
-        dev = self._device_words[:words]
-        dev.copy_(host, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._done[turn] = event
-        return DecodePlan(dev[:b], dev[b : 2 * b], dev[2 * b :].view(plan.block_tables.shape))
-
-
-def init_group(cfg: EngineConfig, rank: int, store: dist.Store | None = None) -> None:
-    """Join the group's torch.distributed default group: gloo, the CPU control group (and
-    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data. The
-    rendezvous is the group's store (services/decode/group/join.py), else a tcp:// one on the
-    leader's port."""
-    if cfg.parallel.tp == 1:
-        return
-    device = rank_device(cfg.device, cfg.local_index(rank))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    timeout = timedelta(seconds=cfg.collective_timeout_s)
-    if store is None:
-        init = {"init_method": f"tcp://{cfg.master_addr}:{cfg.master_port}"}
-    else:
-        init = {"store": dist.PrefixStore("tpla/pg", store)}
-    dist.init_process_group("gloo", world_size=cfg.parallel.tp, rank=rank, timeout=timeout, **init)
-
-
-# Each rank's slot in the group file; larger messages (a big batch's logits) go in rounds.
-SHM_SLOT_BYTES = 4 * 2**20
-
-
-def create_shm_group(cfg: EngineConfig) -> str | None:
-    """Leader, before starting its followers: make the group's shared-memory file, or None
-    (tp = 1, "dist" asked for, or no native library here: torch.distributed it is)."""
-    if cfg.collectives != "shm" or cfg.parallel.tp == 1:
-        return None
-    if not shm_group.available():
-        return None
-    path = group_files.new_path()
-    try:
-        group = ShmGroup(path, 0, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, True)
-    except CollectiveError as exc:  # e.g. /dev/shm too small: gloo still works
-        group_files.remove(path)  # an attach that failed after the file was made
-        log.warning("shared-memory collectives unavailable, using torch.distributed: %s", exc)
-        return None
-    group.close()
-    return path
-
-
-def open_shm_group(cfg: EngineConfig, rank: int) -> ShmGroup | None:
-    if cfg.shm_path is None or cfg.parallel.tp == 1:
-        return None
-    return ShmGroup(
-        cfg.shm_path, rank, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, False
-    )
-
-
-def open_comm(cfg: EngineConfig, rank: int, device: torch.device) -> Comm:
-    """The rank's control group (shared memory, else gloo) and data group (the same on the
-    CPU; NCCL, created here by every rank alike, on GPUs)."""
-    if cfg.parallel.tp == 1:
-        return Comm(1)
-    default = DistCollectives()
-    shm = open_shm_group(cfg, rank)
-    control = default if shm is None else ShmCollectives(shm, default)
-    if device.type == "cuda":
-        return Comm(cfg.parallel.tp, control, DistCollectives(dist.new_group(backend="nccl")))
-    return Comm(cfg.parallel.tp, control, control)
-
-
-def exit_with_parent(parent: int | None = None, on_exit: Callable[[], None] | None = None) -> None:
-    """A child process (a follower rank, a bench receiver) whose parent died must not linger
-    in a collective or on its ports until a timeout: exit as soon as the parent is gone.
-
-    `parent`: the pid that started this process (default: the parent now). A follower passes
-    its leader's, which may have died while the follower was still importing. `on_exit` runs
-    first (a follower removes its group's file: a leader killed with SIGKILL cannot)."""
-    parent = os.getppid() if parent is None else parent
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        if on_exit is not None:
-            on_exit()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> int:
-    """A follower rank: join the group, execute the leader's plans until shutdown; the exit
-    code. `leader`: the pid of the leader that spawned this process (None: started on its own).
-
-    Until the start-up barrier a spawned group's file has a name: a follower that fails to
-    start, or sees its leader gone, removes it, since the group cannot start. A start-up
-    error of its configuration (a port in use, a config that differs from the leader's) is
-    one line on stderr, reported to the leader through the group's store, and
-    START_ERROR_EXIT."""
-    remove_file = (lambda: group_files.remove(cfg.shm_path)) if cfg.shm_path else None
-    if leader is not None:
-        exit_with_parent(leader, remove_file)
-    group: FollowerGroup | None = None
-    try:
-        group = FollowerGroup.join(cfg, rank, remove_file)
-        init_group(cfg, rank, group.store)
-        runtime = RankRuntime(cfg, rank)
-        receiver = runtime.start_kv_receiver()
-        group.publish_endpoints(*(cfg.kv_addresses(rank) if receiver else ("", "")))
-        runtime.comm.barrier()  # the leader waits until every rank has loaded its share
-        if leader is None:
-            kv = cfg.kv_addresses(rank)[0] if receiver else "none"
-            print(
-                f"decode rank {rank} of {cfg.parallel.tp} joined the group at "
-                f"{group.address} (KV receiver {kv})",
-                flush=True,
-            )
-    except BaseException as exc:
-        if remove_file is not None:
-            remove_file()
-        if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main
-            if group is not None:
-                group.report(str(exc))
-            print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-            return START_ERROR_EXIT
-        raise
-    try:
-        run_plans(runtime)
-    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
-        if group.leader_alive():
-            raise  # this rank's own failure: its traceback
-        group.end()
-        group.leader_gone()
-        return 1
-    group.end()
-    if receiver is not None:
-        receiver.stop(grace=1)
-    dist.destroy_process_group()
-    return 0
-
-
-def run_plans(runtime: RankRuntime) -> None:
-    """Execute the leader's plans until its shutdown plan."""
-    while True:
-        plan = recv_plan(runtime.comm)
-        if plan is None:
-            return
-        if isinstance(plan, DecodePlan):
-            runtime.comm.gather(runtime.step(plan))  # to the leader, which samples
-        elif isinstance(plan, PingPlan):
-            continue
-        elif isinstance(plan, CopyPlan):
-            runtime.copy_blocks(plan)
-        else:
-            runtime.receive_write(plan)
-
-
-# The leader hands a follower its config in the environment, not on the command line: the
-# config holds the internal token, and any local user can read a process's arguments.
-CONFIG_ENV = "TPLA_ENGINE_CONFIG"
-# A follower's exit code after printing a configuration error (`tpla`'s, tools/cli/main.py).
-START_ERROR_EXIT = 2
-
-if __name__ == "__main__":
-    # python -m services.decode.rank.runtime RANK LEADER_PID
-    sys.exit(
-        follower_main(
-            EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]), int(sys.argv[2])
-        )
-    )

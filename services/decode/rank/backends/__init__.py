@@ -6,12 +6,11 @@ import logging
 
 import torch
 
+from services.decode.config import KERNELS
 from services.decode.rank.backends.interface import DecodeBackend
 from services.decode.rank.backends.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
-
-KERNELS = ("auto", "torch", "native", "triton")
 
 
 def _backend_class(name: str) -> type[DecodeBackend]:
@@ -50,4 +49,4 @@ def select_decode_backend(name: str, device: torch.device, dtype: torch.dtype) -
     return cls()
 
 
-__all__ = ["KERNELS", "DecodeBackend", "TorchBackend", "select_decode_backend"]
+__all__ = ["DecodeBackend", "TorchBackend", "select_decode_backend"]

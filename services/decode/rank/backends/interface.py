@@ -14,7 +14,8 @@ Implementations: `torch` (the reference, any device), `native` (C++ kernels, fp3
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -22,14 +23,12 @@ from torch import Tensor, nn
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.mla import RMSNorm
 from common.model.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from services.decode.rank.model import RankAttention, RankLayer, RankModel
+from services.decode.rank.layers import RankAttention, RankLayer
 
 
 class DecodeBackend(abc.ABC):
     """The kernels of one rank's decode step. A backend may bind per-layer state to the
-    model it serves (`bind`), so an instance serves one `RankModel`."""
+    layers it serves (`bind`), so an instance serves one rank's model."""
 
     name: ClassVar[str]
 
@@ -39,8 +38,11 @@ class DecodeBackend(abc.ABC):
         the one check behind `select_decode_backend`."""
         return None
 
-    def bind(self, model: RankModel) -> None:  # noqa: B027 - optional hook
-        """Prepare per-layer state once the model's weights sit on their device."""
+    def bind(  # noqa: B027 - optional hook
+        self, layers: Sequence[RankLayer], rope: RotaryEmbedding
+    ) -> None:
+        """Prepare per-layer state once the layers' weights sit on their device (`rope`: the
+        model's rotary tables, on the same device)."""
 
     @abc.abstractmethod
     def linear(self, x: Tensor, w: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ skinny product). Each is tested equal to the torch backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,9 +19,7 @@ from common.model.moe import MoE, routed_experts
 from common.model.rope import RotaryEmbedding
 from common.native import decode_layer, latent_attention, small_gemm
 from services.decode.rank.backends.torch_backend import TorchBackend
-
-if TYPE_CHECKING:
-    from services.decode.rank.model import RankAttention, RankLayer, RankModel
+from services.decode.rank.layers import RankAttention, RankLayer
 
 
 class NativeBackend(TorchBackend):
@@ -41,10 +39,9 @@ class NativeBackend(TorchBackend):
                 return f"{lib.__name__} cannot be built or loaded here"
         return None
 
-    def bind(self, model: RankModel) -> None:
+    def bind(self, layers: Sequence[RankLayer], rope: RotaryEmbedding) -> None:
         self._inputs = [
-            decode_layer.AttentionInputs(_layer_weights(layer, model.rope))
-            for layer in model.layers
+            decode_layer.AttentionInputs(_layer_weights(layer, rope)) for layer in layers
         ]
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:

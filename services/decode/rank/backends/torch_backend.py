@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -13,9 +11,7 @@ from common.model.rope import RotaryEmbedding
 from common.model.sp import partial_attention
 from common.model.tpla import fused_slice_attention
 from services.decode.rank.backends.interface import DecodeBackend
-
-if TYPE_CHECKING:
-    from services.decode.rank.model import RankAttention, RankLayer
+from services.decode.rank.layers import RankAttention, RankLayer
 
 
 class TorchBackend(DecodeBackend):

@@ -9,7 +9,6 @@ the CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the test
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -18,9 +17,7 @@ from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.tpla import absorbed_queries
 from common.triton_kernels import decode_attention
 from services.decode.rank.backends.torch_backend import TorchBackend
-
-if TYPE_CHECKING:
-    from services.decode.rank.model import RankAttention
+from services.decode.rank.layers import RankAttention
 
 
 class TritonBackend(TorchBackend):

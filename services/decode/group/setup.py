@@ -1,0 +1,81 @@
+"""How a rank opens its group's collectives: the torch.distributed default group, the
+shared-memory group file (made by the leader before its followers start), and the `Comm`
+over them."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from common.native import shm_group
+from common.native.shm_group import CollectiveError, ShmGroup
+from common.runtime import group_files
+from common.runtime.device import rank_device
+from services.decode.config import EngineConfig
+from services.decode.group.comm import Comm, DistCollectives, ShmCollectives
+
+log = logging.getLogger(__name__)
+
+
+def init_group(cfg: EngineConfig, rank: int, store: dist.Store | None = None) -> None:
+    """Join the group's torch.distributed default group: gloo, the CPU control group (and
+    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data. The
+    rendezvous is the group's store (services/decode/group/join.py), else a tcp:// one on the
+    leader's port."""
+    if cfg.parallel.tp == 1:
+        return
+    device = rank_device(cfg.device, cfg.local_index(rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    if store is None:
+        init = {"init_method": f"tcp://{cfg.master_addr}:{cfg.master_port}"}
+    else:
+        init = {"store": dist.PrefixStore("tpla/pg", store)}
+    dist.init_process_group("gloo", world_size=cfg.parallel.tp, rank=rank, timeout=timeout, **init)
+
+
+# Each rank's slot in the group file; larger messages (a big batch's logits) go in rounds.
+SHM_SLOT_BYTES = 4 * 2**20
+
+
+def create_shm_group(cfg: EngineConfig) -> str | None:
+    """Leader, before starting its followers: make the group's shared-memory file, or None
+    (tp = 1, "dist" asked for, or no native library here: torch.distributed it is)."""
+    if cfg.collectives != "shm" or cfg.parallel.tp == 1:
+        return None
+    if not shm_group.available():
+        return None
+    path = group_files.new_path()
+    try:
+        group = ShmGroup(path, 0, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, True)
+    except CollectiveError as exc:  # e.g. /dev/shm too small: gloo still works
+        group_files.remove(path)  # an attach that failed after the file was made
+        log.warning("shared-memory collectives unavailable, using torch.distributed: %s", exc)
+        return None
+    group.close()
+    return path
+
+
+def open_shm_group(cfg: EngineConfig, rank: int) -> ShmGroup | None:
+    if cfg.shm_path is None or cfg.parallel.tp == 1:
+        return None
+    return ShmGroup(
+        cfg.shm_path, rank, cfg.parallel.tp, SHM_SLOT_BYTES, cfg.collective_timeout_s, False
+    )
+
+
+def open_comm(cfg: EngineConfig, rank: int, device: torch.device) -> Comm:
+    """The rank's control group (shared memory, else gloo) and data group (the same on the
+    CPU; NCCL, created here by every rank alike, on GPUs)."""
+    if cfg.parallel.tp == 1:
+        return Comm(1)
+    default = DistCollectives()
+    shm = open_shm_group(cfg, rank)
+    control = default if shm is None else ShmCollectives(shm, default)
+    if device.type == "cuda":
+        return Comm(cfg.parallel.tp, control, DistCollectives(dist.new_group(backend="nccl")))
+    return Comm(cfg.parallel.tp, control, control)

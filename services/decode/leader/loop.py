@@ -1,0 +1,147 @@
+"""The decode leader's loop thread: where every collective of the group runs.
+
+Callers enqueue commands (`call`) and wait on futures. Each iteration applies the commands,
+expires leases, and runs one decode step for every running sequence (continuous batching:
+requests join and leave between steps); an idle group is pinged so its followers stay inside
+their collective timeout. When the loop stops, for whatever reason, every live choice and
+pending command ends with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch.distributed as dist
+
+from services.decode.group.start import RunningGroup
+from services.decode.group.step_plan import PingPlan, send_plan
+from services.decode.leader.step import DecodeStep
+from services.decode.scheduler import DecodeSequence, Scheduler, SchedulerError
+from services.decode.stream import EngineError
+
+_IDLE_WAIT_S = 0.05
+
+
+class LeaderLoop:
+    def __init__(self, group: RunningGroup, scheduler: Scheduler, step: DecodeStep) -> None:
+        self.group, self.scheduler, self.step = group, scheduler, step
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._step_started: float | None = None  # time.monotonic() of the running step
+        # Idle keep-alive: well inside the followers' collective timeout.
+        self._ping_interval = min(1.0, group.cfg.collective_timeout_s / 4)
+        self._next_ping = time.monotonic() + self._ping_interval
+        # Recent step times (metrics); bounded so the loop never grows or copies it.
+        self.step_seconds: deque[float] = deque(maxlen=100)
+        # Called with each step's seconds and batch size on the loop thread.
+        self.on_step: Callable[[float, int], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="decode-leader", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run `fn` on the loop thread between two steps; its result (or its error).
+        EngineError if the group failed, is shut down, or (`timeout`) does not answer."""
+        if self.error is not None:
+            raise EngineError(f"decode group failed: {self.error}")
+        if self._stop.is_set():
+            raise EngineError("decode engine is shut down")
+        fut: Future[Any] = Future()
+        self._commands.put((fn, fut))
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            raise EngineError(f"the decode loop did not answer within {timeout:g} s") from None
+
+    def step_running_for(self) -> float:
+        """Seconds the current step (or ping) has been running; 0 between steps."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def stop(self) -> None:
+        """End the loop (its last plan ends the followers) and wait for it."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        tp = self.group.cfg.parallel.tp
+        try:
+            while not self._stop.is_set():
+                self.group.processes.check()
+                self._drain_commands(block=not self.scheduler.has_work())
+                for rid in self.scheduler.expire_leases(time.monotonic()):
+                    self.step.drop(rid)
+                batch = self.scheduler.schedule()
+                if batch:
+                    self._step(batch)
+                elif tp > 1 and time.monotonic() >= self._next_ping:
+                    self._ping()
+            if tp > 1:
+                send_plan(None, self.group.runtime.comm)
+        except BaseException as exc:  # a rank died or a collective timed out
+            self.error = exc
+        finally:
+            reason = f"error: {self.error}" if self.error else "error: decode engine shut down"
+            self.step.end_all(reason)
+            self._fail_pending_commands()
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except (SchedulerError, ValueError, RuntimeError) as exc:
+                fut.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(EngineError(f"decode group stopped: {self.error or 'shutdown'}"))
+
+    def _step(self, batch: list[DecodeSequence]) -> None:
+        self._step_started = time.monotonic()
+        try:
+            t0 = time.perf_counter()
+            self.step.run(batch)
+            seconds = time.perf_counter() - t0
+            self.step_seconds.append(seconds)
+            if self.on_step is not None:
+                self.on_step(seconds, len(batch))
+        finally:
+            self._step_started = None
+            self._next_ping = time.monotonic() + self._ping_interval
+
+    def _ping(self) -> None:
+        """Keep an idle group's followers inside their collective timeout (`PingPlan`);
+        timed like a step, so a rank that hangs while idle shows as a stalled group."""
+        self._step_started = time.monotonic()
+        try:
+            send_plan(PingPlan(), self.group.runtime.comm)
+        finally:
+            self._step_started = None
+            self._next_ping = time.monotonic() + self._ping_interval

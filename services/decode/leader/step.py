@@ -1,0 +1,195 @@
+"""The leader's decode step: each live choice's next token, sampled, streamed, and its finish.
+
+A choice is live from its first token (`start`) until it finishes or is aborted: it holds
+its sampling params, its generator, its controls (penalty counts, grammar state) and the
+stream its events go to. Each step sends the batch's plan to every rank, gathers the logits,
+samples every live choice's next token at once, streams it, and decides in one place
+(`finish_reason`) whether the token ends its choice. Runs on the leader's loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.messages import TokenEvent
+from common.sampling.grammar import GrammarMatcher
+from common.sampling.sampler import (
+    DECODE_STAGE,
+    SamplingParams,
+    choice_stream,
+    make_generator,
+    sample_batch,
+)
+from services.decode.controls import SequenceControls, StepControls
+from services.decode.group.start import RunningGroup
+from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
+from services.decode.scheduler import DecodeSequence, Scheduler
+from services.decode.stream import TokenStream
+
+
+@dataclass
+class LiveChoice:
+    """One choice of a request, from its first token until it ends."""
+
+    params: SamplingParams
+    stream: TokenStream
+    generator: torch.Generator
+    controls: SequenceControls
+    choice: int = 0
+
+
+class DecodeStep:
+    """The step and the live choices of one group's leader."""
+
+    def __init__(
+        self, group: RunningGroup, scheduler: Scheduler, eos_token_ids: frozenset[int]
+    ) -> None:
+        cfg, runtime = group.cfg, group.runtime
+        self.group, self.scheduler, self.eos_token_ids = group, scheduler, eos_token_ids
+        self.live: dict[str, LiveChoice] = {}
+        vocab_size = runtime.model.config.vocab_size
+        self.controls = StepControls(
+            cfg.model, vocab_size, eos_token_ids, cfg.max_batch, runtime.device
+        )
+        # Rank k's logits are padded to a common width for the gather; these columns of the
+        # gathered row are the real vocabulary, in order. Computed once, used every step.
+        self._vocab_columns = torch.tensor(
+            cfg.parallel.vocab_columns(vocab_size), device=runtime.device
+        )
+
+    def start(
+        self,
+        request_id: str,
+        firsts: list[int],
+        params: SamplingParams,
+        matcher: GrammarMatcher | None,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        stream: TokenStream,
+    ) -> None:
+        """The reserved request's choices go live from their first tokens (see
+        `DecodeEngine.generate`); a choice its first token ends finishes at once."""
+        seqs = self.scheduler.start(request_id, firsts)
+        self._copy_blocks(seqs)
+        # The request's controls before its first tokens, forked once per choice.
+        base = self.controls.start(params, matcher, prompt_ids, output_ids)
+        controls = [base, *(self.controls.fork(base) for _ in seqs[1:])]
+        self.controls.advance(controls, firsts)
+        device = self.group.runtime.device
+        for seq, ctl in zip(seqs, controls, strict=True):
+            stage = choice_stream(seq.choice, DECODE_STAGE)
+            generator = make_generator(params, device, stream=stage)
+            self.live[seq.seq_id] = LiveChoice(params, stream, generator, ctl, seq.choice)
+        for seq in seqs:
+            live = self.live[seq.seq_id]
+            reason = self.finish_reason(live, seq.generated[0], 1, seq.max_tokens)
+            if reason is not None:
+                self.scheduler.finish(seq.seq_id)
+                self.drop(seq.seq_id)
+                live.stream.put(TokenEvent(None, reason, index=live.choice))
+
+    def run(self, batch: list[DecodeSequence]) -> None:
+        """One step of every running sequence: each one's next token, streamed."""
+        logits = self._logits(batch)
+        lives = [self.live[seq.seq_id] for seq in batch]
+        params = [live.params for live in lives]
+        seqs = [live.controls for live in lives]
+        processed = any(p.processed for p in params)
+        context = None
+        if processed:
+            context = self.controls.context(seqs, [len(seq.generated) for seq in batch])
+        tokens = sample_batch(logits, params, [live.generator for live in lives], context)
+        if processed:
+            self.controls.advance(seqs, [t.token_id for t in tokens])
+        record = self.group.cfg.record_logits
+        for row, (seq, live, tok) in enumerate(zip(batch, lives, tokens, strict=True)):
+            reason = self.finish_reason(live, tok.token_id, len(seq.generated) + 1, seq.max_tokens)
+            kept = logits[row].to("cpu", copy=True) if record else None
+            live.stream.put(TokenEvent(tok, reason, kept, live.choice))
+            self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
+            if reason is not None:
+                self.drop(seq.seq_id)
+
+    def finish_reason(
+        self, live: LiveChoice, token: int, generated: int, max_tokens: int
+    ) -> str | None:
+        """Why `token`, a choice's `generated`-th, ends it: a stop token, "length" at the
+        `max_tokens` its blocks were reserved for, a structured output the grammar rejected;
+        None while it goes on."""
+        reason = live.params.finish_reason(token, generated, self.eos_token_ids, max_tokens)
+        if reason is None and live.controls.failed:
+            reason = f"error: structured output: {live.controls.failed}"
+        return reason
+
+    def abort(self, request_id: str, choices: frozenset[int] | None) -> bool:
+        """End the request's live choices (only `choices` when given); whether any was."""
+        ended = self.scheduler.abort(request_id, choices)
+        for seq in ended:
+            live = self.drop(seq.seq_id)
+            if live is not None:
+                live.stream.put(TokenEvent(None, "abort", index=seq.choice))
+        return bool(ended)
+
+    def drop(self, seq_id: str) -> LiveChoice | None:
+        """The choice is no longer live (its controls' rows are free again)."""
+        live = self.live.pop(seq_id, None)
+        if live is not None:
+            self.controls.release(live.controls)
+        return live
+
+    def end_all(self, reason: str) -> None:
+        """Every live choice ends with `reason`: no stream may wait forever."""
+        for live in self.live.values():
+            live.stream.put(TokenEvent(None, reason, index=live.choice))
+        self.live.clear()
+
+    def _logits(self, batch: list[DecodeSequence]) -> torch.Tensor:
+        """The batch's plan run by every rank: the gathered logits [B, V]."""
+        pool, par = self.scheduler.pool, self.group.cfg.parallel
+        # [R, B, max_blocks]: one table per rank in SP mode, one shared table otherwise.
+        per_seq = [pool.tables(s.seq_id) for s in batch]
+        ranks = par.tp if par.sp else 1
+        width = max(max(len(t) for t in tables) for tables in per_seq)
+        block_tables = torch.full((ranks, len(batch), width), -1, dtype=torch.int64)
+        for row, tables in enumerate(per_seq):
+            for k in range(ranks):
+                block_tables[k, row, : len(tables[k])] = torch.tensor(tables[k], dtype=torch.int64)
+        plan = DecodePlan(
+            torch.tensor([s.last_token for s in batch]),
+            torch.tensor([s.next_position for s in batch]),
+            block_tables,
+        )
+        runtime = self.group.runtime
+        if par.tp > 1:
+            send_plan(plan, runtime.comm)
+        local = runtime.step(plan)
+        if par.tp > 1:
+            parts = runtime.comm.gather(local)
+            assert parts is not None  # rank 0
+            logits = torch.cat(list(parts), dim=1)
+        else:
+            logits = local
+        return logits[:, self._vocab_columns]
+
+    def _copy_blocks(self, seqs: list[DecodeSequence]) -> None:
+        """Every rank copies the forks' own blocks from the prompt's (before their first
+        step): one plan for all of a request's forks."""
+        pools = self.scheduler.pool.pools
+        per_pool = [
+            [pair for seq in seqs for pair in (seq.block_copies[k] if seq.block_copies else [])]
+            for k in range(len(pools))
+        ]
+        width = max(len(p) for p in per_pool)
+        if not width:
+            return
+        pairs = torch.full((len(per_pool), width, 2), -1, dtype=torch.int64)
+        for k, pool_pairs in enumerate(per_pool):
+            if pool_pairs:
+                pairs[k, : len(pool_pairs)] = torch.tensor(pool_pairs, dtype=torch.int64)
+        plan = CopyPlan(pairs)
+        if self.group.cfg.parallel.tp > 1:
+            send_plan(plan, self.group.runtime.comm)
+        self.group.runtime.copy_blocks(plan)

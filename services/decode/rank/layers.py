@@ -1,0 +1,148 @@
+"""A decode rank's layers: its share of one layer's attention and FFN weights.
+
+Rank (i, j) of a group with `tp = r * m` ranks holds latent slice i and head group j
+(DESIGN §1 "TPLA decode"): the W_UK / W_UV columns of S_i for its heads, its heads' rows of
+the query projection and columns of o_proj, and the layer's norms. The math around the
+attention kernel lives here (`attend_reference`, the unfused path); which kernel runs it is
+the rank's backend (services/decode/rank/backends), called from the step (rank/model.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from common.loading.weights import WeightSource
+from common.model.mla import Linear, RMSNorm, project_latent, project_queries
+from common.model.moe import MLP
+from common.model.rope import RotaryEmbedding
+from common.model.tpla import LatentShard, latent_norm, latent_slice_attention
+from common.parallel import RmsNormMode
+
+
+class RankAttention(nn.Module):
+    """A rank's share of one layer's attention weights and the math around its kernel."""
+
+    def __init__(
+        self,
+        src: WeightSource,
+        layer: int,
+        heads: slice,
+        shard: LatentShard,
+        mode: RmsNormMode,
+    ) -> None:
+        super().__init__()
+        c = src.config
+        p = f"model.layers.{layer}.self_attn."
+        self.d_n, self.d_r, self.d_v, self.d_c = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        )
+        self.num_heads = heads.stop - heads.start
+        self.head_offset = heads.start
+        self.scale = c.softmax_scale
+        self.shard = shard
+        self.mode = mode
+        qk = self.d_n + self.d_r
+        rows = slice(heads.start * qk, heads.stop * qk)
+        if c.q_lora_rank is not None:
+            self.q_a: nn.Parameter | None = nn.Parameter(src.tensor(p + "q_a_proj.weight"))
+            self.q_a_norm: RMSNorm | None = _norm(src, p + "q_a_layernorm.weight", c.rms_norm_eps)
+            self.q_b = nn.Parameter(src.tensor(p + "q_b_proj.weight", rows))
+        else:
+            self.q_a, self.q_a_norm = None, None
+            self.q_b = nn.Parameter(src.tensor(p + "q_proj.weight", rows))
+        kv_a = p + "kv_a_proj_with_mqa.weight"
+        # Exact mode needs the whole (small) latent projection to normalize exactly; sliced
+        # mode holds only its slice's rows. The rope rows are replicated either way.
+        exact = mode is RmsNormMode.EXACT
+        latent_rows = slice(0, self.d_c) if exact else slice(shard.start, shard.end)
+        self.kv_a_latent = nn.Parameter(src.tensor(kv_a, latent_rows))
+        self.kv_a_rope = nn.Parameter(src.tensor(kv_a, slice(self.d_c, None)))
+        self.gamma = nn.Parameter(src.tensor(p + "kv_a_layernorm.weight"))
+        self.eps = c.rms_norm_eps
+        # W_UK / W_UV of these heads, latent columns S_i: rows of kv_b_proj [h (d_n + d_v), w].
+        kv = self.d_n + self.d_v
+        w_kv = src.tensor(
+            p + "kv_b_proj.weight",
+            slice(heads.start * kv, heads.stop * kv),
+            slice(shard.start, shard.end),
+        ).view(self.num_heads, kv, shard.width)
+        self.w_uk = nn.Parameter(w_kv[:, : self.d_n].contiguous())
+        self.w_uv = nn.Parameter(w_kv[:, self.d_n :].contiguous())
+        del w_kv
+        self.w_o = nn.Parameter(
+            src.tensor(
+                p + "o_proj.weight", cols=slice(heads.start * self.d_v, heads.stop * self.d_v)
+            )
+        )
+
+    @property
+    def exact_rmsnorm(self) -> bool:
+        return self.mode is RmsNormMode.EXACT
+
+    def queries(
+        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor, linear: Linear
+    ) -> tuple[Tensor, Tensor]:
+        return project_queries(
+            x, self.q_a, self.q_a_norm, self.q_b, (self.d_n, self.d_r), rope, cos, sin, linear
+        )
+
+    def new_latent(
+        self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor, linear: Linear
+    ) -> tuple[Tensor, Tensor]:
+        """This rank's slice n[S_i] and the rotated k_pe of new tokens."""
+        norm = latent_norm(self.gamma, self.eps, self.shard, self.mode)
+        return project_latent(x, self.kv_a_latent, self.kv_a_rope, norm, rope, cos, sin, linear)
+
+    def attend_reference(
+        self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
+    ) -> Tensor:
+        """The step's `attend` (rank/model.py) unfused, on per-token gathered n [B, T, w],
+        k_pe [B, T, d_r] and a mask [B, T]: the reference its kernels are tested against."""
+        o = latent_slice_attention(
+            q_nope[:, None],
+            q_pe[:, None],
+            n,
+            k_pe,
+            valid[:, None],
+            self.w_uk,
+            self.w_uv,
+            self.scale,
+            self.shard.beta,
+        )[:, 0]
+        return F.linear(o.reshape(o.shape[0], -1), self.w_o)
+
+
+def _norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
+    weight = src.tensor(name)
+    with torch.device("meta"):
+        norm = RMSNorm(weight.shape[0], eps)
+    norm.weight = nn.Parameter(weight)
+    return norm
+
+
+def _mlp(src: WeightSource, prefix: str, cols: slice) -> MLP:
+    """Rows `cols` of gate / up and columns `cols` of down (a slice of the intermediate dim)."""
+    gate = src.tensor(prefix + "gate_proj.weight", cols)
+    with torch.device("meta"):
+        local = MLP(gate.shape[1], gate.shape[0])
+    local.gate_proj.weight = nn.Parameter(gate)
+    local.up_proj.weight = nn.Parameter(src.tensor(prefix + "up_proj.weight", cols))
+    local.down_proj.weight = nn.Parameter(src.tensor(prefix + "down_proj.weight", cols=cols))
+    return local
+
+
+class RankLayer(nn.Module):
+    """A rank's share of one decoder layer: its attention, its FFN slice and the norms."""
+
+    def __init__(self, src: WeightSource, layer: int, attn: RankAttention, ffn: nn.Module) -> None:
+        super().__init__()
+        eps, p = src.config.rms_norm_eps, f"model.layers.{layer}."
+        self.input_norm = _norm(src, p + "input_layernorm.weight", eps)
+        self.attn = attn
+        self.post_norm = _norm(src, p + "post_attention_layernorm.weight", eps)
+        self.ffn = ffn

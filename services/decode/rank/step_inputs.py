@@ -1,0 +1,48 @@
+"""A decode plan's tensors on the rank's device, through buffers made once."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from services.decode.group.step_plan import DecodePlan
+
+
+class StepInputs:
+    """A decode plan's tensors on the rank's device, through buffers made once.
+
+    On a GPU the plan (CPU tensors from the control group) is packed into pinned host
+    memory and copied asynchronously into a device buffer that later steps reuse; two host
+    buffers alternate, each reused only after its previous copy finished. On the CPU the
+    plan's tensors are the step's inputs as they are.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: list[Tensor] = []
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._device_words = torch.empty(0, dtype=torch.int64, device=device)
+        self._turn = 0
+
+    def load(self, plan: DecodePlan) -> DecodePlan:
+        if self.device.type == "cpu":
+            return plan
+        b = len(plan.tokens)
+        words = 2 * b + plan.block_tables.numel()
+        if self._device_words.numel() < words:
+            size = max(words, 2 * self._device_words.numel())
+            self._host = [torch.empty(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+            self._done = [None, None]
+            self._device_words = torch.empty(size, dtype=torch.int64, device=self.device)
+        turn = self._turn
+        self._turn ^= 1
+        if (done := self._done[turn]) is not None:
+            done.synchronize()
+        host = self._host[turn][:words]
+        torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()], out=host)
+        dev = self._device_words[:words]
+        dev.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._done[turn] = event
+        return DecodePlan(dev[:b], dev[b : 2 * b], dev[2 * b :].view(plan.block_tables.shape))

@@ -1,0 +1,57 @@
+"""The decode leader's Prometheus metrics (prefix `tpla:`), read from its engine."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from common.runtime.metrics import (
+    PREFIX_CACHE_HELP,
+    CounterCallback,
+    DecodeMetrics,
+    GaugeCallback,
+    serve_metrics,
+)
+from services.decode.engine import DecodeEngine
+
+
+def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
+    """Serve the group's metrics on `host:port` (a thread): the step-time histogram, the
+    load as gauges and the prefix cache's counters."""
+    registry = CollectorRegistry()
+    histogram = DecodeMetrics(registry).step_seconds
+    engine.on_step = lambda seconds, _batch: histogram.observe(seconds)
+
+    def read() -> dict[str, float]:
+        load = engine.load()
+        steps = list(engine.step_seconds)[-20:]
+        return {
+            "tpla:num_requests_running": load.running,
+            "tpla:num_requests_waiting": load.waiting,
+            "tpla:kv_cache_usage_ratio": load.usage_ratio,
+            "tpla:kv_blocks_total": load.blocks_total,
+            "tpla:kv_blocks_used": load.blocks_used,
+            "tpla:kv_blocks_cached": load.blocks_cached,
+            "tpla:decode_step_seconds_recent": sum(steps) / len(steps) if steps else 0.0,
+        }
+
+    registry.register(
+        GaugeCallback(
+            read,
+            {
+                "tpla:kv_cache_usage_ratio": "fraction of KV blocks in use on each rank",
+                "tpla:decode_step_seconds_recent": "mean time of the last 20 decode steps",
+                "tpla:kv_blocks_used": "KV blocks live requests hold",
+                "tpla:kv_blocks_cached": "cached prefix blocks no live request holds",
+            },
+        )
+    )
+
+    def counters() -> dict[str, float]:
+        load = engine.load(timeout=1.0)
+        return {
+            "tpla:prefix_cache_queries": load.prefix_queried_tokens,
+            "tpla:prefix_cache_hits": load.prefix_hit_tokens,
+        }
+
+    registry.register(CounterCallback(counters, PREFIX_CACHE_HELP))
+    serve_metrics(registry, host, port)
