@@ -32,6 +32,7 @@ from common.runtime.settings import Settings
 from common.sampling.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
 from services.router import batch, prepare, response_schemas, schemas
+from services.router.config import PipelineConfig
 from services.router.edge import (
     MAX_BODY_BYTES,
     GuardMiddleware,
@@ -41,7 +42,7 @@ from services.router.edge import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.openapi import document_responses
-from services.router.pipeline import Pipeline, PipelineConfig
+from services.router.pipeline import Pipeline
 from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Done, GenerationRequest, Output
 from services.router.responses import DONE_LINE, ChatFormat, CompletionFormat, sse_error
