@@ -1,16 +1,17 @@
 """This router's own load: the one record of the work it has handed out and not seen end.
 
-    requests   running (at most max_inflight) and waiting for a slot (at most max_waiting):
-               admission, and the tpla:num_requests_running / _waiting gauges
-    per decode group   requests held there (at most max_per_group): a full group is skipped
-               requests sent there since the registry snapshot the router routes by: the
-               policy adds them to the group's reported load, so a burst between refreshes
-               spreads out (a newer snapshot's reports include them, and the count restarts)
-    per prefill worker prompt tokens sent and not yet prefilled: the policy weighs them
-               against the worker's reported queue, which lags by up to a heartbeat
+- request slots taken (at most max_inflight) and waited for (at most max_waiting): admission
+  and the tpla:num_requests_running / _waiting gauges read them;
+- requests held on each decode group (at most max_per_group): placement skips a full group;
+- requests sent to each decode group since the registry snapshot they were chosen from: the
+  policy adds them to the group's reported load, so a burst between refreshes spreads out (a
+  newer snapshot's reports include them, and the count starts again);
+- prompt tokens in flight on each prefill worker: the policy weighs them against the
+  worker's reported queue. A newer snapshot does not restart them: the report lags by up to
+  a heartbeat, and a burst of long prompts then piled onto whichever worker reported idle.
 
-Plain bookkeeping, no waiting and no I/O: `Admission` and `Placement` wait on it, and the
-routing policy reads its counts. The request lifecycle it serves is DESIGN §2.
+Plain bookkeeping, no waiting and no I/O: `Admission` and `Placement` wait on it, the routing
+policy reads it. The request lifecycle it serves: DESIGN §2.
 """
 
 from __future__ import annotations
