@@ -4,7 +4,8 @@ Lifecycle of the app: `create_app` loads the tokenizer and context limit and wir
 the worker directory, the routing policy and the metrics; startup loads the registry and
 starts its background refresh; shutdown stops it and closes every channel and connection.
 Routes only translate: body -> GenerationRequest (prepare.py) -> Pipeline.run -> OpenAI
-bodies or SSE (responses.py). Every error leaves as an OpenAI error body (common.runtime.errors).
+bodies or SSE (chat_format.py, completion_format.py). Every error leaves as an OpenAI error
+body (common.runtime.errors).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from common.runtime.settings import Settings
 from common.sampling.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
 from services.router import batch, prepare, response_schemas, schemas
+from services.router.chat_format import ChatFormat
+from services.router.completion_format import CompletionFormat
 from services.router.config import PipelineConfig
 from services.router.edge import (
     MAX_BODY_BYTES,
@@ -45,7 +48,7 @@ from services.router.openapi import document_responses
 from services.router.pipeline import Pipeline
 from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Done, GenerationRequest, Output
-from services.router.responses import DONE_LINE, ChatFormat, CompletionFormat, sse_error
+from services.router.responses import DONE_LINE, sse_error
 from services.router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
