@@ -32,9 +32,11 @@ from common.runtime.redis_state import RequestLog, WorkerRecord, WorkerRegistry,
 from common.runtime.settings import Settings
 from common.sampling.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
-from services.router import batch, prepare, response_schemas, schemas
+from services.router import batch, prepare, response_schemas
 from services.router.chat_format import ChatFormat
+from services.router.chat_schemas import ChatCompletionRequest
 from services.router.completion_format import CompletionFormat
+from services.router.completion_schemas import CompletionRequest
 from services.router.config import PipelineConfig
 from services.router.edge import (
     MAX_BODY_BYTES,
@@ -160,7 +162,7 @@ def _routes() -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/chat/completions", dependencies=[Depends(require_json)])
-    async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         st, arrival = _state(request), time.monotonic()
         req = await anyio.to_thread.run_sync(prepare.prepare_chat, body, st.info, arrival)
         fmt = ChatFormat(
@@ -174,7 +176,7 @@ def _routes() -> APIRouter:
         return await _serve(request, [req], fmt)
 
     @api.post("/v1/completions", dependencies=[Depends(require_json)])
-    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         st, arrival = _state(request), time.monotonic()
         response_id, reqs = await anyio.to_thread.run_sync(
             prepare.prepare_completion, body, st.info, arrival
