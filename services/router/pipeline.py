@@ -1,11 +1,11 @@
-"""One request's life through the disaggregated stack, as the async generator of its
-outputs: DESIGN §2 (the lifecycle, written once).
+"""One request's life through the disaggregated stack, as an async generator of its
+outputs; the lifecycle itself is written once, in DESIGN §2.
 
-`Pipeline.run` yields Started, (with echo) Prompt, each choice's Deltas and ChoiceEnd, then
-Done: from the router slot admission gives the request to the Redis record it closes. Placing
-it is placement.py, its token stream decoding.py; here each choice's tokens become text
-(detokenizer, stop strings), and the request ends: FINISHED, or on an error or a consumer
-gone away, an Abort on its decode group and FAILED / ABORTED.
+`Pipeline.run` takes a router slot (admission.py), opens the request's Redis record and
+yields Started, (with echo) Prompt, each choice's Deltas and ChoiceEnd, then Done.
+placement.py places the request and decoding.py streams its tokens; here each choice's
+tokens become text (detokenizer, stop strings) and the request ends: FINISHED or, on an
+error or when its consumer goes away, an Abort on its decode group and FAILED / ABORTED.
 """
 
 from __future__ import annotations
