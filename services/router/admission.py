@@ -5,90 +5,84 @@
               otherwise         Overloaded (HTTP 429 + Retry-After)
 
 A request that waited `timeout_s` without a slot is also Overloaded: the client learns to
-back off instead of holding a connection open. `room()` is the same wait for room on a decode
-group (per-group limit, KV blocks): whoever ends a request calls `released()`, which wakes
-every waiter to look again. Memory stays bounded: at most max_inflight + max_waiting
-requests exist in the router at once.
+back off instead of holding a connection open. A slot given back while requests wait goes to
+the first in line, so a newcomer never overtakes them. The counts are `RouterLoad`'s; memory
+stays bounded: at most max_inflight + max_waiting requests exist in the router at once.
 """
 
 from __future__ import annotations
 
-import time
+from collections import deque
 from collections.abc import Callable
 
 import anyio
 
 from common.runtime.errors import Overloaded
-
-# A waiter also looks again this often without a wake-up: room can appear on a decode
-# group through another router's requests ending, which this router is never told about.
-_RECHECK_S = 0.25
+from services.router.load import RouterLoad
 
 
 class Admission:
     def __init__(
         self,
-        max_inflight: int,
-        max_waiting: int,
+        load: RouterLoad,
         timeout_s: float,
         on_change: Callable[[int, int], None] = lambda running, waiting: None,
     ) -> None:
-        self.max_inflight = max_inflight
-        self.max_waiting = max_waiting
+        self._load = load
         self.timeout_s = timeout_s
         self._on_change = on_change  # (running, waiting), e.g. to export gauges
-        self._slots = anyio.Semaphore(max_inflight)
-        self._room = anyio.Event()
-        self.waiting = 0
-
-    @property
-    def running(self) -> int:
-        return self.max_inflight - self._slots.value
+        # The waiters in arrival order; an event is set when a slot is handed to its waiter.
+        self._line: deque[anyio.Event] = deque()
 
     async def acquire(self) -> None:
-        """Take one of the router's in-flight slots, waiting in line if need be; Overloaded
+        """Take one of the router's request slots, waiting in line if need be; Overloaded
         when the line is full or the wait times out. Pair with `release()`."""
-        if self._slots.value == 0 and self.waiting >= self.max_waiting:
+        load = self._load
+        if load.take_slot():
+            self._changed()
+            return
+        if load.line_full():
             raise Overloaded(
-                f"{self.max_inflight} requests in flight and {self.waiting} waiting "
-                f"(limits {self.max_inflight} + {self.max_waiting})",
+                f"{load.max_inflight} requests in flight and {load.waiting} waiting "
+                f"(limits {load.max_inflight} + {load.max_waiting})",
                 code="too_many_requests",
             )
-        self.waiting += 1
+        turn = anyio.Event()
+        self._line.append(turn)
+        load.start_waiting()
         self._changed()
         try:
             with anyio.fail_after(self.timeout_s):
-                await self._slots.acquire()
+                await self._wait(turn)
         except TimeoutError:
             raise Overloaded(
                 f"no request slot became free within {self.timeout_s:g} s",
                 code="too_many_requests",
             ) from None
         finally:
-            self.waiting -= 1
+            load.stop_waiting()
             self._changed()
 
     def release(self) -> None:
-        self._slots.release()
+        """Give a slot back: to the first request in line, or free."""
+        self._hand_on()
         self._changed()
-        self.released()
 
-    def released(self) -> None:
-        """Some capacity came back (a request ended or left a group): wake the waiters."""
-        self._room.set()
-        self._room = anyio.Event()
+    async def _wait(self, turn: anyio.Event) -> None:
+        try:
+            await turn.wait()
+        except BaseException:
+            if turn.is_set():  # the slot came as the wait was cancelled: the next one gets it
+                self._hand_on()
+            else:
+                self._line.remove(turn)
+            raise
 
-    async def room(self, deadline: float) -> None:
-        """Wait until `released()` or a short re-check interval; Overloaded past `deadline`
-        (a time.monotonic() value)."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise Overloaded(
-                f"no decode group had room for the request within {self.timeout_s:g} s",
-                code="too_many_requests",
-            )
-        with anyio.move_on_after(min(left, _RECHECK_S)):
-            await self._room.wait()
+    def _hand_on(self) -> None:
+        if self._line:
+            self._line.popleft().set()  # the slot stays taken, by the waiter
+        else:
+            self._load.free_slot()
 
     def _changed(self) -> None:
-        self._on_change(self.running, self.waiting)
+        self._on_change(self._load.running, self._load.waiting)

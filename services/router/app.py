@@ -4,7 +4,8 @@ Lifecycle of the app: `create_app` loads the tokenizer and context limit and wir
 the worker directory, the routing policy and the metrics; startup loads the registry and
 starts its background refresh; shutdown stops it and closes every channel and connection.
 Routes only translate: body -> GenerationRequest (prepare.py) -> Pipeline.run -> OpenAI
-bodies or SSE (responses.py). Every error leaves as an OpenAI error body (common.runtime.errors).
+bodies or SSE (chat_format.py, completion_format.py). Every error leaves as an OpenAI error
+body (common.runtime.errors).
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from common.runtime.redis_state import RequestLog, WorkerRecord, WorkerRegistry,
 from common.runtime.settings import Settings
 from common.sampling.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
-from services.router import batch, prepare, response_schemas, schemas
+from services.router import batch, prepare, response_schemas
+from services.router.chat_format import ChatFormat
+from services.router.chat_schemas import ChatCompletionRequest
+from services.router.completion_format import CompletionFormat
+from services.router.completion_schemas import CompletionRequest
+from services.router.config import PipelineConfig
 from services.router.edge import (
     MAX_BODY_BYTES,
     GuardMiddleware,
@@ -41,10 +47,10 @@ from services.router.edge import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.openapi import document_responses
-from services.router.pipeline import Pipeline, PipelineConfig
+from services.router.pipeline import Pipeline
 from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Done, GenerationRequest, Output
-from services.router.responses import DONE_LINE, ChatFormat, CompletionFormat, sse_error
+from services.router.responses import DONE_LINE, sse_error
 from services.router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -156,7 +162,7 @@ def _routes() -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/chat/completions", dependencies=[Depends(require_json)])
-    async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         st, arrival = _state(request), time.monotonic()
         req = await anyio.to_thread.run_sync(prepare.prepare_chat, body, st.info, arrival)
         fmt = ChatFormat(
@@ -170,7 +176,7 @@ def _routes() -> APIRouter:
         return await _serve(request, [req], fmt)
 
     @api.post("/v1/completions", dependencies=[Depends(require_json)])
-    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         st, arrival = _state(request), time.monotonic()
         response_id, reqs = await anyio.to_thread.run_sync(
             prepare.prepare_completion, body, st.info, arrival

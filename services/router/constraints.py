@@ -14,7 +14,8 @@ from common.sampling.grammar import GrammarCompiler, GrammarError, GrammarKind, 
 from common.text.chat_template import ChatMessage
 from common.text.tokenizer import Tokenizer
 from services.router import tools
-from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.chat_schemas import ChatCompletionRequest
+from services.router.completion_schemas import CompletionRequest
 
 
 def tool_calling(body: ChatCompletionRequest) -> tools.ToolCalling | None:

@@ -10,8 +10,13 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from services.router import response_schemas as s
 from services.router.edge import MAX_BODY_BYTES
+from services.router.response_schemas import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorBody,
+)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, Any]:
@@ -23,7 +28,7 @@ def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
     json_data = {
         "type": "string",
         "contentMediaType": "application/json",
-        "contentSchema": {"anyOf": [_ref(chunk)["schema"], _ref(s.ErrorBody)["schema"]]},
+        "contentSchema": {"anyOf": [_ref(chunk)["schema"], _ref(ErrorBody)["schema"]]},
     }
     event = {
         "type": "object",
@@ -42,18 +47,18 @@ _READY = {
 # The routes return raw Responses (JSON or SSE, chosen per request), which FastAPI cannot
 # describe; /openapi.json takes their success bodies from here.
 DOCUMENTED_MODELS: tuple[type[BaseModel], ...] = (
-    s.ChatCompletionResponse,
-    s.ChatCompletionChunk,
-    s.CompletionResponse,
-    s.ErrorBody,
+    ChatCompletionResponse,
+    ChatCompletionChunk,
+    CompletionResponse,
+    ErrorBody,
 )
 SUCCESS_DOCS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("post", "/v1/chat/completions"): {
         "200": {
             "description": "the completion, or SSE chunks when stream is true",
             "content": {
-                "application/json": _ref(s.ChatCompletionResponse),
-                **_sse(s.ChatCompletionChunk),
+                "application/json": _ref(ChatCompletionResponse),
+                **_sse(ChatCompletionChunk),
             },
         }
     },
@@ -61,8 +66,8 @@ SUCCESS_DOCS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
         "200": {
             "description": "the completion, or SSE chunks when stream is true",
             "content": {
-                "application/json": _ref(s.CompletionResponse),
-                **_sse(s.CompletionResponse),
+                "application/json": _ref(CompletionResponse),
+                **_sse(CompletionResponse),
             },
         }
     },

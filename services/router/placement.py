@@ -1,16 +1,11 @@
-"""Where a request runs: a decode group and a prefill worker, and leaving the group.
+"""Where a request runs: a decode group with room, a prefill worker, and leaving the group.
 
-    place: a decode group with room + Decode.Reserve (a full group is skipped; when every
-           group is full, wait for room up to queue_timeout_s; a group that fails Reserve
-           is quarantined and another one tried)
-    prefill_anywhere: Prefill.Prefill into the reservation on a chosen worker (one retry on
-           another worker if Unavailable); a failed KV push drops the decode group and
-           places + prefills once more on another one
-    leave_group / drop_group: the request is done there, or the group failed it
-           (quarantined, the request aborted there in the background)
-
-The Pipeline (services/router/pipeline.py) runs a request's lifecycle over these steps,
-and a migration is a second place + prefill_anywhere with the tokens generated so far.
+`place` reserves KV on a decode group (waiting for room when every group is full),
+`prefill_anywhere` runs the prefill into that reservation (re-placing the request once when
+the KV push to the group fails), `leave_group` / `drop_group` end the request's stay on a
+group. Each step's retries and waits, and how a request's lifecycle strings them together
+(a migration is a second place + prefill_anywhere), are in DESIGN §2. Every count of this
+router's load goes through `RouterLoad`.
 """
 
 from __future__ import annotations
@@ -18,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import anyio
 
 from common.messages import PrefillResult, Reservation
 from common.rpc.clients import DecodeClient
@@ -34,17 +29,19 @@ from common.runtime.errors import (
 )
 from common.runtime.redis_state import RequestState
 from common.sampling.params import SamplingParams
-from services.router.admission import Admission
+from services.router.config import PipelineConfig
+from services.router.load import RouterLoad
 from services.router.policy import DecodeGroup, RoutingPolicy
 from services.router.request import GenerationRequest
 from services.router.workers import WorkerDirectory
 
-if TYPE_CHECKING:
-    from services.router.pipeline import PipelineConfig
-
 log = logging.getLogger(__name__)
 
 _RESERVE_TIMEOUT_S = 10.0
+# A request waiting for room also looks again this often without a wake-up: room can appear
+# on a decode group through another router's requests ending, which this router is never
+# told about.
+_RECHECK_S = 0.25
 
 # Records a request's state transition (best effort): Pipeline._record.
 Record = Callable[..., Awaitable[None]]
@@ -71,16 +68,15 @@ class Placement:
         config: PipelineConfig,
         directory: WorkerDirectory,
         policy: RoutingPolicy,
-        admission: Admission,
+        load: RouterLoad,
         record: Record,
     ) -> None:
         self.config = config
         self.directory = directory
         self.policy = policy
-        self.admission = admission
+        self.load = load
         self._record = record
-        # Requests this router has on each decode group right now (the per-group limit).
-        self.group_load: Counter[str] = Counter()
+        self._room = anyio.Event()  # set (and replaced) when room may have come back
         self._background: set[asyncio.Task[None]] = set()
 
     async def place(self, run: Run, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
@@ -93,23 +89,18 @@ class Placement:
         rid = run.req.request_id
         deadline = time.monotonic() + self.config.queue_timeout_s
         while True:
-            full = {
-                g for g, n in self.group_load.items() if n >= self.config.max_inflight_per_group
-            }
-            skip = set(self.directory.quarantined()) | full
+            skip = set(self.directory.quarantined()) | self.load.full_groups()
             while True:
+                snapshot = self.directory.snapshot
                 try:
                     group = self.policy.choose_decode(
-                        self.directory.snapshot,
-                        self.directory.pending,
-                        frozenset(skip),
-                        prompt_ids,
+                        snapshot, self.load.sent_since(snapshot), frozenset(skip), prompt_ids
                     )
                 except Unavailable:
                     if not self.healthy_groups_exist():
                         raise
                     break  # every healthy group is full: wait for room
-                self.directory.pending[group.group_id] += 1
+                self.load.send_to_group(snapshot, group.group_id)
                 client = self.directory.decode_client(group.address)
                 try:
                     run.reservation = await client.reserve(
@@ -140,9 +131,28 @@ class Placement:
                     )
                     continue
                 run.group, run.decode, run.decode_live = group, client, True
-                self.group_load[group.group_id] += 1
+                self.load.join_group(group.group_id)
                 return
-            await self.admission.room(deadline)
+            await self._wait_for_room(deadline)
+
+    async def _wait_for_room(self, deadline: float) -> None:
+        """Until `room_freed()` or a short re-check interval; Overloaded past `deadline`
+        (a time.monotonic() value)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Overloaded(
+                f"no decode group had room for the request within "
+                f"{self.config.queue_timeout_s:g} s",
+                code="too_many_requests",
+            )
+        with anyio.move_on_after(min(left, _RECHECK_S)):
+            await self._room.wait()
+
+    def room_freed(self) -> None:
+        """Some capacity came back (a request ended or left a group): every request waiting
+        for room looks again."""
+        self._room.set()
+        self._room = anyio.Event()
 
     def healthy_groups_exist(self) -> bool:
         bad = self.directory.quarantined()
@@ -150,11 +160,9 @@ class Placement:
 
     def leave_group(self, run: Run) -> None:
         if run.group is not None:
-            self.group_load[run.group.group_id] -= 1
-            if self.group_load[run.group.group_id] <= 0:
-                del self.group_load[run.group.group_id]
+            self.load.leave_group(run.group.group_id)
             run.group = None
-            self.admission.released()
+            self.room_freed()
 
     def drop_group(self, run: Run) -> None:
         """Leave a decode group that failed us: quarantine it and abort our request there in
@@ -207,14 +215,14 @@ class Placement:
         req, group, reservation = run.req, run.group, run.reservation
         assert group is not None and reservation is not None
         tried: set[str] = set()
-        inflight = self.directory.prefill_inflight
+        inflight = self.load.prefill_tokens()
         worker = self.policy.choose_prefill(self.directory.snapshot, inflight, prompt=prompt_ids)
         remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
         while True:
             # Counted before the first await: the other requests of a burst choose while
             # this one records its state, and must see the tokens it is about to send.
             sent_to = worker.worker_id
-            inflight[sent_to] += len(prompt_ids)
+            self.load.start_prefill(sent_to, len(prompt_ids))
             try:
                 await self._record(
                     req.request_id,
@@ -251,9 +259,7 @@ class Placement:
                 log.warning("request %s: prefill failed (%s); retrying", req.request_id, exc)
                 await self._record(req.request_id, RequestState.QUEUED, retry_reason=exc.message)
             finally:
-                inflight[sent_to] -= len(prompt_ids)
-                if inflight[sent_to] <= 0:
-                    del inflight[sent_to]
+                self.load.end_prefill(sent_to, len(prompt_ids))
 
 
 async def abort(decode: DecodeClient, request_id: str, choices: tuple[int, ...] = ()) -> None:

@@ -20,8 +20,9 @@ from common.sampling.grammar import GrammarCompiler, GrammarSpec
 from common.sampling.params import SamplingError, SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.router import constraints, tools
+from services.router.chat_schemas import ChatCompletionRequest
+from services.router.completion_schemas import CompletionRequest
 from services.router.request import GenerationRequest
-from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256
 _FALLBACK_CONTEXT = 4096  # ModelConfig's default when config.json does not say

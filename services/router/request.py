@@ -2,7 +2,8 @@
 
 `prepare.py` builds a `GenerationRequest` from an OpenAI body (one per prompt of a batch);
 `Pipeline.run` yields `Started`, then (with echo) `Prompt`, then every choice's `Delta`s, each
-choice's `ChoiceEnd` as it ends, then `Done`; `responses.py` turns those into OpenAI bodies.
+choice's `ChoiceEnd` as it ends, then `Done`; `chat_format.py` and `completion_format.py` turn
+those into OpenAI bodies.
 """
 
 from __future__ import annotations

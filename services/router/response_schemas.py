@@ -1,5 +1,6 @@
-"""OpenAI-compatible response bodies: what the router sends back (services/router/responses.py
-builds them from the pipeline's outputs), and the error body every 4xx/5xx carries."""
+"""OpenAI-compatible response bodies: what the router sends back (chat_format.py and
+completion_format.py build them from the pipeline's outputs), and the error body every
+4xx/5xx carries."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""OpenAI-compatible request bodies (pydantic lives here, at the HTTP edge only; the response
-bodies are services/router/response_schemas.py).
+"""What the OpenAI-compatible request bodies share: their sampling fields and the checks on
+them (pydantic lives here and in chat_schemas.py / completion_schemas.py, at the HTTP edge
+only; the response bodies are response_schemas.py).
 
 Requests are validated here and converted by the pipeline into `SamplingParams` and plain
 dataclasses; nothing past the route handlers sees a pydantic model. Validation is strict, as
@@ -59,7 +60,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _unsupported(description: str) -> Any:
+def unsupported(description: str) -> Any:
     return Field(None, description=f"not supported: {description}")
 
 
@@ -111,7 +112,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: Text
@@ -179,7 +180,7 @@ class _SamplingRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _SamplingRequest:
+    def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -195,203 +196,3 @@ class _SamplingRequest(BaseModel):
     @property
     def choices(self) -> int:
         return self.n or 1
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: Text
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCallIn(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: Text
-    arguments: Text
-
-
-class ToolCallIn(BaseModel):
-    """A tool call of an earlier assistant turn, sent back in the conversation."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    id: Text
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    # "developer" is OpenAI's newer name for "system"; the chat template sees "system".
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    name: Text | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: Text | None = None
-    # After the fields above: its validator reads them.
-    content: Text | list[TextPart] | None = None
-
-    @model_validator(mode="after")
-    def _shape(self) -> ChatMessageIn:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs tool_call_id")
-        return self
-
-    @field_validator("content", mode="after")
-    @classmethod
-    def _content_given(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
-            raise ValueError(
-                "content is required (only an assistant turn with tool_calls may omit it)"
-            )
-        return v
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            for part in v:
-                if isinstance(part, dict) and part.get("type") != "text":
-                    kind = part.get("type")
-                    shown = repr(kind) if isinstance(kind, str) and kind.isprintable() else "?"
-                    raise ValueError(f"content part type {shown} is not supported; only 'text'")
-        return v
-
-    @property
-    def template_role(self) -> str:
-        return "system" if self.role == "developer" else self.role
-
-    @property
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(p.text for p in self.content)
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[ToolDef] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = _unsupported("only [] or null")
-    function_call: Any = _unsupported('only "none" or null')
-    audio: Any = _unsupported("only null")
-    modalities: list[Any] | None = _unsupported('only ["text"] or null')
-    prediction: Any = _unsupported("only null")
-    web_search_options: Any = _unsupported("only null")
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
-
-    @field_validator("tools")
-    @classmethod
-    def _unique_tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
-        names = [t.function.name for t in v or ()]
-        if len(set(names)) != len(names):
-            raise ValueError("tool function names must be unique")
-        return v
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-
-
-def _is_token_ids(v: Any) -> bool:
-    # bool is an int subclass, but `true` is not a token id.
-    return isinstance(v, list) and bool(v) and all(type(t) is int and t >= 0 for t in v)
-
-
-class CompletionRequest(_SamplingRequest):
-    # One prompt (text or token ids) or a batch of them (a list of either kind).
-    prompt: (
-        Text
-        | TokenIds
-        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-    )
-    max_tokens: int | None = Field(None, ge=0, description="0 with echo: score the prompt only")
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool | None = Field(False, description="prepend the prompt (and its logprobs)")
-    best_of: int | None = _unsupported("only 1 or null; use n for several choices")
-    suffix: Text | None = _unsupported('only "" or null')
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt_shape(cls, v: Any) -> Any:
-        if isinstance(v, str) or _is_token_ids(v):
-            return v
-        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
-            return v
-        if isinstance(v, list) and v and all(_is_token_ids(p) for p in v):
-            return v
-        raise ValueError(
-            "prompt must be a string, a non-empty list of token ids, or a non-empty list of "
-            "either (a batch of prompts)"
-        )
-
-    @model_validator(mode="after")
-    def _zero_tokens_need_echo(self) -> CompletionRequest:
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 only scores the prompt: it needs echo")
-        return self
-
-    @model_validator(mode="after")
-    def _batch_size(self) -> CompletionRequest:
-        prompts = len(self.prompts)
-        if prompts * self.choices > MAX_CHOICES:
-            raise ValueError(
-                f"{prompts} prompts x n={self.choices} is over {MAX_CHOICES} choices in one request"
-            )
-        return self
-
-    @property
-    def prompts(self) -> list[str] | list[list[int]]:
-        """The batch: a single prompt is a batch of one."""
-        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
-            return [self.prompt]  # type: ignore[list-item]
-        return self.prompt  # type: ignore[return-value]
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_tokens

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 
 import redis
 
@@ -33,13 +32,6 @@ class WorkerDirectory:
         self._refresh_s = refresh_s
         self.snapshot = WorkerSnapshot()
         self.last_error: str | None = None
-        # Work sent since the last refresh, per prefill worker id / decode group id; a
-        # refresh resets it because the workers' own load reports then include that work.
-        self.pending: Counter[str] = Counter()
-        # Prompt tokens this router has sent to each prefill worker and not yet seen finish.
-        # Not reset by a refresh: a worker's own report lags by up to a heartbeat (2 s), and
-        # a burst of long prompts then piled onto whichever worker had reported idle last.
-        self.prefill_inflight: Counter[str] = Counter()
         # Workers and groups this router saw fail, until when (time.monotonic()): the
         # registry may list a dead worker until its record's TTL runs out.
         self._quarantine: dict[str, float] = {}
@@ -61,7 +53,6 @@ class WorkerDirectory:
             self.last_error = error
             return self.snapshot
         self.snapshot = snapshot
-        self.pending.clear()
         self.last_error = None
         return self.snapshot
 

@@ -28,6 +28,9 @@ from tools.local_stack import LocalStack
 
 CLIENT_TIMEOUT_S = 60.0  # a client that waits longer than this counts as hung
 RECOVERY_TIMEOUT_S = 90.0
+# The stack's worker TTL, which is also how long the router skips a group it saw fail.
+WORKER_TTL_S = 3.0
+BLOCK_SIZE = 16  # the stack's KV block (the default)
 # Two streams carry sampling state that must survive a migration: penalties over the tokens
 # generated so far, and a grammar that resumes where it stopped (the new group replays them).
 CONTROLLED: dict[str, dict] = {
@@ -196,6 +199,15 @@ def wait_recovered(stack: LocalStack, groups: int = 2, prefill: int = 2) -> None
     assert complete(stack.url, "are you back?", 8)
 
 
+def wait_idle(url: str) -> None:
+    """Until every decode leader reports no block in use. Each look refreshes the router's
+    registry snapshot (/admin/workers), so the router then routes by that idle state."""
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while any(w["kv_blocks_used"] for w in workers(url) if w["role"] == "decode"):
+        assert time.monotonic() < deadline, "blocks stayed in use"
+        time.sleep(0.1)
+
+
 def run_clients(clients: list[Client]) -> tuple[concurrent.futures.ThreadPoolExecutor, list]:
     pool = concurrent.futures.ThreadPoolExecutor(len(clients))
     return pool, [pool.submit(c.run) for c in clients]
@@ -228,7 +240,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         DECODE_GROUPS="2",
         PREFILL_WORKERS="2",
         LATENT_GROUPS="1",
-        WORKER_TTL_S="3",
+        # The first test is about this policy; the others pin the placements they need.
+        ROUTING_POLICY="kv-aware",
+        WORKER_TTL_S=f"{WORKER_TTL_S:g}",
         TRANSFER_TIMEOUT_S="2",
         TOKEN_TIMEOUT_S="5",
         LEASE_SECONDS="10",
@@ -472,36 +486,43 @@ def test_stalled_rank_times_out_the_transfer_and_frees_blocks(stack: LocalStack)
 def test_push_to_a_stalled_group_moves_the_request_to_another_group(stack: LocalStack) -> None:
     """SIGSTOP one group's follower: a KV push there times out, the prefill worker reports a
     transfer failure, and the router re-places the request on the other group — the client
-    sees a normal answer. Which group a request lands on is the policy's choice, so a few
-    requests are sent until one has been re-placed (the stopped group is quarantined after
-    that, so the rest go straight to the healthy one). An idle leader pings its followers
-    every second, so its loop may be blocked in that ping when the Reserve arrives: then
-    Reserve times out instead and the request is re-placed from there, which the record
-    says too."""
-    groups = decode_groups(stack.url)
-    follower = groups[min(groups)][1]["pid"]
+    sees a normal answer.
+
+    The request must be placed on the stopped group first, so the test pins that placement
+    instead of hoping the policy leans that way: its prompts are shorter than a KV block (no
+    group holds any of them, however the earlier tests filled the prefix caches), the group
+    stopped is the one a probe with such a prompt was placed on, with no quarantine left and
+    no block in use, and the request follows in that same state. It follows at once: an idle
+    leader pings its followers every second, and once a ping waits on the stopped follower
+    its loop answers nothing (a Reserve there would time out, and the group then reports
+    itself unhealthy)."""
+    time.sleep(WORKER_TTL_S)  # a group an earlier test failed is routed to again
+    wait_idle(stack.url)
+
+    def send(prompt: str) -> dict:
+        resp = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json=Client(stack.url, prompt, 8).body(stream=False),
+            timeout=CLIENT_TIMEOUT_S,
+        )
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["usage"]["prompt_tokens"] < BLOCK_SIZE
+        return httpx.get(f"{stack.url}/admin/requests/{body['id']}", timeout=10).json()
+
+    probe = send("moved 0")
+    victim = probe["decode_group"]
+    wait_idle(stack.url)
+    follower = decode_groups(stack.url)[victim][1]["pid"]
     os.kill(follower, signal.SIGSTOP)
-    histories = []
     try:
-        # Enough tries to outlast a quarantine of the stopped group left by an earlier test
-        # (the worker TTL), one a second.
-        for i in range(12):
-            time.sleep(1.0)  # a registry refresh: this router's per-group counts start afresh
-            resp = httpx.post(
-                f"{stack.url}/v1/chat/completions",
-                json=Client(stack.url, f"moved {i}", 8).body(stream=False),
-                timeout=CLIENT_TIMEOUT_S,
-            )
-            assert resp.status_code == 200, resp.text
-            rid = resp.json()["id"]
-            histories.append(httpx.get(f"{stack.url}/admin/requests/{rid}", timeout=10).json())
-            reasons = [h.get("retry_reason", "") for h in histories[-1]["history"]]
-            if any(r.startswith(("transfer:", "reserve on")) for r in reasons):
-                break
-        else:
-            raise AssertionError(f"no request was placed on the stopped group: {histories}")
+        record = send("moved 1")
     finally:
         os.kill(follower, signal.SIGCONT)
+    history = record["history"]
+    placed = [h["decode_group"] for h in history if h["state"] == "PREFILLING"]
+    assert placed[0] == victim and placed[-1] != victim, history
+    assert any(h.get("retry_reason", "").startswith("transfer:") for h in history), history
     wait_recovered(stack)
 
 

@@ -214,9 +214,13 @@ async def run_stack(
     prefill_fail: tuple[bool, ...] = (False, False),
     with_decode: bool = True,
     api_keys: str | None = None,
+    routing_policy: str = "least-loaded",
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
-    """Fake workers registered in Redis, and the router serving on a real socket."""
+    """Fake workers registered in Redis, and the router serving on a real socket.
+
+    The tests assert which prefill worker a request goes to (prefill-0 first, a burst split
+    evenly): that is least-loaded's choice, so the rig routes by it whatever the default."""
     registry = WorkerRegistry(redis.Redis.from_url(redis_url))
     decode = FakeDecode(script)
     prefills = [FakePrefill(script, fail) for fail in prefill_fail]
@@ -224,8 +228,8 @@ async def run_stack(
     for i, fake in enumerate(prefills):
         server, address = await _grpc_server(fake, prefill_pb2_grpc.add_PrefillServicer_to_server)
         servers.append(server)
-        # Worker ids sort in list order and queued_tokens rise with it, so least-loaded tries
-        # prefill-0 first.
+        # Worker ids sort in list order and queued_tokens rise with it: least-loaded (the
+        # rig's policy) tries prefill-0 first.
         registry.publish(WorkerRecord(f"prefill-{i}", WorkerRole.PREFILL, address, queued_tokens=i))
     if with_decode:
         server, address = await _grpc_server(decode, decode_pb2_grpc.add_DecodeServicer_to_server)
@@ -247,6 +251,7 @@ async def run_stack(
         served_model_name="tpla-test",
         internal_token=INTERNAL_TOKEN,
         api_keys=api_keys,
+        routing_policy=routing_policy,
         **overrides,
     )
     app = create_app(settings, redis_url=redis_url, refresh_s=0.1)

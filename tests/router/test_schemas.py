@@ -9,7 +9,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.chat_schemas import ChatCompletionRequest
+from services.router.completion_schemas import CompletionRequest
 from tests.router.conftest import MAX_POSITIONS, chat
 
 pytestmark = pytest.mark.anyio

@@ -15,10 +15,10 @@ import pytest
 from common.sampling.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
 from services.router import tools
+from services.router.chat_format import ChatFormat
+from services.router.chat_schemas import ChatCompletionRequest
 from services.router.prepare import ModelInfo, prepare_chat
 from services.router.request import ChoiceEnd, Delta, Done
-from services.router.responses import ChatFormat
-from services.router.schemas import ChatCompletionRequest
 from services.router.text import TokenLogprob
 from tests.router.conftest import Script, chat, run_stack
 from tests.tiny import CORPUS, train_tokenizer

@@ -1,0 +1,206 @@
+"""The token stream of a placed, prefilled request, from whichever decode group holds it.
+
+`tokens` yields (choice, token) from the prefill's first tokens on, over Decode.Generate.
+When the group dies or stalls mid-stream, an n = 1 request migrates: prompt + the tokens
+generated so far are prefilled on another group and the stream carries on from there, no
+token lost or repeated. Where this sits in a request's lifecycle: DESIGN §2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from common.messages import PrefillResult
+from common.runtime.errors import DeadlineExceeded, TplaError, Unavailable
+from common.runtime.redis_state import RequestState
+from common.sampling.sampler import SampledToken, SamplingParams
+from services.router.config import PipelineConfig
+from services.router.metrics import RouterMetrics
+from services.router.placement import Placement, Record, Run
+
+log = logging.getLogger(__name__)
+
+_MAX_MIGRATIONS = 2  # per request: a stream that keeps killing groups is not moved forever
+
+
+class Decoding:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        placement: Placement,
+        metrics: RouterMetrics,
+        record: Record,
+    ) -> None:
+        self.config = config
+        self.placement = placement
+        self.metrics = metrics
+        self._record = record
+
+    async def tokens(
+        self, run: Run, first: PrefillResult
+    ) -> AsyncIterator[tuple[int, SampledToken | None]]:
+        """(choice, token): the prefill's first tokens, then Decode.Generate's, and
+        (choice, None) when the leader ended a choice (its reason in run.reasons). An n = 1
+        request migrates to another group if its group fails mid-stream."""
+        req = run.req
+        await self.prefilled(run, first)
+        generated = [first.first_token.token_id]  # choice 0's (what a migration re-feeds)
+        feeds = first.first_tokens
+        for index, token in enumerate(feeds):
+            yield index, token
+        while True:
+            # The group starts from `feeds`; (n = 1) the rest of `generated` came before.
+            params = _remaining(req.params, len(generated) - 1)
+            stream = self._decode_stream(run, feeds, params, generated[:-1])
+            try:
+                async with contextlib.aclosing(stream) as events:
+                    async for index, token in events:
+                        if token is not None and index == 0:
+                            generated.append(token.token_id)
+                        yield index, token
+                return
+            except Unavailable as exc:
+                if req.n > 1 or not self._may_migrate(run, generated):
+                    raise
+                feed = await self._migrate(run, generated, exc)
+                generated.append(feed.token_id)
+                feeds = (feed,)
+                yield 0, feed
+
+    async def prefilled(self, run: Run, first: PrefillResult) -> None:
+        """The prefill is done and its KV in place: TTFT ends, the request is decoding."""
+        req = run.req
+        ttft = time.monotonic() - req.arrival
+        self.metrics.observe_ttft(ttft)
+        await self._record(
+            req.request_id,
+            RequestState.TRANSFERRING,
+            transfer_bytes=first.transfer_bytes,
+            transfer_seconds=first.transfer_seconds,
+            prefill_seconds=first.prefill_seconds,
+            prefill_cached_tokens=first.cached_tokens,
+            decode_cached_tokens=run.reservation.cached_tokens if run.reservation else 0,
+            ttft_seconds=round(ttft, 6),
+        )
+        await self._record(req.request_id, RequestState.DECODING)
+
+    async def _decode_stream(
+        self,
+        run: Run,
+        feeds: tuple[SampledToken, ...],
+        params: SamplingParams,
+        earlier: list[int],
+    ) -> AsyncIterator[tuple[int, SampledToken | None]]:
+        """Decode.Generate on the current group from each choice's `feeds` token, as
+        `tokens` yields it (`earlier`: what the request generated before `feeds` elsewhere,
+        a migrated request's). A group that dies, or sends nothing for token_timeout_s,
+        raises Unavailable (which may migrate the request)."""
+        req = run.req
+        assert run.decode is not None and run.group is not None
+        deadline = req.arrival + self.config.request_timeout_s
+        started = time.monotonic()
+        last: dict[int, float] = {}  # per choice: the gap between one choice's tokens
+        # Generate runs even when the first token already ends the request: the leader then
+        # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
+        # client gone) cancels the call right away.
+        events = run.decode.generate(
+            req.request_id,
+            feeds,
+            params,
+            idle_timeout=self.config.token_timeout_s,
+            # The penalties and the grammar count what the request generated elsewhere.
+            prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else (),
+            output_ids=earlier,
+        )
+        left = len(feeds)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    now = time.monotonic()
+                    index, reason = event.index, event.finish_reason
+                    if reason is not None:
+                        left -= 1
+                        run.decode_live = left > 0
+                        if index not in run.stopped:  # (a stopped choice ends as "abort")
+                            run.reasons[index] = _checked_reason(reason)
+                    if event.token is not None:
+                        self.metrics.observe_itl(now - last.get(index, started))
+                        last[index] = now
+                        yield index, event.token
+                    if reason is not None and index not in run.stopped:
+                        yield index, None
+                    if not left:
+                        return
+                    if now > deadline:
+                        raise DeadlineExceeded(
+                            f"request exceeded {self.config.request_timeout_s:g} s"
+                        )
+        except TimeoutError:
+            raise Unavailable(
+                f"decode group {run.group.group_id} sent nothing for "
+                f"{self.config.token_timeout_s:g} s"
+            ) from None
+        raise Unavailable("the decode stream ended without a finish reason")
+
+    def _may_migrate(self, run: Run, generated: list[int]) -> bool:
+        return (
+            self.config.migrate
+            and run.migrations < _MAX_MIGRATIONS
+            and len(generated) < run.req.params.max_tokens
+            and time.monotonic() < run.req.arrival + self.config.request_timeout_s
+        )
+
+    async def _migrate(self, run: Run, generated: list[int], cause: Unavailable) -> SampledToken:
+        """Move the stream to another decode group: re-prefill prompt + generated tokens
+        there and return the next token. Raises `cause` when no other group can take it."""
+        req, old = run.req, run.group
+        assert old is not None
+        self.placement.drop_group(run)
+        if not self.placement.healthy_groups_exist():
+            raise cause
+        run.migrations += 1
+        self.metrics.migrated()
+        log.warning(
+            "request %s: decode group %s failed after %d tokens (%s); migrating",
+            req.request_id,
+            old.group_id,
+            len(generated),
+            cause.message,
+        )
+        await self._record(
+            req.request_id, RequestState.QUEUED, retry_reason=f"migration: {cause.message}"
+        )
+        context = (*req.prompt_ids, *generated)
+        params = _remaining(req.params, len(generated))
+        try:
+            await self.placement.place(run, context, params.max_tokens)
+            result = await self.placement.prefill_anywhere(run, context, params, len(generated))
+        except TplaError as exc:
+            raise cause from exc
+        await self._record(
+            req.request_id,
+            RequestState.TRANSFERRING,
+            migrated_to=run.group.group_id if run.group else "",
+        )
+        await self._record(req.request_id, RequestState.DECODING)
+        return result.first_token
+
+
+def _remaining(params: SamplingParams, done: int) -> SamplingParams:
+    """The request's params for what is left after `done` tokens: its token limits shrink,
+    everything else (penalties, grammar) carries on over the tokens sent along."""
+    return replace(
+        params,
+        max_tokens=params.max_tokens - done,
+        min_tokens=max(params.min_tokens - done, 0),
+    )
+
+
+def _checked_reason(reason: str) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise Unavailable(f"decode group ended the request: {reason}")
