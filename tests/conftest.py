@@ -4,11 +4,14 @@ several test processes (servers, ranks) may share them."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+
+from tests.tiny import save_tiny_chat_model
 
 torch.set_num_threads(1)
 
@@ -43,3 +46,10 @@ def triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     CUDA), as it was at triton's import."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V2 checkpoint with a tokenizer (d_c = 32, 4 heads, 3 layers), shared by
+    the TPLA unit tests and the `tpla` CLI's."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tpla-tiny"), std=0.05)
