@@ -1,5 +1,6 @@
-"""`tpla bench roofline | decode-attn | prefill | capacity`: JSON contracts and the counting
-formulas, never timing thresholds (timings on a shared CPU are noise)."""
+"""`tpla bench roofline | decode-attn | prefill | capacity | decode-step` as real processes:
+JSON contracts and the counting formulas, never timing thresholds (timings on a shared CPU are
+noise)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,8 @@ import pytest
 import torch
 
 from tests.cli import run_bench
-from tools.bench.capacity import cache_shapes, expected_ratio, measure_capacity
-from tools.bench.decode_attn import DeviceWork, device_work, shapes
-from tools.bench.decode_attn import run_bench as time_grid
+from tools.bench.decode_attn import shapes
 from tools.bench.prefill import prefill_work
-from tools.bench.roofline import Roofline
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,21 +54,6 @@ def test_decode_attn_quick_json(tmp_path: Path) -> None:
     assert plot.stat().st_size > 10_000
 
 
-def test_decode_attn_counts_by_hand() -> None:
-    """Demo shapes (8 heads, d_c 128, d_r 16, d_n = d_v = 32), MLA-TP at tp=2, 1K, batch 1."""
-    demo = {s.name: s for s in shapes()}["demo"]
-    work = device_work(demo, "mla-tp", 1, 1024)
-    assert work == DeviceWork(4, 128, 16, 32, 32, 1, 1024)
-    # absorb 2*4*32*128, scores 2*4*1024*144, values 2*4*1024*128, W_UV 2*4*128*32
-    assert work.flops() == 32768 + 1179648 + 1048576 + 32768
-    # cache 1024*144, W_UK+W_UV 4*64*128, queries 4*48, output 4*32 (fp32)
-    assert work.bytes(4) == 4 * (147456 + 32768 + 192 + 128)
-    tpla = device_work(demo, "tpla", 1, 1024)
-    assert (tpla.heads, tpla.width) == (8, 64)
-    # TPLA reads (64 + 16) / (128 + 16) of MLA-TP's cache bytes.
-    assert tpla.bytes(4) - 4 * 8 * 64 * 64 - 4 * 8 * 80 < work.bytes(4)
-
-
 def test_prefill_json_and_flops() -> None:
     result = run_bench("prefill", "--json", "--prompt", "64", "--shapes", "demo", "--repeats", "1")
     rows = {(r["backend"], r["mode"]): r for r in result["rows"]}
@@ -109,13 +92,6 @@ def test_capacity_json_matches_formula() -> None:
         assert abs(r["ratio_vs_mla_tp"] - r["expected_ratio"]) <= slack + 1e-12
 
 
-def test_capacity_formula() -> None:
-    assert expected_ratio(512, 64, 2) == pytest.approx(576 / 320)
-    demo = cache_shapes()[0]
-    rows = measure_capacity(demo, 64 * 2**20, (1, 2))
-    assert rows[1]["ratio_vs_mla_tp"] == pytest.approx(144 / 80, rel=1e-3)
-
-
 def test_decode_step_json_side_by_side() -> None:
     """The real engine at tp=2 with shared-memory and gloo collectives, in one run; every
     configuration times exactly `--steps` steps that ran its whole batch."""
@@ -138,11 +114,6 @@ def test_decode_step_json_side_by_side() -> None:
         rows[("shm", "tpla")]["comm_bytes_per_step"]
         == rows[("dist", "tpla")]["comm_bytes_per_step"]
     )
-
-
-def test_decode_attn_rounds_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="rounds"):
-        time_grid(Roofline(1e11, 1e10, 1, 256, 16.0), quick=True, names=["demo"], rounds=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine times the Triton rows")

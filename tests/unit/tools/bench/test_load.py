@@ -1,6 +1,5 @@
-"""The serve bench's offered load and its statistics: closed loops hold at most c requests in
-flight, Poisson arrivals are submitted on their seeded schedule whatever is still running, and
-inter-token gaps are pooled over the completed requests."""
+"""The serve bench's offered load: closed loops hold at most c requests in flight, and Poisson
+arrivals are submitted on their seeded schedule whatever is still running."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from tools.bench.load import Arrival, Load, drive, drive_blocking
-from tools.bench.stats import RequestTiming, gaps, summarize
+from tools.bench.stats import RequestTiming, gaps
 
 
 def test_poisson_schedule_is_seeded_and_has_the_rate() -> None:
@@ -80,19 +79,6 @@ def test_blocking_requests_run_on_enough_threads() -> None:
     timings, wall = drive_blocking(request, [[1]] * 5, 4, Load.poisson(100.0))
     assert [t.output_tokens for t in timings] == [4] * 5
     assert wall < 0.2 * 5 / 2 and time.perf_counter() - t0 < 1.0  # ran side by side
-
-
-def test_itl_pools_the_gaps_of_completed_requests() -> None:
-    ok = RequestTiming(0.01, 0.05, 3, 3, itl_s=gaps([0.01, 0.02, 0.05]))
-    stalled = RequestTiming(0.01, 0.5, 3, 3, itl_s=gaps([0.01, 0.45, 0.5]))
-    failed = RequestTiming(0.01, 0.9, 1, 3, error="boom", itl_s=(0.8,))
-    s = summarize([ok, stalled, failed], 1.0)
-    assert s.completed == 2
-    assert s.itl_max_ms == pytest.approx(440.0)  # the stall at full length, not the failure's
-    assert s.itl_p50_ms == pytest.approx((30.0 + 50.0) / 2)
-    assert s.tpot_p99_ms < s.itl_max_ms  # TPOT spreads the stall over the request's tokens
-    no_tokens = summarize([RequestTiming(0.01, 0.05, 3, 3)], 1.0)  # e.g. no per-token clock
-    assert math.isnan(no_tokens.itl_p99_ms) and math.isnan(no_tokens.itl_max_ms)
 
 
 def test_load_rows_name_their_kind() -> None:
