@@ -3,8 +3,8 @@ shape the engine launches, on a machine without a GPU (the triton wheel ships pt
 
 The compiles run in a subprocess without TRITON_INTERPRET: a process runs Triton either
 interpreted or compiled, and this test session may have imported triton for the interpreter
-(tests/model/test_triton_decode_attention.py). Triton caches the binaries in ~/.triton;
-nothing is written to the repository. `pytest -s` prints the resource table.
+(tests/unit/common/triton_kernels/test_decode_attention.py). Triton caches the binaries in
+~/.triton; nothing is written to the repository. `pytest -s` prints the resource table.
 """
 
 from __future__ import annotations

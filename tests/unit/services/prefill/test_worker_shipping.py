@@ -4,8 +4,8 @@ acknowledged, a failed push fails only its job, and closing fails the jobs whose
 started instead of leaving them waiting.
 
 The sender here is a recording, gated stand-in for the transport: what is under test is the
-worker's scheduling; the transports themselves run for real in tests/integration and
-tests/bench."""
+worker's scheduling; the transports themselves run for real in tests/integration (the
+services, the torch pairs and the kv-transfer bench)."""
 
 from __future__ import annotations
 
