@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.cli import run_bench
-from tools.bench.decode_attn import shapes
+from tools.bench.attn_work import shapes
 from tools.bench.prefill import prefill_work
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ import torch
 from common.model.args import ModelConfig
 from common.model.attn_backend import PrefillAttentionBackend, select_backend
 from common.model.mla import MLAttention
-from tools.bench.decode_attn import AttnShape, per_device, shapes
+from tools.bench.attn_work import AttnShape, per_device, shapes
 
 RANKS = 2
 
