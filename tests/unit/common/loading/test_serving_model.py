@@ -288,7 +288,7 @@ def test_other_quantization_methods_are_refused_by_name(dirs, tmp_path: Path) ->
 
 def test_large_reads_go_in_row_chunks_with_the_same_bits(dirs, monkeypatch) -> None:
     """Chunks of 21 FP8 rows (and 5 float32 rows): boundaries fall inside scale blocks."""
-    from common.model import checkpoint
+    from common.loading import checkpoint
 
     parallel = LAYOUTS["tpla-tp2-r2"]
     monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 4096)
