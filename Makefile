@@ -27,7 +27,8 @@ test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 # One kind at a time, selected by the marker tests/conftest.py gives each test from its folder
-# (docs/design.md §11); test-quick is everything but the slow kinds (e2e, fault, deploy).
+# (docs/design.md §11); test-quick is everything but the slow tests (e2e, fault, deploy and the
+# few marked slow).
 PYTEST_KIND = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests -m
 test-unit: install
 	$(PYTEST_KIND) unit

@@ -7,7 +7,9 @@ The project's modules are looked up as files, so nothing is imported."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,19 +29,20 @@ PROJECT_MODULE = re.compile(rf"^(?:{'|'.join(PROJECT)})(?:\.[A-Za-z_]\w*)+$")
 TEST_PATH = re.compile(r"(?<![\w/.-])tests/[\w./-]*\w")
 
 
-def _text_files() -> Iterator[Path]:
-    for path in sorted(ROOT.rglob("*")):
-        parts = path.relative_to(ROOT).parts
-        if any(p in SKIP_DIRS or p.endswith(".egg-info") for p in parts) or "gen" in parts:
-            continue  # gen: the generated gRPC stubs
-        if path.resolve() in NOT_SCANNED or not path.is_file():
+@functools.cache
+def _text_files() -> tuple[Path, ...]:
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        # Pruned here, not filtered after: a venv in the checkout holds thousands of files.
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        if Path(folder).name == "gen":  # the generated gRPC stubs
             continue
-        if (
-            path.suffix in TEXT_SUFFIXES
-            or path.name in TEXT_NAMES
-            or path.name[:10] == "Dockerfile"
-        ):
-            yield path
+        for name in sorted(files):
+            path = Path(folder) / name
+            named = name in TEXT_NAMES or name.startswith("Dockerfile")
+            if (named or path.suffix in TEXT_SUFFIXES) and path.resolve() not in NOT_SCANNED:
+                found.append(path)
+    return tuple(found)
 
 
 def _is_module(name: str, *, runnable: bool) -> bool:
@@ -56,8 +59,9 @@ def _is_module(name: str, *, runnable: bool) -> bool:
         return False
 
 
-def _run_module_lists(source: str) -> Iterator[tuple[int, str]]:
-    """`[..., "-m", "X", ...]` in Python source: a module a subprocess runs."""
+def _source_references(source: str) -> Iterator[tuple[int, str, bool]]:
+    """In Python source: `[..., "-m", "X", ...]`, a module a subprocess runs, and every string
+    that is a dotted path under the project's packages."""
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.List | ast.Tuple):
             for flag, arg in zip(node.elts, node.elts[1:], strict=False):
@@ -67,17 +71,13 @@ def _run_module_lists(source: str) -> Iterator[tuple[int, str]]:
                     and isinstance(arg, ast.Constant)
                     and isinstance(arg.value, str)
                 ):
-                    yield arg.lineno, arg.value
-
-
-def _project_strings(source: str) -> Iterator[tuple[int, str]]:
-    for node in ast.walk(ast.parse(source)):
-        if (
+                    yield arg.lineno, arg.value, True
+        elif (
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and PROJECT_MODULE.match(node.value)
         ):
-            yield node.lineno, node.value
+            yield node.lineno, node.value, False
 
 
 def references(text: str, *, python: bool) -> Iterator[tuple[int, str, bool]]:
@@ -90,18 +90,18 @@ def references(text: str, *, python: bool) -> Iterator[tuple[int, str, bool]]:
             if name.split(".")[0] in PROJECT:
                 yield line, name, False
     if python:
-        yield from ((line, name, True) for line, name in _run_module_lists(text))
-        yield from ((line, name, False) for line, name in _project_strings(text))
+        yield from _source_references(text)
 
 
-def _all_references() -> list[tuple[str, int, str, bool]]:
-    return [
+@functools.cache
+def _all_references() -> tuple[tuple[str, int, str, bool], ...]:
+    return tuple(
         (str(path.relative_to(ROOT)), line, name, runnable)
         for path in _text_files()
         for line, name, runnable in references(
             path.read_text(encoding="utf-8"), python=path.suffix == ".py"
         )
-    ]
+    )
 
 
 def test_the_references_are_found() -> None:

@@ -24,9 +24,12 @@ ROOT = Path(__file__).resolve().parents[4]
 ARCHS = (80, 90)
 BLOCK_SIZES = (16, 64)
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="triton is not installed"
+    ),
+    pytest.mark.slow,  # every compile of both kernels: about a minute and a half on two cores
+]
 
 
 def launch_shapes() -> list[tuple[str, int, int, int, str]]:
