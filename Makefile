@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test test-gpu serve loadtest soak lint format clean
+.PHONY: install test test-unit test-integration test-e2e test-fault test-deploy test-quick test-gpu \
+	serve loadtest soak lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +21,30 @@ $(VENV)/.installed: pyproject.toml $(wildcard proto/*.proto) $(wildcard common/n
 
 install: $(VENV)/.installed
 
+# The whole suite, every kind (CI runs this; the gpu tests skip with their reason without CUDA).
 test: install
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
-# The tests marked `gpu` (CUDA kernels, the engine on GPUs); each skips with its reason
-# where no CUDA device is visible, as it does in `make test`.
+# One kind at a time, selected by the marker tests/conftest.py gives each test from its folder
+# (docs/design.md §11); test-quick is everything but the slow tests (e2e, fault, deploy and the
+# few marked slow).
+PYTEST_KIND = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests -m
+test-unit: install
+	$(PYTEST_KIND) unit
+test-integration: install
+	$(PYTEST_KIND) integration
+test-e2e: install
+	$(PYTEST_KIND) e2e
+test-fault: install
+	$(PYTEST_KIND) fault
+test-deploy: install
+	$(PYTEST_KIND) deploy
+test-quick: install
+	$(PYTEST_KIND) "not slow"
+
+# The tests marked `gpu` (tests/gpu and any test marked so: CUDA kernels, the engine on GPUs);
+# each skips with its reason where no CUDA device is visible, as it does in `make test`.
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu -rs tests
 

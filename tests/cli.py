@@ -42,3 +42,8 @@ def generate_ids(*args: str, env: Mapping[str, str] | None = None, timeout: floa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cannot run here" not in proc.stderr, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+def run_bench(*args: str, timeout: float = 300) -> Any:
+    """`tpla bench ARGS` that must succeed; its JSON contract line."""
+    return tpla_json("bench", *args, timeout=timeout)

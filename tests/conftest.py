@@ -1,16 +1,45 @@
-"""Shared fixtures. Every test process runs torch single-threaded: CI has two cores and
-several test processes (servers, ranks) may share them."""
+"""Shared fixtures, and each test's kind marked from its folder (docs/design.md §11). Every test
+process runs torch single-threaded: CI has two cores and several test processes (servers,
+ranks) may share them."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 
+from tests.tiny import save_tiny_chat_model
+
 torch.set_num_threads(1)
+
+TESTS = Path(__file__).parent
+# A test's kind is the folder under tests/ that holds it; these are the markers each kind gets
+# (registered in pyproject.toml), so that `pytest -m KIND` and the Makefile select by kind.
+KINDS: dict[str, tuple[str, ...]] = {
+    "unit": ("unit",),
+    "integration": ("integration",),
+    "e2e": ("e2e", "slow"),
+    "fault": ("fault", "slow"),
+    "gpu": ("gpu",),
+    "deploy": ("deploy", "slow"),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test with its folder's kind; a test outside the kind folders is an error."""
+    for item in items:
+        kind = item.path.relative_to(TESTS).parts[0]
+        if kind not in KINDS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: a test belongs in one of tests/{{{','.join(KINDS)}}}/"
+            )
+        for marker in KINDS[kind]:
+            item.add_marker(marker)
 
 
 def _import_triton_in_this_machines_mode() -> None:
@@ -43,3 +72,10 @@ def triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     CUDA), as it was at triton's import."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V2 checkpoint with a tokenizer (d_c = 32, 4 heads, 3 layers), shared by
+    the TPLA unit tests and the `tpla` CLI's."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tpla-tiny"), std=0.05)

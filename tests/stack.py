@@ -5,7 +5,7 @@
 * `services_in_threads`: a real decode group and real prefill workers serving gRPC from
   threads of the test process, for the integration tests that talk to them directly.
 
-The router's rig (scripted gRPC services under a real router) is tests/router/conftest.py.
+The router's rig (scripted gRPC services under a real router) is tests/router_rig.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 // streams the whole cache anyway.
 //
 // The reference is the indexed copy in PagedLatentCache.write_row_groups;
-// tests/unit/test_copy_rows.py holds them equal byte for byte.
+// tests/unit/common/native/test_copy_rows.py holds them equal byte for byte.
 
 #include <algorithm>
 #include <cstdint>

@@ -10,7 +10,7 @@
 //
 // The reference is the PyTorch path it replaces: `RankAttention.queries` / `new_latent`,
 // `PagedLatentCache.write` (services/decode/rank_model.py) and `RMSNorm.forward`;
-// tests/model/test_decode_layer.py checks them against it.
+// tests/unit/common/native/test_decode_layer.py checks them against it.
 
 #include <cmath>
 #include <cstdint>

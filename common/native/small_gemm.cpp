@@ -9,7 +9,8 @@
 // gather, two matmuls, activation, weighted scatter) with one call per layer.
 //
 // The reference for each is PyTorch: `F.linear`, `MLP.forward` and `MoE.forward`'s expert
-// loop (common/model/moe.py); tests/model/test_small_gemm.py checks them against it.
+// loop (common/model/moe.py); tests/unit/common/native/test_small_gemm.py checks them against
+// it.
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
 """/openapi.json as the router really behaves: OpenAI error bodies on every route (never
 FastAPI's 422), and the JSON-or-SSE success bodies the routes build by hand. Schemathesis
-(tests/router/test_fuzz.py) checks responses against this document."""
+(tests/integration/router/test_fuzz.py) checks responses against this document."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from common.loading.serving_model import open_serving_weights
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig
 from services.decode.rank.model import RankModel
-from tests.model.shard_checkpoints import (
+from tests.shard_checkpoints import (
     CONFIG,
     FP8_CONFIG,
     quantize,

@@ -22,9 +22,10 @@ cache in place, the W_UV product. It scores each row against the GPU's HBM roofl
 `gpu_peak`) instead of this CPU's; on a machine without CUDA it says so and times nothing
 (the interpreter's speed means nothing).
 
-FLOPs and bytes are counted once, in `DeviceWork`: matmul FLOPs only (2 per multiply-add;
-the softmax's O(h T) exps are not counted) and ideal bytes (cache read once, weights, queries
-and output once; the gather's copy is the kernel's overhead, not part of the bound).
+FLOPs and bytes are counted once, in `DeviceWork` (attn_work.py): matmul FLOPs only (2 per
+multiply-add; the softmax's O(h T) exps are not counted) and ideal bytes (cache read once,
+weights, queries and output once; the gather's copy is the kernel's overhead, not part of the
+bound).
 """
 
 from __future__ import annotations
@@ -35,112 +36,20 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
-from common.model.args import ModelConfig
 from common.model.tpla import fused_slice_attention, latent_slice_attention
 from common.native.latent_attention import paged_latent_attention
+from tools.bench.attn_work import GPUS, TP, Accelerator, DeviceWork, device_work, shapes
 from tools.bench.roofline import Roofline, measure_roofline, roofline_record
 
-TP = 2
 BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size)
 COLD_BYTES = 96 * 2**20  # > the 32 MB L3 of the development VM, so each layer comes from DRAM
-
-
-@dataclass(frozen=True)
-class AttnShape:
-    name: str
-    heads: int
-    d_c: int
-    d_r: int
-    d_n: int
-    d_v: int
-
-
-def shapes(demo_dir: str = "models/demo") -> list[AttnShape]:
-    demo = ModelConfig.from_dir(demo_dir)
-    return [
-        AttnShape("deepseek-v3", 128, 512, 64, 128, 128),
-        AttnShape("deepseek-v2-lite", 16, 512, 64, 128, 128),
-        AttnShape(
-            "demo",
-            demo.num_attention_heads,
-            demo.kv_lora_rank,
-            demo.qk_rope_head_dim,
-            demo.qk_nope_head_dim,
-            demo.v_head_dim,
-        ),
-    ]
-
-
-@dataclass(frozen=True)
-class Accelerator:
-    """Published peak numbers for a projection; the roofline model, not a measurement."""
-
-    name: str
-    bytes_per_s: float
-    flops_per_s: float  # dense bf16
-    itemsize: int = 2
-
-    def bound_seconds(self, work: DeviceWork) -> float:
-        return max(work.bytes(self.itemsize) / self.bytes_per_s, work.flops() / self.flops_per_s)
-
-
-GPUS = (
-    Accelerator("H100 SXM", 3.35e12, 989e12),
-    Accelerator("H200", 4.8e12, 989e12),
-)
-
-
-@dataclass(frozen=True)
-class DeviceWork:
-    """One device's attention work for one decode step of one layer."""
-
-    heads: int  # heads on this device
-    width: int  # latent columns cached on this device (d_c or d_c / r)
-    d_r: int
-    d_n: int
-    d_v: int
-    batch: int
-    context: int  # cached tokens per sequence (all valid)
-
-    def flops(self) -> float:
-        """q~ = W_UK^T q_nope, scores over [n | k_pe], u = p n, o = W_UV u (2 per MAC)."""
-        b, h, w, t = self.batch, self.heads, self.width, self.context
-        absorb = 2 * b * h * self.d_n * w
-        scores = 2 * b * h * t * (w + self.d_r)
-        values = 2 * b * h * t * w
-        out = 2 * b * h * w * self.d_v
-        return float(absorb + scores + values + out)
-
-    def bytes(self, itemsize: int = 4) -> float:
-        """Cache read once, W_UK and W_UV slices, the queries in and the values out."""
-        b, h, w, t = self.batch, self.heads, self.width, self.context
-        cache = b * t * (w + self.d_r)
-        weights = h * (self.d_n + self.d_v) * w
-        queries = b * h * (self.d_n + self.d_r)
-        out = b * h * self.d_v
-        return float(itemsize * (cache + weights + queries + out))
-
-
-def per_device(shape: AttnShape, mode: str, ranks: int = TP) -> tuple[int, int]:
-    """(heads, latent width) on one device: head-parallel MLA ("mla-tp") splits the heads,
-    TPLA ("tpla") splits the latent."""
-    if mode == "mla-tp":
-        return shape.heads // ranks, shape.d_c
-    if mode == "tpla":
-        return shape.heads, shape.d_c // ranks
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def device_work(shape: AttnShape, mode: str, batch: int, context: int) -> DeviceWork:
-    heads, width = per_device(shape, mode)
-    return DeviceWork(heads, width, shape.d_r, shape.d_n, shape.d_v, batch, context)
 
 
 def prepare_attention(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tools.bench.decode_attn import GPUS, device_work, shapes
+from tools.bench.attn_work import GPUS, device_work, shapes
 
 GPU_BATCHES = (1, 64)  # the projection is a formula, so it can show a serving-size batch too
 

@@ -29,7 +29,7 @@ import torch
 from common.model.args import ModelConfig
 from common.model.mla import MLAttention
 from common.model.prefill_attention import PrefillAttention, select_prefill_attention
-from tools.bench.decode_attn import AttnShape, per_device, shapes
+from tools.bench.attn_work import AttnShape, per_device, shapes
 
 RANKS = 2
 

@@ -1,0 +1,27 @@
+"""Free-port selection for local stacks: every derived port free, none of them a port that
+another service of the same stack was already given."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from common.runtime.ports import free_port
+
+
+def test_a_port_avoids_the_ports_already_handed_out() -> None:
+    offsets = (0, 1000)
+    # Every base except multiples of 5 would put one of its ports on an avoided one.
+    avoid = {p for p in range(10_000, 65_536) if p % 5}
+    for _ in range(5):
+        base = free_port(offsets, avoid=avoid)
+        assert base % 5 == 0 and (base + 1000) % 5 == 0
+        for off in offsets:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", base + off))  # free when returned
+
+
+def test_nothing_free_outside_avoid_is_an_error_not_a_hang() -> None:
+    with pytest.raises(RuntimeError, match="no free port"):
+        free_port(avoid=range(0, 65_536), attempts=50)
