@@ -9,12 +9,12 @@ import pytest
 import torch
 
 # tests/conftest.py has imported triton in this machine's mode (compiled with CUDA).
-from common.triton_kernels import decode_attention as da
+from common.triton_kernels import decode_attention
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not da.triton_installed(), reason="needs triton"),
+    pytest.mark.skipif(not decode_attention.triton_installed(), reason="needs triton"),
 ]
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
@@ -58,8 +58,10 @@ def _case(lengths, heads, width, rope, block_size, dtype, seed=0):
 def test_kernel_matches_reference_on_cuda(heads, width, rope, block_size, dtype, splits) -> None:
     lengths = [0, 1, 17, 300, 1000, 4099]
     q, kv, ids, lens, bs = _case(lengths, heads, width, rope, block_size, dtype)
-    u, lse = da.paged_decode_attention(q, kv, ids, lens, bs, splits, rope_width=rope)
-    ref_u, ref_lse = da.paged_decode_attention_reference(q, kv, ids, lens, bs, rope_width=rope)
+    u, lse = decode_attention.paged_decode_attention(q, kv, ids, lens, bs, splits, rope_width=rope)
+    ref_u, ref_lse = decode_attention.paged_decode_attention_reference(
+        q, kv, ids, lens, bs, rope_width=rope
+    )
     assert torch.isfinite(u).all() and not u[0].any()
     assert torch.isinf(lse[0]).all()
     tol = TOLERANCE[dtype]
@@ -69,7 +71,11 @@ def test_kernel_matches_reference_on_cuda(heads, width, rope, block_size, dtype,
 
 def test_int32_tables_and_lengths() -> None:
     q, kv, ids, lens, bs = _case([5, 70, 513], 16, 512, 64, 16, torch.bfloat16, seed=1)
-    u, lse = da.paged_decode_attention(q, kv, ids.int(), lens.int(), bs, 4, rope_width=64)
-    ref_u, ref_lse = da.paged_decode_attention_reference(q, kv, ids, lens, bs, rope_width=64)
+    u, lse = decode_attention.paged_decode_attention(
+        q, kv, ids.int(), lens.int(), bs, 4, rope_width=64
+    )
+    ref_u, ref_lse = decode_attention.paged_decode_attention_reference(
+        q, kv, ids, lens, bs, rope_width=64
+    )
     torch.testing.assert_close(u.float(), ref_u.float(), atol=1.5e-2, rtol=1.5e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from common.model.prefill_attention import NativePrefillAttention, select_prefill_attention
-from common.native import causal_attention as ca
+from common.native import causal_attention
 from tests.unit.common.native.test_causal_attention import _inputs, masked_softmax_reference
 
-pytestmark = pytest.mark.skipif(not ca.available(), reason="no C++ compiler for the kernel")
+pytestmark = pytest.mark.skipif(
+    not causal_attention.available(), reason="no C++ compiler for the kernel"
+)
 
 
 def test_backend_selection_and_fallback() -> None:

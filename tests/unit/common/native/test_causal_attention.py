@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from common.model.prefill_attention import NativePrefillAttention, SdpaPrefillAttention
-from common.native import causal_attention as ca
+from common.native import causal_attention
 
-pytestmark = pytest.mark.skipif(not ca.available(), reason="no C++ compiler for the kernel")
+pytestmark = pytest.mark.skipif(
+    not causal_attention.available(), reason="no C++ compiler for the kernel"
+)
 
 
 def masked_softmax_reference(q, k, v, cu, scale):
@@ -57,7 +59,7 @@ def _inputs(lengths, heads, d_qk, d_v, seed=0, magnitude=1.0):
 def test_native_matches_sdpa_and_the_masked_softmax(lengths, heads, d_qk, d_v) -> None:
     q, k, v, cu = _inputs(lengths, heads, d_qk, d_v)
     scale = d_qk**-0.5
-    native = ca.causal_attention(q, k, v, cu, scale)
+    native = causal_attention.causal_attention(q, k, v, cu, scale)
     sdpa = SdpaPrefillAttention().causal(q, k, v, cu, scale)
     exact = masked_softmax_reference(q, k, v, cu, scale)
     assert native.shape == (sum(lengths), heads, d_v) and native.dtype == torch.float32
@@ -72,7 +74,7 @@ def test_large_scores_and_threads() -> None:
     scale = 48**-0.5
     exact = masked_softmax_reference(q, k, v, cu, scale)
     for threads in (1, 2, 3):
-        out = ca.causal_attention(q, k, v, cu, scale, threads=threads)
+        out = causal_attention.causal_attention(q, k, v, cu, scale, threads=threads)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4)
 
@@ -81,7 +83,7 @@ def test_strided_inputs_are_accepted() -> None:
     # Any layout with a contiguous last dimension is read in place (here a split() view of v).
     q, k, v, cu = _inputs([40], 4, 48, 64)
     v_view = v[..., :32]
-    out = ca.causal_attention(q, k, v_view, cu, 0.2)
+    out = causal_attention.causal_attention(q, k, v_view, cu, 0.2)
     torch.testing.assert_close(
         out, SdpaPrefillAttention().causal(q, k, v_view.contiguous(), cu, 0.2)
     )
@@ -99,9 +101,11 @@ def test_mla_parts_are_read_in_place(threads: int) -> None:
     k_pe = torch.randn(total, d_r, generator=g)
     q_nope, q_pe = q.split([d_n, d_r], dim=-1)
     k_nope, v = kv.split([d_n, d_v], dim=-1)
-    parts = ca.causal_attention_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3, threads=threads)
+    parts = causal_attention.causal_attention_mla(
+        q_nope, q_pe, k_nope, k_pe, v, cu, 0.3, threads=threads
+    )
     k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), dim=-1)
-    joined = ca.causal_attention(q, k, v.contiguous(), cu, 0.3, threads=threads)
+    joined = causal_attention.causal_attention(q, k, v.contiguous(), cu, 0.3, threads=threads)
     assert torch.equal(parts, joined)  # the same packed operands, the same arithmetic
     backend = NativePrefillAttention()
     assert torch.equal(backend.causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3), joined)
@@ -109,9 +113,9 @@ def test_mla_parts_are_read_in_place(threads: int) -> None:
     sdpa = SdpaPrefillAttention().causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu, 0.3)
     torch.testing.assert_close(parts, sdpa, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="k_pe \\[T, d_r\\]"):
-        ca.causal_attention_mla(q_nope, q_pe, k_nope, k_pe[:-1], v, cu, 0.3)
+        causal_attention.causal_attention_mla(q_nope, q_pe, k_nope, k_pe[:-1], v, cu, 0.3)
     with pytest.raises(ValueError, match="expected"):
-        ca.causal_attention_mla(q_nope, q_pe, k_nope, k_pe[:, None], v, cu, 0.3)
+        causal_attention.causal_attention_mla(q_nope, q_pe, k_nope, k_pe[:, None], v, cu, 0.3)
 
 
 @pytest.mark.parametrize(
@@ -122,12 +126,12 @@ def test_mla_parts_are_read_in_place(threads: int) -> None:
 def test_bad_sequence_bounds_are_refused(cu) -> None:
     q, k, v, _ = _inputs([10], 2, 8, 8)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        ca.causal_attention(q, k, v, cu, 1.0)
+        causal_attention.causal_attention(q, k, v, cu, 1.0)
 
 
 def test_bad_shapes_and_dtypes_are_refused() -> None:
     q, k, v, cu = _inputs([10], 2, 8, 8)
     with pytest.raises(ValueError, match="expected"):
-        ca.causal_attention(q, k[:, :1], v, cu, 1.0)
+        causal_attention.causal_attention(q, k[:, :1], v, cu, 1.0)
     with pytest.raises(ValueError, match="fp32"):
-        ca.causal_attention(q.double(), k.double(), v.double(), cu, 1.0)
+        causal_attention.causal_attention(q.double(), k.double(), v.double(), cu, 1.0)

@@ -9,7 +9,7 @@ import torch
 
 from common.kv.paged_cache import CacheReads, block_ids_from_slots
 from common.model.tpla import latent_slice_attention
-from common.native import latent_attention as native
+from common.native import latent_attention
 from tests.paged import random_cache
 
 # Where a compiler exists the kernel must build and load: a broken build fails here instead
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_native_kernel_builds_and_loads() -> None:
-    assert native.available()
+    assert latent_attention.available()
 
 
 def _case(lengths, heads, width, d_r, d_n, d_v, block_size, seed=0, spread=1.0):
@@ -59,7 +59,7 @@ def test_native_matches_reference(lengths, heads, width, d_r, d_n, d_v, block_si
     )[:, 0]
     ids = block_ids_from_slots(slots, block_size)
     for threads in (1, 3):
-        out = native.paged_latent_attention(
+        out = latent_attention.paged_latent_attention(
             q_nope,
             q_pe,
             cache.kv[layer],
@@ -86,7 +86,7 @@ def test_native_softmax_is_stable_for_large_scores() -> None:
     reference = latent_slice_attention(
         q_nope[:, None], q_pe[:, None], n, k_pe, valid[:, None], w_uk, w_uv, 1.0, 1.0
     )[:, 0]
-    out = native.paged_latent_attention(
+    out = latent_attention.paged_latent_attention(
         q_nope,
         q_pe,
         cache.kv[0],
@@ -110,25 +110,29 @@ def test_native_rejects_bad_plans_without_reading_out_of_bounds() -> None:
     bad = ids.clone()
     bad[0, 1] = cache.num_blocks  # one past the pool
     with pytest.raises(ValueError, match="block id"):
-        native.paged_latent_attention(*args, bad, lens, 8, *weights)
+        latent_attention.paged_latent_attention(*args, bad, lens, 8, *weights)
     bad[0, 1] = -1
     with pytest.raises(ValueError, match="block id"):
-        native.paged_latent_attention(*args, bad, lens, 8, *weights)
+        latent_attention.paged_latent_attention(*args, bad, lens, 8, *weights)
     for length in (0, ids.shape[1] * 8 + 1):
         with pytest.raises(ValueError, match="length"):
-            native.paged_latent_attention(*args, ids, torch.tensor([length, 7]), 8, *weights)
+            latent_attention.paged_latent_attention(
+                *args, ids, torch.tensor([length, 7]), 8, *weights
+            )
     with pytest.raises(ValueError, match="fp32"):
-        native.paged_latent_attention(q_nope.double(), q_pe, cache.kv[0], ids, lens, 8, *weights)
+        latent_attention.paged_latent_attention(
+            q_nope.double(), q_pe, cache.kv[0], ids, lens, 8, *weights
+        )
     with pytest.raises(ValueError, match="contiguous"):
-        native.paged_latent_attention(
+        latent_attention.paged_latent_attention(
             q_nope.transpose(0, 1), q_pe, cache.kv[0], ids, lens, 8, *weights
         )
     with pytest.raises(ValueError, match="shapes"):
-        native.paged_latent_attention(
+        latent_attention.paged_latent_attention(
             q_nope, q_pe[..., :4].contiguous(), cache.kv[0], ids, lens, 8, *weights
         )
     with pytest.raises(ValueError, match="int64"):
-        native.paged_latent_attention(*args, ids.int(), lens, 8, *weights)
+        latent_attention.paged_latent_attention(*args, ids.int(), lens, 8, *weights)
 
 
 def test_rank_attention_kernels_agree(tmp_path) -> None:

@@ -26,7 +26,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytest.importorskip("triton.language")
 
 from common.model.tpla import absorbed_queries, latent_shards, latent_slice_attention  # noqa: E402
-from common.triton_kernels import decode_attention as da  # noqa: E402
+from common.triton_kernels import decode_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[4]
 # Kernel vs fp32 reference on the same (rounded) inputs: fp32 multiplies exactly in both; the
@@ -81,8 +81,10 @@ def make_case(
 
 def run_both(case: Case, num_splits: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     args = (case.q, case.kv, case.block_ids, case.lengths, case.block_size)
-    u, lse = da.paged_decode_attention(*args, num_splits, rope_width=case.rope_width)
-    ref_u, ref_lse = da.paged_decode_attention_reference(*args, rope_width=case.rope_width)
+    u, lse = decode_attention.paged_decode_attention(*args, num_splits, rope_width=case.rope_width)
+    ref_u, ref_lse = decode_attention.paged_decode_attention_reference(
+        *args, rope_width=case.rope_width
+    )
     return u, lse, ref_u, ref_lse
 
 
@@ -150,7 +152,7 @@ def test_equals_tpla_latent_slice_attention(groups: int) -> None:
     w_uk, w_uv = w_uk * 0.2, w_uv * 0.2
     scale = (d_n + d_r) ** -0.5
     q = absorbed_queries(q_nope, q_pe, w_uk, scale, shard.beta)
-    u, _ = da.paged_decode_attention(
+    u, _ = decode_attention.paged_decode_attention(
         q, case.kv, case.block_ids, case.lengths, block_size, 2, rope_width=d_r
     )
     out = torch.einsum("bhc,hvc->bhv", u, w_uv)
@@ -217,43 +219,45 @@ def test_bad_inputs_raise_value_error(change, match: str) -> None:
     case = make_case([3, 20], 2, 32, 16, 16)
     bad = _bad(case, **change(case))
     with pytest.raises(ValueError, match=match):
-        da.paged_decode_attention(**bad)
+        decode_attention.paged_decode_attention(**bad)
     with pytest.raises(ValueError, match=match):
-        da.paged_decode_attention_reference(**bad)
+        decode_attention.paged_decode_attention_reference(**bad)
 
 
 def test_bad_split_count_and_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     case = make_case([3, 20], 2, 32, 16, 16)
     with pytest.raises(ValueError, match="num_splits"):
-        da.paged_decode_attention(**_bad(case), num_splits=0)
+        decode_attention.paged_decode_attention(**_bad(case), num_splits=0)
     with pytest.raises(ValueError, match="num_splits"):
-        da.paged_decode_attention(**_bad(case), num_splits=da.MAX_GRID_Z + 1)
+        decode_attention.paged_decode_attention(
+            **_bad(case), num_splits=decode_attention.MAX_GRID_Z + 1
+        )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert da.available() == torch.cuda.is_available()
+    assert decode_attention.available() == torch.cuda.is_available()
     with pytest.raises(ValueError, match="CUDA"):
-        da.paged_decode_attention(**_bad(case.to(torch.device("cpu"))))
+        decode_attention.paged_decode_attention(**_bad(case.to(torch.device("cpu"))))
 
 
 def test_available_here() -> None:
-    assert da.triton_installed() and da.available()
-    assert da.interpreted_import() == (DEVICE.type == "cpu")
+    assert decode_attention.triton_installed() and decode_attention.available()
+    assert decode_attention.interpreted_import() == (DEVICE.type == "cpu")
 
 
 def test_choose_num_splits() -> None:
     # Short caches never split; a lone long sequence fills the SMs; a full batch does not split.
-    assert da.choose_num_splits(1, 1, 255, 132) == 1
-    assert da.choose_num_splits(1, 1, 32768, 132) == da.MAX_SPLITS
-    assert da.choose_num_splits(4, 8, 4096, 132) == 9  # ceil(264 / 32)
-    assert da.choose_num_splits(1, 1, 1024, 132) == 4  # at least 256 tokens a split
-    assert da.choose_num_splits(256, 8, 65536, 132) == 1
+    assert decode_attention.choose_num_splits(1, 1, 255, 132) == 1
+    assert decode_attention.choose_num_splits(1, 1, 32768, 132) == decode_attention.MAX_SPLITS
+    assert decode_attention.choose_num_splits(4, 8, 4096, 132) == 9  # ceil(264 / 32)
+    assert decode_attention.choose_num_splits(1, 1, 1024, 132) == 4  # at least 256 tokens a split
+    assert decode_attention.choose_num_splits(256, 8, 65536, 132) == 1
 
 
 def test_tiles_pad_to_dot_minimums() -> None:
     for heads, width, rope in [(1, 32, 16), (3, 64, 16), (128, 512, 64), (128, 128, 64)]:
-        tiles = da.choose_tiles(heads, width, rope, torch.bfloat16)
+        tiles = decode_attention.choose_tiles(heads, width, rope, torch.bfloat16)
         assert min(tiles.block_h, tiles.block_n, tiles.block_w, tiles.block_r) >= 16
         assert tiles.block_w >= width and tiles.block_r >= rope
-        assert tiles.block_h * tiles.block_w <= da.ACC_ELEMENTS
+        assert tiles.block_h * tiles.block_w <= decode_attention.ACC_ELEMENTS
 
 
 def test_imports_and_reference_without_triton() -> None:
@@ -262,14 +266,16 @@ def test_imports_and_reference_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from common.triton_kernels import decode_attention as da\n"
-        "assert not da.triton_installed() and not da.available()\n"
+        "from common.triton_kernels import decode_attention\n"
+        "assert not decode_attention.triton_installed() and not decode_attention.available()\n"
         "q, kv = torch.randn(1, 2, 48), torch.randn(32, 48)\n"
         "ids, lengths = torch.tensor([[1, 0]]), torch.tensor([20])\n"
-        "u, lse = da.paged_decode_attention_reference(q, kv, ids, lengths, 16, rope_width=16)\n"
+        "u, lse = decode_attention.paged_decode_attention_reference(\n"
+        "    q, kv, ids, lengths, 16, rope_width=16\n"
+        ")\n"
         "assert u.shape == (1, 2, 32) and torch.isfinite(lse).all()\n"
         "try:\n"
-        "    da.paged_decode_attention(q, kv, ids, lengths, 16, rope_width=16)\n"
+        "    decode_attention.paged_decode_attention(q, kv, ids, lengths, 16, rope_width=16)\n"
         "except RuntimeError as e:\n"
         "    assert 'pip install triton' in str(e)\n"
         "else:\n"

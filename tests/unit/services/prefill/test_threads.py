@@ -13,7 +13,7 @@ from common.loading.serving_model import load_prefill_model
 from common.messages import Reservation
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
-from services.prefill import threads as prefill_threads
+from services.prefill import threads
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
@@ -34,11 +34,11 @@ def test_from_settings_stays_within_torch_threads_and_the_cores(
         s = load_settings(torch_threads=torch_threads, prefill_threads=prefill_threads)
         return PrefillThreads.from_settings(s)
 
-    monkeypatch.setattr(prefill_threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     assert policy(1, 2) == PrefillThreads(1, 2)
     assert policy(1, 8).large == 2  # never more threads than cores
     assert policy(4, 2).large == 4  # never fewer than torch_threads
-    monkeypatch.setattr(prefill_threads, "usable_cores", lambda: 1)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 1)
     assert policy(1, 2) == PrefillThreads(1, 1)
 
 
