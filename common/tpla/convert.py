@@ -28,8 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from common.loading.checkpoint import Quantization
-from common.loading.loader import checkpoint_files
+from common.loading.checkpoint import Quantization, checkpoint_files
 from common.loading.weights import rotate_kv_a, rotate_kv_b
 from common.model.args import ModelConfig
 from common.model.mla import MLAttention

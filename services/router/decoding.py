@@ -17,7 +17,8 @@ from dataclasses import replace
 from common.messages import PrefillResult
 from common.runtime.errors import DeadlineExceeded, TplaError, Unavailable
 from common.runtime.redis_state import RequestState
-from common.sampling.sampler import SampledToken, SamplingParams
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampledToken
 from services.router.config import PipelineConfig
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, Record, Run

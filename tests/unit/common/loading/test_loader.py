@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from common.loading.loader import CheckpointError, load_model
+from common.loading.checkpoint import CheckpointError
+from common.loading.loader import load_model
 from common.model.args import ConfigError, ModelConfig
 from tests.tiny import save_hf
 

@@ -75,7 +75,7 @@ def test_greedy_tokens_match_hf(pair, path: str) -> None:
 def test_loader_rejects_mismatched_checkpoint(tmp_path: Path) -> None:
     import json
 
-    from common.loading.loader import CheckpointError
+    from common.loading.checkpoint import CheckpointError
 
     save_hf("v2-greedy", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
