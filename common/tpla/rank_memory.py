@@ -32,7 +32,7 @@ class RankTensor:
     shape: tuple[int, ...]
     count: int = 1
     quantized: bool = False  # a linear weight that DeepSeek's FP8 checkpoints store in fp8
-    # The engine keeps it in float32 whatever the model dtype: `_shard_ffn` builds a fresh
+    # The engine keeps it in float32 whatever the model dtype: `rank_ffn` builds a fresh
     # MoE (default dtype) and copies the router in with load_state_dict, which keeps fp32.
     float32: bool = False
 

@@ -45,8 +45,8 @@ from services.decode.group.start import start_group
 from services.decode.group.step_plan import WritePlan, send_plan
 from services.decode.leader.kv_targets import kv_targets
 from services.decode.leader.loop import LeaderLoop
+from services.decode.leader.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.leader.step import DecodeStep
-from services.decode.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.stream import TokenStream
 
 

@@ -12,7 +12,6 @@ SIGTERM/SIGINT end it at once. The parts live in services/decode/server/.
 
 from __future__ import annotations
 
-import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,8 @@ import redis
 
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import decode_pb2_grpc
-from common.runtime.ports import PortUse, bind_grpc, check_ports, decode_group_ports
+from common.rpc.server import start_serving, stop_on_signals
+from common.runtime.ports import PortUse, check_ports, decode_group_ports
 from common.runtime.redis_state import Heartbeat, WorkerRegistry
 from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
@@ -62,15 +62,14 @@ def serve_decode(
     address = f"{cfg.advertise_host or cfg.host}:{port}"
     grpc_use, metrics_use = ports[:2]
     try:
-        bind_grpc(server, cfg.host, grpc_use)
-        server.start()
-        try:
-            serve_decode_metrics(engine, cfg.host, metrics_use.port)
-        except OSError:
-            check_ports(cfg.host, [metrics_use])
-            raise
+        start_serving(
+            server,
+            cfg.host,
+            grpc_use,
+            metrics_use,
+            lambda metrics_port: serve_decode_metrics(engine, cfg.host, metrics_port),
+        )
     except BaseException:
-        server.stop(grace=0)
         engine.shutdown()
         raise
     stop = stop or threading.Event()
@@ -81,9 +80,7 @@ def serve_decode(
         heartbeat = Heartbeat(
             registry, lambda: rank_records(engine, address, group_id, cfg.model), heartbeat_s
         ).start()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     print(
         f"decode leader serving on {address} (tp={cfg.parallel.tp}, "
         f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks)",

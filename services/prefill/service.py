@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +26,10 @@ from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
+from common.rpc.server import start_serving, stop_on_signals
 from common.runtime.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
 from common.runtime.metrics import PrefillMetrics, serve_metrics
-from common.runtime.ports import bind_grpc, check_ports, prefill_worker_ports
+from common.runtime.ports import check_ports, prefill_worker_ports
 from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.sampling.grammar import GrammarCompiler
 from services.prefill.latent_cache import LatentPrefixCache
@@ -157,15 +157,14 @@ def serve_prefill(
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)
     address = f"{host}:{port}"
     try:
-        bind_grpc(server, host, grpc_use)
-        server.start()
-        try:
-            serve_metrics(registry, host, metrics_use.port)
-        except OSError:
-            check_ports(host, [metrics_use])
-            raise
+        start_serving(
+            server,
+            host,
+            grpc_use,
+            metrics_use,
+            lambda metrics_port: serve_metrics(registry, host, metrics_port),
+        )
     except BaseException:
-        server.stop(grace=0)
         worker.close()
         raise
     stop = stop or threading.Event()
@@ -187,9 +186,7 @@ def serve_prefill(
             ],
             heartbeat_s,
         ).start()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     print(f"prefill worker {worker_id} serving on {address} ({transport} KV transport)", flush=True)
     try:
         stop.wait()

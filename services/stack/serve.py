@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from common.rpc.server import stop_on_signals
 from common.runtime import group_files
 from common.runtime.metrics import METRICS_PORT_OFFSET
 from common.runtime.ports import (
@@ -238,8 +239,7 @@ def serve_stack(s: Settings, *, smoke: bool = False, devices: StackDevices | Non
         )
         check_ports("127.0.0.1", [redis_use])
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     redis_server = None
     redis_url = s.redis_url
     if not redis_url:

@@ -12,7 +12,7 @@ import torch
 
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.logits import context_for, process_logits
-from services.decode.controls import StepControls
+from services.decode.leader.controls import StepControls
 from tests.tiny import save_tiny_chat_model
 from tests.unit.common.sampling.test_logits import EOS, PARAMS, V, _case
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import PingPlan, send_plan
+from services.decode.leader.scheduler import DecodeSequence, Scheduler, SchedulerError
 from services.decode.leader.step import DecodeStep
-from services.decode.scheduler import DecodeSequence, Scheduler, SchedulerError
 from services.decode.stream import EngineError
 
 _IDLE_WAIT_S = 0.05

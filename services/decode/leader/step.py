@@ -18,10 +18,10 @@ from common.messages import TokenEvent
 from common.sampling.grammar import GrammarMatcher
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import DECODE_STAGE, choice_stream, make_generator, sample_batch
-from services.decode.controls import SequenceControls, StepControls
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
-from services.decode.scheduler import DecodeSequence, Scheduler
+from services.decode.leader.controls import SequenceControls, StepControls
+from services.decode.leader.scheduler import DecodeSequence, Scheduler
 from services.decode.stream import TokenStream
 
 

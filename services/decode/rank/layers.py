@@ -1,13 +1,16 @@
-"""A decode rank's layers: its share of one layer's attention and FFN weights.
+"""A decode rank's layers: its share of one layer's weights, read from a weight source.
 
 Rank (i, j) of a group with `tp = r * m` ranks holds latent slice i and head group j
 (DESIGN §1 "TPLA decode"): the W_UK / W_UV columns of S_i for its heads, its heads' rows of
-the query projection and columns of o_proj, and the layer's norms. The math around the
+the query projection and columns of o_proj, the layer's norms, and the slice of the FFN
+`common/parallel.py` gives it (`rank_ffn`). The math around the
 attention kernel lives here (`attend_reference`, the unfused path); which kernel runs it is
 the rank's backend (services/decode/rank/backends), called from the step (rank/model.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +18,10 @@ from torch import Tensor, nn
 
 from common.loading.weights import WeightSource
 from common.model.mla import Linear, RMSNorm, project_latent, project_queries
-from common.model.moe import MLP
+from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
 from common.model.tpla import LatentShard, latent_norm, latent_slice_attention
-from common.parallel import RmsNormMode
+from common.parallel import ParallelConfig, RmsNormMode
 
 
 class RankAttention(nn.Module):
@@ -50,7 +53,9 @@ class RankAttention(nn.Module):
         rows = slice(heads.start * qk, heads.stop * qk)
         if c.q_lora_rank is not None:
             self.q_a: nn.Parameter | None = nn.Parameter(src.tensor(p + "q_a_proj.weight"))
-            self.q_a_norm: RMSNorm | None = _norm(src, p + "q_a_layernorm.weight", c.rms_norm_eps)
+            self.q_a_norm: RMSNorm | None = rank_norm(
+                src, p + "q_a_layernorm.weight", c.rms_norm_eps
+            )
             self.q_b = nn.Parameter(src.tensor(p + "q_b_proj.weight", rows))
         else:
             self.q_a, self.q_a_norm = None, None
@@ -117,7 +122,7 @@ class RankAttention(nn.Module):
         return F.linear(o.reshape(o.shape[0], -1), self.w_o)
 
 
-def _norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
+def rank_norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
     weight = src.tensor(name)
     with torch.device("meta"):
         norm = RMSNorm(weight.shape[0], eps)
@@ -125,7 +130,7 @@ def _norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
     return norm
 
 
-def _mlp(src: WeightSource, prefix: str, cols: slice) -> MLP:
+def rank_mlp(src: WeightSource, prefix: str, cols: slice) -> MLP:
     """Rows `cols` of gate / up and columns `cols` of down (a slice of the intermediate dim)."""
     gate = src.tensor(prefix + "gate_proj.weight", cols)
     with torch.device("meta"):
@@ -142,7 +147,30 @@ class RankLayer(nn.Module):
     def __init__(self, src: WeightSource, layer: int, attn: RankAttention, ffn: nn.Module) -> None:
         super().__init__()
         eps, p = src.config.rms_norm_eps, f"model.layers.{layer}."
-        self.input_norm = _norm(src, p + "input_layernorm.weight", eps)
+        self.input_norm = rank_norm(src, p + "input_layernorm.weight", eps)
         self.attn = attn
-        self.post_norm = _norm(src, p + "post_attention_layernorm.weight", eps)
+        self.post_norm = rank_norm(src, p + "post_attention_layernorm.weight", eps)
         self.ffn = ffn
+
+
+def rank_ffn(src: WeightSource, layer: int, parallel: ParallelConfig, rank: int) -> nn.Module:
+    """Rank `rank`'s 1/tp slice of a dense MLP or of every expert of a MoE (intermediate
+    dimension; the router replicated)."""
+    c = src.config
+    p = f"model.layers.{layer}.mlp."
+    if not c.is_moe_layer(layer):
+        return rank_mlp(src, p, parallel.ffn_columns(rank, c.intermediate_size))
+    cols = parallel.expert_columns(rank, c.moe_intermediate_size)
+    with torch.device("meta"):
+        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start))
+    # The router runs in float32 whatever the serving dtype (its scores pick the experts).
+    local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight").float())
+    if c.topk_method == "noaux_tc":
+        bias = src.tensor(p + "gate.e_score_correction_bias").float()
+        local.gate.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+    local.experts.gate_up_proj = nn.Parameter(src.gate_up(p + "experts", cols))
+    local.experts.down_proj = nn.Parameter(src.down(p + "experts", cols))
+    if c.n_shared_experts:
+        cols = parallel.shared_expert_columns(rank, c.moe_intermediate_size, c.n_shared_experts)
+        local.shared_experts = rank_mlp(src, p + "shared_experts.", cols)
+    return local

@@ -10,9 +10,6 @@ step hands each kernel to the rank's backend and each collective to its `Comm`.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,38 +17,13 @@ from torch import Tensor, nn
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.model import DeepseekForCausalLM
-from common.model.moe import MoE
 from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials
 from common.model.tpla import LatentShard
 from common.parallel import ParallelConfig
 from services.decode.group.comm import Comm
 from services.decode.rank.backends import DecodeBackend, TorchBackend
-from services.decode.rank.layers import RankAttention, RankLayer, _mlp, _norm
-
-log = logging.getLogger(__name__)
-
-
-def _shard_ffn(src: WeightSource, layer: int, parallel: ParallelConfig, rank: int) -> nn.Module:
-    """A 1/tp slice of a dense MLP or of every expert of a MoE (intermediate dimension)."""
-    c = src.config
-    p = f"model.layers.{layer}.mlp."
-    if not c.is_moe_layer(layer):
-        return _mlp(src, p, parallel.ffn_columns(rank, c.intermediate_size))
-    cols = parallel.expert_columns(rank, c.moe_intermediate_size)
-    with torch.device("meta"):
-        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start))
-    # The router runs in float32 whatever the serving dtype (its scores pick the experts).
-    local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight").float())
-    if c.topk_method == "noaux_tc":
-        bias = src.tensor(p + "gate.e_score_correction_bias").float()
-        local.gate.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
-    local.experts.gate_up_proj = nn.Parameter(src.gate_up(p + "experts", cols))
-    local.experts.down_proj = nn.Parameter(src.down(p + "experts", cols))
-    if c.n_shared_experts:
-        cols = parallel.shared_expert_columns(rank, c.moe_intermediate_size, c.n_shared_experts)
-        local.shared_experts = _mlp(src, p + "shared_experts.", cols)
-    return local
+from services.decode.rank.layers import RankAttention, RankLayer, rank_ffn, rank_norm
 
 
 class RankModel(nn.Module):
@@ -81,14 +53,14 @@ class RankModel(nn.Module):
                 src,
                 n,
                 RankAttention(src, n, heads, shards_per_layer[n][i], parallel.rmsnorm),
-                _shard_ffn(src, n, parallel, rank),
+                rank_ffn(src, n, parallel, rank),
             )
             for n in range(c.num_hidden_layers)
         )
         self.embed = nn.Embedding.from_pretrained(
             src.tensor("model.embed_tokens.weight"), freeze=False
         )
-        self.norm = _norm(src, "model.norm.weight", c.rms_norm_eps)
+        self.norm = rank_norm(src, "model.norm.weight", c.rms_norm_eps)
         self.vocab_size_padded = parallel.padded_vocab(c.vocab_size)
         rows = parallel.vocab_rows(rank, c.vocab_size)
         self.lm_head = nn.Parameter(src.tensor("lm_head.weight", rows))

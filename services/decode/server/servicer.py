@@ -26,7 +26,7 @@ from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.runtime.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.sampling.params import SamplingError
 from services.decode.engine import DecodeEngine
-from services.decode.scheduler import SchedulerError
+from services.decode.leader.scheduler import SchedulerError
 from services.decode.stream import EngineError
 
 T = TypeVar("T")

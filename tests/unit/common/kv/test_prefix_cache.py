@@ -16,7 +16,7 @@ from common.kv.prefix_cache import (
     parse_hashes,
     root_hash,
 )
-from services.decode.scheduler import Scheduler
+from services.decode.leader.scheduler import Scheduler
 
 BS = 4
 ROOT = root_hash("model-a", "side-file-x")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.kv.block_pool import BlockPool, BlockState, OutOfBlocks, RankPools
-from services.decode.scheduler import Scheduler, SchedulerError, SeqState
+from services.decode.leader.scheduler import Scheduler, SchedulerError, SeqState
 
 
 def test_scheduler_lifecycle_and_batch_limit() -> None:
