@@ -8,8 +8,8 @@
 // model's step at batch 1 spent ~1 ms of ~3.8 ms in such ops (torch.profiler, 100 steps).
 // Also here: a plain RMSNorm over rows (the post-attention and final norms), one op for nine.
 //
-// The reference is the PyTorch path it replaces: `RankAttention.queries` / `new_latent`,
-// `PagedLatentCache.write` (services/decode/rank_model.py) and `RMSNorm.forward`;
+// The reference is the PyTorch path it replaces: `RankAttention.queries` / `new_latent`
+// (services/decode/rank/layers.py), `PagedLatentCache.write` and `RMSNorm.forward`;
 // tests/unit/common/native/test_decode_layer.py checks them against it.
 
 #include <cmath>
