@@ -1,5 +1,5 @@
-"""A service process's serving life: its gRPC server and metrics endpoint started on checked
-ports, and the stop that SIGINT / SIGTERM ask for."""
+"""A service process's serving life: its servers (gRPC, metrics) up on checked ports, down on
+a signal."""
 
 from __future__ import annotations
 
