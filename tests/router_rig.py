@@ -91,6 +91,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.choice_aborts: list[tuple[str, tuple[int, ...]]] = []  # single choices ended
         self.tokens_seen: list[str | None] = []
         self.full_reserves = 0  # answer this many Reserves with "KV cache full" first
+        self.abort_delay_s = 0.0  # how long an Abort takes (a leader whose loop is stuck)
 
     def _note_token(self, context: grpc.aio.ServicerContext) -> None:
         md = dict(context.invocation_metadata() or ())
@@ -141,6 +142,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.GenerateEvent(finish_reason=self.script.final or "length", index=i)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.sleep(self.abort_delay_s)
         if request.choices:  # single choices: the script runs on for the others
             self.choice_aborts.append((request.request_id, tuple(request.choices)))
         else:

@@ -262,8 +262,15 @@ class Placement:
                 self.load.end_prefill(sent_to, len(prompt_ids))
 
 
+# An Abort must end on its own gRPC deadline, well inside the pipeline's cleanup bound: a
+# grpc.aio call that an anyio cancel scope cancels raises CancelledError out of the scope
+# instead of being absorbed by it (seen with a leader whose loop waits on a stopped rank),
+# and the client then gets a 500 instead of its error.
+ABORT_TIMEOUT_S = 2.0
+
+
 async def abort(decode: DecodeClient, request_id: str, choices: tuple[int, ...] = ()) -> None:
     try:
-        await decode.abort(request_id, choices=choices)
+        await decode.abort(request_id, timeout=ABORT_TIMEOUT_S, choices=choices)
     except TplaError as exc:  # the lease frees the blocks if the leader is unreachable
         log.warning("request %s: abort failed: %s", request_id, exc.message)

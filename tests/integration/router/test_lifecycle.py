@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -255,6 +256,23 @@ async def test_all_prefill_workers_fail(
         assert resp.status_code == 200 and events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
         assert len(stack.decode.aborted) == 2
+
+
+async def test_a_hung_abort_still_ends_the_request_with_its_error(
+    model_dir: Path, redis_url: str, tokenizer: Tokenizer
+) -> None:
+    # A leader whose loop waits on a stopped rank answers no Abort: the cleanup gives up on
+    # it (the lease frees the blocks) and the client still gets its 503, not a 500.
+    script = script_for(tokenizer)
+    async with run_stack(model_dir, redis_url, script, prefill_fail=(True, True)) as stack:
+        stack.decode.abort_delay_s = 30.0
+        t0 = time.monotonic()
+        resp = await stack.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["type"] == "service_unavailable"
+        assert time.monotonic() - t0 < 10.0
+        record = await stack.record(stack.decode.reserved[0].request_id)
+        assert record["state"] == "FAILED" and "prefill worker is down" in record["error"]
 
 
 async def test_decode_failure_mid_stream(
