@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 
 from common.kv.block_pool import RankPools
-from common.kv.paged_cache import CacheLayout
 from common.kv.prefix_cache import block_hashes, model_identity
 from common.kv.slots import token_slots
 from common.messages import DecodeLoad, Reservation
@@ -58,7 +57,6 @@ class DecodeEngine:
         self.cfg = cfg = self.group.cfg
         self.runtime = self.group.runtime
         model_cfg: ModelConfig = self.runtime.model.config
-        self.vocab_size = model_cfg.vocab_size
         self.eos_token_ids = frozenset(
             eos_token_ids if eos_token_ids is not None else model_cfg.eos_token_ids
         )
@@ -213,11 +211,6 @@ class DecodeEngine:
 
     def parameter_bytes(self) -> int:
         return self.runtime.model.parameter_bytes()
-
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """Every rank's KV cache shape: layers, latent and rope widths, block size, dtype."""
-        return self.runtime.layout
 
     @property
     def step_seconds(self) -> deque[float]:
