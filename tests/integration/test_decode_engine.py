@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.kv.transfer import cut_shard
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
 from common.model.generate import generate
@@ -24,7 +23,7 @@ from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.group.comm import ShmCollectives
 from tests.tiny import save_hf
-from tools.cli.local import collect, submit
+from tools.cli.local import collect, submit, write_prompt
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -248,9 +247,7 @@ def _submit_forked(engine: DecodeEngine, prefill, prompt: list[int], p: Sampling
     out = prefill.prefill(torch.tensor(prompt), [len(prompt)])
     rid = uuid.uuid4().hex
     reservation = engine.reserve(rid, len(prompt), p.max_tokens, n=n)
-    for target in reservation.targets:
-        shard = cut_shard(out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size)
-        engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
+    write_prompt(engine, reservation, out, 0, len(prompt))
     firsts = first_tokens(out.logits[0], p, n)
     return rid, firsts, engine.generate(rid, [t.token_id for t in firsts], p)
 

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from common.kv.transfer import cut_shard
 from common.loading.serving_model import load_prefill_model
 from common.model.model import PrefillOutput
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
@@ -29,6 +28,7 @@ from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.prefill.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
+from tools.cli.local import write_prompt
 
 
 class ColocatedServer:
@@ -90,11 +90,7 @@ class ColocatedServer:
             rid = uuid.uuid4().hex
             reservation = self.engine.reserve(rid, len(prompt), max_tokens)
             out = self._prefill_in_loop(prompt)
-            for target in reservation.targets:
-                shard = cut_shard(
-                    out.n, out.k_pe, 0, len(prompt), target, rid, reservation.block_size
-                )
-                self.engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
+            write_prompt(self.engine, reservation, out, 0, len(prompt))
             [first] = first_tokens(out.logits[0], params)
             times = [time.perf_counter()]
             reason = ""

@@ -18,9 +18,9 @@ import torch
 
 from common.kv.transfer import cut_shard
 from common.loading.serving_model import load_prefill_model, side_file_path
-from common.messages import TokenEvent
+from common.messages import Reservation, TokenEvent
 from common.model.generate import Generation
-from common.model.model import DeepseekForCausalLM
+from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
@@ -52,11 +52,7 @@ def submit(
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = uuid.uuid4().hex
         reservation = engine.reserve(rid, len(prompt), p.max_tokens)
-        for target in reservation.targets:
-            shard = cut_shard(
-                out.n, out.k_pe, start, start + len(prompt), target, rid, reservation.block_size
-            )
-            engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
+        write_prompt(engine, reservation, out, start, start + len(prompt))
         eos, vocab = engine.eos_token_ids, prefill.config.vocab_size
         matcher = engine.controls.matcher(p, [])
         allowed = None if matcher is None else allowed_now(matcher, vocab, device)
@@ -65,6 +61,17 @@ def submit(
         started.append((first, engine.generate(rid, first.token_id, p)))
         start += len(prompt)
     return started
+
+
+def write_prompt(
+    engine: DecodeEngine, reservation: Reservation, out: PrefillOutput, start: int, end: int
+) -> None:
+    """Every rank's shard of a reserved prompt, rows [start, end) of a (packed) prefill's
+    latents, written in process: what a prefill worker ships to the ranks over the network."""
+    rid = reservation.request_id
+    for target in reservation.targets:
+        shard = cut_shard(out.n, out.k_pe, start, end, target, rid, reservation.block_size)
+        engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
 
 
 def collect(first: SampledToken, stream: TokenStream) -> LocalResult:
