@@ -44,6 +44,11 @@ def split_range(total: int, parts: int, index: int, what: str) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
+def layout_label(name: str, latent_groups: int) -> str:
+    """How errors and `tpla plan` name a layout: its name, with r for TPLA."""
+    return f"tpla r={latent_groups}" if name == "tpla" else name
+
+
 def span(s: slice) -> int:
     """How many rows (or columns, heads) a slice of this module covers."""
     return s.stop - s.start
@@ -86,8 +91,7 @@ class ParallelConfig:
 
     @property
     def label(self) -> str:
-        """The name, with r for TPLA: how errors and `tpla plan` name the layout."""
-        return f"tpla r={self.latent_groups}" if self.name == "tpla" else self.name
+        return layout_label(self.name, self.latent_groups)
 
     @property
     def head_groups(self) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 from common.kv.chunks import local_length
 from common.model.args import ModelConfig
-from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
+from common.parallel import ParallelConfig, ParallelMode, RmsNormMode, layout_label
 from common.tpla.rank_memory import (
     DTYPE_BYTES,
     WEIGHT_DTYPES,
@@ -150,7 +150,7 @@ class LayoutPlan:
 
     @property
     def label(self) -> str:
-        return f"tpla r={self.layout.latent_groups}" if self.name == "tpla" else self.name
+        return layout_label(self.name, self.layout.latent_groups)
 
 
 def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelConfig) -> LayoutPlan:
