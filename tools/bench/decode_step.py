@@ -53,6 +53,8 @@ def measure(
     chunk_size: int = 256,
     kernel: str = "auto",
     collectives: str = "shm",
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[StepResult]:
     """Median step time per batch size for one layout, with its cache and comm footprint."""
     from services.decode.engine import DecodeEngine  # not imported by `tpla --help`
@@ -69,6 +71,8 @@ def measure(
         torch_threads=threads,
         decode_kernel=kernel,
         collectives=collectives,
+        device=device,
+        dtype=dtype,
     )
     results = []
     with DecodeEngine(cfg) as engine:
@@ -136,6 +140,10 @@ def measure(
 
 
 def cmd_decode_step(args: argparse.Namespace) -> int:
+    from common.runtime.device import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     rows = []
     for collectives in args.collectives:
         for layout in args.layouts:
@@ -153,6 +161,8 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
                 args.chunk_size,
                 args.kernel,
                 collectives,
+                device,
+                dtype,
             )
     # Speedups are against MLA-TP with the same collectives, from this run.
     base = {(row.collectives, row.batch): row for row in rows if row.layout == "mla-tp"}
@@ -208,5 +218,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         default=["shm"],
         help="group collectives: shared memory and/or torch.distributed (gloo)",
     )
+    ds.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (rank k on GPU N + k)")
+    ds.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA) | float32 | bfloat16")
     ds.add_argument("--json", action="store_true")
     ds.set_defaults(func=cmd_decode_step)
