@@ -45,6 +45,11 @@ class Settings(BaseSettings):
         description="decode backend: auto (native on the CPU in fp32, triton on CUDA, each "
         "where it runs; else torch) | torch | native (C++, fp32 CPU) | triton",
     )
+    cuda_graphs: str = Field(
+        "auto",
+        description="decode steps as CUDA graphs, one per batch and table-width bucket, all "
+        "captured at start-up: auto (on CUDA devices) | 0 (never)",
+    )
     collectives: str = Field(
         "auto",
         description="decode group collectives: auto (shm for a spawned group, dist for ranks "

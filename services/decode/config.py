@@ -40,6 +40,9 @@ class EngineConfig:
     lease_seconds: float = 30.0
     torch_threads: int = 1
     decode_kernel: str = "auto"  # `select_decode_backend`: auto | torch | native | triton
+    # Replay each step bucket's CUDA graph (services/decode/rank/graphs.py) where the ranks
+    # run on CUDA; ignored on the CPU.
+    cuda_graphs: bool = True
     # "shm": the group's CPU collectives (plans; activations too on the CPU) go through
     # shared memory when the native library is there (its ranks share a host); "dist":
     # torch.distributed's gloo. Activations on GPUs always go through NCCL.
@@ -110,6 +113,8 @@ def engine_config(s: Settings) -> EngineConfig:
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
     if s.decode_kernel not in KERNELS:
         raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
+    if s.cuda_graphs not in ("auto", "0"):
+        raise ValueError(f"cuda_graphs {s.cuda_graphs!r} is not auto or 0")
     if s.collectives not in ("auto", "shm", "dist"):
         raise ValueError(f"collectives {s.collectives!r} is not auto, shm or dist")
     tp, launch, master_addr, master_port = s.tp, Launch.SPAWN, "127.0.0.1", s.dist_port
@@ -139,6 +144,7 @@ def engine_config(s: Settings) -> EngineConfig:
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
         decode_kernel=s.decode_kernel,
+        cuda_graphs=s.cuda_graphs == "auto",
         collectives=collectives,
         launch=launch,
         master_addr=master_addr,

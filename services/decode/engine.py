@@ -75,6 +75,9 @@ class DecodeEngine:
         self._step = DecodeStep(self.group, self.scheduler, self.eos_token_ids)
         self.controls = self._step.controls
         self._loop = LeaderLoop(self.group, self.scheduler, self._step)
+        # The last load the loop answered: what a heartbeat reports while a long step keeps
+        # the loop from answering (see services/decode/server/records.py).
+        self.last_load: DecodeLoad | None = None
 
     # -- public API --------------------------------------------------------------------------
 
@@ -197,7 +200,8 @@ class DecodeEngine:
                 prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
             )
 
-        return self._loop.call(run, timeout)
+        self.last_load = self._loop.call(run, timeout)
+        return self.last_load
 
     def cached_hashes(self, limit: int, timeout: float | None = None) -> list[int]:
         """Up to `limit` block hashes this group holds, most recently used first (what it

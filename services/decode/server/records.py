@@ -25,7 +25,14 @@ def rank_records(
         used, total, cached = load.blocks_used, load.blocks_total, load.blocks_cached
         hashes = engine.cached_hashes(PUBLISHED_HASHES, 1.0) if engine.cfg.prefix_cache else []
     except EngineError:
-        used, total, cached, stalled = 0, engine.pool.num_blocks, 0, True
+        # A loop inside a long step (a big batch on the CPU) answers late but is not stalled
+        # until STALLED_STEP_S: report its last load. A loop that never answered, or failed,
+        # is not healthy.
+        last = engine.last_load
+        if last is None or engine.failed is not None:
+            used, total, cached, stalled = 0, engine.pool.num_blocks, 0, True
+        else:
+            used, total, cached = last.blocks_used, last.blocks_total, last.blocks_cached
         hashes = []
     par = engine.cfg.parallel
     pids = [os.getpid(), *engine.follower_pids]

@@ -1,0 +1,81 @@
+"""A rank's decode step as CUDA graphs: one graph per step bucket, captured once, replayed.
+
+A decode step of a small batch is hundreds of small kernels; launched one by one from Python
+the GPU waits on the host between them. The leader pads every plan to a bucket (its batch
+and its block tables' width: services/decode/group/buckets.py), so a bucket's step always has
+the same shapes, and its kernels can be recorded once into a CUDA graph and replayed with one
+launch. The graph reads its inputs from static device buffers: each step copies its plan into
+the bucket's buffers, then replays.
+
+Every rank of a group sees the same plans in the same order, so each one captures a bucket at
+the same step: collectives inside the step (NCCL all-reduces) are captured in lockstep. The
+engine captures every bucket at start-up (`DecodeEngine` warm-up), which also compiles every
+Triton variant, so nothing compiles or captures while serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.decode.group.step_plan import DecodePlan
+
+Forward = Callable[[DecodePlan], Tensor]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: DecodePlan  # the static buffers the graph reads
+    output: Tensor  # the static buffer it writes: this rank's logits slice
+
+
+class StepGraphs:
+    """The captured steps of one rank, keyed by the plan's shape (its bucket)."""
+
+    def __init__(self, device: torch.device, forward: Forward) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.device, self._forward = device, forward
+        self._graphs: dict[tuple[int, ...], _Captured] = {}
+        # One memory pool for every bucket's graph: only one replays at a time, so they can
+        # share their intermediate buffers instead of each holding its own.
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, plan: DecodePlan) -> Tensor:
+        """The step of `plan` (on the rank's device): its bucket's graph replayed, captured
+        first if this bucket is new. The result is the graph's output buffer, valid until the
+        next step."""
+        key = tuple(plan.block_tables.shape)
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._graphs[key] = self._capture(plan)
+        for static, value in zip(_tensors(captured.inputs), _tensors(plan), strict=True):
+            static.copy_(value, non_blocking=True)
+        captured.graph.replay()
+        return captured.output
+
+    def _capture(self, plan: DecodePlan) -> _Captured:
+        inputs = DecodePlan(*(t.clone() for t in _tensors(plan)))
+        # One eager run first, on a side stream as capture requires: it compiles the Triton
+        # variants and grows the workspaces that the graph then records at their final size.
+        # Running the plan's step twice is harmless: it writes the same cache slots again.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._forward(inputs)
+        return _Captured(graph, inputs, output)
+
+
+def _tensors(plan: DecodePlan) -> tuple[Tensor, Tensor, Tensor]:
+    return plan.tokens, plan.positions, plan.block_tables
