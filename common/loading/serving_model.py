@@ -89,7 +89,8 @@ def load_prefill_model(
     chosen."""
     # The latent rotation is computed on the CPU in fp64 as each tensor is read, then placed.
     model = load_serving_model(model_dir, reparam, dtype, device)[0]
+    weight = model.lm_head.weight
     model.prefill_attention = select_prefill_attention(
-        attention_backend, model.lm_head.weight.device
+        attention_backend, weight.device, weight.dtype
     )
     return model

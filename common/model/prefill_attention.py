@@ -3,9 +3,9 @@
 
 `SdpaPrefillAttention` runs everywhere and is the reference. `NativePrefillAttention` is the
 CPU fast path (common/native/causal_attention.cpp, fp32; anything else goes to SDPA), chosen by
-`auto` on CPU when the kernel builds here. `FlashPrefillAttention` is a thin GPU path that is
-chosen only when CUDA and the `flash_attn` package are both present; importing this module
-never imports flash_attn or builds a native library.
+`auto` on CPU when the kernel builds here. `FlashPrefillAttention` is a thin GPU path that
+`auto` chooses only for an fp16 / bf16 model where CUDA and the `flash_attn` package are both
+present; importing this module never imports flash_attn or builds a native library.
 """
 
 from __future__ import annotations
@@ -112,9 +112,14 @@ class NativePrefillAttention(PrefillAttention):
 
 
 class FlashPrefillAttention(PrefillAttention):
-    """flash-attn varlen kernel (CUDA only; fp16/bf16)."""
+    """flash-attn's varlen kernel (CUDA; fp16 / bf16 only, so never chosen for fp32).
+
+    flash-attn 2 takes one head dim for q, k and v, while MLA's v (128) is narrower than its
+    q and k (192): v is zero-padded to their width and the output sliced back, which changes
+    nothing (the padded columns of the output are zero)."""
 
     name = "flash-attn"
+    DTYPES = (torch.float16, torch.bfloat16)
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func  # GPU-only import, deferred on purpose
@@ -124,9 +129,15 @@ class FlashPrefillAttention(PrefillAttention):
     def causal(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
     ) -> Tensor:
+        if q.dtype not in self.DTYPES:
+            raise ValueError(f"flash-attn runs fp16 and bf16, not {q.dtype}: use sdpa")
+        d_v = v.shape[-1]
+        if d_v < q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - d_v))
         cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
         max_len = max(e - s for s, e in pairwise(cu_seqlens))
-        return self._fn(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+        out = self._fn(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+        return out[..., :d_v]
 
 
 def flash_attn_available() -> bool:
@@ -134,22 +145,30 @@ def flash_attn_available() -> bool:
 
 
 def select_prefill_attention(
-    name: str = "auto", device: torch.device | str = "cpu"
+    name: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> PrefillAttention:
-    """`auto` picks flash-attn on a CUDA device when installed, the native kernel on CPU
-    when it builds here, else SDPA."""
+    """`auto` picks flash-attn on a CUDA device when installed and the model runs in fp16 or
+    bf16 (`dtype`; None: unknown, so not flash-attn), the native kernel on CPU when it builds
+    here, else SDPA. A named backend that cannot run here is an error that says why."""
     if name == "sdpa":
         return SdpaPrefillAttention()
     if name == "native":
         return NativePrefillAttention()  # NativeUnavailable (a RuntimeError) if it cannot build
     if name == "flash-attn":
-        if not flash_attn_available():
-            raise RuntimeError("flash-attn backend requested but CUDA or flash_attn is missing")
+        if importlib.util.find_spec("flash_attn") is None:
+            raise RuntimeError(
+                "the flash-attn prefill backend was asked for but the flash_attn package is "
+                "not installed (pip install flash-attn, or TPLA_ATTENTION_BACKEND=sdpa)"
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError("the flash-attn prefill backend needs CUDA, and none is visible")
+        if dtype is not None and dtype not in FlashPrefillAttention.DTYPES:
+            raise ValueError(f"flash-attn runs fp16 and bf16, not {dtype}: use sdpa")
         return FlashPrefillAttention()
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, native, flash-attn)")
     kind = torch.device(device).type
-    if kind == "cuda" and flash_attn_available():
+    if kind == "cuda" and dtype in FlashPrefillAttention.DTYPES and flash_attn_available():
         return FlashPrefillAttention()
     if kind == "cpu":
         from common.native.library import NativeUnavailable

@@ -34,7 +34,9 @@ def partial_attention(
 
 
 def merge_partials(u: Tensor, m: Tensor, l: Tensor, global_max: Tensor) -> tuple[Tensor, Tensor]:
-    """Rescale one rank's partial to the global max: returns (u', l') to be summed over ranks."""
-    factor = torch.exp(m - global_max)
+    """Rescale one rank's partial to the global max: returns (u', l') to be summed over ranks,
+    both fp32 whatever u's dtype: summed in bf16, the ranks' partials would each be rounded
+    to 8 bits of mantissa before the division (the caller casts the merged output back)."""
+    factor = torch.exp(m.float() - global_max.float())
     factor = torch.where(torch.isfinite(m), factor, torch.zeros_like(factor))
-    return u * factor[..., None].to(u.dtype), l * factor
+    return u.float() * factor[..., None], l.float() * factor

@@ -50,6 +50,17 @@ def rank_device(name: str, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing for the CPU).
+
+    CUDA's current device is per thread and starts at GPU 0: a thread on another GPU that
+    does not set it makes a context on GPU 0 (~0.5 GB) the first time it touches CUDA, and
+    its events and streams default to GPU 0's. Every rank process and every thread that runs
+    a rank's CUDA work calls this first."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 

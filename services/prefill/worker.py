@@ -29,6 +29,7 @@ from torch import Tensor
 from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.messages import KvTargetInfo, PrefillResult, Reservation
 from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.runtime.device import use_device
 from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import (
     GrammarCompiler,
@@ -127,7 +128,11 @@ class PrefillWorker:
         self.max_batch_tokens = max_batch_tokens
         self._held: tuple[PrefillJob, Future[PrefillResult]] | None = None  # next batch's first
         self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillResult]] | None] = queue.Queue()
-        self._pushers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-push")
+        # Both threads run CUDA work on the model's GPU: each makes it current (use_device).
+        self._device = model.lm_head.weight.device
+        self._pushers = ThreadPoolExecutor(
+            8, "kv-push", initializer=use_device, initargs=(self._device,)
+        )
         # Jobs whose shards are still travelling, at most this many: past it the batcher waits
         # for pushes instead of queueing more batches' latents in memory behind a slow rank.
         self._shipping = threading.BoundedSemaphore(MAX_SHIPPING)
@@ -207,6 +212,7 @@ class PrefillWorker:
         return batch
 
     def _run(self) -> None:
+        use_device(self._device)
         while (batch := self._next_batch()) is not None:
             try:
                 self._prefill(batch)

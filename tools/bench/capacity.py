@@ -17,6 +17,7 @@ import torch
 
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.model.args import ModelConfig
+from tools.bench.output import table_stream
 
 BLOCK_SIZE = 16
 
@@ -79,11 +80,13 @@ def measure_capacity(
 def _run(args: argparse.Namespace) -> int:
     budget = int(args.budget_mb * 2**20)
     rows = [row for s in cache_shapes(args.demo) for row in measure_capacity(s, budget)]
+    out = table_stream(args.json)
     for r in rows:
         print(
             f"{r['shape']:12} {r['mode']:6} r={r['latent_groups']} "
             f"{r['tokens_per_rank']:>10,} tokens/rank  {r['ratio_vs_mla_tp']:.3f}x "
-            f"(expected {r['expected_ratio']:.3f}x)"
+            f"(expected {r['expected_ratio']:.3f}x)",
+            file=out,
         )
     if args.json:
         print(json.dumps({"rows": rows, "budget_mb": args.budget_mb, "block_size": BLOCK_SIZE}))

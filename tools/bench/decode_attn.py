@@ -46,6 +46,7 @@ from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.model.tpla import fused_slice_attention, latent_slice_attention
 from common.native.latent_attention import paged_latent_attention
 from tools.bench.attn_work import GPUS, TP, Accelerator, DeviceWork, device_work, shapes
+from tools.bench.output import table_stream
 from tools.bench.roofline import Roofline, measure_roofline, roofline_record
 
 BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size)
@@ -401,17 +402,19 @@ def run_triton_bench(
 
 def _run_triton(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {"kernel": "triton", "tp": TP, "block_size": BLOCK_SIZE}
+    out = table_stream(args.json)
     if not torch.cuda.is_available():
-        print(NO_GPU)
+        print(NO_GPU, file=out)
         summary.update({"rows": [], "skipped": NO_GPU})
     else:
         rows, device_info = run_triton_bench(args.quick, args.demo, args.shapes, args.rounds)
         summary.update({"rows": rows, "quick": args.quick, "rounds": args.rounds, **device_info})
-        print(_gpu_table(rows))
+        print(_gpu_table(rows), file=out)
         print(
             f"{device_info['device']}: HBM roofline {device_info['hbm_bytes_per_s'] / 1e12:.2f}"
             f" TB/s ({device_info['roofline_source']}; measured copy "
-            f"{device_info['copy_bytes_per_s'] / 1e12:.2f} TB/s)"
+            f"{device_info['copy_bytes_per_s'] / 1e12:.2f} TB/s)",
+            file=out,
         )
     if args.json:
         print(json.dumps(summary))
@@ -480,8 +483,9 @@ def _run(args: argparse.Namespace) -> int:
         from tools.bench.plots import plot_decode_attn
 
         plot_decode_attn(summary, Path(args.plot))
-    print(_table(rows))
-    print(f"median roofline_fraction {median_fraction:.2f} (threads {roof.threads})")
+    out = table_stream(args.json)
+    print(_table(rows), file=out)
+    print(f"median roofline_fraction {median_fraction:.2f} (threads {roof.threads})", file=out)
     if args.json:
         print(json.dumps(summary))
     return 0

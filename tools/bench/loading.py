@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tools.bench.output import table_stream
+
 GIB = 2**30
 # ~2.8 GB in float32: a 4096-wide model with a dense layer and a MoE layer, 32k vocabulary.
 WIDE_CONFIG: dict[str, Any] = {
@@ -214,13 +216,13 @@ def planned_rank_bytes(model_dir: Path, layout: str, rank: int, dtype: str) -> i
 
 def _run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tpla-loading-", dir=args.tmp_dir))
+    out = table_stream(args.json)
     try:
         t0 = time.perf_counter()
         size = write_checkpoint(tmp, int(args.shard_gb * GIB), args.dtype, args.layers)
         files = len(list(tmp.glob("*.safetensors")))
-        print(
-            f"checkpoint: {size / GIB:.2f} GiB in {files} shards ({time.perf_counter() - t0:.0f} s)"
-        )
+        took = time.perf_counter() - t0
+        print(f"checkpoint: {size / GIB:.2f} GiB in {files} shards ({took:.0f} s)", file=out)
         rows = [run_child(tmp, args.dtype, "overhead"), run_child(tmp, args.dtype, "whole")]
         for layout in ("tpla", "mla-tp"):
             rows += [run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
@@ -242,13 +244,15 @@ def _run(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"{'mode':18} {'layout':7} {'rank':>4} {'peak RSS':>10} {'- overhead':>11} "
-        f"{'kept':>10} {'load s':>7}"
+        f"{'kept':>10} {'load s':>7}",
+        file=out,
     )
     for r in rows:
         print(
             f"{r['mode']:18} {r['layout']:7} {r['rank']:>4} {r['peak_rss_bytes'] / GIB:>8.2f} G "
             f"{r['peak_minus_overhead_bytes'] / GIB:>9.2f} G {r['parameter_bytes'] / GIB:>8.2f} G "
-            f"{r['load_seconds']:>7}"
+            f"{r['load_seconds']:>7}",
+            file=out,
         )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

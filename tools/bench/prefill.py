@@ -30,6 +30,7 @@ from common.model.args import ModelConfig
 from common.model.mla import MLAttention
 from common.model.prefill_attention import PrefillAttention, select_prefill_attention
 from tools.bench.attn_work import AttnShape, per_device, shapes
+from tools.bench.output import table_stream
 
 RANKS = 2
 
@@ -153,13 +154,15 @@ def run_bench(
 def _run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     rows = run_bench(args.prompt, args.repeats, args.demo, args.shapes, tuple(args.backends))
+    out = table_stream(args.json)
     for r in rows:
         extra = f"  sep speedup {r['sep_speedup']:.2f}x" if "sep_speedup" in r else ""
         if "speedup_vs_sdpa" in r:
             extra += f"  {r['speedup_vs_sdpa']:.2f}x sdpa"
         print(
             f"{r['shape']:17} {r['mode']:8} {r['backend']:6} T={r['prompt']:>5} "
-            f"{r['ms']:>10.2f} ms {r['gflops_per_s']:>6.1f} GFLOP/s{extra}"
+            f"{r['ms']:>10.2f} ms {r['gflops_per_s']:>6.1f} GFLOP/s{extra}",
+            file=out,
         )
     if args.json:
         print(

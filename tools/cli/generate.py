@@ -74,7 +74,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         return _print_generation(args, settings, tokenizer, result)
     model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
-    model.prefill_attention = select_prefill_attention(settings.attention_backend, settings.device)
+    model.prefill_attention = select_prefill_attention(
+        settings.attention_backend, settings.device, model.lm_head.weight.dtype
+    )
     if args.mode is not None:
         result = generate_with_mode(model, settings.model, prompt_ids, params, sorted(eos), args)
     else:

@@ -84,12 +84,12 @@ class DistCollectives(Collectives):
         return torch.stack(parts)
 
     def gather(self, t: Tensor, dst: int) -> Tensor | None:
-        if t.is_cuda:  # NCCL has no gather: an all-gather moves the same bytes to dst
-            out = self.all_gather(t)
-            return out if self.rank == dst else None
-        parts = [torch.empty_like(t) for _ in range(self.world)] if self.rank == dst else None
+        # NCCL and gloo both gather (NCCL as sends to dst): only dst receives the others'
+        # tensors, where an all-gather would put every rank's logits on every rank.
+        out = t.new_empty((self.world, *t.shape)) if self.rank == dst else None
+        parts = list(out.unbind()) if out is not None else None
         dist.gather(t.contiguous(), parts, dst=dst, group=self.group)
-        return torch.stack(parts) if parts is not None else None
+        return out
 
     def send(self, t: Tensor, dst: int) -> None:
         dist.send(t.contiguous(), dst=dst, group=self.group)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
 from common.runtime import group_files
-from common.runtime.device import rank_device
+from common.runtime.device import rank_device, use_device
 from services.decode.config import EngineConfig
 from services.decode.group.comm import Comm, DistCollectives, ShmCollectives
 
@@ -21,15 +21,14 @@ log = logging.getLogger(__name__)
 
 
 def init_group(cfg: EngineConfig, rank: int, store: dist.Store | None = None) -> None:
-    """Join the group's torch.distributed default group: gloo, the CPU control group (and
-    point-to-point transfers on the CPU); `open_comm` adds NCCL for a GPU group's data. The
-    rendezvous is the group's store (services/decode/group/join.py), else a tcp:// one on the
-    leader's port."""
+    """Make the rank's device this thread's current one (every rank, tp = 1 included: its
+    process must not make a context on GPU 0), then join the group's torch.distributed
+    default group: gloo, the CPU control group (and point-to-point transfers on the CPU);
+    `open_comm` adds NCCL for a GPU group's data. The rendezvous is the group's store
+    (services/decode/group/join.py), else a tcp:// one on the leader's port."""
+    use_device(rank_device(cfg.device, cfg.local_index(rank)))
     if cfg.parallel.tp == 1:
         return
-    device = rank_device(cfg.device, cfg.local_index(rank))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     if store is None:
         init = {"init_method": f"tcp://{cfg.master_addr}:{cfg.master_port}"}
@@ -77,5 +76,12 @@ def open_comm(cfg: EngineConfig, rank: int, device: torch.device) -> Comm:
     shm = open_shm_group(cfg, rank)
     control = default if shm is None else ShmCollectives(shm, default)
     if device.type == "cuda":
-        return Comm(cfg.parallel.tp, control, DistCollectives(dist.new_group(backend="nccl")))
+        return Comm(cfg.parallel.tp, control, DistCollectives(new_data_group(cfg, "nccl")))
     return Comm(cfg.parallel.tp, control, control)
+
+
+def new_data_group(cfg: EngineConfig, backend: str) -> dist.ProcessGroup:
+    """A group over every rank on `backend` (NCCL for a GPU group's activations), with the
+    group's collective timeout: without one NCCL waits its default 10 minutes on a dead
+    rank, where the group must fail within `collective_timeout_s`."""
+    return dist.new_group(backend=backend, timeout=timedelta(seconds=cfg.collective_timeout_s))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from common.runtime.device import use_device
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import PingPlan, send_plan
 from services.decode.leader.scheduler import DecodeSequence, Scheduler, SchedulerError
@@ -75,6 +76,8 @@ class LeaderLoop:
     def _run(self) -> None:
         tp = self.group.cfg.parallel.tp
         try:
+            # A new thread's current CUDA device is GPU 0: this one runs every step.
+            use_device(self.group.runtime.device)
             while not self._stop.is_set():
                 self.group.processes.check()
                 self._drain_commands(block=not self.scheduler.has_work())

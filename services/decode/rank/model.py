@@ -169,10 +169,10 @@ def attend_sp(
     u, m, l = backend.partial_attention(q_lat_all, q_pe_all, cache, index, reads, attn.scale)
     global_max = m.clone()
     comm.max_(global_max)
-    u, l = merge_partials(u, m, l, global_max)
-    packed = torch.cat((u, l[..., None].to(u.dtype)), dim=-1)
+    u, l = merge_partials(u, m, l, global_max)  # fp32: summed and divided unrounded
+    packed = torch.cat((u, l[..., None]), dim=-1)
     comm.sum_(packed)
     heads = slice(attn.head_offset, attn.head_offset + attn.num_heads)
     u_mine = packed[:, heads, : attn.d_c] / packed[:, heads, attn.d_c :]
-    o = torch.einsum("bhc,hvc->bhv", u_mine, attn.w_uv)
+    o = torch.einsum("bhc,hvc->bhv", u_mine.to(attn.w_uv.dtype), attn.w_uv)
     return backend.linear(o.reshape(b, -1), attn.w_o)

@@ -24,7 +24,7 @@ from common.loading.serving_model import open_serving_weights
 from common.model.tpla import latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from common.runtime.device import rank_device
+from common.runtime.device import rank_device, use_device
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
 from services.decode.group.setup import open_comm
@@ -129,7 +129,8 @@ class RankRuntime:
         except dist.DistNetworkError:
             check_ports(host, [store_use])
             raise
-        server = grpc.server(ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
+        pool = ThreadPoolExecutor(16, initializer=use_device, initargs=(self.device,))
+        server = grpc.server(pool, options=CHANNEL_OPTIONS)
         self.receiver = KvReceiverServicer(
             self.shard_target, store, self.cfg.internal_token, device=self.device
         )
