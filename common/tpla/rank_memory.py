@@ -73,9 +73,9 @@ def _layer_tensors(
         return out
     e = span(layout.owned_experts(rank, c.n_routed_experts))
     inter = span(layout.expert_columns(rank, c.moe_intermediate_size))
-    add("router", e, d, q=False)
+    add("router", c.n_routed_experts, d, q=False)  # replicated: it scores every expert
     if c.topk_method == "noaux_tc":
-        add("router", e, q=False)  # e_score_correction_bias
+        add("router", c.n_routed_experts, q=False)  # e_score_correction_bias
     add("routed_experts", 2 * inter, d, count=e)  # gate_up of every held expert
     add("routed_experts", d, inter, count=e)
     if c.n_shared_experts:
