@@ -112,15 +112,6 @@ class MoE(nn.Module):
         e = self.experts
         return self.kernel(x, ids, weights, e.gate_up_proj, e.down_proj, self.first_expert)
 
-    def local_routes(self, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """(ids, weights) for a kernel that takes only held experts' ids (0-based in the
-        stack): a slot routed elsewhere goes to held expert 0 with weight 0."""
-        if self.holds_all:
-            return ids, weights
-        local = ids - self.first_expert
-        held = (local >= 0) & (local < self.experts.gate_up_proj.shape[0])
-        return torch.where(held, local, 0), torch.where(held, weights, 0.0)
-
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
         out = self.routed(x, ids, weights)

@@ -54,10 +54,13 @@ class NativeBackend(TorchBackend):
         if isinstance(module, MoE):
             weights, ids = module.gate(x)
             experts = module.experts
-            local_ids, local_weights = module.local_routes(ids, weights)
-            out = small_gemm.moe_experts(
-                x, local_ids, local_weights, experts.gate_up_proj, experts.down_proj
-            )
+            # The kernel runs every slot it is given; under expert parallelism most slots
+            # are other ranks', which `routed` skips.
+            out = None
+            if module.holds_all:
+                out = small_gemm.moe_experts(
+                    x, ids, weights, experts.gate_up_proj, experts.down_proj
+                )
             if out is None:
                 out = module.routed(x, ids, weights)
             if module.shared_experts is not None:

@@ -131,13 +131,6 @@ def test_a_moe_holding_some_experts_routes_the_rest_elsewhere() -> None:
         part = MoE(dataclasses.replace(CFG, n_shared_experts=0), held)
         part.experts.gate_up_proj.data = whole.experts.gate_up_proj.data[held]
         part.experts.down_proj.data = whole.experts.down_proj.data[held]
+        assert not part.holds_all and part.first_expert == held.start
         halves.append(part.routed(x, ids, weights))
-        local_ids, local_w = part.local_routes(ids, weights)
-        assert int(local_ids.max()) < held.stop - held.start
-        torch.testing.assert_close(
-            routed_experts(
-                x, local_ids, local_w, part.experts.gate_up_proj, part.experts.down_proj
-            ),
-            halves[-1],
-        )
     torch.testing.assert_close(halves[0] + halves[1], whole.routed(x, ids, weights))
