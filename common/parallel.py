@@ -2,8 +2,9 @@
 
 tp ranks form r latent groups x m head groups (DESIGN §1 "TPLA decode"); rank k sits at
 (i, j) = (k // m, k % m). It holds latent columns S_i and the heads of group j, a 1/tp slice
-of every FFN (dense MLP, each routed expert, the shared experts) and of the vocabulary. In SP
-mode (r = 1) its cache holds round-robin chunks of each sequence's tokens at full width.
+of every dense MLP, of the shared experts and of the vocabulary. The routed experts go by the
+MoE mode: a 1/tp column slice of every expert (`tp`), or whole experts, E/tp of them (`ep`).
+In SP mode (r = 1) its cache holds round-robin chunks of each sequence's tokens at full width.
 
 Pure integer arithmetic, no torch: the decode ranks, the leader's engine and `tpla plan` all
 take their slices here. (common/kv/chunks.py keeps the per-position chunk arithmetic, which
@@ -27,6 +28,13 @@ class ParallelMode(enum.Enum):
 
     TPLA = "tpla"  # by latent columns (r groups); r = 1 is MLA-TP, the exact baseline
     SP = "sp"  # by token chunks, round-robin, full width; exact (log-sum-exp merge)
+
+
+class MoeParallel(enum.Enum):
+    """How a group splits a MoE layer's routed experts over its ranks (`TPLA_MOE_PARALLEL`)."""
+
+    TP = "tp"  # every rank holds a 1/tp column slice of every expert
+    EP = "ep"  # every rank holds whole experts, E/tp of them, and runs them for their tokens
 
 
 class RmsNormMode(enum.Enum):
@@ -67,6 +75,7 @@ class ParallelConfig:
     rmsnorm: RmsNormMode = RmsNormMode.EXACT
     mode: ParallelMode = ParallelMode.TPLA
     chunk_size: int = 256
+    moe: MoeParallel = MoeParallel.TP
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.latent_groups < 1 or self.tp % self.latent_groups:
@@ -118,8 +127,20 @@ class ParallelConfig:
         return split_range(intermediate_size, self.tp, rank, "intermediate_size")
 
     def expert_columns(self, rank: int, moe_intermediate_size: int) -> slice:
-        """The rank's slice of every routed expert's intermediate dimension."""
+        """The rank's slice of each routed expert it holds (intermediate dimension): 1/tp of
+        every expert under `tp`, whole experts under `ep`."""
+        if self.moe is MoeParallel.EP:
+            return slice(0, moe_intermediate_size)
         return split_range(moe_intermediate_size, self.tp, rank, "moe_intermediate_size")
+
+    def owned_experts(self, rank: int, n_experts: int) -> slice:
+        """The routed experts the rank holds: all of them under `tp`; under `ep` a contiguous
+        run, split as evenly as it goes (the first n_experts % tp ranks hold one more)."""
+        if self.moe is MoeParallel.TP:
+            return slice(0, n_experts)
+        size, extra = divmod(n_experts, self.tp)
+        start = rank * size + min(rank, extra)
+        return slice(start, start + size + (rank < extra))
 
     def shared_expert_columns(
         self, rank: int, moe_intermediate_size: int, n_shared_experts: int
@@ -167,8 +188,16 @@ class ParallelConfig:
         ]
         if not all(moe):
             splits.append(("intermediate_size", c.intermediate_size, self.tp))
-        if any(moe):
+        if any(moe) and self.moe is MoeParallel.TP:
             splits.append(("moe_intermediate_size", c.moe_intermediate_size, self.tp))
+        if any(moe) and self.moe is MoeParallel.EP and c.n_routed_experts < self.tp:
+            raise ParallelError(
+                f"{self.label}: expert parallelism gives each of {self.tp} ranks whole experts, "
+                f"but the model has {c.n_routed_experts}"
+            )
+        if any(moe) and c.n_shared_experts:
+            shared = c.moe_intermediate_size * c.n_shared_experts
+            splits.append(("shared experts' intermediate size", shared, self.tp))
         for what, total, parts in splits:
             if total % parts:
                 raise ParallelError(f"{self.label}: {what} ({total}) is not divisible by {parts}")

@@ -2,7 +2,7 @@
 
 Both sources answer the same questions by our parameter names (`model.layers.N.self_attn.
 kv_b_proj.weight`, fused `mlp.experts.gate_up_proj`): "rows a:b, columns c:d of this tensor"
-and "these columns of every expert". The full model (`build_model`) and a decode rank
+and "these columns of these experts". The full model (`build_model`) and a decode rank
 (`RankModel`) are both built from a source, so a rank reading a checkpoint gets exactly the
 tensors it would have sliced out of the loaded model, without the model ever existing.
 
@@ -37,19 +37,28 @@ _LATENT = re.compile(
 
 
 class WeightSource(Protocol):
-    """Tensors by parameter name, sliced, in the serving dtype (fresh tensors, owned by the
-    caller)."""
+    """Tensors by parameter name, sliced, in the serving dtype unless `dtype` names another
+    (fresh tensors, owned by the caller). A tensor read in another dtype is converted from
+    the stored values once, never through the serving dtype."""
 
     config: ModelConfig
 
-    def tensor(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Tensor:
+    def tensor(
+        self, name: str, rows: slice = ALL, cols: slice = ALL, dtype: torch.dtype | None = None
+    ) -> Tensor:
         """name[rows, cols] (a 1-D tensor takes `rows` only)."""
 
-    def gate_up(self, prefix: str, cols: slice = ALL) -> Tensor:
-        """Every expert's gate rows `cols` then up rows `cols`: [E, 2 |cols|, D]."""
+    def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+        """Experts `experts`' gate rows `cols` then up rows `cols`: [|experts|, 2 |cols|, D]."""
 
-    def down(self, prefix: str, cols: slice = ALL) -> Tensor:
-        """Every expert's down_proj columns `cols`: [E, D, |cols|]."""
+    def down(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+        """Experts `experts`' down_proj columns `cols`: [|experts|, D, |cols|]."""
+
+
+def is_router(name: str) -> bool:
+    """A MoE router's tensor: read in float32 whatever the serving dtype, since its scores
+    (and V3's correction bias) pick the experts."""
+    return name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
 
 
 def rotate_kv_a(kv_a: Tensor, r: Tensor) -> Tensor:
@@ -73,17 +82,20 @@ class ModelWeights:
         self.config = model.config
         self._params = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
 
-    def tensor(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Tensor:
+    def tensor(
+        self, name: str, rows: slice = ALL, cols: slice = ALL, dtype: torch.dtype | None = None
+    ) -> Tensor:
         t = self._params[name][rows]
-        return (t[:, cols] if t.ndim == 2 else t).clone()
+        t = t[:, cols] if t.ndim == 2 else t
+        return t.clone() if dtype is None else t.to(dtype, copy=True)
 
-    def gate_up(self, prefix: str, cols: slice = ALL) -> Tensor:
-        gu = self._params[f"{prefix}.gate_up_proj"]
+    def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+        gu = self._params[f"{prefix}.gate_up_proj"][experts]
         inter = gu.shape[1] // 2
         return torch.cat((gu[:, :inter][:, cols], gu[:, inter:][:, cols]), dim=1)
 
-    def down(self, prefix: str, cols: slice = ALL) -> Tensor:
-        return self._params[f"{prefix}.down_proj"][:, :, cols].clone()
+    def down(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+        return self._params[f"{prefix}.down_proj"][experts][:, :, cols].clone()
 
 
 class CheckpointWeights:
@@ -124,56 +136,72 @@ class CheckpointWeights:
 
     # -- WeightSource -------------------------------------------------------------------------
 
-    def tensor(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Tensor:
+    def tensor(
+        self, name: str, rows: slice = ALL, cols: slice = ALL, dtype: torch.dtype | None = None
+    ) -> Tensor:
         latent = _LATENT.match(name)
         if latent and self._rotations is not None:
             return self._rotated(int(latent.group(1)), latent.group(2), rows, cols)
-        return self._read(name, rows, cols)
+        return self._read(name, rows, cols, dtype=dtype)
 
-    def gate_up(self, prefix: str, cols: slice = ALL) -> Tensor:
+    def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
         fused = f"{prefix}.gate_up_proj"
         if fused in self._plain:
             if cols == ALL:
-                return self._read(fused)
+                return self._read(fused, experts)
             inter = self.reader.tensors[fused].shape[1] // 2
             start, stop, _ = cols.indices(inter)
-            gate = self._read(fused, ALL, slice(start, stop))
-            up = self._read(fused, ALL, slice(inter + start, inter + stop))
+            gate = self._read(fused, experts, slice(start, stop))
+            up = self._read(fused, experts, slice(inter + start, inter + stop))
             return torch.cat((gate, up), dim=1)
-        experts = self._experts[prefix]
-        first = self.reader.tensors[experts[0]["gate_proj"]].shape
+        held = range(*experts.indices(len(self._experts[prefix])))
+        names = [self._experts[prefix][e] for e in held]
+        first = self.reader.tensors[names[0]["gate_proj"]].shape
         width = len(range(*cols.indices(first[0])))
-        out = torch.empty(len(experts), 2 * width, first[1], dtype=self.dtype, device=self.device)
-        for e, names in experts.items():
-            out[e, :width] = self._read_raw(names["gate_proj"], (cols,))
-            out[e, width:] = self._read_raw(names["up_proj"], (cols,))
+        out = torch.empty(len(names), 2 * width, first[1], dtype=self.dtype, device=self.device)
+        for k, expert in enumerate(names):
+            out[k, :width] = self._read_raw(expert["gate_proj"], (cols,))
+            out[k, width:] = self._read_raw(expert["up_proj"], (cols,))
         return out
 
-    def down(self, prefix: str, cols: slice = ALL) -> Tensor:
+    def down(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
         fused = f"{prefix}.down_proj"
         if fused in self._plain:
-            return self._read(fused, ALL, ALL, cols)
-        experts = self._experts[prefix]
-        first = self.reader.tensors[experts[0]["down_proj"]].shape
+            return self._read(fused, experts, ALL, cols)
+        held = range(*experts.indices(len(self._experts[prefix])))
+        names = [self._experts[prefix][e] for e in held]
+        first = self.reader.tensors[names[0]["down_proj"]].shape
         width = len(range(*cols.indices(first[1])))
-        out = torch.empty(len(experts), first[0], width, dtype=self.dtype, device=self.device)
-        for e, names in experts.items():
-            out[e] = self._read_raw(names["down_proj"], (ALL, cols))
+        out = torch.empty(len(names), first[0], width, dtype=self.dtype, device=self.device)
+        for k, expert in enumerate(names):
+            out[k] = self._read_raw(expert["down_proj"], (ALL, cols))
         return out
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _read(self, name: str, *index: slice, device: torch.device | None = None) -> Tensor:
+    def _read(
+        self,
+        name: str,
+        *index: slice,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
         if name not in self._plain:
             raise CheckpointError(f"missing: {name}")
-        return self._read_raw(self._plain[name], index, device)
+        return self._read_raw(self._plain[name], index, device, dtype)
 
     def _read_raw(
-        self, name: str, index: Sequence[slice], device: torch.device | None = None
+        self,
+        name: str,
+        index: Sequence[slice],
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
     ) -> Tensor:
         shape = self.reader.tensors[name].shape
         index = tuple(index)[: len(shape)]
-        return self.reader.read(name, index, dtype=self.dtype, device=device or self.device)
+        return self.reader.read(
+            name, index, dtype=dtype or self.dtype, device=device or self.device
+        )
 
     def _rotated(self, layer: int, leaf: str, rows: slice, cols: slice) -> Tensor:
         """A latent tensor in the rotated basis, computed on the CPU in float64 from tensors
@@ -253,6 +281,6 @@ def build_model(src: WeightSource) -> DeepseekForCausalLM:
         elif name.endswith("experts.down_proj"):
             state[name] = src.down(name.removesuffix(".down_proj"))
         else:
-            state[name] = src.tensor(name)
+            state[name] = src.tensor(name, dtype=torch.float32 if is_router(name) else None)
     model.load_state_dict(state, assign=True)
     return model.eval()

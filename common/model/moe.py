@@ -2,15 +2,21 @@
 
 Routed experts are stored fused, as transformers 5 does: `gate_up_proj` [E, 2I, D] (gate
 rows first) and `down_proj` [E, D, I]. The loader stacks per-expert hub checkpoints into it.
+Under expert parallelism a rank's MoE holds a contiguous run of whole experts. The kernels
+over the routed tokens live in common/model/experts.py.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.args import ModelConfig
+from common.model.experts import RoutedExperts, select_routed_experts
 
 
 class MLP(nn.Module):
@@ -71,44 +77,44 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Routed experts (all of them, or the run `experts` a rank holds under expert
+    parallelism) plus the shared experts. The routed kernel (`select_routed_experts`: grouped
+    GEMMs where they run, else the reference loop) is picked once for the weights as they
+    are placed, on the first call after a load or a move, never per call."""
+
+    def __init__(self, config: ModelConfig, experts: slice | None = None) -> None:
         super().__init__()
-        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        d, i = config.hidden_size, config.moe_intermediate_size
+        held = experts or slice(0, config.n_routed_experts)
+        self.first_expert, self.holds_all = held.start, held == slice(0, config.n_routed_experts)
         self.gate = Gate(config)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
-        self.experts.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(held.stop - held.start, 2 * i, d))
+        self.experts.down_proj = nn.Parameter(torch.empty(held.stop - held.start, d, i))
         self.shared_experts = (
             MLP(d, i * config.n_shared_experts) if config.n_shared_experts else None
         )
+        self._kernel: RoutedExperts | None = None
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> MoE:
+        # .to() / .cuda() / .half() move or cast the weights: pick the kernel again for them.
+        self._kernel = None
+        return super()._apply(fn, recurse)
+
+    @property
+    def kernel(self) -> RoutedExperts:
+        if self._kernel is None:
+            self._kernel = select_routed_experts(self.experts.gate_up_proj, self.experts.down_proj)
+        return self._kernel
+
+    def routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The held experts' share of the routed output for x [T, D], ids / weights [T, k]."""
+        e = self.experts
+        return self.kernel(x, ids, weights, e.gate_up_proj, e.down_proj, self.first_expert)
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
-        out = routed_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.routed(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-
-def routed_experts(
-    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
-) -> Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x_t) for x [T, D], ids / weights [T, k],
-    gate_up [E, 2I, D] (gate rows first), down [E, D, I] -> [T, D]."""
-    out = torch.zeros_like(x)
-    # Group tokens by expert so each expert runs one matmul over the tokens routed to it.
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    token_of = order // ids.shape[1]
-    w_sorted = weights.flatten()[order]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        tok = token_of[start : start + count]
-        gate, up = F.linear(x[tok], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert])
-        out.index_add_(0, tok, (y * w_sorted[start : start + count, None]).to(x.dtype))
-        start += count
-    return out

@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     latent_groups: int = Field(2, ge=1, description="TPLA latent groups r (1 = MLA-TP)")
     parallel: str = Field("tpla", description="decode parallel mode: tpla | mla-tp | sp")
     chunk_size: int = Field(256, ge=1, description="SP: tokens per round-robin chunk")
+    moe_parallel: str = Field(
+        "tp",
+        description="MoE experts over a group's ranks: tp (a column slice of every expert) | "
+        "ep (whole experts, E/tp per rank); shared experts are split by columns either way",
+    )
     rmsnorm: str = Field("exact", description="TPLA RMSNorm for new tokens: exact | sliced")
     reparam: str | None = Field("tpla_pca", description="side file in the model dir, or none")
     block_size: int = Field(16, ge=1)

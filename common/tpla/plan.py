@@ -18,12 +18,12 @@ ranks are alike). An SP rank stores only its chunks, so a context token costs it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from common.kv.chunks import local_length
 from common.model.args import ModelConfig
-from common.parallel import ParallelConfig, ParallelMode, RmsNormMode, layout_label
+from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode, layout_label
 from common.tpla.rank_memory import (
     DTYPE_BYTES,
     WEIGHT_DTYPES,
@@ -104,6 +104,7 @@ class PlanRequest:
     block_size: int = 16
     chunk_size: int = 256
     fp8_block: tuple[int, int] = (128, 128)
+    moe: MoeParallel = MoeParallel.TP  # routed experts: a slice of each, or whole ones (ep)
 
     def __post_init__(self) -> None:
         if not self.latent_groups:
@@ -121,14 +122,14 @@ class PlanRequest:
 
     def layouts(self) -> list[tuple[str, ParallelConfig]]:
         """(row name, layout): mla-tp, tpla for each requested r (r = 1 too), sp."""
-        tp, norm, chunk = self.hardware.gpus_per_group, self.rmsnorm, self.chunk_size
+        tp, norm, chunk, moe = self.hardware.gpus_per_group, self.rmsnorm, self.chunk_size, self.moe
         return [
-            ("mla-tp", ParallelConfig(tp, 1, norm, ParallelMode.TPLA, chunk)),
+            ("mla-tp", ParallelConfig(tp, 1, norm, ParallelMode.TPLA, chunk, moe)),
             *(
-                ("tpla", ParallelConfig(tp, r, norm, ParallelMode.TPLA, chunk))
+                ("tpla", ParallelConfig(tp, r, norm, ParallelMode.TPLA, chunk, moe))
                 for r in self.latent_groups
             ),
-            ("sp", ParallelConfig(tp, 1, norm, ParallelMode.SP, chunk)),
+            ("sp", ParallelConfig(tp, 1, norm, ParallelMode.SP, chunk, moe)),
         ]
 
 
@@ -263,8 +264,8 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
     parts: dict[str, int] = {}
     for t in chosen:
         parts[t.part] = parts.get(t.part, 0) + weight_bytes([t], req.weight_dtype, req.fp8_block)
-    # load_model casts every tensor, the router too, to the model dtype.
-    full = [replace(t, float32=False) for t in rank_tensors(c, ParallelConfig(), 0)]
+    # load_model keeps the router in float32 too (common.loading.weights.is_router).
+    full = rank_tensors(c, ParallelConfig(), 0)
     return Plan(
         config=c,
         request=req,

@@ -32,8 +32,8 @@ class RankTensor:
     shape: tuple[int, ...]
     count: int = 1
     quantized: bool = False  # a linear weight that DeepSeek's FP8 checkpoints store in fp8
-    # The engine keeps it in float32 whatever the model dtype: `rank_ffn` builds a fresh
-    # MoE (default dtype) and copies the router in with load_state_dict, which keeps fp32.
+    # The engine keeps it in float32 whatever the model dtype: the router, read from the
+    # checkpoint in float32 (common.loading.weights.is_router).
     float32: bool = False
 
     @property
@@ -71,11 +71,12 @@ def _layer_tensors(
         add("dense_mlp", inter, d, count=2)  # gate, up
         add("dense_mlp", d, inter)
         return out
-    e, inter = c.n_routed_experts, span(layout.expert_columns(rank, c.moe_intermediate_size))
-    add("router", e, d, q=False)
+    e = span(layout.owned_experts(rank, c.n_routed_experts))
+    inter = span(layout.expert_columns(rank, c.moe_intermediate_size))
+    add("router", c.n_routed_experts, d, q=False)  # replicated: it scores every expert
     if c.topk_method == "noaux_tc":
-        add("router", e, q=False)  # e_score_correction_bias
-    add("routed_experts", 2 * inter, d, count=e)  # gate_up of every expert
+        add("router", c.n_routed_experts, q=False)  # e_score_correction_bias
+    add("routed_experts", 2 * inter, d, count=e)  # gate_up of every held expert
     add("routed_experts", d, inter, count=e)
     if c.n_shared_experts:
         shared = span(

@@ -13,7 +13,7 @@ import enum
 import json
 from dataclasses import dataclass, field
 
-from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
+from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.settings import TORCH_PORT_OFFSET, Settings
 
 
@@ -90,6 +90,7 @@ class EngineConfig:
         raw = dataclasses.asdict(self)
         raw["parallel"]["rmsnorm"] = self.parallel.rmsnorm.value
         raw["parallel"]["mode"] = self.parallel.mode.value
+        raw["parallel"]["moe"] = self.parallel.moe.value
         raw["launch"] = self.launch.value
         return json.dumps(raw)
 
@@ -99,6 +100,7 @@ class EngineConfig:
         par = raw.pop("parallel")
         par["rmsnorm"] = RmsNormMode(par["rmsnorm"])
         par["mode"] = ParallelMode(par["mode"])
+        par["moe"] = MoeParallel(par["moe"])
         raw["launch"] = Launch(raw["launch"])
         return cls(parallel=ParallelConfig(**par), **raw)
 
@@ -111,6 +113,8 @@ def engine_config(s: Settings) -> EngineConfig:
     """The decode engine's config from `placed` settings: the one mapping of the two."""
     if s.parallel not in ("tpla", "mla-tp", "sp"):
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
+    if s.moe_parallel not in ("tp", "ep"):
+        raise ValueError(f"MoE parallel mode {s.moe_parallel!r} is not tp or ep")
     if s.decode_kernel not in KERNELS:
         raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
     if s.cuda_graphs not in ("auto", "0"):
@@ -134,6 +138,7 @@ def engine_config(s: Settings) -> EngineConfig:
             rmsnorm=RmsNormMode(s.rmsnorm),
             mode=mode,
             chunk_size=s.chunk_size,
+            moe=MoeParallel(s.moe_parallel),
         ),
         reparam=s.reparam or None,
         block_size=s.block_size,

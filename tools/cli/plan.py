@@ -32,7 +32,7 @@ def _read_checkpoint(args: argparse.Namespace) -> tuple[Path, Checkpoint]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`tpla plan`: the table on stdout; with --json, the plan as the last stdout line."""
-    from common.parallel import RmsNormMode
+    from common.parallel import MoeParallel, RmsNormMode
     from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan
 
     path, ckpt = _read_checkpoint(args)
@@ -51,6 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         chunk_size=args.chunk_size,
         fp8_block=ckpt.fp8_block,
+        moe=MoeParallel(args.moe_parallel),
     )
     plan = build_plan(ckpt.config, request)
     print(format_plan(plan, path, ckpt))
@@ -88,7 +89,7 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
         f"decode group: {hw.gpus_per_group} GPUs x {_gib(hw.gpu_mem_bytes)} GiB; reserve "
         f"{_gib(hw.reserve)} GiB per GPU; weights {req.weight_dtype}, KV {req.kv_dtype}, "
         f"RMSNorm {req.rmsnorm.value}, block {req.block_size}, "
-        f"SP chunk {req.chunk_size}",
+        f"SP chunk {req.chunk_size}, MoE {req.moe.value}",
         "",
         f"{'layout':<10} {'heads':>5} {'latent':>6} {'weights':>8} {'KV bytes':>9} "
         f"{'KV budget':>9} {'tokens':>11} {'vs':>6} {'seqs':>7}  fits",
@@ -163,5 +164,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--rmsnorm", choices=RMSNORM_MODES, default="exact")
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
     p.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
+    p.add_argument(
+        "--moe-parallel",
+        choices=("tp", "ep"),
+        default="tp",
+        help="routed experts: a column slice of each (tp) or whole experts per rank (ep)",
+    )
     p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     p.set_defaults(func=cmd_plan)

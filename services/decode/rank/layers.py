@@ -154,22 +154,26 @@ class RankLayer(nn.Module):
 
 
 def rank_ffn(src: WeightSource, layer: int, parallel: ParallelConfig, rank: int) -> nn.Module:
-    """Rank `rank`'s 1/tp slice of a dense MLP or of every expert of a MoE (intermediate
-    dimension; the router replicated)."""
+    """Rank `rank`'s share of a dense MLP (1/tp of its intermediate dimension) or of a MoE:
+    its routed experts and their columns (`ParallelConfig.owned_experts` /
+    `expert_columns`: a slice of every expert, or whole experts), 1/tp of the shared experts'
+    columns, the router replicated."""
     c = src.config
     p = f"model.layers.{layer}.mlp."
     if not c.is_moe_layer(layer):
         return rank_mlp(src, p, parallel.ffn_columns(rank, c.intermediate_size))
     cols = parallel.expert_columns(rank, c.moe_intermediate_size)
+    held = parallel.owned_experts(rank, c.n_routed_experts)
     with torch.device("meta"):
-        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start))
-    # The router runs in float32 whatever the serving dtype (its scores pick the experts).
-    local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight").float())
+        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start), held)
+    # The router runs in float32 whatever the serving dtype (its scores pick the experts), read
+    # from the checkpoint's own values: bf16 rounding would move V3's correction bias.
+    local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight", dtype=torch.float32))
     if c.topk_method == "noaux_tc":
-        bias = src.tensor(p + "gate.e_score_correction_bias").float()
+        bias = src.tensor(p + "gate.e_score_correction_bias", dtype=torch.float32)
         local.gate.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
-    local.experts.gate_up_proj = nn.Parameter(src.gate_up(p + "experts", cols))
-    local.experts.down_proj = nn.Parameter(src.down(p + "experts", cols))
+    local.experts.gate_up_proj = nn.Parameter(src.gate_up(p + "experts", cols, held))
+    local.experts.down_proj = nn.Parameter(src.down(p + "experts", cols, held))
     if c.n_shared_experts:
         cols = parallel.shared_expert_columns(rank, c.moe_intermediate_size, c.n_shared_experts)
         local.shared_experts = rank_mlp(src, p + "shared_experts.", cols)

@@ -15,6 +15,7 @@ from common.kv.chunks import chunk_owner
 from common.model.args import ModelConfig
 from common.model.tpla import latent_shards
 from common.parallel import (
+    MoeParallel,
     ParallelConfig,
     ParallelError,
     ParallelMode,
@@ -102,6 +103,27 @@ def test_every_ffn_is_cut_tp_ways(tp: int, r: int) -> None:
     assert _tiles([par.ffn_columns(k, 18432) for k in ranks], 18432)
     assert _tiles([par.expert_columns(k, 2048) for k in ranks], 2048)
     assert _tiles([par.shared_expert_columns(k, 2048, 2) for k in ranks], 4096)
+
+
+@pytest.mark.parametrize(("tp", "experts"), [(1, 8), (2, 8), (4, 8), (3, 8), (4, 6), (8, 256)])
+def test_expert_parallel_ranks_hold_whole_experts_split_as_evenly_as_it_goes(
+    tp: int, experts: int
+) -> None:
+    ep = ParallelConfig(tp, moe=MoeParallel.EP)
+    held = [ep.owned_experts(k, experts) for k in range(tp)]
+    assert _tiles(held, experts)
+    assert max(map(span, held)) - min(map(span, held)) <= 1
+    assert span(held[0]) == max(map(span, held))  # rank 0 is the planner's largest
+    assert all(ep.expert_columns(k, 2048) == slice(0, 2048) for k in range(tp))
+    assert _tiles([ep.shared_expert_columns(k, 2040, 3) for k in range(tp)], 6120)
+    tp_mode = ParallelConfig(tp)
+    assert all(tp_mode.owned_experts(k, experts) == slice(0, experts) for k in range(tp))
+
+
+def test_expert_parallelism_needs_an_expert_per_rank() -> None:
+    c = dataclasses.replace(V3_LIKE, n_routed_experts=2)
+    with pytest.raises(ParallelError, match="the model has 2"):
+        ParallelConfig(tp=4, moe=MoeParallel.EP).check(c)
 
 
 def test_an_uneven_split_names_what_does_not_divide() -> None:

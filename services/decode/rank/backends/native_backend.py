@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.mla import RMSNorm
-from common.model.moe import MoE, routed_experts
+from common.model.moe import MoE
 from common.model.rope import RotaryEmbedding
 from common.native import decode_layer, latent_attention, small_gemm
 from services.decode.rank.backends.torch_backend import TorchBackend
@@ -54,10 +54,15 @@ class NativeBackend(TorchBackend):
         if isinstance(module, MoE):
             weights, ids = module.gate(x)
             experts = module.experts
-            gate_up, down = experts.gate_up_proj, experts.down_proj
-            out = small_gemm.moe_experts(x, ids, weights, gate_up, down)
+            # The kernel runs every slot it is given; under expert parallelism most slots
+            # are other ranks', which `routed` skips.
+            out = None
+            if module.holds_all:
+                out = small_gemm.moe_experts(
+                    x, ids, weights, experts.gate_up_proj, experts.down_proj
+                )
             if out is None:
-                out = routed_experts(x, ids, weights, gate_up, down)
+                out = module.routed(x, ids, weights)
             if module.shared_experts is not None:
                 out = out + self.ffn(module.shared_experts, x)
             return out

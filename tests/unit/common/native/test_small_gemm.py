@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.moe import routed_experts
+from common.model.experts import routed_experts
 from common.native import small_gemm
 
 pytestmark = pytest.mark.skipif(not small_gemm.available(), reason="native library not built")

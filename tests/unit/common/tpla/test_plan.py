@@ -4,6 +4,7 @@ are in tests/integration/test_cli_plan.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from common.loading.loader import load_model
 from common.model.tpla import latent_shards
-from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
+from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
 from common.tpla.rank_memory import kv_bytes_per_stored_token, rank_tensors, weight_bytes
 from services.decode.rank.model import RankModel
@@ -43,17 +44,36 @@ def test_analytic_rank_weights_equal_rank_model_parameter_bytes(
     assert weight_bytes(rank_tensors(c, ParallelConfig(), 0), "float32") == sum(
         p.numel() * 4 for p in full.parameters()
     )
-    for tp, r, mode in LAYOUTS:
-        for rmsnorm in RmsNormMode:
-            parallel = ParallelConfig(tp, r, rmsnorm, ParallelMode(mode))
-            shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
-            per_rank = []
-            for rank in range(tp):
-                engine = RankModel(full, parallel, rank, shards).parameter_bytes()
-                analytic = weight_bytes(rank_tensors(c, parallel, rank), "float32")
-                assert analytic == engine, (tp, r, mode, rmsnorm, rank)
-                per_rank.append(analytic)
-            assert per_rank[0] == max(per_rank)  # the planner's bound is rank 0's
+    for (tp, r, mode), rmsnorm, moe in itertools.product(LAYOUTS, RmsNormMode, MoeParallel):
+        parallel = ParallelConfig(tp, r, rmsnorm, ParallelMode(mode), moe=moe)
+        shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
+        per_rank = []
+        for rank in range(tp):
+            engine = RankModel(full, parallel, rank, shards).parameter_bytes()
+            analytic = weight_bytes(rank_tensors(c, parallel, rank), "float32")
+            assert analytic == engine, (tp, r, mode, rmsnorm, moe, rank)
+            per_rank.append(analytic)
+        assert per_rank[0] == max(per_rank)  # the planner's bound is rank 0's
+
+
+def test_uneven_expert_parallel_ranks_are_planned(tmp_path: Path) -> None:
+    """6 experts over 4 ranks: 2, 2, 1, 1 whole experts; the plan's rank 0 holds the most."""
+    save_hf("v2-greedy", tmp_path, n_routed_experts=6)
+    full = load_model(tmp_path)
+    c = full.config
+    parallel = ParallelConfig(4, 2, moe=MoeParallel.EP)
+    shards = [latent_shards(c.kv_lora_rank, 2) for _ in range(c.num_hidden_layers)]
+    sizes = []
+    for rank in range(4):
+        model = RankModel(full, parallel, rank, shards)
+        analytic = weight_bytes(rank_tensors(c, parallel, rank), "float32")
+        assert analytic == model.parameter_bytes()
+        sizes.append(model.layers[1].ffn.experts.gate_up_proj.shape[0])
+    assert sizes == [2, 2, 1, 1]
+    request = PlanRequest(Hardware(80 * GIB, 4), context=512, moe=MoeParallel.EP)
+    assert build_plan(c, request).chosen.weights_bytes == weight_bytes(
+        rank_tensors(c, parallel, 0), "bfloat16"
+    )
 
 
 def test_bf16_rank_model_holds_the_bf16_bytes(tmp_path: Path) -> None:

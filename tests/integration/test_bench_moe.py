@@ -1,0 +1,18 @@
+"""`tpla bench moe` as a real process: stdout is only its JSON, one row per kernel."""
+
+from __future__ import annotations
+
+import json
+
+from tests.cli import run_tpla
+
+
+def test_moe_bench_prints_only_json() -> None:
+    args = ("--shapes", "demo", "--batch", "1", "4", "--repeats", "1", "--json")
+    proc = run_tpla("bench", "moe", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # the whole of stdout, the table is on stderr
+    assert "loop" in proc.stderr
+    kernels = {(r["batch"], r["kernel"]) for r in result["rows"]}
+    assert {(1, "loop"), (1, "grouped"), (4, "loop"), (4, "grouped")} <= kernels
+    assert all(r["ms"] > 0 for r in result["rows"])
