@@ -110,8 +110,9 @@ class RankModel(nn.Module):
         """One token per sequence -> this rank's padded vocab slice of logits [B, V/tp].
 
         `write_slots` [B] is where each new token's latent goes on this rank (the cache's
-        trash slot for a padding row, or in SP mode a token another rank owns); `reads` addresses the cached history (its slots / valid
-        mask in SP mode). Every input is on the model's device.
+        trash slot for a padding row, or in SP mode a token another rank owns); `reads`
+        addresses the cached history (its slots / valid mask in SP mode). Every input is on
+        the model's device.
         """
         if self.parallel.sp and (reads.slots is None or reads.valid is None):
             raise ValueError("an SP decode step reads per-token slots: use CacheReads.tokens")

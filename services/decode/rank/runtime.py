@@ -24,8 +24,8 @@ from common.loading.serving_model import open_serving_weights
 from common.model.tpla import latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.device import rank_device
+from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
 from services.decode.group.setup import open_comm
