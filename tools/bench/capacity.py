@@ -54,7 +54,7 @@ def measure_capacity(
         layout = CacheLayout(shape.num_layers, shape.d_c // r, shape.d_r, BLOCK_SIZE, shape.dtype)
         blocks = layout.blocks_for_budget(budget_bytes)
         cache = PagedLatentCache(layout, blocks)  # really allocated, as a rank does
-        tokens = cache.usable_blocks * BLOCK_SIZE  # the trash block holds no sequence
+        tokens = cache.num_blocks * BLOCK_SIZE
         nbytes = cache.nbytes
         del cache
         if r == 1:
