@@ -2,7 +2,10 @@
 
 Preallocated once from a memory budget, so the decode step never allocates cache memory.
 Slot `b * block_size + o` is offset `o` of block `b`; the leader's `BlockPool` decides which
-blocks a request owns and sends slot indices in each step plan.
+blocks a request owns and sends slot indices in each step plan. The last block is the trash
+block, never handed out (`usable_blocks`): a step writes the rows it must not store there (a
+padding row, an SP rank's tokens another rank owns), so every row is written and no write
+needs a mask whose size the host would have to read.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ class PagedLatentCache:
     def __init__(
         self, layout: CacheLayout, num_blocks: int, device: torch.device | str = "cpu"
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError("the KV budget is too small for a single block")
+        if num_blocks < 2:
+            raise ValueError("the KV budget is too small for a block and the trash block")
         self.layout = layout
         self.num_blocks = num_blocks
+        self.usable_blocks = num_blocks - 1  # what the leader's pool hands out
+        self.trash_slot = self.usable_blocks * layout.block_size
         slots = num_blocks * layout.block_size
         w = layout.latent_width
         # One buffer with n and k_pe adjacent per token: a block of tokens is one contiguous
@@ -152,13 +157,18 @@ class BlockRows:
         return self.cache._gather_into(self.layer, self.block_ids[:, t0 // bs : -(-t1 // bs)])
 
 
-def slot_table(block_tables: Tensor, lengths: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """Flat slot indices [B, T_max] for tokens 0..lengths[b]-1 and the matching valid mask.
+def slot_table(
+    block_tables: Tensor, lengths: Tensor, block_size: int, t_max: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Flat slot indices [B, T] for tokens 0..lengths[b]-1 and the matching valid mask.
 
-    block_tables [B, max_blocks] (padded with -1), lengths [B]. Padding positions point at
-    slot 0 so the gather stays in bounds; the mask hides them.
+    block_tables [B, max_blocks] (padded with -1), lengths [B]. T is the tables' whole width
+    in tokens, or `t_max` (>= max(lengths)) when given: either is known on the host, where
+    max(lengths) would be read from the device. Padding positions point at slot 0 so the
+    gather stays in bounds; the mask hides them.
     """
-    t_max = int(lengths.max())
+    if t_max is None:
+        t_max = block_tables.shape[-1] * block_size
     pos = torch.arange(t_max, device=lengths.device)
     valid = pos[None] < lengths[:, None]
     slots = token_slots(block_tables, pos[None].expand(len(lengths), -1), block_size)
@@ -179,10 +189,11 @@ def block_ids_from_slots(slots: Tensor, block_size: int) -> Tensor:
 class CacheReads:
     """Where one decode step reads each sequence's cached history.
 
-    `block_ids` [B, ceil(max(lengths) / block_size)] (past a sequence's end: some valid
-    block, hidden by `lengths`) and `lengths` [B] serve the layouts that read whole blocks
-    (TPLA, MLA-TP); `slots` / `valid` [B, T], the per-token addresses, only the modes that
-    gather tokens (SP).
+    `block_ids` [B, nb] (past a sequence's end: some valid block, hidden by `lengths`) and
+    `lengths` [B] serve the layouts that read whole blocks (TPLA, MLA-TP); `slots` / `valid`
+    [B, nb * block_size], the per-token addresses, only the modes that gather tokens (SP). nb
+    is the width of the step's block tables, which the leader pads to a bucket (never read
+    from the lengths: that would wait for the device).
     """
 
     block_ids: Tensor
@@ -194,19 +205,18 @@ class CacheReads:
     def blocks(
         cls, block_tables: Tensor, lengths: Tensor, block_size: int, longest: int | None = None
     ) -> CacheReads:
-        """Straight from the tables [B, max_blocks] (padded with -1): the same blocks under
-        every token a sequence holds and the same `lengths` as `tokens`, without the [B, T]
-        tables that the block readers never look at (with a step's write slots, 0.16-0.33
-        ms -> 0.03-0.04 ms a step at 1,536 tokens, batch 1-16). `longest` is max(lengths)
-        when the caller knows it on the host (reading it from a GPU tensor waits for the
-        device)."""
-        blocks = -(-(int(lengths.max()) if longest is None else longest) // block_size)
+        """Straight from the tables [B, nb] (padded with -1): the same blocks under every
+        token a sequence holds and the same `lengths` as `tokens`, without the [B, T] tables
+        that the block readers never look at (with a step's write slots, 0.16-0.33 ms -> 0.03-
+        0.04 ms a step at 1,536 tokens, batch 1-16). The tables' whole width is read, or only
+        the blocks under `longest` tokens (>= max(lengths), known on the host) when given."""
+        blocks = block_tables.shape[-1] if longest is None else -(-longest // block_size)
         return cls(block_tables[:, :blocks].clamp(min=0), lengths)
 
     @classmethod
     def tokens(cls, block_tables: Tensor, lengths: Tensor, block_size: int) -> CacheReads:
-        """Per-token slots too; a length of 0 (an SP rank that holds none of a sequence) is a
-        row with no valid token."""
+        """Per-token slots too, over the tables' whole width; a length of 0 (an SP rank that
+        holds none of a sequence) is a row with no valid token."""
         slots, valid = slot_table(block_tables, lengths.clamp(min=1), block_size)
         valid &= lengths[:, None] > 0
         return cls(block_ids_from_slots(slots, block_size), valid.sum(dim=1), slots, valid)

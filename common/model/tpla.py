@@ -177,14 +177,19 @@ def fused_slice_attention(
     one bmm of the fused query against the cache rows, the values read the n columns of the
     same rows in place. Long caches go chunk by chunk (split-K, as in flash-decoding) so the
     second read of each chunk hits the CPU cache; the chunks' partial softmaxes are merged
-    exactly with log-sum-exp. Only chunks that reach past the shortest sequence are masked.
+    exactly with log-sum-exp.
     """
     b, h, _ = q_nope.shape
     width = w_uk.shape[-1]
     q = absorbed_queries(q_nope, q_pe, w_uk, scale, beta)
-    shortest = int(lengths.min())
-    starts = range(0, total, chunk)
+    # Every chunk is masked: which ones reach past a sequence's end is known only on the
+    # device, and asking would make the host wait for it. Past the end the scores get -inf
+    # (`bias`) and the weights' floor (see below) is -inf too, so they weigh exactly 0.
     acc = torch.promote_types(q.dtype, torch.float32)
+    padding = torch.arange(total, device=q.device)[None, None] >= lengths[:, None, None]
+    bias = torch.zeros(b, 1, total, dtype=acc, device=q.device).masked_fill_(padding, -math.inf)
+    floor = torch.full_like(bias, -_EXP_FLOOR).masked_fill_(padding, -math.inf)
+    starts = range(0, total, chunk)
     us = q.new_empty(len(starts), b, h, width)
     maxes = torch.empty(len(starts), b, h, dtype=acc, device=q.device)
     sums = torch.empty(len(starts), b, h, dtype=acc, device=q.device)
@@ -192,21 +197,16 @@ def fused_slice_attention(
         t1 = min(t0 + chunk, total)
         kv = read(t0, t1)
         s = torch.bmm(q, kv.transpose(1, 2)).to(acc)  # [B, h, C]
-        pad = _padding(lengths, t0, t1)[:, None] if t1 > shortest else None
-        if pad is not None:
-            s.masked_fill_(pad, float("-inf"))
+        s.add_(bias[..., t0:t1])
         m = s.amax(dim=-1, keepdim=True)
         maxes[c] = m[..., 0]
-        if pad is not None:
-            # A sequence with no valid row here: its -inf max gives the chunk zero weight in
-            # the merge; subtract 0 instead so no NaN appears.
-            m = m.masked_fill(torch.isinf(m), 0.0)
+        # A sequence with no valid row here: its -inf max gives the chunk zero weight in the
+        # merge; subtract a finite value instead so no NaN appears.
+        m.clamp_(min=torch.finfo(acc).min)
         # Weights below e^-30 (under fp32 resolution of a sum that is >= 1) are raised to
         # e^-30: an exp that underflows into denormals, and a matmul fed denormals, take
         # microcode assists on x86 cores that made this kernel ~10x slower.
-        s.sub_(m).clamp_(min=-_EXP_FLOOR).exp_()
-        if pad is not None:
-            s.masked_fill_(pad, 0.0)
+        torch.maximum(s.sub_(m), floor[..., t0:t1], out=s).exp_()
         sums[c] = s.sum(dim=-1)
         torch.bmm(s.to(q.dtype), kv[..., :width], out=us[c])
     if len(starts) == 1:
@@ -216,10 +216,6 @@ def fused_slice_attention(
         u = (us * weights[..., None].to(q.dtype)).sum(dim=0)
         u = u / (weights * sums).sum(dim=0)[..., None].to(q.dtype)
     return torch.bmm(u.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-
-
-def _padding(lengths: Tensor, t0: int, t1: int) -> Tensor:
-    return torch.arange(t0, t1, device=lengths.device)[None] >= lengths[:, None]
 
 
 def shard_attention(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from common.runtime.transfers import to_device
 from common.sampling.params import SamplingParams
 
 
@@ -63,29 +64,29 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams], ctx: Logits
     cols = [t for _, stops in early for t in stops if 0 <= t < vocab]
     if rows:
         out.index_put_(
-            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-            torch.tensor(float("-inf"), device=device),
+            (to_device(rows, device), to_device(cols, device)),
+            out.new_full((), float("-inf")),
         )
     bias = [(b, t, v) for b, p in enumerate(params) for t, v in p.logit_bias if 0 <= t < vocab]
     if bias:
         bias_rows, ids, values = (list(x) for x in zip(*bias, strict=True))
         out.index_put_(
-            (torch.tensor(bias_rows, device=device), torch.tensor(ids, device=device)),
-            torch.tensor(values, device=device),
+            (to_device(bias_rows, device), to_device(ids, device)),
+            to_device(values, device),
             accumulate=True,
         )
     if ctx.allowed is not None:
         out.masked_fill_(~ctx.allowed, float("-inf"))
     if ctx.output_counts is not None:
         counts = ctx.output_counts
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        rep = to_device([p.repetition_penalty for p in params], device)[:, None]
         seen = counts > 0
         if ctx.prompt_mask is not None:
             seen = seen | ctx.prompt_mask
         scaled = torch.where(out > 0, out / rep, out * rep)
         out = torch.where(seen, scaled, out)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        freq = to_device([p.frequency_penalty for p in params], device)[:, None]
+        pres = to_device([p.presence_penalty for p in params], device)[:, None]
         out = out - freq * counts - pres * (counts > 0).to(out.dtype)
     if rows or ctx.allowed is not None:
         # A row left with no token at all (a grammar that may only end while min_tokens
@@ -107,7 +108,7 @@ def token_rows(rows: Sequence[Sequence[int]], vocab: int, device: torch.device |
     c = [t for ids in rows for t in ids if 0 <= t < vocab]
     if r:
         out.index_put_(
-            (torch.tensor(r, device=device), torch.tensor(c, device=device)),
+            (to_device(r, torch.device(device)), to_device(c, torch.device(device))),
             torch.ones(len(r), dtype=torch.int32, device=device),
             accumulate=True,
         )

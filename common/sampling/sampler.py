@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from common.runtime.host_syncs import host_side
+from common.runtime.transfers import to_device, to_host
 from common.sampling.logits import LogitsContext, process_logits
 from common.sampling.params import SamplingParams
 
@@ -75,11 +77,11 @@ def filtered_logits_batch(logits: Tensor, params: Sequence[SamplingParams]) -> T
     """Temperature, min-p, top-k and top-p of each row of logits [B, V] (float32), with row
     b's parameters: one sort of the batch instead of one per row."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = to_device([p.temperature for p in params], device)
     logits = logits.float() / temperature[:, None]
     if any(p.min_p for p in params):
         # min-p keeps the tokens at least min_p times as likely as the most likely one.
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        min_p = to_device([p.min_p for p in params], device)[:, None]
         probs = logits.softmax(-1)
         keep = probs >= min_p * probs.max(-1, keepdim=True).values
         logits = logits.masked_fill(~keep, float("-inf"))
@@ -88,12 +90,12 @@ def filtered_logits_batch(logits: Tensor, params: Sequence[SamplingParams]) -> T
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     # Top-k keeps every token at least as likely as the k-th (ties included); 0 keeps all.
-    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     # Top-p over what top-k kept: drop a token once the mass before it already reaches
     # top_p; the top token always stays.
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_p = to_device([p.top_p for p in params], device)
     probs = sorted_logits.softmax(-1)
     drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -126,31 +128,50 @@ def sample_batch(
     trick without logarithms), so each row needs only its own noise, not its own kernel.
     """
     logits = logits.float()
+    device = logits.device
     logprobs = torch.log_softmax(logits, dim=-1)
     scores = logits if context is None else process_logits(logits, params, context)
     tokens = scores.argmax(dim=-1)
     drawn = [b for b, p in enumerate(params) if not p.greedy]
     if drawn:
-        rows = torch.tensor(drawn, device=logits.device)
-        probs = filtered_logits_batch(scores[rows], [params[b] for b in drawn]).softmax(-1)
-        noise = torch.empty_like(probs)
+        every = len(drawn) == len(params)
+        rows = None if every else to_device(drawn, device)
+        picked = filtered_logits_batch(
+            scores if rows is None else scores[rows], [params[b] for b in drawn]
+        )
+        # Unnormalized probabilities, in place (a fresh tensor): scaling a row does not
+        # change its argmax_i p_i / E_i, so the softmax's division is not needed.
+        weights = picked.sub_(picked.amax(dim=-1, keepdim=True)).exp_()
+        noise = torch.empty_like(weights)
+        # One draw per row from the row's own generator keeps a seeded row's noise its own
+        # whatever shares the batch; torch has no batched draw over several generators. The
+        # draws are kernels on the logits' device: launches, not host waits.
         for row, b in enumerate(drawn):
             noise[row].exponential_(generator=generators[b])
         # An Exp(1) draw of exactly 0 (u = 0 in fp32) would divide by zero.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        tokens = tokens.index_copy(0, rows, (probs / noise).argmax(dim=-1))
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        chosen_ids = weights.div_(noise).argmax(dim=-1)
+        tokens = chosen_ids if rows is None else tokens.index_copy(0, rows, chosen_ids)
+    chosen = logprobs.gather(1, tokens[:, None])
     top_k = max(p.logprobs for p in params)
-    top_values, top_ids = (
-        logprobs.topk(top_k, dim=-1) if top_k else (chosen[:, None], tokens[:, None])
-    )
-    ids, lps = tokens.tolist(), chosen.tolist()
-    alt_ids, alt_lps = top_ids.tolist(), top_values.tolist()
+    packed = [tokens[:, None].double(), chosen.double()]
+    if top_k:
+        top_values, top_ids = logprobs.topk(top_k, dim=-1)
+        packed += [top_ids.double(), top_values.double()]
+    # One transfer of every row's results (fp64 holds the ids and the fp32 logprobs exactly).
+    results = to_host(torch.cat(packed, dim=1))
+    with host_side():
+        rows_out = results.tolist()
     return [
         SampledToken(
-            ids[b],
-            lps[b],
-            tuple(zip(alt_ids[b][: p.logprobs], alt_lps[b][: p.logprobs], strict=True)),
+            int(row[0]),
+            row[1],
+            tuple(
+                (int(i), v)
+                for i, v in zip(
+                    row[2 : 2 + p.logprobs], row[2 + top_k :][: p.logprobs], strict=True
+                )
+            ),
         )
-        for b, p in enumerate(params)
+        for row, p in zip(rows_out, params, strict=True)
     ]

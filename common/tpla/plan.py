@@ -162,7 +162,8 @@ def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelCon
     )
     stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype)
     budget = hw.gpu_mem_bytes - weights - hw.reserve
-    blocks = max(budget, 0) // (stored * bs)  # as CacheLayout.blocks_for_budget
+    # As CacheLayout.blocks_for_budget, less the cache's trash block (never handed out).
+    blocks = max(max(budget, 0) // (stored * bs) - 1, 0)
     sp = layout.sp
     # SP: rank 0 owns the most of a sequence's round-robin chunks; others share one pool.
     local = local_length(req.context, 0, layout.chunk_size, layout.tp) if sp else req.context

@@ -63,7 +63,7 @@ class DecodeEngine:
         max_len = cfg.max_model_len or model_cfg.max_position_embeddings
         par = cfg.parallel
         self.pool = RankPools(
-            self.runtime.cache.num_blocks,
+            self.runtime.cache.usable_blocks,
             cfg.block_size,
             par.tp,
             par.chunk_size if par.sp else None,
@@ -215,6 +215,21 @@ class DecodeEngine:
 
     def parameter_bytes(self) -> int:
         return self.runtime.model.parameter_bytes()
+
+    def count_host_syncs(self, on: bool) -> None:
+        """From the next step on, count (or stop counting) every rank's host waits in each
+        step (`tpla bench decode-step`; the count slows the step)."""
+
+        def run() -> None:
+            self._step.count_host_syncs = on
+
+        self._loop.call(run)
+
+    @property
+    def last_host_syncs(self) -> int:
+        """The host waits of the last counted step: the most on any rank, the leader's
+        sampling included (read on the loop thread: an `on_step` callback)."""
+        return self._step.last_host_syncs
 
     @property
     def step_seconds(self) -> deque[float]:

@@ -5,6 +5,18 @@ values), then every request decodes with ignore_eos. Each configuration reports 
 of `steps` step times per batch size, timing only steps that run the whole batch (requests
 join and leave one by one; a partial batch is a cheaper step), after warm-up; ratios against
 MLA-TP (r = 1) come from the same run.
+
+`host_syncs_per_step` is the most host waits any rank made in a full-batch step (the leader's
+sampling included), counted after the timed steps (counting slows a step) by
+`common.runtime.host_syncs` on every rank: each rank counts its own step when the plan asks
+and returns the count with its logits. What is counted is what would make the host wait for a
+GPU: reading a value computed in the step (`.item()`, `.tolist()`, `int(t)`, a `nonzero`),
+and the one awaited copy of the sampled tokens. Host-side bookkeeping that stays on the host
+on a GPU is not: the plan, built from the scheduler's Python lists into CPU tensors before
+the step's inputs are copied to the device, and the sampled results read from their pinned
+host copy.
+
+`--json` prints only JSON on stdout; the table goes to stderr.
 """
 
 from __future__ import annotations
@@ -12,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +35,11 @@ from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 
+if TYPE_CHECKING:
+    from services.decode.engine import DecodeEngine
+
 WARMUP_STEPS = 2  # full-batch steps not timed (first calls into each kernel's buffers)
+COUNTED_STEPS = 2  # full-batch steps whose host waits are counted, after the timed ones
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,7 @@ class StepResult:
     cache_bytes_per_sequence: int  # rank 0's share of one sequence's cache at `context`
     comm_bytes_per_step: int  # payload rank 0 puts into collectives per step (measured)
     parameter_bytes_rank0: int
+    host_syncs_per_step: int  # the most on any rank in a full-batch step
 
 
 def measure(
@@ -85,16 +104,7 @@ def measure(
             params = SamplingParams(
                 max_tokens=steps + batch + WARMUP_STEPS + 2, temperature=0.0, ignore_eos=True
             )
-            streams = []
-            for _ in range(batch):
-                rid = uuid.uuid4().hex
-                engine.reserve(rid, context, params.max_tokens)
-                for rank in range(tp):
-                    tokens = engine.pool.local_tokens(rank, context)
-                    n = torch.randn(cache.num_layers, tokens, cache.latent_width) * 0.1
-                    k_pe = torch.randn(cache.num_layers, tokens, cache.rope_width) * 0.1
-                    engine.write_kv(rid, rank, n, k_pe)
-                streams.append((rid, params))
+            rids = [_reserve(engine, context, params, tp) for _ in range(batch)]
             steps_seen: list[tuple[float, int, int]] = []  # (seconds, batch, comm bytes after)
             before = comm.bytes
 
@@ -102,11 +112,7 @@ def measure(
                 seen.append((seconds, size, comm.bytes))
 
             engine.on_step = record
-            running = [engine.generate(rid, 1, p) for rid, p in streams]
-            for stream in running:
-                for _ in stream:
-                    pass
-            engine.on_step = None
+            _run(engine, rids, params)
             full = []
             for seconds, size, after in steps_seen:
                 if size == batch:
@@ -115,6 +121,7 @@ def measure(
             if len(full) <= WARMUP_STEPS:
                 raise RuntimeError(f"batch {batch}: only {len(full)} steps ran the whole batch")
             timed = full[WARMUP_STEPS:][:steps]
+            syncs = _count_syncs(engine, batch, context, tp)
             per_seq = (
                 cache.bytes_per_token_per_layer
                 * cache.num_layers
@@ -134,9 +141,55 @@ def measure(
                     per_seq,
                     timed[-1][1],
                     engine.parameter_bytes(),
+                    syncs,
                 )
             )
     return results
+
+
+def _reserve(engine: DecodeEngine, context: int, params: SamplingParams, tp: int) -> str:
+    """A request reserved with synthetic latents on every rank."""
+    cache = engine.runtime.layout
+    rid = uuid.uuid4().hex
+    engine.reserve(rid, context, params.max_tokens)
+    for rank in range(tp):
+        tokens = engine.pool.local_tokens(rank, context)
+        n = torch.randn(cache.num_layers, tokens, cache.latent_width) * 0.1
+        k_pe = torch.randn(cache.num_layers, tokens, cache.rope_width) * 0.1
+        engine.write_kv(rid, rank, n, k_pe)
+    return rid
+
+
+def _run(engine: DecodeEngine, rids: list[str], params: SamplingParams) -> None:
+    """Decode every request to its end (they join one by one)."""
+    running = [engine.generate(rid, 1, params) for rid in rids]
+    for stream in running:
+        for _ in stream:
+            pass
+
+
+def _count_syncs(engine: DecodeEngine, batch: int, context: int, tp: int) -> int:
+    """The most host waits on any rank in a full-batch step (a short run, counted)."""
+    params = SamplingParams(
+        max_tokens=batch + WARMUP_STEPS + COUNTED_STEPS, temperature=0.0, ignore_eos=True
+    )
+    rids = [_reserve(engine, context, params, tp) for _ in range(batch)]
+    counts: list[int] = []
+
+    def record(seconds: float, size: int) -> None:
+        if size == batch:
+            counts.append(engine.last_host_syncs)
+
+    engine.on_step = record
+    engine.count_host_syncs(True)
+    try:
+        _run(engine, rids, params)
+    finally:
+        engine.count_host_syncs(False)
+        engine.on_step = None
+    if not counts:
+        raise RuntimeError(f"batch {batch}: no counted step ran the whole batch")
+    return max(counts)
 
 
 def cmd_decode_step(args: argparse.Namespace) -> int:
@@ -166,10 +219,12 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
             )
     # Speedups are against MLA-TP with the same collectives, from this run.
     base = {(row.collectives, row.batch): row for row in rows if row.layout == "mla-tp"}
+    table = sys.stderr if args.json else sys.stdout
     print(
         f"{'coll':>5} {'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
         f"{'speedup':>8} {'cache KiB/seq':>14} {'vs MLA-TP':>10} {'comm KiB/step':>14} "
-        f"{'rank0 MB':>9}"
+        f"{'rank0 MB':>9} {'syncs':>6}",
+        file=table,
     )
     out = []
     for row in rows:
@@ -180,7 +235,9 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
             f"{row.collectives:>5} {row.layout:>7} {row.tp:>3} {row.latent_groups:>3} "
             f"{row.batch:>6} {row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
             f"{row.cache_bytes_per_sequence / 1024:>14.1f} {mem:>9.2f}x "
-            f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f}"
+            f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f} "
+            f"{row.host_syncs_per_step:>6}",
+            file=table,
         )
         out.append({**row.__dict__, "speedup_vs_mla_tp": speed, "cache_saving_vs_mla_tp": mem})
     if args.json:

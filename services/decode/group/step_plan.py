@@ -1,8 +1,12 @@
 """The leader -> ranks step plan, as int64 tensors over the group's broadcast (no pickle).
 
 Every plan is a fixed 8-word header, then an op-specific int64 payload:
-    DECODE    tokens [B], positions [B], block_tables [R, B, max_blocks] (-1 padded;
-              R = 1 when every rank shares the tables, R = tp in SP mode)
+    DECODE    tokens [B], positions [B], block_tables [R, B, W] (-1 padded; R = 1 when
+              every rank shares the tables, R = tp in SP mode). B and W are the step's
+              bucket (services/decode/group/buckets.py): the leader pads the batch with
+              rows whose table is all -1 (their write goes to the trash slot, their logits
+              are dropped), so every rank runs the same static shapes. Header word 6 set:
+              each rank counts its step's host waits (`tpla bench decode-step`)
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
     COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 or tp as above):
               every rank copies its pairs' slots, all layers (a forked sequence's own copy
@@ -38,7 +42,16 @@ class Op(enum.IntEnum):
 class DecodePlan:
     tokens: Tensor  # [B] int64
     positions: Tensor  # [B] int64
-    block_tables: Tensor  # [R, B, max_blocks] int64
+    block_tables: Tensor  # [R, B, W] int64
+    # Each rank counts its step's host waits and returns the count as one extra logits row
+    # (services/decode/rank/runtime.py).
+    count_syncs: bool = False
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """(batch, table width): the step's static shape."""
+        _, b, w = self.block_tables.shape
+        return b, w
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,7 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         r, b, m = plan.block_tables.shape
         header[:4] = torch.tensor([Op.DECODE, b, m, 0])
         header[5] = r
+        header[6] = int(plan.count_syncs)
         payload = torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()])
     elif isinstance(plan, CopyPlan):
         r, p, _ = plan.pairs.shape
@@ -102,10 +116,11 @@ def recv_plan(comm: Comm) -> Plan:
     if op is Op.PING:
         return PingPlan()
     if op is Op.DECODE:
-        b, m, r = int(header[1]), int(header[2]), int(header[5])
+        b, m, r, count = int(header[1]), int(header[2]), int(header[5]), bool(header[6])
         payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
         comm.broadcast_plan_(payload)
-        return DecodePlan(payload[:b], payload[b : 2 * b], payload[2 * b :].view(r, b, m))
+        tables = payload[2 * b :].view(r, b, m)
+        return DecodePlan(payload[:b], payload[b : 2 * b], tables, count)
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
         payload = torch.empty(r * p * 2, dtype=torch.int64)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.runtime.transfers import to_device
 from common.sampling.grammar import (
     GrammarCompiler,
     GrammarError,
@@ -83,7 +84,7 @@ class StepControls:
         """The batch's counts and allowed tokens, gathered once for the whole batch."""
         counts = prompt_mask = allowed = None
         if any(s.history_row for s in seqs):
-            rows = torch.tensor([s.history_row for s in seqs], device=self.device)
+            rows = to_device([s.history_row for s in seqs], self.device)
             counts, prompt_mask = self.history.gather(rows)
         if any(s.matcher is not None for s in seqs):
             mask = self._bitmask[: len(seqs)]
@@ -99,8 +100,8 @@ class StepControls:
         tracked = [(s.history_row, t) for s, t in zip(seqs, tokens, strict=True) if s.history_row]
         if tracked:
             self.history.record(
-                torch.tensor([r for r, _ in tracked], device=self.device),
-                torch.tensor([t for _, t in tracked], device=self.device),
+                to_device([r for r, _ in tracked], self.device),
+                to_device([t for _, t in tracked], self.device),
             )
         for s, t in zip(seqs, tokens, strict=True):
             if s.matcher is not None and not s.matcher.accept(t):

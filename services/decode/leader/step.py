@@ -10,14 +10,19 @@ samples every live choice's next token at once, streams it, and decides in one p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from common.messages import TokenEvent
+from common.runtime.host_syncs import HostSyncCounter
+from common.runtime.transfers import to_device
 from common.sampling.grammar import GrammarMatcher
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import DECODE_STAGE, choice_stream, make_generator, sample_batch
+from services.decode.group.buckets import batch_bucket, width_bucket
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
 from services.decode.leader.controls import SequenceControls, StepControls
@@ -50,10 +55,19 @@ class DecodeStep:
             cfg.model, vocab_size, eos_token_ids, cfg.max_batch, runtime.device
         )
         # Rank k's logits are padded to a common width for the gather; these columns of the
-        # gathered row are the real vocabulary, in order. Computed once, used every step.
-        self._vocab_columns = torch.tensor(
-            cfg.parallel.vocab_columns(vocab_size), device=runtime.device
+        # gathered row are the real vocabulary, in order (None: the first vocab_size, when
+        # only the last rank's slice is short or none is). Computed once, used every step.
+        columns = cfg.parallel.vocab_columns(vocab_size)
+        self._vocab_size = vocab_size
+        self._vocab_columns = (
+            None
+            if columns == list(range(len(columns)))
+            else to_device(columns, runtime.device, torch.int64)
         )
+        # `tpla bench decode-step`: count each step's host waits on every rank; the most
+        # on any rank (the leader's sampling included) of the last step.
+        self.count_host_syncs = False
+        self.last_host_syncs = 0
 
     def start(
         self,
@@ -88,22 +102,28 @@ class DecodeStep:
 
     def run(self, batch: list[DecodeSequence]) -> None:
         """One step of every running sequence: each one's next token, streamed."""
-        logits = self._logits(batch)
-        lives = [self.live[seq.seq_id] for seq in batch]
-        params = [live.params for live in lives]
-        seqs = [live.controls for live in lives]
-        processed = any(p.processed for p in params)
-        context = None
-        if processed:
-            context = self.controls.context(seqs, [len(seq.generated) for seq in batch])
-        tokens = sample_batch(logits, params, [live.generator for live in lives], context)
-        if processed:
-            self.controls.advance(seqs, [t.token_id for t in tokens])
+        counter = HostSyncCounter() if self.count_host_syncs else nullcontext()
+        with counter:
+            logits, rank_syncs = self._logits(batch)
+            lives = [self.live[seq.seq_id] for seq in batch]
+            params = [live.params for live in lives]
+            seqs = [live.controls for live in lives]
+            processed = any(p.processed for p in params)
+            context = None
+            if processed:
+                context = self.controls.context(seqs, [len(seq.generated) for seq in batch])
+            tokens = sample_batch(logits, params, [live.generator for live in lives], context)
+            if processed:
+                self.controls.advance(seqs, [t.token_id for t in tokens])
+        if isinstance(counter, HostSyncCounter):
+            assert rank_syncs is not None
+            self.last_host_syncs = max(counter.count, *rank_syncs.tolist())
         record = self.group.cfg.record_logits
+        kept = logits.to("cpu", copy=True) if record else None
         for row, (seq, live, tok) in enumerate(zip(batch, lives, tokens, strict=True)):
             reason = self.finish_reason(live, tok.token_id, len(seq.generated) + 1, seq.max_tokens)
-            kept = logits[row].to("cpu", copy=True) if record else None
-            live.stream.put(TokenEvent(tok, reason, kept, live.choice))
+            logits_row = kept[row].clone() if kept is not None else None
+            live.stream.put(TokenEvent(tok, reason, logits_row, live.choice))
             self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
             if reason is not None:
                 self.drop(seq.seq_id)
@@ -141,33 +161,52 @@ class DecodeStep:
             live.stream.put(TokenEvent(None, reason, index=live.choice))
         self.live.clear()
 
-    def _logits(self, batch: list[DecodeSequence]) -> torch.Tensor:
-        """The batch's plan run by every rank: the gathered logits [B, V]."""
-        pool, par = self.scheduler.pool, self.group.cfg.parallel
-        # [R, B, max_blocks]: one table per rank in SP mode, one shared table otherwise.
-        per_seq = [pool.tables(s.seq_id) for s in batch]
-        ranks = par.tp if par.sp else 1
-        width = max(max(len(t) for t in tables) for tables in per_seq)
-        block_tables = torch.full((ranks, len(batch), width), -1, dtype=torch.int64)
-        for row, tables in enumerate(per_seq):
-            for k in range(ranks):
-                block_tables[k, row, : len(tables[k])] = torch.tensor(tables[k], dtype=torch.int64)
-        plan = DecodePlan(
-            torch.tensor([s.last_token for s in batch]),
-            torch.tensor([s.next_position for s in batch]),
-            block_tables,
-        )
-        runtime = self.group.runtime
+    def _logits(self, batch: list[DecodeSequence]) -> tuple[Tensor, Tensor | None]:
+        """The batch's plan, padded to its bucket, run by every rank: the batch's logits
+        [B, V], and each follower's host waits in its step when they are counted."""
+        plan = self.plan(batch)
+        runtime, par = self.group.runtime, self.group.cfg.parallel
         if par.tp > 1:
             send_plan(plan, runtime.comm)
         local = runtime.step(plan)
-        if par.tp > 1:
-            parts = runtime.comm.gather(local)
-            assert parts is not None  # rank 0
-            logits = torch.cat(list(parts), dim=1)
-        else:
-            logits = local
-        return logits[:, self._vocab_columns]
+        parts = runtime.comm.gather(local)
+        assert parts is not None  # rank 0
+        rank_syncs = parts[1:, -1, 0] if plan.count_syncs else None
+        # [tp, B, V / tp] real rows -> [B, tp * V / tp]: one copy (none at tp = 1).
+        rows = parts[:, : len(batch)]
+        logits = rows[0] if par.tp == 1 else rows.transpose(0, 1).reshape(len(batch), -1)
+        if self._vocab_columns is None:
+            return logits[:, : self._vocab_size], rank_syncs
+        return logits[:, self._vocab_columns], rank_syncs
+
+    def plan(self, batch: list[DecodeSequence]) -> DecodePlan:
+        """The step's plan at its bucket (services/decode/group/buckets.py): the batch
+        padded with rows of token 0 at position 0 and an all -1 table (each rank writes them
+        to its trash slot; their logits are dropped), every table cut or padded with -1 to
+        the bucket's width, which covers the blocks under every row's tokens so far."""
+        pool, scheduler = self.scheduler.pool, self.scheduler
+        bs = self.group.cfg.block_size
+        par = self.group.cfg.parallel
+        ranks = par.tp if par.sp else 1
+        per_seq = [pool.tables(s.seq_id) for s in batch]
+        blocks = max(
+            -(-pool.local_tokens(k, s.next_position + 1) // bs) for s in batch for k in range(ranks)
+        )
+        width = width_bucket(max(blocks, 1), -(-scheduler.max_model_len // bs))
+        size = batch_bucket(len(batch), max(scheduler.max_batch, len(batch)))
+        pad_row = [-1] * width
+        tables = [
+            [[*tables[k][:width], *pad_row[: max(width - len(tables[k]), 0)]] for tables in per_seq]
+            + [pad_row] * (size - len(batch))
+            for k in range(ranks)
+        ]
+        pad = [0] * (size - len(batch))
+        return DecodePlan(
+            torch.tensor([s.last_token for s in batch] + pad),
+            torch.tensor([s.next_position for s in batch] + pad),
+            torch.tensor(tables, dtype=torch.int64),
+            self.count_host_syncs,
+        )
 
     def _copy_blocks(self, seqs: list[DecodeSequence]) -> None:
         """Every rank copies the forks' own blocks from the prompt's (before their first

@@ -109,9 +109,10 @@ class RankModel(nn.Module):
     ) -> Tensor:
         """One token per sequence -> this rank's padded vocab slice of logits [B, V/tp].
 
-        `write_slots` [B] is where each new token's latent goes on this rank (-1: another
-        rank owns it, in SP mode); `reads` addresses the cached history (its slots / valid
-        mask in SP mode). Every input is on the model's device.
+        `write_slots` [B] is where each new token's latent goes on this rank (the cache's
+        trash slot for a padding row, or in SP mode a token another rank owns); `reads`
+        addresses the cached history (its slots / valid mask in SP mode). Every input is on
+        the model's device.
         """
         if self.parallel.sp and (reads.slots is None or reads.valid is None):
             raise ValueError("an SP decode step reads per-token slots: use CacheReads.tokens")

@@ -25,6 +25,7 @@ from common.model.tpla import latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.runtime.device import rank_device, use_device
+from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
 from services.decode.group.setup import open_comm
@@ -58,10 +59,25 @@ class RankRuntime:
         self.inputs = StepInputs(self.device)
 
     def step(self, plan: DecodePlan) -> Tensor:
-        """Run one decode step; returns this rank's padded logits slice [B, V/tp]."""
+        """Run one decode step; returns this rank's padded logits slice [B, V/tp]. A plan
+        that asks for it (`count_syncs`) gets one more row: this rank's host waits in the
+        step, in column 0."""
+        if not plan.count_syncs:
+            return self.decode(self.inputs.load(plan))
+        with HostSyncCounter() as counter:
+            logits = self.decode(self.inputs.load(plan))
+        row = torch.zeros(1, logits.shape[1], dtype=logits.dtype, device=logits.device)
+        row[0, 0] = counter.count
+        return torch.cat((logits, row))
+
+    def decode(self, plan: DecodePlan) -> Tensor:
+        """The step on the plan's tensors on this rank's device: static shapes for the
+        plan's bucket (`DecodePlan.bucket`), nothing read back to the host.
+
+        Reads span the tables' whole (bucketed) width; every row writes its new token, the
+        ones this rank must not store (padding rows, SP tokens another rank owns) into the
+        cache's trash slot."""
         bs, par = self.cfg.block_size, self.cfg.parallel
-        host_positions = plan.positions  # sizes the reads without waiting for the device
-        plan = self.inputs.load(plan)
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
         if par.sp:
@@ -69,15 +85,17 @@ class RankRuntime:
             c = par.chunk_size
             lengths = local_length(positions + 1, self.rank, c, par.tp)
             local = local_index(positions, c, par.tp)
-            owned = chunk_owner(positions, c, par.tp) == self.rank
-            # Non-owned rows may index past this rank's table (token_slots clamps): mask them.
-            write_slots = token_slots(tables, local[:, None], bs)[:, 0]
-            write_slots = torch.where(owned, write_slots, torch.full_like(write_slots, -1))
+            # Non-owned rows may index past this rank's table (token_slots clamps).
+            keep = chunk_owner(positions, c, par.tp) == self.rank
+            slots = token_slots(tables, local[:, None], bs)[:, 0]
             reads = CacheReads.tokens(tables, lengths, bs)
         else:
-            write_slots = token_slots(tables, positions[:, None], bs)[:, 0]
-            longest = int(host_positions.max()) + 1
-            reads = CacheReads.blocks(tables, positions + 1, bs, longest)
+            keep = None
+            slots = token_slots(tables, positions[:, None], bs)[:, 0]
+            reads = CacheReads.blocks(tables, positions + 1, bs)
+        # A padding row's table is all -1: a negative slot.
+        keep = slots >= 0 if keep is None else keep & (slots >= 0)
+        write_slots = torch.where(keep, slots, self.cache.trash_slot)
         return self.model.decode_step(
             plan.tokens, positions, write_slots, reads, self.cache, self.comm
         )
@@ -104,7 +122,7 @@ class RankRuntime:
         if header.block_size != lay.block_size:
             raise TransferError(f"block size {header.block_size} != {lay.block_size}")
         slots = shard_slots(header)
-        if len(slots) and int(slots.max()) >= self.cache.num_blocks * lay.block_size:
+        if len(slots) and int(slots.max()) >= self.cache.trash_slot:
             raise TransferError("shard addresses blocks outside this rank's pool")
         return ShardTarget(self.cache, slots)
 

@@ -45,4 +45,5 @@ class StepInputs:
         event = torch.cuda.Event()
         event.record()
         self._done[turn] = event
-        return DecodePlan(dev[:b], dev[b : 2 * b], dev[2 * b :].view(plan.block_tables.shape))
+        tables = dev[2 * b :].view(plan.block_tables.shape)
+        return DecodePlan(dev[:b], dev[b : 2 * b], tables, plan.count_syncs)

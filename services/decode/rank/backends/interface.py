@@ -70,7 +70,8 @@ class DecodeBackend(abc.ABC):
     ) -> tuple[Tensor, Tensor]:
         """Layer `index`'s queries q_nope [B, h, d_n], rotated q_pe [B, h, d_r] from the
         hidden state h [B, D]; writes each new token's latent slice and k_pe into the cache
-        at write_slots [B] (-1: another rank owns the token, nothing is written)."""
+        at write_slots [B], every row (a row not to be stored names the cache's trash
+        slot)."""
 
     @abc.abstractmethod
     def attention(

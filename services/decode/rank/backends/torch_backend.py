@@ -43,8 +43,7 @@ class TorchBackend(DecodeBackend):
         x = self.rms_norm(layer.input_norm, h)
         q_nope, q_pe = layer.attn.queries(x, rope, cos, sin, self.linear)
         n_new, k_pe_new = layer.attn.new_latent(x, rope, cos, sin, self.linear)
-        keep = write_slots >= 0
-        cache.write(index, write_slots[keep], n_new[keep], k_pe_new[keep])
+        cache.write(index, write_slots, n_new, k_pe_new)
         return q_nope, q_pe
 
     def attention(

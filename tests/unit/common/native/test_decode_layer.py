@@ -76,7 +76,8 @@ def test_attention_inputs_match_the_torch_path(checkpoints, variant: str, layout
         h = _randn(b, c.hidden_size, seed=b, scale=2.0)
         positions = torch.tensor([5, 0, 17][:b])
         cos, sin = model.rope.cos_sin(positions)
-        slots = torch.tensor([9, -1, 30][:b])  # -1: another rank's token (SP) is not written
+        # Another rank's token (SP) goes to the trash slot, like a padding row's.
+        slots = torch.tensor([9, fused.trash_slot, 30][:b])
         with torch.inference_mode():
             for index, layer in enumerate(model.layers):
                 args = (index, layer, model.rope, h, cos, sin)
