@@ -78,6 +78,24 @@ class DecodeEngine:
         # The last load the loop answered: what a heartbeat reports while a long step keeps
         # the loop from answering (see services/decode/server/records.py).
         self.last_load: DecodeLoad | None = None
+        if self.runtime.device.type == "cuda":
+            # Compiles every kernel variant and captures every bucket's graph before the
+            # group serves: a first request's step that compiled would run for seconds.
+            try:
+                self.warm_up()
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def warm_up(self) -> None:
+        """A step of padding rows at every bucket on every rank (`DecodeStep.warm_up`); it
+        leaves no trace but compiled kernels and captured graphs. Start-up runs it on CUDA."""
+        self._loop.call(self._step.warm_up)
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (batch, block-table width) a step is padded to (DecodeStep.plan)."""
+        return self._step.buckets()
 
     # -- public API --------------------------------------------------------------------------
 

@@ -47,8 +47,13 @@ def _decode(engine: DecodeEngine) -> list[list[int]]:
     vocab = engine.runtime.model.config.vocab_size
     prompts = [torch.randint(2, vocab, (5 + 23 * i,), generator=g).tolist() for i in range(5)]
     prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
-    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
-    return [collect(first, stream).token_ids for first, stream in submit(engine, prefill, prompts, params)]
+    params = [
+        SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)
+    ]
+    return [
+        collect(first, stream).token_ids
+        for first, stream in submit(engine, prefill, prompts, params)
+    ]
 
 
 @pytest.mark.parametrize("kernel", ["triton", "torch"])

@@ -289,3 +289,30 @@ def test_forked_choices_decode_as_separate_requests(model_dir: Path, layout: str
         assert sorted(e.index for e in ends) == [0, 1, 2]
         assert {e.finish_reason for e in ends} == {"abort"}
         _assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("layout", ["tpla", "sp"])
+def test_warm_up_steps_every_bucket_and_leave_no_trace(model_dir: Path, layout: str) -> None:
+    """The start-up warm-up (run on CUDA, where it compiles kernels and captures graphs) is a
+    padded step at every bucket on every rank: it writes only the trash slot, so requests
+    decode the same tokens after it, and no block is taken."""
+    par = ParallelConfig(tp=2, latent_groups=2) if layout == "tpla" else ParallelConfig(tp=2, **SP)
+    cfg = EngineConfig(
+        model=str(model_dir),
+        parallel=par,
+        master_port=0,
+        kv_budget_mb=2,
+        block_size=4,
+        max_batch=4,
+        max_model_len=48,
+    )
+    prompts = [_prompt(n, 30 + n) for n in (5, 14, 9)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3
+    with DecodeEngine(cfg) as engine:
+        assert engine.buckets[0] == (4, 12) and engine.buckets[-1] == (1, 1)
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+        before = [collect(*s).token_ids for s in submit(engine, prefill, prompts, params)]
+        engine.warm_up()
+        _assert_pool_free(engine)
+        after = [collect(*s).token_ids for s in submit(engine, prefill, prompts, params)]
+    assert after == before

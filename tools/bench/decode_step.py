@@ -22,6 +22,7 @@ host copy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -57,6 +58,7 @@ class StepResult:
     comm_bytes_per_step: int  # payload rank 0 puts into collectives per step (measured)
     parameter_bytes_rank0: int
     host_syncs_per_step: int  # the most on any rank in a full-batch step
+    cuda_graphs: bool  # each bucket's step replayed as a CUDA graph (CUDA only)
 
 
 def measure(
@@ -74,6 +76,7 @@ def measure(
     collectives: str = "shm",
     device: str = "cpu",
     dtype: str = "float32",
+    cuda_graphs: bool = False,
 ) -> list[StepResult]:
     """Median step time per batch size for one layout, with its cache and comm footprint."""
     from services.decode.engine import DecodeEngine  # not imported by `tpla --help`
@@ -92,6 +95,7 @@ def measure(
         collectives=collectives,
         device=device,
         dtype=dtype,
+        cuda_graphs=cuda_graphs,
     )
     results = []
     with DecodeEngine(cfg) as engine:
@@ -142,6 +146,7 @@ def measure(
                     timed[-1][1],
                     engine.parameter_bytes(),
                     syncs,
+                    engine.runtime.graphs is not None,
                 )
             )
     return results
@@ -197,38 +202,44 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    # A CPU step has no launches to capture: graphs are a CUDA setting.
+    graph_modes = [mode == "on" for mode in args.cuda_graphs] if device != "cpu" else [False]
     rows = []
-    for collectives in args.collectives:
-        for layout in args.layouts:
-            r = args.tp if layout == "tpla" else 1
-            rows += measure(
-                args.model,
-                layout,
-                args.tp,
-                r,
-                args.batch,
-                args.context,
-                args.steps,
-                args.reparam,
-                args.threads,
-                args.chunk_size,
-                args.kernel,
-                collectives,
-                device,
-                dtype,
-            )
-    # Speedups are against MLA-TP with the same collectives, from this run.
-    base = {(row.collectives, row.batch): row for row in rows if row.layout == "mla-tp"}
+    for collectives, graphs, layout in itertools.product(
+        args.collectives, graph_modes, args.layouts
+    ):
+        r = args.tp if layout == "tpla" else 1
+        rows += measure(
+            args.model,
+            layout,
+            args.tp,
+            r,
+            args.batch,
+            args.context,
+            args.steps,
+            args.reparam,
+            args.threads,
+            args.chunk_size,
+            args.kernel,
+            collectives,
+            device,
+            dtype,
+            graphs,
+        )
+    # Speedups are against MLA-TP with the same collectives and graphs setting, from this run.
+    base = {
+        (row.collectives, row.cuda_graphs, row.batch): row for row in rows if row.layout == "mla-tp"
+    }
     table = sys.stderr if args.json else sys.stdout
     print(
         f"{'coll':>5} {'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
         f"{'speedup':>8} {'cache KiB/seq':>14} {'vs MLA-TP':>10} {'comm KiB/step':>14} "
-        f"{'rank0 MB':>9} {'syncs':>6}",
+        f"{'rank0 MB':>9} {'syncs':>6} {'graphs':>6}",
         file=table,
     )
     out = []
     for row in rows:
-        ref = base.get((row.collectives, row.batch))
+        ref = base.get((row.collectives, row.cuda_graphs, row.batch))
         speed = ref.median_ms / row.median_ms if ref else float("nan")
         mem = ref.cache_bytes_per_sequence / row.cache_bytes_per_sequence if ref else float("nan")
         print(
@@ -236,7 +247,7 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
             f"{row.batch:>6} {row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
             f"{row.cache_bytes_per_sequence / 1024:>14.1f} {mem:>9.2f}x "
             f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f} "
-            f"{row.host_syncs_per_step:>6}",
+            f"{row.host_syncs_per_step:>6} {'on' if row.cuda_graphs else 'off':>6}",
             file=table,
         )
         out.append({**row.__dict__, "speedup_vs_mla_tp": speed, "cache_saving_vs_mla_tp": mem})
@@ -277,5 +288,13 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     ds.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (rank k on GPU N + k)")
     ds.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA) | float32 | bfloat16")
+    ds.add_argument(
+        "--cuda-graphs",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="replay each bucket's step as a CUDA graph, or not (both: side by side); "
+        "ignored on the CPU",
+    )
     ds.add_argument("--json", action="store_true")
     ds.set_defaults(func=cmd_decode_step)

@@ -113,6 +113,10 @@ class LeaderLoop:
                 fut.set_result(fn())
             except (SchedulerError, ValueError, RuntimeError) as exc:
                 fut.set_exception(exc)
+            except BaseException as exc:
+                # The loop ends with it; its caller must not wait on a future never set.
+                fut.set_exception(EngineError(f"decode group failed: {exc!r}"))
+                raise
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

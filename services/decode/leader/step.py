@@ -22,7 +22,7 @@ from common.runtime.transfers import to_device
 from common.sampling.grammar import GrammarMatcher
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import DECODE_STAGE, choice_stream, make_generator, sample_batch
-from services.decode.group.buckets import batch_bucket, width_bucket
+from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
 from services.decode.leader.controls import SequenceControls, StepControls
@@ -178,6 +178,26 @@ class DecodeStep:
         if self._vocab_columns is None:
             return logits[:, : self._vocab_size], rank_syncs
         return logits[:, self._vocab_columns], rank_syncs
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (batch, table width) a step can be padded to, largest first."""
+        max_blocks = -(-self.scheduler.max_model_len // self.group.cfg.block_size)
+        sizes = batch_buckets(self.scheduler.max_batch)
+        return sorted(((b, w) for b in sizes for w in width_buckets(max_blocks)), reverse=True)
+
+    def warm_up(self) -> None:
+        """A step of padding rows at every bucket, on every rank: it compiles each kernel
+        variant and captures each bucket's CUDA graph (rank/graphs.py) before the group
+        serves, so no request's step pays for either. Largest first: the first step grows the
+        workspaces to their final size. Padding rows write only the trash slot."""
+        runtime, par = self.group.runtime, self.group.cfg.parallel
+        ranks = par.tp if par.sp else 1
+        for size, width in self.buckets():
+            zeros = torch.zeros(size, dtype=torch.int64)
+            plan = DecodePlan(zeros, zeros, torch.full((ranks, size, width), -1))
+            if par.tp > 1:
+                send_plan(plan, runtime.comm)
+            runtime.comm.gather(runtime.step(plan))
 
     def plan(self, batch: list[DecodeSequence]) -> DecodePlan:
         """The step's plan at its bucket (services/decode/group/buckets.py): the batch

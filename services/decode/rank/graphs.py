@@ -62,7 +62,8 @@ class StepGraphs:
         return captured.output
 
     def _capture(self, plan: DecodePlan) -> _Captured:
-        inputs = DecodePlan(*(t.clone() for t in _tensors(plan)))
+        tokens, positions, tables = (t.clone() for t in _tensors(plan))
+        inputs = DecodePlan(tokens, positions, tables)
         # One eager run first, on a side stream as capture requires: it compiles the Triton
         # variants and grows the workspaces that the graph then records at their final size.
         # Running the plan's step twice is harmless: it writes the same cache slots again.

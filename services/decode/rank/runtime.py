@@ -31,6 +31,7 @@ from services.decode.config import EngineConfig
 from services.decode.group.setup import open_comm
 from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan
 from services.decode.rank.backends import select_decode_backend
+from services.decode.rank.graphs import StepGraphs
 from services.decode.rank.model import RankModel
 from services.decode.rank.step_inputs import StepInputs
 
@@ -57,13 +58,21 @@ class RankRuntime:
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
         self.comm = open_comm(cfg, rank, self.device)
         self.inputs = StepInputs(self.device)
+        # Each bucket's step captured once and replayed (CUDA only: a CPU step has no
+        # launches to save).
+        self.graphs = (
+            StepGraphs(self.device, self.decode)
+            if cfg.cuda_graphs and self.device.type == "cuda"
+            else None
+        )
 
     def step(self, plan: DecodePlan) -> Tensor:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]. A plan
         that asks for it (`count_syncs`) gets one more row: this rank's host waits in the
         step, in column 0."""
         if not plan.count_syncs:
-            return self.decode(self.inputs.load(plan))
+            inputs = self.inputs.load(plan)
+            return self.decode(inputs) if self.graphs is None else self.graphs.run(inputs)
         with HostSyncCounter() as counter:
             logits = self.decode(self.inputs.load(plan))
         row = torch.zeros(1, logits.shape[1], dtype=logits.dtype, device=logits.device)
