@@ -246,7 +246,12 @@ def kernels() -> tuple[Any, Any]:
     from triton.runtime.jit import JITFunction
 
     wrap = InterpretedFunction if interpreted_import() else JITFunction
-    return wrap(_split_kv_kernel), wrap(_merge_splits_kernel)
+    # The table's width, its row stride and the split count change with the step's bucket;
+    # specialized (== 1, a multiple of 16) each would be another compiled variant.
+    return (
+        wrap(_split_kv_kernel, do_not_specialize=("max_blocks", "stride_bt")),
+        wrap(_merge_splits_kernel, do_not_specialize=("num_splits",)),
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -67,6 +67,9 @@ class DecodeStep:
         # `tpla bench decode-step`: count each step's host waits on every rank; the most
         # on any rank (the leader's sampling included) of the last step.
         self.count_host_syncs = False
+        # Steps padded to their buckets: where the ranks replay a CUDA graph per bucket. A
+        # CPU step is not padded: a padding row or block is work for nothing there.
+        self.bucketed = runtime.graphs is not None
         self.last_host_syncs = 0
 
     def start(
@@ -162,8 +165,8 @@ class DecodeStep:
         self.live.clear()
 
     def _logits(self, batch: list[DecodeSequence]) -> tuple[Tensor, Tensor | None]:
-        """The batch's plan, padded to its bucket, run by every rank: the batch's logits
-        [B, V], and each follower's host waits in its step when they are counted."""
+        """The batch's plan (at its bucket where steps are padded), run by every rank: the
+        batch's logits [B, V], and each follower's host waits in its step when counted."""
         plan = self.plan(batch)
         runtime, par = self.group.runtime, self.group.cfg.parallel
         if par.tp > 1:
@@ -200,10 +203,11 @@ class DecodeStep:
             runtime.comm.gather(runtime.step(plan))
 
     def plan(self, batch: list[DecodeSequence]) -> DecodePlan:
-        """The step's plan at its bucket (services/decode/group/buckets.py): the batch
-        padded with rows of token 0 at position 0 and an all -1 table (each rank writes them
-        to its trash slot; their logits are dropped), every table cut or padded with -1 to
-        the bucket's width, which covers the blocks under every row's tokens so far."""
+        """The step's plan: every table cut to the blocks under every row's tokens so far
+        (padded with -1 for shorter rows). Where the ranks replay captured steps
+        (`bucketed`), at its bucket (services/decode/group/buckets.py): the batch padded with
+        rows of token 0 at position 0 and an all -1 table (each rank writes them to its trash
+        slot; their logits are dropped), the tables padded to the bucket's width."""
         pool, scheduler = self.scheduler.pool, self.scheduler
         bs = self.group.cfg.block_size
         par = self.group.cfg.parallel
@@ -212,8 +216,10 @@ class DecodeStep:
         blocks = max(
             -(-pool.local_tokens(k, s.next_position + 1) // bs) for s in batch for k in range(ranks)
         )
-        width = width_bucket(max(blocks, 1), -(-scheduler.max_model_len // bs))
-        size = batch_bucket(len(batch), max(scheduler.max_batch, len(batch)))
+        width, size = max(blocks, 1), len(batch)
+        if self.bucketed:
+            width = width_bucket(width, -(-scheduler.max_model_len // bs))
+            size = batch_bucket(size, max(scheduler.max_batch, size))
         pad_row = [-1] * width
         tables = [
             [[*tables[k][:width], *pad_row[: max(width - len(tables[k]), 0)]] for tables in per_seq]
