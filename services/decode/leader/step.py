@@ -120,7 +120,7 @@ class DecodeStep:
                 self.controls.advance(seqs, [t.token_id for t in tokens])
         if isinstance(counter, HostSyncCounter):
             assert rank_syncs is not None
-            self.last_host_syncs = max(counter.count, *rank_syncs.tolist())
+            self.last_host_syncs = max([counter.count, *rank_syncs.tolist()])
         record = self.group.cfg.record_logits
         kept = logits.to("cpu", copy=True) if record else None
         for row, (seq, live, tok) in enumerate(zip(batch, lives, tokens, strict=True)):

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from common.model.experts import grouped_unsupported
+from common.model.moe import MoE
 from services.decode.group.step_plan import DecodePlan
 
 Forward = Callable[[DecodePlan], Tensor]
@@ -80,3 +82,16 @@ class StepGraphs:
 
 def _tensors(plan: DecodePlan) -> tuple[Tensor, Tensor, Tensor]:
     return plan.tokens, plan.positions, plan.block_tables
+
+
+def uncapturable(model: nn.Module) -> str | None:
+    """Why `model`'s decode step cannot be captured, or None where it can: a MoE layer whose
+    experts run the per-expert loop (no grouped GEMM for their dtype) reads each expert's
+    token count back to the host, which a graph cannot replay."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            experts = module.experts
+            why = grouped_unsupported(experts.gate_up_proj, experts.down_proj)
+            if why is not None:
+                return f"the MoE experts run the per-expert loop ({why})"
+    return None

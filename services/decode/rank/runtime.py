@@ -31,7 +31,7 @@ from services.decode.config import EngineConfig
 from services.decode.group.setup import open_comm
 from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan
 from services.decode.rank.backends import select_decode_backend
-from services.decode.rank.graphs import StepGraphs
+from services.decode.rank.graphs import StepGraphs, uncapturable
 from services.decode.rank.model import RankModel
 from services.decode.rank.step_inputs import StepInputs
 
@@ -59,12 +59,14 @@ class RankRuntime:
         self.comm = open_comm(cfg, rank, self.device)
         self.inputs = StepInputs(self.device)
         # Each bucket's step captured once and replayed (CUDA only: a CPU step has no
-        # launches to save).
-        self.graphs = (
-            StepGraphs(self.device, self.decode)
-            if cfg.cuda_graphs and self.device.type == "cuda"
-            else None
-        )
+        # launches to save), where every kernel of the step can be.
+        self.graphs: StepGraphs | None = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            blocked = uncapturable(self.model)
+            if blocked is None:
+                self.graphs = StepGraphs(self.device, self.decode)
+            else:
+                log.warning("rank %d: decode steps run without CUDA graphs: %s", rank, blocked)
 
     def step(self, plan: DecodePlan) -> Tensor:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]. A plan
