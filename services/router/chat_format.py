@@ -3,15 +3,16 @@
 Streaming: a first chunk with the assistant role per choice, then one chunk per Delta (with
 its choice's index), a chunk with the finish_reason as each choice ends, an optional usage
 chunk (empty choices, when stream_options.include_usage); the route then sends
-`data: [DONE]`. Non-streaming gathers the same outputs. With tools, each choice's text is
-parsed for tool calls on its way out.
+`data: [DONE]`. Non-streaming gathers the same outputs. With tools, a streamed choice's
+text goes out through chat_text.py (calls as they form); a whole one is parsed by
+tools.parse (every complete call, even when the output is cut off after it).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
+from services.router.chat_text import ChatText
 from services.router.request import ChoiceEnd, Delta, Done, Output
 from services.router.response_schemas import (
     ChatChoice,
@@ -22,7 +23,6 @@ from services.router.response_schemas import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
-    FunctionCallDelta,
     FunctionCallOut,
     ToolCallDelta,
     ToolCallOut,
@@ -31,15 +31,7 @@ from services.router.response_schemas import (
 )
 from services.router.responses import Choices, sse, total_usage
 from services.router.text import TokenLogprob
-from services.router.tools import (
-    DEEPSEEK_CALLS_BEGIN,
-    ToolCall,
-    ToolCalling,
-    ToolMode,
-    may_be_call,
-    new_call_id,
-    parse,
-)
+from services.router.tools import ToolCalling, parse
 
 
 def _chat_logprobs(entries: Sequence[TokenLogprob]) -> ChatLogprobs:
@@ -58,65 +50,8 @@ def _chat_logprobs(entries: Sequence[TokenLogprob]) -> ChatLogprobs:
     )
 
 
-class _ChatText:
-    """One chat choice's text on its way out. With tools it is parsed for calls: a named
-    function's arguments stream as they come; otherwise text that may open a call is held
-    back and, if it does, sent as `tool_calls` deltas once complete, with finish_reason
-    "tool_calls"."""
-
-    def __init__(self, calling: ToolCalling | None) -> None:
-        self.calling = calling
-        self.held = ""  # text that is, or may become, tool calls
-        self.held_logprobs: list[TokenLogprob] = []
-        self.mode = _Stream.CONTENT
-        if calling is not None:
-            self.mode = {
-                ToolMode.NAMED: _Stream.ARGUMENTS,
-                ToolMode.REQUIRED: _Stream.CALLS,
-                ToolMode.AUTO: _Stream.UNDECIDED,
-            }[calling.mode]
-        self.call_id = new_call_id()
-
-    def route(self, text: str) -> str | ToolCallDelta | None:
-        """What a text delta becomes on the wire: content, a call's arguments, or nothing
-        yet (held back)."""
-        if self.mode is _Stream.ARGUMENTS:
-            if not text:
-                return None
-            first = not self.held
-            self.held += text
-            assert self.calling is not None
-            return ToolCallDelta(
-                index=0,
-                id=self.call_id if first else None,
-                type="function" if first else None,
-                function=FunctionCallDelta(
-                    name=self.calling.named if first else None, arguments=text
-                ),
-            )
-        if self.mode is _Stream.CONTENT:
-            if self.calling is not None and DEEPSEEK_CALLS_BEGIN in text:
-                before, marker, after = text.partition(DEEPSEEK_CALLS_BEGIN)
-                self.mode, self.held = _Stream.CALLS, marker + after
-                return before or None
-            return text
-        self.held += text
-        if self.mode is _Stream.UNDECIDED and not may_be_call(self.held):
-            self.mode = _Stream.CONTENT
-            held, self.held = self.held, ""
-            return self.route(held)
-        return None
-
-    def calls(self, reason: str) -> tuple[str, list[ToolCall]] | None:
-        if self.mode is _Stream.CONTENT or self.calling is None or reason != "stop":
-            return None
-        if self.mode is _Stream.ARGUMENTS:
-            return "", [ToolCall(self.call_id, self.calling.named or "", self.held)]
-        return parse(self.held, self.calling)
-
-
 class ChatFormat:
-    """Chat bodies and chunks, each choice's text through its own `_ChatText`."""
+    """Chat bodies and chunks, each choice's text through its own `ChatText`."""
 
     def __init__(
         self,
@@ -130,7 +65,8 @@ class ChatFormat:
         self.id, self.model = request_id, model
         self.logprobs, self.include_usage, self.n = logprobs, include_usage, n
         self.calling = calling
-        self._texts = [_ChatText(calling) for _ in range(n)]
+        self._texts = [ChatText(calling) for _ in range(n)]
+        self._held_logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=self.id, model=self.model, choices=choices, usage=usage))
@@ -152,41 +88,27 @@ class ChatFormat:
     def _delta(self, d: Delta) -> list[str]:
         text_out = self._texts[d.index]
         # Logprobs of held-back text go out with it when it turns out to be content.
-        text_out.held_logprobs.extend(d.logprobs)
-        text = text_out.route(d.text)
-        if text is None:
-            return []
-        if isinstance(text, ToolCallDelta):
-            delta = ChatDelta(tool_calls=[text])
-            return [self._chunk([ChatChunkChoice(index=d.index, delta=delta)])]
-        entries, text_out.held_logprobs = text_out.held_logprobs, []
-        lp = _chat_logprobs(entries) if self.logprobs else None
-        delta = ChatDelta(content=text)
-        return [self._chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=lp)])]
+        self._held_logprobs[d.index].extend(d.logprobs)
+        content, calls = text_out.route(d.text)
+        return self._out(d.index, content, calls)
+
+    def _out(self, i: int, content: str | None, calls: list[ToolCallDelta]) -> list[str]:
+        """The chunks of choice `i`'s content and tool_calls deltas, if any."""
+        lines = []
+        if content is not None:
+            held, self._held_logprobs[i] = self._held_logprobs[i], []
+            lp = _chat_logprobs(held) if self.logprobs else None
+            delta = ChatDelta(content=content)
+            lines.append(self._chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lp)]))
+        if calls:
+            delta = ChatDelta(tool_calls=calls)
+            lines.append(self._chunk([ChatChunkChoice(index=i, delta=delta)]))
+        return lines
 
     def _end(self, end: ChoiceEnd) -> list[str]:
-        lines = []
-        i, text_out = end.index, self._texts[end.index]
-        reason = end.finish_reason
-        parsed = text_out.calls(reason)
-        if parsed is not None:
-            reason = "tool_calls"
-            if text_out.mode is not _Stream.ARGUMENTS:
-                deltas = [
-                    ToolCallDelta(
-                        index=k,
-                        id=c.id,
-                        type="function",
-                        function=FunctionCallDelta(name=c.name, arguments=c.arguments),
-                    )
-                    for k, c in enumerate(parsed[1])
-                ]
-                delta = ChatDelta(tool_calls=deltas)
-                lines.append(self._chunk([ChatChunkChoice(index=i, delta=delta)]))
-        elif text_out.held and text_out.mode is not _Stream.ARGUMENTS:
-            lp = _chat_logprobs(text_out.held_logprobs) if self.logprobs else None
-            delta = ChatDelta(content=text_out.held)
-            lines.append(self._chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lp)]))
+        i = end.index
+        content, reason = self._texts[i].finish(end.finish_reason)
+        lines = self._out(i, content, [])
         finish = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=reason)
         lines.append(self._chunk([finish]))
         return lines
@@ -206,10 +128,13 @@ class ChatFormat:
     def _choice(self, i: int, got: Choices) -> ChatChoice:
         text, reason = got.text(i), got.reasons[i]
         message = ChatMessageOut(content=text)
-        parsed = parse(text, self.calling) if self.calling and reason == "stop" else None
+        parsed = parse(text, self.calling) if self.calling else None
         if parsed is not None:
+            # Every complete call, also when the output was cut off after it (a call cut
+            # off itself is dropped); "tool_calls" only when the model ended the output.
             content, calls = parsed
-            reason = "tool_calls"
+            if calls and reason == "stop":
+                reason = "tool_calls"
             message = ChatMessageOut(
                 content=content or None,
                 tool_calls=[
@@ -217,7 +142,8 @@ class ChatFormat:
                         id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)
                     )
                     for c in calls
-                ],
+                ]
+                or None,
             )
         return ChatChoice(
             index=i,
@@ -225,12 +151,3 @@ class ChatFormat:
             logprobs=_chat_logprobs(got.entries(i)) if self.logprobs else None,
             finish_reason=reason,
         )
-
-
-class _Stream(enum.Enum):
-    """Where a chat stream's text goes."""
-
-    CONTENT = "content"  # to the client as content
-    UNDECIDED = "undecided"  # held: it may still open a tool call (auto)
-    CALLS = "calls"  # held: tool calls, parsed at the end
-    ARGUMENTS = "arguments"  # a named function's arguments, streamed as they come

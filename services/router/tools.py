@@ -28,12 +28,12 @@ from typing import Any
 from common.sampling.grammar import GrammarSpec
 
 DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
 _DEEPSEEK_CALL = re.compile(
     r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<]+?)"
     r"(?:\n```json\n|<｜tool▁sep｜>)(?P<args>.*?)(?:\n```)?<｜tool▁call▁end｜>",
     re.DOTALL,
 )
-_JSON_START = "["
 
 
 class ToolMode(enum.Enum):
@@ -117,45 +117,96 @@ def calls_json(calls: list[tuple[str, str]]) -> str:
     )
 
 
-def may_be_call(text: str) -> bool:
-    """Whether streamed text so far could still be (the start of) a call under `auto`."""
-    head = text.lstrip()
-    return any(
-        head.startswith(m) or m.startswith(head) for m in (DEEPSEEK_CALLS_BEGIN, _JSON_START)
-    )
-
-
 def parse(text: str, calling: ToolCalling) -> tuple[str, list[ToolCall]] | None:
-    """The content before any calls and the calls in the model's output; None when the
-    output holds no (well-formed) call, so it is plain content."""
+    """The content before the calls and every complete, well-formed call in the model's
+    output, in order; None when the output opens no call, so it is plain content.
+
+    Calls are read up to the first one that is cut off or malformed and nothing after it
+    counts, so a call found in some text is found in every longer text too: the streamed
+    calls (tool_stream.py) are never taken back. A call list opens at DeepSeek-V3's
+    begin marker, or (JSON) at an array whose first object is complete and valid or starts
+    with the name of a known tool."""
     if calling.mode is ToolMode.NAMED:
         try:
-            args = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return "", [ToolCall(new_call_id(), calling.function.name, json.dumps(args))]
+            args = json.loads(text, object_pairs_hook=unique_keys)
+        except ValueError:
+            return "", []
+        call = ToolCall(new_call_id(), calling.function.name, json.dumps(args))
+        return "", [call] if isinstance(args, dict) else []
     if DEEPSEEK_CALLS_BEGIN in text:
         content, _, rest = text.partition(DEEPSEEK_CALLS_BEGIN)
         calls = []
         for m in _DEEPSEEK_CALL.finditer(rest):
             try:
-                args = json.loads(m.group("args"))
-            except json.JSONDecodeError:
-                return None
+                args = json.loads(m.group("args"), object_pairs_hook=unique_keys)
+            except ValueError:
+                break
             calls.append(ToolCall(new_call_id(), m.group("name").strip(), json.dumps(args)))
-        return (content, calls) if calls else None
+        return content, calls
+    known = frozenset(t.name for t in calling.tools)
+    calls = _json_calls(text, known)
+    if calls or calling.mode is ToolMode.REQUIRED or _named_first(text, known):
+        return "", calls
+    return None
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict; a key given twice makes it malformed (json's object hook)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key")
+    return out
+
+
+JSON_WHITESPACE = " \t\n\r"
+_JSON_STRING = r'"(?:[^"\\]|\\.)*"'
+_FIRST_KEY = re.compile(
+    rf"[{JSON_WHITESPACE}]*\[[{JSON_WHITESPACE}]*\{{[{JSON_WHITESPACE}]*(?P<key>{_JSON_STRING})"
+    rf"[{JSON_WHITESPACE}]*:[{JSON_WHITESPACE}]*(?P<value>{_JSON_STRING})"
+)
+
+
+def _json_calls(text: str, known: frozenset[str]) -> list[ToolCall]:
+    """The complete, valid calls at the start of a JSON array of calls."""
+    decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
+    pos = _skip_whitespace(text, 0)
+    if not text.startswith("[", pos):
+        return []
+    calls: list[ToolCall] = []
+    while True:
+        pos = _skip_whitespace(text, pos + 1)  # past "[" or ","
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return calls
+        if not _is_call(item, known):
+            return calls
+        calls.append(ToolCall(new_call_id(), item["name"], json.dumps(item["parameters"])))
+        pos = _skip_whitespace(text, pos)
+        if not text.startswith(",", pos):
+            return calls
+
+
+def _is_call(item: object, known: frozenset[str]) -> bool:
+    if not isinstance(item, dict):
+        return False
+    name = item.get("name")
+    return isinstance(name, str) and name in known and isinstance(item.get("parameters"), dict)
+
+
+def _named_first(text: str, known: frozenset[str]) -> bool:
+    """Whether the array's first object opens with `"name": <a known tool>`."""
+    m = _FIRST_KEY.match(text)
+    if m is None:
+        return False
     try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    known = {t.name for t in calling.tools}
-    if not (
-        isinstance(items, list)
-        and items
-        and all(
-            isinstance(i, dict) and i.get("name") in known and isinstance(i.get("parameters"), dict)
-            for i in items
-        )
-    ):
-        return None
-    return "", [ToolCall(new_call_id(), i["name"], json.dumps(i["parameters"])) for i in items]
+        key, value = json.loads(m.group("key")), json.loads(m.group("value"))
+    except ValueError:
+        return False
+    return key == "name" and value in known
+
+
+def _skip_whitespace(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in JSON_WHITESPACE:
+        pos += 1
+    return pos

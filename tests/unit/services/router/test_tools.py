@@ -107,14 +107,18 @@ def _end(fmt: ChatFormat, index: int = 0) -> list[dict[str, Any]]:
 
 def test_stream_sends_tool_call_deltas_and_content_passes_through() -> None:
     auto = ChatFormat("id", "m", False, False, calling=_calling(tools.ToolMode.AUTO))
-    pieces = ['  [{"name": "get_weather", ', '"parameters": {"city": "Rome"}}]']
-    assert [auto.event(0, Delta(p)) for p in pieces] == [[], []]  # held: it is a call
-    chunks = _end(auto)
-    [call] = chunks[0]["choices"][0]["delta"]["tool_calls"]
+    pieces = ['  [{"name": "get_', 'weather", ', '"parameters": {"city": "Rome"}}]']
+    assert auto.event(0, Delta(pieces[0])) == []  # held: it may open a call
+    [head] = _sse_json(auto.event(0, Delta(pieces[1])))  # it does: the name is known
+    [call] = head["choices"][0]["delta"]["tool_calls"]
     assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
-    assert call["function"]["name"] == "get_weather"
+    assert call["function"] == {"name": "get_weather", "arguments": ""}
+    [tail] = _sse_json(auto.event(0, Delta(pieces[2])))
+    [call] = tail["choices"][0]["delta"]["tool_calls"]
+    assert call["id"] is None and call["function"]["name"] is None
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    [chunk] = _end(auto)
+    assert chunk["choices"][0]["finish_reason"] == "tool_calls"
 
     prose = ChatFormat("id", "m", True, False, calling=_calling(tools.ToolMode.AUTO))
     assert prose.event(0, Delta(" ", (TokenLogprob(" ", -0.5),))) == []  # may open a call
@@ -145,14 +149,13 @@ def test_each_choice_is_parsed_for_tool_calls_on_its_own() -> None:
     held text, chunks and finish_reason are its own."""
     fmt = ChatFormat("id", "m", False, False, n=2, calling=_calling(tools.ToolMode.AUTO))
     call = '[{"name": "get_time", "parameters": {}}]'
-    assert fmt.event(0, Delta(call, index=0)) == []  # held: a call
+    [sent] = _sse_json(fmt.event(0, Delta(call, index=0)))
+    assert sent["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
     [prose] = _sse_json(fmt.event(0, Delta("Hello", index=1)))
     assert prose["choices"][0] == {**prose["choices"][0], "index": 1}
     assert prose["choices"][0]["delta"]["content"] == "Hello"
-    ends = _end(fmt, 0)
-    assert ends[0]["choices"][0]["index"] == 0
-    assert ends[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
-    assert ends[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    [end] = _end(fmt, 0)
+    assert end["choices"][0]["index"] == 0 and end["choices"][0]["finish_reason"] == "tool_calls"
     assert _end(fmt, 1)[-1]["choices"][0]["finish_reason"] == "stop"
     run = [
         Delta(call, index=0),
