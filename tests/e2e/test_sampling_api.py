@@ -328,3 +328,37 @@ def test_conversation_with_tool_results_and_auto(served: LocalStack) -> None:
     none = _create(served, tool_choice="none", temperature=0, max_tokens=6)
     assert none.choices[0].message.tool_calls is None
     _assert_blocks_free(served)
+
+
+@ONLY_TPLA
+def test_cut_off_tool_calls_stream_and_agree(served: LocalStack) -> None:
+    """`required` with parallel calls cut off by max_tokens, n = 2, greedy: the answer keeps
+    every complete call, and the stream's calls are the same ones (the last one possibly
+    as far as it got), each call's id and name in its first delta."""
+    kw = {"tool_choice": "required", "temperature": 0, "max_tokens": 100, "n": 2}
+    whole = _create(served, **kw)
+    chunks = list(_create(served, stream=True, **kw))
+    for choice in whole.choices:
+        calls = [
+            (c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls or []
+        ]
+        streamed: dict[int, dict[str, str]] = {}
+        reason = None
+        for chunk in chunks:
+            for c in chunk.choices:
+                if c.index != choice.index:
+                    continue
+                reason = c.finish_reason or reason
+                for d in c.delta.tool_calls or []:
+                    assert (d.index not in streamed) == bool(d.id and d.function.name)
+                    entry = streamed.setdefault(d.index, {"name": d.function.name, "args": ""})
+                    entry["args"] += d.function.arguments or ""
+        # The tiny model writes call after call: 100 tokens end inside its second.
+        assert reason == choice.finish_reason == "length" and calls
+        got = [streamed[k] for k in sorted(streamed)]
+        assert [(c["name"], json.loads(c["args"])) for c in got[: len(calls)]] == calls
+        assert len(got) - len(calls) in ((0, 1) if reason == "length" else (0,))
+        for name, args in calls:
+            jsonschema.validate(args, SCHEMAS[name])
+    _assert_blocks_free(served)

@@ -94,7 +94,9 @@ _NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def _calls(tool_calls: list[dict] | None) -> list[tuple[str, object]]:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls or []]
+    return [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls or []
+    ]
 
 
 def _assembled(events: list[dict], n: int) -> list[dict]:
