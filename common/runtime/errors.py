@@ -16,6 +16,11 @@ class TokenizerError(ValueError):
     router answers the latter as InvalidRequest)."""
 
 
+class GenerationConfigError(ValueError):
+    """A model's generation_config.json, or the operator's TPLA_GENERATION_CONFIG, gives
+    sampling defaults that cannot be used (the router refuses to start)."""
+
+
 class TplaError(Exception):
     http_status = 500
     grpc_code = grpc.StatusCode.INTERNAL

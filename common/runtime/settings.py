@@ -16,6 +16,12 @@ class Settings(BaseSettings):
     # -- model and compute ----------------------------------------------------------------
     model: str = Field("models/demo", description="HF-format model directory")
     served_model_name: str = Field("tpla-demo", description="the `model` name clients use")
+    generation_config: str = Field(
+        "auto",
+        description="sampling defaults for requests that leave them out: auto (the model's "
+        "generation_config.json) | none (the server's own) | a JSON object of overrides over "
+        "the file (common/sampling/defaults.py)",
+    )
     dtype: str = Field(
         "auto", description="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"
     )

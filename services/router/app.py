@@ -1,6 +1,7 @@
 """The router's HTTP shell: an OpenAI-compatible FastAPI app over the request pipeline.
 
-Lifecycle of the app: `create_app` loads the tokenizer and context limit and wires Redis,
+Lifecycle of the app: `create_app` loads the tokenizer, context limit and the model's
+sampling defaults (GET /v1/models shows them) and wires Redis,
 the worker directory, the routing policy and the metrics; startup loads the registry and
 starts its background refresh; shutdown stops it and closes every channel and connection.
 Routes only translate: body -> GenerationRequest (prepare.py) -> Pipeline.run -> OpenAI
@@ -16,7 +17,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
@@ -30,6 +31,7 @@ from common.runtime.errors import NotFound, TplaError
 from common.runtime.ports import PortInUse, PortUse, router_port
 from common.runtime.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.runtime.settings import Settings
+from common.sampling.defaults import load_defaults
 from common.sampling.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
 from services.router import batch, prepare, response_schemas
@@ -158,6 +160,15 @@ def _worker_json(r: WorkerRecord) -> dict[str, Any]:
     return entry
 
 
+def _sampling_defaults(info: prepare.ModelInfo) -> response_schemas.SamplingDefaults:
+    d = info.defaults
+    return response_schemas.SamplingDefaults(
+        **asdict(d.sampling()),
+        max_tokens=d.max_tokens_for(info.max_model_len - 1),
+        source=d.source,
+    )
+
+
 def _routes() -> APIRouter:
     api = APIRouter()
 
@@ -190,9 +201,12 @@ def _routes() -> APIRouter:
     @api.get("/v1/models")
     async def models(request: Request) -> response_schemas.ModelList:
         info = _state(request).info
-        return response_schemas.ModelList(
-            data=[response_schemas.ModelCard(id=info.served_name, max_model_len=info.max_model_len)]
+        card = response_schemas.ModelCard(
+            id=info.served_name,
+            max_model_len=info.max_model_len,
+            sampling_defaults=_sampling_defaults(info),
         )
+        return response_schemas.ModelList(data=[card])
 
     @api.get("/health")
     async def health() -> dict[str, str]:
@@ -247,7 +261,9 @@ def create_app(
         grammars=GrammarCompiler.from_model_dir(
             model_dir, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
         ),
+        defaults=load_defaults(model_dir, settings.generation_config),
     )
+    log.info("%s", info.defaults.describe())
     token = settings.internal_token.get_secret_value() if settings.internal_token else None
     sync_redis = redis.Redis.from_url(redis_url)
     aredis = aioredis.Redis.from_url(redis_url)
@@ -306,6 +322,7 @@ def run_router(settings: Settings) -> None:
         raise ValueError("the router needs TPLA_REDIS_URL (or run `tpla serve`)")
     sock = _listen(settings.host, router_port(settings.router_port))
     app = create_app(settings, redis_url=settings.redis_url)
+    print(app.state.router.info.defaults.describe(), flush=True)
     # Bound here, not by uvicorn, whose bind failure is a log line and exit 1 that name no
     # setting.
     config = uvicorn.Config(app, host=settings.host, port=settings.router_port, log_level="info")

@@ -2,9 +2,10 @@
 
 Checks what only the server can check (model name, context length, token id range, that a
 structured output's grammar compiles), renders the chat template, tokenizes, and fills
-defaults: max_tokens = min(256, context left); stop token ids = the request's stop_token_ids
-plus the tokenizer's EOS ids unless ignore_eos. A completions request becomes one
-GenerationRequest per prompt of its batch.
+defaults: the model's sampling defaults (common.sampling.defaults) for the fields a request
+leaves out, max_tokens among them (at most the context left); stop token ids = the request's
+stop_token_ids plus the tokenizer's EOS ids unless ignore_eos. A completions request becomes
+one GenerationRequest per prompt of its batch.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from common.runtime.errors import InvalidRequest, NotFound, TokenizerError
+from common.sampling.defaults import GenerationDefaults
 from common.sampling.grammar import GrammarCompiler, GrammarSpec
 from common.sampling.params import SamplingError, SamplingParams
 from common.text.tokenizer import Tokenizer
@@ -24,7 +26,6 @@ from services.router.chat_schemas import ChatCompletionRequest
 from services.router.completion_schemas import CompletionRequest
 from services.router.request import GenerationRequest
 
-DEFAULT_MAX_TOKENS = 256
 _FALLBACK_CONTEXT = 4096  # ModelConfig's default when config.json does not say
 MAX_ECHOED_NAME = 128  # an error message need not repeat a megabyte of model name
 
@@ -53,6 +54,8 @@ class ModelInfo:
     max_model_len: int
     log_prompts: bool = False
     grammars: GrammarCompiler | None = None  # None: structured outputs are refused
+    # What a request gets for the sampling fields it leaves out.
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def new_request_id(prefix: str) -> str:
@@ -173,7 +176,7 @@ def _build(
         )
     left = limit - len(prompt_ids)
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, left)
+        max_tokens = info.defaults.max_tokens_for(left)
     elif max_tokens > left:
         raise InvalidRequest(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -200,22 +203,29 @@ def _build(
             f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
             param="min_tokens",
         )
+    sampling = info.defaults.sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+    )
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(body.top_k, 0),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             seed=body.seed,
             stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
             logprobs=top_logprobs,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
+            repetition_penalty=sampling.repetition_penalty,
             logit_bias=bias,
             min_tokens=body.min_tokens,
-            min_p=body.min_p or 0.0,
+            min_p=sampling.min_p,
             grammar=grammar,
         )
     except SamplingError as exc:

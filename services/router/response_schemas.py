@@ -124,12 +124,25 @@ class CompletionResponse(_Envelope):
     usage: Usage | None = None
 
 
+class SamplingDefaults(BaseModel):
+    """What a request gets for each sampling field it leaves out (max_tokens: at most)."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = off
+    min_p: float
+    repetition_penalty: float
+    max_tokens: int
+    source: str  # generation_config.json, TPLA_GENERATION_CONFIG, or the server's own
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tpla-serve"
     max_model_len: int
+    sampling_defaults: SamplingDefaults  # an extension, as vLLM adds max_model_len
 
 
 class ModelList(BaseModel):

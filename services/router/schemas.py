@@ -35,6 +35,7 @@ MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 64
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed travels as a protobuf int64
+_MODEL_DEFAULT = "default: the model's generation_config.json (GET /v1/models shows it)"
 
 
 def _valid_unicode(v: str) -> str:
@@ -117,13 +118,19 @@ class SamplingRequest(BaseModel):
 
     model: Text
     max_tokens: int | None = Field(None, ge=1)
+    # Sampling fields left out (None) take the model's defaults (common.sampling.defaults).
     temperature: float | None = Field(
-        None, ge=0.0, le=2.0, allow_inf_nan=False, description="default 1.0"
+        None, ge=0.0, le=2.0, allow_inf_nan=False, description=_MODEL_DEFAULT + ", else 1.0"
     )
     top_p: float | None = Field(
-        None, gt=0.0, le=1.0, allow_inf_nan=False, description="default 1.0"
+        None, gt=0.0, le=1.0, allow_inf_nan=False, description=_MODEL_DEFAULT + ", else 1.0"
     )
-    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="vLLM extension; 0 or -1 = disabled")
+    top_k: int | None = Field(
+        None,
+        ge=-1,
+        le=INT32_MAX,
+        description="vLLM extension; 0 or -1 = disabled; " + _MODEL_DEFAULT + ", else off",
+    )
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Text | list[Text] | None = None
     stream: bool | None = False

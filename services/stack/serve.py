@@ -274,7 +274,8 @@ def serve_stack(s: Settings, *, smoke: bool = False, devices: StackDevices | Non
             f"latent groups={s.latent_groups}, {s.transport} KV transport)\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f'    -d \'{{"model": "{s.served_model_name}", "messages": [{{"role": '
-            f'"user", "content": "Write a Python function `fib`"}}]}}\'\n'
+            f'"user", "content": "Write a Python function `is_prime`: Return True if n is a '
+            f"prime number.\"}}]}}'\n"
             "Ctrl-C stops everything.",
             flush=True,
         )

@@ -18,6 +18,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.capacity",
     "tools.bench.loading",
     "tools.bench.moe",
+    "tools.bench.answers",
 )
 
 

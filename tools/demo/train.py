@@ -378,7 +378,9 @@ def export(
     gen_cfg = {
         "bos_token_id": hf_config["bos_token_id"],
         "eos_token_id": [hf_config["eos_token_id"], end],
+        # Greedy, 64 tokens: what read best when measured (`tpla bench answers`, the card).
         "do_sample": False,
+        "max_new_tokens": 64,
     }
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     save_tokenizer(tok, out, cfg.arch.max_position_embeddings)
