@@ -3,8 +3,8 @@
 A reservation travels from the decode group's Reserve through the router to the prefill
 worker as one `Reservation` (a `KvTargetInfo` per rank); the prefill worker cuts one
 `common.kv.transfer.Shard` per target, and its outcome is a `PrefillResult`. The decode group
-streams `TokenEvent`s and reports its `DecodeLoad`. common/rpc/convert.py maps each to and
-from its protobuf message.
+streams `TokenEvent`s (a migrated n > 1 request's choices resume as `ResumedChoice`s) and
+reports its `DecodeLoad`. common/rpc/convert.py maps each to and from its protobuf message.
 """
 
 from __future__ import annotations
@@ -60,6 +60,16 @@ class PrefillResult:
     def first_tokens(self) -> tuple[SampledToken, ...]:
         """One first token per choice."""
         return self.choice_tokens or (self.first_token,)
+
+
+@dataclass(frozen=True)
+class ResumedChoice:
+    """A live choice of a migrated n > 1 request, as its new group continues it: its index
+    in the request, and the tokens it generated after its first token on the group it left
+    (the new group replays them before the choice samples again)."""
+
+    index: int
+    replay: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from common.messages import DecodeLoad, PrefillResult, Reservation, TokenEvent
+from common.messages import DecodeLoad, PrefillResult, Reservation, ResumedChoice, TokenEvent
 from common.rpc.convert import (
     load_from_pb,
     params_to_pb,
     reservation_from_pb,
     reservation_to_pb,
     result_from_pb,
+    resumed_to_pb,
     token_from_pb,
     token_to_pb,
 )
@@ -87,10 +88,12 @@ class DecodeClient:
         *,
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
+        resumed: Sequence[ResumedChoice] = (),
     ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens, every choice's (one first token each); ends when
         every choice has ended. `idle_timeout` bounds the wait for each event.
-        `output_ids`: tokens generated before `first_token` elsewhere (a migrated request);
+        `output_ids`: tokens generated before `first_token` elsewhere (a migrated n = 1
+        request); `resumed`: a migrated n > 1 request's live choices, one per first token;
         `prompt_ids`: only for a repetition penalty."""
         firsts = first_token if isinstance(first_token, tuple) else (first_token,)
         call = self._stub.Generate(
@@ -101,6 +104,7 @@ class DecodeClient:
                 params=params_to_pb(params),
                 prompt_ids=list(prompt_ids),
                 output_ids=list(output_ids),
+                resumed=[resumed_to_pb(c) for c in resumed],
             ),
             metadata=self._md,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.messages import DecodeLoad, KvTargetInfo, PrefillResult, Reservation
+from common.messages import DecodeLoad, KvTargetInfo, PrefillResult, Reservation, ResumedChoice
 from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.params import SamplingError, SamplingParams
@@ -79,6 +79,14 @@ def token_from_pb(msg: common_pb2.TokenInfo) -> SampledToken:
     return SampledToken(
         msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top_logprobs)
     )
+
+
+def resumed_to_pb(c: ResumedChoice) -> decode_pb2.ResumedChoice:
+    return decode_pb2.ResumedChoice(index=c.index, replay=list(c.replay))
+
+
+def resumed_from_pb(msg: decode_pb2.ResumedChoice) -> ResumedChoice:
+    return ResumedChoice(msg.index, tuple(msg.replay))
 
 
 def target_to_pb(t: KvTargetInfo) -> common_pb2.KvTarget:

@@ -7,8 +7,9 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
                                                longest cached prefix of prompt_ids;
                                                its targets: where each rank's shard goes
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
-    generate(request_id, first_tokens, params, prompt_ids, output_ids) -> TokenStream
+    generate(request_id, first_tokens, params, prompt_ids, output_ids, resumed) -> TokenStream
                                                streams every choice's tokens as sampled
+                                               (a resumed choice's after its replay)
     abort(request_id, choices)                 at any time; blocks are freed
     load() -> DecodeLoad                       running, waiting, blocks used / total
 
@@ -20,7 +21,8 @@ n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequence
 full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
 with its own generator and its own controls (penalty counts and grammar state forked from
 the request's at its first token), and stream into one TokenStream with each event's choice
-index.
+index. A migrated n > 1 request's live choices are such forks too (`resumed`): each first
+replays the tokens it generated on the group it left, then samples on.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch import Tensor
 from common.kv.block_pool import RankPools
 from common.kv.prefix_cache import block_hashes, model_identity
 from common.kv.slots import token_slots
-from common.messages import DecodeLoad, Reservation
+from common.messages import DecodeLoad, Reservation, ResumedChoice
 from common.model.args import ModelConfig
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
@@ -179,12 +181,17 @@ class DecodeEngine:
         params: SamplingParams,
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
+        resumed: Sequence[ResumedChoice] = (),
     ) -> TokenStream:
         """Start the reserved request from each choice's first token (one per choice it was
         reserved for); its stream carries every choice's events. `output_ids`: what the
-        request generated before on another group (a migrated request); `prompt_ids`: its
-        prompt, needed only for a repetition penalty. Both feed the penalties and grammar."""
+        request generated before on another group (a migrated n = 1 request); `prompt_ids`:
+        its prompt, needed only for a repetition penalty. Both feed the penalties and grammar.
+        `resumed` (a migrated n > 1 request): the choice each fork continues and the tokens
+        it replays after its first token before it samples again (`DecodeStep.start`)."""
         firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
+        if resumed and (output_ids or len(resumed) != len(firsts)):
+            raise SchedulerError("resumed choices need one first token each and no output_ids")
         stream = TokenStream(len(firsts))
         # The grammar is compiled and replayed here, off the loop thread: a new schema must
         # not stall the running sequences' steps. Each choice's copy takes its first token.
@@ -192,7 +199,7 @@ class DecodeEngine:
 
         self._loop.call(
             lambda: self._step.start(
-                request_id, firsts, params, matcher, prompt_ids, output_ids, stream
+                request_id, firsts, params, matcher, prompt_ids, output_ids, stream, resumed
             )
         )
         return stream

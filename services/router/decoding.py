@@ -1,9 +1,11 @@
 """The token stream of a placed, prefilled request, from whichever decode group holds it.
 
 `tokens` yields (choice, token) from the prefill's first tokens on, over Decode.Generate.
-When the group dies or stalls mid-stream, an n = 1 request migrates: prompt + the tokens
-generated so far are prefilled on another group and the stream carries on from there, no
-token lost or repeated. Where this sits in a request's lifecycle: DESIGN §2.
+When the group dies or stalls mid-stream, the request migrates to another group and the
+stream carries on from there, no token lost or repeated: n = 1, prompt + the tokens generated
+so far are prefilled there; n > 1, the prompt is prefilled there once, forked into one
+sequence per live choice, and each replays its own tokens so far before it samples again.
+Where this sits in a request's lifecycle: DESIGN §2.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from common.messages import PrefillResult
+from common.messages import PrefillResult, ResumedChoice
 from common.runtime.errors import DeadlineExceeded, TplaError, Unavailable
 from common.runtime.redis_state import RequestState
 from common.sampling.params import SamplingParams
@@ -45,32 +47,40 @@ class Decoding:
         self, run: Run, first: PrefillResult
     ) -> AsyncIterator[tuple[int, SampledToken | None]]:
         """(choice, token): the prefill's first tokens, then Decode.Generate's, and
-        (choice, None) when the leader ended a choice (its reason in run.reasons). An n = 1
+        (choice, None) when the leader ended a choice (its reason in run.reasons). The
         request migrates to another group if its group fails mid-stream."""
         req = run.req
         await self.prefilled(run, first)
-        generated = [first.first_token.token_id]  # choice 0's (what a migration re-feeds)
         feeds = first.first_tokens
+        generated = [[t.token_id] for t in feeds]  # each choice's: what a migration re-feeds
+        resumed: tuple[ResumedChoice, ...] = ()  # after an n > 1 migration: each fork's
         for index, token in enumerate(feeds):
             yield index, token
         while True:
-            # The group starts from `feeds`; (n = 1) the rest of `generated` came before.
-            params = _remaining(req.params, len(generated) - 1)
-            stream = self._decode_stream(run, feeds, params, generated[:-1])
+            if req.n == 1:
+                # The group starts from `feeds`; the rest of `generated` came before.
+                params = _remaining(req.params, len(generated[0]) - 1)
+                stream = self._decode_stream(run, feeds, params, generated[0][:-1])
+            else:
+                stream = self._decode_stream(run, feeds, req.params, [], resumed)
             try:
                 async with contextlib.aclosing(stream) as events:
                     async for index, token in events:
-                        if token is not None and index == 0:
-                            generated.append(token.token_id)
+                        if token is not None:
+                            generated[index].append(token.token_id)
                         yield index, token
                 return
             except Unavailable as exc:
-                if req.n > 1 or not self._may_migrate(run, generated):
+                if not self._may_migrate(run, generated):
                     raise
-                feed = await self._migrate(run, generated, exc)
-                generated.append(feed.token_id)
-                feeds = (feed,)
-                yield 0, feed
+                await self._leave_failed(run, generated, exc)
+                if req.n == 1:
+                    feed = await self._migrate(run, generated[0], exc)
+                    generated[0].append(feed.token_id)
+                    feeds = (feed,)
+                    yield 0, feed
+                else:
+                    feeds, resumed = await self._migrate_choices(run, generated, exc)
 
     async def prefilled(self, run: Run, first: PrefillResult) -> None:
         """The prefill is done and its KV in place: TTFT ends, the request is decoding."""
@@ -95,11 +105,13 @@ class Decoding:
         feeds: tuple[SampledToken, ...],
         params: SamplingParams,
         earlier: list[int],
+        resumed: tuple[ResumedChoice, ...] = (),
     ) -> AsyncIterator[tuple[int, SampledToken | None]]:
-        """Decode.Generate on the current group from each choice's `feeds` token, as
-        `tokens` yields it (`earlier`: what the request generated before `feeds` elsewhere,
-        a migrated request's). A group that dies, or sends nothing for token_timeout_s,
-        raises Unavailable (which may migrate the request)."""
+        """Decode.Generate on the current group from each fork's `feeds` token, as
+        `tokens` yields it (`earlier`: what an n = 1 request generated before `feeds`
+        elsewhere; `resumed`: a migrated n > 1 request's choice and replay per fork). A group
+        that dies, or sends nothing for token_timeout_s, raises Unavailable (which may
+        migrate the request)."""
         req = run.req
         assert run.decode is not None and run.group is not None
         deadline = req.arrival + self.config.request_timeout_s
@@ -116,6 +128,7 @@ class Decoding:
             # The penalties and the grammar count what the request generated elsewhere.
             prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else (),
             output_ids=earlier,
+            resumed=resumed,
         )
         left = len(feeds)
         try:
@@ -147,17 +160,19 @@ class Decoding:
             ) from None
         raise Unavailable("the decode stream ended without a finish reason")
 
-    def _may_migrate(self, run: Run, generated: list[int]) -> bool:
+    def _may_migrate(self, run: Run, generated: list[list[int]]) -> bool:
+        live = _live(run)
         return (
             self.config.migrate
             and run.migrations < _MAX_MIGRATIONS
-            and len(generated) < run.req.params.max_tokens
+            and bool(live)
+            and all(len(generated[i]) < run.req.params.max_tokens for i in live)
             and time.monotonic() < run.req.arrival + self.config.request_timeout_s
         )
 
-    async def _migrate(self, run: Run, generated: list[int], cause: Unavailable) -> SampledToken:
-        """Move the stream to another decode group: re-prefill prompt + generated tokens
-        there and return the next token. Raises `cause` when no other group can take it."""
+    async def _leave_failed(self, run: Run, generated: list[list[int]], cause: Unavailable) -> None:
+        """Leave the failed group (quarantined, the request aborted there), counted and
+        recorded as a migration. Raises `cause` when no other group is healthy."""
         req, old = run.req, run.group
         assert old is not None
         self.placement.drop_group(run)
@@ -169,12 +184,26 @@ class Decoding:
             "request %s: decode group %s failed after %d tokens (%s); migrating",
             req.request_id,
             old.group_id,
-            len(generated),
+            sum(len(g) for g in generated),
             cause.message,
         )
         await self._record(
             req.request_id, RequestState.QUEUED, retry_reason=f"migration: {cause.message}"
         )
+
+    async def _arrived(self, run: Run) -> None:
+        """The migrated request's KV is in place on its new group: it decodes again."""
+        await self._record(
+            run.req.request_id,
+            RequestState.TRANSFERRING,
+            migrated_to=run.group.group_id if run.group else "",
+        )
+        await self._record(run.req.request_id, RequestState.DECODING)
+
+    async def _migrate(self, run: Run, generated: list[int], cause: Unavailable) -> SampledToken:
+        """Move an n = 1 stream to another decode group: re-prefill prompt + generated
+        tokens there and return the next token. Raises `cause` when it cannot."""
+        req = run.req
         context = (*req.prompt_ids, *generated)
         params = _remaining(req.params, len(generated))
         try:
@@ -182,13 +211,33 @@ class Decoding:
             result = await self.placement.prefill_anywhere(run, context, params, len(generated))
         except TplaError as exc:
             raise cause from exc
-        await self._record(
-            req.request_id,
-            RequestState.TRANSFERRING,
-            migrated_to=run.group.group_id if run.group else "",
-        )
-        await self._record(req.request_id, RequestState.DECODING)
+        await self._arrived(run)
         return result.first_token
+
+    async def _migrate_choices(
+        self, run: Run, generated: list[list[int]], cause: Unavailable
+    ) -> tuple[tuple[SampledToken, ...], tuple[ResumedChoice, ...]]:
+        """Move an n > 1 request's live choices to another decode group: the prompt is
+        placed and prefilled there once (its first tokens are not used), forked into one
+        sequence per live choice, which starts from that choice's own first token and
+        replays the rest of its tokens (DecodeStep.start). Returns each fork's first token
+        and choice. Raises `cause` when it cannot."""
+        req = run.req
+        live = _live(run)
+        run.resumed = live
+        try:
+            await self.placement.place(run, req.prompt_ids, req.params.max_tokens)
+            await self.placement.prefill_anywhere(run, req.prompt_ids, req.params)
+        except TplaError as exc:
+            raise cause from exc
+        await self._arrived(run)
+        feeds = tuple(SampledToken(generated[i][0], 0.0) for i in live)
+        return feeds, tuple(ResumedChoice(i, tuple(generated[i][1:])) for i in live)
+
+
+def _live(run: Run) -> tuple[int, ...]:
+    """The choices still generating: none of them ended by the leader or a stop string."""
+    return tuple(i for i in range(run.req.n) if i not in run.reasons and i not in run.stopped)
 
 
 def _remaining(params: SamplingParams, done: int) -> SamplingParams:

@@ -60,6 +60,15 @@ class Run:
     stopped: set[int] = field(default_factory=set)  # choices ended here by a stop string
     finished: bool = False
     migrations: int = 0
+    # A migrated n > 1 request's live choices, one fork each on its current group (empty:
+    # one fork per choice of the request).
+    resumed: tuple[int, ...] = ()
+
+    @property
+    def forks(self) -> int:
+        """The sequences the request holds on its decode group: what it reserves and
+        prefills for."""
+        return len(self.resumed) or self.req.n
 
 
 class Placement:
@@ -109,7 +118,7 @@ class Placement:
                         max_tokens,
                         timeout=_RESERVE_TIMEOUT_S,
                         prompt_ids=prompt_ids,
-                        n=run.req.n,
+                        n=run.forks,
                     )
                 except Overloaded:  # its KV pool is full right now
                     skip.add(group.group_id)
@@ -240,7 +249,7 @@ class Placement:
                     transport=self.config.transport,
                     timeout=max(remaining, 1.0),
                     num_output_tokens=num_output_tokens,
-                    n=req.n,
+                    n=run.forks,
                     # Only the first prefill: a migration's context is not the prompt.
                     prompt_logprobs=req.prompt_logprobs if run.migrations == 0 else None,
                 )

@@ -13,6 +13,7 @@ import torch
 
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
+from common.messages import ResumedChoice
 from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
@@ -288,6 +289,63 @@ def test_forked_choices_decode_as_separate_requests(model_dir: Path, layout: str
         ends = [e for e in stream if e.finish_reason is not None]
         assert sorted(e.index for e in ends) == [0, 1, 2]
         assert {e.finish_reason for e in ends} == {"abort"}
+        _assert_pool_free(engine)
+
+
+def _resume(
+    engine: DecodeEngine,
+    prefill,
+    prompt: list[int],
+    p: SamplingParams,
+    firsts: list[int],
+    resumed: list[ResumedChoice],
+):
+    """A migrated request's live choices on a group: the prompt prefilled and shipped once,
+    one fork per resumed choice, each from its own first token."""
+    out = prefill.prefill(torch.tensor(prompt), [len(prompt)])
+    rid = uuid.uuid4().hex
+    reservation = engine.reserve(rid, len(prompt), p.max_tokens, n=len(resumed))
+    write_prompt(engine, reservation, out, 0, len(prompt))
+    return rid, engine.generate(rid, firsts, p, resumed=resumed)
+
+
+def test_resumed_choices_continue_as_undisturbed(model_dir: Path) -> None:
+    """A migrated n > 1 request's live choices (forked anew from the prompt, each replaying
+    its own tokens after its first) continue exactly as without the move: greedy, penalized
+    and seeded alike (the replay steps draw each choice's generator as the steps that
+    sampled those tokens did). A finished choice is not resumed; a resumed choice is aborted
+    by its index in the request; no block is left."""
+    prompt = _prompt(13, 7)
+    greedy = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    penalized = SamplingParams(
+        max_tokens=7, temperature=0.0, ignore_eos=True, frequency_penalty=1.0, presence_penalty=1
+    )
+    seeded = SamplingParams(max_tokens=7, temperature=1.0, seed=5, ignore_eos=True)
+    with _engine(model_dir, tp=2, r=2) as engine:
+        prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+        for p in (greedy, penalized, seeded):
+            _, firsts, stream = _submit_forked(engine, prefill, prompt, p, 3)
+            whole = _choices(firsts, stream)
+            # Choice 1 finished; choices 0 and 2 had sent 3 and 5 tokens.
+            cut = {0: 3, 2: 5}
+            firsts = [whole[i][0] for i in cut]
+            resumed = [ResumedChoice(i, tuple(whole[i][1:k])) for i, k in cut.items()]
+            _, stream = _resume(engine, prefill, prompt, p, firsts, resumed)
+            got = {i: whole[i][:k] for i, k in cut.items()}
+            ends = []
+            for event in stream:
+                if event.token is not None:
+                    got[event.index].append(event.token.token_id)
+                if event.finish_reason is not None:
+                    ends.append((event.index, event.finish_reason))
+            assert got == {0: whole[0], 2: whole[2]}, p
+            assert sorted(ends) == [(0, "length"), (2, "length")]
+        assert len({tuple(c) for c in whole}) > 1  # seeded: the choices differ
+        _assert_pool_free(engine)
+        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        rid, stream = _resume(engine, prefill, prompt, long, [5], [ResumedChoice(2, (6, 7))])
+        assert engine.abort(rid, frozenset({2}))
+        assert [e.finish_reason for e in stream if e.finish_reason] == ["abort"]
         _assert_pool_free(engine)
 
 

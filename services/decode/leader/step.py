@@ -4,24 +4,33 @@ A choice is live from its first token (`start`) until it finishes or is aborted:
 its sampling params, its generator, its controls (penalty counts, grammar state) and the
 stream its events go to. Each step sends the batch's plan to every rank, gathers the logits,
 samples every live choice's next token at once, streams it, and decides in one place
-(`finish_reason`) whether the token ends its choice. Runs on the leader's loop thread only.
+(`finish_reason`) whether the token ends its choice. A resumed choice (a migrated n > 1
+request's) first replays the tokens it generated on the group it left: steps that feed them
+in place of what it samples. Runs on the leader's loop thread only.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from common.messages import TokenEvent
+from common.messages import ResumedChoice, TokenEvent
 from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.transfers import to_device
 from common.sampling.grammar import GrammarMatcher
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import DECODE_STAGE, choice_stream, make_generator, sample_batch
+from common.sampling.sampler import (
+    DECODE_STAGE,
+    SampledToken,
+    choice_stream,
+    make_generator,
+    sample_batch,
+)
 from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
@@ -38,7 +47,9 @@ class LiveChoice:
     stream: TokenStream
     generator: torch.Generator
     controls: SequenceControls
-    choice: int = 0
+    choice: int = 0  # its index in the request (a resumed choice's need not be its fork's)
+    # A resumed choice's own earlier tokens, still to be fed in place of its samples.
+    replay: deque[int] = field(default_factory=deque)
 
 
 class DecodeStep:
@@ -81,9 +92,16 @@ class DecodeStep:
         prompt_ids: Sequence[int],
         output_ids: Sequence[int],
         stream: TokenStream,
+        resumed: Sequence[ResumedChoice] = (),
     ) -> None:
         """The reserved request's choices go live from their first tokens (see
-        `DecodeEngine.generate`); a choice its first token ends finishes at once."""
+        `DecodeEngine.generate`); a choice its first token ends finishes at once.
+
+        `resumed` (one per fork): fork i continues choice resumed[i].index, from that
+        choice's own first token, with its own generator stream, and feeds its
+        resumed[i].replay tokens before it samples again. The replay steps compute those
+        tokens' KV as the group it left did, count them in its penalties, move its grammar
+        and draw its generator once each, so the choice then samples as it would have there."""
         seqs = self.scheduler.start(request_id, firsts)
         self._copy_blocks(seqs)
         # The request's controls before its first tokens, forked once per choice.
@@ -91,12 +109,16 @@ class DecodeStep:
         controls = [base, *(self.controls.fork(base) for _ in seqs[1:])]
         self.controls.advance(controls, firsts)
         device = self.group.runtime.device
-        for seq, ctl in zip(seqs, controls, strict=True):
-            stage = choice_stream(seq.choice, DECODE_STAGE)
+        for k, (seq, ctl) in enumerate(zip(seqs, controls, strict=True)):
+            choice = resumed[k].index if resumed else seq.choice
+            stage = choice_stream(choice, DECODE_STAGE)
             generator = make_generator(params, device, stream=stage)
-            self.live[seq.seq_id] = LiveChoice(params, stream, generator, ctl, seq.choice)
+            replay = deque(resumed[k].replay if resumed else ())
+            self.live[seq.seq_id] = LiveChoice(params, stream, generator, ctl, choice, replay)
         for seq in seqs:
             live = self.live[seq.seq_id]
+            if live.replay:
+                continue  # its first token did not end it on the group it left
             reason = self.finish_reason(live, seq.generated[0], 1, seq.max_tokens)
             if reason is not None:
                 self.scheduler.finish(seq.seq_id)
@@ -116,6 +138,9 @@ class DecodeStep:
             if processed:
                 context = self.controls.context(seqs, [len(seq.generated) for seq in batch])
             tokens = sample_batch(logits, params, [live.generator for live in lives], context)
+            replayed = [bool(live.replay) for live in lives]
+            if any(replayed):
+                _replay(lives, tokens)
             if processed:
                 self.controls.advance(seqs, [t.token_id for t in tokens])
         if isinstance(counter, HostSyncCounter):
@@ -124,6 +149,12 @@ class DecodeStep:
         record = self.group.cfg.record_logits
         kept = logits.to("cpu", copy=True) if record else None
         for row, (seq, live, tok) in enumerate(zip(batch, lives, tokens, strict=True)):
+            if replayed[row]:
+                # Sent before, and it did not end the choice there. An empty event keeps the
+                # caller's wait for the next token from timing out over a long replay.
+                live.stream.put(TokenEvent(None, index=live.choice))
+                self.scheduler.append(seq.seq_id, tok.token_id, finished=False)
+                continue
             reason = self.finish_reason(live, tok.token_id, len(seq.generated) + 1, seq.max_tokens)
             logits_row = kept[row].clone() if kept is not None else None
             live.stream.put(TokenEvent(tok, reason, logits_row, live.choice))
@@ -143,13 +174,26 @@ class DecodeStep:
         return reason
 
     def abort(self, request_id: str, choices: frozenset[int] | None) -> bool:
-        """End the request's live choices (only `choices` when given); whether any was."""
+        """End the request's live choices (only `choices`, the request's indices, when
+        given); whether any was."""
+        if choices is not None:
+            # The scheduler knows forks; a resumed choice's index need not be its fork's.
+            choices = frozenset(
+                seq.choice
+                for seq in self.scheduler.forks(request_id)
+                if self._index(seq) in choices
+            )
         ended = self.scheduler.abort(request_id, choices)
         for seq in ended:
             live = self.drop(seq.seq_id)
             if live is not None:
-                live.stream.put(TokenEvent(None, "abort", index=seq.choice))
+                live.stream.put(TokenEvent(None, "abort", index=live.choice))
         return bool(ended)
+
+    def _index(self, seq: DecodeSequence) -> int:
+        """The fork's choice index in its request."""
+        live = self.live.get(seq.seq_id)
+        return live.choice if live is not None else seq.choice
 
     def drop(self, seq_id: str) -> LiveChoice | None:
         """The choice is no longer live (its controls' rows are free again)."""
@@ -253,3 +297,11 @@ class DecodeStep:
         if self.group.cfg.parallel.tp > 1:
             send_plan(plan, self.group.runtime.comm)
         self.group.runtime.copy_blocks(plan)
+
+
+def _replay(lives: list[LiveChoice], tokens: list[SampledToken]) -> None:
+    """Each replaying choice's next own earlier token in place of what it sampled (the draw
+    still advanced its generator, as the draw of that token did where it was sampled)."""
+    for row, live in enumerate(lives):
+        if live.replay:
+            tokens[row] = SampledToken(live.replay.popleft(), 0.0)

@@ -19,6 +19,7 @@ from common.rpc.convert import (
     load_to_pb,
     params_from_pb,
     reservation_to_pb,
+    resumed_from_pb,
     token_from_pb,
     token_to_pb,
 )
@@ -91,6 +92,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 params_from_pb(request.params),
                 prompt_ids=request.prompt_ids,
                 output_ids=request.output_ids,
+                resumed=[resumed_from_pb(c) for c in request.resumed],
             ),
         )
         # A client that goes away (router abort, disconnect) frees the request's blocks.
