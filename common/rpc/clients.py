@@ -23,6 +23,7 @@ from common.rpc.convert import (
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from common.runtime.errors import from_grpc
+from common.runtime.spans import Metadata
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken
 
@@ -60,8 +61,10 @@ class DecodeClient:
         timeout: float = 10.0,
         n: int = 1,
         prompt_ids: Sequence[int] = (),
+        trace: Metadata = (),
     ) -> Reservation:
-        """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them."""
+        """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them.
+        `trace`: the caller's span as metadata (common.runtime.spans), here and below."""
         try:
             msg = await self._stub.Reserve(
                 decode_pb2.ReserveRequest(
@@ -72,7 +75,7 @@ class DecodeClient:
                     n=n,
                 ),
                 timeout=timeout,
-                metadata=self._md,
+                metadata=self._md + trace,
             )
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
@@ -87,6 +90,7 @@ class DecodeClient:
         *,
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
+        trace: Metadata = (),
     ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens, every choice's (one first token each); ends when
         every choice has ended. `idle_timeout` bounds the wait for each event.
@@ -102,7 +106,7 @@ class DecodeClient:
                 prompt_ids=list(prompt_ids),
                 output_ids=list(output_ids),
             ),
-            metadata=self._md,
+            metadata=self._md + trace,
         )
         left = len(firsts)
         try:
@@ -167,6 +171,7 @@ class PrefillClient:
         num_output_tokens: int = 0,
         n: int = 1,
         prompt_logprobs: int | None = None,
+        trace: Metadata = (),
     ) -> PrefillResult:
         """Prefill into the reservation; sample n first tokens (one per choice) and, when
         `prompt_logprobs` is set, the prompt's logprobs with that many alternatives.
@@ -183,7 +188,7 @@ class PrefillClient:
             num_output_tokens=num_output_tokens,
         )
         try:
-            m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)
+            m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md + trace)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
         return result_from_pb(m)
