@@ -24,6 +24,7 @@ from common.rpc.convert import (
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from common.runtime.errors import from_grpc
+from common.runtime.spans import Metadata
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken
 
@@ -61,8 +62,10 @@ class DecodeClient:
         timeout: float = 10.0,
         n: int = 1,
         prompt_ids: Sequence[int] = (),
+        trace: Metadata = (),
     ) -> Reservation:
-        """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them."""
+        """Reserve blocks; with `prompt_ids` the group reuses its cached prefix of them.
+        `trace`: the caller's span as metadata (common.runtime.spans), here and below."""
         try:
             msg = await self._stub.Reserve(
                 decode_pb2.ReserveRequest(
@@ -73,7 +76,7 @@ class DecodeClient:
                     n=n,
                 ),
                 timeout=timeout,
-                metadata=self._md,
+                metadata=self._md + trace,
             )
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
@@ -89,6 +92,7 @@ class DecodeClient:
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
         resumed: Sequence[ResumedChoice] = (),
+        trace: Metadata = (),
     ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens, every choice's (one first token each); ends when
         every choice has ended. `idle_timeout` bounds the wait for each event.
@@ -106,7 +110,7 @@ class DecodeClient:
                 output_ids=list(output_ids),
                 resumed=[resumed_to_pb(c) for c in resumed],
             ),
-            metadata=self._md,
+            metadata=self._md + trace,
         )
         left = len(firsts)
         try:
@@ -171,6 +175,7 @@ class PrefillClient:
         num_output_tokens: int = 0,
         n: int = 1,
         prompt_logprobs: int | None = None,
+        trace: Metadata = (),
     ) -> PrefillResult:
         """Prefill into the reservation; sample n first tokens (one per choice) and, when
         `prompt_logprobs` is set, the prompt's logprobs with that many alternatives.
@@ -187,7 +192,7 @@ class PrefillClient:
             num_output_tokens=num_output_tokens,
         )
         try:
-            m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md)
+            m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md + trace)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
         return result_from_pb(m)

@@ -24,6 +24,7 @@ from common.rpc.gen import decode_pb2_grpc
 from common.rpc.server import start_serving, stop_on_signals
 from common.runtime.ports import PortUse, check_ports, decode_group_ports
 from common.runtime.redis_state import Heartbeat, WorkerRegistry
+from common.runtime.tracing import setup_tracing
 from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
 from services.decode.group.follower import follower_main
@@ -53,12 +54,15 @@ def serve_decode(
     if local_ranks < cfg.parallel.tp:
         ports.append(PortUse(cfg.master_port, "decode rendezvous", "TPLA_GROUP_ADDR"))
     check_ports(cfg.host, ports)
+    spans = setup_tracing("tpla-decode")  # the leader's alone: the other ranks add nothing
     with signals_end_at_once():
         engine = DecodeEngine(cfg)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_batch * 2 + 16), options=CHANNEL_OPTIONS
     )
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, cfg.internal_token), server)
+    decode_pb2_grpc.add_DecodeServicer_to_server(
+        DecodeServicer(engine, cfg.internal_token, spans), server
+    )
     address = f"{cfg.advertise_host or cfg.host}:{port}"
     grpc_use, metrics_use = ports[:2]
     try:

@@ -17,11 +17,13 @@ from typing import Any
 
 import grpc
 import redis
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 
 from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes, model_identity
 from common.kv.transfer import TransferError, make_sender
 from common.loading.serving_model import load_prefill_model
+from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
@@ -31,7 +33,10 @@ from common.runtime.errors import DeadlineExceeded, InvalidRequest, TplaError, T
 from common.runtime.metrics import PrefillMetrics, serve_metrics
 from common.runtime.ports import check_ports, prefill_worker_ports
 from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
+from common.runtime.spans import Spans, end
+from common.runtime.tracing import setup_tracing
 from common.sampling.grammar import GrammarCompiler
+from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
@@ -43,15 +48,43 @@ MAX_TOP_LOGPROBS = 20
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, token: str | None = None) -> None:
+    def __init__(
+        self, worker: PrefillWorker, token: str | None = None, spans: Spans | None = None
+    ) -> None:
         self.worker = worker
         self.token = token
+        self.spans = spans or Spans()
 
     def _guard(self, context: grpc.ServicerContext) -> None:
         require_token(context, self.token)
 
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        if not self.spans.on:
+            return self._prefill(request, context, None)
+        parent = self.spans.parent_from(context.invocation_metadata() or ())
+        attributes = {
+            "tpla.request_id": request.request_id,
+            "tpla.prompt_tokens": len(request.prompt_ids),
+            "tpla.n": request.n or 1,
+        }
+        span = self.spans.start("prefill", parent, attributes, kind=SpanKind.SERVER)
+        trace, error = JobTrace(), None
+        try:
+            return self._prefill(request, context, trace)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            trace.record(self.spans, span)
+            end(span, error=call_error(context, error))
+
+    def _prefill(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        context: grpc.ServicerContext,
+        trace: JobTrace | None,
     ) -> prefill_pb2.PrefillResponse:
         self._guard(context)
         deadline = request.deadline_seconds or 60.0
@@ -67,6 +100,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 prompt_logprobs=(
                     request.prompt_logprobs if request.HasField("prompt_logprobs") else None
                 ),
+                trace=trace,
             )
             if not 1 <= job.n <= MAX_CHOICES:
                 raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {job.n}")
@@ -133,6 +167,7 @@ def serve_prefill(
     ValueError) if its gRPC or metrics port is taken."""
     grpc_use, metrics_use = prefill_worker_ports(port)
     check_ports(host, [grpc_use, metrics_use])  # before the model loads
+    spans = setup_tracing("tpla-prefill")
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
     model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device)
     log.info("prefill attention backend: %s", model.prefill_attention.name)
@@ -154,7 +189,7 @@ def serve_prefill(
         ),
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token), server)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token, spans), server)
     address = f"{host}:{port}"
     try:
         start_serving(

@@ -40,6 +40,7 @@ from common.sampling.grammar import (
 from common.sampling.logits import LogitsContext, context_for
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, first_tokens
+from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.threads import PrefillThreads
 
@@ -61,6 +62,7 @@ class PrefillJob:
     matcher: GrammarMatcher | None = None  # set by submit() for a structured output
     n: int = 1  # choices: first tokens to sample
     prompt_logprobs: int | None = None  # set: the prompt's logprobs, this many alternatives
+    trace: JobTrace | None = None  # set: the worker records the job's spans' times here
 
     @property
     def cached_tokens(self) -> int:
@@ -225,7 +227,7 @@ class PrefillWorker:
                     self.queued_tokens -= sum(len(job.prompt_ids) for job, _ in batch)
 
     def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillResult]]]) -> None:
-        t0 = time.perf_counter()
+        t0, t0_ns = time.perf_counter(), time.time_ns()
         cache = self.prefix_cache
         hashes = [cache.hashes(job.prompt_ids) if cache is not None else [] for job, _ in batch]
         # A job asking for its prompt's logprobs needs every prompt position's logits: it
@@ -257,6 +259,8 @@ class PrefillWorker:
         start = 0
         for row, (job, fut) in enumerate(batch):
             end = start + lens[row]
+            if job.trace is not None:
+                job.trace.batched(t0_ns, prefill_s, len(batch), len(ids), lens[row], hits[row])
             try:
                 if cache is not None:
                     cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
@@ -322,9 +326,14 @@ class PrefillWorker:
         self._shipping.acquire()
         t0 = time.perf_counter()
         try:
+            send = self.sender.send
             sends = [
                 self._pushers.submit(
-                    self.sender.send, shard, t.grpc_address, t.torch_address, timeout
+                    send if job.trace is None else job.trace.timed(t.rank, t.grpc_address, send),
+                    shard,
+                    t.grpc_address,
+                    t.torch_address,
+                    timeout,
                 )
                 for shard, t in shards
                 if shard.n.shape[1]  # an SP rank may own none of a short prompt

@@ -31,6 +31,8 @@ from common.runtime.errors import NotFound, TplaError
 from common.runtime.ports import PortInUse, PortUse, router_port
 from common.runtime.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
 from common.runtime.settings import Settings
+from common.runtime.spans import Spans
+from common.runtime.tracing import setup_tracing
 from common.sampling.defaults import load_defaults
 from common.sampling.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
@@ -80,7 +82,8 @@ async def _serve(
     """Run the requests (one, or a completions batch's prompts) through the pipeline and
     answer with one response: JSON, or SSE when they stream."""
     st = _state(request)
-    runs = [st.pipeline.run(req) for req in reqs]
+    parent = st.pipeline.spans.parent_from(request.headers)  # the client's traceparent
+    runs = [st.pipeline.run(req, parent) for req in reqs]
     await batch.start(runs)  # admission, routing and Reserve succeeded (or raised)
     outputs = batch.merged(runs)
 
@@ -248,9 +251,10 @@ def create_app(
     redis_url: str,
     policy: RoutingPolicy | None = None,
     refresh_s: float = 0.5,
+    spans: Spans | None = None,
 ) -> FastAPI:
     """The router app. `policy` defaults to settings.routing_policy; `refresh_s` paces
-    registry reads."""
+    registry reads; `spans`: tracing (off when None)."""
     model_dir = settings.model
     tokenizer = Tokenizer.from_dir(model_dir)
     info = prepare.ModelInfo(
@@ -291,6 +295,7 @@ def create_app(
         policy or make_policy(settings.routing_policy, settings.overlap_weight),
         requests,
         metrics,
+        spans,
     )
     state = RouterState(settings, info, pipeline, directory, requests, metrics, aredis, sync_redis)
 
@@ -321,7 +326,8 @@ def run_router(settings: Settings) -> None:
     if not settings.redis_url:
         raise ValueError("the router needs TPLA_REDIS_URL (or run `tpla serve`)")
     sock = _listen(settings.host, router_port(settings.router_port))
-    app = create_app(settings, redis_url=settings.redis_url)
+    spans = setup_tracing("tpla-router")
+    app = create_app(settings, redis_url=settings.redis_url, spans=spans)
     print(app.state.router.info.defaults.describe(), flush=True)
     # Bound here, not by uvicorn, whose bind failure is a log line and exit 1 that name no
     # setting.

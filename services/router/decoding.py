@@ -16,7 +16,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from opentelemetry.trace import SpanKind
+
 from common.messages import PrefillResult, ResumedChoice
+from common.runtime import spans
 from common.runtime.errors import DeadlineExceeded, TplaError, Unavailable
 from common.runtime.redis_state import RequestState
 from common.sampling.params import SamplingParams
@@ -87,6 +90,17 @@ class Decoding:
         req = run.req
         ttft = time.monotonic() - req.arrival
         self.metrics.observe_ttft(ttft)
+        if run.spans.on:
+            run.spans.interval(
+                "ttft",
+                run.span,
+                spans.wall_ns(req.arrival),
+                time.time_ns(),
+                {
+                    "tpla.transfer_bytes": first.transfer_bytes,
+                    "tpla.cached_tokens": first.cached_tokens,
+                },
+            )
         await self._record(
             req.request_id,
             RequestState.TRANSFERRING,
@@ -117,6 +131,10 @@ class Decoding:
         deadline = req.arrival + self.config.request_timeout_s
         started = time.monotonic()
         last: dict[int, float] = {}  # per choice: the gap between one choice's tokens
+        span = run.spans.start(
+            "decode", run.span, {"tpla.group": run.group.group_id}, kind=SpanKind.CLIENT
+        )
+        tokens, error = 0, None
         # Generate runs even when the first token already ends the request: the leader then
         # finishes it at once and frees its blocks. aclosing: leaving early (stop string,
         # client gone) cancels the call right away.
@@ -129,6 +147,7 @@ class Decoding:
             prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else (),
             output_ids=earlier,
             resumed=resumed,
+            trace=spans.metadata(span),
         )
         left = len(feeds)
         try:
@@ -144,6 +163,7 @@ class Decoding:
                     if event.token is not None:
                         self.metrics.observe_itl(now - last.get(index, started))
                         last[index] = now
+                        tokens += 1
                         yield index, event.token
                     if reason is not None and index not in run.stopped:
                         yield index, None
@@ -153,12 +173,19 @@ class Decoding:
                         raise DeadlineExceeded(
                             f"request exceeded {self.config.request_timeout_s:g} s"
                         )
+            raise Unavailable("the decode stream ended without a finish reason")
         except TimeoutError:
-            raise Unavailable(
+            error = Unavailable(
                 f"decode group {run.group.group_id} sent nothing for "
                 f"{self.config.token_timeout_s:g} s"
-            ) from None
-        raise Unavailable("the decode stream ended without a finish reason")
+            )
+            raise error from None
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            done = {"tpla.tokens": tokens, "tpla.migrations": run.migrations}
+            spans.end(span, done, error=error)
 
     def _may_migrate(self, run: Run, generated: list[list[int]]) -> bool:
         live = _live(run)
@@ -180,6 +207,9 @@ class Decoding:
             raise cause
         run.migrations += 1
         self.metrics.migrated()
+        spans.event(
+            run.span, "migration", {"tpla.from_group": old.group_id, "tpla.tokens": len(generated)}
+        )
         log.warning(
             "request %s: decode group %s failed after %d tokens (%s); migrating",
             req.request_id,

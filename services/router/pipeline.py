@@ -17,9 +17,11 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 import redis
+from opentelemetry.trace import Span, SpanKind
 
 from common.runtime.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
 from common.runtime.redis_state import InvalidTransition, RequestLog, RequestState
+from common.runtime.spans import Parent, Spans, annotate, end, wall_ns
 from common.sampling.sampler import SampledToken
 from common.text.tokenizer import Tokenizer
 from services.router.admission import Admission
@@ -55,6 +57,7 @@ class Pipeline:
         policy: RoutingPolicy,
         requests: RequestLog,
         metrics: RouterMetrics,
+        spans: Spans | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -62,6 +65,7 @@ class Pipeline:
         self.policy = policy
         self.requests = requests
         self.metrics = metrics
+        self.spans = spans or Spans()  # off unless the router set tracing up
         self.load = RouterLoad(
             config.max_inflight, config.max_waiting, config.max_inflight_per_group
         )
@@ -69,27 +73,55 @@ class Pipeline:
         self.placement = Placement(config, directory, policy, self.load, self._record)
         self.decoding = Decoding(config, self.placement, metrics, self._record)
 
-    async def run(self, req: GenerationRequest) -> AsyncGenerator[Output, None]:
+    async def run(
+        self, req: GenerationRequest, parent: Parent = None
+    ) -> AsyncGenerator[Output, None]:
         """The request's outputs: Started, (with echo) Prompt, every choice's Deltas and
-        ChoiceEnd, then Done. Raises TplaError."""
+        ChoiceEnd, then Done. Raises TplaError. `parent`: the client's trace context."""
+        span = self._request_span(req, parent)
         try:
-            await self.admission.acquire()
-        except Overloaded:
+            with self.spans.span("queue", span):
+                await self.admission.acquire()
+        except Overloaded as exc:
             self.metrics.outcome(Outcome.REJECTED)
+            end(span, error=exc)
             raise
+        error: BaseException | None = None
         try:
             # aclosing: when our consumer closes us, the lifecycle must see it at once (and
             # abort), not whenever the garbage collector finalizes it.
-            async with contextlib.aclosing(self._lifecycle(req)) as outputs:
+            async with contextlib.aclosing(self._lifecycle(req, span)) as outputs:
                 async for out in outputs:
+                    if isinstance(out, Done):
+                        annotate(span, _done_attributes(out))
                     yield out
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            end(span, error=error)
             self.admission.release()
             # The request has ended: one waiting for room on a decode group looks again.
             self.placement.room_freed()
 
-    async def _lifecycle(self, req: GenerationRequest) -> AsyncIterator[Output]:
-        run = Run(req)
+    def _request_span(self, req: GenerationRequest, parent: Parent) -> Span | None:
+        if not self.spans.on:
+            return None
+        attributes = {
+            "gen_ai.request.model": self.config.model,
+            "tpla.request_id": req.request_id,
+            "tpla.prompt_tokens": len(req.prompt_ids),
+            "tpla.n": req.n,
+            "tpla.max_tokens": req.params.max_tokens,
+            "tpla.stream": req.stream,
+        }
+        start_ns = wall_ns(req.arrival)
+        return self.spans.start(
+            "request", parent, attributes, kind=SpanKind.SERVER, start_ns=start_ns
+        )
+
+    async def _lifecycle(self, req: GenerationRequest, span: Span | None) -> AsyncIterator[Output]:
+        run = Run(req, spans=self.spans, span=span)
         try:
             await self.requests.create(
                 req.request_id,
@@ -241,6 +273,14 @@ class Pipeline:
         self.metrics.outcome(outcome)
         self.metrics.add_tokens(len(req.prompt_ids), generated)
         self.metrics.observe_e2e(time.monotonic() - req.arrival)
+
+
+def _done_attributes(done: Done) -> dict[str, str | int | tuple[str, ...]]:
+    return {
+        "tpla.completion_tokens": done.completion_tokens,
+        "tpla.cached_tokens": done.cached_tokens,
+        "tpla.finish_reasons": done.finish_reasons,
+    }
 
 
 def _as_tpla_error(exc: BaseException) -> TplaError | None:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
+from opentelemetry.trace import Span, SpanKind
 
 from common.messages import PrefillResult, Reservation
 from common.rpc.clients import DecodeClient
@@ -28,6 +29,7 @@ from common.runtime.errors import (
     Unavailable,
 )
 from common.runtime.redis_state import RequestState
+from common.runtime.spans import Spans, annotate, event, metadata
 from common.sampling.params import SamplingParams
 from services.router.config import PipelineConfig
 from services.router.load import RouterLoad
@@ -63,6 +65,8 @@ class Run:
     # A migrated n > 1 request's live choices, one fork each on its current group (empty:
     # one fork per choice of the request).
     resumed: tuple[int, ...] = ()
+    spans: Spans = field(default_factory=Spans)  # the router's (off unless tracing is on)
+    span: Span | None = None  # the request's own span, the parent of its steps' spans
 
     @property
     def forks(self) -> int:
@@ -95,6 +99,12 @@ class Placement:
         that fails Reserve is quarantined and the next one tried. Unavailable only when no
         healthy group exists at all.
         """
+        with run.spans.span("placement", run.span, {"tpla.prompt_tokens": len(prompt_ids)}) as span:
+            await self._place(run, prompt_ids, max_tokens, span)
+
+    async def _place(
+        self, run: Run, prompt_ids: tuple[int, ...], max_tokens: int, span: Span | None
+    ) -> None:
         rid = run.req.request_id
         deadline = time.monotonic() + self.config.queue_timeout_s
         while True:
@@ -119,8 +129,10 @@ class Placement:
                         timeout=_RESERVE_TIMEOUT_S,
                         prompt_ids=prompt_ids,
                         n=run.forks,
+                        trace=metadata(span),
                     )
                 except Overloaded:  # its KV pool is full right now
+                    event(span, "retry", {"tpla.group": group.group_id, "tpla.reason": "full"})
                     skip.add(group.group_id)
                     continue
                 except (Unavailable, DeadlineExceeded) as exc:
@@ -132,6 +144,7 @@ class Placement:
                     )
                     self.directory.quarantine(group.group_id, self.config.quarantine_s)
                     skip.add(group.group_id)
+                    event(span, "retry", {"tpla.group": group.group_id, "tpla.reason": exc.message})
                     # The record says why the request waited and where it did not go.
                     await self._record(
                         rid,
@@ -141,7 +154,10 @@ class Placement:
                     continue
                 run.group, run.decode, run.decode_live = group, client, True
                 self.load.join_group(group.group_id)
+                cached = run.reservation.cached_tokens
+                annotate(span, {"tpla.group": group.group_id, "tpla.cached_tokens": cached})
                 return
+            event(span, "wait_for_room")
             await self._wait_for_room(deadline)
 
     async def _wait_for_room(self, deadline: float) -> None:
@@ -196,7 +212,10 @@ class Placement:
         group died or hangs, the prefill worker is fine), once more on another group. The last
         `num_output_tokens` of `prompt_ids` are the request's own output (a migration)."""
         try:
-            return await self._prefill_on_worker(run, prompt_ids, params, num_output_tokens)
+            with run.spans.span("prefill", run.span, kind=SpanKind.CLIENT) as span:
+                return await self._prefill_on_worker(
+                    run, prompt_ids, params, num_output_tokens, span
+                )
         except TransferFailed as exc:
             self.drop_group(run)
             if not self.healthy_groups_exist():
@@ -210,7 +229,10 @@ class Placement:
                 run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
             )
             await self.place(run, prompt_ids, params.max_tokens)
-            return await self._prefill_on_worker(run, prompt_ids, params, num_output_tokens)
+            with run.spans.span("prefill", run.span, kind=SpanKind.CLIENT) as span:
+                return await self._prefill_on_worker(
+                    run, prompt_ids, params, num_output_tokens, span
+                )
 
     async def _prefill_on_worker(
         self,
@@ -218,6 +240,7 @@ class Placement:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         num_output_tokens: int,
+        span: Span | None,
     ) -> PrefillResult:
         """Prefill into run's reservation on a chosen worker; if that worker is unavailable,
         once more on another one (the new push overwrites whatever the first one wrote)."""
@@ -232,6 +255,7 @@ class Placement:
             # this one records its state, and must see the tokens it is about to send.
             sent_to = worker.worker_id
             self.load.start_prefill(sent_to, len(prompt_ids))
+            event(span, "attempt", {"tpla.prefill_worker": sent_to, "tpla.group": group.group_id})
             try:
                 await self._record(
                     req.request_id,
@@ -252,6 +276,7 @@ class Placement:
                     n=run.forks,
                     # Only the first prefill: a migration's context is not the prompt.
                     prompt_logprobs=req.prompt_logprobs if run.migrations == 0 else None,
+                    trace=metadata(span),
                 )
             except TransferFailed:
                 raise  # the decode group's fault: another prefill worker would fail the same

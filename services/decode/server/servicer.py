@@ -12,8 +12,10 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from common.kv.block_pool import OutOfBlocks
+from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
 from common.rpc.convert import (
     load_to_pb,
@@ -25,6 +27,7 @@ from common.rpc.convert import (
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.runtime.errors import InvalidRequest, Overloaded, TplaError, Unavailable
+from common.runtime.spans import Parent, Spans, end
 from common.sampling.params import SamplingError
 from services.decode.engine import DecodeEngine
 from services.decode.leader.scheduler import SchedulerError
@@ -47,9 +50,13 @@ def as_tpla_error(exc: Exception) -> TplaError:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: DecodeEngine, token: str | None = None) -> None:
+    def __init__(
+        self, engine: DecodeEngine, token: str | None = None, spans: Spans | None = None
+    ) -> None:
         self.engine = engine
         self.token = token
+        # The leader's spans: one per Reserve, one per Generate stream (none per token).
+        self.spans = spans or Spans()
 
     def _guard(self, context: grpc.ServicerContext) -> None:
         require_token(context, self.token)
@@ -67,6 +74,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveResponse:
+        if not self.spans.on:
+            return self._reserve(request, context)
+        attributes = {
+            "tpla.request_id": request.request_id,
+            "tpla.prompt_tokens": request.prompt_len,
+            "tpla.max_tokens": request.max_tokens,
+            "tpla.n": request.n or 1,
+        }
+        span = self.spans.start("reserve", self._parent(context), attributes, kind=SpanKind.SERVER)
+        try:
+            res = self._reserve(request, context)
+        except BaseException as exc:
+            end(span, error=call_error(context, exc))
+            raise
+        end(span, {"tpla.cached_tokens": res.cached_tokens})
+        return res
+
+    def _parent(self, context: grpc.ServicerContext) -> Parent:
+        return self.spans.parent_from(context.invocation_metadata() or ())
+
+    def _reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.ReserveResponse:
         res = self._call(
             context,
             lambda: self.engine.reserve(
@@ -80,6 +110,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return reservation_to_pb(res)
 
     def Generate(
+        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.GenerateEvent]:
+        if not self.spans.on:
+            yield from self._generate(request, context)
+            return
+        attributes = {
+            "tpla.request_id": request.request_id,
+            "tpla.choices": max(len(request.first_tokens), 1),
+            "tpla.earlier_tokens": len(request.output_ids),
+        }
+        span = self.spans.start("generate", self._parent(context), attributes, kind=SpanKind.SERVER)
+        tokens, reasons, error = 0, [], None
+        try:
+            for msg in self._generate(request, context):
+                tokens += msg.HasField("token")
+                if msg.finish_reason:
+                    reasons.append(msg.finish_reason)
+                yield msg
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            done = {"tpla.tokens": tokens, "tpla.finish_reasons": tuple(reasons)}
+            end(span, done, error=call_error(context, error))
+
+    def _generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.GenerateEvent]:
         rid = request.request_id
