@@ -12,6 +12,7 @@ stays bounded: at most max_inflight + max_waiting requests exist in the router a
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -27,10 +28,12 @@ class Admission:
         load: RouterLoad,
         timeout_s: float,
         on_change: Callable[[int, int], None] = lambda running, waiting: None,
+        on_admit: Callable[[float], None] = lambda waited_s: None,
     ) -> None:
         self._load = load
         self.timeout_s = timeout_s
         self._on_change = on_change  # (running, waiting), e.g. to export gauges
+        self._on_admit = on_admit  # seconds a request waited for its slot (0: none)
         # The waiters in arrival order; an event is set when a slot is handed to its waiter.
         self._line: deque[anyio.Event] = deque()
 
@@ -40,6 +43,7 @@ class Admission:
         load = self._load
         if load.take_slot():
             self._changed()
+            self._on_admit(0.0)
             return
         if load.line_full():
             raise Overloaded(
@@ -51,9 +55,11 @@ class Admission:
         self._line.append(turn)
         load.start_waiting()
         self._changed()
+        started = time.monotonic()
         try:
             with anyio.fail_after(self.timeout_s):
                 await self._wait(turn)
+            self._on_admit(time.monotonic() - started)
         except TimeoutError:
             raise Overloaded(
                 f"no request slot became free within {self.timeout_s:g} s",

@@ -55,6 +55,7 @@ from services.router.pipeline import Pipeline
 from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Done, GenerationRequest, Output
 from services.router.responses import DONE_LINE, sse_error
+from services.router.worker_health import WorkerHealth
 from services.router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -276,6 +277,7 @@ def create_app(
     )
     requests = RequestLog(aredis)
     metrics = RouterMetrics(settings.served_model_name)
+    metrics.registry.register(WorkerHealth(directory))
     pipeline = Pipeline(
         PipelineConfig(
             model=settings.served_model_name,

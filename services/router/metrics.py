@@ -12,6 +12,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Request sizes in tokens, powers of two: a performance profile is indexed by prompt length.
+_LENGTH_BUCKETS = tuple(float(2**k) for k in range(18))  # 1 .. 131072
 
 
 class Outcome(enum.Enum):
@@ -79,12 +82,57 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             "tpla:generation_tokens", "Tokens generated.", labels, registry=self.registry
         )
-        # Pre-create every outcome so dashboards see zeros instead of missing series.
+        self.request_prompt_tokens = Histogram(
+            "tpla:request_prompt_tokens",
+            "Prompt length of each finished request, in tokens.",
+            labels,
+            buckets=_LENGTH_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_generation_tokens = Histogram(
+            "tpla:request_generation_tokens",
+            "Tokens generated for each finished request (all its choices).",
+            labels,
+            buckets=_LENGTH_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue = Histogram(
+            "tpla:request_queue_seconds",
+            "Time a request waited in this router for an in-flight slot (0: none).",
+            labels,
+            buckets=_QUEUE_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "tpla:request_errors",
+            "Failed requests by error type (the OpenAI error body's `type`).",
+            [*labels, "error_type"],
+            registry=self.registry,
+        )
+        # Pre-create every series of the model (errors come by type) so that dashboards and the
+        # autoscaler see zeros instead of missing series on an idle router.
         for outcome in Outcome:
             self.requests.labels(model_name, outcome.value)
+        for metric in (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.running,
+            self.waiting,
+            self.migrations,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.queue,
+        ):
+            metric.labels(model_name)
 
-    def outcome(self, outcome: Outcome) -> None:
+    def outcome(self, outcome: Outcome, error_type: str = "") -> None:
+        """A request's end; `error_type` (the OpenAI error body's `type`) when it failed."""
         self.requests.labels(self._model, outcome.value).inc()
+        if error_type:
+            self.errors.labels(self._model, error_type).inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.labels(self._model).observe(seconds)
@@ -95,9 +143,18 @@ class RouterMetrics:
     def observe_e2e(self, seconds: float) -> None:
         self.e2e.labels(self._model).observe(seconds)
 
-    def add_tokens(self, prompt: int, generated: int) -> None:
+    def finished(self, outcome: Outcome, prompt: int, generated: int, error_type: str = "") -> None:
+        """A request that was admitted has ended: its outcome, its tokens and, when it finished,
+        its sizes; `error_type` when it failed."""
+        self.outcome(outcome, error_type)
         self.prompt_tokens.labels(self._model).inc(prompt)
         self.generation_tokens.labels(self._model).inc(generated)
+        if outcome is Outcome.FINISHED:
+            self.request_prompt_tokens.labels(self._model).observe(prompt)
+            self.request_generation_tokens.labels(self._model).observe(generated)
+
+    def observe_queue(self, seconds: float) -> None:
+        self.queue.labels(self._model).observe(seconds)
 
     def set_load(self, running: int, waiting: int) -> None:
         self.running.labels(self._model).set(running)

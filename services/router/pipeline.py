@@ -69,7 +69,9 @@ class Pipeline:
         self.load = RouterLoad(
             config.max_inflight, config.max_waiting, config.max_inflight_per_group
         )
-        self.admission = Admission(self.load, config.queue_timeout_s, metrics.set_load)
+        self.admission = Admission(
+            self.load, config.queue_timeout_s, metrics.set_load, metrics.observe_queue
+        )
         self.placement = Placement(config, directory, policy, self.load, self._record)
         self.decoding = Decoding(config, self.placement, metrics, self._record)
 
@@ -132,7 +134,7 @@ class Pipeline:
             )
         except (redis.RedisError, OSError) as exc:
             # Without its record a request could be lost without trace: refuse it instead.
-            self.metrics.outcome(Outcome.FAILED)
+            self.metrics.outcome(Outcome.FAILED, Unavailable.error_type)
             raise Unavailable(f"request store unavailable: {exc}") from exc
         if self.config.log_prompts:
             log.info("request %s prompt: %r", req.request_id, req.prompt_text)
@@ -239,7 +241,7 @@ class Pipeline:
             await self._record(
                 rid, RequestState.FAILED, error=error.message, error_type=error.error_type
             )
-            self._finish_metrics(run.req, 0, Outcome.FAILED)
+            self._finish_metrics(run.req, 0, Outcome.FAILED, error.error_type)
 
     def _prompt_logprobs(
         self, req: GenerationRequest, scored: tuple[SampledToken, ...]
@@ -269,9 +271,10 @@ class Pipeline:
         except (redis.RedisError, OSError, InvalidTransition) as exc:
             log.warning("request %s: could not record %s: %s", rid, state.value, exc)
 
-    def _finish_metrics(self, req: GenerationRequest, generated: int, outcome: Outcome) -> None:
-        self.metrics.outcome(outcome)
-        self.metrics.add_tokens(len(req.prompt_ids), generated)
+    def _finish_metrics(
+        self, req: GenerationRequest, generated: int, outcome: Outcome, error_type: str = ""
+    ) -> None:
+        self.metrics.finished(outcome, len(req.prompt_ids), generated, error_type)
         self.metrics.observe_e2e(time.monotonic() - req.arrival)
 
 

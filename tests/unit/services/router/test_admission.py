@@ -93,3 +93,19 @@ async def test_a_cancelled_waiter_leaves_the_line() -> None:
     assert load.running == 0
     await adm.acquire()  # the freed slot is there for the next request
     assert load.running == 1
+
+
+async def test_each_admission_reports_its_wait_and_a_refusal_none() -> None:
+    load = RouterLoad(1, 1, max_per_group=8)
+    waits: list[float] = []
+    adm = Admission(load, 0.5, on_admit=waits.append)
+    await adm.acquire()
+    assert waits == [0.0]
+    waiter = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0.05)
+    adm.release()
+    await waiter
+    assert len(waits) == 2 and waits[1] >= 0.04
+    with pytest.raises(Overloaded):  # the slot stays taken: the wait times out
+        await Admission(load, 0.01, on_admit=waits.append).acquire()
+    assert len(waits) == 2

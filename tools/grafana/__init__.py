@@ -1,0 +1,1 @@
+"""The Grafana dashboard and the PromQL it is checked by."""
