@@ -7,6 +7,7 @@ larger than the largest measured one has no latency (the group was never seen to
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 def _increasing(values: Sequence[float], what: str) -> None:
-    if not values or any(b <= a for a, b in zip(values, values[1:], strict=False)):
+    if not values or any(b <= a for a, b in itertools.pairwise(values)):
         raise ValueError(f"profile {what} must be non-empty and strictly increasing: {values}")
 
 

@@ -48,6 +48,8 @@ def parse_scrape(text: str, at: float, where: str = "the router") -> Scrape:
     by_le: dict[str, dict[float, float]] = {h: {} for h in HISTOGRAMS}
     seen: set[str] = set()
     for family in text_string_to_metric_families(text):
+        # A labelled histogram nothing was observed in yet has its family and no samples.
+        seen.add(family.name)
         for sample in family.samples:
             seen.add(sample.name)
             if sample.name.endswith("_bucket") and sample.name[: -len("_bucket")] in by_le:
@@ -57,10 +59,17 @@ def parse_scrape(text: str, at: float, where: str = "the router") -> Scrape:
             else:
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     for name in REQUIRED:
-        if name not in seen:
+        if name not in seen and _family(name) not in seen:
             raise MissingMetric(name, where)
     buckets = {h: tuple(sorted(by_le[h].items())) for h in HISTOGRAMS}
-    return Scrape(at, {n: sums[n] for n in (*TOTALS, *GAUGES)}, buckets)
+    return Scrape(at, {n: sums.get(n, 0.0) for n in (*TOTALS, *GAUGES)}, buckets)
+
+
+def _family(sample: str) -> str:
+    for suffix in ("_total", "_sum", "_count", "_bucket"):
+        if sample.endswith(suffix):
+            return sample[: -len(suffix)]
+    return sample
 
 
 def histogram_quantile(q: float, buckets: Buckets) -> float | None:

@@ -19,7 +19,9 @@ def profile_from_rows(
     rows: list[dict], config: str, model: str, decode_gpus: int, source: str
 ) -> PerformanceProfile:
     """The profile of `config`'s closed-loop rows of a `tpla bench serve` report."""
-    mine = [r for r in rows if r["config"] == config and r["arrival"] == "closed" and r["completed"]]
+    mine = [
+        r for r in rows if r["config"] == config and r["arrival"] == "closed" and r["completed"]
+    ]
     if not mine:
         raise ValueError(f"no completed closed-loop rows of {config!r} to profile")
     prefill: dict[int, float] = {}

@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import signal
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,8 @@ def cmd_autoscaler(args: argparse.Namespace) -> int:
         args.decode_replicas if args.decode_replicas is not None else args.min_decode,
     )
     if args.once:
+        # Scripts that drive load during the window wait for this line.
+        print(f"tpla autoscaler: observing for {args.window_s:g} s", file=sys.stderr, flush=True)
         decision = decide_once(profile, source, current, sizing)
         out = decision.to_dict()
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
