@@ -95,6 +95,11 @@ class Sizing:
     itl_attainable: bool
 
 
+# A pool busier than this (arrivals x service over workers) corrects nothing: a queue that is
+# building or draining makes its TTFT a transient the steady-state model cannot match.
+MODEL_VALID_LOAD = 0.8
+
+
 def _clamp(x: float, bounds: tuple[float, float]) -> float:
     return max(bounds[0], min(bounds[1], x))
 
@@ -108,13 +113,13 @@ def prefill_correction(
     profile: PerformanceProfile, obs: Observation, current: int, cfg: SizingConfig
 ) -> float:
     """Observed mean TTFT over the model's mean for `current` workers at the observed load;
-    1.0 where there is nothing to compare (no traffic, or a model that predicts overload)."""
+    1.0 where there is nothing to compare (no traffic, a pool near saturation)."""
     if obs.ttft_mean_s is None or obs.request_rate <= 0 or current < 1:
         return 1.0
     service = profile.prefill.service_s(obs.prompt_tokens)
+    if obs.request_rate * service >= MODEL_VALID_LOAD * current:
+        return 1.0  # near saturation the queueing model says little about the system
     expected = service + mean_wait_s(current, obs.request_rate, service)
-    if not math.isfinite(expected) or expected <= 0:
-        return 1.0
     return _clamp(obs.ttft_mean_s / expected, cfg.correction_range)
 
 
@@ -122,11 +127,14 @@ def decode_correction(
     profile: PerformanceProfile, obs: Observation, current: int, cfg: SizingConfig
 ) -> float:
     """Observed mean ITL over the profile's at the batch each group ran (Little's law:
-    sequences decoding = output tokens/s x ITL) and the observed context."""
+    sequences decoding = output tokens/s x ITL) and the observed context; 1.0 beyond the
+    profile's largest batch."""
     if obs.itl_mean_s is None or obs.request_rate <= 0 or current < 1:
         return 1.0
     decoding = obs.request_rate * obs.output_tokens * obs.itl_mean_s
-    batch = min(max(decoding / current, 1.0), profile.decode.max_batch)
+    batch = max(decoding / current, 1.0)
+    if batch > profile.decode.max_batch:
+        return 1.0  # beyond the profile: nothing to compare with
     expected = profile.decode.itl(batch, decode_context(obs))
     return _clamp(obs.itl_mean_s / expected, cfg.correction_range)
 
