@@ -19,6 +19,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.loading",
     "tools.bench.moe",
     "tools.bench.answers",
+    "tools.bench.autoscale",
 )
 
 

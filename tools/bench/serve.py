@@ -351,7 +351,13 @@ def cmd(args: argparse.Namespace) -> int:
         reparam=args.reparam,
         prefill_workers=args.prefill_workers,
     )
-    report = run(sweep)
+    report = json.loads(Path(args.from_report).read_text()) if args.from_report else run(sweep)
+    if args.profile:
+        from services.autoscaler.profile import save_profile
+        from tools.bench.profile import profile_from_report
+        from tools.bench.serve_stack import StackConfig
+
+        save_profile(profile_from_report(report, StackConfig("", 1, "").tp), args.profile)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
@@ -410,4 +416,14 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="JSON report as the last stdout line")
     p.add_argument("--out", default="", help="also write the JSON report here")
     p.add_argument("--plot", default="", help="write the throughput / TPOT p99 chart here")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="write the autoscaler's performance profile here (tools/bench/profile.py)",
+    )
+    p.add_argument(
+        "--from-report",
+        default="",
+        help="no run: take the sweep from this saved report (e.g. with --profile)",
+    )
     p.set_defaults(func=cmd)

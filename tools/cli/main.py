@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tools.bench.cli import add_bench_parser
+from tools.cli.autoscaler import add_autoscaler_parser
 from tools.cli.generate import add_generate_parser
 from tools.cli.plan import add_plan_parser
 from tools.cli.services import add_service_parsers
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     add_eval_parser(sub)
     add_plan_parser(sub)
+    add_autoscaler_parser(sub)
     add_train_demo_parser(sub)
     add_bench_parser(sub)
     add_service_parsers(sub)

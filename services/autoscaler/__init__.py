@@ -1,0 +1,1 @@
+"""The autoscaler: sizes the prefill and decode pools from observed load against SLOs."""
