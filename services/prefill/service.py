@@ -119,6 +119,7 @@ def serve_prefill(
     transport: str = "grpc",
     token: str | None = None,
     dtype: str = "float32",
+    weight_dtype: str = "auto",
     device: str = "cpu",
     heartbeat_s: float = 2.0,
     worker_ttl_s: float = 10.0,
@@ -134,7 +135,7 @@ def serve_prefill(
     grpc_use, metrics_use = prefill_worker_ports(port)
     check_ports(host, [grpc_use, metrics_use])  # before the model loads
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
-    model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device)
+    model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device, weight_dtype)
     log.info("prefill attention backend: %s", model.prefill_attention.name)
     registry = CollectorRegistry()
     worker = PrefillWorker(
