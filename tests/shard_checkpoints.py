@@ -88,8 +88,11 @@ def is_quantized(name: str, t: Tensor) -> bool:
     )
 
 
-def quantize(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(FP8 checkpoint with `_scale_inv` tensors, the same weights dequantized in float32)."""
+def quantize(
+    state: dict[str, Tensor], block: int = BLOCK
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(FP8 checkpoint with `_scale_inv` tensors of `block` x `block` blocks, the same weights
+    dequantized in float32)."""
     fp8: dict[str, Tensor] = {}
     dequantized: dict[str, Tensor] = {}
     for name, w in state.items():
@@ -97,12 +100,12 @@ def quantize(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Ten
             fp8[name] = dequantized[name] = w
             continue
         rows, cols = w.shape
-        br, bc = math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
-        padded = torch.zeros(br * BLOCK, bc * BLOCK)
+        br, bc = math.ceil(rows / block), math.ceil(cols / block)
+        padded = torch.zeros(br * block, bc * block)
         padded[:rows, :cols] = w
-        amax = padded.view(br, BLOCK, bc, BLOCK).abs().amax(dim=(1, 3))
+        amax = padded.view(br, block, bc, block).abs().amax(dim=(1, 3))
         scale = (amax / 448.0).clamp(min=1e-12)
-        full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
         q = (w / full).to(torch.float8_e4m3fn)
         fp8[name], fp8[f"{name}_scale_inv"] = q, scale
         dequantized[name] = q.float() * full
@@ -170,3 +173,35 @@ class ThreadCollectives(Collectives):
 
     def barrier(self) -> None:
         self.group.barrier.wait()
+
+
+def fp8_copy(model_dir: Path, out: Path, block: int) -> tuple[Path, Path]:
+    """`model_dir`'s weights as an FP8 checkpoint of `block` x `block` blocks (experts in the
+    hub layout, so every expert projection is quantized), and the same weights dequantized
+    beforehand: (fp8 dir, dequantized dir)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    for name in [k for k in state if k.endswith("experts.gate_up_proj")]:
+        prefix = name.removesuffix(".gate_up_proj")
+        gate, up = state.pop(name).chunk(2, dim=1)
+        down = state.pop(f"{prefix}.down_proj")
+        for e in range(gate.shape[0]):
+            state[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()
+            state[f"{prefix}.{e}.up_proj.weight"] = up[e].clone()
+            state[f"{prefix}.{e}.down_proj.weight"] = down[e].clone()
+    fp8, dequantized = quantize({k: v.float() for k, v in state.items()}, block)
+    config = json.loads((model_dir / "config.json").read_text())
+    dirs = []
+    for name, weights, extra in (
+        ("fp8", fp8, {"quantization_config": {**FP8_CONFIG, "weight_block_size": [block] * 2}}),
+        ("dequantized", dequantized, {}),
+    ):
+        path = out / name
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+        dirs.append(path)
+    return dirs[0], dirs[1]

@@ -13,7 +13,9 @@ FP8 checkpoints in DeepSeek-V3's format (`quantization_config.quant_method: fp8`
 linear weight `W` as `float8_e4m3fn` with `W_scale_inv`, one float32 per `weight_block_size`
 block (shape ceil-divided). A slice is dequantized on its own, with the scales of the blocks
 it overlaps (a slice may start mid-block): `w * scale` in float32, then cast to the serving
-dtype, which is exactly what dequantizing the whole file beforehand and casting gives.
+dtype, which is exactly what dequantizing the whole file beforehand and casting gives. Or a
+slice is read as stored (`read_quantized`): its e4m3 values and the scales of the blocks it
+overlaps, for weights kept in FP8 (common/model/fp8.py).
 """
 
 from __future__ import annotations
@@ -111,6 +113,16 @@ class TensorInfo:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class QuantizedSlice:
+    """A slice of an FP8 tensor as stored, with the scales of the blocks it overlaps."""
+
+    values: Tensor  # float8 [..., rows, cols]
+    scale: Tensor  # float32 [..., block rows, block cols]
+    row_offset: int  # the first row's offset inside its block
+    col_offset: int  # the first column's offset inside its block
+
+
 class CheckpointReader:
     """Names, shapes and sliced reads of a checkpoint's tensors (headers only at start)."""
 
@@ -163,6 +175,34 @@ class CheckpointReader:
         base = name.removesuffix(SCALE_SUFFIX)
         return base != name and base in self.tensors and self.tensors[base].dtype in FP8_DTYPES
 
+    def is_fp8(self, name: str) -> bool:
+        info = self.tensors.get(name)
+        return info is not None and info.dtype in FP8_DTYPES
+
+    def read_quantized(
+        self, name: str, index: Index = (), *, device: torch.device | str = "cpu"
+    ) -> QuantizedSlice:
+        """Tensor `name`[index] of an e4m3 weight as stored, and its blocks' scales."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"missing: {name}")
+        if info.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{name} is {info.dtype}, not float8_e4m3fn: it has no FP8 form")
+        bounds = _bounds(name, index, info.shape)
+        values = self.read(name, index, dtype=info.dtype, device=device)
+        scale = self.read(
+            name + SCALE_SUFFIX, self._scale_index(bounds), dtype=torch.float32, device=device
+        )
+        b0, b1 = self.quant.block
+        return QuantizedSlice(values, scale, bounds[-2][0] % b0, bounds[-1][0] % b1)
+
+    def _scale_index(self, bounds: list[tuple[int, int]]) -> list[slice]:
+        """The blocks a slice overlaps, as an index of its scale tensor."""
+        lead, (r0, r1), (c0, c1) = bounds[:-2], bounds[-2], bounds[-1]
+        b0, b1 = self.quant.block
+        blocks = [*lead, (r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1))]
+        return [slice(a, b) for a, b in blocks]
+
     def read(
         self,
         name: str,
@@ -172,7 +212,8 @@ class CheckpointReader:
         device: torch.device | str = "cpu",
     ) -> Tensor:
         """Tensor `name`[index] (one slice per leading dim, step 1) as a fresh `dtype` tensor
-        on `device`; FP8 weights are dequantized with their block scales."""
+        on `device`; FP8 weights are dequantized with their block scales (read in their own
+        FP8 dtype, they are copied as stored)."""
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"missing: {name}")
@@ -209,7 +250,7 @@ class CheckpointReader:
         key = tuple(slice(a, b) for a, b in bounds)
         f = self._open(info.file)
         part = f.get_slice(name)[key] if key else f.get_tensor(name)
-        if info.dtype not in FP8_DTYPES:
+        if info.dtype not in FP8_DTYPES or dtype == info.dtype:
             result = (
                 out.copy_(part)
                 if out is not None
@@ -245,18 +286,10 @@ class CheckpointReader:
 
     def _dequantize(self, name: str, w: Tensor, bounds: list[tuple[int, int]]) -> Tensor:
         """w [..., rows, cols] (the slice `bounds` of `name`) times its blocks' scales."""
-        lead, (r0, r1), (c0, c1) = bounds[:-2], bounds[-2], bounds[-1]
+        (r0, r1), (c0, c1) = bounds[-2], bounds[-1]
         b0, b1 = self.quant.block
-        scale_index = [
-            *lead,
-            (r0 // b0, -(-r1 // b0)),
-            (c0 // b1, -(-c1 // b1)),
-        ]
         scale = self.read(
-            name + SCALE_SUFFIX,
-            [slice(a, b) for a, b in scale_index],
-            dtype=torch.float32,
-            device=w.device,
+            name + SCALE_SUFFIX, self._scale_index(bounds), dtype=torch.float32, device=w.device
         )
         # Blocks -> elements, then drop the part of the first block before the slice start.
         scale = scale.repeat_interleave(b0, dim=-2).repeat_interleave(b1, dim=-1)

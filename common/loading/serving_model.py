@@ -7,7 +7,8 @@ e_i = 1/r.
 
 The weights are read from the checkpoint tensor by tensor (`CheckpointWeights`), rotated as
 they are read: a decode rank builds only its share from them, the prefill worker the whole
-model, neither ever holding a second copy.
+model, neither ever holding a second copy. `weight_dtype` (TPLA_WEIGHT_DTYPE) says whether an
+FP8 checkpoint's linear weights stay FP8 (`keeps_fp8`).
 """
 
 from __future__ import annotations
@@ -29,15 +30,31 @@ def side_file_path(model_dir: str | Path, reparam: str) -> Path:
     return Path(model_dir) / name
 
 
+WEIGHT_DTYPES = ("auto", "float8", "dequantize")
+
+
+def keeps_fp8(weight_dtype: str, device: str | torch.device) -> bool:
+    """Whether an FP8 checkpoint's linear weights stay FP8 on `device`: `auto` keeps them on
+    CUDA (memory) and dequantizes them at load on the CPU (speed)."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+    if weight_dtype == "auto":
+        return torch.device(device).type == "cuda"
+    return weight_dtype == "float8"
+
+
 def open_serving_weights(
     model_dir: str | Path,
     reparam: str | None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    weight_dtype: str = "auto",
 ) -> tuple[CheckpointWeights, list[Tensor | None]]:
     """The checkpoint's weights (in the side file's basis when `reparam` is set), read on
-    demand in `dtype` onto `device`, and the per-layer latent spectra."""
-    src = CheckpointWeights(model_dir, serving_dtype(dtype), device)
+    demand in `dtype` onto `device` (an FP8 checkpoint's linears kept FP8 where `weight_dtype`
+    says so), and the per-layer latent spectra."""
+    keep = keeps_fp8(weight_dtype, device)
+    src = CheckpointWeights(model_dir, serving_dtype(dtype), device, keep_fp8=keep)
     layers = src.config.num_hidden_layers
     if not reparam:
         return src, [None] * layers
@@ -70,9 +87,10 @@ def load_serving_model(
     reparam: str | None,
     dtype: str = "float32",
     device: str | torch.device = "cpu",
+    weight_dtype: str = "auto",
 ) -> tuple[DeepseekForCausalLM, list[Tensor | None]]:
     """The whole model (rotated when `reparam` is set) on `device`, and its latent spectra."""
-    src, spectra = open_serving_weights(model_dir, reparam, dtype, device)
+    src, spectra = open_serving_weights(model_dir, reparam, dtype, device, weight_dtype)
     return build_model(src).to_device(device), spectra
 
 
@@ -82,13 +100,14 @@ def load_prefill_model(
     dtype: str = "float32",
     attention_backend: str = "auto",
     device: str = "cpu",
+    weight_dtype: str = "auto",
 ) -> DeepseekForCausalLM:
     """The serving model for a prefill on `device`: its attention on `attention_backend`
     (`select_prefill_attention`: auto, sdpa, native, flash-attn). Decode ranks build their
     share with `open_serving_weights` and never prefill, so only here is a prefill kernel
     chosen."""
     # The latent rotation is computed on the CPU in fp64 as each tensor is read, then placed.
-    model = load_serving_model(model_dir, reparam, dtype, device)[0]
+    model = load_serving_model(model_dir, reparam, dtype, device, weight_dtype)[0]
     weight = model.lm_head.weight
     model.prefill_attention = select_prefill_attention(
         attention_backend, weight.device, weight.dtype

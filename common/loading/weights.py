@@ -6,6 +6,10 @@ and "these columns of these experts". The full model (`build_model`) and a decod
 (`RankModel`) are both built from a source, so a rank reading a checkpoint gets exactly the
 tensors it would have sliced out of the loaded model, without the model ever existing.
 
+A checkpoint source may keep an FP8 checkpoint's linear weights in FP8 (`keep_fp8`): `linear`,
+`gate_up` and `down` then give `Fp8Weight`s (common/model/fp8.py) of the same slices, read as
+stored with the scales of the blocks they overlap; `tensor` always gives a dense tensor.
+
 A checkpoint source can also serve the weights in a rotated latent basis (a TPLA side file,
 `use_basis`): gamma folded into kv_b_proj and each layer's R applied, in float64 as
 `common.tpla.convert` does, so the result equals rotating the loaded model.
@@ -24,6 +28,7 @@ from torch import Tensor
 
 from common.loading.checkpoint import CheckpointError, CheckpointReader
 from common.model.args import ModelConfig
+from common.model.fp8 import Fp8Weight, RowRun, Weight, cat_rows, share_workspace, stack
 from common.model.model import DeepseekForCausalLM
 
 ALL = slice(None)
@@ -31,6 +36,7 @@ _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")
 _LATENT = re.compile(
     r"^model\.layers\.(\d+)\.self_attn\.(kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj)\.weight$"
 )
@@ -48,10 +54,13 @@ class WeightSource(Protocol):
     ) -> Tensor:
         """name[rows, cols] (a 1-D tensor takes `rows` only)."""
 
-    def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+    def linear(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Weight:
+        """A linear weight's name[rows, cols]: kept in FP8 where the source keeps it so."""
+
+    def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Weight:
         """Experts `experts`' gate rows `cols` then up rows `cols`: [|experts|, 2 |cols|, D]."""
 
-    def down(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+    def down(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Weight:
         """Experts `experts`' down_proj columns `cols`: [|experts|, D, |cols|]."""
 
 
@@ -89,6 +98,9 @@ class ModelWeights:
         t = t[:, cols] if t.ndim == 2 else t
         return t.clone() if dtype is None else t.to(dtype, copy=True)
 
+    def linear(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Weight:
+        return self.tensor(name, rows, cols)
+
     def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
         gu = self._params[f"{prefix}.gate_up_proj"][experts]
         inter = gu.shape[1] // 2
@@ -107,10 +119,12 @@ class CheckpointWeights:
         model_dir: str | Path,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        keep_fp8: bool = False,
     ) -> None:
         self.config = ModelConfig.from_dir(model_dir)
         self.reader = CheckpointReader(model_dir)
         self.dtype, self.device = dtype, torch.device(device)
+        self.keep_fp8 = keep_fp8
         self._rotations: list[Tensor] | None = None
         self._plain: dict[str, str] = {}
         self._experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
@@ -144,8 +158,24 @@ class CheckpointWeights:
             return self._rotated(int(latent.group(1)), latent.group(2), rows, cols)
         return self._read(name, rows, cols, dtype=dtype)
 
-    def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+    def linear(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Weight:
+        stored = self._plain.get(name)
+        rotated = _LATENT.match(name) and self._rotations is not None
+        if stored is None or rotated or not self._keeps(stored):
+            return self.tensor(name, rows, cols)
+        return self._quantized(stored, (rows, cols), _role(name))
+
+    def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Weight:
         fused = f"{prefix}.gate_up_proj"
+        role = _role(fused)
+        if fused in self._plain and self._keeps(fused):
+            inter = self.reader.tensors[fused].shape[1] // 2
+            start, stop, _ = cols.indices(inter)
+            gate = self._quantized(fused, (experts, slice(start, stop)), role)
+            up = self._quantized(fused, (experts, slice(inter + start, inter + stop)), role)
+            return cat_rows(
+                [gate, up], (*gate.shape[:-2], 2 * (stop - start), gate.shape[-1]), role
+            )
         if fused in self._plain:
             if cols == ALL:
                 return self._read(fused, experts)
@@ -158,18 +188,35 @@ class CheckpointWeights:
         names = [self._experts[prefix][e] for e in held]
         first = self.reader.tensors[names[0]["gate_proj"]].shape
         width = len(range(*cols.indices(first[0])))
+        if self._keeps(names[0]["gate_proj"]):
+
+            def expert(k: int) -> Fp8Weight:
+                gate = self._quantized(names[k]["gate_proj"], (cols,), role)
+                up = self._quantized(names[k]["up_proj"], (cols,), role)
+                return cat_rows([gate, up], (2 * width, first[1]), role)
+
+            return stack(expert, len(names), role)
         out = torch.empty(len(names), 2 * width, first[1], dtype=self.dtype, device=self.device)
         for k, expert in enumerate(names):
             out[k, :width] = self._read_raw(expert["gate_proj"], (cols,))
             out[k, width:] = self._read_raw(expert["up_proj"], (cols,))
         return out
 
-    def down(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Tensor:
+    def down(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Weight:
         fused = f"{prefix}.down_proj"
+        role = _role(fused)
         if fused in self._plain:
+            if self._keeps(fused):
+                return self._quantized(fused, (experts, ALL, cols), role)
             return self._read(fused, experts, ALL, cols)
         held = range(*experts.indices(len(self._experts[prefix])))
         names = [self._experts[prefix][e] for e in held]
+        if self._keeps(names[0]["down_proj"]):
+            return stack(
+                lambda k: self._quantized(names[k]["down_proj"], (ALL, cols), role),
+                len(names),
+                role,
+            )
         first = self.reader.tensors[names[0]["down_proj"]].shape
         width = len(range(*cols.indices(first[1])))
         out = torch.empty(len(names), first[0], width, dtype=self.dtype, device=self.device)
@@ -178,6 +225,17 @@ class CheckpointWeights:
         return out
 
     # -- reading --------------------------------------------------------------------------------
+
+    def _keeps(self, stored: str) -> bool:
+        """Whether stored tensor `stored` stays FP8 (e5m2 checkpoints are dequantized)."""
+        return self.keep_fp8 and self.reader.tensors[stored].dtype == torch.float8_e4m3fn
+
+    def _quantized(self, stored: str, index: Sequence[slice], role: str) -> Fp8Weight:
+        q = self.reader.read_quantized(stored, index, device=self.device)
+        rows = (RowRun(q.values.shape[-2], q.row_offset, 0),)
+        shape = tuple(q.values.shape)
+        block = self.reader.quant.block
+        return Fp8Weight(q.values, q.scale, rows, q.col_offset, block, shape, self.dtype, role)
 
     def _read(
         self,
@@ -270,17 +328,38 @@ class CheckpointWeights:
             )
 
 
+def _role(name: str) -> str:
+    """A weight's name without its layer: the workspace buffer it dequantizes into."""
+    return _LAYER_PREFIX.sub("", name)
+
+
 def build_model(src: WeightSource) -> DeepseekForCausalLM:
-    """The full model from `src`, one tensor at a time (nothing is held twice)."""
+    """The full model from `src`, one tensor at a time (nothing is held twice). A weight the
+    source keeps in FP8 replaces its `nn.Linear` (or stacked expert parameter)."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(src.config)
+    linears = {f"{k}.weight" for k, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     state: dict[str, Tensor] = {}
     for name in model.state_dict():
+        value: Weight
         if name.endswith("experts.gate_up_proj"):
-            state[name] = src.gate_up(name.removesuffix(".gate_up_proj"))
+            value = src.gate_up(name.removesuffix(".gate_up_proj"))
         elif name.endswith("experts.down_proj"):
-            state[name] = src.down(name.removesuffix(".down_proj"))
+            value = src.down(name.removesuffix(".down_proj"))
+        elif name in linears:
+            value = src.linear(name)
         else:
-            state[name] = src.tensor(name, dtype=torch.float32 if is_router(name) else None)
+            value = src.tensor(name, dtype=torch.float32 if is_router(name) else None)
+        if isinstance(value, Fp8Weight):
+            path, leaf = name.rsplit(".", 1)
+            if leaf == "weight":  # an nn.Linear: the FP8 weight takes the module's place
+                path, leaf = path.rsplit(".", 1)
+            parent = model.get_submodule(path)
+            delattr(parent, leaf)
+            setattr(parent, leaf, value)
+            state.update({f"{path}.{leaf}.{k}": v for k, v in value.state_dict().items()})
+        else:
+            state[name] = value
     model.load_state_dict(state, assign=True)
+    share_workspace(model)
     return model.eval()

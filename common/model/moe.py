@@ -2,8 +2,9 @@
 
 Routed experts are stored fused, as transformers 5 does: `gate_up_proj` [E, 2I, D] (gate
 rows first) and `down_proj` [E, D, I]. The loader stacks per-expert hub checkpoints into it.
-Under expert parallelism a rank's MoE holds a contiguous run of whole experts. The kernels
-over the routed tokens live in common/model/experts.py.
+Under expert parallelism a rank's MoE holds a contiguous run of whole experts. Either stacked
+tensor may be an `Fp8Weight` (common/model/fp8.py), dequantized just before the grouped GEMMs.
+The kernels over the routed tokens live in common/model/experts.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 from common.model.args import ModelConfig
 from common.model.experts import RoutedExperts, select_routed_experts
+from common.model.fp8 import dense
 
 
 class MLP(nn.Module):
@@ -104,13 +106,14 @@ class MoE(nn.Module):
     @property
     def kernel(self) -> RoutedExperts:
         if self._kernel is None:
-            self._kernel = select_routed_experts(self.experts.gate_up_proj, self.experts.down_proj)
+            e = self.experts
+            self._kernel = select_routed_experts(dense(e.gate_up_proj), dense(e.down_proj))
         return self._kernel
 
     def routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """The held experts' share of the routed output for x [T, D], ids / weights [T, k]."""
-        e = self.experts
-        return self.kernel(x, ids, weights, e.gate_up_proj, e.down_proj, self.first_expert)
+        e, kernel = self.experts, self.kernel
+        return kernel(x, ids, weights, dense(e.gate_up_proj), dense(e.down_proj), self.first_expert)
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)

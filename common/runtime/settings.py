@@ -25,6 +25,13 @@ class Settings(BaseSettings):
     dtype: str = Field(
         "auto", description="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"
     )
+    weight_dtype: str = Field(
+        "auto",
+        pattern="^(auto|float8|dequantize)$",
+        description="an FP8 block checkpoint's linear weights: float8 (kept FP8, dequantized "
+        "as each is used) | dequantize (to TPLA_DTYPE at load) | auto (float8 on CUDA, "
+        "dequantize on the CPU, where the per-use dequantization costs more than it saves)",
+    )
     device: str = Field(
         "auto", description="auto (cuda when visible) | cpu | cuda | cuda:N (decode rank k: N + k)"
     )

@@ -35,6 +35,7 @@ class EngineConfig:
     max_batch: int = 32
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "float32"
+    weight_dtype: str = "auto"  # an FP8 checkpoint's weights: auto | float8 | dequantize
     # "cpu" for every rank, or "cuda" / "cuda:N": rank k on GPU N + k (`rank_device`).
     device: str = "cpu"
     lease_seconds: float = 30.0
@@ -145,6 +146,7 @@ def engine_config(s: Settings) -> EngineConfig:
         kv_budget_mb=s.kv_budget_mb,
         max_batch=s.max_batch,
         dtype=s.dtype,
+        weight_dtype=s.weight_dtype,
         device=s.device,
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,

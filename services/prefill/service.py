@@ -153,6 +153,7 @@ def serve_prefill(
     transport: str = "grpc",
     token: str | None = None,
     dtype: str = "float32",
+    weight_dtype: str = "auto",
     device: str = "cpu",
     heartbeat_s: float = 2.0,
     worker_ttl_s: float = 10.0,
@@ -169,7 +170,7 @@ def serve_prefill(
     check_ports(host, [grpc_use, metrics_use])  # before the model loads
     spans = setup_tracing("tpla-prefill")
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
-    model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device)
+    model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device, weight_dtype)
     log.info("prefill attention backend: %s", model.prefill_attention.name)
     registry = CollectorRegistry()
     worker = PrefillWorker(

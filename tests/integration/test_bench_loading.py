@@ -32,3 +32,12 @@ def test_children_load_the_generated_shards_and_report_their_share(tmp_path: Pat
     assert overhead["parameter_bytes"] == 0 and overhead["peak_rss_bytes"] > 50 << 20
     assert rank["parameter_bytes"] == planned_rank_bytes(tmp_path, "tpla", 1, "float32")
     assert rank["peak_rss_bytes"] > rank["parameter_bytes"]
+
+
+def test_a_rank_keeping_an_fp8_checkpoint_fp8_holds_the_planned_float8_bytes(
+    tmp_path: Path,
+) -> None:
+    write_checkpoint(tmp_path, 1 << 20, "bfloat16", 2, SMALL, fp8_block=16)
+    rank = run_child(tmp_path, "bfloat16", "rank-fp8", "tpla", 1)
+    assert rank["parameter_bytes"] == planned_rank_bytes(tmp_path, "tpla", 1, "float8")
+    assert rank["parameter_bytes"] < planned_rank_bytes(tmp_path, "tpla", 1, "bfloat16")

@@ -7,7 +7,9 @@ reports each child's peak RSS (VmHWM, `peak_rss_bytes`) next to the bytes of par
 - `overhead`: imports everything a rank imports and reads the config, loads no weights;
 - `whole`: the whole model (`load_model`, what the prefill worker holds);
 - `rank`: one rank of tp = 2 TPLA (r = 2) and of tp = 2 MLA-TP, read shard-wise;
-- `whole-then-slice`: the old way, the whole model loaded and then a rank's share kept.
+- `whole-then-slice`: the old way, the whole model loaded and then a rank's share kept;
+- `rank-fp8`: one rank of tp = 2 TPLA read from the same model as a block-FP8 checkpoint
+  (128 x 128 blocks), its linear weights kept FP8 (TPLA_WEIGHT_DTYPE=float8), the rest bf16.
 
 A rank read shard-wise should peak near overhead + its share. The checkpoint is deleted at
 the end.
@@ -62,10 +64,12 @@ def write_checkpoint(
     dtype: str,
     layers: int,
     config: dict[str, Any] | None = None,
+    fp8_block: int | None = None,
 ) -> int:
     """A random checkpoint of `config` (WIDE_CONFIG) in `out`, split into shards of
-    ~`shard_bytes`; only one shard's tensors are in memory at a time. Returns the bytes
-    written."""
+    ~`shard_bytes`; only one shard's tensors are in memory at a time. With `fp8_block`, the
+    linear weights are block FP8 (DeepSeek-V3's format) and the rest `dtype`. Returns the
+    bytes written."""
     import torch
     from safetensors.torch import save_file
 
@@ -73,6 +77,9 @@ def write_checkpoint(
     from common.model.model import DeepseekForCausalLM
 
     config = {**(config or WIDE_CONFIG), "num_hidden_layers": layers, "torch_dtype": dtype}
+    if fp8_block:
+        block = [fp8_block, fp8_block]
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": block}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config))
     with torch.device("meta"):
@@ -112,12 +119,25 @@ def write_checkpoint(
             ).to(torch_dtype)
             for name, shape in entries
         }
+        if fp8_block:
+            for name, shape in entries:
+                if _quantized(name, shape):
+                    scale = [-(-n // fp8_block) for n in shape]
+                    tensors[name] = (tensors[name].float() * 100).to(torch.float8_e4m3fn)
+                    tensors[f"{name}_scale_inv"] = torch.full(scale, 0.01)
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         total += (out / file).stat().st_size
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return total
+
+
+def _quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """A linear weight DeepSeek-V3's FP8 checkpoints store in FP8 (not the router, the
+    embedding or lm_head)."""
+    skip = ("norm", "embed", "lm_head", "mlp.gate.weight")
+    return len(shape) == 2 and not any(s in name for s in skip)
 
 
 # -- the child: one load, one measurement -------------------------------------------------------
@@ -145,6 +165,8 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     else:
         if mode == "rank":
             source: Any = open_serving_weights(model_dir, None, dtype)[0]
+        elif mode == "rank-fp8":
+            source = open_serving_weights(model_dir, None, dtype, "cpu", "float8")[0]
         else:  # whole-then-slice
             source = load_model(model_dir, dtype=dtype)
         c = source.config
@@ -205,13 +227,14 @@ def _machine() -> dict[str, Any]:
 
 
 def planned_rank_bytes(model_dir: Path, layout: str, rank: int, dtype: str) -> int:
+    from common.loading.checkpoint import Quantization
     from common.model.args import ModelConfig
     from common.parallel import ParallelConfig
     from common.tpla.rank_memory import rank_tensors, weight_bytes
 
     c = ModelConfig.from_dir(model_dir)
     lay = ParallelConfig(tp=2, latent_groups=2 if layout == "tpla" else 1)
-    return weight_bytes(rank_tensors(c, lay, rank), dtype)
+    return weight_bytes(rank_tensors(c, lay, rank), dtype, Quantization.from_dir(model_dir).block)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -229,9 +252,17 @@ def _run(args: argparse.Namespace) -> int:
         rows.append(run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
         overhead = rows[0]["peak_rss_bytes"]
         for r in rows:
-            r["peak_minus_overhead_bytes"] = r["peak_rss_bytes"] - overhead
             if r["mode"] in ("rank", "whole-then-slice"):
                 r["planned_bytes"] = planned_rank_bytes(tmp, r["layout"], r["rank"], args.dtype)
+        shutil.rmtree(tmp, ignore_errors=True)
+        # The same model as a block-FP8 checkpoint, a rank keeping it FP8 (the rest bf16).
+        write_checkpoint(tmp, int(args.shard_gb * GIB), "bfloat16", args.layers, fp8_block=128)
+        for rank in (0, 1):
+            row = run_child(tmp, "bfloat16", "rank-fp8", "tpla", rank)
+            row["planned_bytes"] = planned_rank_bytes(tmp, "tpla", rank, "float8")
+            rows.append(row)
+        for r in rows:
+            r["peak_minus_overhead_bytes"] = r["peak_rss_bytes"] - overhead
         result = {
             "checkpoint_bytes": size,
             "shards": files,

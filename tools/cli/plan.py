@@ -120,8 +120,8 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
     ]
     if req.weight_dtype == FP8:
         lines.append(
-            "float8 weights are a what-if: the loader reads FP8 checkpoints but dequantizes "
-            "them to the serving dtype (plan those with --weight-dtype bfloat16)."
+            "float8 weights: what a rank holds with TPLA_WEIGHT_DTYPE=float8 (auto on CUDA); "
+            "with the weights dequantized at load, plan --weight-dtype bfloat16."
         )
     return "\n".join(lines)
 

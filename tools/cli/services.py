@@ -79,6 +79,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         transport=s.transport,
         token=token,
         dtype=s.dtype,
+        weight_dtype=s.weight_dtype,
         device=s.device,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,

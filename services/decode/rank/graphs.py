@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from common.model.experts import grouped_unsupported
+from common.model.fp8 import dense
 from common.model.moe import MoE
 from services.decode.group.step_plan import DecodePlan
 
@@ -91,7 +92,7 @@ def uncapturable(model: nn.Module) -> str | None:
     for module in model.modules():
         if isinstance(module, MoE):
             experts = module.experts
-            why = grouped_unsupported(experts.gate_up_proj, experts.down_proj)
+            why = grouped_unsupported(dense(experts.gate_up_proj), dense(experts.down_proj))
             if why is not None:
                 return f"the MoE experts run the per-expert loop ({why})"
     return None

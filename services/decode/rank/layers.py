@@ -3,7 +3,8 @@
 Rank (i, j) of a group with `tp = r * m` ranks holds latent slice i and head group j
 (DESIGN §1 "TPLA decode"): the W_UK / W_UV columns of S_i for its heads, its heads' rows of
 the query projection and columns of o_proj, the layer's norms, and the slice of the FFN
-`common/parallel.py` gives it (`rank_ffn`). The math around the
+`common/parallel.py` gives it (`rank_ffn`). A linear weight a source keeps in FP8 is held
+as an `Fp8Weight` (common/model/fp8.py), dequantized where it is applied. The math around the
 attention kernel lives here (`attend_reference`, the unfused path); which kernel runs it is
 the rank's backend (services/decode/rank/backends), called from the step (rank/model.py).
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.loading.weights import WeightSource
+from common.model.fp8 import Fp8Weight, dense, held
 from common.model.mla import Linear, RMSNorm, project_latent, project_queries
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
@@ -52,38 +54,47 @@ class RankAttention(nn.Module):
         qk = self.d_n + self.d_r
         rows = slice(heads.start * qk, heads.stop * qk)
         if c.q_lora_rank is not None:
-            self.q_a: nn.Parameter | None = nn.Parameter(src.tensor(p + "q_a_proj.weight"))
+            self.q_a: nn.Parameter | Fp8Weight | None = held(src.linear(p + "q_a_proj.weight"))
             self.q_a_norm: RMSNorm | None = rank_norm(
                 src, p + "q_a_layernorm.weight", c.rms_norm_eps
             )
-            self.q_b = nn.Parameter(src.tensor(p + "q_b_proj.weight", rows))
+            self.q_b = held(src.linear(p + "q_b_proj.weight", rows))
         else:
             self.q_a, self.q_a_norm = None, None
-            self.q_b = nn.Parameter(src.tensor(p + "q_proj.weight", rows))
+            self.q_b = held(src.linear(p + "q_proj.weight", rows))
         kv_a = p + "kv_a_proj_with_mqa.weight"
         # Exact mode needs the whole (small) latent projection to normalize exactly; sliced
         # mode holds only its slice's rows. The rope rows are replicated either way.
         exact = mode is RmsNormMode.EXACT
         latent_rows = slice(0, self.d_c) if exact else slice(shard.start, shard.end)
-        self.kv_a_latent = nn.Parameter(src.tensor(kv_a, latent_rows))
-        self.kv_a_rope = nn.Parameter(src.tensor(kv_a, slice(self.d_c, None)))
+        self.kv_a_latent = held(src.linear(kv_a, latent_rows))
+        self.kv_a_rope = held(src.linear(kv_a, slice(self.d_c, None)))
         self.gamma = nn.Parameter(src.tensor(p + "kv_a_layernorm.weight"))
         self.eps = c.rms_norm_eps
         # W_UK / W_UV of these heads, latent columns S_i: rows of kv_b_proj [h (d_n + d_v), w].
         kv = self.d_n + self.d_v
-        w_kv = src.tensor(
+        w_kv = src.linear(
             p + "kv_b_proj.weight",
             slice(heads.start * kv, heads.stop * kv),
             slice(shard.start, shard.end),
-        ).view(self.num_heads, kv, shard.width)
-        self.w_uk = nn.Parameter(w_kv[:, : self.d_n].contiguous())
-        self.w_uv = nn.Parameter(w_kv[:, self.d_n :].contiguous())
+        )
+        self.uk, self.uv = split_kv_b(w_kv, self.num_heads, self.d_n, self.d_v)
         del w_kv
-        self.w_o = nn.Parameter(
-            src.tensor(
+        self.w_o = held(
+            src.linear(
                 p + "o_proj.weight", cols=slice(heads.start * self.d_v, heads.stop * self.d_v)
             )
         )
+
+    @property
+    def w_uk(self) -> Tensor:
+        """W_UK [h, d_n, w] of this rank's heads and latent columns."""
+        return dense(self.uk)
+
+    @property
+    def w_uv(self) -> Tensor:
+        """W_UV [h, d_v, w] of this rank's heads and latent columns."""
+        return dense(self.uv)
 
     @property
     def exact_rmsnorm(self) -> bool:
@@ -119,7 +130,23 @@ class RankAttention(nn.Module):
             self.scale,
             self.shard.beta,
         )[:, 0]
-        return F.linear(o.reshape(o.shape[0], -1), self.w_o)
+        return F.linear(o.reshape(o.shape[0], -1), dense(self.w_o))
+
+
+def split_kv_b(
+    w_kv: Tensor | Fp8Weight, heads: int, d_n: int, d_v: int
+) -> tuple[nn.Parameter | Fp8Weight, nn.Parameter | Fp8Weight]:
+    """Rows [h (d_n + d_v), w] of kv_b_proj -> W_UK [h, d_n, w] and W_UV [h, d_v, w]."""
+    kv, width = d_n + d_v, w_kv.shape[-1]
+    if isinstance(w_kv, Fp8Weight):
+        uk = [(h * kv, h * kv + d_n) for h in range(heads)]
+        uv = [(h * kv + d_n, (h + 1) * kv) for h in range(heads)]
+        return (
+            w_kv.take_rows(uk, (heads, d_n, width), "w_uk"),
+            w_kv.take_rows(uv, (heads, d_v, width), "w_uv"),
+        )
+    w = w_kv.view(heads, kv, width)
+    return nn.Parameter(w[:, :d_n].contiguous()), nn.Parameter(w[:, d_n:].contiguous())
 
 
 def rank_norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
@@ -132,12 +159,18 @@ def rank_norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
 
 def rank_mlp(src: WeightSource, prefix: str, cols: slice) -> MLP:
     """Rows `cols` of gate / up and columns `cols` of down (a slice of the intermediate dim)."""
-    gate = src.tensor(prefix + "gate_proj.weight", cols)
+    gate = src.linear(prefix + "gate_proj.weight", cols)
     with torch.device("meta"):
         local = MLP(gate.shape[1], gate.shape[0])
-    local.gate_proj.weight = nn.Parameter(gate)
-    local.up_proj.weight = nn.Parameter(src.tensor(prefix + "up_proj.weight", cols))
-    local.down_proj.weight = nn.Parameter(src.tensor(prefix + "down_proj.weight", cols=cols))
+    for name, w in (
+        ("gate_proj", gate),
+        ("up_proj", src.linear(prefix + "up_proj.weight", cols)),
+        ("down_proj", src.linear(prefix + "down_proj.weight", cols=cols)),
+    ):
+        if isinstance(w, Fp8Weight):  # the FP8 weight takes the nn.Linear's place
+            setattr(local, name, w)
+        else:
+            getattr(local, name).weight = nn.Parameter(w)
     return local
 
 
@@ -163,17 +196,21 @@ def rank_ffn(src: WeightSource, layer: int, parallel: ParallelConfig, rank: int)
     if not c.is_moe_layer(layer):
         return rank_mlp(src, p, parallel.ffn_columns(rank, c.intermediate_size))
     cols = parallel.expert_columns(rank, c.moe_intermediate_size)
-    held = parallel.owned_experts(rank, c.n_routed_experts)
+    experts = parallel.owned_experts(rank, c.n_routed_experts)
     with torch.device("meta"):
-        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start), held)
+        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start), experts)
     # The router runs in float32 whatever the serving dtype (its scores pick the experts), read
     # from the checkpoint's own values: bf16 rounding would move V3's correction bias.
     local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight", dtype=torch.float32))
     if c.topk_method == "noaux_tc":
         bias = src.tensor(p + "gate.e_score_correction_bias", dtype=torch.float32)
         local.gate.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
-    local.experts.gate_up_proj = nn.Parameter(src.gate_up(p + "experts", cols, held))
-    local.experts.down_proj = nn.Parameter(src.down(p + "experts", cols, held))
+    for name, w in (
+        ("gate_up_proj", src.gate_up(p + "experts", cols, experts)),
+        ("down_proj", src.down(p + "experts", cols, experts)),
+    ):
+        delattr(local.experts, name)
+        setattr(local.experts, name, held(w))
     if c.n_shared_experts:
         cols = parallel.shared_expert_columns(rank, c.moe_intermediate_size, c.n_shared_experts)
         local.shared_experts = rank_mlp(src, p + "shared_experts.", cols)

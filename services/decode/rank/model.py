@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.loading.weights import ModelWeights, WeightSource
+from common.model.fp8 import share_workspace
 from common.model.model import DeepseekForCausalLM
 from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials
@@ -66,6 +67,7 @@ class RankModel(nn.Module):
         self.lm_head = nn.Parameter(src.tensor("lm_head.weight", rows))
         self.rope = RotaryEmbedding(c, self.lm_head.device)
         self.latent_width = shards_per_layer[0][i].width
+        share_workspace(self)
         self.backend: DecodeBackend = TorchBackend()
         self.use_backend(backend or TorchBackend())
 
@@ -95,7 +97,9 @@ class RankModel(nn.Module):
         )
 
     def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """The weights' bytes: parameters, and FP8 weights' values and scales (buffers)."""
+        held = [*self.parameters(), *self.buffers()]
+        return sum(p.numel() * p.element_size() for p in held)
 
     @torch.inference_mode()
     def decode_step(

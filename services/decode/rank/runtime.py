@@ -46,7 +46,9 @@ class RankRuntime:
         self.device = rank_device(cfg.device, cfg.local_index(rank))
         torch.set_num_threads(cfg.torch_threads)
         # Only this rank's share is read from the checkpoint, straight onto its device.
-        weights, spectra = open_serving_weights(cfg.model, cfg.reparam, cfg.dtype, self.device)
+        weights, spectra = open_serving_weights(
+            cfg.model, cfg.reparam, cfg.dtype, self.device, cfg.weight_dtype
+        )
         r = cfg.parallel.latent_groups
         shards = [latent_shards(weights.config.kv_lora_rank, r, s) for s in spectra]
         self.model = RankModel(weights, cfg.parallel, rank, shards)

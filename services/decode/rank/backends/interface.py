@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
+from common.model.fp8 import Weight
 from common.model.mla import RMSNorm
 from common.model.rope import RotaryEmbedding
 from services.decode.rank.layers import RankAttention, RankLayer
@@ -45,8 +46,8 @@ class DecodeBackend(abc.ABC):
         model's rotary tables, on the same device)."""
 
     @abc.abstractmethod
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """`F.linear(x, w)` for the step's few rows."""
+    def linear(self, x: Tensor, w: Weight) -> Tensor:
+        """`F.linear(x, w)` for the step's few rows (an FP8 weight dequantized first)."""
 
     @abc.abstractmethod
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:

@@ -3,7 +3,9 @@
 Attention reads the paged cache in place (`latent_attention.cpp`); a layer's attention inputs
 are one call instead of ~45 torch ops (`decode_layer.cpp`); linears over a few rows, the MLP
 and a MoE layer's routed experts run in `small_gemm.cpp` (BLAS packs the weight for every
-skinny product). Each is tested equal to the torch backend.
+skinny product). Each is tested equal to the torch backend. FP8-resident weights are
+dequantized just before their kernel; a layer whose attention inputs are FP8 computes them on
+the torch path.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
+from common.model.fp8 import Fp8Weight, Weight, dense
 from common.model.mla import RMSNorm
 from common.model.moe import MoE
 from common.model.rope import RotaryEmbedding
@@ -28,7 +31,7 @@ class NativeBackend(TorchBackend):
     name = "native"
 
     def __init__(self) -> None:
-        self._inputs: list[decode_layer.AttentionInputs] = []
+        self._inputs: list[decode_layer.AttentionInputs | None] = []
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -40,12 +43,16 @@ class NativeBackend(TorchBackend):
         return None
 
     def bind(self, layers: Sequence[RankLayer], rope: RotaryEmbedding) -> None:
+        # The native call binds its weights once: it cannot take weights dequantized per use.
         self._inputs = [
-            decode_layer.AttentionInputs(_layer_weights(layer, rope)) for layer in layers
+            None
+            if any(isinstance(m, Fp8Weight) for m in layer.attn.modules())
+            else decode_layer.AttentionInputs(_layer_weights(layer, rope))
+            for layer in layers
         ]
 
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        return small_gemm.linear(x, w)
+    def linear(self, x: Tensor, w: Weight) -> Tensor:
+        return small_gemm.linear(x, dense(w))
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
         return decode_layer.rms_norm(x, norm.weight, norm.eps)
@@ -59,7 +66,7 @@ class NativeBackend(TorchBackend):
             out = None
             if module.holds_all:
                 out = small_gemm.moe_experts(
-                    x, ids, weights, experts.gate_up_proj, experts.down_proj
+                    x, ids, weights, dense(experts.gate_up_proj), dense(experts.down_proj)
                 )
             if out is None:
                 out = module.routed(x, ids, weights)
@@ -81,7 +88,10 @@ class NativeBackend(TorchBackend):
         cache: PagedLatentCache,
         write_slots: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        return self._inputs[index](h, cos, sin, cache.kv[index], write_slots)
+        inputs = self._inputs[index]
+        if inputs is None:
+            return super().attention_inputs(index, layer, rope, h, cos, sin, cache, write_slots)
+        return inputs(h, cos, sin, cache.kv[index], write_slots)
 
     def attention(
         self,

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
+from common.model.fp8 import Weight, dense
 from common.model.mla import RMSNorm
 from common.model.rope import RotaryEmbedding
 from common.model.sp import partial_attention
@@ -20,8 +21,8 @@ class TorchBackend(DecodeBackend):
 
     name = "torch"
 
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        return F.linear(x, w)
+    def linear(self, x: Tensor, w: Weight) -> Tensor:
+        return F.linear(x, dense(w))
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
         return norm(x)

@@ -1,8 +1,8 @@
 """Shard-wise loading: every decode rank reads only its slices of a multi-shard checkpoint
 (plain, rotated by a TPLA side file, or FP8 with block scales) and ends with exactly the
 tensors it would have sliced out of the whole loaded model; a decode step gives the same
-logits; the prefill model too. Bad FP8 files and other quantization methods are refused
-by name."""
+logits; the prefill model too. FP8 weights kept FP8 give the same steps as dequantized at
+load. Bad FP8 files and other quantization methods are refused by name."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model, open_serving_weights
+from common.model.fp8 import Fp8Weight
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
@@ -296,3 +297,35 @@ def test_large_reads_go_in_row_chunks_with_the_same_bits(dirs, monkeypatch) -> N
     monkeypatch.undo()
     _assert_same_parameters(fp8, _shard_wise(dirs["dequantized"], parallel))
     _assert_same_parameters(plain, _whole_then_sliced(dirs["plain"], parallel))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp8_resident_ranks_equal_dequantized_at_load(dirs, layout: str) -> None:
+    """Weights kept FP8 and dequantized on use give bit-equal steps (blocks of 128 over these
+    widths: slices start inside blocks and the last blocks are partial), in fewer bytes."""
+    parallel = LAYOUTS[layout]
+    shards = [latent_shards(CONFIG["kv_lora_rank"], parallel.latent_groups)] * 2
+    models = {}
+    for kept in ("float8", "dequantize"):
+        weights = open_serving_weights(dirs["fp8"], None, "float32", "cpu", kept)[0]
+        models[kept] = [RankModel(weights, parallel, r, shards) for r in range(parallel.tp)]
+    resident = models["float8"][0]
+    assert isinstance(resident.layers[1].ffn.experts.gate_up_proj, Fp8Weight)
+    assert isinstance(resident.layers[0].attn.uk, Fp8Weight)
+    assert resident.parameter_bytes() < models["dequantize"][0].parameter_bytes()
+    assert torch.equal(_decode_step(models["float8"]), _decode_step(models["dequantize"]))
+
+
+def test_fp8_resident_prefill_model_equals_dequantized_at_load(dirs) -> None:
+    ids = torch.arange(2, 40)
+    for dtype in ("float32", "bfloat16"):
+        got = load_prefill_model(dirs["fp8"], None, dtype, "sdpa", weight_dtype="float8")
+        want = load_prefill_model(dirs["fp8"], None, dtype, "sdpa", weight_dtype="dequantize")
+        assert isinstance(got.model.layers[0].self_attn.kv_b_proj, Fp8Weight)
+        assert isinstance(got.model.layers[1].mlp.experts.down_proj, Fp8Weight)
+        a, b = got.prefill(ids, [len(ids)]), want.prefill(ids, [len(ids)])
+        assert torch.equal(a.logits, b.logits)
+        assert all(torch.equal(x, y) for x, y in zip(a.n, b.n, strict=True))
+    # auto: dequantized at load on the CPU.
+    auto = load_prefill_model(dirs["fp8"], None, attention_backend="sdpa")
+    assert not any(isinstance(m, Fp8Weight) for m in auto.modules())

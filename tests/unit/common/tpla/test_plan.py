@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 
 from common.loading.loader import load_model
+from common.loading.serving_model import open_serving_weights
+from common.model.fp8 import Fp8Weight
 from common.model.tpla import latent_shards
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
 from common.tpla.rank_memory import kv_bytes_per_stored_token, rank_tensors, weight_bytes
 from services.decode.rank.model import RankModel
+from tests.shard_checkpoints import fp8_copy
 from tests.tiny import save_hf
 from tools.cli.main import main
 
@@ -141,3 +144,21 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
         main(["plan", *shlex.split(lite), "--gpus-per-group", "8", "--dtype", "int8"])
     assert exc.value.code == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_float8_resident_rank_model_holds_the_planned_bytes(tmp_path: Path) -> None:
+    """`--weight-dtype float8` counts what a rank keeps of an FP8 checkpoint: its linear
+    weights' e4m3 bytes and one fp32 scale per block of its slice, the rest in bf16 (blocks of
+    4 divide every slice here, so no slice starts inside a block)."""
+    save_hf("v3-noaux-yarn", tmp_path / "hf")
+    fp8, _ = fp8_copy(tmp_path / "hf", tmp_path, block=4)
+    weights, _ = open_serving_weights(fp8, None, "bfloat16", weight_dtype="float8")
+    c = weights.config
+    for (tp, r, mode), rmsnorm in itertools.product(LAYOUTS, RmsNormMode):
+        parallel = ParallelConfig(tp, r, rmsnorm, ParallelMode(mode))
+        shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
+        for rank in range(tp):
+            model = RankModel(weights, parallel, rank, shards)
+            assert isinstance(model.layers[1].ffn.experts.gate_up_proj, Fp8Weight)
+            planned = weight_bytes(rank_tensors(c, parallel, rank), "float8", (4, 4))
+            assert model.parameter_bytes() == planned, (tp, r, mode, rmsnorm, rank)
