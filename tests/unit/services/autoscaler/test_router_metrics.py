@@ -16,13 +16,11 @@ from services.router.metrics import Outcome, RouterMetrics
 
 def test_two_scrapes_give_the_windows_load() -> None:
     m = RouterMetrics("demo")
-    m.outcome(Outcome.FINISHED)
-    m.add_tokens(1000, 10)
+    m.finished(Outcome.FINISHED, 1000, 10)
     m.observe_ttft(9.0)
     first = parse_scrape(m.render().decode(), at=0.0)
     for _ in range(4):
-        m.outcome(Outcome.FINISHED)
-        m.add_tokens(200, 50)
+        m.finished(Outcome.FINISHED, 200, 50)
         m.observe_ttft(0.2)
         m.observe_itl(0.02)
     m.set_load(running=3, waiting=2)
@@ -36,17 +34,13 @@ def test_two_scrapes_give_the_windows_load() -> None:
 
 def test_routers_add_up_and_a_restart_counts_from_zero() -> None:
     a, b = RouterMetrics("demo"), RouterMetrics("demo")
-    a.outcome(Outcome.FINISHED)
-    a.add_tokens(100, 10)
+    a.finished(Outcome.FINISHED, 100, 10)
     for _ in range(3):
-        b.outcome(Outcome.FINISHED)
-        b.add_tokens(100, 10)
+        b.finished(Outcome.FINISHED, 100, 10)
     before = [parse_scrape(m.render().decode(), 0.0) for m in (a, b)]
-    a.outcome(Outcome.FAILED)
-    a.add_tokens(300, 30)
+    a.finished(Outcome.FAILED, 300, 30)
     restarted = RouterMetrics("demo")  # b restarted: its counters start again below
-    restarted.outcome(Outcome.FINISHED)
-    restarted.add_tokens(100, 10)
+    restarted.finished(Outcome.FINISHED, 100, 10)
     after = [parse_scrape(m.render().decode(), 1.0) for m in (a, restarted)]
     obs = observe(after, before)
     assert obs.request_rate == 2.0 and obs.prompt_tokens == 200 and obs.output_tokens == 20
