@@ -347,7 +347,9 @@ def test_kill_decode_rank_under_an_n_stream_migrates(stack: LocalStack, sampling
     prompt is prefilled there once, each choice replays its own tokens so far and goes on.
     Every choice ends with the text the undisturbed request gives, seeded ones too (the
     replay draws each choice's generator as the lost group did); no block is held after."""
-    prompt, max_tokens = PROMPTS[0], 2 * MAX_TOKENS
+    # Long enough that the stream is still running when the test, on a busy machine, has
+    # found its group and stopped it.
+    prompt, max_tokens = PROMPTS[0], 3 * MAX_TOKENS
     body = Client(stack.url, prompt, max_tokens, n=3, sampling=sampling).body(stream=False)
     resp = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S)
     assert resp.status_code == 200, resp.text
@@ -362,7 +364,8 @@ def test_kill_decode_rank_under_an_n_stream_migrates(stack: LocalStack, sampling
     deadline = time.monotonic() + CLIENT_TIMEOUT_S
     while record.get("state") != "DECODING":  # its forks run on the group named there
         assert time.monotonic() < deadline, f"the request never decoded: {record}"
-        time.sleep(0.02)
+        assert record.get("state") != "FINISHED", f"it ended before its group was found: {record}"
+        time.sleep(0.01)
         if client.result.request_id:
             url = f"{stack.url}/admin/requests/{client.result.request_id}"
             record = httpx.get(url, timeout=10).json()
