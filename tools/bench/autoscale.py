@@ -159,7 +159,8 @@ def plot(report: dict, results: dict[str, SimResult], path: Path) -> None:
     ax_r.step(xs, [rate for _, rate in rates] + [rates[-1][1]], where="post", color="C0")
     ax_r.set_ylabel("offered requests / s")
     ax_r.set_title("load: Poisson arrivals with a burst")
-    for name, res, style in (("autoscaled", results["autoscaled"], "-"),
+    for name, res, style in (("forecast", results["autoscaled"], "-"),
+                             ("reactive", results["reactive"], "--"),
                              ("static (peak)", results["static_peak"], ":")):  # fmt: skip
         xs = [r[0] / 60 for r in res.replicas]
         ax_n.plot(xs, [r[1] for r in res.replicas], "C1" + style, label=f"prefill, {name}")
