@@ -1,11 +1,13 @@
-"""The autoscaler's loop: every interval, observe the load, size the pools, smooth the step,
-publish `tpla:autoscaler_desired_replicas{role, mode}` on its own `/metrics`.
+"""The autoscaler's loop: every interval, observe the load, plan (services/autoscaler/planner.py:
+forecast, size, smooth), publish `tpla:autoscaler_desired_replicas{role, mode}` on its own
+`/metrics`.
 
 KEDA (k8s overlays) scales the prefill and decode workloads on the series with
 mode="act"; under --dry-run the series says mode="dry-run", so the same numbers show on a
-dashboard and nothing scales. Acting, the loop takes its last published counts as the pools'
-sizes when it corrects the profile (KEDA applies them within its polling interval); dry, the
-sizes stay those it was started with."""
+dashboard and nothing scales. The pools' sizes the correction compares with come from the
+Redis worker registry when one is given (the replicas that really serve); without it, acting,
+the loop takes its last published counts (KEDA applies them within its polling interval),
+and dry, the sizes it was started with."""
 
 from __future__ import annotations
 
@@ -17,17 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import redis
 from prometheus_client import CollectorRegistry, Gauge
 
+from services.autoscaler.planner import ROLES, Planner, PlannerConfig
 from services.autoscaler.profile import PerformanceProfile
+from services.autoscaler.replica_counts import RegistryCounts
 from services.autoscaler.sizing import Observation, Replicas, Sizing, SizingConfig, size
-from services.autoscaler.smoothing import RoleState, SmoothingConfig, smooth
 from services.autoscaler.sources import LoadSource
 
 log = logging.getLogger(__name__)
 
 DESIRED = "tpla:autoscaler_desired_replicas"
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Decision:
     sizing: Sizing  # what the sizing asked for, and why
     observation: Observation
     current: Replicas  # the sizes the observation was taken under
+    sized_rates: tuple[float, float] | None = None  # (prefill, decode) requests/s; None: observed
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,14 +48,14 @@ class Decision:
             "inputs": {
                 "observation": dataclasses.asdict(self.observation),
                 "current_replicas": dataclasses.asdict(self.current),
+                "sized_request_rates": self.sized_rates,
             },
         }
 
 
 @dataclass(frozen=True)
 class LoopConfig:
-    sizing: SizingConfig
-    smoothing: SmoothingConfig
+    planner: PlannerConfig
     interval_s: float = 15.0
     dry_run: bool = False
 
@@ -67,17 +71,18 @@ def decide_once(
 
 class Autoscaler:
     def __init__(
-        self, profile: PerformanceProfile, source: LoadSource, start: Replicas, cfg: LoopConfig
+        self,
+        profile: PerformanceProfile,
+        source: LoadSource,
+        start: Replicas,
+        cfg: LoopConfig,
+        counts: RegistryCounts | None = None,
     ) -> None:
-        self._profile = profile
         self._source = source
         self._cfg = cfg
         self._start = start
-        now = time.monotonic()
-        self._state = {
-            "prefill": RoleState(cfg.sizing.prefill.clamp(start.prefill), now),
-            "decode": RoleState(cfg.sizing.decode.clamp(start.decode), now),
-        }
+        self._counts = counts
+        self._planner = Planner(profile, start, time.monotonic(), cfg.planner)
         self.registry = CollectorRegistry()
         self._gauge = Gauge(
             DESIRED,
@@ -90,22 +95,27 @@ class Autoscaler:
 
     @property
     def desired(self) -> Replicas:
-        return Replicas(self._state["prefill"].replicas, self._state["decode"].replicas)
+        return self._planner.desired
 
     def _publish(self) -> None:
         mode = "dry-run" if self._cfg.dry_run else "act"
+        desired = dataclasses.asdict(self.desired)
         for role in ROLES:
-            self._gauge.labels(role, mode).set(self._state[role].replicas)
+            self._gauge.labels(role, mode).set(desired[role])
+
+    def current(self) -> Replicas:
+        """The pools' sizes now: the registry's, else what was last asked for (acting) or
+        started with (dry)."""
+        if self._counts is not None:
+            return self._counts.current()
+        return self._start if self._cfg.dry_run else self.desired
 
     def step(self, now: float) -> Decision:
-        current = self._start if self._cfg.dry_run else self.desired
+        current = self.current()
         obs = self._source.observe()
-        sizing = size(self._profile, obs, current, self._cfg.sizing)
-        target = {"prefill": sizing.replicas.prefill, "decode": sizing.replicas.decode}
-        for role in ROLES:
-            self._state[role] = smooth(self._state[role], target[role], now, self._cfg.smoothing)
+        plan = self._planner.decide(obs, now, current)
         self._publish()
-        return Decision(self.desired, sizing, obs, current)
+        return Decision(plan.desired, plan.sizing, obs, current, plan.sized_rates)
 
     def run(self) -> None:
         """Decide every interval until `stop`; a failed observation skips one interval."""
@@ -113,7 +123,7 @@ class Autoscaler:
             try:
                 decision = self.step(time.monotonic())
                 log.info("autoscaler decision %s", decision.to_dict())
-            except (httpx.HTTPError, OSError, ValueError) as exc:
+            except (httpx.HTTPError, redis.RedisError, OSError, ValueError) as exc:
                 log.warning("autoscaler: no decision this interval: %s", exc)
             self._stop.wait(self._cfg.interval_s)
 

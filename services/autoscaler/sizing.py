@@ -16,6 +16,7 @@ it ran, scale the model's latencies before sizing; clamped so one odd window can
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -197,13 +198,22 @@ def size_decode(
 
 
 def size(
-    profile: PerformanceProfile, obs: Observation, current: Replicas, cfg: SizingConfig
+    profile: PerformanceProfile,
+    obs: Observation,
+    current: Replicas,
+    cfg: SizingConfig,
+    rates: tuple[float, float] | None = None,
 ) -> Sizing:
-    """The sizing for `obs`, which was observed while `current` replicas served."""
+    """The sizing for `obs`, which was observed while `current` replicas served. `rates`: the
+    request rates to size the prefill and the decode pool for (a forecast; default the
+    observed rate); the corrections always compare with the load as observed."""
     p_corr = prefill_correction(profile, obs, current.prefill, cfg)
     d_corr = decode_correction(profile, obs, current.decode, cfg)
-    workers, ttft, ttft_ok = size_prefill(profile, obs, p_corr, cfg)
-    groups, itl, batch, itl_ok = size_decode(profile, obs, d_corr, cfg)
+    p_rate, d_rate = rates if rates is not None else (obs.request_rate, obs.request_rate)
+    p_obs = dataclasses.replace(obs, request_rate=p_rate)
+    d_obs = dataclasses.replace(obs, request_rate=d_rate)
+    workers, ttft, ttft_ok = size_prefill(profile, p_obs, p_corr, cfg)
+    groups, itl, batch, itl_ok = size_decode(profile, d_obs, d_corr, cfg)
     return Sizing(
         replicas=Replicas(workers, groups),
         gpus=workers * profile.prefill.gpus + groups * profile.decode.gpus,

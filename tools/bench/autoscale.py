@@ -11,9 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.autoscaler.profile import PerformanceProfile, load_profile
+from services.autoscaler.planner import Planner, PlannerConfig
+from services.autoscaler.predictor import ForecastConfig
+from services.autoscaler.profile import load_profile
 from services.autoscaler.sizing import Observation, Replicas, RoleBounds, SizingConfig, size
-from services.autoscaler.smoothing import RoleState, SmoothingConfig, smooth
+from services.autoscaler.smoothing import SmoothingConfig
 from tools.bench.autoscale_sim import (
     Pools,
     SimConfig,
@@ -27,16 +29,10 @@ from tools.bench.autoscale_sim import (
 
 @dataclass
 class AutoscaledPools(Pools):
-    profile: PerformanceProfile
-    sizing: SizingConfig
-    smoothing: SmoothingConfig
-    state: dict[str, RoleState]
+    planner: Planner
 
     def decide(self, obs: Observation, now: float, current: Replicas) -> Replicas:
-        want = size(self.profile, obs, current, self.sizing).replicas
-        for role, n in (("prefill", want.prefill), ("decode", want.decode)):
-            self.state[role] = smooth(self.state[role], n, now, self.smoothing)
-        return Replicas(self.state["prefill"].replicas, self.state["decode"].replicas)
+        return self.planner.decide(obs, now, current).desired
 
 
 @dataclass
@@ -73,7 +69,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict[str, SimResult]]:
     cfg = SizingConfig(
         args.slo_ttft_ms / 1e3,
         args.slo_itl_ms / 1e3,
-        RoleBounds(1, args.max_replicas),
+        RoleBounds(args.min_prefill, args.max_replicas),
         RoleBounds(1, args.max_replicas),
         ttft_quantile=args.ttft_quantile,
     )
@@ -97,15 +93,26 @@ def run(args: argparse.Namespace) -> tuple[dict, dict[str, SimResult]]:
                        0.0, 0.0)  # fmt: skip
     static = size(profile, peak, Replicas(1, 1), cfg).replicas
     sim = SimConfig(interval_s=args.interval_s)
-    start = Replicas(1, 1)
+    start = Replicas(args.min_prefill, 1)
     smoothing = SmoothingConfig(args.cooldown_s, max_step_up=4, max_step_down=1)
-    states = {role: RoleState(1, 0.0) for role in ("prefill", "decode")}
-    results = {
-        "autoscaled": simulate(
-            profile, requests, AutoscaledPools(profile, cfg, smoothing, states), start, end, sim
-        ),
-        "static_peak": simulate(profile, requests, StaticPools(static), static, end, sim),
+    # Sized for the load when a replica asked for now would serve, through the interval the
+    # decision stands for.
+    forecast = ForecastConfig(
+        horizon_prefill_s=sim.start_prefill_s + sim.interval_s,
+        horizon_decode_s=sim.start_decode_s + sim.interval_s,
+        headroom=args.headroom,
+    )
+    planners = {
+        "autoscaled": PlannerConfig(cfg, smoothing, forecast),
+        "reactive": PlannerConfig(cfg, smoothing, ForecastConfig(headroom=args.headroom)),
     }
+    results = {
+        name: simulate(
+            profile, requests, AutoscaledPools(Planner(profile, start, 0.0, pc)), start, end, sim
+        )
+        for name, pc in planners.items()
+    }
+    results["static_peak"] = simulate(profile, requests, StaticPools(static), static, end, sim)
     report = {
         "bench": "autoscale",
         "profile": args.profile,
@@ -122,6 +129,14 @@ def run(args: argparse.Namespace) -> tuple[dict, dict[str, SimResult]]:
             "ttft_ms": args.slo_ttft_ms,
             "ttft_quantile": args.ttft_quantile,
             "itl_ms": args.slo_itl_ms,
+        },
+        "forecast": {
+            "horizon_prefill_s": forecast.horizon_prefill_s,
+            "horizon_decode_s": forecast.horizon_decode_s,
+            "alpha": forecast.alpha,
+            "beta": forecast.beta,
+            "headroom": args.headroom,
+            "min_prefill": args.min_prefill,
         },
         "static_peak_replicas": {"prefill": static.prefill, "decode": static.decode},
         "results": {name: _summary(res, cfg, burst) for name, res in results.items()},
@@ -144,7 +159,8 @@ def plot(report: dict, results: dict[str, SimResult], path: Path) -> None:
     ax_r.step(xs, [rate for _, rate in rates] + [rates[-1][1]], where="post", color="C0")
     ax_r.set_ylabel("offered requests / s")
     ax_r.set_title("load: Poisson arrivals with a burst")
-    for name, res, style in (("autoscaled", results["autoscaled"], "-"),
+    for name, res, style in (("forecast", results["autoscaled"], "-"),
+                             ("reactive", results["reactive"], "--"),
                              ("static (peak)", results["static_peak"], ":")):  # fmt: skip
         xs = [r[0] / 60 for r in res.replicas]
         ax_n.plot(xs, [r[1] for r in res.replicas], "C1" + style, label=f"prefill, {name}")
@@ -198,6 +214,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-replicas", type=int, default=16)
     p.add_argument("--interval-s", type=float, default=30.0)
     p.add_argument("--cooldown-s", type=float, default=180.0)
+    p.add_argument("--headroom", type=float, default=0.0, help="spare capacity (a fraction)")
+    p.add_argument("--min-prefill", type=int, default=1, help="prefill workers at least")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default="")

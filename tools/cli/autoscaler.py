@@ -32,7 +32,11 @@ def _config(args: argparse.Namespace) -> SizingConfig:
 
 def cmd_autoscaler(args: argparse.Namespace) -> int:
     from common.runtime.metrics import serve_metrics
+    from common.runtime.settings import load_settings
+    from services.autoscaler.planner import PlannerConfig
+    from services.autoscaler.predictor import ForecastConfig
     from services.autoscaler.profile import load_profile
+    from services.autoscaler.replica_counts import RegistryCounts
     from services.autoscaler.service import Autoscaler, LoopConfig, decide_once
     from services.autoscaler.sizing import Replicas
     from services.autoscaler.smoothing import SmoothingConfig
@@ -51,6 +55,10 @@ def cmd_autoscaler(args: argparse.Namespace) -> int:
         args.prefill_replicas if args.prefill_replicas is not None else args.min_prefill,
         args.decode_replicas if args.decode_replicas is not None else args.min_decode,
     )
+    redis_url = load_settings(redis_url=args.redis_url or None).redis_url
+    counts = RegistryCounts(redis_url) if redis_url else None
+    if counts is not None and args.prefill_replicas is None and args.decode_replicas is None:
+        current = counts.current()
     if args.once:
         # Scripts that drive load during the window wait for this line.
         print(f"tpla autoscaler: observing for {args.window_s:g} s", file=sys.stderr, flush=True)
@@ -60,8 +68,14 @@ def cmd_autoscaler(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     smoothing = SmoothingConfig(args.cooldown_s, args.max_step_up, args.max_step_down)
+    forecast = ForecastConfig(
+        horizon_prefill_s=args.startup_prefill_s + args.interval_s if args.forecast else 0.0,
+        horizon_decode_s=args.startup_decode_s + args.interval_s if args.forecast else 0.0,
+        headroom=args.headroom,
+    )
+    planner = PlannerConfig(sizing, smoothing, forecast)
     loop = Autoscaler(
-        profile, source, current, LoopConfig(sizing, smoothing, args.interval_s, args.dry_run)
+        profile, source, current, LoopConfig(planner, args.interval_s, args.dry_run), counts
     )
     serve_metrics(loop.registry, args.host, args.port)
     if threading.current_thread() is threading.main_thread():
@@ -88,6 +102,13 @@ def add_autoscaler_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
             type=int,
             help=f"{role} replicas running now (the correction's baseline; default: --min)",
         )
+    p.add_argument(
+        "--redis-url",
+        default="",
+        help="the worker registry: the pools' real sizes are read from it (prefill records; "
+        "decode groups = distinct groups of rank-0 records). Default TPLA_REDIS_URL; without "
+        "either, the loop takes its last published counts as the sizes (dry: --*-replicas)",
+    )
     p.add_argument("--window-s", type=float, default=30.0, help="the load's averaging window")
     p.add_argument("--backlog-s", type=float, default=30.0, help="clear a queue within this")
     p.add_argument("--once", action="store_true", help="print one decision and exit")
@@ -96,6 +117,19 @@ def add_autoscaler_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
     p.add_argument("--cooldown-s", type=float, default=300.0, help="loop: before a scale-in")
     p.add_argument("--max-step-up", type=int, default=4, help="loop: replicas added at most")
     p.add_argument("--max-step-down", type=int, default=1, help="loop: replicas removed at most")
+    p.add_argument(
+        "--no-forecast",
+        dest="forecast",
+        action="store_false",
+        help="loop: size for the observed load (default: for the load forecast, by Holt's "
+        "linear trend, at the time a replica asked for now serves plus one interval)",
+    )
+    p.add_argument("--startup-prefill-s", type=float, default=60.0, help="loop: until a new "
+                   "prefill worker serves (the forecast's lead)")  # fmt: skip
+    p.add_argument("--startup-decode-s", type=float, default=120.0, help="loop: until a new "
+                   "decode group serves")  # fmt: skip
+    p.add_argument("--headroom", type=float, default=0.0, help="loop: spare capacity, a "
+                   "fraction of the load sized for")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help='loop: publish with mode="dry-run"')
     p.add_argument("--host", default="0.0.0.0", help="loop: /metrics address")
     p.add_argument("--port", type=int, default=9100, help="loop: /metrics port")
