@@ -130,18 +130,23 @@ def test_a_prefill_worker_told_to_go_finishes_its_queued_burst(stack: LocalStack
     prompts = [
         f"burst {i}: " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(12)
     ]
-    # Stopped, the worker queues nothing: its share of the burst waits in its socket, and
-    # is admitted as it resumes, just before the SIGTERM that reaches it with them.
-    os.kill(pid, signal.SIGSTOP)
+    # The decode followers stopped (for less than their beats take to go stale): every push
+    # to them waits, so the burst's prefills are inside the workers when the SIGTERM comes.
+    followers = [w["pid"] for w in workers(stack.url) if w["role"] == "decode" and w["rank"]]
+    for follower in followers:
+        os.kill(follower, signal.SIGSTOP)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as sends:
             burst = [sends.submit(send, stack.url, p, 4) for p in prompts]
-            time.sleep(1.0)  # every request placed and sent
+            time.sleep(1.5)  # every request prefilled, its push waiting
             os.kill(pid, signal.SIGTERM)
-            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.5)
+            for follower in followers:
+                os.kill(follower, signal.SIGCONT)
             results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for follower in followers:
+            os.kill(follower, signal.SIGCONT)
     exited_within(pid, DRAIN_GRACE_S)
     records = [record(stack.url, r["id"]) for r in results]
     assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
@@ -150,7 +155,8 @@ def test_a_prefill_worker_told_to_go_finishes_its_queued_burst(stack: LocalStack
     assert admitted, log[-4000:]
     # Every prefill it admitted ran there to its end, KV push included, on its first try.
     ran_there = [r for r in records if r["prefill_worker"] == victim["worker_id"]]
-    assert len(ran_there) == int(admitted.group(1)) >= 1, (admitted.group(0), records)
+    seen = [(r["prefill_worker"], r["attempt"], r.get("retry_reason")) for r in records]
+    assert len(ran_there) == int(admitted.group(1)) >= 1, (admitted.group(0), seen)
     assert all(r["attempt"] == "1" for r in ran_there), ran_there
     assert "prefill worker drained" in log
     wait_recovered(stack)
