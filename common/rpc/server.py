@@ -1,5 +1,5 @@
 """A service process's serving life: its servers (gRPC, metrics) up on checked ports, down on
-a signal."""
+a signal (drained first on SIGTERM where the service drains)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,20 @@ def start_serving(
         raise
 
 
-def stop_on_signals(stop: threading.Event) -> None:
-    """SIGINT and SIGTERM set `stop` (the serving loop then drains and exits). Only the main
-    thread can install handlers: a service run in a thread (the tests) is stopped by `stop`."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+def stop_on_signals(stop: threading.Event, drain: threading.Event | None = None) -> None:
+    """SIGINT and SIGTERM set `stop` (the serving loop then ends). With `drain`, a first
+    SIGTERM (what Kubernetes sends a pod it scales in) sets `drain` instead: the service takes
+    no new work and ends once its work is done (common/rpc/drain.py); SIGINT, or another
+    SIGTERM, still sets `stop`. Only the main thread can install handlers: a service run in a
+    thread (the tests) is stopped by `stop` and drained by `drain`."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_signal(sig: int, _: object) -> None:
+        if drain is not None and sig == signal.SIGTERM and not drain.is_set():
+            drain.set()
+        else:
+            stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)

@@ -60,6 +60,8 @@ class WorkerRecord:
     pid: int = 0
     group_id: str = ""  # decode: every rank of a group shares it
     healthy: bool = True
+    # Told to go (SIGTERM): finishing its live requests, taking no new ones.
+    draining: bool = False
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_cached: int = 0  # decode: cached prefix blocks no live request holds
@@ -79,6 +81,7 @@ class WorkerRecord:
         raw = dataclasses.asdict(self)
         raw["role"] = self.role.value
         raw["healthy"] = int(self.healthy)
+        raw["draining"] = int(self.draining)
         return {k: str(v) for k, v in raw.items()}
 
     @classmethod
@@ -90,7 +93,7 @@ class WorkerRecord:
             value = raw[f.name]
             if f.name == "role":
                 kwargs[f.name] = WorkerRole(value)
-            elif f.name == "healthy":
+            elif f.type in ("bool", bool):
                 kwargs[f.name] = value in ("1", "True", "true")
             elif f.type in ("int", int):
                 kwargs[f.name] = int(value)
@@ -156,6 +159,11 @@ class Heartbeat:
         self._beat()
         self._thread.start()
         return self
+
+    def beat_now(self) -> None:
+        """Publish now, not at the next interval (a worker that starts draining)."""
+        with contextlib.suppress(redis.RedisError, OSError):
+            self._beat()
 
     def _beat(self) -> None:
         for record in self.report():

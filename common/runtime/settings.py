@@ -146,6 +146,11 @@ class Settings(BaseSettings):
     migrate: bool = Field(True, description="move a stream to another group if its group dies")
     heartbeat_s: float = Field(2.0, gt=0)
     worker_ttl_s: float = Field(10.0, gt=0)
+    # Below Kubernetes' terminationGracePeriodSeconds (k8s/base), which must also cover the
+    # shutdown after it: past that grace the pod is SIGKILLed and its streams re-prefilled.
+    drain_grace_s: float = Field(
+        25.0, ge=0, description="on SIGTERM, longest wait for a worker's live requests to end"
+    )
     log_prompts: bool = Field(False, description="log prompts and outputs (off by default)")
 
 

@@ -12,6 +12,7 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
                                                (a resumed choice's after its replay)
     abort(request_id, choices)                 at any time; blocks are freed
     load() -> DecodeLoad                       running, waiting, blocks used / total
+    drain()                                    reserve no more (scale-in); live() -> count
 
 Start-up: services/decode/group/start.py. All collectives run on one loop thread
 (services/decode/leader/loop.py): each call here is a command it runs between two decode
@@ -40,6 +41,7 @@ from common.kv.prefix_cache import block_hashes, model_identity
 from common.kv.slots import token_slots
 from common.messages import DecodeLoad, Reservation, ResumedChoice
 from common.model.args import ModelConfig
+from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.group.start import start_group
@@ -80,6 +82,8 @@ class DecodeEngine:
         # The last load the loop answered: what a heartbeat reports while a long step keeps
         # the loop from answering (see services/decode/server/records.py).
         self.last_load: DecodeLoad | None = None
+        # Told to go: reserves nothing more, while what it admitted runs to its end.
+        self.draining = False
         if self.runtime.device.type == "cuda":
             # Compiles every kernel variant and captures every bucket's graph before the
             # group serves: a first request's step that compiled would run for seconds.
@@ -112,6 +116,9 @@ class DecodeEngine:
         """Blocks for the prompt once and max_tokens for each of the n choices, on every
         rank. With `prompt_ids` (and prefix caching on), the blocks of the longest cached
         prefix are reused: `cached_tokens` of them."""
+        if self.draining:
+            # Unavailable: the router tries another group (and skips this one meanwhile).
+            raise Unavailable("the decode group is draining", code="draining")
         if prompt_ids and len(prompt_ids) != prompt_len:
             raise SchedulerError(f"{len(prompt_ids)} prompt ids for a prompt of {prompt_len}")
         hashes = (
@@ -203,6 +210,17 @@ class DecodeEngine:
             )
         )
         return stream
+
+    def drain(self) -> None:
+        """Admit no new request (`reserve` raises Unavailable); the reserved and running ones
+        go on. The service waits for `live()` to reach 0 before it shuts the group down."""
+        self.draining = True
+
+    def live(self, timeout: float | None = None) -> int:
+        """Requests the group holds (running, waiting for their first step, reserved): what
+        a drain waits for. EngineError if the loop does not answer within `timeout`."""
+        load = self.load(timeout)
+        return load.running + load.waiting + load.reserved
 
     def abort(self, request_id: str, choices: frozenset[int] | None = None) -> bool:
         """End the request's live choices (only `choices` when given); whether any was."""

@@ -3,11 +3,15 @@
 
 Leader lifecycle: start the rank group (followers are child processes, or ranks that join
 over the network) -> serve Reserve / Generate / Abort / GetLoad and its KV receiver ->
-publish one registry record per rank with heartbeats -> on SIGTERM/SIGINT stop accepting,
-abort live requests, shut the group down. A port in use stops it before it starts, named
-with its setting; SIGTERM/SIGINT during start-up end it at once, leaving no shared-memory
-file behind. A follower runs until its group ends (services/decode/group/follower.py);
-SIGTERM/SIGINT end it at once. The parts live in services/decode/server/.
+publish one registry record per rank with heartbeats -> on SIGTERM drain: report itself
+draining (routers place nothing new here), refuse Reserve (a router tries another group),
+let the admitted requests run to their end, for at most TPLA_DRAIN_GRACE_S -> stop
+accepting, abort what is left (its routers migrate it), shut the group down. SIGINT, or a
+second SIGTERM, skips the drain. A port in use stops it before it starts, named with its
+setting; SIGTERM/SIGINT during start-up end it at once, leaving no shared-memory file behind.
+A follower runs until its group ends (services/decode/group/follower.py): a spawned one
+ignores signals (its leader ends it), one started on its own waits out its leader's drain on
+SIGTERM and ends at once on SIGINT. The parts live in services/decode/server/.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import grpc
 import redis
 
 from common.rpc.clients import CHANNEL_OPTIONS
+from common.rpc.drain import wait_drained
 from common.rpc.gen import decode_pb2_grpc
 from common.rpc.server import start_serving, stop_on_signals
 from common.runtime.ports import PortUse, check_ports, decode_group_ports
@@ -31,7 +36,8 @@ from services.decode.group.follower import follower_main
 from services.decode.server.metrics import serve_decode_metrics
 from services.decode.server.records import rank_records
 from services.decode.server.servicer import DecodeServicer
-from services.decode.server.signals import signals_end_at_once
+from services.decode.server.signals import FOLLOWER_SHUTDOWN_S, signals_end_at_once
+from services.decode.stream import EngineError
 
 
 def serve_decode(
@@ -41,13 +47,16 @@ def serve_decode(
     *,
     heartbeat_s: float = 2.0,
     worker_ttl_s: float = 10.0,
+    drain_grace_s: float = 25.0,
     ready: threading.Event | None = None,
     stop: threading.Event | None = None,
+    drain: threading.Event | None = None,
 ) -> int:
-    """Run the leader until SIGINT/SIGTERM (or `stop`); blocks. Returns the exit code: 0
-    after a requested stop, 1 when the group failed (a rank died or a collective timed
-    out), so a supervisor restarts the whole group. PortInUse (a ValueError) if a port of
-    the group is taken: checked before the group starts, so nothing is loaded or spawned."""
+    """Run the leader until SIGINT/SIGTERM (or `stop`, or `drain` and its drain); blocks.
+    Returns the exit code: 0 after a requested stop or a drain, 1 when the group failed (a
+    rank died or a collective timed out), so a supervisor restarts the whole group. PortInUse
+    (a ValueError) if a port of the group is taken: checked before the group starts, so
+    nothing is loaded or spawned."""
     # Ranks that join from elsewhere bind their own ports; the rendezvous is the group's.
     local_ranks = cfg.parallel.tp if cfg.launch is Launch.SPAWN else 1
     ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, local_ranks)
@@ -77,6 +86,7 @@ def serve_decode(
         engine.shutdown()
         raise
     stop = stop or threading.Event()
+    drain = drain or threading.Event()
     heartbeat = None
     if redis_url:
         group_id = f"decode-{uuid.uuid4().hex[:8]}"
@@ -84,7 +94,7 @@ def serve_decode(
         heartbeat = Heartbeat(
             registry, lambda: rank_records(engine, address, group_id, cfg.model), heartbeat_s
         ).start()
-    stop_on_signals(stop)
+    stop_on_signals(stop, drain)
     print(
         f"decode leader serving on {address} (tp={cfg.parallel.tp}, "
         f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks)",
@@ -99,6 +109,9 @@ def serve_decode(
                 print(f"decode group failed: {engine.failed}", flush=True)
                 code = 1
                 break
+            if drain.is_set():
+                code = _drain(engine, heartbeat, drain_grace_s, stop)
+                break
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -107,9 +120,40 @@ def serve_decode(
     return code
 
 
-def serve_rank(cfg: EngineConfig, rank: int) -> int:
+def _drain(
+    engine: DecodeEngine, heartbeat: Heartbeat | None, grace_s: float, stop: threading.Event
+) -> int:
+    """Admit nothing more and wait (up to `grace_s`, or until `stop`) for the admitted
+    requests to end; the exit code (1 if the group failed meanwhile)."""
+    engine.drain()
+    if heartbeat is not None:
+        heartbeat.beat_now()  # the routers' next refresh sees the group draining
+
+    def live() -> int | None:
+        try:
+            return engine.live(timeout=1.0)
+        except EngineError:  # a long step: ask again; a failed loop: nothing left to wait for
+            return None if engine.failed is None else 0
+
+    print(f"decode leader draining: {live()} live requests, up to {grace_s:g} s", flush=True)
+    drained = wait_drained(lambda: live() == 0, grace_s, stop)
+    if engine.failed is not None:
+        print(f"decode group failed while draining: {engine.failed}", flush=True)
+        return 1
+    if drained:
+        print("decode leader drained", flush=True)
+    else:
+        print(f"decode leader: ending {live()} live requests (their routers move them)", flush=True)
+    return 0
+
+
+def serve_rank(cfg: EngineConfig, rank: int, drain_grace_s: float = 25.0) -> int:
     """`tpla decode --rank K` with K > 0: one follower rank, started on its own, until its
     group ends. The exit code: 0 when the leader ended the group, 2 after a start-up error
-    it printed (and reported to the leader), 1 when the leader or a collective failed."""
-    with signals_end_at_once():
+    it printed (and reported to the leader), 1 when the leader or a collective failed.
+
+    Kubernetes sends SIGTERM to every pod of a group at once: this rank then keeps serving
+    its leader's drain, ending with the group (or at once after the drain and the leader's
+    shutdown would have ended)."""
+    with signals_end_at_once(term_grace_s=drain_grace_s + FOLLOWER_SHUTDOWN_S):
         return follower_main(cfg, rank)

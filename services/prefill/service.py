@@ -1,7 +1,10 @@
 """`tpla prefill`: a prefill worker serving the Prefill gRPC API.
 
 Lifecycle: load the model in the decode group's latent basis -> serve Prefill / GetLoad ->
-publish a registry record (queued tokens) with heartbeats -> drain on SIGINT/SIGTERM.
+publish a registry record (queued tokens) with heartbeats -> on SIGTERM drain: report itself
+draining (routers send nothing new here), refuse new prefills (a router tries another
+worker), finish the queued and running ones with their KV pushes, for at most
+TPLA_DRAIN_GRACE_S -> stop. SIGINT, or a second SIGTERM, skips the drain.
 A port in use stops it before the model loads, named with its setting.
 The servicer only translates protocol types; `PrefillWorker` does the work.
 """
@@ -27,9 +30,16 @@ from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
+from common.rpc.drain import DrainGate, wait_drained
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.rpc.server import start_serving, stop_on_signals
-from common.runtime.errors import DeadlineExceeded, InvalidRequest, TplaError, TransferFailed
+from common.runtime.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    TplaError,
+    TransferFailed,
+    Unavailable,
+)
 from common.runtime.metrics import PrefillMetrics, serve_metrics
 from common.runtime.ports import check_ports, prefill_worker_ports
 from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
@@ -49,11 +59,17 @@ MAX_TOP_LOGPROBS = 20
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(
-        self, worker: PrefillWorker, token: str | None = None, spans: Spans | None = None
+        self,
+        worker: PrefillWorker,
+        token: str | None = None,
+        spans: Spans | None = None,
+        gate: DrainGate | None = None,
     ) -> None:
         self.worker = worker
         self.token = token
         self.spans = spans or Spans()
+        # Closed when the worker drains: a prefill inside it runs to its last KV push.
+        self.gate = gate or DrainGate("the prefill worker")
 
     def _guard(self, context: grpc.ServicerContext) -> None:
         require_token(context, self.token)
@@ -87,6 +103,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         trace: JobTrace | None,
     ) -> prefill_pb2.PrefillResponse:
         self._guard(context)
+        try:
+            self.gate.enter()
+        except Unavailable as exc:
+            context.abort(exc.grpc_code, exc.message)
+        try:
+            return self._run(request, context, trace)
+        finally:
+            self.gate.leave()
+
+    def _run(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        context: grpc.ServicerContext,
+        trace: JobTrace | None,
+    ) -> prefill_pb2.PrefillResponse:
         deadline = request.deadline_seconds or 60.0
         try:
             job = PrefillJob(
@@ -157,15 +188,17 @@ def serve_prefill(
     device: str = "cpu",
     heartbeat_s: float = 2.0,
     worker_ttl_s: float = 10.0,
+    drain_grace_s: float = 25.0,
     transfer_timeout_s: float = 30.0,
     attention_backend: str = "auto",
     threads: PrefillThreads | None = None,
     max_batch_tokens: int = 2048,
     prefix_cache_mb: float = 0.0,
     stop: threading.Event | None = None,
+    drain: threading.Event | None = None,
 ) -> None:
-    """Run one prefill worker until SIGINT/SIGTERM (or `stop`); blocks. PortInUse (a
-    ValueError) if its gRPC or metrics port is taken."""
+    """Run one prefill worker until SIGINT/SIGTERM (or `stop`, or `drain` and its drain);
+    blocks. PortInUse (a ValueError) if its gRPC or metrics port is taken."""
     grpc_use, metrics_use = prefill_worker_ports(port)
     check_ports(host, [grpc_use, metrics_use])  # before the model loads
     spans = setup_tracing("tpla-prefill")
@@ -190,7 +223,10 @@ def serve_prefill(
         ),
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, token, spans), server)
+    gate = DrainGate(f"prefill worker {worker_id}")
+    prefill_pb2_grpc.add_PrefillServicer_to_server(
+        PrefillServicer(worker, token, spans, gate), server
+    )
     address = f"{host}:{port}"
     try:
         start_serving(
@@ -204,6 +240,7 @@ def serve_prefill(
         worker.close()
         raise
     stop = stop or threading.Event()
+    drain = drain or threading.Event()
     heartbeat = None
     if redis_url:
         registry = WorkerRegistry(redis.Redis.from_url(redis_url), ttl_s=worker_ttl_s)
@@ -217,17 +254,39 @@ def serve_prefill(
                     pid=os.getpid(),
                     queued_tokens=worker.queued_tokens,
                     model=model_dir,
+                    draining=gate.closed,
                     **_published(worker.prefix_cache),
                 )
             ],
             heartbeat_s,
         ).start()
-    stop_on_signals(stop)
+    stop_on_signals(stop, drain)
     print(f"prefill worker {worker_id} serving on {address} ({transport} KV transport)", flush=True)
     try:
-        stop.wait()
+        while not stop.wait(0.1):
+            if drain.is_set():
+                _drain(gate, heartbeat, drain_grace_s, stop)
+                break
     finally:
         if heartbeat is not None:
             heartbeat.stop()
         server.stop(grace=2)
         worker.close()
+
+
+def _drain(
+    gate: DrainGate, heartbeat: Heartbeat | None, grace_s: float, stop: threading.Event
+) -> None:
+    """Turn new prefills away and wait (up to `grace_s`, or until `stop`) for the admitted
+    ones: queued, running or pushing their KV, each ends when its last shard is acknowledged."""
+    inside = gate.close()
+    if heartbeat is not None:
+        heartbeat.beat_now()  # the routers' next refresh sees the worker draining
+    print(
+        f"prefill worker draining: {inside} prefills queued or running, up to {grace_s:g} s",
+        flush=True,
+    )
+    if wait_drained(lambda: gate.inside == 0, grace_s, stop):
+        print("prefill worker drained", flush=True)
+    else:
+        print(f"prefill worker: ending {gate.inside} prefills", flush=True)

@@ -149,6 +149,7 @@ def _worker_json(r: WorkerRecord) -> dict[str, Any]:
         "rank": r.rank,
         "pid": r.pid,
         "healthy": r.healthy,
+        "draining": r.draining,
         "address": r.address,
         "group_id": r.group_id,
         "updated_at": r.updated_at,

@@ -2,7 +2,8 @@
 
 The router keeps a `WorkerSnapshot` built from the Redis registry (refreshed in the
 background) and asks a `RoutingPolicy` for one decode group and one prefill worker per
-request. A policy never does I/O; "no healthy worker" raises `Unavailable` (HTTP 503).
+request. A policy never does I/O; "no healthy worker" raises `Unavailable` (HTTP 503). A
+draining worker (told to go, finishing its requests) counts as none: it gets no new work.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class DecodeGroup:
     block_size: int = 0
     # The cached blocks it published.
     prefix: PublishedPrefixes = field(default_factory=PublishedPrefixes)
+    draining: bool = False  # healthy, finishing its requests, admitting none
 
     @property
     def free_blocks(self) -> int:
@@ -64,6 +66,7 @@ class WorkerSnapshot:
                 healthy=r.healthy and (r.group_id or r.worker_id) not in sick,
                 block_size=r.block_size,
                 prefix=PublishedPrefixes.parse(r.prefix_root, r.block_size, r.prefix_hashes),
+                draining=r.draining,
             )
             for r in decode
             if r.rank == 0
@@ -77,10 +80,14 @@ class WorkerSnapshot:
         return cls(groups, prefill, records, types.MappingProxyType(prefixes))
 
     def healthy_groups(self) -> list[DecodeGroup]:
-        return [g for g in self.decode_groups if g.healthy]
+        """The groups that take new requests: healthy, not draining."""
+        return [g for g in self.decode_groups if g.healthy and not g.draining]
 
     def healthy_prefill(self, exclude: frozenset[str] = frozenset()) -> list[WorkerRecord]:
-        return [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
+        """The prefill workers that take new prompts: healthy, not draining."""
+        return [
+            w for w in self.prefill if w.healthy and not w.draining and w.worker_id not in exclude
+        ]
 
     def not_ready_reason(self) -> str | None:
         """Why no request could be served right now, or None when it could."""

@@ -51,13 +51,14 @@ def cmd_decode(args: argparse.Namespace) -> int:
     if s.rank > 0:  # a follower of a group whose ranks are started on their own
         from services.decode.service import serve_rank
 
-        return serve_rank(engine_config(s), s.rank)
+        return serve_rank(engine_config(s), s.rank, s.drain_grace_s)
     return serve_decode(
         engine_config(s),
         s.decode_port,
         s.redis_url,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
+        drain_grace_s=s.drain_grace_s,
     )
 
 
@@ -83,6 +84,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         device=s.device,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
+        drain_grace_s=s.drain_grace_s,
         transfer_timeout_s=s.transfer_timeout_s,
         attention_backend=s.attention_backend,
         threads=PrefillThreads.from_settings(s),

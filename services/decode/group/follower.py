@@ -4,13 +4,14 @@ One the leader spawned runs `python -m services.decode.group.follower RANK LEADE
 the leader's config as JSON in TPLA_ENGINE_CONFIG (nothing but JSON and tensors crosses a
 process boundary); a rank started on its own (`tpla decode --rank K`) builds its config from
 its settings and calls `follower_main`. Both join the group the same way
-(services/decode/group/join.py).
+(services/decode/group/join.py). A spawned one ignores SIGINT / SIGTERM: its leader ends it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -119,6 +120,11 @@ def run_plans(runtime: RankRuntime) -> None:
 
 if __name__ == "__main__":
     # python -m services.decode.group.follower RANK LEADER_PID
+    # A signal to the leader's process group (Ctrl-C, a supervisor's stop) must not break the
+    # group under a draining leader: the leader's last plan ends this rank, or its death
+    # (exit_with_parent).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     sys.exit(
         follower_main(
             EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]), int(sys.argv[2])

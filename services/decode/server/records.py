@@ -46,6 +46,7 @@ def rank_records(
             pid=pid,
             group_id=group_id,
             healthy=ok and engine.failed is None and not stalled,
+            draining=engine.draining,
             kv_blocks_used=used,
             kv_blocks_total=total,
             tp=par.tp,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -89,3 +90,27 @@ def test_signals_are_left_alone_off_the_main_thread() -> None:
     thread.start()
     thread.join()
     assert errors == [] and not stop.is_set()
+
+
+def test_a_first_sigterm_drains_a_second_stops() -> None:
+    """SIGTERM (a pod's stop) sets `drain`; SIGINT, or SIGTERM again, sets `stop`. Without
+    `drain` both stop at once."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop, drain = threading.Event(), threading.Event()
+        stop_on_signals(stop, drain)
+        signal.raise_signal(signal.SIGTERM)
+        assert drain.is_set() and not stop.is_set()
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.is_set()
+        stop, drain = threading.Event(), threading.Event()
+        stop_on_signals(stop, drain)
+        signal.raise_signal(signal.SIGINT)
+        assert stop.is_set() and not drain.is_set()
+        stop = threading.Event()
+        stop_on_signals(stop)
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.is_set()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -184,3 +184,27 @@ def test_kv_aware_sends_a_prompt_to_the_prefill_worker_holding_its_prefix() -> N
     assert policy.choose_prefill(snap, {"p1": 400}, prompt=prompt).worker_id == "p2"
     # Least-loaded ignores the prefix.
     assert LeastLoadedPolicy().choose_prefill(snap, {}, prompt=prompt).worker_id == "p2"
+
+
+def test_draining_workers_get_no_new_work() -> None:
+    """A worker told to go (its record says draining) is healthy but takes nothing new: every
+    policy passes it over, and with nothing else left the router has no worker."""
+    draining = WorkerRecord("p9", WorkerRole.PREFILL, "p9:1", draining=True)
+    snap = WorkerSnapshot.from_records(
+        [decode("g1", draining=True), decode("g1", rank=1), decode("g2", used=90), draining]
+    )
+    assert [g.group_id for g in snap.healthy_groups()] == ["g2"]
+    assert snap.healthy_prefill() == []
+    for policy in (LeastLoadedPolicy(), KvAwarePolicy(), RoundRobinPolicy()):
+        assert policy.choose_decode(snap, {}).group_id == "g2"
+    alone = WorkerSnapshot.from_records([decode("g1", draining=True), draining])
+    with pytest.raises(Unavailable):
+        LeastLoadedPolicy().choose_decode(alone, {})
+    assert alone.not_ready_reason() == "no healthy prefill worker is registered"
+
+
+def test_the_draining_flag_survives_redis() -> None:
+    record = decode("g1", draining=True)
+    assert record.to_redis()["draining"] == "1"
+    assert WorkerRecord.from_redis(record.to_redis()) == record
+    assert not WorkerRecord.from_redis(decode("g1").to_redis()).draining

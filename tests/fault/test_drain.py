@@ -1,0 +1,162 @@
+"""Scale-in drains on the real stack: SIGTERM (what Kubernetes sends a pod it scales in) to the
+leader of one of two decode groups, or to one of two prefill workers, while they serve.
+
+The worker told to go finishes what it admitted, none of it fails or moves elsewhere (no
+migration, no re-prefill), new requests go to the other worker meanwhile, and its process
+exits within TPLA_DRAIN_GRACE_S. `tpla serve` then restarts it, so each test ends with the
+stack whole again. One stack of two MLA-TP groups (tp=2: exact, so a stream's greedy text is
+the undisturbed one) and two prefill workers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from tests.fault.test_faults import (
+    CLIENT_TIMEOUT_S,
+    Client,
+    busiest_group,
+    complete,
+    finish,
+    run_clients,
+    wait_progress,
+    wait_recovered,
+    workers,
+)
+from tests.stack import start_stack
+from tests.tiny import save_tiny_chat_model
+from tools.local_stack import LocalStack
+
+DRAIN_GRACE_S = 15.0
+PROMPTS = [f"drain {i}: the quick brown fox jumps over the lazy dog" for i in range(4)]
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("drain-model"), std=0.08)
+    s = start_stack(
+        model,
+        "grpc",
+        DECODE_GROUPS="2",
+        PREFILL_WORKERS="2",
+        LATENT_GROUPS="1",
+        ROUTING_POLICY="least-loaded",
+        WORKER_TTL_S="3",
+        LEASE_SECONDS="10",
+        DRAIN_GRACE_S=f"{DRAIN_GRACE_S:g}",
+    )
+    try:
+        wait_recovered(s)
+        yield s
+    finally:
+        s.stop()
+
+
+def record(url: str, request_id: str) -> dict:
+    return httpx.get(f"{url}/admin/requests/{request_id}", timeout=10).json()
+
+
+def send(url: str, prompt: str, max_tokens: int) -> dict:
+    resp = httpx.post(
+        f"{url}/v1/chat/completions",
+        json=Client(url, prompt, max_tokens).body(stream=False),
+        timeout=CLIENT_TIMEOUT_S,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def exited_within(pid: int, seconds: float) -> float:
+    """Seconds until `pid` is gone (or a zombie), failing past `seconds`."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"process {pid} still runs {seconds:g} s after its SIGTERM")
+    return time.monotonic() - started
+
+
+def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> None:
+    wait_recovered(stack)
+    reference = {p: complete(stack.url, p, MAX_TOKENS) for p in PROMPTS}
+    clients = [Client(stack.url, p, MAX_TOKENS) for p in PROMPTS]
+    pool, futures = run_clients(clients)
+    wait_progress(clients, 4)
+    victim = busiest_group(stack.url)
+    group, leader = victim[0]["group_id"], victim[0]["pid"]
+    os.kill(leader, signal.SIGTERM)
+    # New requests while it drains: the first may still find the group in the router's
+    # snapshot; its Reserve is refused and the request goes to the other group.
+    with concurrent.futures.ThreadPoolExecutor(3) as sends:
+        meanwhile = list(sends.map(lambda i: send(stack.url, f"meanwhile {i}", 4), range(3)))
+    still_draining = psutil.pid_exists(leader)
+    took = exited_within(leader, DRAIN_GRACE_S)
+    results = finish(pool, futures)
+    for client, r in zip(clients, results, strict=True):
+        assert r.error is None, r.error
+        assert r.done and r.finish_reason == "length"
+        assert r.text == reference[client.prompt]
+        assert r.completion_tokens == MAX_TOKENS
+        rec = record(stack.url, r.request_id)
+        assert rec["migrations"] == "0", rec  # finished where it ran: nothing re-prefilled
+    on_victim = [r for r in results if record(stack.url, r.request_id)["decode_group"] == group]
+    assert on_victim, "no stream ran on the group told to go"
+    assert still_draining, f"the group ended before the new requests were placed ({took:.1f} s)"
+    for resp in meanwhile:
+        assert record(stack.url, resp["id"])["decode_group"] != group
+    assert "decode leader drained" in stack.log()
+    wait_recovered(stack)
+
+
+def test_a_prefill_worker_told_to_go_finishes_its_queued_burst(stack: LocalStack) -> None:
+    wait_recovered(stack)
+    victim = next(w for w in workers(stack.url) if w["role"] == "prefill")
+    pid, before = victim["pid"], len(stack.log())
+    prompts = [
+        f"burst {i}: " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(12)
+    ]
+    # The decode followers stopped (for less than their beats take to go stale): every push
+    # to them waits, so the burst's prefills are inside the workers when the SIGTERM comes.
+    followers = [w["pid"] for w in workers(stack.url) if w["role"] == "decode" and w["rank"]]
+    for follower in followers:
+        os.kill(follower, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as sends:
+            burst = [sends.submit(send, stack.url, p, 4) for p in prompts]
+            time.sleep(1.5)  # every request prefilled, its push waiting
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.5)
+            for follower in followers:
+                os.kill(follower, signal.SIGCONT)
+            results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
+    finally:
+        for follower in followers:
+            os.kill(follower, signal.SIGCONT)
+    exited_within(pid, DRAIN_GRACE_S)
+    records = [record(stack.url, r["id"]) for r in results]
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+    log = stack.log()[before:]
+    admitted = re.search(r"prefill worker draining: (\d+) prefills", log)
+    assert admitted, log[-4000:]
+    # Every prefill it admitted ran there to its end, KV push included, on its first try.
+    ran_there = [r for r in records if r["prefill_worker"] == victim["worker_id"]]
+    seen = [(r["prefill_worker"], r["attempt"], r.get("retry_reason")) for r in records]
+    assert len(ran_there) == int(admitted.group(1)) >= 1, (admitted.group(0), seen)
+    assert all(r["attempt"] == "1" for r in ran_there), ran_there
+    assert "prefill worker drained" in log
+    wait_recovered(stack)
