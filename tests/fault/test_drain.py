@@ -93,15 +93,22 @@ def exited_within(pid: int, seconds: float) -> float:
 
 def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> None:
     wait_recovered(stack)
-    reference = {p: complete(stack.url, p, MAX_TOKENS) for p in PROMPTS}
-    clients = [Client(stack.url, p, MAX_TOKENS) for p in PROMPTS]
+    # Streams long enough to outlast the router's next refresh of the registry: the group
+    # must still be draining when it is seen to be.
+    tokens = 4 * MAX_TOKENS
+    reference = {p: complete(stack.url, p, tokens) for p in PROMPTS}
+    clients = [Client(stack.url, p, tokens) for p in PROMPTS]
     pool, futures = run_clients(clients)
     wait_progress(clients, 4)
     victim = busiest_group(stack.url)
     group, leader = victim[0]["group_id"], victim[0]["pid"]
     os.kill(leader, signal.SIGTERM)
-    # New requests while it drains: the first may still find the group in the router's
-    # snapshot; its Reserve is refused and the request goes to the other group.
+    # New requests once the router has seen it draining (a Reserve that reached it before its
+    # SIGTERM was handled is admitted, and finishes there, as it should).
+    deadline = time.monotonic() + 10
+    while not any(w["draining"] for w in workers(stack.url) if w.get("group_id") == group):
+        assert time.monotonic() < deadline, "the router never saw the group draining"
+        time.sleep(0.05)
     with concurrent.futures.ThreadPoolExecutor(3) as sends:
         meanwhile = list(sends.map(lambda i: send(stack.url, f"meanwhile {i}", 4), range(3)))
     still_draining = psutil.pid_exists(leader)
@@ -111,7 +118,7 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
         assert r.error is None, r.error
         assert r.done and r.finish_reason == "length"
         assert r.text == reference[client.prompt]
-        assert r.completion_tokens == MAX_TOKENS
+        assert r.completion_tokens == tokens
         rec = record(stack.url, r.request_id)
         assert rec["migrations"] == "0", rec  # finished where it ran: nothing re-prefilled
     on_victim = [r for r in results if record(stack.url, r.request_id)["decode_group"] == group]
