@@ -66,6 +66,13 @@ def random_state(seed: int = 0) -> dict[str, Tensor]:
             state[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         else:
             state[name] = 0.05 * torch.randn(p.shape, generator=gen)
+    per_expert(state)
+    return state
+
+
+def per_expert(state: dict[str, Tensor]) -> None:
+    """Unstack fused `experts.gate_up_proj` / `down_proj` into the hub's per-expert
+    gate / up / down weights, in place."""
     for name in [k for k in state if k.endswith("experts.gate_up_proj")]:
         prefix = name.removesuffix(".gate_up_proj")
         gate, up = state.pop(name).chunk(2, dim=1)
@@ -74,7 +81,6 @@ def random_state(seed: int = 0) -> dict[str, Tensor]:
             state[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()
             state[f"{prefix}.{e}.up_proj.weight"] = up[e].clone()
             state[f"{prefix}.{e}.down_proj.weight"] = down[e].clone()
-    return state
 
 
 def is_quantized(name: str, t: Tensor) -> bool:
@@ -184,14 +190,7 @@ def fp8_copy(model_dir: Path, out: Path, block: int) -> tuple[Path, Path]:
     state: dict[str, Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(file)))
-    for name in [k for k in state if k.endswith("experts.gate_up_proj")]:
-        prefix = name.removesuffix(".gate_up_proj")
-        gate, up = state.pop(name).chunk(2, dim=1)
-        down = state.pop(f"{prefix}.down_proj")
-        for e in range(gate.shape[0]):
-            state[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()
-            state[f"{prefix}.{e}.up_proj.weight"] = up[e].clone()
-            state[f"{prefix}.{e}.down_proj.weight"] = down[e].clone()
+    per_expert(state)
     fp8, dequantized = quantize({k: v.float() for k, v in state.items()}, block)
     config = json.loads((model_dir / "config.json").read_text())
     dirs = []

@@ -49,6 +49,13 @@ class PrefillAttention(abc.ABC):
         return self.causal(q, k, v.contiguous(), cu_seqlens, scale)
 
 
+def widened_values(v: Tensor, width: int) -> Tensor:
+    """MLA's v [T, H, d_v] zero-padded to q / k's width for kernels that take one head dim:
+    the padded output columns are zero, and the caller slices them off."""
+    d_v = v.shape[-1]
+    return F.pad(v, (0, width - d_v)) if d_v < width else v
+
+
 class SdpaPrefillAttention(PrefillAttention):
     """torch SDPA, one call per sequence (no cross-sequence mask memory)."""
 
@@ -57,11 +64,9 @@ class SdpaPrefillAttention(PrefillAttention):
     def causal(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], scale: float
     ) -> Tensor:
-        d_v = v.shape[-1]
-        if d_v < q.shape[-1]:
-            # MLA has d_v < d_qk; torch's fused CPU kernel needs equal widths and otherwise
-            # falls back to the unfused math path (~2x slower). Zero columns change nothing.
-            v = F.pad(v, (0, q.shape[-1] - d_v))
+        # torch's fused CPU kernel needs equal widths and otherwise falls back to the unfused
+        # math path (~2x slower).
+        d_v, v = v.shape[-1], widened_values(v, q.shape[-1])
         out = q.new_empty(q.shape[0], q.shape[1], d_v)
         for start, end in pairwise(cu_seqlens):
             # [1, H, T, d]: the fused CPU kernel accepts only 4-D inputs.
@@ -131,9 +136,7 @@ class FlashPrefillAttention(PrefillAttention):
     ) -> Tensor:
         if q.dtype not in self.DTYPES:
             raise ValueError(f"flash-attn runs fp16 and bf16, not {q.dtype}: use sdpa")
-        d_v = v.shape[-1]
-        if d_v < q.shape[-1]:
-            v = F.pad(v, (0, q.shape[-1] - d_v))
+        d_v, v = v.shape[-1], widened_values(v, q.shape[-1])
         cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
         max_len = max(e - s for s, e in pairwise(cu_seqlens))
         out = self._fn(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)

@@ -15,37 +15,36 @@ METRICS_PORT_OFFSET = 1000
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-class GaugeCallback(Collector):
-    """Gauges read at scrape time, so the hot path never updates them."""
+class _ReadAtScrape(Collector):
+    """Values a service's core keeps (plain numbers), read at scrape time, so the hot path
+    never updates a metric."""
+
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily]
 
     def __init__(self, read: Callable[[], dict[str, float]], help_text: dict[str, str]) -> None:
         self.read = read
         self.help_text = help_text
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         try:
             values = self.read()
-        except Exception:  # a failing worker reports no gauges rather than a 500
+        except Exception:  # a failing worker reports nothing rather than a 500
             return
         for name, value in values.items():
-            yield GaugeMetricFamily(name, self.help_text.get(name, name), value=value)
+            yield self.family(name, self.help_text.get(name, name), value=value)
 
 
-class CounterCallback(Collector):
-    """Counters kept by a service's core (plain ints) and read at scrape time; names without
-    the `_total` suffix, which the exposition adds."""
+class GaugeCallback(_ReadAtScrape):
+    """Gauges read at scrape time."""
 
-    def __init__(self, read: Callable[[], dict[str, float]], help_text: dict[str, str]) -> None:
-        self.read = read
-        self.help_text = help_text
+    family = GaugeMetricFamily
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        try:
-            values = self.read()
-        except Exception:  # a failing worker reports no counters rather than a 500
-            return
-        for name, value in values.items():
-            yield CounterMetricFamily(name, self.help_text.get(name, name), value=value)
+
+class CounterCallback(_ReadAtScrape):
+    """Counters read at scrape time; names without the `_total` suffix, which the exposition
+    adds."""
+
+    family = CounterMetricFamily
 
 
 # Prefix caching, per service (decode: blocks reused at Reserve; prefill: latents reused).
