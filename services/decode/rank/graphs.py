@@ -43,7 +43,7 @@ class StepGraphs:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.device, self._forward = device, forward
-        self._graphs: dict[tuple[int, ...], _Captured] = {}
+        self._graphs: dict[tuple[int, int], _Captured] = {}
         # One memory pool for every bucket's graph: only one replays at a time, so they can
         # share their intermediate buffers instead of each holding its own.
         self._pool = torch.cuda.graph_pool_handle()
@@ -55,7 +55,7 @@ class StepGraphs:
         """The step of `plan` (on the rank's device): its bucket's graph replayed, captured
         first if this bucket is new. The result is the graph's output buffer, valid until the
         next step."""
-        key = tuple(plan.block_tables.shape)
+        key = plan.bucket
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(plan)
