@@ -93,8 +93,6 @@ def exited_within(pid: int, seconds: float) -> float:
 
 def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> None:
     wait_recovered(stack)
-    # Streams long enough to outlast the router's next refresh of the registry: the group
-    # must still be draining when it is seen to be.
     tokens = 4 * MAX_TOKENS
     reference = {p: complete(stack.url, p, tokens) for p in PROMPTS}
     clients = [Client(stack.url, p, tokens) for p in PROMPTS]
@@ -102,16 +100,26 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
     wait_progress(clients, 4)
     victim = busiest_group(stack.url)
     group, leader = victim[0]["group_id"], victim[0]["pid"]
-    os.kill(leader, signal.SIGTERM)
-    # New requests once the router has seen it draining (a Reserve that reached it before its
-    # SIGTERM was handled is admitted, and finishes there, as it should).
-    deadline = time.monotonic() + 10
-    while not any(w["draining"] for w in workers(stack.url) if w.get("group_id") == group):
-        assert time.monotonic() < deadline, "the router never saw the group draining"
-        time.sleep(0.05)
-    with concurrent.futures.ThreadPoolExecutor(3) as sends:
-        meanwhile = list(sends.map(lambda i: send(stack.url, f"meanwhile {i}", 4), range(3)))
-    still_draining = psutil.pid_exists(leader)
+    # Its followers stopped (for less than a stalled step takes to be reported): the group's
+    # steps wait in their collectives, so its drain cannot end before the router has seen it
+    # and the new requests are placed, however fast the streams would otherwise finish.
+    followers = [w["pid"] for w in victim[1:]]
+    for follower in followers:
+        os.kill(follower, signal.SIGSTOP)
+    try:
+        os.kill(leader, signal.SIGTERM)
+        # New requests once the router has seen it draining (a Reserve that reached it before
+        # its SIGTERM was handled is admitted, and finishes there, as it should).
+        deadline = time.monotonic() + 10
+        while not any(w["draining"] for w in workers(stack.url) if w.get("group_id") == group):
+            assert time.monotonic() < deadline, "the router never saw the group draining"
+            time.sleep(0.05)
+        with concurrent.futures.ThreadPoolExecutor(3) as sends:
+            meanwhile = list(sends.map(lambda i: send(stack.url, f"meanwhile {i}", 4), range(3)))
+        still_draining = psutil.pid_exists(leader)
+    finally:
+        for follower in followers:
+            os.kill(follower, signal.SIGCONT)
     took = exited_within(leader, DRAIN_GRACE_S)
     results = finish(pool, futures)
     for client, r in zip(clients, results, strict=True):
