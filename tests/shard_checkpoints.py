@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from common.group.comm import Collectives, ReduceOp
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM
-from services.decode.group.comm import Collectives, ReduceOp
 
 # Widths around FP8's 128 x 128 blocks: rank slices start mid-block (q_b rows of a head
 # group, MLP rows at tp = 4, latent columns of a TPLA slice) and the last blocks are partial.

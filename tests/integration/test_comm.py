@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.group.comm import Comm, ShmCollectives
 from common.native import shm_group
 from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig
-from services.decode.group.comm import Comm, ShmCollectives
 from services.decode.group.setup import create_shm_group, init_group, open_comm
 from services.decode.group.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.group.comm import ShmCollectives
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
 from common.messages import ResumedChoice
@@ -22,7 +23,6 @@ from common.sampling.sampler import first_tokens
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.decode.group.comm import ShmCollectives
 from tests.tiny import save_hf
 from tools.cli.local import collect, submit, write_prompt
 

@@ -10,12 +10,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.group.comm import Comm, DistCollectives, ShmCollectives
 from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
 from common.runtime import group_files
 from common.runtime.device import rank_device, use_device
 from services.decode.config import EngineConfig
-from services.decode.group.comm import Comm, DistCollectives, ShmCollectives
 
 log = logging.getLogger(__name__)
 

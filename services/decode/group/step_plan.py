@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from services.decode.group.comm import Comm
+    from common.group.comm import Comm
 
 HEADER_WORDS = 8
 

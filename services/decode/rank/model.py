@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.group.comm import Comm
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.fp8 import share_workspace
@@ -22,7 +23,6 @@ from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials
 from common.model.tpla import LatentShard
 from common.parallel import ParallelConfig
-from services.decode.group.comm import Comm
 from services.decode.rank.backends import DecodeBackend, TorchBackend
 from services.decode.rank.layers import RankAttention, RankLayer, rank_ffn, rank_norm
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.group.comm import Comm
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
@@ -32,7 +33,6 @@ from common.tpla.convert import (
     save_side_file,
 )
 from common.tpla.transforms import Method
-from services.decode.group.comm import Comm
 from services.decode.rank.model import RankModel
 from tests.shard_checkpoints import (
     CONFIG,

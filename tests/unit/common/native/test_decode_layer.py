@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.group.comm import Comm
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.loading.loader import load_model
 from common.model.mla import RMSNorm
 from common.model.tpla import latent_shards
 from common.native import decode_layer
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
-from services.decode.group.comm import Comm
 from services.decode.rank.backends import TorchBackend
 from services.decode.rank.backends.native_backend import NativeBackend
 from services.decode.rank.model import RankModel

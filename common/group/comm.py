@@ -1,4 +1,6 @@
-"""A decode group's communication: a control group for plans, a data group for activations.
+"""A rank group's communication: a control group for plans, a data group for activations.
+
+Decode groups and prefill groups both run over it.
 
 The leader's step plans and other small integers are CPU tensors and travel over the
 *control* group; the step's activations (all-reduces of the hidden state, the SP merge, the
