@@ -1,4 +1,5 @@
-"""`tpla plan`: what one decode rank holds, and how much context then fits, per layout.
+"""`tpla plan`: what one decode rank holds, and how much context then fits, per layout; what
+one prefill rank holds, and whether it fits.
 
 Pure arithmetic over `ModelConfig` (no torch, no I/O). What a rank holds per layout, its
 weights tensor by tensor and its cache bytes per token, is rank_memory.py; this file fits
@@ -29,6 +30,7 @@ from common.tpla.rank_memory import (
     WEIGHT_DTYPES,
     PlanError,
     kv_bytes_per_stored_token,
+    prefill_rank_tensors,
     rank_tensors,
     weight_bytes,
 )
@@ -105,8 +107,11 @@ class PlanRequest:
     chunk_size: int = 256
     fp8_block: tuple[int, int] = (128, 128)
     moe: MoeParallel = MoeParallel.TP  # routed experts: a slice of each, or whole ones (ep)
+    prefill_gpus: int = 1  # ranks of one prefill group (TPLA_PREFILL_TP), on the same cards
 
     def __post_init__(self) -> None:
+        if self.prefill_gpus < 1:
+            raise PlanError("a prefill group needs at least one GPU")
         if not self.latent_groups:
             raise PlanError("give at least one latent group count")
         if self.context < 1 or self.block_size < 1 or self.chunk_size < 1:
@@ -131,6 +136,10 @@ class PlanRequest:
             ),
             ("sp", ParallelConfig(tp, 1, norm, ParallelMode.SP, chunk, moe)),
         ]
+
+    def prefill_layout(self) -> ParallelConfig:
+        """A prefill group's ranks: MLA-TP over `prefill_gpus`, whatever decode runs."""
+        return ParallelConfig(self.prefill_gpus, 1, RmsNormMode.EXACT, moe=self.moe)
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,13 @@ class Plan:
     request: PlanRequest
     layouts: tuple[LayoutPlan, ...]  # mla-tp, tpla for each requested r, sp
     breakdown: tuple[tuple[str, int], ...]  # the first TPLA layout's rank-0 bytes by part
-    full_model_bytes: int  # the whole model in the weight dtype (what a prefill worker holds)
+    full_model_bytes: int  # the whole model in the weight dtype
+    prefill_weights_bytes: int  # the largest prefill rank's (vocabulary slices differ by a row)
+
+    @property
+    def prefill_fits(self) -> bool:
+        hw = self.request.hardware
+        return self.prefill_weights_bytes + hw.reserve < hw.gpu_mem_bytes
 
     @property
     def chosen(self) -> LayoutPlan:
@@ -226,6 +241,9 @@ class Plan:
             "fits_by_layout": {k: p.fits for k, p in keyed.items()},
             "weights_breakdown_bytes_per_rank": dict(self.breakdown),
             "full_model_bytes": self.full_model_bytes,
+            "prefill_gpus": req.prefill_gpus,
+            "prefill_weights_bytes_per_rank": self.prefill_weights_bytes,
+            "prefill_fits": self.prefill_fits,
             "layouts": [_layout_json(p) for p in self.layouts],
         }
 
@@ -267,10 +285,16 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
         parts[t.part] = parts.get(t.part, 0) + weight_bytes([t], req.weight_dtype, req.fp8_block)
     # load_model keeps the router in float32 too (common.loading.weights.is_router).
     full = rank_tensors(c, ParallelConfig(), 0)
+    prefill = req.prefill_layout()
+    prefill.check(c)
     return Plan(
         config=c,
         request=req,
         layouts=tuple(plan_layout(c, req, name, layout) for name, layout in layouts),
         breakdown=tuple(parts.items()),
         full_model_bytes=weight_bytes(full, req.weight_dtype, req.fp8_block),
+        prefill_weights_bytes=max(
+            weight_bytes(prefill_rank_tensors(c, prefill, rank), req.weight_dtype, req.fp8_block)
+            for rank in range(prefill.tp)
+        ),
     )

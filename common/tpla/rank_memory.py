@@ -1,5 +1,5 @@
-"""What one decode rank holds, per layout: its weights tensor by tensor, and its cache bytes
-per token.
+"""What one rank holds: a decode rank's weights per layout, tensor by tensor, and its cache
+bytes per token; a prefill rank's weights.
 
 Pure arithmetic over `ModelConfig` (no torch, no I/O). The weights mirror how
 `services.decode.rank.model.RankModel` shards a model (a test holds them equal to
@@ -106,6 +106,21 @@ def rank_tensors(c: ModelConfig, layout: ParallelConfig, rank: int) -> list[Rank
         RankTensor("lm_head", (vocab_rows, c.hidden_size)),
     ]
     return out
+
+
+def prefill_rank_tensors(c: ModelConfig, layout: ParallelConfig, rank: int) -> list[RankTensor]:
+    """Every tensor rank `rank` of a prefill group holds. It is sharded as an MLA-TP decode
+    rank (heads, FFN columns or experts, shared-expert columns, vocabulary rows of the LM
+    head) but its embedding is split by vocabulary too: a prefill batch embeds thousands of
+    tokens, so a masked lookup and one all-reduce cost little beside the layers, while
+    V3's replicated embedding would be 1.75 GiB a rank."""
+    if layout.latent_groups != 1 or layout.sp:
+        raise PlanError("a prefill group is sharded as MLA-TP (r = 1, no SP)")
+    vocab_rows = span(layout.vocab_rows(rank, c.vocab_size))
+    return [
+        RankTensor("embedding", (vocab_rows, c.hidden_size)) if t.part == "embedding" else t
+        for t in rank_tensors(c, layout, rank)
+    ]
 
 
 def weight_bytes(

@@ -1,5 +1,6 @@
-"""`tpla plan`: the capacity plan of a decode group (common/tpla/plan.py) for a checkpoint's
-config.json on given cards, as a table and, with --json, its contract line."""
+"""`tpla plan`: the capacity plan of a decode group and a prefill group (common/tpla/plan.py)
+for a checkpoint's config.json on given cards, as a table and, with --json, its contract
+line."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         fp8_block=ckpt.fp8_block,
         moe=MoeParallel(args.moe_parallel),
+        prefill_gpus=args.prefill_gpus,
     )
     plan = build_plan(ckpt.config, request)
     print(format_plan(plan, path, ckpt))
@@ -117,6 +119,11 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
         f"blocks); seqs: sequences of {ctx} tokens (prompt + max_tokens) held at once.",
         "fits: weights + reserve < GPU memory. A rank reads only its share from the "
         f"checkpoint (the whole model is {_gib(plan.full_model_bytes)} GiB).",
+        "",
+        f"prefill group: {req.prefill_gpus} GPUs (MLA-TP, MoE {req.moe.value}, embedding and "
+        f"LM head by vocabulary): weights {_gib(plan.prefill_weights_bytes)} GiB per rank; "
+        f"fits: {'yes' if plan.prefill_fits else 'NO'} (weights + reserve < GPU memory; "
+        "activations of a prefill chunk come out of the reserve)",
     ]
     if req.weight_dtype == FP8:
         lines.append(
@@ -169,6 +176,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=("tp", "ep"),
         default="tp",
         help="routed experts: a column slice of each (tp) or whole experts per rank (ep)",
+    )
+    p.add_argument(
+        "--prefill-gpus",
+        type=int,
+        default=1,
+        help="ranks of one prefill group (TPLA_PREFILL_TP) on the same cards: the prefill "
+        "rank's weights and whether they fit",
     )
     p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     p.set_defaults(func=cmd_plan)

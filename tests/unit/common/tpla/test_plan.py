@@ -162,3 +162,37 @@ def test_float8_resident_rank_model_holds_the_planned_bytes(tmp_path: Path) -> N
             assert isinstance(model.layers[1].ffn.experts.gate_up_proj, Fp8Weight)
             planned = weight_bytes(rank_tensors(c, parallel, rank), "float8", (4, 4))
             assert model.parameter_bytes() == planned, (tp, r, mode, rmsnorm, rank)
+
+
+def test_a_prefill_group_of_one_holds_the_whole_model() -> None:
+    c = checkpoint_from_hf_dict(json.loads(V2_LITE.read_text())).config
+    plan = build_plan(c, PlanRequest(Hardware(80 * GIB, 2), context=4096))
+    assert plan.prefill_weights_bytes == plan.full_model_bytes
+    assert plan.to_json()["prefill_weights_bytes_per_rank"] == plan.full_model_bytes
+
+
+@pytest.mark.parametrize(
+    ("weight_dtype", "gib", "fits"), [("float8", 81, True), ("bfloat16", 160, False)]
+)
+def test_deepseek_v3_prefills_on_8_h200s_only_in_fp8(
+    weight_dtype: str, gib: float, fits: bool
+) -> None:
+    """One 8 x H200 prefill group: about 81 GiB a rank with FP8 kept FP8, 160 GiB in bf16."""
+    ckpt = checkpoint_from_hf_dict(json.loads(V3.read_text()))
+    request = PlanRequest(
+        Hardware(141 * 10**9, 8),
+        context=32768,
+        weight_dtype=weight_dtype,
+        fp8_block=ckpt.fp8_block,
+        prefill_gpus=8,
+    )
+    out = build_plan(ckpt.config, request).to_json()
+    assert out["prefill_weights_bytes_per_rank"] / GIB == pytest.approx(gib, rel=0.03)
+    assert out["prefill_fits"] is fits
+    # Split by vocabulary, the embedding is no longer whole on every rank: less than decode's.
+    assert out["prefill_weights_bytes_per_rank"] < out["layouts"][0]["weights_bytes_per_rank"]
+
+
+def test_prefill_gpus_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least one GPU"):
+        PlanRequest(Hardware(80 * GIB, 2), prefill_gpus=0)
