@@ -20,6 +20,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.moe",
     "tools.bench.answers",
     "tools.bench.autoscale",
+    "tools.bench.ttft",
 )
 
 

@@ -69,6 +69,7 @@ class Streamed:
     timing: RequestTiming
     text: str = ""
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    request_id: str = ""  # the router's id: its record is /admin/requests/<id>
 
 
 async def stream_completion(
@@ -88,6 +89,7 @@ async def stream_completion(
     chunks: list[float] = []  # arrival of each chunk that carries output text
     text: list[str] = []
     tokens = cached = 0
+    request_id = ""
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -99,6 +101,7 @@ async def stream_completion(
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(str(chunk["error"])[:200])
+                request_id = chunk.get("id", request_id)
                 choices = chunk.get("choices")
                 if choices and choices[0].get("finish_reason") is None:
                     chunks.append(time.perf_counter())
@@ -114,7 +117,7 @@ async def stream_completion(
     end = time.perf_counter()
     first = chunks[0] if chunks else end
     timing = RequestTiming(first - t0, end - t0, tokens, max_tokens, itl_s=gaps(chunks))
-    return Streamed(timing, "".join(text), cached)
+    return Streamed(timing, "".join(text), cached, request_id)
 
 
 def drive_http(
