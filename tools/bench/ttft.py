@@ -21,6 +21,7 @@ import asyncio
 import json
 import platform
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -41,7 +42,7 @@ SERVED = "bench"
 LONG_CONTEXT_CONFIG: dict[str, Any] = {
     "model_type": "deepseek_v3",
     "architectures": ["DeepseekV3ForCausalLM"],
-    "vocab_size": 1024,
+    "vocab_size": 6144,  # the demo's: the model serves with the demo's tokenizer
     "hidden_size": 256,
     "intermediate_size": 512,
     "moe_intermediate_size": 128,
@@ -137,6 +138,11 @@ def _model(prompt_tokens: Sequence[int], max_tokens: int, model: str | None) -> 
     with tempfile.TemporaryDirectory(prefix="tpla-ttft-") as tmp:
         out = Path(tmp)
         write_checkpoint(out, 1 << 30, "float32", 2, LONG_CONTEXT_CONFIG)
+        shutil.copy(DEMO / "tokenizer.json", out / "tokenizer.json")
+        # The demo's tokenizer config caps the context at the demo's 4,096 positions.
+        tok = json.loads((DEMO / "tokenizer_config.json").read_text())
+        tok["model_max_length"] = LONG_CONTEXT_CONFIG["max_position_embeddings"]
+        (out / "tokenizer_config.json").write_text(json.dumps(tok))
         yield out
 
 
