@@ -152,4 +152,3 @@ def load_prefill_rank(
         attention_backend, model.device, model.lm_head.dtype
     )
     return model
-
