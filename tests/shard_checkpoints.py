@@ -1,22 +1,25 @@
 """Small multi-shard checkpoints written on the fly: plain, FP8 (DeepSeek-V3's block format)
-and the same FP8 weights dequantized beforehand; and an in-process decode group (threads) to
-run a real multi-rank decode step without processes."""
+and the same FP8 weights dequantized beforehand; and an in-process group (threads) to run a
+real multi-rank decode step or prefill without processes."""
 
 from __future__ import annotations
 
 import json
 import math
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from common.group.comm import Collectives, ReduceOp
+from common.group.comm import Collectives, Comm, ReduceOp
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM
+
+T = TypeVar("T")
 
 # Widths around FP8's 128 x 128 blocks: rank slices start mid-block (q_b rows of a head
 # group, MLP rows at tp = 4, latent columns of a TPLA slice) and the last blocks are partial.
@@ -179,6 +182,32 @@ class ThreadCollectives(Collectives):
 
     def barrier(self) -> None:
         self.group.barrier.wait()
+
+
+def run_group(world: int, body: Callable[[int, Comm], T]) -> list[T]:
+    """`body(rank, comm)` for every rank of a group of `world` threads (a `Comm(1)` alone at
+    world 1); the ranks' results in rank order. A rank that fails fails the call."""
+    group = ThreadGroup(world)
+    out: dict[int, T] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        coll = ThreadCollectives(group, rank) if world > 1 else None
+        try:
+            out[rank] = body(rank, Comm(world, coll, coll))
+        except BaseException as exc:
+            errors.append(exc)
+            group.barrier.abort()  # the other ranks stop waiting for this one
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    assert len(out) == world, "a rank did not finish"
+    return [out[rank] for rank in range(world)]
 
 
 def fp8_copy(model_dir: Path, out: Path, block: int) -> tuple[Path, Path]:

@@ -2,7 +2,8 @@
 
 Parameter names mirror the HF checkpoint (`model.layers.N.self_attn.kv_b_proj.weight`, ...)
 so loading is a name mapping. The cache is reached only through the small `LatentKV`
-protocol, so the engine can back it with a paged pool without touching this file.
+protocol, so the engine can back it with a paged pool without touching this file. The prefill
+loop (`packed_prefill`) runs on a `LayerStack`: this model, or a prefill rank's share of it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -125,40 +126,20 @@ class DeepseekForCausalLM(nn.Module):
         for tests; prefill is compute-bound, so the expanded path is the fast one). `past`:
         per prompt, its cached prefix or None (see `prefill`).
         """
-        cu = [0]
-        for length in seq_lens:
-            cu.append(cu[-1] + length)
-        if cu[-1] != input_ids.shape[0] or min(seq_lens, default=0) <= 0:
-            raise ValueError("seq_lens must be positive and sum to len(input_ids)")
-        pasts = list(past) if past is not None else [None] * len(seq_lens)
-        if len(pasts) != len(seq_lens):
-            raise ValueError("past must have one entry per prompt")
-        starts = [p.length if p is not None else 0 for p in pasts]
-        device = input_ids.device
-        positions = torch.cat(
-            [torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens, strict=True)]
+        return packed_prefill(
+            self, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
         )
-        cos, sin = self.rope.cos_sin(positions)
-        h = self.model.embed_tokens(input_ids)
-        all_n, all_k_pe = [], []
-        for index, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q_nope, q_pe = attn.queries(x, self.rope, cos, sin)
-            n, k_pe = attn.latents(x, self.rope, cos, sin)
-            if any(starts):
-                o = _over_past(
-                    attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, self.prefill_attention
-                )
-            elif absorbed:
-                o = _absorbed_causal(attn, q_nope, q_pe, n, k_pe, cu)
-            else:
-                o = attn.expanded(q_nope, q_pe, n, k_pe, cu, self.prefill_attention)
-            h = layer.feed_forward(h + attn.output(o))
-            all_n.append(n)
-            all_k_pe.append(k_pe)
-        last = h if all_logits else h[torch.tensor(cu[1:], device=h.device) - 1]
-        return PrefillOutput(self.logits(last), all_n, all_k_pe)
+
+    # -- LayerStack: the whole model is a group of one rank ---------------------------------
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        return cast(Sequence[DecoderLayer], self.model.layers)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        return partial
 
     @torch.inference_mode()
     def decode(self, token_ids: Tensor, positions: Tensor, kv: LatentKV) -> Tensor:
@@ -175,6 +156,76 @@ class DeepseekForCausalLM(nn.Module):
             o = attn.absorbed(q_nope[:, None], q_pe[:, None], n, k_pe, valid[:, None])[:, 0]
             h = layer.feed_forward(h + attn.output(o))
         return self.logits(h)
+
+
+class LayerStack(Protocol):
+    """What a packed prefill runs on: the whole model, or one rank's share of it (its heads'
+    attention, its FFN slice, its vocabulary shard) whose partial sums `reduce` completes."""
+
+    rope: RotaryEmbedding
+    prefill_attention: PrefillAttention
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """Every layer, each with the whole model's modules (or a rank's slices of them)."""
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token ids [T] -> the whole hidden state [T, D]."""
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """A partial hidden state summed over the group's ranks (in place or not)."""
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The final hidden state [R, D] -> the logits this stack holds [R, V or its shard]."""
+
+
+def packed_prefill(
+    stack: LayerStack,
+    input_ids: Tensor,
+    seq_lens: list[int],
+    *,
+    all_logits: bool = False,
+    absorbed: bool = False,
+    past: Sequence[PastLatents | None] | None = None,
+) -> PrefillOutput:
+    """The one prefill loop: `DeepseekForCausalLM.forward` and every prefill rank run it.
+
+    Each layer's attention output and FFN output are summed over the ranks (`reduce`) before
+    the residual add; the whole model's `reduce` is the identity, so it runs exactly this.
+    """
+    cu = [0]
+    for length in seq_lens:
+        cu.append(cu[-1] + length)
+    if cu[-1] != input_ids.shape[0] or min(seq_lens, default=0) <= 0:
+        raise ValueError("seq_lens must be positive and sum to len(input_ids)")
+    pasts = list(past) if past is not None else [None] * len(seq_lens)
+    if len(pasts) != len(seq_lens):
+        raise ValueError("past must have one entry per prompt")
+    starts = [p.length if p is not None else 0 for p in pasts]
+    device = input_ids.device
+    positions = torch.cat(
+        [torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens, strict=True)]
+    )
+    rope, backend = stack.rope, stack.prefill_attention
+    cos, sin = rope.cos_sin(positions)
+    h = stack.embed(input_ids)
+    all_n, all_k_pe = [], []
+    for index, layer in enumerate(stack.decoder_layers()):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q_nope, q_pe = attn.queries(x, rope, cos, sin)
+        n, k_pe = attn.latents(x, rope, cos, sin)
+        if any(starts):
+            o = _over_past(attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, backend)
+        elif absorbed:
+            o = _absorbed_causal(attn, q_nope, q_pe, n, k_pe, cu)
+        else:
+            o = attn.expanded(q_nope, q_pe, n, k_pe, cu, backend)
+        h = h + stack.reduce(attn.output(o))
+        h = h + stack.reduce(layer.mlp(layer.post_attention_layernorm(h)))
+        all_n.append(n)
+        all_k_pe.append(k_pe)
+    last = h if all_logits else h[torch.tensor(cu[1:], device=h.device) - 1]
+    return PrefillOutput(stack.logits(last), all_n, all_k_pe)
 
 
 def _over_past(

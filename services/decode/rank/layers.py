@@ -3,7 +3,7 @@
 Rank (i, j) of a group with `tp = r * m` ranks holds latent slice i and head group j
 (DESIGN §1 "TPLA decode"): the W_UK / W_UV columns of S_i for its heads, its heads' rows of
 the query projection and columns of o_proj, the layer's norms, and the slice of the FFN
-`common/parallel.py` gives it (`rank_ffn`). A linear weight a source keeps in FP8 is held
+`common/parallel.py` gives it (common/loading/rank_slices.py). A linear weight kept in FP8 is held
 as an `Fp8Weight` (common/model/fp8.py), dequantized where it is applied. The math around the
 attention kernel lives here (`attend_reference`, the unfused path); which kernel runs it is
 the rank's backend (services/decode/rank/backends), called from the step (rank/model.py).
@@ -11,19 +11,16 @@ the rank's backend (services/decode/rank/backends), called from the step (rank/m
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.loading.rank_slices import rank_norm
 from common.loading.weights import WeightSource
 from common.model.fp8 import Fp8Weight, dense, held
 from common.model.mla import Linear, RMSNorm, project_latent, project_queries
-from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
 from common.model.tpla import LatentShard, latent_norm, latent_slice_attention
-from common.parallel import ParallelConfig, RmsNormMode
+from common.parallel import RmsNormMode
 
 
 class RankAttention(nn.Module):
@@ -149,31 +146,6 @@ def split_kv_b(
     return nn.Parameter(w[:, :d_n].contiguous()), nn.Parameter(w[:, d_n:].contiguous())
 
 
-def rank_norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
-    weight = src.tensor(name)
-    with torch.device("meta"):
-        norm = RMSNorm(weight.shape[0], eps)
-    norm.weight = nn.Parameter(weight)
-    return norm
-
-
-def rank_mlp(src: WeightSource, prefix: str, cols: slice) -> MLP:
-    """Rows `cols` of gate / up and columns `cols` of down (a slice of the intermediate dim)."""
-    gate = src.linear(prefix + "gate_proj.weight", cols)
-    with torch.device("meta"):
-        local = MLP(gate.shape[1], gate.shape[0])
-    for name, w in (
-        ("gate_proj", gate),
-        ("up_proj", src.linear(prefix + "up_proj.weight", cols)),
-        ("down_proj", src.linear(prefix + "down_proj.weight", cols=cols)),
-    ):
-        if isinstance(w, Fp8Weight):  # the FP8 weight takes the nn.Linear's place
-            setattr(local, name, w)
-        else:
-            getattr(local, name).weight = nn.Parameter(w)
-    return local
-
-
 class RankLayer(nn.Module):
     """A rank's share of one decoder layer: its attention, its FFN slice and the norms."""
 
@@ -184,34 +156,3 @@ class RankLayer(nn.Module):
         self.attn = attn
         self.post_norm = rank_norm(src, p + "post_attention_layernorm.weight", eps)
         self.ffn = ffn
-
-
-def rank_ffn(src: WeightSource, layer: int, parallel: ParallelConfig, rank: int) -> nn.Module:
-    """Rank `rank`'s share of a dense MLP (1/tp of its intermediate dimension) or of a MoE:
-    its routed experts and their columns (`ParallelConfig.owned_experts` /
-    `expert_columns`: a slice of every expert, or whole experts), 1/tp of the shared experts'
-    columns, the router replicated."""
-    c = src.config
-    p = f"model.layers.{layer}.mlp."
-    if not c.is_moe_layer(layer):
-        return rank_mlp(src, p, parallel.ffn_columns(rank, c.intermediate_size))
-    cols = parallel.expert_columns(rank, c.moe_intermediate_size)
-    experts = parallel.owned_experts(rank, c.n_routed_experts)
-    with torch.device("meta"):
-        local = MoE(dataclasses.replace(c, moe_intermediate_size=cols.stop - cols.start), experts)
-    # The router runs in float32 whatever the serving dtype (its scores pick the experts), read
-    # from the checkpoint's own values: bf16 rounding would move V3's correction bias.
-    local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight", dtype=torch.float32))
-    if c.topk_method == "noaux_tc":
-        bias = src.tensor(p + "gate.e_score_correction_bias", dtype=torch.float32)
-        local.gate.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
-    for name, w in (
-        ("gate_up_proj", src.gate_up(p + "experts", cols, experts)),
-        ("down_proj", src.down(p + "experts", cols, experts)),
-    ):
-        delattr(local.experts, name)
-        setattr(local.experts, name, held(w))
-    if c.n_shared_experts:
-        cols = parallel.shared_expert_columns(rank, c.moe_intermediate_size, c.n_shared_experts)
-        local.shared_experts = rank_mlp(src, p + "shared_experts.", cols)
-    return local

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from common.group.comm import Comm
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
+from common.loading.rank_slices import rank_ffn, rank_norm
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.fp8 import share_workspace
 from common.model.model import DeepseekForCausalLM
@@ -24,7 +25,7 @@ from common.model.sp import merge_partials
 from common.model.tpla import LatentShard
 from common.parallel import ParallelConfig
 from services.decode.rank.backends import DecodeBackend, TorchBackend
-from services.decode.rank.layers import RankAttention, RankLayer, rank_ffn, rank_norm
+from services.decode.rank.layers import RankAttention, RankLayer
 
 
 class RankModel(nn.Module):

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.loading.loader import load_model
+from common.loading.rank_slices import rank_ffn
 from common.loading.weights import ALL, CheckpointWeights, ModelWeights
 from common.parallel import MoeParallel, ParallelConfig
-from services.decode.rank.layers import rank_ffn
 from tests.tiny import save_hf
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
