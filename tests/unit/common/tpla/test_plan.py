@@ -11,15 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from common.group.comm import Comm
 from common.loading.loader import load_model
 from common.loading.serving_model import open_serving_weights
 from common.model.fp8 import Fp8Weight
 from common.model.tpla import latent_shards
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
-from common.tpla.rank_memory import kv_bytes_per_stored_token, rank_tensors, weight_bytes
+from common.tpla.rank_memory import (
+    kv_bytes_per_stored_token,
+    prefill_rank_tensors,
+    rank_tensors,
+    weight_bytes,
+)
 from services.decode.rank.model import RankModel
-from tests.shard_checkpoints import fp8_copy
+from services.prefill.rank.model import PrefillRankModel
+from tests.shard_checkpoints import ThreadCollectives, ThreadGroup, fp8_copy
 from tests.tiny import save_hf
 from tools.cli.main import main
 
@@ -162,6 +169,29 @@ def test_float8_resident_rank_model_holds_the_planned_bytes(tmp_path: Path) -> N
             assert isinstance(model.layers[1].ffn.experts.gate_up_proj, Fp8Weight)
             planned = weight_bytes(rank_tensors(c, parallel, rank), "float8", (4, 4))
             assert model.parameter_bytes() == planned, (tp, r, mode, rmsnorm, rank)
+
+
+@pytest.mark.parametrize("variant", ["v2-greedy", "v3-noaux-yarn"])
+def test_analytic_prefill_rank_weights_equal_the_prefill_rank_model(
+    variant: str, tmp_path: Path
+) -> None:
+    save_hf(variant, tmp_path, vocab_size=163)  # uneven vocabulary shards
+    full = load_model(tmp_path)
+    c = full.config
+    for tp, moe in itertools.product((1, 2, 4), MoeParallel):
+        parallel = ParallelConfig(tp, moe=moe)
+        held = []
+        for rank in range(tp):
+            coll = ThreadCollectives(ThreadGroup(tp), rank)  # building runs no collective
+            model = PrefillRankModel(full, parallel, rank, Comm(tp, coll, coll))
+            analytic = weight_bytes(prefill_rank_tensors(c, parallel, rank), "float32")
+            assert analytic == model.parameter_bytes(), (tp, moe, rank)
+            held.append(analytic)
+        request = PlanRequest(Hardware(80 * GIB, 2), context=512, moe=moe, prefill_gpus=tp)
+        assert build_plan(c, request).prefill_weights_bytes == max(
+            weight_bytes(prefill_rank_tensors(c, parallel, r), "bfloat16") for r in range(tp)
+        )
+        assert held[0] == max(held)
 
 
 def test_a_prefill_group_of_one_holds_the_whole_model() -> None:
