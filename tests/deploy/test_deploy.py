@@ -7,6 +7,11 @@ what `make install` provides. LeaderWorkerSet and KEDA's ScaledObject are custom
 kubernetes-validate has no schema for: they are validated here against k8s/schemas/
 (leaderworkerset-v1.json, scaledobject-v1alpha1.json), which reference the same strict
 Kubernetes 1.30 definitions for pod templates and metadata.
+
+Groups (decode everywhere, prefill in the GPU overlay) run as LeaderWorkerSets, one pod per
+rank: each pod's arguments parse with `tpla`'s own parser and join the leader's rendezvous on
+the group's port, the group's size is its setting, its pods find the leader through a headless
+Service and reach each other through the NetworkPolicies.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from common.runtime.settings import Settings
 from services.autoscaler.profile import PerformanceProfile
 from services.autoscaler.service import DESIRED, ROLES
 from tools.cli.autoscaler import add_autoscaler_parser
+from tools.cli.services import add_service_parsers
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -56,6 +62,12 @@ AUTOSCALER_PORT = 9100
 # The HPA skips a change within 10 % of the current count (its default tolerance): from 10
 # replicas on, a step of one would never be applied.
 HPA_EXACT_MAX = 9
+# A group's size and rendezvous port, per role (TPLA_ settings in the ConfigMap).
+GROUP_SIZE = {"decode": "TPLA_TP", "prefill": "TPLA_PREFILL_TP"}
+GROUP_PORT = {"decode": "TPLA_DIST_PORT", "prefill": "TPLA_PREFILL_DIST_PORT"}
+# A port no rule names: gloo and NCCL connect on ephemeral ports.
+EPHEMERAL_PORT = 40000
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 Doc = dict[str, Any]
 
 
@@ -132,18 +144,25 @@ def workloads(docs: list[Doc]) -> Iterator[tuple[str, Doc, str, Doc]]:
                 yield role, doc, template, container
 
 
-def joined_rank_args(cfg: dict[str, str]) -> list[str]:
-    """What every pod of the decode LeaderWorkerSet runs: its rank of the group, joining the
-    leader pod's rendezvous (LWS sets the variables)."""
+def joined_rank_args(role: str, cfg: dict[str, str]) -> list[str]:
+    """What every pod of a LeaderWorkerSet runs: its rank of the group, joining the leader
+    pod's rendezvous on the group's port (LWS sets the variables)."""
     return [
-        "decode",
+        role,
         "--rank",
         "$(LWS_WORKER_INDEX)",
         "--group-size",
         "$(LWS_GROUP_SIZE)",
         "--group-addr",
-        f"$(LWS_LEADER_ADDRESS):{cfg['TPLA_DIST_PORT']}",
+        f"$(LWS_LEADER_ADDRESS):{cfg[GROUP_PORT[role]]}",
     ]
+
+
+def groups(docs: list[Doc]) -> Iterator[tuple[str, Doc]]:
+    """(role, LeaderWorkerSet) for each group workload of the render."""
+    for doc in docs:
+        if doc["kind"] == "LeaderWorkerSet":
+            yield doc["metadata"]["labels"]["app.kubernetes.io/component"], doc
 
 
 def config(docs: list[Doc]) -> dict[str, str]:
@@ -218,7 +237,8 @@ def test_kubernetes_validate_strict(
     for line in proc.stdout.splitlines():
         assert line.startswith("WARN") and any(f"kind {k} " in line for k in CUSTOM_SCHEMAS), line
     docs = docs_of(rendered[variant])
-    assert (not any(d["kind"] == "LeaderWorkerSet" for d in docs)) == variant[1]
+    # The StatefulSet component replaces the decode LeaderWorkerSet (not the prefill one).
+    assert ("decode" not in dict(groups(docs))) == variant[1]
     assert any(d["kind"] == "ScaledObject" for d in docs)
     for kind in CUSTOM_SCHEMAS:
         validator = crd_validator(kind)
@@ -291,34 +311,39 @@ def test_probes_and_ports_match_the_services(
     roles = set()
     for role, _, template, container in workloads(docs):
         roles.add(role)
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
+        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+        probes = {k: container[k] for k in PROBES if k in container}
         if role == "router":
             assert ports["http"] == int(cfg["TPLA_ROUTER_PORT"])
             assert probes["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
             assert probes["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        elif template == "worker":  # a follower rank: only its own KV receiver
-            assert set(ports) == {"kv0", "torch-kv0"}
+        elif (role, template) == ("decode", "worker"):  # a follower: only its KV receiver
+            assert set(ports) == {"kv0", "torch-kv0"} and set(probes) == set(PROBES)
             for probe in probes.values():
                 assert probe["tcpSocket"] == {"port": "kv0"}
+        elif template == "worker":  # a prefill follower listens on no port of its own
+            assert ports == {} and probes == {}
         else:
-            assert ports["grpc"] == grpc_port[role]
+            assert ports["grpc"] == grpc_port[role] and set(probes) == set(PROBES)
             assert ports["metrics"] == grpc_port[role] + 1000  # common.runtime.metrics offset
             for probe in probes.values():
                 assert probe["tcpSocket"] == {"port": "grpc"}
+        if template == "leader":  # serves its group's rendezvous
+            assert ports["dist"] == int(cfg[GROUP_PORT[role]])
         if role == "decode":
             base, tp = int(cfg["TPLA_KV_PORT_BASE"]), int(cfg["TPLA_TP"])
-            if template != "worker":
-                assert ports["dist"] == int(cfg["TPLA_DIST_PORT"])
             # A pod runs every rank (one port pair each) or one rank (on the base).
             local = tp if template == "pod" else 1
             for rank in range(local):
                 assert ports[f"kv{rank}"] == base + rank
                 assert ports[f"torch-kv{rank}"] == base + 100 + rank
             assert len(ports) == (3 if template != "worker" else 0) + 2 * local
-            assert container["args"] == (["decode"] if template == "pod" else joined_rank_args(cfg))
-        else:
+        elif role == "prefill" and template == "leader":
+            assert set(ports) == {"grpc", "metrics", "dist"}
+        if template == "pod":  # one pod per worker, or a whole decode group spawned in it
             assert container["args"] == [role]
+        else:  # a pod of a LeaderWorkerSet: one rank of the group
+            assert container["args"] == joined_rank_args(role, cfg)
         assert container["resources"]["requests"] and container["resources"]["limits"]
     assert roles == set(TPLA_ROLES)
 
@@ -353,6 +378,27 @@ def test_network_policies(variant: tuple[str, bool], rendered: dict[tuple[str, b
             assert set(sources("tpla-decode-ingress", port)) == {"prefill", "decode"}
     assert sources("tpla-router-ingress", int(cfg["TPLA_ROUTER_PORT"])) == [None]
     assert sources("tpla-autoscaler-ingress", AUTOSCALER_PORT) == [None]  # Prometheus
+
+    def admitted(role: str, port: int) -> set[str | None]:
+        """Components any policy lets reach `role`'s pods on `port` (policies add up)."""
+        found: set[str | None] = set()
+        for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+            selected = policy["spec"]["podSelector"].get("matchLabels", {})
+            if selected.get("app.kubernetes.io/component") == role and "ingress" in policy["spec"]:
+                found.update(sources(policy["metadata"]["name"], port))
+        return found
+
+    # A group's pods reach each other: its rendezvous on the leader, then gloo and NCCL.
+    grouped = dict(groups(docs))
+    for role in grouped:
+        for port in (int(cfg[GROUP_PORT[role]]), EPHEMERAL_PORT):
+            assert role in admitted(role, port), (role, port)
+    if "prefill" not in grouped:  # one pod per prefill worker: prefill pods never meet
+        assert "prefill" not in admitted("prefill", EPHEMERAL_PORT)
+    # The torch transport's pairs: every prefill rank with every decode rank, both ways.
+    if cfg["TPLA_TRANSPORT"] == "torch":
+        assert "prefill" in admitted("decode", EPHEMERAL_PORT)
+        assert "decode" in admitted("prefill", EPHEMERAL_PORT)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
@@ -436,6 +482,83 @@ def test_gpu_overlay_gives_each_decode_rank_a_gpu(rendered: dict[tuple[str, bool
             assert any(e["name"].startswith("NCCL_") for e in container["env"])
 
 
+def test_gpu_prefill_groups_run_like_decode_groups(rendered: dict[tuple[str, bool], str]) -> None:
+    """The GPU overlay's prefill LeaderWorkerSet replaces the prefill Deployment, and its pods
+    carry the decode LeaderWorkerSet's GPU settings (image, GPU, tolerations, NCCL env,
+    /dev/shm, model volume, security, grace period for the drain); only the command, ports,
+    probes and container name differ."""
+    docs = docs_of(rendered[("gpu", False)])
+    assert not [
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tpla-prefill"
+    ]
+    prefill = find(docs, "LeaderWorkerSet", "tpla-prefill")
+    decode = find(docs, "LeaderWorkerSet", "tpla-decode")
+    differ = ("name", "args", "ports", *PROBES)
+    for template in ("leader", "worker"):
+        assert without(pod_spec(prefill, template), *differ) == without(
+            pod_spec(decode, template), *differ
+        ), template
+    for key in ("startupPolicy", "rolloutStrategy"):
+        assert prefill["spec"][key] == decode["spec"][key], key
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_groups_meet_through_a_headless_service(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    """A LeaderWorkerSet's workers dial LWS_LEADER_ADDRESS, `<leader pod>.<LWS name>`, during
+    start-up: a name only a headless Service of the LWS's name publishes, before readiness.
+    LWS creates that Service unless one of the name exists, which it then uses as it is: so
+    a Service of the name in the render must be headless, publish not-ready pods and select
+    the group's pods. The group is as large as its setting and restarts as a whole."""
+    docs = docs_of(rendered[variant])
+    cfg = config(docs)
+    for role, lws in groups(docs):
+        templates = lws["spec"]["leaderWorkerTemplate"]
+        assert templates["size"] == int(cfg[GROUP_SIZE[role]]), role
+        assert templates["restartPolicy"] == "RecreateGroupOnPodRestart"
+        name = lws["metadata"]["name"]
+        for service in (d for d in docs if d["kind"] == "Service"):
+            if service["metadata"]["name"] != name:
+                continue
+            spec = service["spec"]
+            assert spec.get("clusterIP") == "None" and spec.get("publishNotReadyAddresses")
+            for template in ("leader", "worker"):
+                labels = templates[f"{template}Template"]["metadata"]["labels"]
+                assert spec["selector"].items() <= labels.items(), (name, template)
+            ports = {p["name"]: p["port"] for p in spec["ports"]}
+            assert ports["dist"] == int(cfg[GROUP_PORT[role]])
+
+
+def tpla_args(args: list[str]) -> argparse.Namespace:
+    """A pod's arguments as `tpla` parses them, with LWS's variables set as for rank 1."""
+    parser = argparse.ArgumentParser(prog="tpla")
+    add_service_parsers(parser.add_subparsers(dest="command", required=True))
+    lws = {"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "leader"}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: lws[m[1]], a) for a in args]
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"`tpla {' '.join(args)}` does not parse: not real `tpla` flags")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_pods_run_real_tpla_flags(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    """Each router, prefill and decode container runs a `tpla` command its own parser
+    (tools/cli/services.py) accepts; a group's pod says which rank it is, the group's size
+    and where its leader's rendezvous is."""
+    docs = docs_of(rendered[variant])
+    cfg = config(docs)
+    for role, doc, _, container in workloads(docs):
+        args = tpla_args(container["args"])
+        assert args.command == role
+        if doc["kind"] == "LeaderWorkerSet":
+            addr = f"leader:{cfg[GROUP_PORT[role]]}"
+            assert (args.rank, args.group_size, args.group_addr) == (1, 2, addr), role
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_grafana_dashboard_ships_for_the_sidecar(
     variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
@@ -497,6 +620,9 @@ def test_scaled_objects_scale_on_the_autoscalers_decisions(
         assert target["apiVersion"] == ref["apiVersion"]
         assert target["metadata"]["labels"]["app.kubernetes.io/component"] == role
         assert "replicas" not in target["spec"], f"{ref['kind']} sets a size KEDA owns"
+        # The role's one workload: a replica is a worker or a group, as the registry counts.
+        pools = {(d["kind"], d["metadata"]["name"]) for r, d, _, _ in workloads(docs) if r == role}
+        assert pools == {(ref["kind"], ref["name"])}, pools
         # The CRD's CEL rule, which JSON schema cannot say; and the HPA's tolerance.
         assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= HPA_EXACT_MAX
         bounds = (getattr(args, f"min_{role}"), getattr(args, f"max_{role}"))
