@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.loading.weights import WeightSource
-from common.model.fp8 import Fp8Weight, dense, held
+from common.model.fp8 import Fp8Weight, dense, held, linear
 from common.model.mla import Linear, RMSNorm, project_latent, project_queries
 from common.model.moe import MLP, MoE
 from common.model.rope import RotaryEmbedding
@@ -130,7 +129,7 @@ class RankAttention(nn.Module):
             self.scale,
             self.shard.beta,
         )[:, 0]
-        return F.linear(o.reshape(o.shape[0], -1), dense(self.w_o))
+        return linear(o.reshape(o.shape[0], -1), self.w_o)
 
 
 def split_kv_b(
