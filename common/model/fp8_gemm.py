@@ -108,6 +108,8 @@ def weight_scales(w: Fp8Weight) -> tuple[Tensor, str] | str:
     ("1x128"), which needs each group inside one stored column block."""
     if w.values.dim() != 2 or len(w.shape) != 2:
         return "not applied as one linear (stacked experts, per-head W_UK / W_UV)"
+    if not w.values.is_contiguous():  # scaled_mm reads its transpose as column-major [K, N]
+        return "values not contiguous"
     n, k = w.values.shape
     if n % 16 or k % 16:
         return f"{n} x {k}: scaled_mm needs both sides multiples of 16"
