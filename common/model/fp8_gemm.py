@@ -134,28 +134,35 @@ def weight_scales(w: Fp8Weight) -> tuple[Tensor, str] | str:
 def choose_gemms(model: nn.Module, gemm: str | None = None) -> dict[str, str]:
     """Give each FP8 weight of `model` (placed on its device) a `ScaledGemm` where `gemm`
     (TPLA_FP8_GEMM when None: auto | scaled_mm | dequantize) and its device and slice allow;
-    the others dequantize on use. `scaled_mm` on a device that cannot run it is a ValueError.
-    Returns, per weight, "scaled_mm (recipe)" or "dequantize: why"."""
+    the others dequantize on use, as do the weights a module names in its `dense_weights`
+    (those it reads as tensors, never applies). `scaled_mm` on a device that cannot run it is
+    a ValueError. Returns, per weight, "scaled_mm (recipe)" or "dequantize: why"."""
     if gemm is None:
-        from common.runtime.settings import load_settings  # the one place the env is read
+        from common.runtime.settings import load_settings  # torch-free; read where loaded
 
         gemm = load_settings().fp8_gemm
     if gemm not in GEMMS:
         raise ValueError(f"FP8 GEMM {gemm!r} is not one of {', '.join(GEMMS)}")
     chosen: dict[str, str] = {}
-    for name, w in model.named_modules():
-        if not isinstance(w, Fp8Weight):
-            continue
-        w.gemm = None
-        why = "TPLA_FP8_GEMM=dequantize" if gemm == "dequantize" else unsupported(w.values.device)
-        if why is not None and gemm == "scaled_mm":
-            raise ValueError(f"TPLA_FP8_GEMM=scaled_mm: {why}")
-        layout = weight_scales(w) if why is None else why
-        if isinstance(layout, str):
-            chosen[name] = f"dequantize: {layout}"
-        else:
-            w.gemm = ScaledGemm(*layout, w.dtype)
-            chosen[name] = f"scaled_mm ({layout[1]})"
+    for prefix, parent in model.named_modules():
+        dense_weights = getattr(parent, "dense_weights", ())
+        for leaf, w in parent.named_children():
+            if not isinstance(w, Fp8Weight):
+                continue
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            w.gemm = None
+            device = w.values.device
+            why = "TPLA_FP8_GEMM=dequantize" if gemm == "dequantize" else unsupported(device)
+            if why is not None and gemm == "scaled_mm":
+                raise ValueError(f"TPLA_FP8_GEMM=scaled_mm: {why}")
+            if why is None and leaf in dense_weights:
+                why = f"{type(parent).__name__} reads it as a tensor"
+            layout = weight_scales(w) if why is None else why
+            if isinstance(layout, str):
+                chosen[name] = f"dequantize: {layout}"
+            else:
+                w.gemm = ScaledGemm(*layout, w.dtype)
+                chosen[name] = f"scaled_mm ({layout[1]})"
     if chosen:
         counts = Counter(chosen.values())
         log.info("FP8 weights: %s", "; ".join(f"{c} x {how}" for how, c in counts.items()))

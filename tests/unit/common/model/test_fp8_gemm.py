@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.loading.serving_model import load_serving_model
 from common.loading.weights import ALL, CheckpointWeights
 from common.model import fp8_gemm
 from common.model.fp8 import Fp8Weight, dense, linear
@@ -185,3 +186,55 @@ def test_linear_applies_either_kind_of_weight(fp8_dir: Path) -> None:
     want = torch.nn.functional.linear(x, dense(w).clone())
     assert torch.equal(linear(x, w), want)
     assert torch.equal(linear(x, dense(w).clone()), want)
+
+
+class _Recorded(torch.nn.Module):
+    """A stand-in GEMM that records what it was called with."""
+
+    def forward(self, x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self.called = (x, values)
+        return torch.zeros(*x.shape[:-1], values.shape[0])
+
+
+def test_a_weight_with_a_gemm_is_applied_by_it(fp8_dir: Path) -> None:
+    src = CheckpointWeights(fp8_dir, torch.float32, keep_fp8=True)
+    w = src.linear("model.layers.0.mlp.gate_proj.weight")
+    assert isinstance(w, Fp8Weight)
+    w.gemm = _Recorded()
+    x = torch.randn(2, 3, 192)
+    assert linear(x, w).shape == (2, 3, 320) and w(x).shape == (2, 3, 320)
+    got_x, got_values = w.gemm.called
+    assert got_x is x and got_values is w.values  # the stored e4m3 values, never dequantized
+
+
+def test_the_full_model_applies_each_chosen_weight_by_its_gemm(
+    fp8_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every weight given a GEMM is applied through it (the query projections included), here
+    emulated on the CPU: the same quantized activation times the weight scaled_mm reads."""
+    used: set[int] = set()
+
+    def emulated(self: ScaledGemm, x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        used.add(id(self))
+        k = values.shape[1]
+        q, s = quantize_groups(x.reshape(-1, k))
+        xq = q.float() * s.repeat_interleave(128, dim=1)[:, :k]
+        weight = next(w for w in model.modules() if isinstance(w, Fp8Weight) and w.gemm is self)
+        out = xq @ emulated_weight(self, weight).T
+        return out.to(self.dtype).view(*x.shape[:-1], -1)
+
+    monkeypatch.setattr(fp8_gemm, "unsupported", lambda device: None)
+    monkeypatch.setattr(ScaledGemm, "forward", emulated)
+    model = load_serving_model(fp8_dir, None, "float32", "cpu", "float8")[0]
+    ids = torch.tensor([5, 17, 42, 7, 99, 3])
+    with torch.inference_mode():
+        want = model(ids, [len(ids)]).logits
+        chosen = choose_gemms(model, "auto")
+        got = model(ids, [len(ids)]).logits
+    gemms = {id(w.gemm) for w in model.modules() if isinstance(w, Fp8Weight) and w.gemm}
+    names = [n for n, how in chosen.items() if how.startswith("scaled_mm")]
+    assert any("q_a_proj" in n for n in names) and any("o_proj" in n for n in names)
+    kv_b = chosen["model.layers.0.self_attn.kv_b_proj"]
+    assert kv_b == "dequantize: MLAttention reads it as a tensor"
+    assert used == gemms
+    assert (got - want).norm() <= 0.1 * want.norm()
