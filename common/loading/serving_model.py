@@ -21,6 +21,7 @@ from torch import Tensor
 
 from common.loading.loader import serving_dtype
 from common.loading.weights import CheckpointWeights, build_model
+from common.model.fp8_gemm import choose_gemms
 from common.model.model import DeepseekForCausalLM
 from common.model.prefill_attention import select_prefill_attention
 
@@ -108,6 +109,7 @@ def load_prefill_model(
     chosen."""
     # The latent rotation is computed on the CPU in fp64 as each tensor is read, then placed.
     model = load_serving_model(model_dir, reparam, dtype, device, weight_dtype)[0]
+    choose_gemms(model)  # TPLA_FP8_GEMM, once its weights are on their device
     weight = model.lm_head.weight
     model.prefill_attention = select_prefill_attention(
         attention_backend, weight.device, weight.dtype

@@ -11,7 +11,8 @@ row's block is.
 copied in exactly (every serving dtype holds them), then multiplied by their float32 block
 scale and rounded once, which is exactly what the reader's dequantize-at-load gives. A model's
 weights share one `Fp8Workspace`: a buffer per weight role and shape, reused by every layer, so
-the model holds one layer's dequantized weights at most, and only while a step runs.
+the model holds one layer's dequantized weights at most, and only while a step runs. Where the
+device runs it, a weight applied as a linear multiplies in FP8 instead (common/model/fp8_gemm.py).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ class Fp8Weight(nn.Module):
         # Whole column blocks (the usual case) broadcast their scale instead of expanding it.
         self.whole_col_blocks = col_offset == 0 and cols % block[1] == 0
         self.workspace = Fp8Workspace()
+        # x @ W^T without dequantizing W (common/model/fp8_gemm.py `ScaledGemm`, called with
+        # x and the values), where `choose_gemms` gave this weight one at load; else None.
+        self.gemm: nn.Module | None = None
 
     values: Tensor
     scale: Tensor
@@ -130,6 +134,8 @@ class Fp8Weight(nn.Module):
         return self.dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gemm is not None:
+            return self.gemm(x, self.values)
         return F.linear(x, self.dequantize())
 
     def take_rows(
@@ -164,6 +170,11 @@ Weight = Tensor | Fp8Weight
 def dense(w: Weight) -> Tensor:
     """`w` as a tensor in the compute dtype (an FP8 weight dequantized into its buffer)."""
     return w.dequantize() if isinstance(w, Fp8Weight) else w
+
+
+def linear(x: Tensor, w: Weight) -> Tensor:
+    """x @ w^T: an FP8 weight by its own GEMM (scaled_mm, or dequantized on use)."""
+    return w(x) if isinstance(w, Fp8Weight) else F.linear(x, w)
 
 
 def held(w: Weight) -> nn.Parameter | Fp8Weight:

@@ -70,6 +70,10 @@ def project_latent(
     return norm(linear(x, w_latent)), rope.apply(linear(x, w_rope), cos, sin)
 
 
+def _applied(x: Tensor, module: nn.Module) -> Tensor:
+    return module(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -82,6 +86,10 @@ class RMSNorm(nn.Module):
 
 class MLAttention(nn.Module):
     """One layer's MLA weights, named like the HF checkpoint so loading is a plain mapping."""
+
+    # Read as tensors (latent and rope rows split, per-head W_UK / W_UV views), never applied
+    # whole: an FP8 one dequantizes on use (common/model/fp8_gemm.py `choose_gemms`).
+    dense_weights = ("kv_a_proj_with_mqa", "kv_b_proj")
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -117,19 +125,21 @@ class MLAttention(nn.Module):
         self, h: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor]:
         """h [T, D] -> q_nope [T, H, d_n], rotated q_pe [T, H, d_r]."""
+        # The projections are applied as modules: an FP8 weight's own GEMM (fp8.py) runs.
         if self.q_lora:
             return project_queries(
                 h,
-                self.q_a_proj.weight,
+                self.q_a_proj,
                 self.q_a_layernorm,
-                self.q_b_proj.weight,
+                self.q_b_proj,
                 (self.d_n, self.d_r),
                 rope,
                 cos,
                 sin,
+                _applied,
             )
         return project_queries(
-            h, None, None, self.q_proj.weight, (self.d_n, self.d_r), rope, cos, sin
+            h, None, None, self.q_proj, (self.d_n, self.d_r), rope, cos, sin, _applied
         )
 
     def latents(

@@ -32,6 +32,15 @@ class Settings(BaseSettings):
         "as each is used) | dequantize (to TPLA_DTYPE at load) | auto (float8 on CUDA, "
         "dequantize on the CPU, where the per-use dequantization costs more than it saves)",
     )
+    fp8_gemm: str = Field(
+        "auto",
+        pattern="^(auto|scaled_mm|dequantize)$",
+        description="how an FP8-resident linear weight is applied: scaled_mm (the activation "
+        "quantized per 1x128 group, torch's block-scaled scaled_mm; sm_90, CUDA 12.9+) | "
+        "dequantize (on use, any device) | auto (scaled_mm where the device runs it); a "
+        "weight whose slice the recipe cannot express dequantizes either way, with the reason "
+        "logged",
+    )
     device: str = Field(
         "auto", description="auto (cuda when visible) | cpu | cuda | cuda:N (decode rank k: N + k)"
     )

@@ -3,20 +3,20 @@
 Rank (i, j) of a group with `tp = r * m` ranks holds latent slice i and head group j
 (DESIGN §1 "TPLA decode"): the W_UK / W_UV columns of S_i for its heads, its heads' rows of
 the query projection and columns of o_proj, the layer's norms, and the slice of the FFN
-`common/parallel.py` gives it (common/loading/rank_slices.py). A linear weight kept in FP8 is held
-as an `Fp8Weight` (common/model/fp8.py), dequantized where it is applied. The math around the
-attention kernel lives here (`attend_reference`, the unfused path); which kernel runs it is
-the rank's backend (services/decode/rank/backends), called from the step (rank/model.py).
+`common/parallel.py` gives it (common/loading/rank_slices.py). A linear weight kept in FP8 is
+held as an `Fp8Weight` (common/model/fp8.py), applied by scaled_mm or dequantized on use
+(fp8_gemm.py). The math around the attention kernel lives here (`attend_reference`, the
+unfused path); which kernel runs it is the rank's backend (services/decode/rank/backends),
+called from the step (rank/model.py).
 """
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.loading.rank_slices import rank_norm
 from common.loading.weights import WeightSource
-from common.model.fp8 import Fp8Weight, dense, held
+from common.model.fp8 import Fp8Weight, dense, held, linear
 from common.model.mla import Linear, RMSNorm, project_latent, project_queries
 from common.model.rope import RotaryEmbedding
 from common.model.tpla import LatentShard, latent_norm, latent_slice_attention
@@ -127,7 +127,7 @@ class RankAttention(nn.Module):
             self.scale,
             self.shard.beta,
         )[:, 0]
-        return F.linear(o.reshape(o.shape[0], -1), dense(self.w_o))
+        return linear(o.reshape(o.shape[0], -1), self.w_o)
 
 
 def split_kv_b(

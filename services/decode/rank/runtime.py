@@ -21,6 +21,7 @@ from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.slots import token_slots
 from common.kv.wire import TransferError, shard_slots
 from common.loading.serving_model import open_serving_weights
+from common.model.fp8_gemm import choose_gemms
 from common.model.tpla import latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
@@ -54,6 +55,7 @@ class RankRuntime:
         self.model = RankModel(weights, cfg.parallel, rank, shards)
         dtype = getattr(torch, cfg.dtype)
         self.model.place(self.device)
+        choose_gemms(self.model)  # TPLA_FP8_GEMM, once its weights are on their device
         self.model.use_backend(select_decode_backend(cfg.decode_kernel, self.device, dtype))
         self.layout = self.model.cache_layout(cfg.block_size, dtype)
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))

@@ -25,6 +25,7 @@ from common.loading.rank_slices import head_layer, rank_norm
 from common.loading.serving_model import open_serving_weights
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.fp8 import share_workspace
+from common.model.fp8_gemm import choose_gemms
 from common.model.model import (
     DecoderLayer,
     DeepseekForCausalLM,
@@ -151,4 +152,5 @@ def load_prefill_rank(
     model.prefill_attention = select_prefill_attention(
         attention_backend, model.device, model.lm_head.dtype
     )
+    choose_gemms(model)  # TPLA_FP8_GEMM, once its weights are on their device
     return model

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
-from common.model.fp8 import Weight, dense
+from common.model.fp8 import Weight, linear
 from common.model.mla import RMSNorm
 from common.model.rope import RotaryEmbedding
 from common.model.sp import partial_attention
@@ -22,7 +21,7 @@ class TorchBackend(DecodeBackend):
     name = "torch"
 
     def linear(self, x: Tensor, w: Weight) -> Tensor:
-        return F.linear(x, dense(w))
+        return linear(x, w)
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
         return norm(x)
