@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
     lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
     # A group across hosts: every rank is a `tpla decode --rank K --group-size N --group-addr
-    # HOST:PORT` of its own (services/decode/group/join.py); without them the leader spawns
+    # HOST:PORT` of its own (common/group/join.py); without them the leader spawns
     # its ranks.
     rank: int = Field(0, ge=0, description="this process's rank in a joined group (0: leader)")
     group_size: int = Field(

@@ -3,7 +3,7 @@
 Frozen dataclasses, validated when built; `engine_config` maps the settings (env and flags,
 `common/runtime/settings.py`) onto them, once. A spawned follower receives its leader's
 `EngineConfig` as JSON; a rank started on its own builds its own, which it checks against
-the group's (services/decode/group/join.py).
+the group's (common/group/join.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from common.runtime.settings import TORCH_PORT_OFFSET, Settings
 
 
 class Launch(enum.Enum):
-    """How a decode group's follower ranks start (services/decode/group/join.py: both then join
+    """How a decode group's follower ranks start (common/group/join.py: both then join
     the same way)."""
 
     SPAWN = "spawn"  # children of the leader, on its host (`tpla decode`, `tpla serve`)

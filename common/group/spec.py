@@ -1,0 +1,59 @@
+"""What a rank group is, for the machinery that forms it: its size, rendezvous, device kind,
+collectives, timeouts and the identity every rank must share.
+
+Decode groups and prefill groups each map their own config onto a `GroupSpec`; everything in
+common/group (process-group init, the shared-memory file, spawned ranks, the join protocol)
+reads only this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    role: str  # "decode" or "prefill": names the group's ranks in messages and commands
+    size: int  # ranks, the leader included
+    device: str = "cpu"  # "cpu", or "cuda" / "cuda:N": rank k on GPU N + its local index
+    # "shm": CPU collectives through the group's shared-memory file when the native library
+    # is there (spawned ranks share a host); "dist": torch.distributed's gloo.
+    collectives: str = "shm"
+    collective_timeout_s: float = 120.0
+    join_timeout_s: float = 300.0  # every follower joins (a follower: the leader answers) by then
+    spawned: bool = True  # followers are the leader's children; else each joins on its own
+    addr: str = "127.0.0.1"  # the leader's rendezvous store (served on every interface)
+    port: int = 0
+    port_setting: str = "TPLA_DIST_PORT"  # the setting that moves `port` (spawned groups)
+    shm_path: str | None = None  # set by the leader: the group file its ranks map
+    host: str = "127.0.0.1"  # the interface this process binds (its ports are checked there)
+    advertise_host: str = "127.0.0.1"  # where the others reach this rank
+    # What a rank serves, as strings, read when the group forms (it may read files); and
+    # for each of its keys the setting that changes it (the config check names it).
+    identity: Callable[[], dict[str, str]] = dict
+    settings: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"a group has at least one rank, not {self.size}")
+        if self.collectives not in ("shm", "dist"):
+            raise ValueError(f"collectives {self.collectives!r} is not shm or dist")
+
+    @property
+    def address(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+    def local_index(self, rank: int) -> int:
+        """Rank `rank`'s index on its host (the offset of its GPU): spawned ranks share the
+        leader's host; a rank started on its own is the first of its process."""
+        return rank if self.spawned else 0
+
+    def setting(self, key: str) -> str:
+        """The setting that changes identity field `key`."""
+        return dict(self.settings).get(key, key)
+
+    @property
+    def join_command(self) -> str:
+        """How an operator starts one missing rank."""
+        return f"tpla {self.role} --rank K --group-size {self.size} --group-addr {self.address}"
