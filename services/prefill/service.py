@@ -48,6 +48,7 @@ from common.runtime.tracing import setup_tracing
 from common.sampling.grammar import GrammarCompiler
 from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.runner import LocalRunner
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
 
@@ -207,8 +208,7 @@ def serve_prefill(
     log.info("prefill attention backend: %s", model.prefill_attention.name)
     registry = CollectorRegistry()
     worker = PrefillWorker(
-        model,
-        make_sender(transport, worker_id, token),
+        LocalRunner(model, make_sender(transport, worker_id, token)),
         metrics=PrefillMetrics(registry),
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
