@@ -8,8 +8,10 @@ reads only this.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,9 @@ class GroupSpec:
     def join_command(self) -> str:
         """How an operator starts one missing rank."""
         return f"tpla {self.role} --rank K --group-size {self.size} --group-addr {self.address}"
+
+
+def config_digest(model_dir: str) -> str:
+    """A model as identities compare it: ranks on other hosts may mount it at other paths."""
+    config_json = Path(model_dir) / "config.json"
+    return f"config.json sha256 {hashlib.sha256(config_json.read_bytes()).hexdigest()[:16]}"

@@ -114,6 +114,14 @@ class Settings(BaseSettings):
         "against one KV block it holds for live requests",
     )
 
+    # -- prefill group -------------------------------------------------------------------------
+    prefill_tp: int = Field(
+        1, ge=1, description="ranks of a prefill worker, one device each (1: one process)"
+    )
+    prefill_dist_port: int = Field(
+        29700, description="prefill group rendezvous port (apart from the decode groups')"
+    )
+
     # -- local stack (`tpla serve`) ------------------------------------------------------------
     decode_groups: int = Field(1, ge=1, description="decode groups `tpla serve` starts")
     prefill_workers: int = Field(1, ge=1, description="prefill workers `tpla serve` starts")

@@ -4,12 +4,10 @@ checks against the leader's (model, layout, cache shape)."""
 from __future__ import annotations
 
 import functools
-import hashlib
-from pathlib import Path
 
 import torch
 
-from common.group.spec import GroupSpec
+from common.group.spec import GroupSpec, config_digest
 from services.decode.config import EngineConfig, Launch
 
 # What every rank must agree on, and the setting that changes it.
@@ -48,12 +46,6 @@ def identity(cfg: EngineConfig) -> dict[str, str]:
         "device": torch.device(cfg.device).type,
         "collectives": cfg.collectives,
     }
-
-
-def config_digest(model_dir: str) -> str:
-    """A model as ranks on other hosts (other mount paths) compare it."""
-    config_json = Path(model_dir) / "config.json"
-    return f"config.json sha256 {hashlib.sha256(config_json.read_bytes()).hexdigest()[:16]}"
 
 
 def group_spec(cfg: EngineConfig) -> GroupSpec:

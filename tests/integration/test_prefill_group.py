@@ -1,0 +1,181 @@
+"""A prefill group of two real processes against one process: for every decode layout (TPLA
+r=2, MLA-TP, SP) and decode group size (1, 2, 4), each decode rank receives the same KV and
+the request the same first token. One tp=2 group serves the whole matrix; the decode ranks
+are recording KV receivers in this process, one gRPC server for all of them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from common.kv.paged_cache import CacheLayout, PagedLatentCache
+from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
+from common.kv.transfer import make_sender
+from common.kv.wire import check_dtype, shard_slots
+from common.loading.serving_model import load_prefill_model
+from common.messages import KvTargetInfo, PrefillResult, Reservation
+from common.parallel import ParallelConfig, ParallelMode
+from common.rpc.gen import kv_pb2
+from common.runtime.ports import free_port
+from common.sampling.params import SamplingParams
+from services.prefill.group.config import PrefillGroupConfig, prefix_cache
+from services.prefill.group.leader import GroupRunner
+from services.prefill.group.replicated import load_replicated_rank
+from services.prefill.runner import LocalRunner
+from services.prefill.worker import PrefillJob, PrefillWorker
+from tests.tiny import save_hf
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+BLOCK = 16
+LAYOUTS = [
+    (mode, tp)
+    for mode in ("tpla", "mla-tp", "sp")
+    for tp in (1, 2, 4)
+    if not (mode == "tpla" and tp < 2)
+]
+
+
+class Receivers:
+    """Every decode rank's KV endpoint: a cache per (request, rank), made to the shard's
+    shape as it arrives."""
+
+    def __init__(self) -> None:
+        self.caches: dict[tuple[str, int], PagedLatentCache] = {}
+        self._lock = threading.Lock()
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=8))
+        add_kv_receiver(KvReceiverServicer(self._sink, None, timeout_s=30), self.server)
+        self.address = f"127.0.0.1:{free_port()}"
+        self.server.add_insecure_port(self.address)
+        self.server.start()
+
+    def _sink(self, header: kv_pb2.KvHeader) -> ShardTarget:
+        layout = CacheLayout(
+            header.num_layers,
+            header.latent_width,
+            header.rope_width,
+            header.block_size,
+            check_dtype(header),
+        )
+        cache = PagedLatentCache(layout, max(header.block_ids) + 1, "cpu")
+        with self._lock:
+            self.caches[(header.request_id, header.rank)] = cache
+        return ShardTarget(cache, shard_slots(header))
+
+
+def _targets(
+    mode: str, tp: int, d_c: int, prompt_len: int, cached: int, address: str
+) -> tuple[KvTargetInfo, ...]:
+    """What a decode group of this layout names (services/decode/leader/kv_targets.py)."""
+    par = ParallelConfig(
+        tp=tp,
+        latent_groups=2 if mode == "tpla" else 1,
+        mode=ParallelMode.SP if mode == "sp" else ParallelMode.TPLA,
+        chunk_size=8,
+    )
+    targets = []
+    for rank in range(tp):
+        cols = par.latent_columns(rank, d_c)
+        ranges: tuple[int, ...] = ()
+        if par.sp:
+            owned = par.owned_ranges(rank, prompt_len)
+            kept = [x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)]
+            ranges = tuple(kept) or (0, 0)
+        blocks = tuple(range(100 * rank, 100 * rank + 8))
+        targets.append(
+            KvTargetInfo(rank, address, "", cols.start, cols.stop - cols.start, blocks, ranges)
+        )
+    return tuple(targets)
+
+
+def _jobs(tag: str, mode: str, tp: int, d_c: int, address: str) -> list[PrefillJob]:
+    """A prompt, one sharing its first 32 tokens (a prefix-cache hit), one whose first block
+    the decode group holds, and one asking for its prompt's logprobs (every position's
+    logits)."""
+    base = [3 + (t * 11) % 300 for t in range(48)]
+    prompts = [
+        ("a", base, 0, None),
+        ("b", base[:32] + [5 + t for t in range(21)], 0, None),
+        ("c", [9 + (t * 5) % 290 for t in range(40)], BLOCK, None),
+        ("d", [4 + (t * 3) % 280 for t in range(19)], 0, 2),
+    ]
+    jobs = []
+    for name, ids, cached, logprobs in prompts:
+        rid = f"{tag}-{mode}-{tp}-{name}"
+        targets = _targets(mode, tp, d_c, len(ids), cached, address)
+        res = Reservation(rid, BLOCK, 0, 0, "float32", 30.0, targets, cached)
+        jobs.append(PrefillJob(rid, ids, GREEDY, res, 30.0, prompt_logprobs=logprobs))
+    return jobs
+
+
+def _run(worker: PrefillWorker, jobs: list[PrefillJob]) -> list[PrefillResult]:
+    # a and b in order (b hits a's blocks), then c and d batched together.
+    first = [worker.submit(job).result(timeout=60) for job in jobs[:2]]
+    return first + [f.result(timeout=60) for f in [worker.submit(job) for job in jobs[2:]]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("prefill-group")
+    save_hf("v2-greedy", out, vocab_size=321)  # an uneven vocabulary split
+    return out
+
+
+@pytest.fixture(scope="module")
+def receivers() -> Iterator[Receivers]:
+    rx = Receivers()
+    yield rx
+    rx.server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir: Path) -> Iterator[dict[int, PrefillWorker]]:
+    """A tp=1 worker and a tp=2 one, each with its prefix cache."""
+    cfg = PrefillGroupConfig(model=str(model_dir), tp=2, worker_id="two", prefix_cache_mb=16)
+    one = PrefillWorker(
+        LocalRunner(load_prefill_model(model_dir, None), make_sender("grpc", "one")),
+        prefix_cache=prefix_cache(cfg),
+    )
+    two = PrefillWorker(
+        GroupRunner.start(cfg, load_replicated_rank), prefix_cache=prefix_cache(cfg)
+    )
+    yield {1: one, 2: two}
+    one.close()
+    two.close()
+
+
+@pytest.mark.parametrize(("mode", "tp"), LAYOUTS)
+def test_a_two_rank_prefill_group_ships_what_one_process_does(
+    workers: dict[int, PrefillWorker], receivers: Receivers, mode: str, tp: int
+) -> None:
+    d_c = workers[1].runner.config.kv_lora_rank
+    results = {
+        ptp: _run(worker, _jobs(f"p{ptp}", mode, tp, d_c, receivers.address))
+        for ptp, worker in workers.items()
+    }
+    for one, two in zip(results[1], results[2], strict=True):
+        assert two.first_token.token_id == one.first_token.token_id
+        assert two.first_token.logprob == pytest.approx(one.first_token.logprob, abs=1e-5)
+        assert [t.token_id for t in two.prompt_logprobs] == [
+            t.token_id for t in one.prompt_logprobs
+        ]
+        assert [t.logprob for t in two.prompt_logprobs] == pytest.approx(
+            [t.logprob for t in one.prompt_logprobs], abs=1e-5
+        )
+        assert two.transfer_bytes == one.transfer_bytes
+    # Both caches saw the same prompts: b reuses a's blocks (later layouts: every prompt
+    # that was seen before).
+    assert [r.cached_tokens for r in results[2]] == [r.cached_tokens for r in results[1]]
+    assert results[2][1].cached_tokens >= 32
+    for name in "abcd":
+        for rank in range(tp):
+            want = receivers.caches.get((f"p1-{mode}-{tp}-{name}", rank))
+            got = receivers.caches.get((f"p2-{mode}-{tp}-{name}", rank))
+            assert (want is None) == (got is None), (name, rank)
+            if want is not None and got is not None:
+                torch.testing.assert_close(got.kv, want.kv, rtol=1e-5, atol=1e-6)
