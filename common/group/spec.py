@@ -61,6 +61,16 @@ class GroupSpec:
         return f"tpla {self.role} --rank K --group-size {self.size} --group-addr {self.address}"
 
 
+def parse_group_addr(addr: str) -> tuple[str, int]:
+    """HOST:PORT of a group's leader rendezvous (an IPv6 literal as [::1]:29500);
+    ValueError naming the setting."""
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--group-addr {addr!r} is not HOST:PORT (TPLA_GROUP_ADDR)")
+    return host, int(port)
+
+
 def config_digest(model_dir: str) -> str:
     """A model as identities compare it: ranks on other hosts may mount it at other paths."""
     config_json = Path(model_dir) / "config.json"

@@ -49,6 +49,9 @@ class PrefillRunner(abc.ABC):
         """Why the runner can serve no more batches (a group's rank died), else None."""
         return None
 
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Look for a failure between batches (an idle group's rank that died)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.group.spec import GroupSpec, config_digest
+from common.group.spec import GroupSpec, config_digest, parse_group_addr
 from common.kv.prefix_cache import model_identity
+from common.runtime.settings import Settings
 from services.prefill.latent_cache import LatentPrefixCache
 
 # The leader hands a spawned rank its config in the environment (it holds the internal
@@ -79,6 +80,50 @@ class PrefillGroupConfig:
     @classmethod
     def from_json(cls, text: str) -> PrefillGroupConfig:
         return cls(**json.loads(text))
+
+
+def prefill_group_config(s: Settings) -> PrefillGroupConfig:
+    """A prefill worker's group from `placed` settings: TPLA_PREFILL_TP ranks the leader
+    spawns, or (`--rank K --group-size N --group-addr HOST:PORT`) ranks each started on its
+    own; ValueError naming what is wrong."""
+    if s.collectives not in ("auto", "shm", "dist"):
+        raise ValueError(f"collectives {s.collectives!r} is not auto, shm or dist")
+    tp, spawned, addr, port = s.prefill_tp, True, "127.0.0.1", s.prefill_dist_port
+    if s.group_size or s.group_addr or s.rank:
+        if not s.group_size or not s.group_addr:
+            raise ValueError("a joined prefill group needs --group-size N and --group-addr")
+        if s.rank >= s.group_size:
+            raise ValueError(f"--rank {s.rank} is outside a group of {s.group_size} ranks")
+        if "prefill_tp" in s.model_fields_set and s.prefill_tp != s.group_size:
+            raise ValueError(
+                f"--group-size {s.group_size} but TPLA_PREFILL_TP={s.prefill_tp}: a prefill "
+                "group has one rank per shard"
+            )
+        tp, spawned = s.group_size, False
+        addr, port = parse_group_addr(s.group_addr)
+    collectives = s.collectives
+    if collectives == "auto":
+        collectives = "shm" if spawned else "dist"
+    return PrefillGroupConfig(
+        model=s.model,
+        reparam=s.reparam or None,
+        tp=tp,
+        dtype=s.dtype,
+        weight_dtype=s.weight_dtype,
+        device=s.device,
+        attention_backend=s.attention_backend,
+        transport=s.transport,
+        token=s.internal_token.get_secret_value() if s.internal_token else None,
+        prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
+        torch_threads=s.torch_threads,
+        collectives=collectives,
+        spawned=spawned,
+        master_addr=addr,
+        master_port=port,
+        join_timeout_s=s.group_join_timeout_s,
+        host=s.host,
+        advertise_host=s.advertise_host,
+    )
 
 
 def identity(cfg: PrefillGroupConfig) -> dict[str, str]:

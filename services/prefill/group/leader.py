@@ -23,12 +23,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.group.comm import Comm
+from common.group.errors import RankExited
 from common.group.processes import GroupProcesses
 from common.group.setup import create_shm_group, init_group, open_comm
 from common.kv.transfer import make_sender
 from common.model.model import PastLatents, PrefillOutput
 from common.runtime import group_files
 from common.runtime.device import rank_device
+from common.runtime.errors import Unavailable
 from common.runtime.ports import free_port
 from services.prefill.group.config import (
     CONFIG_ENV,
@@ -101,15 +103,19 @@ class GroupRunner(PrefillRunner):
         """Per rank: this one while the group has not failed, then each follower."""
         return [self._error is None, *self.processes.alive()]
 
+    def check(self) -> None:
+        if self._error is None and not all(self.processes.alive()):
+            dead = [k for k, ok in enumerate(self.alive()) if not ok]
+            self._error = RankExited(f"prefill rank(s) {dead} stopped")
+
     def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
         if self._error is not None:
-            raise RuntimeError(f"the prefill group has failed: {self._error}")
+            raise Unavailable(f"the prefill worker's group has failed: {self._error}")
         try:
             self.processes.check()
             send_plan(plan, self.comm)
-        except BaseException as exc:
-            self._error = exc
-            raise
+        except Exception as exc:
+            raise self._fail(exc) from exc
         # A model error (bad input) happens alike on every rank, before the gather: each
         # rank skips the batch and the group goes on.
         out = self.model.prefill(
@@ -117,11 +123,17 @@ class GroupRunner(PrefillRunner):
         )
         try:
             logits = self.model.gather_vocab(out.logits)
-        except BaseException as exc:
-            self._error = exc
-            raise
+        except Exception as exc:
+            raise self._fail(exc) from exc
         assert logits is not None  # rank 0
         return PrefillOutput(logits, out.n, out.k_pe)
+
+    def _fail(self, exc: Exception) -> Unavailable:
+        """The group can run no more batches: a rank died or hung past the collective
+        timeout. The batch's requests may go to another prefill worker."""
+        self._error = exc
+        log.error("prefill group failed: %s", exc)
+        return Unavailable(f"the prefill worker's group failed: {exc}")
 
     def ship(
         self,

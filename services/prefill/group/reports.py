@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from common.kv.transfer import TransferError
+from common.runtime.errors import Unavailable
 
 _PREFIX = "tpla/prefill/sent"
 _COUNT = f"{_PREFIX}/count"
@@ -132,8 +133,10 @@ class Reports:
             late = [k for k, (_, deadline, _) in self._pending.items() if failed or now > deadline]
             ended = [(k, *self._pending.pop(k)) for k in late]
         for _, fut, _, what in ended:
-            reason = f"the group failed: {failed}" if failed else "no report in time"
-            fut.set_exception(TransferError(f"{what}: {reason}"))
+            if failed:  # not the decode side's fault: another prefill worker may do
+                fut.set_exception(Unavailable(f"{what}: the prefill group failed: {failed}"))
+            else:
+                fut.set_exception(TransferError(f"{what}: no report in time"))
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
