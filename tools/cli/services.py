@@ -122,7 +122,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = placed(settings).device
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     devices = stack_devices(
-        device, settings.decode_groups, settings.tp, settings.prefill_workers, gpus
+        device,
+        settings.decode_groups,
+        settings.tp,
+        settings.prefill_workers,
+        gpus,
+        settings.prefill_tp,
     )
     return serve_stack(settings, smoke=args.smoke, devices=devices)
 
@@ -198,6 +203,12 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     _decode_args(srv)
     srv.add_argument("--port", type=int, help="router HTTP port (default 8000)")
     srv.add_argument("--transport", choices=["grpc", "torch"])
+    srv.add_argument(
+        "--prefill-tp",
+        type=int,
+        dest="prefill_tp",
+        help="ranks of each prefill worker's group (TPLA_PREFILL_TP, default 1)",
+    )
     srv.add_argument(
         "--smoke",
         action="store_true",
