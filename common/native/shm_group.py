@@ -1,4 +1,4 @@
-"""Shared-memory collectives for the ranks of one group (decode or prefill) (shm_collectives.cpp).
+"""Shared-memory collectives for the ranks of one group, decode or prefill (shm_collectives.cpp).
 
 A drop-in for the few torch.distributed collectives a decode step makes (all-reduce sum /
 max, broadcast, all-gather) between processes on one host, at memcpy speed instead of

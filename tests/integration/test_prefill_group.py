@@ -5,30 +5,22 @@ are recording KV receivers in this process, one gRPC server for all of them."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
-from common.kv.paged_cache import CacheLayout, PagedLatentCache
-from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.transfer import make_sender
-from common.kv.wire import check_dtype, shard_slots
 from common.loading.serving_model import load_prefill_model
-from common.messages import KvTargetInfo, PrefillResult, Reservation
-from common.parallel import ParallelConfig, ParallelMode
-from common.rpc.gen import kv_pb2
-from common.runtime.ports import free_port
+from common.messages import PrefillResult, Reservation
 from common.sampling.params import SamplingParams
 from services.prefill.group.config import PrefillGroupConfig, prefix_cache
 from services.prefill.group.leader import GroupRunner
 from services.prefill.group.replicated import load_replicated_rank
 from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillJob, PrefillWorker
+from tests.recording_kv import Receivers, targets
 from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -39,58 +31,6 @@ LAYOUTS = [
     for tp in (1, 2, 4)
     if not (mode == "tpla" and tp < 2)
 ]
-
-
-class Receivers:
-    """Every decode rank's KV endpoint: a cache per (request, rank), made to the shard's
-    shape as it arrives."""
-
-    def __init__(self) -> None:
-        self.caches: dict[tuple[str, int], PagedLatentCache] = {}
-        self._lock = threading.Lock()
-        self.server = grpc.server(ThreadPoolExecutor(max_workers=8))
-        add_kv_receiver(KvReceiverServicer(self._sink, None, timeout_s=30), self.server)
-        self.address = f"127.0.0.1:{free_port()}"
-        self.server.add_insecure_port(self.address)
-        self.server.start()
-
-    def _sink(self, header: kv_pb2.KvHeader) -> ShardTarget:
-        layout = CacheLayout(
-            header.num_layers,
-            header.latent_width,
-            header.rope_width,
-            header.block_size,
-            check_dtype(header),
-        )
-        cache = PagedLatentCache(layout, max(header.block_ids) + 1, "cpu")
-        with self._lock:
-            self.caches[(header.request_id, header.rank)] = cache
-        return ShardTarget(cache, shard_slots(header))
-
-
-def _targets(
-    mode: str, tp: int, d_c: int, prompt_len: int, cached: int, address: str
-) -> tuple[KvTargetInfo, ...]:
-    """What a decode group of this layout names (services/decode/leader/kv_targets.py)."""
-    par = ParallelConfig(
-        tp=tp,
-        latent_groups=2 if mode == "tpla" else 1,
-        mode=ParallelMode.SP if mode == "sp" else ParallelMode.TPLA,
-        chunk_size=8,
-    )
-    targets = []
-    for rank in range(tp):
-        cols = par.latent_columns(rank, d_c)
-        ranges: tuple[int, ...] = ()
-        if par.sp:
-            owned = par.owned_ranges(rank, prompt_len)
-            kept = [x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)]
-            ranges = tuple(kept) or (0, 0)
-        blocks = tuple(range(100 * rank, 100 * rank + 8))
-        targets.append(
-            KvTargetInfo(rank, address, "", cols.start, cols.stop - cols.start, blocks, ranges)
-        )
-    return tuple(targets)
 
 
 def _jobs(tag: str, mode: str, tp: int, d_c: int, address: str) -> list[PrefillJob]:
@@ -107,8 +47,8 @@ def _jobs(tag: str, mode: str, tp: int, d_c: int, address: str) -> list[PrefillJ
     jobs = []
     for name, ids, cached, logprobs in prompts:
         rid = f"{tag}-{mode}-{tp}-{name}"
-        targets = _targets(mode, tp, d_c, len(ids), cached, address)
-        res = Reservation(rid, BLOCK, 0, 0, "float32", 30.0, targets, cached)
+        kv = targets(mode, tp, d_c, len(ids), cached, address)
+        res = Reservation(rid, BLOCK, 0, 0, "float32", 30.0, kv, cached)
         jobs.append(PrefillJob(rid, ids, GREEDY, res, 30.0, prompt_logprobs=logprobs))
     return jobs
 
@@ -130,7 +70,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def receivers() -> Iterator[Receivers]:
     rx = Receivers()
     yield rx
-    rx.server.stop(grace=0)
+    rx.close()
 
 
 @pytest.fixture(scope="module")
