@@ -174,6 +174,7 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
         "--tp",
         type=int,
         dest="prefill_tp",
+        metavar="N",
         help="ranks of the prefill group, one device each; the leader spawns them "
         "(TPLA_PREFILL_TP, default 1: one process)",
     )
@@ -181,6 +182,7 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
         "--dist-port",
         type=int,
         dest="prefill_dist_port",
+        metavar="PORT",
         help="the group's rendezvous port (TPLA_PREFILL_DIST_PORT, default 29700)",
     )
     # A group across hosts: each rank its own process; rank 0 leads and serves gRPC.
@@ -207,6 +209,7 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
         "--prefill-tp",
         type=int,
         dest="prefill_tp",
+        metavar="N",
         help="ranks of each prefill worker's group (TPLA_PREFILL_TP, default 1)",
     )
     srv.add_argument(
