@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import grpc
+import torch.distributed as dist
 
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
@@ -21,11 +23,20 @@ class Receivers:
     """Every decode rank's KV endpoint: a cache per (request, rank), made to the shard's
     shape as it arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, torch_pairs: bool = False) -> None:
         self.caches: dict[tuple[str, int], PagedLatentCache] = {}
         self._lock = threading.Lock()
         self.server = grpc.server(ThreadPoolExecutor(max_workers=8))
-        add_kv_receiver(KvReceiverServicer(self._sink, None, timeout_s=30), self.server)
+        store, self.torch_address = None, ""
+        if torch_pairs:  # the torch transport's pairs meet in this store
+            port = free_port()
+            store = dist.TCPStore(
+                "127.0.0.1", port, is_master=True, wait_for_workers=False,
+                timeout=timedelta(seconds=30),
+            )  # fmt: skip
+            self.torch_address = f"127.0.0.1:{port}"
+        self._store = store
+        add_kv_receiver(KvReceiverServicer(self._sink, store, timeout_s=30), self.server)
         self.address = f"127.0.0.1:{free_port()}"
         self.server.add_insecure_port(self.address)
         self.server.start()
@@ -48,7 +59,13 @@ class Receivers:
 
 
 def targets(
-    mode: str, tp: int, d_c: int, prompt_len: int, cached: int, address: str
+    mode: str,
+    tp: int,
+    d_c: int,
+    prompt_len: int,
+    cached: int,
+    address: str,
+    torch_address: str = "",
 ) -> tuple[KvTargetInfo, ...]:
     """What a decode group of this layout names (services/decode/leader/kv_targets.py)."""
     par = ParallelConfig(
@@ -67,6 +84,8 @@ def targets(
             ranges = tuple(kept) or (0, 0)
         blocks = tuple(range(100 * rank, 100 * rank + 8))
         targets.append(
-            KvTargetInfo(rank, address, "", cols.start, cols.stop - cols.start, blocks, ranges)
+            KvTargetInfo(
+                rank, address, torch_address, cols.start, cols.stop - cols.start, blocks, ranges
+            )
         )
     return tuple(targets)

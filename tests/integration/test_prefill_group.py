@@ -1,11 +1,13 @@
 """A prefill group of two real processes against one process: for every decode layout (TPLA
-r=2, MLA-TP, SP) and decode group size (1, 2, 4), each decode rank receives the same KV and
-the request the same first token. One tp=2 group serves the whole matrix; the decode ranks
-are recording KV receivers in this process, one gRPC server for all of them."""
+r=2, MLA-TP, SP) and decode group size (1, 2, 4), over both KV transports, each decode rank
+receives the same KV and the request the same first token. One tp=2 group per transport
+serves the whole matrix; the decode ranks are recording KV receivers in this process, one
+gRPC server (and one torch store) for all of them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,13 @@ LAYOUTS = [
 ]
 
 
-def _jobs(tag: str, mode: str, tp: int, d_c: int, address: str) -> list[PrefillJob]:
+@dataclass(frozen=True)
+class Workers:
+    transport: str
+    by_tp: dict[int, PrefillWorker]  # prefill ranks -> its worker
+
+
+def _jobs(tag: str, mode: str, tp: int, d_c: int, rx: Receivers) -> list[PrefillJob]:
     """A prompt, one sharing its first 32 tokens (a prefix-cache hit), one whose first block
     the decode group holds, and one asking for its prompt's logprobs (every position's
     logits)."""
@@ -47,7 +55,7 @@ def _jobs(tag: str, mode: str, tp: int, d_c: int, address: str) -> list[PrefillJ
     jobs = []
     for name, ids, cached, logprobs in prompts:
         rid = f"{tag}-{mode}-{tp}-{name}"
-        kv = targets(mode, tp, d_c, len(ids), cached, address)
+        kv = targets(mode, tp, d_c, len(ids), cached, rx.address, rx.torch_address)
         res = Reservation(rid, BLOCK, 0, 0, "float32", 30.0, kv, cached)
         jobs.append(PrefillJob(rid, ids, GREEDY, res, 30.0, prompt_logprobs=logprobs))
     return jobs
@@ -68,35 +76,38 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def receivers() -> Iterator[Receivers]:
-    rx = Receivers()
+    rx = Receivers(torch_pairs=True)
     yield rx
     rx.close()
 
 
-@pytest.fixture(scope="module")
-def workers(model_dir: Path) -> Iterator[dict[int, PrefillWorker]]:
-    """A tp=1 worker and a tp=2 one, each with its prefix cache."""
-    cfg = PrefillGroupConfig(model=str(model_dir), tp=2, worker_id="two", prefix_cache_mb=16)
+@pytest.fixture(scope="module", params=["grpc", "torch"])
+def workers(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Workers]:
+    """A tp=1 worker and a tp=2 one on one KV transport, each with its prefix cache."""
+    transport = request.param
+    cfg = PrefillGroupConfig(
+        model=str(model_dir), tp=2, worker_id="two", prefix_cache_mb=16, transport=transport
+    )
     one = PrefillWorker(
-        LocalRunner(load_prefill_model(model_dir, None), make_sender("grpc", "one")),
+        LocalRunner(load_prefill_model(model_dir, None), make_sender(transport, "one")),
         prefix_cache=prefix_cache(cfg),
     )
     two = PrefillWorker(
         GroupRunner.start(cfg, load_replicated_rank), prefix_cache=prefix_cache(cfg)
     )
-    yield {1: one, 2: two}
+    yield Workers(transport, {1: one, 2: two})
     one.close()
     two.close()
 
 
 @pytest.mark.parametrize(("mode", "tp"), LAYOUTS)
 def test_a_two_rank_prefill_group_ships_what_one_process_does(
-    workers: dict[int, PrefillWorker], receivers: Receivers, mode: str, tp: int
+    workers: Workers, receivers: Receivers, mode: str, tp: int
 ) -> None:
-    d_c = workers[1].runner.config.kv_lora_rank
+    d_c = workers.by_tp[1].runner.config.kv_lora_rank
     results = {
-        ptp: _run(worker, _jobs(f"p{ptp}", mode, tp, d_c, receivers.address))
-        for ptp, worker in workers.items()
+        ptp: _run(worker, _jobs(f"p{ptp}-{workers.transport}", mode, tp, d_c, receivers))
+        for ptp, worker in workers.by_tp.items()
     }
     for one, two in zip(results[1], results[2], strict=True):
         assert two.first_token.token_id == one.first_token.token_id
@@ -114,8 +125,8 @@ def test_a_two_rank_prefill_group_ships_what_one_process_does(
     assert results[2][1].cached_tokens >= 32
     for name in "abcd":
         for rank in range(tp):
-            want = receivers.caches.get((f"p1-{mode}-{tp}-{name}", rank))
-            got = receivers.caches.get((f"p2-{mode}-{tp}-{name}", rank))
+            want = receivers.caches.get((f"p1-{workers.transport}-{mode}-{tp}-{name}", rank))
+            got = receivers.caches.get((f"p2-{workers.transport}-{mode}-{tp}-{name}", rank))
             assert (want is None) == (got is None), (name, rank)
             if want is not None and got is not None:
                 torch.testing.assert_close(got.kv, want.kv, rtol=1e-5, atol=1e-6)
