@@ -42,7 +42,7 @@ from services.prefill.group.rank_model import PrefillRankModel, RankModelLoader
 from services.prefill.group.reports import Reports
 from services.prefill.plan import BatchPlan, JobPlan, send_plan
 from services.prefill.runner import PrefillRunner
-from services.prefill.shipping import Send, Shipper
+from services.prefill.shipping import Send, Shipper, ships
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class GroupRunner(PrefillRunner):
         self.shipper = Shipper(make_sender(cfg.transport, cfg.worker_id, cfg.token), self.device)
         self._error: BaseException | None = None
         self.reports = Reports(cfg.master_addr, cfg.master_port, lambda: self.failed)
+        # Per job of the batch in flight: the other ranks' reports, expected from the plan on
+        # (a job whose first token fails is never shipped here, but its ranks still report).
+        self._reports: dict[int, list[Future[int]]] = {}
 
     @classmethod
     def start(cls, cfg: PrefillGroupConfig, loader: RankModelLoader) -> GroupRunner:
@@ -116,6 +119,7 @@ class GroupRunner(PrefillRunner):
             send_plan(plan, self.comm)
         except Exception as exc:
             raise self._fail(exc) from exc
+        self._reports = {job.seq: self._expect(job) for job in plan.jobs}
         # A model error (bad input) happens alike on every rank, before the gather: each
         # rank skips the batch and the group goes on.
         out = self.model.prefill(
@@ -142,11 +146,15 @@ class GroupRunner(PrefillRunner):
         k_pe: list[Tensor],
         timed: Callable[[int, str, Send], Send] | None = None,
     ) -> list[Future[int]]:
+        sends = self.shipper.ship(job.order, n, k_pe, 0, self.cfg.tp, timed)
+        return sends + self._reports.pop(job.seq, [])
+
+    def _expect(self, job: JobPlan) -> list[Future[int]]:
+        """The reports of the other ranks that ship some of `job`'s shards."""
         order, tp = job.order, self.cfg.tp
-        sends = self.shipper.ship(order, n, k_pe, 0, tp, timed)
-        others = sorted({t.rank % tp for t in order.targets} - {0})
+        others = sorted({k for t in order.targets for k in range(1, tp) if ships(t.rank, k, tp)})
         timeout = order.timeout_s + REPORT_GRACE_S
-        return sends + [self.reports.expect(job.seq, k, timeout, order.request_id) for k in others]
+        return [self.reports.expect(job.seq, k, timeout, order.request_id) for k in others]
 
     def close(self) -> None:
         """The group's end: the last plan ends the followers."""
