@@ -65,8 +65,9 @@ class Settings(BaseSettings):
     )
     collectives: str = Field(
         "auto",
-        description="decode group collectives: auto (shm for a spawned group, dist for ranks "
-        "that joined over the network) | shm (shared memory, one host; else dist) | dist",
+        description="rank group collectives (decode and prefill groups): auto (shm for a "
+        "spawned group, dist for ranks that joined over the network) | shm (shared memory, "
+        "one host; else dist) | dist",
     )
 
     # -- decode group -----------------------------------------------------------------------
