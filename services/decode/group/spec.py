@@ -1,5 +1,5 @@
-"""A decode group as common/group forms it: its `GroupSpec`, and the identity every rank
-checks against the leader's (model, layout, cache shape)."""
+"""A decode group as common/group forms it: its `GroupSpec`, whose identity (model, layout,
+cache shape) every rank checks against the leader's."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A prefill group's configuration: everything its ranks start with, and the `GroupSpec`
-common/group forms it from.
+"""A prefill group's configuration: built once from the settings, read by every rank (its
+`GroupSpec` for common/group, its prefix-cache replica).
 
 A spawned rank receives its leader's config as JSON; a rank started on its own builds its
 own from its settings, which the join checks against the leader's (`identity`).

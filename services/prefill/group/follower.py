@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 
+import torch
 import torch.distributed as dist
 
 from common.group.child import START_ERROR_EXIT, exit_with_parent
@@ -103,6 +104,7 @@ def follower_main(
     `leader`: the pid of the leader that spawned this process (None: started on its own).
     A start-up error of its configuration is one line on stderr, reported to the leader
     through the group's store, and START_ERROR_EXIT."""
+    torch.set_num_threads(cfg.torch_threads)  # as its leader's (`tpla prefill`)
     spec = group_spec(cfg)
     remove_file = functools.partial(group_files.remove, cfg.shm_path)
     if leader is not None:
