@@ -55,6 +55,7 @@ class PrefillGroupConfig:
     worker_id: str = "prefill"  # the worker's id: its ranks' torch pairs are named after it
     prefix_cache_mb: float = 0.0  # per rank: every rank holds a replica
     torch_threads: int = 1
+    prefill_threads: int = 1  # a large batch's threads (services/prefill/threads.py)
     collectives: str = "shm"
     spawned: bool = True  # the leader spawns its ranks; else each joins (`--rank K`)
     master_addr: str = "127.0.0.1"
@@ -116,6 +117,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         token=s.internal_token.get_secret_value() if s.internal_token else None,
         prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
         torch_threads=s.torch_threads,
+        prefill_threads=s.prefill_threads,
         collectives=collectives,
         spawned=spawned,
         master_addr=addr,

@@ -40,6 +40,7 @@ from services.prefill.group.rank_model import PrefillRankModel, RankModelLoader
 from services.prefill.group.reports import report_when_sent
 from services.prefill.plan import BatchPlan, recv_plan
 from services.prefill.shipping import Shipper, ships, unshipped
+from services.prefill.threads import PrefillThreads
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class RankState:
         sender = make_sender(cfg.transport, f"{cfg.worker_id}-rank{rank}", cfg.token)
         self.shipper = Shipper(sender, self.device)
         self.cache = prefix_cache(cfg)
+        self.threads = PrefillThreads.of(cfg.torch_threads, cfg.prefill_threads)
 
     def run(self, plan: BatchPlan) -> None:
         cache = self.cache
@@ -75,12 +77,13 @@ class RankState:
                 f"the leader's found {[job.hit for job in plan.jobs]}: the replicas diverged"
             )
         try:
-            out = self.model.prefill(
-                plan.ids(self.device),
-                plan.lens,
-                all_logits=plan.all_logits,
-                past=pasts if any(found) else None,
-            )
+            with self.threads.applied(sum(plan.lens)):  # as the leader's batch
+                out = self.model.prefill(
+                    plan.ids(self.device),
+                    plan.lens,
+                    all_logits=plan.all_logits,
+                    past=pasts if any(found) else None,
+                )
         except Exception:  # the leader's own prefill failed alike: the batch is skipped
             log.exception("prefill rank %d: batch failed", self.rank)
             return
