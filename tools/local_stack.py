@@ -73,6 +73,7 @@ class LocalStack:
             "TPLA_DECODE_PORT": pick(workers),
             "TPLA_KV_PORT_BASE": pick(kv),
             "TPLA_DIST_PORT": pick((0, 10)),
+            "TPLA_PREFILL_DIST_PORT": pick((0, 10)),
         }
         env.update({f"TPLA_{k}": str(v) for k, v in settings.items()})
         env.pop("TPLA_REDIS_URL", None)  # the embedded redis-server

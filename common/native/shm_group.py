@@ -1,4 +1,4 @@
-"""Shared-memory collectives for the ranks of one decode group (shm_collectives.cpp).
+"""Shared-memory collectives for the ranks of one group, decode or prefill (shm_collectives.cpp).
 
 A drop-in for the few torch.distributed collectives a decode step makes (all-reduce sum /
 max, broadcast, all-gather) between processes on one host, at memcpy speed instead of
@@ -105,7 +105,7 @@ class ShmGroup:
 
     def _check(self, status: int, what: str) -> None:
         if status:
-            raise CollectiveError(f"{what} across the decode group: {_STATUS.get(status, status)}")
+            raise CollectiveError(f"{what} across the rank group: {_STATUS.get(status, status)}")
 
     def all_reduce_(self, t: Tensor, op: str = "sum") -> None:
         """In place; fp32 directly, other dtypes through an fp32 copy."""

@@ -179,12 +179,17 @@ def kv_receiver_ports(
     ]
 
 
-def prefill_worker_ports(port: int, worker: str = "") -> list[PortUse]:
-    """A prefill worker's gRPC and metrics ports."""
-    return [
+def prefill_worker_ports(
+    port: int, worker: str = "", dist_port: int = 0, tp: int = 1
+) -> list[PortUse]:
+    """A prefill worker's gRPC and metrics ports, and its group's rendezvous (tp > 1)."""
+    uses = [
         PortUse(port, f"prefill gRPC{worker}", "TPLA_PREFILL_PORT"),
         PortUse(port + METRICS_PORT_OFFSET, f"prefill metrics{worker}", "TPLA_PREFILL_PORT"),
     ]
+    if tp > 1 and dist_port:
+        uses.append(PortUse(dist_port, f"prefill rendezvous{worker}", "TPLA_PREFILL_DIST_PORT"))
+    return uses
 
 
 def router_port(port: int) -> PortUse:

@@ -74,8 +74,9 @@ class Settings(BaseSettings):
     )
     collectives: str = Field(
         "auto",
-        description="decode group collectives: auto (shm for a spawned group, dist for ranks "
-        "that joined over the network) | shm (shared memory, one host; else dist) | dist",
+        description="rank group collectives (decode and prefill groups): auto (shm for a "
+        "spawned group, dist for ranks that joined over the network) | shm (shared memory, "
+        "one host; else dist) | dist",
     )
 
     # -- decode group -----------------------------------------------------------------------
@@ -95,7 +96,7 @@ class Settings(BaseSettings):
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
     lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
     # A group across hosts: every rank is a `tpla decode --rank K --group-size N --group-addr
-    # HOST:PORT` of its own (services/decode/group/join.py); without them the leader spawns
+    # HOST:PORT` of its own (common/group/join.py); without them the leader spawns
     # its ranks.
     rank: int = Field(0, ge=0, description="this process's rank in a joined group (0: leader)")
     group_size: int = Field(
@@ -121,6 +122,14 @@ class Settings(BaseSettings):
         ge=0,
         description="kv-aware routing: cost of one prompt block a group must receive, "
         "against one KV block it holds for live requests",
+    )
+
+    # -- prefill group -------------------------------------------------------------------------
+    prefill_tp: int = Field(
+        1, ge=1, description="ranks of a prefill worker, one device each (1: one process)"
+    )
+    prefill_dist_port: int = Field(
+        29700, description="prefill group rendezvous port (apart from the decode groups')"
     )
 
     # -- local stack (`tpla serve`) ------------------------------------------------------------

@@ -3,7 +3,7 @@
 Frozen dataclasses, validated when built; `engine_config` maps the settings (env and flags,
 `common/runtime/settings.py`) onto them, once. A spawned follower receives its leader's
 `EngineConfig` as JSON; a rank started on its own builds its own, which it checks against
-the group's (services/decode/group/join.py).
+the group's (common/group/join.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import enum
 import json
 from dataclasses import dataclass, field
 
+from common.group.spec import parse_group_addr
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.settings import TORCH_PORT_OFFSET, Settings
 
 
 class Launch(enum.Enum):
-    """How a decode group's follower ranks start (services/decode/group/join.py: both then join
+    """How a decode group's follower ranks start (common/group/join.py: both then join
     the same way)."""
 
     SPAWN = "spawn"  # children of the leader, on its host (`tpla decode`, `tpla serve`)
@@ -174,14 +175,11 @@ def joined_group(s: Settings) -> tuple[int, str, int]:
         raise ValueError("--group-size needs --group-addr HOST:PORT (TPLA_GROUP_ADDR)")
     if s.rank >= s.group_size:
         raise ValueError(f"--rank {s.rank} is outside a group of {s.group_size} ranks (0..N-1)")
-    host, _, port = s.group_addr.rpartition(":")
-    host = host.strip("[]")  # an IPv6 literal, [::1]:29500
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--group-addr {s.group_addr!r} is not HOST:PORT (TPLA_GROUP_ADDR)")
+    host, port = parse_group_addr(s.group_addr)
     # A rank is one tensor-parallel shard: the group size is tp (TPLA_TP may be left unset).
     if "tp" in s.model_fields_set and s.tp != s.group_size:
         raise ValueError(
             f"--group-size {s.group_size} but TPLA_TP={s.tp}: a group has one rank per "
             "tensor-parallel shard"
         )
-    return s.group_size, host, int(port)
+    return s.group_size, host, port

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -46,8 +48,12 @@ from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, 
 from common.runtime.spans import Spans, end
 from common.runtime.tracing import setup_tracing
 from common.sampling.grammar import GrammarCompiler
+from services.prefill.group.config import PrefillGroupConfig, prefix_cache
+from services.prefill.group.leader import GroupRunner
+from services.prefill.group.rank_model import load_group_rank
 from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.runner import LocalRunner, PrefillRunner
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
 
@@ -148,6 +154,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except TransferError as exc:
             err = TransferFailed(str(exc))
             context.abort(err.grpc_code, err.message)
+        except Unavailable as exc:  # this worker's prefill group failed: another worker may not
+            context.abort(exc.grpc_code, exc.message)
         except (InvalidRequest, ValueError) as exc:
             err = exc if isinstance(exc, TplaError) else InvalidRequest(str(exc))
             context.abort(err.grpc_code, err.message)
@@ -196,31 +204,40 @@ def serve_prefill(
     prefix_cache_mb: float = 0.0,
     stop: threading.Event | None = None,
     drain: threading.Event | None = None,
-) -> None:
+    group: PrefillGroupConfig | None = None,
+) -> int:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`, or `drain` and its drain);
-    blocks. PortInUse (a ValueError) if its gRPC or metrics port is taken."""
+    blocks; the exit code (1: its prefill group failed). `group`: run its batches on a
+    prefill group of `group.tp` ranks (its model settings are the group's). PortInUse (a
+    ValueError) if its gRPC or metrics port is taken."""
     grpc_use, metrics_use = prefill_worker_ports(port)
     check_ports(host, [grpc_use, metrics_use])  # before the model loads
     spans = setup_tracing("tpla-prefill")
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
-    model = load_prefill_model(model_dir, reparam, dtype, attention_backend, device, weight_dtype)
-    log.info("prefill attention backend: %s", model.prefill_attention.name)
+    runner: PrefillRunner
+    if group is not None and (group.tp > 1 or not group.spawned):
+        group = replace(group, worker_id=worker_id)
+        runner = GroupRunner.start(group, load_group_rank)
+        cache = prefix_cache(group)
+    else:
+        model = load_prefill_model(
+            model_dir, reparam, dtype, attention_backend, device, weight_dtype
+        )
+        log.info("prefill attention backend: %s", model.prefill_attention.name)
+        runner = LocalRunner(model, make_sender(transport, worker_id, token))
+        budget = int(prefix_cache_mb * 2**20)
+        identity = model_identity(model_dir, reparam)
+        cache = LatentPrefixCache(identity, budget) if budget > 0 else None
     registry = CollectorRegistry()
+    config = runner.config
     worker = PrefillWorker(
-        model,
-        make_sender(transport, worker_id, token),
+        runner,
         metrics=PrefillMetrics(registry),
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
         max_batch_tokens=max_batch_tokens,
-        grammars=GrammarCompiler.from_model_dir(
-            model_dir, model.config.vocab_size, model.config.eos_token_ids
-        ),
-        prefix_cache=(
-            LatentPrefixCache(model_identity(model_dir, reparam), int(prefix_cache_mb * 2**20))
-            if prefix_cache_mb > 0
-            else None
-        ),
+        grammars=GrammarCompiler.from_model_dir(model_dir, config.vocab_size, config.eos_token_ids),
+        prefix_cache=cache,
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     gate = DrainGate(f"prefill worker {worker_id}")
@@ -255,15 +272,34 @@ def serve_prefill(
                     queued_tokens=worker.queued_tokens,
                     model=model_dir,
                     draining=gate.closed,
+                    healthy=runner.failed is None,
+                    tp=group.tp if group is not None else 1,
                     **_published(worker.prefix_cache),
                 )
             ],
             heartbeat_s,
         ).start()
     stop_on_signals(stop, drain)
-    print(f"prefill worker {worker_id} serving on {address} ({transport} KV transport)", flush=True)
+    tp = f", a group of {group.tp} ranks" if group is not None and group.tp > 1 else ""
+    print(
+        f"prefill worker {worker_id} serving on {address} ({transport} KV transport{tp})",
+        flush=True,
+    )
+    code = 0
     try:
         while not stop.wait(0.1):
+            runner.check()
+            if runner.failed is not None:
+                # Unhealthy in the registry at once, then gone: its supervisor restarts it.
+                if heartbeat is not None:
+                    heartbeat.beat_now()
+                print(
+                    f"prefill worker {worker_id}: its group failed ({runner.failed}); exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                code = 1
+                break
             if drain.is_set():
                 _drain(gate, heartbeat, drain_grace_s, stop)
                 break
@@ -272,6 +308,7 @@ def serve_prefill(
             heartbeat.stop()
         server.stop(grace=2)
         worker.close()
+    return code
 
 
 def _drain(

@@ -54,10 +54,13 @@ class PrefillThreads:
 
     @classmethod
     def from_settings(cls, s: Settings) -> PrefillThreads:
+        return cls.of(s.torch_threads, s.prefill_threads)
+
+    @classmethod
+    def of(cls, torch_threads: int, prefill_threads: int) -> PrefillThreads:
         """`prefill_threads`, but never fewer than `torch_threads` and never more than the
         usable cores (more threads than cores make OpenMP threads wait for each other)."""
-        large = max(s.torch_threads, min(s.prefill_threads, usable_cores()))
-        return cls(s.torch_threads, large)
+        return cls(torch_threads, max(torch_threads, min(prefill_threads, usable_cores())))
 
     def for_tokens(self, tokens: int) -> int:
         return self.large if tokens >= self.min_tokens else self.base

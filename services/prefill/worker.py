@@ -16,19 +16,19 @@ abort.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import itertools
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from common.kv.transfer import KvSender, TransferError, cut_shard
-from common.messages import KvTargetInfo, PrefillResult, Reservation
-from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.kv.transfer import TransferError
+from common.messages import PrefillResult, Reservation
+from common.model.model import PastLatents
 from common.runtime.device import use_device
 from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import (
@@ -42,6 +42,9 @@ from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, first_tokens
 from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.plan import BatchPlan, JobPlan
+from services.prefill.runner import PrefillRunner
+from services.prefill.shipping import ShipOrder, unshipped
 from services.prefill.threads import PrefillThreads
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
@@ -101,8 +104,7 @@ def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[Sa
 class PrefillWorker:
     def __init__(
         self,
-        model: DeepseekForCausalLM,
-        sender: KvSender,
+        runner: PrefillRunner,
         max_batch_tokens: int = 2048,
         metrics: PrefillMetrics | None = None,
         transfer_timeout_s: float = 30.0,
@@ -110,7 +112,8 @@ class PrefillWorker:
         grammars: GrammarCompiler | None = None,
         prefix_cache: LatentPrefixCache | None = None,
     ) -> None:
-        self.model = model
+        # The model here (tp = 1) or the prefill group this process leads.
+        self.runner = runner
         # Structured outputs' grammars over the model's tokenizer (None: none can be served).
         self.grammars = grammars
         # None: every prompt is prefilled whole.
@@ -121,7 +124,6 @@ class PrefillWorker:
         # decode rank must fail the request, not hold this worker's pushers for minutes.
         self.transfer_timeout_s = transfer_timeout_s
         self.metrics = metrics
-        self.sender = sender
         # Prompts per batch fill this many tokens at most (a longer prompt runs alone). Past a
         # few hundred tokens a batch gains no matmul efficiency, while every prompt in it
         # waits for the whole batch and the decode ranks get nothing new meanwhile.
@@ -130,11 +132,9 @@ class PrefillWorker:
         self.max_batch_tokens = max_batch_tokens
         self._held: tuple[PrefillJob, Future[PrefillResult]] | None = None  # next batch's first
         self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillResult]] | None] = queue.Queue()
-        # Both threads run CUDA work on the model's GPU: each makes it current (use_device).
-        self._device = model.lm_head.weight.device
-        self._pushers = ThreadPoolExecutor(
-            8, "kv-push", initializer=use_device, initargs=(self._device,)
-        )
+        # The batcher runs CUDA work on the model's GPU: it makes it current (use_device).
+        self._device = runner.device
+        self._seqs = itertools.count()  # each job's number in the plans
         # Jobs whose shards are still travelling, at most this many: past it the batcher waits
         # for pushes instead of queueing more batches' latents in memory behind a slow rank.
         self._shipping = threading.BoundedSemaphore(MAX_SHIPPING)
@@ -145,10 +145,10 @@ class PrefillWorker:
         self._thread.start()
 
     def submit(self, job: PrefillJob) -> Future[PrefillResult]:
-        vocab = self.model.config.vocab_size
+        vocab = self.runner.config.vocab_size
         if not job.prompt_ids or min(job.prompt_ids) < 0 or max(job.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
-        if len(job.prompt_ids) > self.model.config.max_position_embeddings:
+        if len(job.prompt_ids) > self.runner.config.max_position_embeddings:
             raise ValueError("prompt exceeds the model's context length")
         if not 0 <= job.cached_tokens <= len(job.prompt_ids):
             raise ValueError(f"cached_tokens {job.cached_tokens} is outside the prompt")
@@ -187,8 +187,7 @@ class PrefillWorker:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
-        self._pushers.shutdown(wait=False, cancel_futures=True)
-        self.sender.close()
+        self.runner.close()
 
     def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillResult]]] | None:
         """Queued jobs in arrival order, as many as fit `max_batch_tokens` (at least one).
@@ -239,17 +238,14 @@ class PrefillWorker:
             for h, (job, _) in zip(hashes, batch, strict=True)
         ]
         hits = [p.length if p is not None else 0 for p in pasts]
-        lens = [len(job.prompt_ids) - hit for (job, _), hit in zip(batch, hits, strict=True)]
-        device = self.model.lm_head.weight.device
-        ids = torch.tensor(
-            [t for (job, _), hit in zip(batch, hits, strict=True) for t in job.prompt_ids[hit:]],
-            dtype=torch.long,
-            device=device,
-        )
         # Prompt logprobs need every position's logits: only batches that ask pay for them.
         every = any(job.prompt_logprobs is not None for job, _ in batch)
-        with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
-            out = self.model.prefill(ids, lens, all_logits=every, past=pasts if any(hits) else None)
+        plan = BatchPlan(
+            tuple(self._plan(job, hit) for (job, _), hit in zip(batch, hits, strict=True)), every
+        )
+        lens, tokens, device = plan.lens, sum(plan.lens), self.runner.device
+        with self.threads.applied(tokens) if self.threads else contextlib.nullcontext():
+            out = self.runner.prefill(plan, pasts if any(hits) else None)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
@@ -260,7 +256,7 @@ class PrefillWorker:
         for row, (job, fut) in enumerate(batch):
             end = start + lens[row]
             if job.trace is not None:
-                job.trace.batched(t0_ns, prefill_s, len(batch), len(ids), lens[row], hits[row])
+                job.trace.batched(t0_ns, prefill_s, len(batch), tokens, lens[row], hits[row])
             try:
                 if cache is not None:
                     cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
@@ -273,12 +269,27 @@ class PrefillWorker:
                         out.logits[start : end - 1], job.prompt_ids, job.prompt_logprobs
                     ),
                 )
-                n, k_pe = _unshipped(out, start, end, pasts[row], job.cached_tokens)
-                self._ship(n, k_pe, job, fut, first, prefill_s, hits[row])
+                n, k_pe = unshipped(out, start, end, pasts[row], job.cached_tokens)
+                self._ship(n, k_pe, job, plan.jobs[row], fut, first, prefill_s, hits[row])
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
                     fut.set_exception(exc)
             start = end
+
+    def _plan(self, job: PrefillJob, hit: int) -> JobPlan:
+        """What every rank needs of `job` (a prefill group's other ranks look up the same
+        prefix in their cache replicas, and ship their decode ranks' shards)."""
+        res = job.reservation
+        order = ShipOrder(
+            job.request_id,
+            len(job.prompt_ids),
+            job.cached_tokens,
+            res.block_size,
+            res.targets,
+            min(job.deadline_s, self.transfer_timeout_s),
+        )
+        lookup = self.prefix_cache is not None and job.prompt_logprobs is None
+        return JobPlan(next(self._seqs), tuple(job.prompt_ids), lookup, hit, order)
 
     def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
         """The first tokens' logits processing, one row per choice: the same as every later
@@ -286,7 +297,7 @@ class PrefillWorker:
         token, so their rows agree (the grammar's allowed tokens too: one matcher's)."""
         split = len(job.prompt_ids) - job.num_output_tokens
         prompt, outputs = job.prompt_ids[:split], job.prompt_ids[split:]
-        eos, vocab = self.model.config.eos_token_ids, self.model.config.vocab_size
+        eos, vocab = self.runner.config.eos_token_ids, self.runner.config.vocab_size
         allowed = None
         if job.matcher is not None:
             allowed = allowed_now(job.matcher, vocab, device).expand(job.n, -1)
@@ -300,6 +311,7 @@ class PrefillWorker:
         n: list[Tensor],
         k_pe: list[Tensor],
         job: PrefillJob,
+        planned: JobPlan,
         fut: Future[PrefillResult],
         first: FirstTokens,
         prefill_s: float,
@@ -312,32 +324,13 @@ class PrefillWorker:
         push one job after another). `fut` resolves when the last rank acknowledged, or fails
         with the first error; the shards' sends run on the pusher threads.
         """
-        # n / k_pe cover what the decode group lacks: prompt positions [skip, N). SP targets
-        # name their positions in the prompt, so their ranges move by the same offset.
-        res = job.reservation
-        skip = job.cached_tokens
-        rows = len(job.prompt_ids) - skip
-        cut = [
-            cut_shard(n, k_pe, 0, rows, _shifted(t, skip), job.request_id, res.block_size)
-            for t in res.targets
-        ]
-        shards = list(zip(self.sender.prepare(cut), res.targets, strict=True))
-        timeout = min(job.deadline_s, self.transfer_timeout_s)
+        # n / k_pe cover what the decode group lacks: prompt positions [skip, N); the runner
+        # cuts each target's shard (a prefill group: each rank its own targets').
         self._shipping.acquire()
         t0 = time.perf_counter()
         try:
-            send = self.sender.send
-            sends = [
-                self._pushers.submit(
-                    send if job.trace is None else job.trace.timed(t.rank, t.grpc_address, send),
-                    shard,
-                    t.grpc_address,
-                    t.torch_address,
-                    timeout,
-                )
-                for shard, t in shards
-                if shard.n.shape[1]  # an SP rank may own none of a short prompt
-            ]
+            timed = job.trace.timed if job.trace is not None else None
+            sends = self.runner.ship(planned, n, k_pe, timed)
         except BaseException:  # e.g. the pool is shut down: the job fails, its slot is free
             self._shipping.release()
             raise
@@ -397,30 +390,5 @@ class PrefillWorker:
                 )
             )
         if self.metrics is not None:
-            self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
-            self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
-
-
-def _unshipped(
-    out: PrefillOutput, start: int, end: int, past: PastLatents | None, skip: int
-) -> tuple[list[Tensor], list[Tensor]]:
-    """One prompt's latents from position `skip` (the decode group holds the rest) to its
-    end, per layer. Its rows [start, end) of `out` are positions [P, N) after a cached prefix
-    of P tokens; what the decode group lacks of that prefix comes from the cache."""
-    hit = past.length if past is not None else 0
-    if skip >= hit:
-        lo = start + skip - hit
-        return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
-    assert past is not None
-    return (
-        [torch.cat([p[skip:], n[start:end]]) for p, n in zip(past.n, out.n, strict=True)],
-        [torch.cat([p[skip:], k[start:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
-    )
-
-
-def _shifted(target: KvTargetInfo, skip: int) -> KvTargetInfo:
-    """An SP target with its token ranges counted from prompt position `skip`."""
-    if not target.token_ranges or not skip:
-        return target
-    ranges = tuple(max(x - skip, 0) for x in target.token_ranges)
-    return dataclasses.replace(target, token_ranges=ranges)
+            self.metrics.transfer_bytes.labels(self.runner.transport).inc(sent)
+            self.metrics.transfer_seconds.labels(self.runner.transport).observe(transfer_s)

@@ -161,7 +161,7 @@ def _worker_json(r: WorkerRecord) -> dict[str, Any]:
             "kv_blocks_total": r.kv_blocks_total,
         }
     else:
-        entry["queued_tokens"] = r.queued_tokens
+        entry |= {"queued_tokens": r.queued_tokens, "tp": r.tp}  # tp: its prefill group's ranks
     return entry
 
 

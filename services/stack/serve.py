@@ -101,6 +101,7 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
         "TRANSPORT": s.transport,
         "ROUTER_PORT": s.router_port,
         "PREFILL_PORT": s.prefill_port,
+        "PREFILL_TP": s.prefill_tp,
         "DECODE_PORT": s.decode_port,
         "KV_PORT_BASE": s.kv_port_base,
         "DIST_PORT": s.dist_port,
@@ -141,6 +142,7 @@ class StackPorts:
     kv: list[int]
     dist: list[int]
     prefill: list[int]
+    prefill_dist: list[int]  # each prefill worker's group rendezvous
     used: list[int]
 
 
@@ -150,6 +152,7 @@ def stack_ports(s: Settings) -> StackPorts:
     kv = [s.kv_port_base + i * KV_PORT_STRIDE for i in range(s.decode_groups)]
     dist = [s.dist_port + i * DIST_PORT_STRIDE for i in range(s.decode_groups)]
     prefill = [s.prefill_port + j * PREFILL_PORT_STRIDE for j in range(s.prefill_workers)]
+    prefill_dist = [s.prefill_dist_port + j * DIST_PORT_STRIDE for j in range(s.prefill_workers)]
     used = [
         s.router_port,
         *decode,
@@ -157,13 +160,14 @@ def stack_ports(s: Settings) -> StackPorts:
         *(base + off + r for base in kv for off in (0, TORCH_PORT_OFFSET) for r in range(s.tp)),
         *dist,
         *prefill,
+        *(prefill_dist if s.prefill_tp > 1 else []),
     ]
     if len(set(used)) != len(used):
         raise ValueError(
             f"{s.decode_groups} decode groups and {s.prefill_workers} prefill workers need "
             "more room between the configured ports (TPLA_*_PORT, TPLA_KV_PORT_BASE)"
         )
-    return StackPorts(decode, kv, dist, prefill, used)
+    return StackPorts(decode, kv, dist, prefill, prefill_dist, used)
 
 
 def stack_port_uses(s: Settings) -> list[PortUse]:
@@ -172,8 +176,8 @@ def stack_port_uses(s: Settings) -> list[PortUse]:
     uses = [router_port(s.router_port)]
     for i, (d, k, m) in enumerate(zip(ports.decode, ports.kv, ports.dist, strict=True)):
         uses += decode_group_ports(d, k, m, s.tp, f" of group {i}")
-    for j, p in enumerate(ports.prefill):
-        uses += prefill_worker_ports(p, f" of worker {j}")
+    for j, (p, m) in enumerate(zip(ports.prefill, ports.prefill_dist, strict=True)):
+        uses += prefill_worker_ports(p, f" of worker {j}", m, s.prefill_tp)
     return uses
 
 
@@ -198,8 +202,10 @@ def stack_children(s: Settings, devices: StackDevices | None = None) -> list[Chi
         )
     ]
     workers = [
-        Child(f"prefill-{j}", ["prefill", "--port", str(p)], env=on(device))
-        for j, (p, device) in enumerate(zip(ports.prefill, prefill, strict=True))
+        Child(f"prefill-{j}", ["prefill", "--port", str(p), "--dist-port", str(m)], env=on(device))
+        for j, (p, m, device) in enumerate(
+            zip(ports.prefill, ports.prefill_dist, prefill, strict=True)
+        )
     ]
     return [*groups, *workers, Child("router", ["router"])]
 

@@ -24,13 +24,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from common.group.errors import RankStartError
 from common.native import shm_group
 from common.parallel import ParallelConfig
 from common.runtime.group_files import files_of
 from common.runtime.ports import PortInUse, free_port
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.decode.group.join import RankStartError
 from tests.tiny import save_tiny_chat_model
 from tools.local_stack import LocalStack
 

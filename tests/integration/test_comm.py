@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from common.group.comm import Comm, ShmCollectives
+from common.group.setup import create_shm_group, init_group, open_comm
 from common.native import shm_group
 from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig
-from services.decode.group.setup import create_shm_group, init_group, open_comm
+from services.decode.group.spec import group_spec
 from services.decode.group.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
 
 WORLD = 2
@@ -26,8 +27,8 @@ WORLD = 2
 def _rank(cfg_json: str, rank: int, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     cfg = EngineConfig.from_json(cfg_json)
-    init_group(cfg, rank)
-    comm = open_comm(cfg, rank, torch.device("cpu"))
+    init_group(group_spec(cfg), rank)
+    comm = open_comm(group_spec(cfg), rank, torch.device("cpu"))
     results: dict[str, object] = {"shm": isinstance(comm.data, ShmCollectives)}
     t = torch.arange(6, dtype=torch.float32) * (rank + 1)
     comm.sum_(t)
@@ -83,7 +84,7 @@ def test_comm_and_plans_between_two_ranks(collectives: str) -> None:
         master_port=free_port(),
         collective_timeout_s=30,
     )
-    cfg = dataclasses.replace(cfg, shm_path=create_shm_group(cfg))
+    cfg = dataclasses.replace(cfg, shm_path=create_shm_group(group_spec(cfg)))
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(cfg.to_json(), r, out)) for r in range(WORLD)]

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.group.child import exit_with_parent
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.transfer import DTYPES, TransferError
 from common.kv.wire import shard_slots
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
-from services.decode.group.follower import exit_with_parent
 
 READY = "KV-RECEIVER-READY"
 RAW_GRPC_METHOD = "/tpla.bench.RawGrpc/Push"

@@ -31,6 +31,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         "group_size",
         "group_addr",
         "advertise_host",
+        "prefill_tp",
+        "prefill_dist_port",
     )
     over = {f: getattr(args, f, None) for f in fields}
     if getattr(args, "port", None) is not None:
@@ -65,13 +67,20 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_prefill(args: argparse.Namespace) -> int:
     import torch
 
+    from services.prefill.group.config import prefill_group_config
     from services.prefill.service import serve_prefill
     from services.prefill.threads import PrefillThreads
 
     s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
+    group = prefill_group_config(s)
+    if s.rank > 0:  # a follower of a prefill group whose ranks are started on their own
+        from services.prefill.group.follower import follower_main
+        from services.prefill.group.rank_model import load_group_rank
+
+        return follower_main(group, s.rank, load_group_rank)
     token = s.internal_token.get_secret_value() if s.internal_token else None
-    serve_prefill(
+    return serve_prefill(
         s.model,
         s.reparam or None,
         s.host,
@@ -90,8 +99,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         threads=PrefillThreads.from_settings(s),
         max_batch_tokens=s.prefill_batch_tokens,
         prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
+        group=group,
     )
-    return 0
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -113,7 +122,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = placed(settings).device
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     devices = stack_devices(
-        device, settings.decode_groups, settings.tp, settings.prefill_workers, gpus
+        device,
+        settings.decode_groups,
+        settings.tp,
+        settings.prefill_workers,
+        gpus,
+        settings.prefill_tp,
     )
     return serve_stack(settings, smoke=args.smoke, devices=devices)
 
@@ -152,10 +166,32 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     )
     dec.set_defaults(func=cmd_decode, port_field="decode_port")
 
-    pre = sub.add_parser("prefill", help="run a prefill worker serving gRPC")
+    pre = sub.add_parser("prefill", help="run a prefill worker (a group of ranks) serving gRPC")
     _common(pre)
     pre.add_argument("--port", type=int, help="Prefill gRPC port (default 50051)")
     pre.add_argument("--transport", choices=["grpc", "torch"])
+    pre.add_argument(
+        "--tp",
+        type=int,
+        dest="prefill_tp",
+        metavar="N",
+        help="ranks of the prefill group, one device each; the leader spawns them "
+        "(TPLA_PREFILL_TP, default 1: one process)",
+    )
+    pre.add_argument(
+        "--dist-port",
+        type=int,
+        dest="prefill_dist_port",
+        metavar="PORT",
+        help="the group's rendezvous port (TPLA_PREFILL_DIST_PORT, default 29700)",
+    )
+    # A group across hosts: each rank its own process; rank 0 leads and serves gRPC.
+    pre.add_argument("--rank", type=int, help="this rank of a joined group (TPLA_RANK)")
+    pre.add_argument("--group-size", type=int, help="ranks of the group (TPLA_GROUP_SIZE)")
+    pre.add_argument("--group-addr", help="leader's HOST:PORT rendezvous (TPLA_GROUP_ADDR)")
+    pre.add_argument(
+        "--advertise-host", help="host others reach this rank at (TPLA_ADVERTISE_HOST)"
+    )
     pre.set_defaults(func=cmd_prefill, port_field="prefill_port")
 
     rtr = sub.add_parser("router", help="run the OpenAI-compatible HTTP router")
@@ -169,6 +205,13 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     _decode_args(srv)
     srv.add_argument("--port", type=int, help="router HTTP port (default 8000)")
     srv.add_argument("--transport", choices=["grpc", "torch"])
+    srv.add_argument(
+        "--prefill-tp",
+        type=int,
+        dest="prefill_tp",
+        metavar="N",
+        help="ranks of each prefill worker's group (TPLA_PREFILL_TP, default 1)",
+    )
     srv.add_argument(
         "--smoke",
         action="store_true",

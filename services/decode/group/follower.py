@@ -4,7 +4,7 @@ One the leader spawned runs `python -m services.decode.group.follower RANK LEADE
 the leader's config as JSON in TPLA_ENGINE_CONFIG (nothing but JSON and tensors crosses a
 process boundary); a rank started on its own (`tpla decode --rank K`) builds its config from
 its settings and calls `follower_main`. Both join the group the same way
-(services/decode/group/join.py). A spawned one ignores SIGINT / SIGTERM: its leader ends it.
+(common/group/join.py). A spawned one ignores SIGINT / SIGTERM: its leader ends it.
 """
 
 from __future__ import annotations
@@ -13,43 +13,23 @@ import functools
 import os
 import signal
 import sys
-import threading
-import time
-from collections.abc import Callable
 
 import torch.distributed as dist
 
+from common.group.child import START_ERROR_EXIT, exit_with_parent
+from common.group.join import FollowerGroup
+from common.group.setup import init_group
 from common.runtime import group_files
 from services.decode.config import EngineConfig
-from services.decode.group.join import FollowerGroup
-from services.decode.group.setup import init_group
+from services.decode.group.spec import group_spec
 from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, recv_plan
 from services.decode.rank.runtime import RankRuntime
 
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
 CONFIG_ENV = "TPLA_ENGINE_CONFIG"
-# A follower's exit code after printing a configuration error (`tpla`'s, tools/cli/main.py).
-START_ERROR_EXIT = 2
-
-
-def exit_with_parent(parent: int | None = None, on_exit: Callable[[], None] | None = None) -> None:
-    """A child process (a follower rank, a bench receiver) whose parent died must not linger
-    in a collective or on its ports until a timeout: exit as soon as the parent is gone.
-
-    `parent`: the pid that started this process (default: the parent now). A follower passes
-    its leader's, which may have died while the follower was still importing. `on_exit` runs
-    first (a follower removes its group's file: a leader killed with SIGKILL cannot)."""
-    parent = os.getppid() if parent is None else parent
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        if on_exit is not None:
-            on_exit()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+# Run as `python -m services.decode.group.follower RANK LEADER_PID`.
+FOLLOWER_MODULE = "services.decode.group.follower"
 
 
 def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> int:
@@ -66,11 +46,12 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
         exit_with_parent(leader, remove_file)
     group: FollowerGroup | None = None
     try:
-        group = FollowerGroup.join(cfg, rank, remove_file)
-        init_group(cfg, rank, group.store)
+        spec = group_spec(cfg)
+        group = FollowerGroup.join(spec, rank, remove_file)
+        init_group(spec, rank, group.store)
         runtime = RankRuntime(cfg, rank)
         receiver = runtime.start_kv_receiver()
-        group.publish_endpoints(*(cfg.kv_addresses(rank) if receiver else ("", "")))
+        group.publish(list(cfg.kv_addresses(rank) if receiver else ("", "")))
         runtime.comm.barrier()  # the leader waits until every rank has loaded its share
         if leader is None:
             kv = cfg.kv_addresses(rank)[0] if receiver else "none"

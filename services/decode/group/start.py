@@ -1,7 +1,7 @@
 """The leader's start-up of its decode group.
 
 Open the group's rendezvous, spawn ranks 1..tp-1 here or wait for them to join from
-elsewhere, bounded (services/decode/group/processes.py), load this rank's share, meet every
+elsewhere, bounded (common/group/processes.py), load this rank's share, meet every
 rank at a barrier, and learn where each rank's KV receiver is. A start that fails stops
 what it started and names a follower's own start-up error as the cause.
 """
@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from common.group.processes import GroupProcesses
+from common.group.setup import create_shm_group, init_group
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig, Launch
-from services.decode.group.processes import GroupProcesses
-from services.decode.group.setup import create_shm_group, init_group
+from services.decode.group.follower import CONFIG_ENV, FOLLOWER_MODULE
+from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
 
 if TYPE_CHECKING:
@@ -51,19 +53,20 @@ def start_group(cfg: EngineConfig) -> RunningGroup:
     rank_device(cfg.device, cfg.parallel.tp - 1 if spawn else 0)
     if cfg.parallel.tp > 1 and cfg.master_port == 0:
         cfg = replace(cfg, master_port=free_port())
-    shm_path = create_shm_group(cfg) if spawn else None
+    shm_path = create_shm_group(group_spec(cfg)) if spawn else None
     cfg = replace(cfg, shm_path=shm_path)
-    processes = GroupProcesses(cfg)
+    spec = group_spec(cfg)
+    processes = GroupProcesses(spec, ["-m", FOLLOWER_MODULE], {CONFIG_ENV: cfg.to_json()})
     receiver: grpc.Server | None = None
     try:
         processes.start()
-        init_group(cfg, 0, processes.store)
+        init_group(spec, 0, processes.store)
         runtime = RankRuntime(cfg, 0)
         receiver = runtime.start_kv_receiver()
         runtime.comm.barrier()
         # Where each rank receives its KV shards: its own receiver, wherever it runs.
         own = cfg.kv_addresses(0) if receiver is not None else ("", "")
-        endpoints = [own, *processes.endpoints()]
+        endpoints = [own, *((str(e[0]), str(e[1])) for e in processes.published())]
     except BaseException as exc:
         _abort_start(processes, receiver, exc)
         raise

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.group.setup import open_comm
 from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
@@ -29,7 +30,7 @@ from common.runtime.device import rank_device, use_device
 from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
-from services.decode.group.setup import open_comm
+from services.decode.group.spec import group_spec
 from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan
 from services.decode.rank.backends import select_decode_backend
 from services.decode.rank.graphs import StepGraphs, uncapturable
@@ -60,7 +61,7 @@ class RankRuntime:
         self.layout = self.model.cache_layout(cfg.block_size, dtype)
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
-        self.comm = open_comm(cfg, rank, self.device)
+        self.comm = open_comm(group_spec(cfg), rank, self.device)
         self.inputs = StepInputs(self.device)
         # Each bucket's step captured once and replayed (CUDA only: a CPU step has no
         # launches to save), where every kernel of the step can be.

@@ -14,6 +14,7 @@ from common.loading.serving_model import load_prefill_model
 from common.messages import KvTargetInfo, Reservation
 from common.sampling.params import SamplingParams
 from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
 
@@ -73,9 +74,9 @@ def _job(rid: str, targets: tuple[KvTargetInfo, ...], skip: int) -> PrefillJob:
 def test_cached_prefix_ships_what_the_decode_group_lacks(model, layout) -> None:  # type: ignore[no-untyped-def]
     model_dir, net = model
     plain_sender, cached_sender = RecordingSender(), RecordingSender()
-    plain = PrefillWorker(net, plain_sender)
+    plain = PrefillWorker(LocalRunner(net, plain_sender))
     cache = LatentPrefixCache(model_identity(model_dir, None), 2**24, block_size=16)
-    cached = PrefillWorker(net, cached_sender, prefix_cache=cache)
+    cached = PrefillWorker(LocalRunner(net, cached_sender), prefix_cache=cache)
     try:
         jobs = {
             "cold": (cached, 0),  # fills the cache with blocks [0, 32)

@@ -14,6 +14,7 @@ from common.messages import Reservation
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from services.prefill import threads
+from services.prefill.runner import LocalRunner
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
@@ -76,8 +77,10 @@ def test_a_prefill_worker_runs_each_batch_on_its_thread_count(tmp_path: Path) ->
 
     model.prefill = recording  # type: ignore[method-assign]
     policy = PrefillThreads(base=1, large=2, min_tokens=16)
-    worker = PrefillWorker(model, make_sender("grpc", "test"), threads=policy)
-    reference = PrefillWorker(load_prefill_model(tmp_path, None), make_sender("grpc", "ref"))
+    worker = PrefillWorker(LocalRunner(model, make_sender("grpc", "test")), threads=policy)
+    reference = PrefillWorker(
+        LocalRunner(load_prefill_model(tmp_path, None), make_sender("grpc", "ref"))
+    )
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     try:
         for n in (4, 40):

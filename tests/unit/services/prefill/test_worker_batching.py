@@ -15,6 +15,7 @@ from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.messages import Reservation
 from common.sampling.params import SamplingParams
+from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
 
@@ -37,8 +38,10 @@ def test_batches_fill_the_token_budget_in_arrival_order(tmp_path: Path) -> None:
         return prefill(ids, lens, **kw)
 
     model.prefill = gated  # type: ignore[method-assign]
-    worker = PrefillWorker(model, make_sender("grpc", "test"), max_batch_tokens=100)
-    alone = PrefillWorker(load_prefill_model(tmp_path, None), make_sender("grpc", "ref"))
+    worker = PrefillWorker(LocalRunner(model, make_sender("grpc", "test")), max_batch_tokens=100)
+    alone = PrefillWorker(
+        LocalRunner(load_prefill_model(tmp_path, None), make_sender("grpc", "ref"))
+    )
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     lengths = [10, 40, 40, 60, 30, 150, 5]
     jobs = [
@@ -70,4 +73,4 @@ def test_batches_fill_the_token_budget_in_arrival_order(tmp_path: Path) -> None:
 def test_a_budget_below_one_token_is_refused(tmp_path: Path) -> None:
     save_hf("v2-greedy", tmp_path, vocab_size=320)
     with pytest.raises(ValueError, match="max_batch_tokens"):
-        PrefillWorker(load_prefill_model(tmp_path, None), make_sender("grpc", "t"), 0)
+        PrefillWorker(LocalRunner(load_prefill_model(tmp_path, None), make_sender("grpc", "t")), 0)

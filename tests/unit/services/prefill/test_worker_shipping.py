@@ -21,6 +21,7 @@ from common.kv.transfer import KvSender, Shard, TransferError, make_sender
 from common.loading.serving_model import load_prefill_model
 from common.messages import KvTargetInfo, Reservation
 from common.sampling.params import SamplingParams
+from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
 
@@ -83,8 +84,10 @@ def test_the_next_batch_is_prefilled_while_shards_travel(model, tmp_path: Path) 
 
     model.prefill = recorded  # type: ignore[method-assign]
     sender = GatedSender()
-    worker = PrefillWorker(model, sender)
-    alone = PrefillWorker(load_prefill_model(tmp_path, None), make_sender("grpc", "ref"))
+    worker = PrefillWorker(LocalRunner(model, sender))
+    alone = PrefillWorker(
+        LocalRunner(load_prefill_model(tmp_path, None), make_sender("grpc", "ref"))
+    )
     first, second = _job(model, "a", 40, 1), _job(model, "b", 24, 2)
     try:
         a = worker.submit(first)
@@ -118,7 +121,7 @@ def test_the_next_batch_is_prefilled_while_shards_travel(model, tmp_path: Path) 
 def test_a_failed_push_fails_only_its_job(model) -> None:  # type: ignore[no-untyped-def]
     sender = GatedSender(fail=frozenset({"bad"}))
     sender.release.set()
-    worker = PrefillWorker(model, sender)
+    worker = PrefillWorker(LocalRunner(model, sender))
     try:
         # Submitted together, so they are usually one batch; either way the result is the same.
         bad = worker.submit(_job(model, "bad", 20, 3))
@@ -132,7 +135,7 @@ def test_a_failed_push_fails_only_its_job(model) -> None:  # type: ignore[no-unt
 
 def test_closing_fails_jobs_whose_push_never_started(model) -> None:  # type: ignore[no-untyped-def]
     sender = GatedSender()
-    worker = PrefillWorker(model, sender)
+    worker = PrefillWorker(LocalRunner(model, sender))
     jobs = [_job(model, f"r{i}", 16, i) for i in range(5)]
     try:
         futures = [worker.submit(job) for job in jobs]

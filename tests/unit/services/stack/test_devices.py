@@ -46,3 +46,10 @@ def test_serve_starts_each_child_on_its_device() -> None:
         "prefill-0": "cuda:4",
         "router": None,
     }
+
+
+def test_a_prefill_group_takes_gpus_of_its_own_after_the_decode_groups() -> None:
+    got = stack_devices("cuda", 1, 2, prefill_workers=2, visible_gpus=6, prefill_tp=2)
+    assert got == StackDevices(("cuda:0",), ("cuda:2", "cuda:4"))
+    with pytest.raises(ValueError, match="TPLA_PREFILL_TP=2"):
+        stack_devices("cuda", 1, 2, prefill_workers=2, visible_gpus=5, prefill_tp=2)

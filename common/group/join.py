@@ -1,24 +1,23 @@
-"""A decode group's membership: how its ranks meet, agree on what they serve, and see each
-other end.
+"""A rank group's membership: how its ranks meet, agree on what they serve, and see each
+other end. Decode and prefill groups both form this way (common/group/spec.py).
 
 Lifecycle: the leader (rank 0) serves a TCPStore on its rendezvous port and publishes the
-group's identity (model, layout, cache shape) -> each follower connects (within the join
-timeout), checks that identity against its own config and claims its rank -> once every rank
-has claimed, all form torch.distributed over the same store (runtime.init_group) -> each
-follower loads its share, starts its KV receiver and publishes the receiver's advertised
-address -> the start-up barrier -> while the group lives, each follower beats (a counter in
-the store); a follower whose beat fails (the leader's store is gone) exits.
+group's identity (model, layout, ...) -> each follower connects (within the join timeout),
+checks that identity against its own and claims its rank -> once every rank has claimed,
+all form torch.distributed over the same store (common/group/setup.py) -> each follower
+loads its share and publishes what the leader must know of it (`publish`) -> the start-up
+barrier -> while the group lives, each follower beats (a counter in the store); a follower
+whose beat fails (the leader's store is gone) exits.
 
-A follower the leader spawned (`tpla decode`, `tpla serve`) goes through exactly this on
-127.0.0.1; a rank started on its own (`tpla decode --rank K --group-addr HOST:PORT`, a
-LeaderWorkerSet worker pod) reaches the leader over the network. Any failure on the way is
-written to the store under the rank's key, so the leader fails with the follower's reason.
+A follower the leader spawned goes through exactly this on 127.0.0.1; a rank started on its
+own (`tpla decode|prefill --rank K --group-addr HOST:PORT`, a LeaderWorkerSet worker pod)
+reaches the leader over the network. Any failure on the way is written to the store under
+the rank's key, so the leader fails with the follower's reason.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sys
@@ -27,12 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from services.decode.config import EngineConfig
+from common.group.errors import GroupError, RankStartError
+from common.group.spec import GroupSpec
 
 _PREFIX = "tpla/group"
 _POLL_S = 0.05
@@ -46,60 +45,10 @@ BEAT_TIMEOUT_S = 10.0
 _END_GRACE_S = 2.0
 
 
-class GroupError(ValueError):
-    """The group cannot form: a rank never joined, a rank's config differs from the leader's,
-    a rank failed while starting. A ValueError: `tpla decode` prints it and exits 2."""
-
-
-class RankStartError(GroupError):
-    """A follower rank could not start, for the reason it reported (a port in use, another
-    config): that reason, not the collective that broke, is the group's error."""
-
-
-# What every rank must agree on, and the setting that changes it.
-_SETTINGS = {
-    "model": "TPLA_MODEL",
-    "tp": "TPLA_TP / --group-size",
-    "latent_groups": "TPLA_LATENT_GROUPS",
-    "parallel": "TPLA_PARALLEL",
-    "rmsnorm": "TPLA_RMSNORM",
-    "chunk_size": "TPLA_CHUNK_SIZE",
-    "reparam": "TPLA_REPARAM",
-    "block_size": "TPLA_BLOCK_SIZE",
-    "dtype": "TPLA_DTYPE",
-    "kv_budget_mb": "TPLA_KV_BUDGET_MB",
-    "device": "TPLA_DEVICE",
-    "collectives": "TPLA_COLLECTIVES",
-}
-
-
-def identity(cfg: EngineConfig) -> dict[str, str]:
-    """What a rank serves, as strings. The model is its config.json's digest (ranks on other
-    hosts may mount it at other paths); the KV budget sizes every rank's block pool, which
-    the leader's scheduler assumes is one size; the device kind picks the data group."""
-    par = cfg.parallel
-    config_json = Path(cfg.model) / "config.json"
-    digest = hashlib.sha256(config_json.read_bytes()).hexdigest()[:16]
-    return {
-        "model": f"config.json sha256 {digest}",
-        "tp": str(par.tp),
-        "latent_groups": str(par.latent_groups),
-        "parallel": par.name,
-        "rmsnorm": par.rmsnorm.value,
-        "chunk_size": str(par.chunk_size) if par.sp else "-",
-        "reparam": cfg.reparam or "none",
-        "block_size": str(cfg.block_size),
-        "dtype": cfg.dtype,
-        "kv_budget_mb": f"{cfg.kv_budget_mb:g}",
-        "device": torch.device(cfg.device).type,
-        "collectives": cfg.collectives,
-    }
-
-
-def mismatch(mine: dict[str, str], leader: dict[str, str]) -> list[str]:
+def mismatch(spec: GroupSpec, mine: dict[str, str], leader: dict[str, str]) -> list[str]:
     """Each setting on which this rank differs from the leader, named."""
     return [
-        f"{_SETTINGS.get(k, k)}: {mine.get(k)} here, {leader.get(k)} on the leader"
+        f"{spec.setting(k)}: {mine.get(k)} here, {leader.get(k)} on the leader"
         for k in sorted(set(mine) | set(leader))
         if mine.get(k) != leader.get(k)
     ]
@@ -121,30 +70,31 @@ class LeaderGroup:
     """The leader's side: serves the store, waits for the followers, reads what they
     publish. Methods are called from one thread at a time except `alive` (the heartbeat)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
-        self.address = f"{cfg.master_addr}:{cfg.master_port}"
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self.address = spec.address
         # Every interface: followers on other hosts dial the leader's address.
         self.store = dist.TCPStore(
-            cfg.master_addr,
-            cfg.master_port,
+            spec.addr,
+            spec.port,
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=cfg.collective_timeout_s),
+            timeout=timedelta(seconds=spec.collective_timeout_s),
         )
-        self.store.set(f"{_PREFIX}/identity", json.dumps(identity(cfg)))
+        self.store.set(f"{_PREFIX}/identity", json.dumps(spec.identity()))
         self.members: list[Member] = []
         self._beats = {k: (0, time.monotonic()) for k in self.followers}
 
     @property
     def followers(self) -> range:
-        return range(1, self.cfg.parallel.tp)
+        return range(1, self.spec.size)
 
     def wait_for_followers(self, exit_code: Callable[[int], int | None]) -> None:
         """Until every follower has claimed its rank. RankStartError if one reported an
         error or (`exit_code(rank)`: a spawned one's exit status) ended first; GroupError
         naming the missing ranks after the join timeout."""
-        deadline = time.monotonic() + self.cfg.join_timeout_s
+        deadline = time.monotonic() + self.spec.join_timeout_s
+        role = self.spec.role
         pending = set(self.followers)
         while pending:
             for rank in sorted(pending):
@@ -153,14 +103,13 @@ class LeaderGroup:
                     pending.discard(rank)
                 elif (code := exit_code(rank)) is not None:
                     self.raise_reported(rank)  # written just before it exited
-                    raise RankStartError(f"decode rank {rank} exited with code {code} at start")
+                    raise RankStartError(f"{role} rank {rank} exited with code {code} at start")
             if pending and time.monotonic() > deadline:
                 missing = ", ".join(map(str, sorted(pending)))
                 raise GroupError(
-                    f"decode rank(s) {missing} of {self.cfg.parallel.tp} did not join the group "
-                    f"at {self.address} within {self.cfg.join_timeout_s:g} s "
-                    f"(TPLA_GROUP_JOIN_TIMEOUT_S); start each as `tpla decode --rank K "
-                    f"--group-size {self.cfg.parallel.tp} --group-addr {self.address}`"
+                    f"{role} rank(s) {missing} of {self.spec.size} did not join the group "
+                    f"at {self.address} within {self.spec.join_timeout_s:g} s "
+                    f"(TPLA_GROUP_JOIN_TIMEOUT_S); start each as `{self.spec.join_command}`"
                 )
             time.sleep(_POLL_S)
         self.members = [
@@ -172,12 +121,12 @@ class LeaderGroup:
         for k in self.followers if rank is None else (rank,):
             if self.store.check([_key(k, "error")]):
                 reason = self.store.get(_key(k, "error")).decode()
-                raise RankStartError(f"decode rank {k} could not start: {reason}")
+                raise RankStartError(f"{self.spec.role} rank {k} could not start: {reason}")
 
-    def endpoints(self) -> list[tuple[str, str]]:
-        """Each follower's advertised (gRPC receiver, torch store) addresses; published
-        before the start-up barrier, so read after it."""
-        return [tuple(json.loads(self.store.get(_key(k, "kv")))) for k in self.followers]
+    def published(self) -> list[Any]:
+        """What each follower published (`FollowerGroup.publish`: a decode rank's KV
+        receiver addresses) before the start-up barrier, so read after it."""
+        return [json.loads(self.store.get(_key(k, "published"))) for k in self.followers]
 
     def alive(self) -> list[bool]:
         """Per follower: has its beat moved within BEAT_STALE_S."""
@@ -195,38 +144,38 @@ class LeaderGroup:
 class FollowerGroup:
     """A follower's side: joins the leader's store and beats until the group ends."""
 
-    def __init__(self, cfg: EngineConfig, rank: int, store: dist.TCPStore) -> None:
-        self.cfg, self.rank, self.store = cfg, rank, store
-        self.address = f"{cfg.master_addr}:{cfg.master_port}"
+    def __init__(self, spec: GroupSpec, rank: int, store: dist.TCPStore) -> None:
+        self.spec, self.rank, self.store = spec, rank, store
+        self.address = spec.address
         self._ended = threading.Event()
 
     @classmethod
     def join(
-        cls, cfg: EngineConfig, rank: int, on_leader_gone: Callable[[], None] | None = None
+        cls, spec: GroupSpec, rank: int, on_leader_gone: Callable[[], None] | None = None
     ) -> FollowerGroup:
         """Connect to the leader (within the join timeout), check this rank's config against
         the group's, claim the rank and start beating. GroupError on a mismatch (reported to
         the leader too), a rank claimed twice, or no leader."""
-        address = f"{cfg.master_addr}:{cfg.master_port}"
-        wait = timedelta(seconds=cfg.join_timeout_s)
+        address = spec.address
+        wait = timedelta(seconds=spec.join_timeout_s)
         try:
-            store = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=False, timeout=wait)
+            store = dist.TCPStore(spec.addr, spec.port, is_master=False, timeout=wait)
             leader = json.loads(store.get(f"{_PREFIX}/identity"))
         except dist.DistError as exc:
             raise GroupError(
-                f"no decode leader answered at {address} within {cfg.join_timeout_s:g} s "
+                f"no {spec.role} leader answered at {address} within {spec.join_timeout_s:g} s "
                 "(TPLA_GROUP_ADDR, TPLA_GROUP_JOIN_TIMEOUT_S)"
             ) from exc
-        store.set_timeout(timedelta(seconds=cfg.collective_timeout_s))
-        group = cls(cfg, rank, store)
+        store.set_timeout(timedelta(seconds=spec.collective_timeout_s))
+        group = cls(spec, rank, store)
         try:
-            diffs = mismatch(identity(cfg), leader)
+            diffs = mismatch(spec, spec.identity(), leader)
             if diffs:
                 raise GroupError(f"its config differs from the leader's: {'; '.join(diffs)}")
         except (GroupError, FileNotFoundError) as exc:
             group.report(str(exc))
             raise
-        hello = json.dumps({"pid": os.getpid(), "host": cfg.advertise_host or cfg.host})
+        hello = json.dumps({"pid": os.getpid(), "host": spec.advertise_host})
         if store.compare_set(_key(rank, "hello"), "", hello).decode() != hello:
             raise GroupError(
                 f"rank {rank} of the group at {address} has joined already (another process "
@@ -235,8 +184,9 @@ class FollowerGroup:
         group._start_beating(on_leader_gone)
         return group
 
-    def publish_endpoints(self, grpc_addr: str, torch_addr: str) -> None:
-        self.store.set(_key(self.rank, "kv"), json.dumps([grpc_addr, torch_addr]))
+    def publish(self, value: object) -> None:
+        """What the leader must know of this rank (JSON), before the start-up barrier."""
+        self.store.set(_key(self.rank, "published"), json.dumps(value))
 
     def report(self, reason: str) -> None:
         """Tell the leader why this rank cannot start (best effort: it may be gone)."""
@@ -253,7 +203,8 @@ class FollowerGroup:
 
     def leader_gone(self) -> None:
         print(
-            f"decode rank {self.rank}: the group's leader at {self.address} is gone; exiting",
+            f"{self.spec.role} rank {self.rank}: the group's leader at {self.address} is gone; "
+            "exiting",
             file=sys.stderr,
             flush=True,
         )
@@ -267,8 +218,8 @@ class FollowerGroup:
             try:
                 # Its own connection: the main thread's may sit in a long store wait.
                 store = dist.TCPStore(
-                    self.cfg.master_addr,
-                    self.cfg.master_port,
+                    self.spec.addr,
+                    self.spec.port,
                     is_master=False,
                     timeout=timedelta(seconds=BEAT_TIMEOUT_S),
                 )

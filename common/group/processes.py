@@ -1,7 +1,7 @@
-"""The leader's hold on a decode group's other ranks as processes.
+"""The leader's hold on its group's other ranks as processes.
 
-Start-up: open the group's rendezvous store (services/decode/group/join.py) on the configured
-port, spawn ranks 1..tp-1 here (`Launch.SPAWN`) or let them join from elsewhere, and wait
+Start-up: open the group's rendezvous store (common/group/join.py) on the configured port,
+spawn ranks 1..N-1 here (`GroupSpec.spawned`) or let them join from elsewhere, and wait
 (bounded) until each has claimed its rank. While the group runs: whether each follower is
 alive (its beat through the store, and a spawned one's exit status). On a failed start or
 at shutdown: stop the spawned followers, and name a follower's own start-up error as the
@@ -14,29 +14,37 @@ import contextlib
 import os
 import subprocess
 import sys
+from typing import Any
 
 import torch.distributed as dist
 
+from common.group.child import START_ERROR_EXIT
+from common.group.errors import RankExited, RankStartError
+from common.group.join import LeaderGroup
+from common.group.spec import GroupSpec
 from common.runtime.ports import PortUse, check_ports
-from services.decode.config import EngineConfig, Launch
-from services.decode.group.follower import CONFIG_ENV, START_ERROR_EXIT
-from services.decode.group.join import LeaderGroup, RankStartError
-from services.decode.stream import EngineError
 
 
 class GroupProcesses:
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
+    """`follower`: the command that runs one spawned rank (its rank and this process's pid are
+    appended); `env`: what it adds to this process's environment (the rank's config)."""
+
+    def __init__(
+        self, spec: GroupSpec, follower: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        self.spec = spec
+        self._follower_cmd = follower or []
+        self._env = env or {}
         self.group: LeaderGroup | None = None
         self._followers: list[subprocess.Popen] = []
 
     def start(self) -> None:
         """Open the rendezvous, spawn the followers (if this process launches them) and
         wait for every rank to join."""
-        if self.cfg.parallel.tp <= 1:
+        if self.spec.size <= 1:
             return
         self.group = self._open_group()
-        if self.cfg.launch is Launch.SPAWN:
+        if self.spec.spawned:
             self._spawn_followers()
         self.group.wait_for_followers(self._follower_exit_code)
 
@@ -44,12 +52,12 @@ class GroupProcesses:
     def store(self) -> dist.Store | None:
         return self.group.store if self.group is not None else None
 
-    def endpoints(self) -> list[tuple[str, str]]:
-        """Ranks 1..tp-1's KV receiver addresses, as each published them."""
-        return self.group.endpoints() if self.group is not None else []
+    def published(self) -> list[Any]:
+        """What ranks 1..N-1 each published at start-up (common/group/join.py)."""
+        return self.group.published() if self.group is not None else []
 
     def alive(self) -> list[bool]:
-        """Whether each follower (ranks 1..tp-1) is running: a spawned one's status, and
+        """Whether each follower (ranks 1..N-1) is running: a spawned one's status, and
         for every follower a beat through the group's store within the last seconds (ranks
         on other hosts have no other sign of life until a collective)."""
         if self.group is None:
@@ -72,7 +80,7 @@ class GroupProcesses:
         for rank, proc in enumerate(self._followers, start=1):
             code = proc.poll()
             if code is not None:
-                raise EngineError(f"rank {rank} exited with code {code}")
+                raise RankExited(f"{self.spec.role} rank {rank} exited with code {code}")
 
     def raise_start_error(self, exc: BaseException) -> None:
         """After a failed start (the followers stopped): raise RankStartError if a follower
@@ -85,7 +93,9 @@ class GroupProcesses:
                 self.group.raise_reported()
         for rank, proc in enumerate(self._followers, start=1):
             if proc.returncode == START_ERROR_EXIT:
-                raise RankStartError(f"decode rank {rank} could not start (its error is above)")
+                raise RankStartError(
+                    f"{self.spec.role} rank {rank} could not start (its error is above)"
+                )
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Wait up to `grace_s` for each spawned follower to end (the group's last plan ends
@@ -100,22 +110,21 @@ class GroupProcesses:
     def _open_group(self) -> LeaderGroup:
         """The group's store on the rendezvous port (PortInUse if taken, named with its
         setting, not an error in c10d's words)."""
-        setting = "TPLA_DIST_PORT" if self.cfg.launch is Launch.SPAWN else "TPLA_GROUP_ADDR"
-        use = PortUse(self.cfg.master_port, "decode rendezvous", setting)
-        check_ports(self.cfg.host, [use])
+        setting = self.spec.port_setting if self.spec.spawned else "TPLA_GROUP_ADDR"
+        use = PortUse(self.spec.port, f"{self.spec.role} rendezvous", setting)
+        check_ports(self.spec.host, [use])
         try:
-            return LeaderGroup(self.cfg)
+            return LeaderGroup(self.spec)
         except dist.DistNetworkError:
-            check_ports(self.cfg.host, [use])
+            check_ports(self.spec.host, [use])
             raise
 
     def _spawn_followers(self) -> None:
-        """Ranks 1..tp-1 as children, on this host: each joins the group as a rank started
-        on its own would (follower.follower_main), with this process's config."""
-        follower = [sys.executable, "-m", "services.decode.group.follower"]  # RANK LEADER_PID
-        env = {**os.environ, CONFIG_ENV: self.cfg.to_json()}
-        for rank in range(1, self.cfg.parallel.tp):
-            argv = [*follower, str(rank), str(os.getpid())]
+        """Ranks 1..N-1 as children, on this host: each joins the group as a rank started
+        on its own would, with this process's config."""
+        env = {**os.environ, **self._env}
+        for rank in range(1, self.spec.size):
+            argv = [sys.executable, *self._follower_cmd, str(rank), str(os.getpid())]
             self._followers.append(subprocess.Popen(argv, env=env))
 
     def _follower_exit_code(self, rank: int) -> int | None:

@@ -1,0 +1,68 @@
+"""A decode group as common/group forms it: its `GroupSpec`, whose identity (model, layout,
+cache shape) every rank checks against the leader's."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from common.group.spec import GroupSpec, config_digest
+from services.decode.config import EngineConfig, Launch
+
+# What every rank must agree on, and the setting that changes it.
+SETTINGS = (
+    ("model", "TPLA_MODEL"),
+    ("tp", "TPLA_TP / --group-size"),
+    ("latent_groups", "TPLA_LATENT_GROUPS"),
+    ("parallel", "TPLA_PARALLEL"),
+    ("rmsnorm", "TPLA_RMSNORM"),
+    ("chunk_size", "TPLA_CHUNK_SIZE"),
+    ("reparam", "TPLA_REPARAM"),
+    ("block_size", "TPLA_BLOCK_SIZE"),
+    ("dtype", "TPLA_DTYPE"),
+    ("kv_budget_mb", "TPLA_KV_BUDGET_MB"),
+    ("device", "TPLA_DEVICE"),
+    ("collectives", "TPLA_COLLECTIVES"),
+)
+
+
+def identity(cfg: EngineConfig) -> dict[str, str]:
+    """What a rank serves, as strings. The model is its config.json's digest (ranks on other
+    hosts may mount it at other paths); the KV budget sizes every rank's block pool, which
+    the leader's scheduler assumes is one size; the device kind picks the data group."""
+    par = cfg.parallel
+    return {
+        "model": config_digest(cfg.model),
+        "tp": str(par.tp),
+        "latent_groups": str(par.latent_groups),
+        "parallel": par.name,
+        "rmsnorm": par.rmsnorm.value,
+        "chunk_size": str(par.chunk_size) if par.sp else "-",
+        "reparam": cfg.reparam or "none",
+        "block_size": str(cfg.block_size),
+        "dtype": cfg.dtype,
+        "kv_budget_mb": f"{cfg.kv_budget_mb:g}",
+        "device": torch.device(cfg.device).type,
+        "collectives": cfg.collectives,
+    }
+
+
+def group_spec(cfg: EngineConfig) -> GroupSpec:
+    return GroupSpec(
+        role="decode",
+        size=cfg.parallel.tp,
+        device=cfg.device,
+        collectives=cfg.collectives,
+        collective_timeout_s=cfg.collective_timeout_s,
+        join_timeout_s=cfg.join_timeout_s,
+        spawned=cfg.launch is Launch.SPAWN,
+        addr=cfg.master_addr,
+        port=cfg.master_port,
+        port_setting="TPLA_DIST_PORT",
+        shm_path=cfg.shm_path,
+        host=cfg.host,
+        advertise_host=cfg.advertise_host or cfg.host,
+        identity=functools.partial(identity, cfg),
+        settings=SETTINGS,
+    )

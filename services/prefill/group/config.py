@@ -1,0 +1,187 @@
+"""A prefill group's configuration: built once from the settings, read by every rank (its
+`GroupSpec` for common/group, its prefix-cache replica).
+
+A spawned rank receives its leader's config as JSON; a rank started on its own builds its
+own from its settings, which the join checks against the leader's (`identity`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+from common.group.spec import GroupSpec, config_digest, parse_group_addr
+from common.kv.prefix_cache import model_identity
+from common.parallel import MoeParallel, ParallelConfig
+from common.runtime.settings import Settings
+from services.prefill.latent_cache import LatentPrefixCache
+
+# The leader hands a spawned rank its config in the environment (it holds the internal
+# token, and any local user can read a process's arguments).
+CONFIG_ENV = "TPLA_PREFILL_CONFIG"
+# Run as `python -m services.prefill.group.follower RANK LEADER_PID`.
+FOLLOWER_MODULE = "services.prefill.group.follower"
+
+# What every rank must agree on (each computes the whole latent and ships from it, and
+# holds a replica of the prefix cache), and the setting that changes it.
+SETTINGS = (
+    ("model", "TPLA_MODEL"),
+    ("tp", "TPLA_PREFILL_TP / --group-size"),
+    ("reparam", "TPLA_REPARAM"),
+    ("dtype", "TPLA_DTYPE"),
+    ("weight_dtype", "TPLA_WEIGHT_DTYPE"),
+    ("device", "TPLA_DEVICE"),
+    ("attention_backend", "TPLA_ATTENTION_BACKEND"),
+    ("moe_parallel", "TPLA_MOE_PARALLEL"),
+    ("prefix_cache_mb", "TPLA_PREFIX_CACHE / TPLA_PREFIX_CACHE_MB"),
+    ("transport", "TPLA_TRANSPORT"),
+    ("collectives", "TPLA_COLLECTIVES"),
+)
+
+
+@dataclass(frozen=True)
+class PrefillGroupConfig:
+    model: str
+    reparam: str | None = None
+    tp: int = 1
+    dtype: str = "float32"
+    weight_dtype: str = "auto"
+    device: str = "cpu"  # "cpu", or "cuda" / "cuda:N": rank k on GPU N + k
+    attention_backend: str = "auto"
+    moe_parallel: str = "tp"  # routed experts: a column slice of each (tp) or whole ones (ep)
+    transport: str = "grpc"  # each rank's KV sender
+    token: str | None = None  # the internal token on KV pushes
+    worker_id: str = "prefill"  # the worker's id: its ranks' torch pairs are named after it
+    prefix_cache_mb: float = 0.0  # per rank: every rank holds a replica
+    torch_threads: int = 1
+    prefill_threads: int = 1  # a large batch's threads (services/prefill/threads.py)
+    collectives: str = "shm"
+    spawned: bool = True  # the leader spawns its ranks; else each joins (`--rank K`)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free one (a spawned group)
+    join_timeout_s: float = 300.0
+    collective_timeout_s: float = 120.0
+    shm_path: str | None = None  # set by the leader
+    host: str = "127.0.0.1"
+    advertise_host: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"a prefill group has at least one rank, not {self.tp}")
+        if not self.spawned and self.collectives == "shm":
+            raise ValueError(
+                "TPLA_COLLECTIVES=shm: shared memory cannot reach ranks started on their own "
+                "(--rank / --group-addr), which may run on other hosts; use dist or auto"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PrefillGroupConfig:
+        return cls(**json.loads(text))
+
+
+def prefill_group_config(s: Settings) -> PrefillGroupConfig:
+    """A prefill worker's group from `placed` settings: TPLA_PREFILL_TP ranks the leader
+    spawns, or (`--rank K --group-size N --group-addr HOST:PORT`) ranks each started on its
+    own; ValueError naming what is wrong."""
+    if s.collectives not in ("auto", "shm", "dist"):
+        raise ValueError(f"collectives {s.collectives!r} is not auto, shm or dist")
+    if s.moe_parallel not in ("tp", "ep"):
+        raise ValueError(f"MoE parallel mode {s.moe_parallel!r} is not tp or ep")
+    tp, spawned, addr, port = s.prefill_tp, True, "127.0.0.1", s.prefill_dist_port
+    if s.group_size or s.group_addr or s.rank:
+        if not s.group_size or not s.group_addr:
+            raise ValueError("a joined prefill group needs --group-size N and --group-addr")
+        if s.rank >= s.group_size:
+            raise ValueError(f"--rank {s.rank} is outside a group of {s.group_size} ranks")
+        if "prefill_tp" in s.model_fields_set and s.prefill_tp != s.group_size:
+            raise ValueError(
+                f"--group-size {s.group_size} but TPLA_PREFILL_TP={s.prefill_tp}: a prefill "
+                "group has one rank per shard"
+            )
+        tp, spawned = s.group_size, False
+        addr, port = parse_group_addr(s.group_addr)
+    collectives = s.collectives
+    if collectives == "auto":
+        collectives = "shm" if spawned else "dist"
+    return PrefillGroupConfig(
+        model=s.model,
+        reparam=s.reparam or None,
+        tp=tp,
+        dtype=s.dtype,
+        weight_dtype=s.weight_dtype,
+        device=s.device,
+        attention_backend=s.attention_backend,
+        moe_parallel=s.moe_parallel,
+        transport=s.transport,
+        token=s.internal_token.get_secret_value() if s.internal_token else None,
+        prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
+        torch_threads=s.torch_threads,
+        prefill_threads=s.prefill_threads,
+        collectives=collectives,
+        spawned=spawned,
+        master_addr=addr,
+        master_port=port,
+        join_timeout_s=s.group_join_timeout_s,
+        host=s.host,
+        advertise_host=s.advertise_host,
+    )
+
+
+def identity(cfg: PrefillGroupConfig) -> dict[str, str]:
+    """What a prefill rank serves, as strings (the model as its config.json's digest)."""
+    return {
+        "model": config_digest(cfg.model),
+        "tp": str(cfg.tp),
+        "reparam": cfg.reparam or "none",
+        "dtype": cfg.dtype,
+        "weight_dtype": cfg.weight_dtype,
+        "device": torch.device(cfg.device).type,
+        "attention_backend": cfg.attention_backend,
+        "moe_parallel": cfg.moe_parallel,
+        "prefix_cache_mb": f"{cfg.prefix_cache_mb:g}",
+        "transport": cfg.transport,
+        "collectives": cfg.collectives,
+    }
+
+
+def prefix_cache(cfg: PrefillGroupConfig) -> LatentPrefixCache | None:
+    """A rank's replica of the group's latent prefix cache (None: no cache). Every rank
+    builds it alike and runs the same lookups and stores in the same order (the leader's
+    plans), so every replica holds the same prompts: each rank prefills over its own copy of
+    a prompt's past latents, and nothing crosses between ranks."""
+    budget = int(cfg.prefix_cache_mb * 2**20)
+    if budget <= 0:
+        return None
+    return LatentPrefixCache(model_identity(cfg.model, cfg.reparam), budget)
+
+
+def rank_layout(cfg: PrefillGroupConfig) -> ParallelConfig:
+    """The ranks' shares: MLA-TP over the group (heads, FFN columns or experts, vocabulary)."""
+    return ParallelConfig(tp=cfg.tp, moe=MoeParallel(cfg.moe_parallel))
+
+
+def group_spec(cfg: PrefillGroupConfig) -> GroupSpec:
+    return GroupSpec(
+        role="prefill",
+        size=cfg.tp,
+        device=cfg.device,
+        collectives=cfg.collectives,
+        collective_timeout_s=cfg.collective_timeout_s,
+        join_timeout_s=cfg.join_timeout_s,
+        spawned=cfg.spawned,
+        addr=cfg.master_addr,
+        port=cfg.master_port,
+        port_setting="TPLA_PREFILL_DIST_PORT",
+        shm_path=cfg.shm_path,
+        host=cfg.host,
+        advertise_host=cfg.advertise_host or cfg.host,
+        identity=functools.partial(identity, cfg),
+        settings=SETTINGS,
+    )

@@ -1,0 +1,146 @@
+"""How a prefill group's ranks tell the leader what became of their KV sends.
+
+Rank j (j > 0) ships the shards of its decode ranks while the group goes on to the next
+batch, so its outcome cannot ride on a collective: when a job's last send on the rank ends,
+the rank writes one report (the bytes acknowledged, or the first error) under the job's key
+in the group's rendezvous store and bumps a counter. The leader's `Reports` thread watches
+the counter (one round trip a poll, however many jobs are pending) and resolves each
+expected report's future, or fails it at its deadline, or when the group has failed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from common.kv.transfer import TransferError
+from common.runtime.errors import Unavailable
+
+_PREFIX = "tpla/prefill/sent"
+_COUNT = f"{_PREFIX}/count"
+_POLL_S = 0.002
+
+
+def _key(seq: int, rank: int) -> str:
+    return f"{_PREFIX}/{seq}/{rank}"
+
+
+def report_when_sent(store: dist.Store, seq: int, rank: int, sends: list[Future[int]]) -> None:
+    """A rank's report on job `seq`, written once every send in `sends` has ended."""
+    if not sends:
+        _write(store, seq, rank, {"bytes": 0})
+        return
+    remaining = len(sends)
+    lock = threading.Lock()
+
+    def ended(_: Future[int]) -> None:
+        nonlocal remaining
+        with lock:
+            remaining -= 1
+            if remaining:
+                return
+        errors = [_error(s) for s in sends if _error(s) is not None]
+        outcome = {"error": errors[0]} if errors else {"bytes": sum(s.result() for s in sends)}
+        _write(store, seq, rank, outcome)
+
+    for send in sends:
+        send.add_done_callback(ended)
+
+
+def _error(send: Future[int]) -> str | None:
+    if send.cancelled():
+        return "the prefill rank closed before the KV was pushed"
+    exc = send.exception()
+    return None if exc is None else str(exc)
+
+
+def _write(store: dist.Store, seq: int, rank: int, outcome: dict[str, object]) -> None:
+    try:
+        store.set(_key(seq, rank), json.dumps(outcome))
+        store.add(_COUNT, 1)
+    except dist.DistError:  # the leader is gone: the group ends anyway
+        pass
+
+
+class Reports:
+    """The leader's side: a future per (job, rank) it expects a report from."""
+
+    def __init__(self, addr: str, port: int, failed: Callable[[], BaseException | None]) -> None:
+        # Its own connection to the store: the leader's other threads use theirs.
+        self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=30))
+        self._failed = failed
+        self._pending: dict[str, tuple[Future[int], float, str]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        # A report may come before the leader expects it (its own ship call comes later).
+        self._new = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefill-reports", daemon=True)
+        self._thread.start()
+
+    def expect(self, seq: int, rank: int, timeout_s: float, request_id: str) -> Future[int]:
+        """The future of rank `rank`'s report on job `seq`: the bytes its decode ranks
+        acknowledged, or TransferError."""
+        fut: Future[int] = Future()
+        what = f"prefill rank {rank} (KV of {request_id})"
+        with self._lock:
+            self._pending[_key(seq, rank)] = (fut, time.monotonic() + timeout_s, what)
+        self._new.set()
+        return fut
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._fail_all("the prefill group closed before its ranks reported")
+
+    def _run(self) -> None:
+        seen = -1
+        while not self._stop.wait(_POLL_S):
+            try:
+                count = self._store.add(_COUNT, 0)
+                if count != seen or self._new.is_set():
+                    seen = count
+                    self._new.clear()
+                    self._collect()
+                self._expire()
+            except dist.DistError as exc:  # the store is gone with the group
+                self._fail_all(f"the prefill group's store failed: {exc}")
+                return
+
+    def _collect(self) -> None:
+        with self._lock:
+            keys = list(self._pending)
+        for key in keys:
+            if not self._store.check([key]):
+                continue
+            outcome = json.loads(self._store.get(key))
+            self._store.delete_key(key)
+            with self._lock:
+                fut, _, what = self._pending.pop(key)
+            if "error" in outcome:
+                fut.set_exception(TransferError(f"{what}: {outcome['error']}"))
+            else:
+                fut.set_result(int(outcome["bytes"]))
+
+    def _expire(self) -> None:
+        now, failed = time.monotonic(), self._failed()
+        with self._lock:
+            late = [k for k, (_, deadline, _) in self._pending.items() if failed or now > deadline]
+            ended = [(k, *self._pending.pop(k)) for k in late]
+        for _, fut, _, what in ended:
+            if failed:  # not the decode side's fault: another prefill worker may do
+                fut.set_exception(Unavailable(f"{what}: the prefill group failed: {failed}"))
+            else:
+                fut.set_exception(TransferError(f"{what}: no report in time"))
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut, _, what in pending.values():
+            if not fut.done():
+                fut.set_exception(TransferError(f"{what}: {reason}"))

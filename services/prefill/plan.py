@@ -1,0 +1,96 @@
+"""The plan of one prefill batch: what every rank of a prefill group must know to run it.
+
+The leader's worker batches prompts and looks them up in its prefix cache; the plan carries
+each prompt's ids, its cache lookup and hit (every rank holds an identical replica of the
+cache, so each finds the same past latents), whether every position's logits are wanted,
+and where each prompt's KV goes (`ShipOrder`: each rank ships its own decode ranks' shards).
+It crosses to the other ranks over the group's control group as JSON bytes
+(`send_plan` / `recv_plan`); an empty plan ends the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import torch
+
+from common.group.comm import Comm
+from common.messages import KvTargetInfo
+from services.prefill.shipping import ShipOrder
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    seq: int  # the leader's number for the job: the key its ranks report their sends under
+    prompt_ids: tuple[int, ...]
+    lookup: bool  # looked up in the prefix cache (a prompt-logprobs job prefills whole)
+    hit: int  # cached prefix tokens the prefill runs over: the leader's lookup
+    order: ShipOrder
+
+    @property
+    def new_ids(self) -> tuple[int, ...]:
+        return self.prompt_ids[self.hit :]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    jobs: tuple[JobPlan, ...]
+    all_logits: bool  # every position's logits (a job asked for its prompt's logprobs)
+
+    @property
+    def lens(self) -> list[int]:
+        return [len(job.new_ids) for job in self.jobs]
+
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The batch's new tokens, packed."""
+        flat = [t for job in self.jobs for t in job.new_ids]
+        return torch.tensor(flat, dtype=torch.long, device=device)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BatchPlan:
+        raw = json.loads(text)
+        jobs = []
+        for job in raw["jobs"]:
+            order = job.pop("order")
+            targets = tuple(
+                KvTargetInfo(
+                    **{
+                        **t,
+                        "block_ids": tuple(t["block_ids"]),
+                        "token_ranges": tuple(t["token_ranges"]),
+                    }
+                )
+                for t in order.pop("targets")
+            )
+            jobs.append(
+                JobPlan(
+                    **{**job, "prompt_ids": tuple(job["prompt_ids"])},
+                    order=ShipOrder(**order, targets=targets),
+                )
+            )
+        return cls(tuple(jobs), raw["all_logits"])
+
+
+def send_plan(plan: BatchPlan | None, comm: Comm) -> None:
+    """Leader: the plan (None: the group's end) to every other rank."""
+    data = plan.to_json().encode() if plan is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    comm.broadcast_plan_(size)
+    if data:
+        comm.broadcast_plan_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def recv_plan(comm: Comm) -> BatchPlan | None:
+    """A follower: the leader's next plan, or None when the group ends."""
+    size = torch.zeros(1, dtype=torch.int64)
+    comm.broadcast_plan_(size)
+    if not int(size):
+        return None
+    data = torch.empty(int(size), dtype=torch.uint8)
+    comm.broadcast_plan_(data)
+    return BatchPlan.from_json(bytes(data.numpy()).decode())

@@ -1,0 +1,84 @@
+"""What a prefill worker runs its batches on: the whole model in this process (tp = 1,
+`LocalRunner`), or a prefill group of ranks (services/prefill/group/leader.py).
+
+The worker's batcher stays the same either way: it plans a batch (`BatchPlan`), calls
+`prefill` for the batch's logits (whole, on this process) and latents (whole: every rank of
+a group holds them), samples, and calls `ship` for each job's KV sends, futures of the bytes
+each decode rank acknowledged.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+from torch import Tensor
+
+from common.kv.transfer import KvSender
+from common.model.args import ModelConfig
+from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from services.prefill.plan import BatchPlan, JobPlan
+from services.prefill.shipping import Send, Shipper
+
+
+class PrefillRunner(abc.ABC):
+    config: ModelConfig
+    device: torch.device  # where the worker's logits and latents live
+    transport: str  # the KV transport's name (metrics)
+
+    @abc.abstractmethod
+    def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
+        """The batch's whole logits and latents; `past`: each job's cached prefix (the
+        leader's lookup), or None when no job has one."""
+
+    @abc.abstractmethod
+    def ship(
+        self,
+        job: JobPlan,
+        n: list[Tensor],
+        k_pe: list[Tensor],
+        timed: Callable[[int, str, Send], Send] | None = None,
+    ) -> list[Future[int]]:
+        """Start `job`'s KV sends from its latents (positions `skip` on): each resolves to
+        the bytes a decode rank acknowledged, or fails with the send's error."""
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the runner can serve no more batches (a group's rank died), else None."""
+        return None
+
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Look for a failure between batches (an idle group's rank that died)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class LocalRunner(PrefillRunner):
+    """The whole model here; this process ships every decode rank's shard."""
+
+    def __init__(self, model: DeepseekForCausalLM, sender: KvSender) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = model.lm_head.weight.device
+        self.transport = sender.name
+        self.shipper = Shipper(sender, self.device)
+
+    def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
+        return self.model.prefill(
+            plan.ids(self.device), plan.lens, all_logits=plan.all_logits, past=past
+        )
+
+    def ship(
+        self,
+        job: JobPlan,
+        n: list[Tensor],
+        k_pe: list[Tensor],
+        timed: Callable[[int, str, Send], Send] | None = None,
+    ) -> list[Future[int]]:
+        return self.shipper.ship(job.order, n, k_pe, timed=timed)
+
+    def close(self) -> None:
+        self.shipper.close()
