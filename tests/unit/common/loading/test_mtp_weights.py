@@ -15,40 +15,19 @@ from common.loading.loader import load_model
 from common.loading.mtp_weights import build_mtp_layer, load_mtp_layers, rank_mtp_parts
 from common.loading.rank_slices import head_layer, rank_ffn
 from common.loading.weights import CheckpointWeights
-from common.model.args import ModelConfig
 from common.model.fp8 import Fp8Weight, dense
-from common.model.mtp import MTPLayer, mtp_prefill
+from common.model.mtp import mtp_prefill
 from common.parallel import ParallelConfig
-from tests.shard_checkpoints import CONFIG, per_expert, quantize, random_state, save_checkpoint
+from tests.shard_checkpoints import (
+    CONFIG,
+    MTP_CONFIG,
+    mtp_state,
+    quantize,
+    random_state,
+    save_checkpoint,
+)
 
 L = CONFIG["num_hidden_layers"]  # the MTP layer's index
-MTP_CONFIG = {"num_nextn_predict_layers": 1}
-
-
-def _mtp_state(main: dict[str, Tensor], shared: str) -> dict[str, Tensor]:
-    """Random MTP-layer tensors in the hub layout; its embedding and head: `equal` to the
-    main model's (as V3 stores them), `absent`, or `different`."""
-    config = ModelConfig.from_hf_dict({**CONFIG, **MTP_CONFIG})
-    with torch.device("meta"):
-        layer = MTPLayer(config, L)
-    gen = torch.Generator().manual_seed(7)
-    state = {}
-    for name, p in layer.state_dict().items():
-        scale = (1.0, 0.1) if "norm" in name else (0.0, 0.05)
-        state[f"model.layers.{L}.{name}"] = scale[0] + scale[1] * torch.randn(
-            p.shape, generator=gen
-        )
-    per_expert(state)
-    embed, head = (
-        f"model.layers.{L}.embed_tokens.weight",
-        f"model.layers.{L}.shared_head.head.weight",
-    )
-    if shared == "equal":
-        state[embed] = main["model.embed_tokens.weight"].clone()
-        state[head] = main["lm_head.weight"].clone()
-    elif shared == "absent":
-        del state[embed], state[head]
-    return state
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +36,9 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mtp")
     out = {"plain": save_checkpoint(main, root / "plain")}
     for shared in ("equal", "absent", "different"):
-        state = {**main, **_mtp_state(main, shared)}
+        state = {**main, **mtp_state(main, shared)}
         out[shared] = save_checkpoint(state, root / shared, **MTP_CONFIG)
-    fp8, dequantized = quantize({**main, **_mtp_state(main, "equal")})
+    fp8, dequantized = quantize({**main, **mtp_state(main, "equal")})
     quant = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     out["fp8"] = save_checkpoint(fp8, root / "fp8", **MTP_CONFIG, **quant)
     out["dequantized"] = save_checkpoint(dequantized, root / "dequantized", **MTP_CONFIG)
