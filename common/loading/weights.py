@@ -154,10 +154,14 @@ class CheckpointWeights:
         self._validate()
 
     def use_basis(self, rotations: Sequence[Tensor]) -> None:
-        """Serve every layer's latent tensors folded and rotated by its R [d_c, d_c]."""
+        """Serve every layer's latent tensors folded and rotated by its R [d_c, d_c] (the
+        model's layers, then as many MTP layers as there are rotations left)."""
         c = self.config
-        if len(rotations) not in (c.num_hidden_layers, c.num_hidden_layers + self.mtp_layers):
-            raise CheckpointError(f"{len(rotations)} rotations for a model with more layers")
+        if not 0 <= len(rotations) - c.num_hidden_layers <= c.num_nextn_predict_layers:
+            raise CheckpointError(
+                f"{len(rotations)} rotations for {c.num_hidden_layers} layers and "
+                f"{c.num_nextn_predict_layers} MTP layers"
+            )
         self._rotations = list(rotations)
 
     # -- WeightSource -------------------------------------------------------------------------
