@@ -122,6 +122,7 @@ def is_quantized(name: str, t: Tensor) -> bool:
         and "norm" not in name
         and "embed" not in name
         and "lm_head" not in name
+        and "shared_head.head" not in name  # an MTP layer's copy of lm_head, bf16 as it
         and (not name.endswith("mlp.gate.weight"))
     )
 

@@ -90,25 +90,47 @@ def load_mtp_layers(
 class RankMTPParts(nn.Module):
     """A rank's share of MTP module k around its decoder layer: the embedding, enorm, hnorm,
     eh_proj and shared_head.norm replicated (eh_proj is small beside an MoE layer, and
-    replicating it costs no collective), the head's vocabulary rows as the rank's lm_head."""
+    replicating it costs no collective), the head's vocabulary rows as the rank's lm_head.
+    Given the rank's own embedding and lm_head, equal copies are not held twice."""
 
-    def __init__(self, src: WeightSource, k: int, parallel: ParallelConfig, rank: int) -> None:
+    def __init__(
+        self,
+        src: WeightSource,
+        k: int,
+        parallel: ParallelConfig,
+        rank: int,
+        main: tuple[nn.Parameter, nn.Parameter] | None = None,
+    ) -> None:
         super().__init__()
         c = src.config
         p = f"model.layers.{mtp_layer_index(c, k)}."
         embed, head = (p + name if src.has(p + name) else main for name, main in SHARED_WITH_MAIN)
-        self.embed = nn.Embedding.from_pretrained(src.tensor(embed), freeze=False)
+        embed_weight = src.tensor(embed)
+        head_rows = src.tensor(head, parallel.vocab_rows(rank, c.vocab_size))
+        self.embed = nn.Embedding.from_pretrained(embed_weight, freeze=False)
+        self.lm_head = nn.Parameter(head_rows)
+        if main is not None:
+            if torch.equal(main[0].detach(), embed_weight.to(main[0].device)):
+                self.embed.weight = main[0]
+            if torch.equal(main[1].detach(), head_rows.to(main[1].device)):
+                self.lm_head = main[1]
         self.enorm = rank_norm(src, p + "enorm.weight", c.rms_norm_eps)
         self.hnorm = rank_norm(src, p + "hnorm.weight", c.rms_norm_eps)
         with torch.device("meta"):
             self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
         place_linear(self, "eh_proj", src.linear(p + "eh_proj.weight"))
         self.norm = rank_norm(src, p + "shared_head.norm.weight", c.rms_norm_eps)
-        self.lm_head = nn.Parameter(src.tensor(head, parallel.vocab_rows(rank, c.vocab_size)))
         share_workspace(self)
 
 
-def rank_mtp_parts(src: WeightSource, k: int, parallel: ParallelConfig, rank: int) -> RankMTPParts:
+def rank_mtp_parts(
+    src: WeightSource,
+    k: int,
+    parallel: ParallelConfig,
+    rank: int,
+    main: tuple[nn.Parameter, nn.Parameter] | None = None,
+) -> RankMTPParts:
+    """`RankMTPParts` of module k; `main`: the rank's (embedding weight, lm_head rows)."""
     if not src.has(f"model.layers.{mtp_layer_index(src.config, k)}.eh_proj.weight"):
         raise CheckpointError(f"the weight source does not serve MTP module {k}")
-    return RankMTPParts(src, k, parallel, rank)
+    return RankMTPParts(src, k, parallel, rank, main)

@@ -68,8 +68,14 @@ def _rank_mtp_bytes(src: CheckpointWeights, parallel: ParallelConfig, rank: int)
         RankAttention(src, L, heads, shard, parallel.rmsnorm),
         rank_ffn(src, L, parallel, rank),
     )
-    parts = rank_mtp_parts(src, 0, parallel, rank)
-    return _bytes(layer) + _bytes(parts, (parts.embed.weight, parts.lm_head))
+    rows = parallel.vocab_rows(rank, c.vocab_size)
+    main = (
+        nn.Parameter(src.tensor("model.embed_tokens.weight")),
+        nn.Parameter(src.tensor("lm_head.weight", rows)),
+    )
+    parts = rank_mtp_parts(src, 0, parallel, rank, main)
+    assert parts.embed.weight is main[0] and parts.lm_head is main[1]
+    return _bytes(layer) + _bytes(parts, main)
 
 
 def test_the_whole_mtp_layer_is_planned_as_loaded(dirs: dict[str, Path]) -> None:
