@@ -14,7 +14,7 @@ def _run(args: argparse.Namespace) -> int:
     from common.loading.mtp_weights import load_mtp_layers
     from common.text.tokenizer import Tokenizer
     from common.tpla import corpus
-    from tools.demo.mtp_acceptance import measure_acceptance
+    from tools.demo.mtp_acceptance import measure_acceptance, text_agreement
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
@@ -26,9 +26,11 @@ def _run(args: argparse.Namespace) -> int:
     acc = measure_acceptance(
         model, layers[0], ids, windows=args.windows, prompt=args.prompt, new=args.new
     )
+    on_text = text_agreement(model, layers[0], ids, windows=args.windows)
     result = {
         "model": args.model,
         "acceptance": round(acc.rate, 4),
+        "agreement_on_text": round(on_text.rate, 4),
         "accepted": acc.accepted,
         "drafted": acc.drafted,
         "windows": acc.windows,
@@ -38,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
     }
     print(
         f"MTP draft accepted at {acc.accepted}/{acc.drafted} positions ({acc.rate:.1%}) over "
-        f"{acc.windows} greedy continuations of held-out text"
+        f"{acc.windows} greedy continuations of held-out text; {on_text.rate:.1%} agreement "
+        f"with the main model's greedy token on the text itself"
     )
     if args.json:
         print(json.dumps(result))

@@ -82,3 +82,25 @@ def measure_acceptance(
         a, d = sequence_acceptance(model, mtp, seq, prompt)
         accepted, drafted, used = accepted + a, drafted + d, used + 1
     return Acceptance(accepted, drafted, used)
+
+
+@torch.inference_mode()
+def text_agreement(
+    model: DeepseekForCausalLM, mtp: MTPLayer, ids: Tensor, *, windows: int = 16, length: int = 128
+) -> Acceptance:
+    """On held-out text itself (its token t+1 fed): how often the draft equals the main
+    model's greedy token at t+2. Greedy speculation accepts this only where the text's token
+    t+1 is the main model's own; it shows the agreement on text a small model would not write."""
+    step = max((len(ids) - length) // windows, 1)
+    accepted = drafted = used = 0
+    for start in range(0, len(ids) - length, step)[:windows]:
+        seq = ids[start : start + length].long()
+        main = model.prefill(seq, [length], all_logits=True)
+        assert main.hidden is not None
+        greedy = main.logits.argmax(-1)
+        out = mtp_prefill(mtp, model.rope, seq[1:], main.hidden[:-1], [length - 1], all_logits=True)
+        drafts = out.logits.argmax(-1)  # drafts[t]: token t+2; greedy[t+1] the main model's
+        accepted += int((drafts[:-1] == greedy[1:-1]).sum())
+        drafted += length - 2
+        used += 1
+    return Acceptance(accepted, drafted, used)

@@ -30,7 +30,7 @@ from common.loading.loader import load_model
 from common.model.model import DeepseekForCausalLM
 from common.model.mtp import MTPLayer, mtp_prefill
 from common.tpla import corpus
-from tools.demo.mtp_acceptance import measure_acceptance
+from tools.demo.mtp_acceptance import measure_acceptance, text_agreement
 from tools.demo.train import BalanceLoss
 
 MTP_FILE = "model-mtp.safetensors"
@@ -51,7 +51,7 @@ class MtpTrainConfig:
     balance_loss_weight: float = 0.01
     max_train_tokens: int = 4_000_000
     eval_chars: int = 200_000
-    eval_windows: int = 16
+    eval_windows: int = 32
     seed: int = 0
 
 
@@ -142,6 +142,10 @@ def train_mtp(cfg: MtpTrainConfig) -> dict[str, Any]:
                 {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(loss.item(), 4)}
             )
             print(f"step {step}: mtp loss {loss.item():.3f} ({elapsed / 60:.1f} min)", flush=True)
+    if step % 25:
+        history.append(
+            {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(loss.item(), 4)}
+        )
     layer.eval()
     torch.save(layer.state_dict(), cfg.model_dir.parent / f"{cfg.model_dir.name}-mtp-state.pt")
     export_mtp(cfg.model_dir, layer)
@@ -196,7 +200,9 @@ def report_mtp(
     text = corpus.eval_text(max_chars=cfg.eval_chars, root=cfg.corpus_root)
     ids = torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
     acc = measure_acceptance(model, layer, ids, windows=cfg.eval_windows)
+    on_text = text_agreement(model, layer, ids, windows=cfg.eval_windows)
     report = {
+        "layer": layer_index(cfg.model_dir),
         "steps": steps,
         "minutes": round(elapsed / 60, 1),
         "tokens_seen": steps * cfg.batch_size * cfg.seq_len,
@@ -207,8 +213,44 @@ def report_mtp(
             "drafted": acc.drafted,
             "windows": acc.windows,
             "eval_chars": cfg.eval_chars,
+            "agreement_on_text": round(on_text.rate, 4),
         },
         "history": history,
     }
     (cfg.model_dir / "mtp_training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_card_section(cfg.model_dir, report)
     return report
+
+
+CARD_HEADING = "## MTP layer (DeepSeek-V3 multi-token prediction)"
+
+
+def card_section(r: dict[str, Any]) -> str:
+    a, t = r["acceptance"], r["train"]
+    return f"""{CARD_HEADING}
+One DeepSeek-V3 MTP module, trained by `tpla train-demo --mtp` on the frozen model above:
+{r["steps"]} steps of {t["batch_size"]} x {t["seq_len"]} tokens, {r["minutes"]} minutes on
+CPU, the embedding and head the main model's (frozen). Stored in V3's layout:
+`num_nextn_predict_layers: 1` in config.json and its tensors as `model.layers.{r["layer"]}.*`
+(enorm, hnorm, eh_proj, one MoE decoder layer, shared_head, and V3's copies of the embedding
+and head) in `model-mtp.safetensors`, listed with the main weights in
+`model.safetensors.index.json`. HF transformers ignores the layer; our loader reads it only
+when asked, keeping one copy of the embedding and head.
+
+Greedy-speculation acceptance on held-out text (`tpla bench mtp-acceptance --windows
+{a["windows"]}`): {a["windows"]} evenly spaced 64-token prompts from the first
+{a["eval_chars"]:,} characters of the eval split, each continued greedily for 64 tokens by
+the main model. A draft (the MTP layer's greedy token for t+2, fed the main model's token
+t+1) is accepted when it equals the main model's greedy token at t+2:
+**{a["rate"]:.1%}** of positions ({a["accepted"]} / {a["drafted"]}). On the eval text itself
+(the text's token t+1 fed), the draft equals the main model's greedy token at t+2 at
+{a["agreement_on_text"]:.1%} of positions. The record is `mtp_training_report.json`.
+"""
+
+
+def write_card_section(model_dir: Path, report: dict[str, Any]) -> None:
+    """Add (or replace) the model card's MTP section."""
+    card = model_dir / "README.md"
+    text = card.read_text() if card.is_file() else ""
+    text = text.split(CARD_HEADING)[0].rstrip("\n")
+    card.write_text((text + "\n\n" if text else "") + card_section(report))
