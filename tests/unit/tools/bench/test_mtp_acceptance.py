@@ -22,9 +22,7 @@ def test_demo_acceptance_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0.0 <= out["agreement_on_text"] <= 1.0
 
 
-def test_a_model_without_mtp_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_model_without_mtp_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     save_tiny_chat_model(tmp_path)
     assert main(["bench", "mtp-acceptance", "--model", str(tmp_path), "--windows", "1"]) != 0
     assert "has no MTP layer" in capsys.readouterr().err
