@@ -147,7 +147,6 @@ def train_mtp(cfg: MtpTrainConfig) -> dict[str, Any]:
             {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(loss.item(), 4)}
         )
     layer.eval()
-    torch.save(layer.state_dict(), cfg.model_dir.parent / f"{cfg.model_dir.name}-mtp-state.pt")
     export_mtp(cfg.model_dir, layer)
     return report_mtp(cfg, tok, step, elapsed, history)
 
