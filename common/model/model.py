@@ -38,8 +38,9 @@ class PrefillOutput:
     logits: Tensor  # [num_seqs, V] at each prompt's last token, or [T, V] with all_logits
     n: list[Tensor]  # per layer, packed [T, d_c]
     k_pe: list[Tensor]  # per layer, packed [T, d_r]
-    # The last layer's output before the final norm, at the rows `logits` covers: what
-    # DeepSeek-V3's multi-token-prediction module reads (common/model/mtp.py).
+    # The last layer's output before the final norm, packed [T, D] (every row, whatever
+    # `logits` covers): what DeepSeek-V3's multi-token-prediction module reads
+    # (common/model/mtp.py) over a whole prompt.
     hidden: Tensor | None = None
 
 
@@ -243,7 +244,7 @@ def packed_prefill(
         all_n.append(n)
         all_k_pe.append(k_pe)
     last = h if all_logits else h[torch.tensor(cu[1:], device=h.device) - 1]
-    return PrefillOutput(stack.logits(last), all_n, all_k_pe, last)
+    return PrefillOutput(stack.logits(last), all_n, all_k_pe, h)
 
 
 def _over_past(

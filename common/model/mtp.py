@@ -147,7 +147,10 @@ def mtp_prefill(
         stack, next_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
     )
     assert out.hidden is not None
-    return MTPOutput(out.logits, out.hidden, out.n[0], out.k_pe[0])
+    hidden = out.hidden
+    if not all_logits:
+        hidden = hidden[torch.tensor(seq_lens, device=hidden.device).cumsum(0) - 1]
+    return MTPOutput(out.logits, hidden, out.n[0], out.k_pe[0])
 
 
 def mtp_decode(

@@ -153,7 +153,7 @@ def collect_latent_statistics(
             windows, desc="calibrate", unit="win", file=sys.stderr, disable=not progress
         ):
             window = window.to(device)
-            out = model.prefill(window, [len(window)], all_logits=bool(mtp_layers))
+            out = model.prefill(window, [len(window)])
             tokens += len(window)
             hidden = out.hidden
             for k, layer in enumerate(mtp_layers):

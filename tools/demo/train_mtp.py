@@ -92,7 +92,7 @@ def mtp_loss(model: DeepseekForCausalLM, layer: MTPLayer, windows: torch.Tensor)
     b, t2 = windows.shape
     t = t2 - 2
     with torch.no_grad():
-        main = model(windows[:, : t + 1].reshape(-1), [t + 1] * b, all_logits=True)
+        main = model(windows[:, : t + 1].reshape(-1), [t + 1] * b)
         assert main.hidden is not None
         hidden = main.hidden.view(b, t + 1, -1)[:, :t].reshape(b * t, -1)
     out = mtp_prefill(

@@ -87,6 +87,10 @@ def test_the_hidden_state_is_the_last_layer_before_the_final_norm(models) -> Non
     ids, hidden = _prompt(main, 9, 0)
     logits = main.prefill(ids[:9], [9], all_logits=True).logits
     torch.testing.assert_close(main.logits(hidden), logits, rtol=0, atol=1e-12)
+    # Every row, also when only the last row's logits are asked for.
+    last = main.prefill(ids[:9], [9])
+    assert last.hidden is not None and last.logits.shape[0] == 1
+    torch.testing.assert_close(last.hidden, hidden, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("absorbed", [False, True])
@@ -104,6 +108,7 @@ def test_prefill_matches_the_reference_packed(models, absorbed: bool) -> None:
     last = mtp_prefill(layer, main.rope, next_ids, hidden, lens, absorbed=absorbed)
     ends = torch.tensor(lens).cumsum(0) - 1
     torch.testing.assert_close(last.logits, out.logits[ends], rtol=0, atol=1e-12)
+    torch.testing.assert_close(last.hidden, out.hidden[ends], rtol=0, atol=1e-12)
     assert out.n.shape == (sum(lens), main.config.kv_lora_rank)
 
 
