@@ -18,6 +18,7 @@ from torch import Tensor
 from common.group.comm import Collectives, Comm, ReduceOp
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM
+from common.model.mtp import MTPLayer
 
 T = TypeVar("T")
 
@@ -50,6 +51,7 @@ CONFIG: dict[str, Any] = {
     "eos_token_id": 1,
 }
 BLOCK = 128
+MTP_CONFIG: dict[str, Any] = {"num_nextn_predict_layers": 1}
 FP8_CONFIG = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -86,6 +88,33 @@ def per_expert(state: dict[str, Tensor]) -> None:
             state[f"{prefix}.{e}.down_proj.weight"] = down[e].clone()
 
 
+def mtp_state(main: dict[str, Tensor], shared: str) -> dict[str, Tensor]:
+    """Random MTP-layer tensors in the hub layout; its embedding and head: `equal` to the
+    main model's (as V3 stores them), `absent`, or `different`."""
+    config = ModelConfig.from_hf_dict({**CONFIG, **MTP_CONFIG})
+    index = CONFIG["num_hidden_layers"]
+    with torch.device("meta"):
+        layer = MTPLayer(config, index)
+    gen = torch.Generator().manual_seed(7)
+    state = {}
+    for name, p in layer.state_dict().items():
+        scale = (1.0, 0.1) if "norm" in name else (0.0, 0.05)
+        state[f"model.layers.{index}.{name}"] = scale[0] + scale[1] * torch.randn(
+            p.shape, generator=gen
+        )
+    per_expert(state)
+    embed, head = (
+        f"model.layers.{index}.embed_tokens.weight",
+        f"model.layers.{index}.shared_head.head.weight",
+    )
+    if shared == "equal":
+        state[embed] = main["model.embed_tokens.weight"].clone()
+        state[head] = main["lm_head.weight"].clone()
+    elif shared == "absent":
+        del state[embed], state[head]
+    return state
+
+
 def is_quantized(name: str, t: Tensor) -> bool:
     """DeepSeek-V3 stores every linear weight in FP8 except the router and the embeddings."""
     return (
@@ -93,6 +122,7 @@ def is_quantized(name: str, t: Tensor) -> bool:
         and "norm" not in name
         and "embed" not in name
         and "lm_head" not in name
+        and "shared_head.head" not in name  # an MTP layer's copy of lm_head, bf16 as it
         and (not name.endswith("mlp.gate.weight"))
     )
 

@@ -50,12 +50,15 @@ def open_serving_weights(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     weight_dtype: str = "auto",
+    mtp: bool = False,
 ) -> tuple[CheckpointWeights, list[Tensor | None]]:
     """The checkpoint's weights (in the side file's basis when `reparam` is set), read on
     demand in `dtype` onto `device` (an FP8 checkpoint's linears kept FP8 where `weight_dtype`
-    says so), and the per-layer latent spectra."""
+    says so), and the per-layer latent spectra of the model's own layers. `mtp`: the source
+    serves the MTP layers too (in the side file's basis when it covers them; their spectra
+    are `load_side_file(...).mtp_spectra()`)."""
     keep = keeps_fp8(weight_dtype, device)
-    src = CheckpointWeights(model_dir, serving_dtype(dtype), device, keep_fp8=keep)
+    src = CheckpointWeights(model_dir, serving_dtype(dtype), device, keep_fp8=keep, mtp=mtp)
     layers = src.config.num_hidden_layers
     if not reparam:
         return src, [None] * layers

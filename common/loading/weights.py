@@ -30,6 +30,7 @@ from common.loading.checkpoint import CheckpointError, CheckpointReader
 from common.model.args import ModelConfig
 from common.model.fp8 import Fp8Weight, RowRun, Weight, cat_rows, share_workspace, stack
 from common.model.model import DeepseekForCausalLM
+from common.model.mtp import SHARED_WITH_MAIN, MTPLayer
 
 ALL = slice(None)
 _EXPERT = re.compile(
@@ -53,6 +54,9 @@ class WeightSource(Protocol):
         self, name: str, rows: slice = ALL, cols: slice = ALL, dtype: torch.dtype | None = None
     ) -> Tensor:
         """name[rows, cols] (a 1-D tensor takes `rows` only)."""
+
+    def has(self, name: str) -> bool:
+        """Whether the source holds a (non-expert) tensor of this name."""
 
     def linear(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Weight:
         """A linear weight's name[rows, cols]: kept in FP8 where the source keeps it so."""
@@ -98,6 +102,9 @@ class ModelWeights:
         t = t[:, cols] if t.ndim == 2 else t
         return t.clone() if dtype is None else t.to(dtype, copy=True)
 
+    def has(self, name: str) -> bool:
+        return name in self._params
+
     def linear(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Weight:
         return self.tensor(name, rows, cols)
 
@@ -120,8 +127,12 @@ class CheckpointWeights:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         keep_fp8: bool = False,
+        mtp: bool = False,
     ) -> None:
         self.config = ModelConfig.from_dir(model_dir)
+        # DeepSeek-V3's MTP modules are layers num_hidden_layers + k; served only when asked.
+        self.mtp = mtp
+        layers = self.config.num_hidden_layers + self.mtp_layers
         self.reader = CheckpointReader(model_dir)
         self.dtype, self.device = dtype, torch.device(device)
         self.keep_fp8 = keep_fp8
@@ -132,8 +143,8 @@ class CheckpointWeights:
             layer = _LAYER.match(name)
             if name.endswith("rotary_emb.inv_freq") or self.reader.is_scale(name):
                 continue  # derived from the config / read with their weights
-            if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
-                continue  # multi-token-prediction layers (V3) are not used for serving
+            if layer and int(layer.group(1)) >= layers:
+                continue  # MTP layers unless asked for (and beyond num_nextn_predict_layers)
             if expert := _EXPERT.match(name):
                 self._experts[expert.group(1)][int(expert.group(2))][expert.group(3)] = name
             else:
@@ -143,9 +154,14 @@ class CheckpointWeights:
         self._validate()
 
     def use_basis(self, rotations: Sequence[Tensor]) -> None:
-        """Serve every layer's latent tensors folded and rotated by its R [d_c, d_c]."""
-        if len(rotations) != self.config.num_hidden_layers:
-            raise CheckpointError(f"{len(rotations)} rotations for a model with more layers")
+        """Serve every layer's latent tensors folded and rotated by its R [d_c, d_c] (the
+        model's layers, then as many MTP layers as there are rotations left)."""
+        c = self.config
+        if not 0 <= len(rotations) - c.num_hidden_layers <= c.num_nextn_predict_layers:
+            raise CheckpointError(
+                f"{len(rotations)} rotations for {c.num_hidden_layers} layers and "
+                f"{c.num_nextn_predict_layers} MTP layers"
+            )
         self._rotations = list(rotations)
 
     # -- WeightSource -------------------------------------------------------------------------
@@ -154,13 +170,14 @@ class CheckpointWeights:
         self, name: str, rows: slice = ALL, cols: slice = ALL, dtype: torch.dtype | None = None
     ) -> Tensor:
         latent = _LATENT.match(name)
-        if latent and self._rotations is not None:
+        if latent and self._rotates(int(latent.group(1))):
             return self._rotated(int(latent.group(1)), latent.group(2), rows, cols)
         return self._read(name, rows, cols, dtype=dtype)
 
     def linear(self, name: str, rows: slice = ALL, cols: slice = ALL) -> Weight:
         stored = self._plain.get(name)
-        rotated = _LATENT.match(name) and self._rotations is not None
+        latent = _LATENT.match(name)
+        rotated = latent is not None and self._rotates(int(latent.group(1)))
         if stored is None or rotated or not self._keeps(stored):
             return self.tensor(name, rows, cols)
         return self._quantized(stored, (rows, cols), _role(name))
@@ -223,6 +240,19 @@ class CheckpointWeights:
         for k, expert in enumerate(names):
             out[k] = self._read_raw(expert["down_proj"], (ALL, cols))
         return out
+
+    @property
+    def mtp_layers(self) -> int:
+        """The MTP modules this source serves (0 unless built with `mtp=True`)."""
+        return self.config.num_nextn_predict_layers if self.mtp else 0
+
+    def has(self, name: str) -> bool:
+        return name in self._plain
+
+    def _rotates(self, layer: int) -> bool:
+        """Whether layer `layer`'s latent tensors are served in a rotated basis (a side
+        file without the MTP layers leaves them in the checkpoint's basis, still exact)."""
+        return self._rotations is not None and layer < len(self._rotations)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -310,6 +340,15 @@ class CheckpointWeights:
             model = DeepseekForCausalLM(self.config)
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         found = self._shapes()
+        optional = {name for name, _ in SHARED_WITH_MAIN}
+        for k in range(self.mtp_layers):
+            index = self.config.num_hidden_layers + k
+            with torch.device("meta"):
+                layer = MTPLayer(self.config, index)
+            prefix = f"model.layers.{index}."
+            for name, value in layer.state_dict().items():
+                if prefix + name in found or name not in optional:
+                    expected[prefix + name] = tuple(value.shape)
         missing = sorted(set(expected) - set(found))
         unexpected = sorted(set(found) - set(expected))
         misshaped = [
@@ -338,28 +377,40 @@ def build_model(src: WeightSource) -> DeepseekForCausalLM:
     source keeps in FP8 replaces its `nn.Linear` (or stacked expert parameter)."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(src.config)
-    linears = {f"{k}.weight" for k, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    state: dict[str, Tensor] = {}
-    for name in model.state_dict():
-        value: Weight
-        if name.endswith("experts.gate_up_proj"):
-            value = src.gate_up(name.removesuffix(".gate_up_proj"))
-        elif name.endswith("experts.down_proj"):
-            value = src.down(name.removesuffix(".down_proj"))
-        elif name in linears:
-            value = src.linear(name)
-        else:
-            value = src.tensor(name, dtype=torch.float32 if is_router(name) else None)
-        if isinstance(value, Fp8Weight):
-            path, leaf = name.rsplit(".", 1)
-            if leaf == "weight":  # an nn.Linear: the FP8 weight takes the module's place
-                path, leaf = path.rsplit(".", 1)
-            parent = model.get_submodule(path)
-            delattr(parent, leaf)
-            setattr(parent, leaf, value)
-            state.update({f"{path}.{leaf}.{k}": v for k, v in value.state_dict().items()})
-        else:
-            state[name] = value
-    model.load_state_dict(state, assign=True)
+    fill_module(model, src)
     share_workspace(model)
     return model.eval()
+
+
+def fill_module(
+    module: torch.nn.Module, src: WeightSource, prefix: str = "", skip: frozenset[str] = frozenset()
+) -> None:
+    """Assign every tensor of `module` (built on the meta device) from `src`, named
+    `prefix + name` there; names in `skip` stay on the meta device for the caller."""
+    linears = {f"{k}.weight" for k, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    state: dict[str, Tensor] = {}
+    for name in module.state_dict():
+        if name in skip:
+            continue
+        value: Weight
+        full = prefix + name
+        if name.endswith("experts.gate_up_proj"):
+            value = src.gate_up(full.removesuffix(".gate_up_proj"))
+        elif name.endswith("experts.down_proj"):
+            value = src.down(full.removesuffix(".down_proj"))
+        elif name in linears:
+            value = src.linear(full)
+        else:
+            value = src.tensor(full, dtype=torch.float32 if is_router(full) else None)
+        if isinstance(value, Fp8Weight):
+            path, _, leaf = name.rpartition(".")
+            if leaf == "weight":  # an nn.Linear: the FP8 weight takes the module's place
+                path, _, leaf = path.rpartition(".")
+            parent = module.get_submodule(path)
+            delattr(parent, leaf)
+            setattr(parent, leaf, value)
+            key = f"{path}.{leaf}" if path else leaf
+            state.update({f"{key}.{k}": v for k, v in value.state_dict().items()})
+        else:
+            state[name] = value
+    module.load_state_dict(state, assign=True, strict=not skip)

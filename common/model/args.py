@@ -87,6 +87,8 @@ class ModelConfig:
     moe_layer_freq: int = 1
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
+    # DeepSeek-V3's multi-token-prediction modules, stored as layers num_hidden_layers + k.
+    num_nextn_predict_layers: int = 0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -106,6 +108,8 @@ class ModelConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_nextn_predict_layers < 0:
+            raise ConfigError("num_nextn_predict_layers cannot be negative")
         if self.qk_rope_head_dim % 2:
             raise ConfigError("qk_rope_head_dim must be even (RoPE rotates pairs)")
         if self.n_routed_experts:
@@ -199,6 +203,7 @@ class ModelConfig:
             moe_layer_freq=raw.get("moe_layer_freq") or 1,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             eos_token_ids=eos_ids,
         )
 

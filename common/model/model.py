@@ -38,6 +38,10 @@ class PrefillOutput:
     logits: Tensor  # [num_seqs, V] at each prompt's last token, or [T, V] with all_logits
     n: list[Tensor]  # per layer, packed [T, d_c]
     k_pe: list[Tensor]  # per layer, packed [T, d_r]
+    # The last layer's output before the final norm, packed [T, D] (every row, whatever
+    # `logits` covers): what DeepSeek-V3's multi-token-prediction module reads
+    # (common/model/mtp.py) over a whole prompt.
+    hidden: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -146,16 +150,31 @@ class DeepseekForCausalLM(nn.Module):
         """One decode step for B sequences (one new token each) -> logits [B, V]."""
         cos, sin = self.rope.cos_sin(positions)
         h = self.model.embed_tokens(token_ids)
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q_nope, q_pe = attn.queries(x, self.rope, cos, sin)
-            n_new, k_pe_new = attn.latents(x, self.rope, cos, sin)
-            kv.write(i, positions, n_new, k_pe_new)
-            n, k_pe, valid = kv.read(i, positions)
-            o = attn.absorbed(q_nope[:, None], q_pe[:, None], n, k_pe, valid[:, None])[:, 0]
-            h = layer.feed_forward(h + attn.output(o))
+        for i, layer in enumerate(self.decoder_layers()):
+            h = decode_layer(layer, i, h, self.rope, (cos, sin), positions, kv)
         return self.logits(h)
+
+
+def decode_layer(
+    layer: DecoderLayer,
+    index: int,
+    h: Tensor,
+    rope: RotaryEmbedding,
+    cos_sin: tuple[Tensor, Tensor],
+    positions: Tensor,
+    kv: LatentKV,
+) -> Tensor:
+    """One layer of a decode step: write the new latents as cache layer `index`, attend over
+    the whole history (absorbed), then the FFN. h [B, D] -> [B, D]."""
+    cos, sin = cos_sin
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    q_nope, q_pe = attn.queries(x, rope, cos, sin)
+    n_new, k_pe_new = attn.latents(x, rope, cos, sin)
+    kv.write(index, positions, n_new, k_pe_new)
+    n, k_pe, valid = kv.read(index, positions)
+    o = attn.absorbed(q_nope[:, None], q_pe[:, None], n, k_pe, valid[:, None])[:, 0]
+    return layer.feed_forward(h + attn.output(o))
 
 
 class LayerStack(Protocol):
@@ -225,7 +244,7 @@ def packed_prefill(
         all_n.append(n)
         all_k_pe.append(k_pe)
     last = h if all_logits else h[torch.tensor(cu[1:], device=h.device) - 1]
-    return PrefillOutput(stack.logits(last), all_n, all_k_pe)
+    return PrefillOutput(stack.logits(last), all_n, all_k_pe, h)
 
 
 def _over_past(

@@ -1,5 +1,9 @@
 """Calibration: per-layer second moments E[n n^T] of the cached latent over real text.
 
+The layers are the model's, then its MTP modules' when given (common/model/mtp.py): each
+module runs over a window's positions that have its next tokens, fed the previous stage's
+hidden states, as the prefill worker runs it.
+
 The latent the cache stores after gamma folding is `n = x / rms(x)` (no gamma), where `x` is
 the latent half of `kv_a_proj_with_mqa`. A forward pre-hook on each layer's
 `kv_a_layernorm` sees exactly that `x` during the model's own prefill, so the statistics
@@ -20,6 +24,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from common.model.model import DeepseekForCausalLM
+from common.model.mtp import MTPLayer, mtp_prefill
 from common.tpla import corpus
 
 DEFAULT_CALIB_CHARS = 200_000
@@ -44,12 +49,20 @@ class LatentStatistics:
     sums: tuple[Tensor, ...]
     tokens: int
     source: str
+    # The MTP modules' latents seen (the last len(mtp_tokens) sums; a window of W tokens
+    # gives module k W - k - 1 positions).
+    mtp_tokens: tuple[int, ...] = ()
+
+    @property
+    def mtp_layers(self) -> int:
+        return len(self.mtp_tokens)
 
     def second_moments(self) -> list[Tensor]:
-        """E[n n^T] per layer."""
-        if self.tokens == 0:
+        """E[n n^T] per layer (the model's, then the MTP modules')."""
+        counts = [self.tokens] * (len(self.sums) - self.mtp_layers) + list(self.mtp_tokens)
+        if min(counts, default=0) == 0:
             raise CalibrationError("no calibration tokens were seen")
-        return [s / self.tokens for s in self.sums]
+        return [s / n for s, n in zip(self.sums, counts, strict=True)]
 
     def diagonal_spectra(self) -> list[Tensor]:
         """E[n_k^2] per layer in the checkpoint's own (unrotated) basis."""
@@ -108,12 +121,15 @@ def collect_latent_statistics(
     *,
     source: str = "",
     progress: bool = True,
+    mtp_layers: Sequence[MTPLayer] = (),
 ) -> LatentStatistics:
-    """Run exact prefill over `windows` and accumulate sum n n^T per layer (float64)."""
+    """Run exact prefill over `windows` and accumulate sum n n^T per layer (float64), the
+    MTP modules' after the model's."""
     if not windows:
         raise CalibrationError("no calibration windows (is the text shorter than 2 tokens?)")
     d_c = model.config.kv_lora_rank
-    sums = [torch.zeros(d_c, d_c, dtype=torch.float64) for _ in model.model.layers]
+    layers = [*model.model.layers, *mtp_layers]
+    sums = [torch.zeros(d_c, d_c, dtype=torch.float64) for _ in layers]
     handles = []
 
     def make_hook(index: int, norm: nn.Module) -> Any:
@@ -126,18 +142,31 @@ def collect_latent_statistics(
 
         return hook
 
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(layers):
         norm = layer.self_attn.kv_a_layernorm
         handles.append(norm.register_forward_pre_hook(make_hook(i, norm)))
     tokens = 0
+    mtp_tokens = [0] * len(mtp_layers)
     device = model.lm_head.weight.device
     try:
         for window in tqdm(
             windows, desc="calibrate", unit="win", file=sys.stderr, disable=not progress
         ):
-            model.prefill(window.to(device), [len(window)])
+            window = window.to(device)
+            out = model.prefill(window, [len(window)])
             tokens += len(window)
+            hidden = out.hidden
+            for k, layer in enumerate(mtp_layers):
+                rows = len(window) - k - 1
+                if rows <= 0 or hidden is None:
+                    break
+                with torch.inference_mode():
+                    step = mtp_prefill(
+                        layer, model.rope, window[k + 1 :], hidden[:rows], [rows], all_logits=True
+                    )
+                hidden = step.hidden
+                mtp_tokens[k] += rows
     finally:
         for handle in handles:
             handle.remove()
-    return LatentStatistics(tuple(sums), tokens, source)
+    return LatentStatistics(tuple(sums), tokens, source, tuple(mtp_tokens))

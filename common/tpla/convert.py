@@ -70,9 +70,20 @@ class Reparameterization:
     fingerprint: str
     calibration_tokens: int
     calibration_source: str
+    # The last `mtp_layers` entries of `layers` are the model's MTP modules' (layers
+    # num_hidden_layers + k); the fingerprint covers the model's own layers only.
+    mtp_layers: int = 0
+
+    @property
+    def main_layers(self) -> int:
+        return len(self.layers) - self.mtp_layers
 
     def spectra(self) -> list[Tensor]:
-        return [layer.spectrum for layer in self.layers]
+        """The model's own layers' spectra (what the decode ranks' shards come from)."""
+        return [layer.spectrum for layer in self.layers[: self.main_layers]]
+
+    def mtp_spectra(self) -> list[Tensor]:
+        return [layer.spectrum for layer in self.layers[self.main_layers :]]
 
 
 def side_file_name(method: Method) -> str:
@@ -133,17 +144,16 @@ def build_reparameterization(
     """R and rotated spectra for every layer of `model` (unrotated) from its latent statistics."""
     d_c = model.config.kv_lora_rank
     moments = stats.second_moments()
-    if len(moments) != model.config.num_hidden_layers:
+    if len(moments) - stats.mtp_layers != model.config.num_hidden_layers:
         raise SideFileError("calibration statistics do not match the model's layer count")
     layers = []
     for index, c in enumerate(moments):
         # Each layer gets its own Hadamard signs: seed + layer keeps them reproducible.
         r = rotation(method, d_c, seed=seed + index, second_moment=c)
-        layers.append(
-            LayerReparameterization(
-                None if method is Method.IDENTITY else r, rotated_spectrum(r, c)
-            )
-        )
+        # E[n_k^2] >= 0; a latent wider than the hidden state (rank-deficient C) rounds its
+        # zero directions to about -1e-16, which the side file would refuse.
+        spectrum = rotated_spectrum(r, c).clamp(min=0)
+        layers.append(LayerReparameterization(None if method is Method.IDENTITY else r, spectrum))
     return Reparameterization(
         method=method,
         seed=seed,
@@ -153,6 +163,7 @@ def build_reparameterization(
         fingerprint=model_fingerprint(model),
         calibration_tokens=stats.tokens,
         calibration_source=stats.source,
+        mtp_layers=stats.mtp_layers,
     )
 
 
@@ -163,17 +174,20 @@ def basis_rotations(
     gamma: Callable[[int], Tensor],
 ) -> list[Tensor] | None:
     """Check that `side` belongs to these weights; each layer's R to apply (identity where
-    the side file has none), or None for a converted checkpoint's side file (R applied).
+    the side file has none; the MTP modules' after the model's layers, when the side file
+    covers them), or None for a converted checkpoint's side file (R applied).
 
     `kv_a_weights` yields each layer's kv_a_proj_with_mqa weight in the serving dtype (one at
     a time is enough: only their fingerprint is kept); `gamma(i)` is layer i's kv_a_layernorm
     weight. A fingerprint mismatch (other weights, or R applied twice) is an error.
     """
     c = config
-    if side.kv_lora_rank != c.kv_lora_rank or len(side.layers) != c.num_hidden_layers:
+    mismatch = side.kv_lora_rank != c.kv_lora_rank or side.main_layers != c.num_hidden_layers
+    if mismatch or side.mtp_layers > c.num_nextn_predict_layers:
         raise SideFileError(
-            f"side file is for d_c={side.kv_lora_rank} with {len(side.layers)} layers; the model "
-            f"has d_c={c.kv_lora_rank} with {c.num_hidden_layers} layers"
+            f"side file is for d_c={side.kv_lora_rank} with {side.main_layers} layers and "
+            f"{side.mtp_layers} MTP layers; the model has d_c={c.kv_lora_rank} with "
+            f"{c.num_hidden_layers} layers and {c.num_nextn_predict_layers} MTP layers"
         )
     if fingerprint(kv_a_weights) != side.fingerprint:
         raise SideFileError(
@@ -239,6 +253,7 @@ def save_side_file(path: str | Path, side: Reparameterization) -> None:
         "seed": side.seed,
         "kv_lora_rank": side.kv_lora_rank,
         "num_layers": len(side.layers),
+        "mtp_layers": side.mtp_layers,
         "rotation_applied": side.rotation_applied,
         "fingerprint": side.fingerprint,
         "calibration": {"tokens": side.calibration_tokens, "source": side.calibration_source},
@@ -281,6 +296,7 @@ def load_side_file(path: str | Path) -> Reparameterization:
             fingerprint=str(doc["fingerprint"]),
             calibration_tokens=int(doc["calibration"]["tokens"]),
             calibration_source=str(doc["calibration"]["source"]),
+            mtp_layers=int(doc.get("mtp_layers", 0)),
         )
     except OSError as exc:
         raise SideFileError(f"cannot read side file {path}: {exc}") from exc
@@ -392,9 +408,10 @@ def convert_checkpoint(
         kv_lora_rank=side.kv_lora_rank,
         layers=tuple(LayerReparameterization(None, layer.spectrum) for layer in side.layers),
         rotation_applied=True,
-        fingerprint=fingerprint([kv_a_out[i] for i in sorted(kv_a_out)]),
+        fingerprint=fingerprint([kv_a_out[i] for i in range(side.main_layers)]),
         calibration_tokens=side.calibration_tokens,
         calibration_source=side.calibration_source,
+        mtp_layers=side.mtp_layers,
     )
     save_side_file(out / side_file_name(side.method), converted)
     return converted

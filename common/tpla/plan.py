@@ -51,7 +51,7 @@ class Checkpoint:
     config: ModelConfig
     quant_method: str | None  # "fp8" for DeepSeek-V3's published checkpoint
     fp8_block: tuple[int, int]  # its weight_block_size
-    mtp_layers: int  # num_nextn_predict_layers: in the checkpoint, never loaded to serve
+    mtp_layers: int  # num_nextn_predict_layers: loaded only when speculation is `mtp`
 
 
 def checkpoint_from_hf_dict(raw: dict[str, Any]) -> Checkpoint:
@@ -108,10 +108,13 @@ class PlanRequest:
     fp8_block: tuple[int, int] = (128, 128)
     moe: MoeParallel = MoeParallel.TP  # routed experts: a slice of each, or whole ones (ep)
     prefill_gpus: int = 1  # ranks of one prefill group (TPLA_PREFILL_TP), on the same cards
+    mtp_layers: int = 0  # MTP modules loaded (speculation `mtp`): weights and cache counted
 
     def __post_init__(self) -> None:
         if self.prefill_gpus < 1:
             raise PlanError("a prefill group needs at least one GPU")
+        if self.mtp_layers < 0:
+            raise PlanError("the MTP layer count cannot be negative")
         if not self.latent_groups:
             raise PlanError("give at least one latent group count")
         if self.context < 1 or self.block_size < 1 or self.chunk_size < 1:
@@ -166,10 +169,10 @@ class LayoutPlan:
 def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelConfig) -> LayoutPlan:
     hw, bs = req.hardware, req.block_size
     weights = max(
-        weight_bytes(rank_tensors(c, layout, rank), req.weight_dtype, req.fp8_block)
+        weight_bytes(rank_tensors(c, layout, rank, req.mtp_layers), req.weight_dtype, req.fp8_block)
         for rank in range(layout.tp)
     )
-    stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype)
+    stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype, req.mtp_layers)
     budget = hw.gpu_mem_bytes - weights - hw.reserve
     # As CacheLayout.blocks_for_budget, less the cache's trash block (never handed out).
     blocks = max(max(budget, 0) // (stored * bs) - 1, 0)
@@ -244,6 +247,7 @@ class Plan:
             "prefill_gpus": req.prefill_gpus,
             "prefill_weights_bytes_per_rank": self.prefill_weights_bytes,
             "prefill_fits": self.prefill_fits,
+            "mtp_layers_loaded": req.mtp_layers,
             "layouts": [_layout_json(p) for p in self.layouts],
         }
 
@@ -279,12 +283,16 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
     layouts = req.layouts()
     for _, layout in layouts:
         layout.check(c)
-    chosen = rank_tensors(c, layouts[1][1], 0)
+    if req.mtp_layers > c.num_nextn_predict_layers:
+        raise PlanError(
+            f"{req.mtp_layers} MTP layers asked for; the model has {c.num_nextn_predict_layers}"
+        )
+    chosen = rank_tensors(c, layouts[1][1], 0, req.mtp_layers)
     parts: dict[str, int] = {}
     for t in chosen:
         parts[t.part] = parts.get(t.part, 0) + weight_bytes([t], req.weight_dtype, req.fp8_block)
     # load_model keeps the router in float32 too (common.loading.weights.is_router).
-    full = rank_tensors(c, ParallelConfig(), 0)
+    full = rank_tensors(c, ParallelConfig(), 0, req.mtp_layers)
     prefill = req.prefill_layout()
     prefill.check(c)
     return Plan(
@@ -294,7 +302,11 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
         breakdown=tuple(parts.items()),
         full_model_bytes=weight_bytes(full, req.weight_dtype, req.fp8_block),
         prefill_weights_bytes=max(
-            weight_bytes(prefill_rank_tensors(c, prefill, rank), req.weight_dtype, req.fp8_block)
+            weight_bytes(
+                prefill_rank_tensors(c, prefill, rank, req.mtp_layers),
+                req.weight_dtype,
+                req.fp8_block,
+            )
             for rank in range(prefill.tp)
         ),
     )

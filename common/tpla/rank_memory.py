@@ -87,8 +87,11 @@ def _layer_tensors(
     return out
 
 
-def rank_tensors(c: ModelConfig, layout: ParallelConfig, rank: int) -> list[RankTensor]:
-    """Every tensor `RankModel(full, layout, rank, ...)` holds (MTP layers are never loaded)."""
+def rank_tensors(
+    c: ModelConfig, layout: ParallelConfig, rank: int, mtp_layers: int = 0
+) -> list[RankTensor]:
+    """Every tensor `RankModel(full, layout, rank, ...)` holds, and with `mtp_layers` > 0
+    the first that many MTP modules (`mtp_tensors`)."""
     layout.check(c)
     if not 0 <= rank < layout.tp:
         raise PlanError(f"rank {rank} is outside tp={layout.tp}")
@@ -105,10 +108,35 @@ def rank_tensors(c: ModelConfig, layout: ParallelConfig, rank: int) -> list[Rank
         RankTensor("norms", (c.hidden_size,)),
         RankTensor("lm_head", (vocab_rows, c.hidden_size)),
     ]
+    return out + mtp_tensors(c, layout, rank, mtp_layers)
+
+
+def mtp_tensors(
+    c: ModelConfig, layout: ParallelConfig, rank: int, mtp_layers: int
+) -> list[RankTensor]:
+    """A rank's share of `mtp_layers` MTP modules (common/loading/mtp_weights.py): each
+    module's decoder layer (layer num_hidden_layers + k) sharded like any layer, enorm,
+    hnorm, eh_proj and shared_head.norm replicated. The module's embedding and head are
+    counted as the main model's: the loader keeps one copy when they are equal, as in V3."""
+    if not 0 <= mtp_layers <= c.num_nextn_predict_layers:
+        raise PlanError(
+            f"{mtp_layers} MTP layers asked for; the model has {c.num_nextn_predict_layers}"
+        )
+    out: list[RankTensor] = []
+    d = c.hidden_size
+    for k in range(mtp_layers):
+        moe = c.is_moe_layer(c.num_hidden_layers + k)
+        out += [replace(t, part="mtp") for t in _layer_tensors(c, layout, rank, moe)]
+        out += [
+            RankTensor("mtp", (d,), count=3),  # enorm, hnorm, shared_head.norm
+            RankTensor("mtp", (d, 2 * d), quantized=True),  # eh_proj
+        ]
     return out
 
 
-def prefill_rank_tensors(c: ModelConfig, layout: ParallelConfig, rank: int) -> list[RankTensor]:
+def prefill_rank_tensors(
+    c: ModelConfig, layout: ParallelConfig, rank: int, mtp_layers: int = 0
+) -> list[RankTensor]:
     """Every tensor rank `rank` of a prefill group holds. It is sharded as an MLA-TP decode
     rank (heads, FFN columns or experts, shared-expert columns, vocabulary rows of the LM
     head) but its embedding is split by vocabulary too: a prefill batch embeds thousands of
@@ -119,7 +147,7 @@ def prefill_rank_tensors(c: ModelConfig, layout: ParallelConfig, rank: int) -> l
     vocab_rows = span(layout.vocab_rows(rank, c.vocab_size))
     return [
         RankTensor("embedding", (vocab_rows, c.hidden_size)) if t.part == "embedding" else t
-        for t in rank_tensors(c, layout, rank)
+        for t in rank_tensors(c, layout, rank, mtp_layers)
     ]
 
 
@@ -149,9 +177,13 @@ def weight_bytes(
     return total
 
 
-def kv_bytes_per_stored_token(c: ModelConfig, layout: ParallelConfig, kv_dtype: str) -> int:
-    """Bytes one token takes in a rank's cache, all layers: (latent slice + d_r) x L x bytes."""
+def kv_bytes_per_stored_token(
+    c: ModelConfig, layout: ParallelConfig, kv_dtype: str, mtp_layers: int = 0
+) -> int:
+    """Bytes one token takes in a rank's cache, all layers (each MTP module's layer keeps
+    its own latent of every position too): (latent slice + d_r) x layers x bytes."""
     if kv_dtype not in DTYPE_BYTES:
         raise PlanError(f"unknown KV dtype {kv_dtype!r}; choose one of {tuple(DTYPE_BYTES)}")
     width = span(layout.latent_columns(0, c.kv_lora_rank))  # alike on every rank
-    return (width + c.qk_rope_head_dim) * c.num_hidden_layers * DTYPE_BYTES[kv_dtype]
+    layers = c.num_hidden_layers + mtp_layers
+    return (width + c.qk_rope_head_dim) * layers * DTYPE_BYTES[kv_dtype]

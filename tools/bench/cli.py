@@ -21,6 +21,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.answers",
     "tools.bench.autoscale",
     "tools.bench.ttft",
+    "tools.bench.mtp_acceptance",
 )
 
 

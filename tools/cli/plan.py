@@ -37,6 +37,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan
 
     path, ckpt = _read_checkpoint(args)
+    if args.speculative == "mtp" and not ckpt.mtp_layers:
+        raise ValueError(
+            f"--speculative mtp: {path} has no MTP layer (num_nextn_predict_layers is 0 or unset)"
+        )
+    mtp_loaded = ckpt.mtp_layers if args.speculative == "mtp" else 0
     hardware = Hardware(
         gpu_mem_bytes=round(args.gpu_mem_gib * GIB),
         gpus_per_group=args.gpus_per_group,
@@ -54,6 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         fp8_block=ckpt.fp8_block,
         moe=MoeParallel(args.moe_parallel),
         prefill_gpus=args.prefill_gpus,
+        mtp_layers=mtp_loaded,
     )
     plan = build_plan(ckpt.config, request)
     print(format_plan(plan, path, ckpt))
@@ -63,7 +69,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 {
                     "config": str(path),
                     "checkpoint_quantization": ckpt.quant_method,
-                    "mtp_layers_not_loaded": ckpt.mtp_layers,
+                    "mtp_layers_not_loaded": ckpt.mtp_layers - mtp_loaded,
+                    "speculative": args.speculative,
                     **plan.to_json(),
                 }
             )
@@ -82,7 +89,8 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
 
     c, req = plan.config, plan.request
     hw, ctx = req.hardware, req.context
-    mtp = f" (+{ckpt.mtp_layers} MTP layer(s), not loaded)" if ckpt.mtp_layers else ""
+    loaded = "loaded: weights and cache counted" if req.mtp_layers else "not loaded"
+    mtp = f" (+{ckpt.mtp_layers} MTP layer(s), {loaded})" if ckpt.mtp_layers else ""
     quant = f"; checkpoint stored as {ckpt.quant_method}" if ckpt.quant_method else ""
     base = plan.by_name("mla-tp").max_tokens
     lines = [
@@ -183,6 +191,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=1,
         help="ranks of one prefill group (TPLA_PREFILL_TP) on the same cards: the prefill "
         "rank's weights and whether they fit",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=("none", "ngram", "mtp"),
+        default="none",
+        help="mtp: the checkpoint's MTP layers are loaded, their weights and latent cache "
+        "counted on every rank (ngram needs no weights)",
     )
     p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     p.set_defaults(func=cmd_plan)

@@ -28,6 +28,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
     from common.loading.loader import load_model
+    from common.loading.mtp_weights import load_mtp_layers
     from common.text.tokenizer import Tokenizer
     from common.tpla.calibration import (
         DEFAULT_CALIB_CHARS,
@@ -47,11 +48,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model_dir = Path(load_settings(model=args.model).model)
     method = Method(args.method)
     model = load_model(model_dir)
+    # The MTP layers' latents are cached too (speculation `mtp`): their basis comes along.
+    mtp = load_mtp_layers(model_dir, main=model)
     text = load_text(args.calib, args.calib_chars or DEFAULT_CALIB_CHARS)
     ids = Tokenizer.from_dir(model_dir).encode(text.text, add_bos=False)
     window = min(args.window, model.config.max_position_embeddings)
     stats = collect_latent_statistics(
-        model, token_windows(ids, window), source=text.source, progress=not args.quiet
+        model,
+        token_windows(ids, window),
+        source=text.source,
+        progress=not args.quiet,
+        mtp_layers=mtp,
     )
     side = build_reparameterization(model, method, stats, seed=args.seed)
     if args.out:
@@ -62,8 +69,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         written = Path(args.side_file) if args.side_file else model_dir / side_file_name(method)
         save_side_file(written, side)
     shares = [
-        round(float(s[: len(s) // 2].sum() / s.sum()), 4) for s in side.spectra()
-    ]  # what r = 2 would see per layer
+        round(float(s[: len(s) // 2].sum() / s.sum()), 4)
+        for s in (*side.spectra(), *side.mtp_spectra())
+    ]  # what r = 2 would see per layer (the MTP layers' last)
     print(
         json.dumps(
             {
@@ -71,6 +79,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 "side_file": str(written),
                 "checkpoint": args.out,
                 "calibration_tokens": stats.tokens,
+                "mtp_layers": side.mtp_layers,
                 "first_half_energy_per_layer": shares,
             }
         )

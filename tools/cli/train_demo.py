@@ -16,6 +16,8 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
 
     settings = load_settings(torch_threads=args.threads)
     torch.set_num_threads(settings.torch_threads)
+    if args.mtp:
+        return _train_mtp(args)
     arch = DemoArch() if args.arch == "demo" else DemoArch.tiny()
     cfg = TrainConfig(
         out=Path(args.out),
@@ -35,6 +37,23 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_mtp(args: argparse.Namespace) -> int:
+    from tools.demo.train_mtp import MtpTrainConfig, train_mtp
+
+    cfg = MtpTrainConfig(
+        model_dir=Path(args.out),
+        corpus_root=Path(args.corpus) if args.corpus else None,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        eval_chars=args.card_eval_chars,
+    )
+    report = train_mtp(cfg)
+    print(json.dumps({"steps": report["steps"], "acceptance": report["acceptance"]}))
+    return 0
+
+
 def add_train_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     td = sub.add_parser("train-demo", help="train the small demo model on CPU (offline)")
     td.add_argument("--out", default="models/demo", help="HF-format output directory")
@@ -51,6 +70,11 @@ def add_train_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
         choices=["demo", "tiny"],
         default="demo",
         help="tiny: a minimal model for smoke tests of the trainer",
+    )
+    td.add_argument(
+        "--mtp",
+        action="store_true",
+        help="train one DeepSeek-V3 MTP layer on the frozen model in --out and add it there",
     )
     td.add_argument("--threads", type=int)
     td.add_argument(

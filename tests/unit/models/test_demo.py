@@ -48,3 +48,19 @@ def test_model_card_measures_against_baselines() -> None:
     assert m["bits_per_byte"] < m["gzip_bits_per_byte"] < m["unigram_bits_per_byte"]
     card = (DEMO / "README.md").read_text()
     assert f"{m['bits_per_byte']:.3f}" in card and f"{m['gzip_bits_per_byte']:.3f}" in card
+
+
+def test_mtp_layer_in_v3_layout_with_a_measured_card(demo) -> None:
+    from common.loading.mtp_weights import load_mtp_layers
+    from common.tpla.convert import load_side_file, model_fingerprint
+
+    assert demo.config.num_nextn_predict_layers == 1
+    (layer,) = load_mtp_layers(DEMO, main=demo)
+    assert layer.embed_tokens.weight is demo.model.embed_tokens.weight  # one copy in memory
+    assert layer.shared_head.head.weight is demo.lm_head.weight
+    report = json.loads((DEMO / "mtp_training_report.json").read_text())
+    rate = report["acceptance"]["rate"]
+    assert f"**{rate:.1%}**" in (DEMO / "README.md").read_text()
+    for method in ("identity", "hadamard", "pca"):
+        side = load_side_file(DEMO / f"tpla_{method}.json")
+        assert side.mtp_layers == 1 and side.fingerprint == model_fingerprint(demo)

@@ -115,3 +115,63 @@ def test_side_file_round_trip_and_guards(
         spectra = load_reparameterization(load_model(tiny_dir), tmp_path / "nowhere", Method.PCA)
     assert spectra == [None, None, None]
     assert "falling back to the identity basis with e_i = 1/r" in caplog.text
+
+
+def _mtp_checkpoint(path: Path) -> Path:
+    from tests.shard_checkpoints import MTP_CONFIG, mtp_state, random_state, save_checkpoint
+
+    main = random_state()
+    return save_checkpoint({**main, **mtp_state(main, "equal")}, path, files=1, **MTP_CONFIG)
+
+
+def test_side_files_and_conversion_cover_the_mtp_layer(tmp_path: Path) -> None:
+    from common.loading.mtp_weights import build_mtp_layer, load_mtp_layers
+    from common.loading.weights import CheckpointWeights
+    from common.model.mtp import mtp_prefill
+    from common.tpla.calibration import collect_latent_statistics
+    from common.tpla.convert import basis_rotations, model_fingerprint
+
+    src_dir = _mtp_checkpoint(tmp_path / "src")
+    model = load_model(src_dir, dtype=torch.float64)
+    (layer,) = load_mtp_layers(src_dir, main=model, dtype=torch.float64)
+    windows = random_windows(8, 64, model.config.vocab_size, seed=4)  # more tokens than d_c
+    stats = collect_latent_statistics(model, windows, progress=False, mtp_layers=[layer])
+    assert stats.mtp_tokens == (8 * 63,)
+    side = build_reparameterization(model, Method.PCA, stats)
+    assert (side.mtp_layers, len(side.spectra()), len(side.mtp_spectra())) == (1, 2, 1)
+    assert side.fingerprint == model_fingerprint(model)  # the model's own layers only
+    save_side_file(tmp_path / "side.json", side)
+    side = load_side_file(tmp_path / "side.json")
+    assert side.mtp_layers == 1
+
+    # The MTP layer read in the rotated basis gives the same drafts from the rotated model.
+    (ids,) = random_windows(1, 30, model.config.vocab_size, seed=5)
+    hidden = model.prefill(ids[:-1], [29], all_logits=True).hidden
+    want = mtp_prefill(layer, model.rope, ids[1:], hidden, [29], all_logits=True)
+    src = CheckpointWeights(src_dir, torch.float64, mtp=True)
+    c = src.config
+    attn = "model.layers.{}.self_attn."
+    rotations = basis_rotations(
+        side,
+        c,
+        (src.tensor(attn.format(i) + "kv_a_proj_with_mqa.weight") for i in range(2)),
+        lambda i: src.tensor(attn.format(i) + "kv_a_layernorm.weight"),
+    )
+    assert rotations is not None and len(rotations) == 3
+    src.use_basis(rotations)
+    rotated = build_mtp_layer(src, 0, model)
+    got = mtp_prefill(rotated, model.rope, ids[1:], hidden, [29], all_logits=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-10, rtol=0)
+    r = rotations[2].to(torch.float64)
+    gamma = layer.self_attn.kv_a_layernorm.weight.detach()
+    torch.testing.assert_close(got.n, (want.n / gamma) @ r, atol=1e-10, rtol=0)
+
+    # A converted checkpoint rotates the MTP layer too and keeps the main fingerprint rule.
+    converted = convert_checkpoint(src_dir, tmp_path / "out", side, dtype=torch.float64)
+    out_model = load_model(tmp_path / "out", dtype=torch.float64)
+    assert converted.fingerprint == model_fingerprint(out_model)
+    (out_layer,) = load_mtp_layers(tmp_path / "out", main=out_model, dtype=torch.float64)
+    assert torch.all(out_layer.self_attn.kv_a_layernorm.weight == 1)
+    hidden = out_model.prefill(ids[:-1], [29], all_logits=True).hidden
+    again = mtp_prefill(out_layer, out_model.rope, ids[1:], hidden, [29], all_logits=True)
+    torch.testing.assert_close(again.logits, want.logits, atol=1e-9, rtol=0)

@@ -1,0 +1,215 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) module: a draft of the token after next.
+
+Module k (k = 0 .. num_nextn_predict_layers - 1) is stored as checkpoint layer
+L = num_hidden_layers + k. At position t it reads the main model's last hidden state h_t
+(before the final norm) and the embedding of token t+1, and predicts token t+2:
+
+    x_t    = eh_proj([enorm(embed(t+1)); hnorm(h_t)])     # the embedding half first
+    h'_t   = DecoderLayer_L(x_t)                          # MLA + MoE or dense, causal
+    logits = shared_head.head(shared_head.norm(h'_t))
+
+The concatenation order is the checkpoint's (vLLM and SGLang concatenate the same way; the
+V3 report writes the halves the other way round). h'_t feeds the next draft when chained
+(`mtp_draft`), and the layer's attention keeps its own latent cache: (n, k_pe) per
+position, the latent of position t computed from (h_t, token t+1).
+
+The checkpoint stores an embedding and an output head in every MTP layer; the report says
+they are shared with the main model, and the loader keeps one copy when they are equal
+(common/loading/mtp_weights.py). Two forms, both on the main model's layer code: a prefill
+form over packed prompts (`packed_prefill` on a one-layer stack, so `past` and the expanded
+and absorbed paths come with it) and a decode form (one new token per sequence over the
+layer's latent cache, absorbed attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from common.model.args import ModelConfig
+from common.model.mla import RMSNorm
+from common.model.model import (
+    DecoderLayer,
+    LatentKV,
+    PastLatents,
+    PrefillOutput,
+    decode_layer,
+    packed_prefill,
+)
+from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
+from common.model.rope import RotaryEmbedding
+
+# The MTP layer's tensors that the V3 report says are the main model's: (its name, the main
+# model's). A checkpoint may store them in the layer (V3 does) or leave them out.
+SHARED_WITH_MAIN = (
+    ("embed_tokens.weight", "model.embed_tokens.weight"),
+    ("shared_head.head.weight", "lm_head.weight"),
+)
+
+
+def mtp_layer_index(config: ModelConfig, k: int) -> int:
+    """The checkpoint layer index of MTP module k."""
+    if not 0 <= k < config.num_nextn_predict_layers:
+        raise ValueError(f"MTP module {k} is outside 0..{config.num_nextn_predict_layers - 1}")
+    return config.num_hidden_layers + k
+
+
+class SharedHead(nn.Module):
+    """`shared_head.norm` then `shared_head.head`: the final norm and the output head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.head(self.norm(h))
+
+
+class MTPLayer(DecoderLayer):
+    """Checkpoint layer `layer` (>= num_hidden_layers): a decoder layer (MoE or dense by the
+    config's rule for that index) plus the fusion in front of it and the head behind it.
+    Parameter names are the checkpoint's under `model.layers.{layer}.`."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.enorm = RMSNorm(d, config.rms_norm_eps)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def fuse(self, next_ids: Tensor, hidden: Tensor) -> Tensor:
+        """Token ids of t+1 [T] and the hidden state at t [T, D] -> the layer's input [T, D]."""
+        e = self.enorm(self.embed_tokens(next_ids))
+        return self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
+
+
+@dataclass
+class MTPOutput:
+    logits: Tensor  # [R, V]: the draft distribution of token t+2 at the rows asked for
+    hidden: Tensor  # [R, D]: the layer's output before shared_head.norm (chaining reads it)
+    n: Tensor  # packed [T, d_c] (prefill) or [B, d_c] (decode): the layer's own latents
+    k_pe: Tensor  # packed [T, d_r] or [B, d_r]
+
+
+class _MTPStack:
+    """One MTP layer as a `LayerStack` for `packed_prefill`: its "embedding" is the fused
+    input, so the main model's prefill loop (packing, `past`, both attention paths) runs it."""
+
+    def __init__(
+        self,
+        layer: MTPLayer,
+        hidden: Tensor,
+        rope: RotaryEmbedding,
+        prefill_attention: PrefillAttention,
+    ) -> None:
+        self.layer, self.hidden = layer, hidden
+        self.rope, self.prefill_attention = rope, prefill_attention
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        return [self.layer]
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.layer.fuse(input_ids, self.hidden)
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        return partial
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.layer.shared_head(h)
+
+
+def mtp_prefill(
+    layer: MTPLayer,
+    rope: RotaryEmbedding,
+    next_ids: Tensor,
+    hidden: Tensor,
+    seq_lens: list[int],
+    *,
+    all_logits: bool = False,
+    absorbed: bool = False,
+    past: Sequence[PastLatents | None] | None = None,
+    prefill_attention: PrefillAttention | None = None,
+) -> MTPOutput:
+    """The MTP layer over packed prompts: row t of prompt p reads its token t+1 (`next_ids`,
+    the prompt shifted by one with the first sampled token last) and the main model's hidden
+    state at t (`hidden`, all rows). `past`: per prompt, the layer's own cached latents
+    (one layer) or None. Logits and hidden at each prompt's last row, or every row."""
+    if next_ids.shape[0] != hidden.shape[0]:
+        raise ValueError("next_ids and hidden must cover the same packed rows")
+    stack = _MTPStack(layer, hidden, rope, prefill_attention or SdpaPrefillAttention())
+    out: PrefillOutput = packed_prefill(
+        stack, next_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
+    )
+    assert out.hidden is not None
+    hidden = out.hidden
+    if not all_logits:
+        hidden = hidden[torch.tensor(seq_lens, device=hidden.device).cumsum(0) - 1]
+    return MTPOutput(out.logits, hidden, out.n[0], out.k_pe[0])
+
+
+def mtp_decode(
+    layer: MTPLayer,
+    rope: RotaryEmbedding,
+    next_ids: Tensor,
+    hidden: Tensor,
+    positions: Tensor,
+    kv: LatentKV,
+    cache_layer: int = 0,
+) -> MTPOutput:
+    """One new position per sequence: token t+1 [B], hidden state at t [B, D] and t itself
+    [B] -> the draft of t+2. The new latents are written to `kv` layer `cache_layer` at t,
+    then the layer attends over positions 0..t there."""
+    cos, sin = rope.cos_sin(positions)
+    x = layer.fuse(next_ids, hidden)
+    latents = _Recorder(kv)
+    h = decode_layer(layer, cache_layer, x, rope, (cos, sin), positions, latents)
+    return MTPOutput(layer.shared_head(h), h, latents.n, latents.k_pe)
+
+
+def mtp_draft(
+    layers: Sequence[MTPLayer],
+    rope: RotaryEmbedding,
+    next_ids: Tensor,
+    hidden: Tensor,
+    positions: Tensor,
+    caches: Sequence[LatentKV],
+    k: int,
+) -> Tensor:
+    """k greedy drafts per sequence, chained, each fed the previous draft and the previous
+    module's hidden state. The modules run in order at position t, as the V3 report chains
+    them (module j reads module j-1's hidden state at t and token t+j+1); past the last
+    module, the last one runs again at t+1, t+2, ... (V3 ships one module, which vLLM and
+    SGLang reuse this way). Each module writes its latent wherever it runs, into its own
+    cache; latents from drafted tokens are provisional (the next step writes them from
+    accepted tokens). Returns the drafts [B, k] of tokens t+2 .. t+k+1."""
+    drafts = []
+    ids, h = next_ids, hidden
+    last = len(layers) - 1
+    for j in range(k):
+        module = min(j, last)
+        out = mtp_decode(layers[module], rope, ids, h, positions + max(0, j - last), caches[module])
+        ids, h = out.logits.argmax(-1), out.hidden
+        drafts.append(ids)
+    return torch.stack(drafts, dim=1)
+
+
+class _Recorder:
+    """A `LatentKV` that passes through to another and keeps the latents written."""
+
+    def __init__(self, inner: LatentKV) -> None:
+        self.inner = inner
+        self.n = torch.empty(0)
+        self.k_pe = torch.empty(0)
+
+    def write(self, layer: int, positions: Tensor, n: Tensor, k_pe: Tensor) -> None:
+        self.n, self.k_pe = n, k_pe
+        self.inner.write(layer, positions, n, k_pe)
+
+    def read(self, layer: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.inner.read(layer, positions)
