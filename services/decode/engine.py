@@ -20,7 +20,7 @@ steps (services/decode/leader/step.py).
 
 n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
 full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
-with its own generator and its own controls (penalty counts and grammar state forked from
+with its own draw keys and its own controls (penalty counts and grammar state forked from
 the request's at its first token), and stream into one TokenStream with each event's choice
 index. A migrated n > 1 request's live choices are such forks too (`resumed`): each first
 replays the tokens it generated on the group it left, then samples on.

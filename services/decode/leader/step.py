@@ -1,12 +1,12 @@
 """The leader's decode step: each live choice's next token, sampled, streamed, and its finish.
 
 A choice is live from its first token (`start`) until it finishes or is aborted: it holds
-its sampling params, its generator, its controls (penalty counts, grammar state) and the
-stream its events go to. Each step sends the batch's plan to every rank, gathers the logits,
-samples every live choice's next token at once, streams it, and decides in one place
-(`finish_reason`) whether the token ends its choice. A resumed choice (a migrated n > 1
-request's) first replays the tokens it generated on the group it left: steps that feed them
-in place of what it samples. Runs on the leader's loop thread only.
+its sampling params, the seed its draws are keyed by, its controls (penalty counts, grammar
+state) and the stream its events go to. Each step sends the batch's plan to every rank,
+gathers the logits, samples every live choice's next token at once, streams it, and decides
+in one place (`finish_reason`) whether the token ends its choice. A resumed choice (a
+migrated n > 1 request's) first replays the tokens it generated on the group it left: steps
+that feed them in place of what it samples. Runs on the leader's loop thread only.
 """
 
 from __future__ import annotations
@@ -23,14 +23,9 @@ from common.messages import ResumedChoice, TokenEvent
 from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.transfers import to_device
 from common.sampling.grammar import GrammarMatcher
+from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import (
-    DECODE_STAGE,
-    SampledToken,
-    choice_stream,
-    make_generator,
-    sample_batch,
-)
+from common.sampling.sampler import SampledToken, request_seed, sample_batch
 from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
@@ -45,7 +40,7 @@ class LiveChoice:
 
     params: SamplingParams
     stream: TokenStream
-    generator: torch.Generator
+    seed: int  # its draws' key with (choice, position): the request's seed or one drawn
     controls: SequenceControls
     choice: int = 0  # its index in the request (a resumed choice's need not be its fork's)
     # A resumed choice's own earlier tokens, still to be fed in place of its samples.
@@ -98,23 +93,22 @@ class DecodeStep:
         `DecodeEngine.generate`); a choice its first token ends finishes at once.
 
         `resumed` (one per fork): fork i continues choice resumed[i].index, from that
-        choice's own first token, with its own generator stream, and feeds its
-        resumed[i].replay tokens before it samples again. The replay steps compute those
-        tokens' KV as the group it left did, count them in its penalties, move its grammar
-        and draw its generator once each, so the choice then samples as it would have there."""
+        choice's own first token, with its own draw keys, and feeds its resumed[i].replay
+        tokens before it samples again. The replay steps compute those tokens' KV as the
+        group it left did, count them in its penalties and move its grammar, so the choice
+        then samples as it would have there (its keys are its positions': nothing to
+        advance)."""
         seqs = self.scheduler.start(request_id, firsts)
         self._copy_blocks(seqs)
         # The request's controls before its first tokens, forked once per choice.
         base = self.controls.start(params, matcher, prompt_ids, output_ids)
         controls = [base, *(self.controls.fork(base) for _ in seqs[1:])]
         self.controls.advance(controls, firsts)
-        device = self.group.runtime.device
+        seed = request_seed(params)
         for k, (seq, ctl) in enumerate(zip(seqs, controls, strict=True)):
             choice = resumed[k].index if resumed else seq.choice
-            stage = choice_stream(choice, DECODE_STAGE)
-            generator = make_generator(params, device, stream=stage)
             replay = deque(resumed[k].replay if resumed else ())
-            self.live[seq.seq_id] = LiveChoice(params, stream, generator, ctl, choice, replay)
+            self.live[seq.seq_id] = LiveChoice(params, stream, seed, ctl, choice, replay)
         for seq in seqs:
             live = self.live[seq.seq_id]
             if live.replay:
@@ -137,7 +131,11 @@ class DecodeStep:
             context = None
             if processed:
                 context = self.controls.context(seqs, [len(seq.generated) for seq in batch])
-            tokens = sample_batch(logits, params, [live.generator for live in lives], context)
+            keys = [
+                DrawKey(live.seed, live.choice, seq.next_position + 1)
+                for live, seq in zip(lives, batch, strict=True)
+            ]
+            tokens = sample_batch(logits, params, keys, context)
             replayed = [bool(live.replay) for live in lives]
             if any(replayed):
                 _replay(lives, tokens)
@@ -300,8 +298,7 @@ class DecodeStep:
 
 
 def _replay(lives: list[LiveChoice], tokens: list[SampledToken]) -> None:
-    """Each replaying choice's next own earlier token in place of what it sampled (the draw
-    still advanced its generator, as the draw of that token did where it was sampled)."""
+    """Each replaying choice's next own earlier token in place of what it sampled."""
     for row, live in enumerate(lives):
         if live.replay:
             tokens[row] = SampledToken(live.replay.popleft(), 0.0)
