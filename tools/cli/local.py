@@ -58,7 +58,7 @@ def submit(
         allowed = None if matcher is None else allowed_now(matcher, vocab, device)
         context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
         [first] = first_tokens(out.logits[row], p, 1, context, position=len(prompt))
-        started.append((first, engine.generate(rid, first.token_id, p)))
+        started.append((first, engine.generate(rid, first.token_id, p, prompt)))
         start += len(prompt)
     return started
 
