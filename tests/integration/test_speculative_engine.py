@@ -61,9 +61,14 @@ def _run(engine: DecodeEngine, spec: SpecConfig, prompts, params) -> list[list[i
     its finish reason last."""
     engine.speculate(spec)
     prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
+    before = engine.acceptance.drafted, engine.acceptance.accepted
     results = [collect(*s) for s in submit(engine, prefill, prompts, params)]
     load = engine.load()
     assert (load.running, load.reserved, load.blocks_used) == (0, 0, 0)
+    # Each choice's finishing event carries its own drafts and kept drafts.
+    ends = [r.events[-1] for r in results]
+    assert sum(e.drafted for e in ends) == engine.acceptance.drafted - before[0]
+    assert sum(e.accepted for e in ends) == engine.acceptance.accepted - before[1]
     return [[*r.token_ids, r.finish_reason] for r in results]
 
 

@@ -168,6 +168,10 @@ class DecodeStep:
         record = self.group.cfg.record_logits
         kept = logits.to("cpu", copy=True) if record else None
         for s, (seq, live, start) in enumerate(zip(batch, lives, rows.starts, strict=True)):
+            if rows.drafts[s]:
+                live.drafted += len(rows.drafts[s])
+                live.accepted += len(runs[s]) - 1
+                self.acceptance.record(len(rows.drafts[s]), len(runs[s]) - 1)
             for i, reason in enumerate(reasons[s]):
                 tok = runs[s][i]
                 if replayed[s]:
@@ -177,16 +181,14 @@ class DecodeStep:
                     self.scheduler.append(seq.seq_id, tok.token_id, finished=False)
                     continue
                 logits_row = kept[start + i].clone() if kept is not None else None
-                live.stream.put(TokenEvent(tok, reason, logits_row, live.choice))
+                drafted, accepted = (live.drafted, live.accepted) if reason else (0, 0)
+                event = TokenEvent(tok, reason, logits_row, live.choice, drafted, accepted)
+                live.stream.put(event)
                 self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
                 if reason is not None:
                     self.drop(seq.seq_id)
             if live.drafts is not None:
                 live.drafts.extend(t.token_id for t in runs[s][: len(reasons[s])])
-            if rows.drafts[s]:
-                live.drafted += len(rows.drafts[s])
-                live.accepted += len(runs[s]) - 1
-                self.acceptance.record(len(rows.drafts[s]), len(runs[s]) - 1)
 
     def _finishes(
         self,
