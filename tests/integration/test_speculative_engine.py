@@ -1,7 +1,8 @@
-"""Speculative decoding in the real decode engine (multi-process rank groups, the torch
-backend), in the TPLA (r = 2), MLA-TP and SP layouts: with n-gram drafts verified in the step,
-every request's tokens are those of the same group without speculation, greedy and seeded,
-with penalties and stops, n = 2, and a grammar; blocks are all free after."""
+"""Speculative decoding in the real decode engine (multi-process rank groups), in the TPLA
+(r = 2), MLA-TP and SP layouts on the torch backend and TPLA on the native kernels: with
+n-gram drafts verified in the step, every request's tokens are those of the same group
+without speculation, greedy and seeded, with penalties and stops, n = 2, and a grammar;
+blocks are all free after."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ LAYOUTS = {
     "tpla": {"tp": 2, "latent_groups": 2},
     "mla-tp": {"tp": 2, "latent_groups": 1},
     "sp": {"tp": 2, "latent_groups": 1, "mode": ParallelMode.SP, "chunk_size": 4},
+    "tpla-native": {"tp": 2, "latent_groups": 2},  # the C++ kernels run the rows as they are
 }
 NGRAM = SpecConfig("ngram", tokens=4, max_batch=4)
 PLAIN = SpecConfig()
@@ -49,7 +51,7 @@ def engine(request: pytest.FixtureRequest, model_dir: Path):
         master_port=0,
         kv_budget_mb=2,
         block_size=4,
-        decode_kernel="torch",
+        decode_kernel="native" if request.param.endswith("native") else "torch",
         max_batch=16,
     )
     with DecodeEngine(cfg) as eng:
