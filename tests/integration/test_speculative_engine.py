@@ -160,3 +160,22 @@ def test_a_grammar_holds_through_drafts(engine: DecodeEngine, model_dir: Path) -
     for *tokens, reason in plain:
         assert reason == "stop"
         jsonschema.validate(json.loads(tok.decode(tokens)), schema)
+
+
+def test_a_speculative_step_adds_no_host_wait(engine: DecodeEngine) -> None:
+    """Every rank's host waits per step (`tpla bench decode-step`'s count), the leader's
+    drafting, processing and acceptance included: the same with drafts as without."""
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    counts: list[int] = []
+    engine.on_step = lambda _s, _b: counts.append(engine.last_host_syncs)
+    engine.count_host_syncs(True)
+    try:
+        _run(engine, PLAIN, [REPEATING], [greedy])
+        plain, counts[:] = set(counts), []
+        before = engine.acceptance.drafted
+        _run(engine, NGRAM, [REPEATING], [greedy])
+        assert engine.acceptance.drafted > before
+    finally:
+        engine.count_host_syncs(False)
+        engine.on_step = None
+    assert set(counts) == plain and max(plain) <= 2
