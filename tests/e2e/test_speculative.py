@@ -1,7 +1,7 @@
 """Speculative decoding through the served stack with the official `openai` client: a stack
 with n-gram drafts (`TPLA_SPECULATIVE=ngram`) answers every request token for token as the
-stack without them does, greedy, seeded, n = 2 and structured; drafts are fed and kept, the
-request's record says how many, and no block is left."""
+stack without them does, greedy, seeded, n = 2, structured and cut by a stop string; drafts
+are fed and kept, and the request's record says how many."""
 
 from __future__ import annotations
 
@@ -75,3 +75,18 @@ def test_drafts_change_no_answer(stack: LocalStack, speculative: LocalStack) -> 
     kept = sum(int(r["spec_accepted_tokens"]) for r in records)
     assert fed > kept > 0
     assert all(r["spec_draft_tokens"] == "0" for r in (_record(stack, plain[0][1]),))
+
+
+def test_a_stop_string_cuts_a_kept_run_where_plain_decoding_does(
+    stack: LocalStack, speculative: LocalStack
+) -> None:
+    [greedy], _ = _answers(stack)[0]
+    assert greedy and len(greedy) > 20
+    stop = greedy[12:16]  # inside the answer: drafts were kept around it (see above)
+    answers = []
+    for s in (stack, speculative):
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        kw = {**REQUESTS[0], "stop": [stop]}
+        resp = client.chat.completions.create(model=MODEL_NAME, messages=REPEATING, **kw)
+        answers.append((resp.choices[0].message.content, resp.choices[0].finish_reason))
+    assert answers[0] == answers[1] == (greedy[: greedy.index(stop)], "stop")
