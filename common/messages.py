@@ -80,6 +80,9 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
     logits: Tensor | None = None  # in process only (tests compare them); never on the wire
     index: int = 0  # the choice (n > 1); a request's stream ends after every choice's last
+    # On a choice's finishing event: the drafts speculative steps fed it, and kept.
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,10 @@ def redis_url(redis_server: EmbeddedRedis) -> str:
     return redis_server.url
 
 
+# What a choice's finishing event says its speculative steps fed it and kept.
+SPEC_COUNTS = {"spec_drafted": 3, "spec_accepted": 2}
+
+
 @dataclass
 class Script:
     """The tokens the fake stack generates: ids[0] from prefill, the rest from decode."""
@@ -134,12 +138,17 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             reason = "stop" if tok in stops else ("length" if count >= params.max_tokens else "")
             for i in sorted(live):
                 yield decode_pb2.GenerateEvent(
-                    token=_token(tok, params.logprobs), finish_reason=reason, index=i
+                    token=_token(tok, params.logprobs),
+                    finish_reason=reason,
+                    index=i,
+                    **(SPEC_COUNTS if reason else {}),
                 )
             if reason:
                 return
         for i in sorted(live):
-            yield decode_pb2.GenerateEvent(finish_reason=self.script.final or "length", index=i)
+            yield decode_pb2.GenerateEvent(
+                finish_reason=self.script.final or "length", index=i, **SPEC_COUNTS
+            )
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await asyncio.sleep(self.abort_delay_s)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from common.model.model import ContiguousLatentCache, DeepseekForCausalLM
+from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import SampledToken, make_generator, sample
+from common.sampling.sampler import SampledToken, request_seed, sample
 
 PATHS = ("absorbed", "expanded")
 
@@ -50,7 +51,7 @@ def generate(
         )
     device = model.lm_head.weight.device
     eos = frozenset(eos_ids)
-    gen = make_generator(params, device)
+    seed = request_seed(params)
     ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     out = model.prefill(ids, [len(prompt_ids)])
     cache = None
@@ -61,7 +62,7 @@ def generate(
     tokens: list[SampledToken] = []
     seq = list(prompt_ids)
     while True:
-        tok = sample(logits, params, gen)
+        tok = sample(logits, params, DrawKey(seed, 0, len(seq)))
         tokens.append(tok)
         seq.append(tok.token_id)
         if (reason := params.finish_reason(tok.token_id, len(tokens), eos)) is not None:

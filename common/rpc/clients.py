@@ -122,7 +122,13 @@ class DecodeClient:
                 if msg is grpc.aio.EOF:
                     return
                 token = token_from_pb(msg.token) if msg.HasField("token") else None
-                yield TokenEvent(token, msg.finish_reason or None, index=msg.index)
+                yield TokenEvent(
+                    token,
+                    msg.finish_reason or None,
+                    index=msg.index,
+                    drafted=msg.spec_drafted,
+                    accepted=msg.spec_accepted,
+                )
                 if msg.finish_reason:
                     left -= 1
                     if not left:

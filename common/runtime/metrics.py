@@ -92,6 +92,18 @@ class DecodeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.acceptance_length = Histogram(
+            "tpla:spec_acceptance_length",
+            "drafts a sequence kept of those one speculative step fed it",
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
+            registry=registry,
+        )
+
+
+SPEC_HELP = {
+    "tpla:spec_draft_tokens": "draft tokens speculative steps fed",
+    "tpla:spec_accepted_tokens": "draft tokens speculative steps kept",
+}
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:

@@ -94,6 +94,15 @@ class Settings(BaseSettings):
     block_size: int = Field(16, ge=1)
     kv_budget_mb: float = Field(256.0, gt=0, description="KV pool per decode rank")
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
+    speculative: str = Field(
+        "none",
+        description="speculative decoding drafts: none | ngram (prompt lookup on the leader) | "
+        "mtp (the model's MTP layer; refused: not built yet)",
+    )
+    spec_tokens: int = Field(4, ge=1, description="drafts per sequence and step at most (k)")
+    spec_max_batch: int = Field(
+        4, ge=1, description="no speculation in a decode step of more sequences than this"
+    )
     lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
     # A group across hosts: every rank is a `tpla decode --rank K --group-size N --group-addr
     # HOST:PORT` of its own (common/group/join.py); without them the leader spawns

@@ -100,6 +100,16 @@ class GrammarMatcher:
         """Advance by a sampled token; False if the grammar rejects it."""
         return self._m.consume_token(token_id)
 
+    def try_accept(self, token_id: int) -> bool:
+        """Advance by a draft token if the grammar allows it; a rejected draft leaves the
+        matcher where it was (no error state)."""
+        return self._m.try_consume_tokens([token_id]) == 1
+
+    def rollback(self, tokens: int) -> None:
+        """Undo the last `tokens` accepted (drafts a speculative step did not keep)."""
+        if tokens and not self._m.rollback(tokens):
+            raise GrammarError(f"cannot roll back {tokens} tokens: {self.error}")
+
     @property
     def finished(self) -> bool:
         """Nothing but EOS can follow (the grammar is complete)."""

@@ -1,11 +1,13 @@
-"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, top-k
-logprobs, after the logits processing of `common.sampling.logits` (penalties, logit_bias,
-min_tokens, grammars).
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, keyed draws, top-k logprobs,
+after the logits processing of `common.sampling.logits` (penalties, logit_bias, min_tokens,
+grammars).
 
 Pure tensor math shared by `tpla generate`, the prefill worker's first token and the decode
-engine's leader. Each request owns a `torch.Generator` seeded from its seed, so a seeded
-request reproduces its tokens no matter which other requests share its batch. Logprobs are
-those of the model's raw logits (vLLM's default), before any processing.
+engine's leader. Each row's random draw is keyed by (seed, choice, position)
+(`common.sampling.keyed`), so a token is a function of its position's distribution and its
+key alone: a seeded request reproduces its tokens whatever shares its batch, on whichever
+group, and a speculative step's verification picks exactly the token plain decoding would.
+Logprobs are those of the model's raw logits (vLLM's default), before any processing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from common.runtime.host_syncs import host_side
 from common.runtime.transfers import to_device, to_host
+from common.sampling.keyed import DrawKey, draw_seed, exponential_noise, key_words
 from common.sampling.logits import LogitsContext, process_logits
 from common.sampling.params import SamplingParams
 
@@ -29,43 +32,27 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-def make_generator(
-    params: SamplingParams, device: torch.device | str = "cpu", stream: int = 0
-) -> torch.Generator:
-    """A request's generator. `stream` separates the draws of different stages and choices
-    (`choice_stream`), so a seeded request never reuses a random draw."""
-    gen = torch.Generator(device=device)
-    if params.seed is None:
-        gen.seed()
-    else:
-        # Mixed into torch's 64-bit seed space: any int64 seed is valid, none overflows.
-        gen.manual_seed((params.seed * 1_000_003 + stream) % 2**64)
-    return gen
-
-
-PREFILL_STAGE, DECODE_STAGE = 0, 1
-
-
-def choice_stream(choice: int, stage: int) -> int:
-    """The generator stream of one choice (n > 1) at one stage: choice i of a seeded request
-    draws from streams 2i (its first token, at the prefill worker) and 2i + 1 (the rest, at
-    the decode leader). Choice 0 is therefore the n = 1 request with the same seed, and
-    every choice reproduces whatever n it is asked with."""
-    return 2 * choice + stage
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request's draws are keyed by: its own, else one drawn now (once per
+    request and stage: its choices and positions still draw apart)."""
+    return params.seed if params.seed is not None else draw_seed()
 
 
 def first_tokens(
-    logits: Tensor, params: SamplingParams, n: int = 1, context: LogitsContext | None = None
+    logits: Tensor,
+    params: SamplingParams,
+    n: int = 1,
+    context: LogitsContext | None = None,
+    *,
+    position: int,
 ) -> tuple[SampledToken, ...]:
-    """Each of n choices' first token from the last prompt position's logits [V], choice i
-    drawn from its own generator (stream `choice_stream(i, PREFILL_STAGE)`), so every choice
-    is seeded apart and reproducible. `context` holds the n rows' processing (the same for
-    every choice: they share the prompt, and their grammars stand at the same place)."""
-    gens = [
-        make_generator(params, logits.device, stream=choice_stream(i, PREFILL_STAGE))
-        for i in range(n)
-    ]
-    return tuple(sample_batch(logits[None].expand(n, -1), [params] * n, gens, context))
+    """Each of n choices' first token from the last prompt position's logits [V]: choice i's
+    draw keyed by (seed, i, `position`: the prompt's length), so every choice is seeded
+    apart and reproducible. `context` holds the n rows' processing (the same for every
+    choice: they share the prompt, and their grammars stand at the same place)."""
+    seed = request_seed(params)
+    keys = [DrawKey(seed, i, position) for i in range(n)]
+    return tuple(sample_batch(logits[None].expand(n, -1), [params] * n, keys, context))
 
 
 def filtered_logits(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -103,29 +90,27 @@ def filtered_logits_batch(logits: Tensor, params: Sequence[SamplingParams]) -> T
 
 
 def sample(
-    logits: Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-    context: LogitsContext | None = None,
+    logits: Tensor, params: SamplingParams, key: DrawKey, context: LogitsContext | None = None
 ) -> SampledToken:
     """Pick the next token from one row of logits [V]."""
-    return sample_batch(logits[None], [params], [generator], context)[0]
+    return sample_batch(logits[None], [params], [key], context)[0]
 
 
 def sample_batch(
     logits: Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator],
+    keys: Sequence[DrawKey],
     context: LogitsContext | None = None,
 ) -> list[SampledToken]:
     """Pick every row's next token from logits [B, V] at once, on the logits' device, with
     one transfer of the results to the host. `context` carries what the logits processing
     needs (common.sampling.logits); None when no row has anything to process.
 
-    Row b draws only from generators[b] (on the logits' device), so a seeded request samples
-    the same tokens whichever requests share its batch. A draw is an exponential race:
-    argmax_i p_i / E_i with E_i ~ Exp(1) picks token i with probability p_i (the Gumbel-max
-    trick without logarithms), so each row needs only its own noise, not its own kernel.
+    Row b's noise is keyed by keys[b] alone (computed on the logits' device), so a seeded
+    request samples the same tokens whichever requests share its batch. A draw is an
+    exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks token i with probability
+    p_i (the Gumbel-max trick without logarithms), so each row needs only its own noise,
+    not its own kernel.
     """
     logits = logits.float()
     device = logits.device
@@ -142,14 +127,8 @@ def sample_batch(
         # Unnormalized probabilities, in place (a fresh tensor): scaling a row does not
         # change its argmax_i p_i / E_i, so the softmax's division is not needed.
         weights = picked.sub_(picked.amax(dim=-1, keepdim=True)).exp_()
-        noise = torch.empty_like(weights)
-        # One draw per row from the row's own generator keeps a seeded row's noise its own
-        # whatever shares the batch; torch has no batched draw over several generators. The
-        # draws are kernels on the logits' device: launches, not host waits.
-        for row, b in enumerate(drawn):
-            noise[row].exponential_(generator=generators[b])
-        # An Exp(1) draw of exactly 0 (u = 0 in fp32) would divide by zero.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        # Every row's noise in one batch of integer kernels: launches, not host waits.
+        noise = exponential_noise(key_words([keys[b] for b in drawn], device), weights.shape[-1])
         chosen_ids = weights.div_(noise).argmax(dim=-1)
         tokens = chosen_ids if rows is None else tokens.index_copy(0, rows, chosen_ids)
     chosen = logprobs.gather(1, tokens[:, None])

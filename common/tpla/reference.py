@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -38,14 +38,9 @@ from common.model.tpla import (
     shard_attention,
 )
 from common.parallel import RmsNormMode
+from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import (
-    DECODE_STAGE,
-    choice_stream,
-    first_tokens,
-    make_generator,
-    sample,
-)
+from common.sampling.sampler import first_tokens, request_seed, sample
 
 
 class Variant(enum.Enum):
@@ -291,8 +286,8 @@ def generate(
 ) -> Generation:
     """Generate with the oracle: prefill the prompt, then one `decode` per new token.
 
-    Sampling uses the served stack's generator streams (`first_tokens`, then the decode stage),
-    so a seeded request reproduces the engine's tokens, not `common.model.generate`'s.
+    Sampling uses the served stack's keyed draws (`first_tokens`, then one key per position),
+    so a seeded request reproduces the engine's tokens.
     """
     if not prompt_ids:
         raise ValueError("prompt must contain at least one token")
@@ -310,11 +305,13 @@ def generate(
     logits = oracle.prefill(state, torch.tensor(list(prompt_ids), dtype=torch.long, device=device))[
         -1
     ]
-    # Same random streams as the served stack (the prefill worker's first token, the decode
-    # leader's stage after it), so seeded requests match.
-    tokens = list(first_tokens(logits, params))
-    gen = make_generator(params, device, stream=choice_stream(0, DECODE_STAGE))
+    # The served stack's keys (the prefill worker's first token, the decode leader's
+    # positions after it), so seeded requests match.
+    seed = request_seed(params)
+    params = replace(params, seed=seed)
+    tokens = list(first_tokens(logits, params, position=len(prompt_ids)))
     while (reason := params.finish_reason(tokens[-1].token_id, len(tokens), eos)) is None:
         logits = oracle.decode(state, tokens[-1].token_id)
-        tokens.append(sample(logits, params, gen))
+        key = DrawKey(seed, 0, len(prompt_ids) + len(tokens))
+        tokens.append(sample(logits, params, key))
     return Generation([t.token_id for t in tokens], tokens, reason)

@@ -26,6 +26,34 @@ class Launch(enum.Enum):
     JOIN = "join"  # each on its own (`tpla decode --rank K`), over the network, maybe other hosts
 
 
+# Draft proposers (services/decode/leader/drafts.py); "mtp" is refused until the MTP layer
+# is loaded (a model's `num_nextn_predict_layers`).
+PROPOSERS = ("none", "ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: drafts verified in the step (docs/design.md §7)."""
+
+    method: str = "none"  # PROPOSERS
+    tokens: int = 4  # k: drafts per sequence and step at most
+    # No speculation in a step of more sequences than this: drafts pay at low batch, where a
+    # step costs its overhead, and cost at high batch, where it costs its rows.
+    max_batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in PROPOSERS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not one of {', '.join(PROPOSERS)}"
+            )
+        if self.tokens < 1 or self.max_batch < 1:
+            raise ValueError("TPLA_SPEC_TOKENS and TPLA_SPEC_MAX_BATCH must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -67,6 +95,7 @@ class EngineConfig:
     internal_token: str | None = None
     # Keep finished prompts' full blocks for reuse by later prompts (common.kv.prefix_cache).
     prefix_cache: bool = True
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.launch is Launch.JOIN and self.collectives == "shm":
@@ -104,7 +133,8 @@ class EngineConfig:
         par["mode"] = ParallelMode(par["mode"])
         par["moe"] = MoeParallel(par["moe"])
         raw["launch"] = Launch(raw["launch"])
-        return cls(parallel=ParallelConfig(**par), **raw)
+        spec = SpecConfig(**raw.pop("speculative"))
+        return cls(parallel=ParallelConfig(**par), speculative=spec, **raw)
 
 
 # The decode kernels a rank can ask for (`select_decode_backend` picks one for `auto`).
@@ -163,6 +193,7 @@ def engine_config(s: Settings) -> EngineConfig:
         kv_port_base=s.kv_port_base,
         internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
         prefix_cache=s.prefix_cache,
+        speculative=SpecConfig(s.speculative, s.spec_tokens, s.spec_max_batch),
     )
 
 

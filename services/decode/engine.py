@@ -20,7 +20,7 @@ steps (services/decode/leader/step.py).
 
 n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
 full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
-with its own generator and its own controls (penalty counts and grammar state forked from
+with its own draw keys and its own controls (penalty counts and grammar state forked from
 the request's at its first token), and stream into one TokenStream with each event's choice
 index. A migrated n > 1 request's live choices are such forks too (`resumed`): each first
 replays the tokens it generated on the group it left, then samples on.
@@ -43,12 +43,14 @@ from common.messages import DecodeLoad, Reservation, ResumedChoice
 from common.model.args import ModelConfig
 from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig
+from services.decode.config import EngineConfig, SpecConfig
 from services.decode.group.start import start_group
 from services.decode.group.step_plan import WritePlan, send_plan
+from services.decode.leader.drafts import check_proposer
 from services.decode.leader.kv_targets import kv_targets
 from services.decode.leader.loop import LeaderLoop
 from services.decode.leader.scheduler import Scheduler, SchedulerError, SeqState
+from services.decode.leader.speculation import Acceptance
 from services.decode.leader.step import DecodeStep
 from services.decode.stream import TokenStream
 
@@ -129,7 +131,9 @@ class DecodeEngine:
 
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
-            tables = self.scheduler.reserve(request_id, prompt_len, max_tokens, deadline, hashes, n)
+            tables = self.scheduler.reserve(
+                request_id, prompt_len, max_tokens, deadline, hashes, n, tuple(prompt_ids)
+            )
             cached = self.scheduler.seqs[request_id].cached_tokens
             layout = self.runtime.layout
             return Reservation(
@@ -267,6 +271,22 @@ class DecodeEngine:
             self._step.count_host_syncs = on
 
         self._loop.call(run)
+
+    def speculate(self, spec: SpecConfig) -> None:
+        """Speculative decoding as `spec` says from the next step on, for requests started
+        from then on (`tpla bench`, tests: one group serves with and without). Outputs do
+        not change with it (docs/design.md §7)."""
+        check_proposer(spec, self.cfg.model)
+
+        def run() -> None:
+            self._step.spec = spec
+
+        self._loop.call(run)
+
+    @property
+    def acceptance(self) -> Acceptance:
+        """The group's drafts fed and kept (metrics; read on the loop thread's schedule)."""
+        return self._step.acceptance
 
     @property
     def last_host_syncs(self) -> int:

@@ -262,7 +262,13 @@ class PrefillWorker:
                     cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
                 context = self._context(job, device)
                 first = FirstTokens(
-                    first_tokens(out.logits[end - 1 if every else row], job.params, job.n, context),
+                    first_tokens(
+                        out.logits[end - 1 if every else row],
+                        job.params,
+                        job.n,
+                        context,
+                        position=len(job.prompt_ids),
+                    ),
                     ()
                     if job.prompt_logprobs is None
                     else prompt_logprobs(

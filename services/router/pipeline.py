@@ -207,6 +207,8 @@ class Pipeline:
                 finish_reason=",".join(reasons),
                 migrations=run.migrations,
                 e2e_seconds=round(time.monotonic() - req.arrival, 6),
+                spec_draft_tokens=run.spec_drafted,
+                spec_accepted_tokens=run.spec_accepted,
             )
             run.finished = True
             self.placement.leave_group(run)

@@ -62,6 +62,9 @@ class Run:
     stopped: set[int] = field(default_factory=set)  # choices ended here by a stop string
     finished: bool = False
     migrations: int = 0
+    # Drafts the decode groups' speculative steps fed the request's choices, and kept.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     # A migrated n > 1 request's live choices, one fork each on its current group (empty:
     # one fork per choice of the request).
     resumed: tuple[int, ...] = ()

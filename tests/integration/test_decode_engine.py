@@ -249,7 +249,7 @@ def _submit_forked(engine: DecodeEngine, prefill, prompt: list[int], p: Sampling
     rid = uuid.uuid4().hex
     reservation = engine.reserve(rid, len(prompt), p.max_tokens, n=n)
     write_prompt(engine, reservation, out, 0, len(prompt))
-    firsts = first_tokens(out.logits[0], p, n)
+    firsts = first_tokens(out.logits[0], p, n, position=len(prompt))
     return rid, firsts, engine.generate(rid, [t.token_id for t in firsts], p)
 
 
@@ -312,9 +312,9 @@ def _resume(
 def test_resumed_choices_continue_as_undisturbed(model_dir: Path) -> None:
     """A migrated n > 1 request's live choices (forked anew from the prompt, each replaying
     its own tokens after its first) continue exactly as without the move: greedy, penalized
-    and seeded alike (the replay steps draw each choice's generator as the steps that
-    sampled those tokens did). A finished choice is not resumed; a resumed choice is aborted
-    by its index in the request; no block is left."""
+    and seeded alike (each draw is keyed by its choice and position, so nothing needs
+    advancing over the replayed tokens). A finished choice is not resumed; a resumed choice
+    is aborted by its index in the request; no block is left."""
     prompt = _prompt(13, 7)
     greedy = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
     penalized = SamplingParams(

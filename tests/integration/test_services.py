@@ -15,7 +15,7 @@ from common.runtime.errors import InvalidRequest
 from common.runtime.ports import free_port
 from common.runtime.redis_state import WorkerRegistry, WorkerRole
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig
+from services.decode.config import EngineConfig, SpecConfig
 from services.stack.embedded_redis import EmbeddedRedis
 from tests.stack import services_in_threads
 from tests.tiny import save_hf
@@ -39,6 +39,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         kv_budget_mb=4,
         block_size=8,
         kv_port_base=free_port(),
+        # Drafts change no token (docs/design.md §7): every answer below holds with them.
+        speculative=SpecConfig("ngram"),
     )
     with (
         EmbeddedRedis(free_port()) as redis_server,
@@ -255,6 +257,9 @@ def test_worker_metrics_parse(stack) -> None:
     # Every step of the requests above is in the step-time histogram.
     assert decode["tpla:decode_step_seconds_count[]"] > 0
     assert decode["tpla:decode_step_seconds_sum[]"] > 0
+    drafted, kept = (decode[f"tpla:spec_{k}_tokens_total[]"] for k in ("draft", "accepted"))
+    assert 0 <= kept <= drafted
+    assert (decode["tpla:spec_acceptance_length_count[]"] > 0) == (drafted > 0)
     prefill = scrape(prefills["grpc"])
     # The disaggregated tests above pushed shards through this worker.
     assert prefill["tpla:kv_transfer_bytes_total[('transport', 'grpc')]"] > 0

@@ -89,8 +89,9 @@ def test_the_triton_backend_attends_as_the_torch_backend(tmp_path: Path) -> None
         assert not l_got[~held].any() and not u_got[~held].any()
 
 
-def _generate(latent_groups: int, kernel: str) -> list[int]:
+def _generate(latent_groups: int, kernel: str, speculative: str = "none") -> list[int]:
     env = {"TRITON_INTERPRET": "1", "TPLA_DECODE_KERNEL": kernel}
+    env["TPLA_SPECULATIVE"] = speculative
     args = ["--model", str(DEMO), "--prompt", "def fibonacci(n):", "--max-tokens", "12"]
     args += ["--ignore-eos", "--tp", "2", "--latent-groups", str(latent_groups)]
     return generate_ids(*args, env=env)
@@ -101,3 +102,9 @@ def test_tpla_generate_on_triton_gives_the_native_greedy_tokens(latent_groups: i
     """`TRITON_INTERPRET=1 TPLA_DECODE_KERNEL=triton tpla generate --tp 2` (both ranks on
     the Triton backend) and the native backend give the same greedy tokens on the demo."""
     assert _generate(latent_groups, "triton") == _generate(latent_groups, "native")
+
+
+def test_speculative_steps_on_triton_give_the_plain_tokens() -> None:
+    """A verify step is a batch of rows, one per fed token, so the kernel runs it as it
+    is: n-gram drafts on the demo (whose answers repeat) change no greedy token."""
+    assert _generate(2, "triton", "ngram") == _generate(2, "native")

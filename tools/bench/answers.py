@@ -111,12 +111,13 @@ def generate_batch(
     eos_ids: Sequence[int],
 ) -> list[tuple[list[int], str]]:
     """Each row's generated ids and finish reason ("stop" or "length"): row b continues
-    prompts[b] under params[b], drawing from its own generator as `generate` does."""
+    prompts[b] under params[b], with keyed draws as `generate` makes them."""
     import torch
 
     from common.model.model import ContiguousLatentCache
+    from common.sampling.keyed import DrawKey
     from common.sampling.logits import context_for
-    from common.sampling.sampler import make_generator, sample_batch
+    from common.sampling.sampler import request_seed, sample_batch
 
     device = model.lm_head.weight.device
     rows = len(prompts)
@@ -129,7 +130,7 @@ def generate_batch(
     for b, n in enumerate(lens):
         cache.load_prefill(b, out, start, start + n)
         start += n
-    generators = [make_generator(p, device) for p in params]
+    seeds = [request_seed(p) for p in params]
     eos = frozenset(eos_ids)
     vocab = model.config.vocab_size
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -137,7 +138,10 @@ def generate_batch(
     logits = out.logits
     while True:
         context = context_for(params, prompts, outputs, eos, vocab, device)
-        for b, tok in enumerate(sample_batch(logits, params, generators, context)):
+        keys = [
+            DrawKey(seed, 0, n + len(o)) for seed, n, o in zip(seeds, lens, outputs, strict=True)
+        ]
+        for b, tok in enumerate(sample_batch(logits, params, keys, context)):
             if reasons[b] is None:
                 outputs[b].append(tok.token_id)
                 reasons[b] = params[b].finish_reason(tok.token_id, len(outputs[b]), eos)

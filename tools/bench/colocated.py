@@ -91,7 +91,7 @@ class ColocatedServer:
             reservation = self.engine.reserve(rid, len(prompt), max_tokens)
             out = self._prefill_in_loop(prompt)
             write_prompt(self.engine, reservation, out, 0, len(prompt))
-            [first] = first_tokens(out.logits[0], params)
+            [first] = first_tokens(out.logits[0], params, position=len(prompt))
             times = [time.perf_counter()]
             reason = ""
             for event in self.engine.generate(rid, first.token_id, params):

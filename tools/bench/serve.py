@@ -3,16 +3,19 @@
 Configurations (each only when selected with --configs):
 * tpla       - the disaggregated stack (`tpla serve`, tp=2, TPLA r=2, PCA basis), over HTTP;
 * mla-tp     - the same stack with r=1 (plain MLA tensor parallelism), over HTTP;
+  each once per --speculative method (`tpla+ngram`: with n-gram drafts; rows then say
+  the drafts' acceptance);
 * colocated  - the same TPLA decode group with prefill in its leader, no transfer
                (tools/bench/colocated.py), in-process;
 * hf-naive / hf-static - HF transformers `generate` on the same weights
                (tools/bench/hf_baseline.py): one request at a time, or static batches.
 
 Each mix has a fixed prompt length and exactly `max_tokens` outputs per request (ignore_eos,
-greedy), prompts are windows of real Python source, and every configuration serves the same
-prompts (overlapping windows: nothing here caches prefixes). The load is swept either as
-closed loops (a level of concurrency c is c clients over waves * c requests, at least 2) or,
-with --request-rate, as Poisson arrivals (a level is `requests` requests at that rate; see
+greedy), prompts are windows of real Python source (the `edit` mix: a window twice, so an
+answer that repeats the prompt is likely), and every configuration serves the same prompts
+(overlapping windows: nothing here caches prefixes). The load is swept either as closed loops
+(a level of concurrency c is c clients over waves * c requests, at least 2) or, with
+--request-rate, as Poisson arrivals (a level is `requests` requests at that rate; see
 tools/bench/load.py for why both), each level after one untimed warm-up request.
 """
 
@@ -58,6 +61,7 @@ class SweepConfig:
     hf_threads: int
     reparam: str  # TPLA basis for the tpla and colocated configs ("" = identity)
     prefill_workers: int = 1  # of the disaggregated stacks
+    speculative: tuple[str, ...] = ("none",)  # the disaggregated stacks' TPLA_SPECULATIVE
 
     def __post_init__(self) -> None:
         unknown = set(self.configs) - set(CONFIGS)
@@ -91,10 +95,12 @@ def make_prompts(model: str, mix: Mix, count: int) -> list[list[int]]:
         ids += tok.encode(inspect.getsource(module), add_bos=False)
         if len(ids) >= mix.prompt_tokens + 97 * count:
             break
-    span = len(ids) - mix.prompt_tokens
+    size = mix.prompt_tokens // 2 if mix.name == "edit" else mix.prompt_tokens
+    span = len(ids) - size
     if span < 1:
         raise ValueError(f"not enough text for {mix.prompt_tokens}-token prompts")
-    return [ids[(97 * i) % span : (97 * i) % span + mix.prompt_tokens] for i in range(count)]
+    windows = [ids[(97 * i) % span : (97 * i) % span + size] for i in range(count)]
+    return [w * 2 for w in windows] if mix.name == "edit" else windows
 
 
 Runner = Callable[[Sequence[Sequence[int]], int, Load], tuple[list[RequestTiming], float]]
@@ -106,16 +112,21 @@ def _sweep(
     sweep: SweepConfig,
     prompts: dict[str, list[list[int]]],
     loads: Sequence[Load],
+    spec_counts: Callable[[], tuple[float, float]] | None = None,
 ) -> list[dict]:
     rows = []
     for mix in sweep.mixes:
         # One untimed request first: connections, process groups and first-call paths.
         runner(prompts[mix.name][:1], mix.max_tokens, Load.closed(1))
         for load in loads:
+            before = spec_counts() if spec_counts else (0.0, 0.0)
             timings, wall = runner(prompts[mix.name][: sweep.count(load)], mix.max_tokens, load)
             summary: LoadSummary = summarize(timings, wall)
             row = {"config": name, "mix": mix.name, **load.row(), **dataclasses.asdict(mix)}
             row.update(dataclasses.asdict(summary))
+            if spec_counts:
+                fed, kept = (b - a for a, b in zip(before, spec_counts(), strict=True))
+                row.update(spec_draft_tokens=fed, spec_accepted_tokens=kept)
             rows.append(row)
             print(
                 f"{name:<10} {mix.name:<6} {load.label():<7} "
@@ -132,18 +143,24 @@ def _sweep(
 def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]]]) -> list[dict]:
     """One configuration over every mix and level; whatever it started is stopped on return."""
     if name in DISAGGREGATED:
-        from tools.bench.serve_stack import StackConfig, drive_http, running_stack
+        from tools.bench.serve_stack import StackConfig, drive_http, running_stack, spec_counts
 
         groups, reparam = DISAGGREGATED[name]
-        cfg = StackConfig(
-            name,
-            groups,
-            sweep.reparam if groups > 1 else reparam,
-            prefill_workers=sweep.prefill_workers,
-        )
-        with running_stack(cfg, sweep.model) as url:
-            http = functools.partial(drive_http, url, cfg.served_name)
-            return _sweep(name, http, sweep, prompts, sweep.loads)
+        rows = []
+        for spec in sweep.speculative:
+            cfg = StackConfig(
+                name,
+                groups,
+                sweep.reparam if groups > 1 else reparam,
+                prefill_workers=sweep.prefill_workers,
+                speculative=spec,
+            )
+            label = name if spec == "none" else f"{name}+{spec}"
+            with running_stack(cfg, sweep.model) as url:
+                http = functools.partial(drive_http, url, cfg.served_name)
+                counts = None if spec == "none" else functools.partial(spec_counts, url)
+                rows += _sweep(label, http, sweep, prompts, sweep.loads, counts)
+        return rows
     if name == "colocated":
         from tools.bench.colocated import ColocatedServer
 
@@ -202,6 +219,7 @@ def run(sweep: SweepConfig) -> dict:
             "requests_per_rate": sweep.requests,
             "seed": sweep.loads[0].seed,
             "prefill_workers": sweep.prefill_workers,
+            "speculative": list(sweep.speculative),
             "mixes": [dataclasses.asdict(m) for m in sweep.mixes],
         },
         "results": rows,
@@ -259,9 +277,10 @@ def plot(report: dict, path: Path) -> None:
     closed = report["sweep"]["arrival"] == Arrival.CLOSED
     mixes = [m["name"] for m in report["sweep"]["mixes"]]
     fig, axes = plt.subplots(len(mixes), 3, figsize=(17, 4.2 * len(mixes)), squeeze=False)
-    colors = dict(zip(CONFIGS, ("C0", "C1", "C2", "C3", "C4"), strict=True))
+    labels = list(dict.fromkeys(r["config"] for r in report["results"]))
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
     for (ax_t, ax_p, ax_i), mix in zip(axes, mixes, strict=True):
-        for config in report["sweep"]["configs"]:
+        for config in labels:
             pts = [
                 r
                 for r in report["results"]
@@ -298,9 +317,13 @@ def plot(report: dict, path: Path) -> None:
 
 def _mixes(quick: bool, names: Sequence[str]) -> tuple[Mix, ...]:
     catalog = (
-        {"short": Mix("short", 16, 8), "long": Mix("long", 256, 8)}
+        {"short": Mix("short", 16, 8), "long": Mix("long", 256, 8), "edit": Mix("edit", 64, 16)}
         if quick
-        else {"short": Mix("short", 64, 32), "long": Mix("long", 1536, 32)}
+        else {
+            "short": Mix("short", 64, 32),
+            "long": Mix("long", 1536, 32),
+            "edit": Mix("edit", 256, 64),
+        }
     )
     return tuple(catalog[n] for n in names)
 
@@ -350,6 +373,7 @@ def cmd(args: argparse.Namespace) -> int:
         hf_threads=args.hf_threads,
         reparam=args.reparam,
         prefill_workers=args.prefill_workers,
+        speculative=tuple(args.speculative),
     )
     report = json.loads(Path(args.from_report).read_text()) if args.from_report else run(sweep)
     if args.profile:
@@ -373,9 +397,17 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--mixes",
         nargs="+",
-        choices=("short", "long", "shared-prefix"),
-        help="default: short and long; shared-prefix (alone): multi-turn chat over one "
-        "system prompt, prefix cache on and off",
+        choices=("short", "long", "edit", "shared-prefix"),
+        help="default: short and long; edit: a prompt window twice (its answer tends to repeat "
+        "it); shared-prefix (alone): multi-turn chat over one system prompt, prefix cache on "
+        "and off",
+    )
+    p.add_argument(
+        "--speculative",
+        nargs="+",
+        default=["none"],
+        choices=("none", "ngram", "mtp"),
+        help="the disaggregated stacks once per TPLA_SPECULATIVE method",
     )
     p.add_argument("--users", type=int, default=16, help="shared-prefix: conversations")
     p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns each")

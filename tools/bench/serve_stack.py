@@ -33,6 +33,7 @@ class StackConfig:
     transport: str = "grpc"
     served_name: str = "bench"
     prefill_workers: int = 1
+    speculative: str = "none"  # TPLA_SPECULATIVE of its decode group
 
     def settings(self) -> dict[str, str]:
         """TPLA_<KEY> values for the launcher."""
@@ -43,6 +44,7 @@ class StackConfig:
             "LATENT_GROUPS": str(self.latent_groups),
             "REPARAM": self.reparam,
             "TRANSPORT": self.transport,
+            "SPECULATIVE": self.speculative,
             "MAX_INFLIGHT": "256",
             # The bounded waits (30 s by default) fail requests queued behind more prefill
             # work than that, as a long-prompt level at high concurrency is on this CPU;
@@ -60,6 +62,20 @@ def running_stack(cfg: StackConfig, model: str) -> Iterator[str]:
 
     with LocalStack.start(model, **cfg.settings()) as stack:
         yield stack.url
+
+
+def spec_counts(url: str) -> tuple[float, float]:
+    """The stack's decode leader's drafts fed and kept so far (its metrics endpoint)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from common.runtime.metrics import METRICS_PORT_OFFSET
+
+    workers = httpx.get(f"{url}/admin/workers", timeout=10).json()
+    leader = next(w for w in workers if w["role"] == "decode" and w["rank"] == 0)
+    host, port = leader["address"].rsplit(":", 1)
+    text = httpx.get(f"http://{host}:{int(port) + METRICS_PORT_OFFSET}/metrics", timeout=10).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return values["tpla:spec_draft_tokens_total"], values["tpla:spec_accepted_tokens_total"]
 
 
 @dataclass(frozen=True)

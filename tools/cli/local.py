@@ -57,8 +57,8 @@ def submit(
         matcher = engine.controls.matcher(p, [])
         allowed = None if matcher is None else allowed_now(matcher, vocab, device)
         context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
-        [first] = first_tokens(out.logits[row], p, 1, context)
-        started.append((first, engine.generate(rid, first.token_id, p)))
+        [first] = first_tokens(out.logits[row], p, 1, context, position=len(prompt))
+        started.append((first, engine.generate(rid, first.token_id, p, prompt)))
         start += len(prompt)
     return started
 

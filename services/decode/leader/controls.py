@@ -6,7 +6,10 @@ gives the sequence its history row; `fork` copies a sequence's row and grammar s
 choice forked from it (n > 1); every step, `context` gathers the batch's counts and
 fills the grammars' bitmask (one host buffer, one copy to the device) for
 `common.sampling.logits.process_logits`, and `advance` counts the sampled tokens with one
-scatter and moves each grammar on; `release` frees the row when the sequence ends.
+scatter and moves each grammar on; `release` frees the row when the sequence ends. A
+speculative step's context has a row per fed token: row j of a sequence is its state as if its
+first j drafts had been generated (counts, min_tokens, the grammar advanced through them and
+rolled back after), so each row is processed as plain decoding would process that position.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from common.runtime.transfers import to_device
 from common.sampling.grammar import (
@@ -80,20 +84,47 @@ class StepControls:
         self.history.release(seq.history_row)
         seq.history_row = 0
 
-    def context(self, seqs: Sequence[SequenceControls], generated: Sequence[int]) -> LogitsContext:
-        """The batch's counts and allowed tokens, gathered once for the whole batch."""
+    def context(
+        self,
+        seqs: Sequence[SequenceControls],
+        generated: Sequence[int],
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> LogitsContext:
+        """The batch's counts and allowed tokens, gathered once for the whole batch: one row
+        per sequence, or with `drafts` 1 + len(drafts[s]) rows of sequence s, row j as if
+        drafts[s][:j] had been generated."""
+        drafts = drafts if drafts is not None else [()] * len(seqs)
+        sizes = [1 + len(d) for d in drafts]
+        starts = [sum(sizes[:s]) for s in range(len(seqs))]
         counts = prompt_mask = allowed = None
         if any(s.history_row for s in seqs):
-            rows = to_device([s.history_row for s in seqs], self.device)
-            counts, prompt_mask = self.history.gather(rows)
+            rows = [s.history_row for s, n in zip(seqs, sizes, strict=True) for _ in range(n)]
+            counts, prompt_mask = self.history.gather(to_device(rows, self.device))
+            extra = [
+                (start + j, t)
+                for s, start, d in zip(seqs, starts, drafts, strict=True)
+                if s.history_row
+                for j in range(1, len(d) + 1)
+                for t in d[:j]
+            ]
+            if extra:
+                counts.index_put_(
+                    (
+                        to_device([r for r, _ in extra], self.device),
+                        to_device([t for _, t in extra], self.device),
+                    ),
+                    torch.ones(len(extra), dtype=counts.dtype, device=self.device),
+                    accumulate=True,
+                )
         if any(s.matcher is not None for s in seqs):
-            mask = self._bitmask[: len(seqs)]
+            mask = self._bitmask[: sum(sizes)]
             mask.fill_(-1)
-            for row, s in enumerate(seqs):
+            for s, start, d in zip(seqs, starts, drafts, strict=True):
                 if s.matcher is not None:
-                    s.matcher.fill(mask[row])
+                    _fill_rows(s.matcher, d, mask[start : start + 1 + len(d)])
             allowed = allowed_tokens(mask.to(self.device, non_blocking=True), self.vocab_size)
-        return LogitsContext(generated, self.eos_token_ids, counts, prompt_mask, allowed)
+        num_generated = [g + j for g, n in zip(generated, sizes, strict=True) for j in range(n)]
+        return LogitsContext(num_generated, self.eos_token_ids, counts, prompt_mask, allowed)
 
     def advance(self, seqs: Sequence[SequenceControls], tokens: Sequence[int]) -> None:
         """Count the tracked sequences' sampled tokens (one scatter) and move each grammar."""
@@ -106,3 +137,17 @@ class StepControls:
         for s, t in zip(seqs, tokens, strict=True):
             if s.matcher is not None and not s.matcher.accept(t):
                 s.failed = s.failed or s.matcher.error or f"token {t} rejected"
+
+
+def _fill_rows(matcher: GrammarMatcher, drafts: Sequence[int], mask: Tensor) -> None:
+    """Row j of `mask`: what the grammar allows after drafts[:j]. Past a draft the grammar
+    rejects, rows stay all allowed: the sampler's pick at that draft's row differs from it
+    (the grammar masks it there), so no later row is used."""
+    matcher.fill(mask[0])
+    taken = 0
+    for j, token in enumerate(drafts, start=1):
+        if not matcher.try_accept(token):
+            break
+        taken += 1
+        matcher.fill(mask[j])
+    matcher.rollback(taken)

@@ -59,6 +59,7 @@ class DecodeSequence:
     # and how many leading prompt tokens the group held already (their KV is not shipped).
     block_hashes: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    prompt_ids: tuple[int, ...] = ()  # when reserved with them (draft proposers read them)
 
     @property
     def seq_id(self) -> str:
@@ -95,6 +96,7 @@ class Scheduler:
         deadline: float,
         block_hashes: list[int] | None = None,
         n: int = 1,
+        prompt_ids: tuple[int, ...] = (),
     ) -> list[list[int]]:
         """Hold blocks for the whole request on every rank: the prompt once and room for
         max_tokens per choice. Returns each rank's table of fork 0 (where the KV goes).
@@ -130,6 +132,7 @@ class Scheduler:
                 lease_deadline=deadline,
                 block_hashes=hashes,
                 cached_tokens=cached,
+                prompt_ids=prompt_ids,
             )
         ]
         try:
@@ -143,6 +146,7 @@ class Scheduler:
                         lease_deadline=deadline,
                         choice=i,
                         block_copies=copies,
+                        prompt_ids=prompt_ids,
                     )
                 )
         except OutOfBlocks:

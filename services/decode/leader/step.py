@@ -1,12 +1,12 @@
 """The leader's decode step: each live choice's next token, sampled, streamed, and its finish.
 
 A choice is live from its first token (`start`) until it finishes or is aborted: it holds
-its sampling params, its generator, its controls (penalty counts, grammar state) and the
-stream its events go to. Each step sends the batch's plan to every rank, gathers the logits,
-samples every live choice's next token at once, streams it, and decides in one place
-(`finish_reason`) whether the token ends its choice. A resumed choice (a migrated n > 1
-request's) first replays the tokens it generated on the group it left: steps that feed them
-in place of what it samples. Runs on the leader's loop thread only.
+its sampling params, the seed its draws are keyed by, its controls (penalty counts, grammar
+state) and the stream its events go to. Each step sends the batch's plan to every rank,
+gathers the logits, samples every live choice's next token at once, streams it, and decides
+in one place (`finish_reason`) whether the token ends its choice. A resumed choice (a
+migrated n > 1 request's) first replays the tokens it generated on the group it left: steps
+that feed them in place of what it samples. Runs on the leader's loop thread only.
 """
 
 from __future__ import annotations
@@ -23,19 +23,17 @@ from common.messages import ResumedChoice, TokenEvent
 from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.transfers import to_device
 from common.sampling.grammar import GrammarMatcher
+from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import (
-    DECODE_STAGE,
-    SampledToken,
-    choice_stream,
-    make_generator,
-    sample_batch,
-)
+from common.sampling.sampler import SampledToken, request_seed, sample_batch
 from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
 from services.decode.group.start import RunningGroup
 from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
 from services.decode.leader.controls import SequenceControls, StepControls
+from services.decode.leader.drafts import NgramDrafts, check_proposer, proposer
 from services.decode.leader.scheduler import DecodeSequence, Scheduler
+from services.decode.leader.speculation import Acceptance
+from services.decode.leader.verify import StepRows, draft_room, kept_tokens
 from services.decode.stream import TokenStream
 
 
@@ -45,11 +43,14 @@ class LiveChoice:
 
     params: SamplingParams
     stream: TokenStream
-    generator: torch.Generator
+    seed: int  # its draws' key with (choice, position): the request's seed or one drawn
     controls: SequenceControls
     choice: int = 0  # its index in the request (a resumed choice's need not be its fork's)
     # A resumed choice's own earlier tokens, still to be fed in place of its samples.
     replay: deque[int] = field(default_factory=deque)
+    drafts: NgramDrafts | None = None  # its draft proposer (speculative decoding on)
+    drafted: int = 0  # drafts fed for it, and how many of them it kept
+    accepted: int = 0
 
 
 class DecodeStep:
@@ -82,6 +83,9 @@ class DecodeStep:
         # CPU step is not padded: a padding row or block is work for nothing there.
         self.bucketed = runtime.graphs is not None
         self.last_host_syncs = 0
+        check_proposer(cfg.speculative, cfg.model)
+        self.spec = cfg.speculative
+        self.acceptance = Acceptance()
 
     def start(
         self,
@@ -98,23 +102,27 @@ class DecodeStep:
         `DecodeEngine.generate`); a choice its first token ends finishes at once.
 
         `resumed` (one per fork): fork i continues choice resumed[i].index, from that
-        choice's own first token, with its own generator stream, and feeds its
-        resumed[i].replay tokens before it samples again. The replay steps compute those
-        tokens' KV as the group it left did, count them in its penalties, move its grammar
-        and draw its generator once each, so the choice then samples as it would have there."""
+        choice's own first token, with its own draw keys, and feeds its resumed[i].replay
+        tokens before it samples again. The replay steps compute those tokens' KV as the
+        group it left did, count them in its penalties and move its grammar, so the choice
+        then samples as it would have there (its keys are its positions': nothing to
+        advance)."""
         seqs = self.scheduler.start(request_id, firsts)
         self._copy_blocks(seqs)
         # The request's controls before its first tokens, forked once per choice.
         base = self.controls.start(params, matcher, prompt_ids, output_ids)
         controls = [base, *(self.controls.fork(base) for _ in seqs[1:])]
         self.controls.advance(controls, firsts)
-        device = self.group.runtime.device
+        seed = request_seed(params)
+        spec = self.spec
+        prompt = prompt_ids or seqs[0].prompt_ids
         for k, (seq, ctl) in enumerate(zip(seqs, controls, strict=True)):
             choice = resumed[k].index if resumed else seq.choice
-            stage = choice_stream(choice, DECODE_STAGE)
-            generator = make_generator(params, device, stream=stage)
             replay = deque(resumed[k].replay if resumed else ())
-            self.live[seq.seq_id] = LiveChoice(params, stream, generator, ctl, choice, replay)
+            live = LiveChoice(params, stream, seed, ctl, choice, replay)
+            if spec.enabled:
+                live.drafts = proposer(spec, prompt, [*output_ids, seq.generated[0]])
+            self.live[seq.seq_id] = live
         for seq in seqs:
             live = self.live[seq.seq_id]
             if live.replay:
@@ -126,41 +134,110 @@ class DecodeStep:
                 live.stream.put(TokenEvent(None, reason, index=live.choice))
 
     def run(self, batch: list[DecodeSequence]) -> None:
-        """One step of every running sequence: each one's next token, streamed."""
+        """One step of every running sequence: each one's next token, or with drafts the
+        tokens it keeps of them (leader/verify.py), streamed."""
         counter = HostSyncCounter() if self.count_host_syncs else nullcontext()
         with counter:
-            logits, rank_syncs = self._logits(batch)
             lives = [self.live[seq.seq_id] for seq in batch]
-            params = [live.params for live in lives]
-            seqs = [live.controls for live in lives]
+            rows = StepRows(self._drafts(batch, lives))
+            logits, rank_syncs = self._logits(batch, rows)
+            sizes = rows.sizes
+            params = [live.params for live, n in zip(lives, sizes, strict=True) for _ in range(n)]
             processed = any(p.processed for p in params)
             context = None
             if processed:
-                context = self.controls.context(seqs, [len(seq.generated) for seq in batch])
-            tokens = sample_batch(logits, params, [live.generator for live in lives], context)
+                context = self.controls.context(
+                    [live.controls for live in lives],
+                    [len(seq.generated) for seq in batch],
+                    rows.drafts if rows.speculative else None,
+                )
+            keys = [
+                DrawKey(live.seed, live.choice, seq.next_position + 1 + j)
+                for seq, live, n in zip(batch, lives, sizes, strict=True)
+                for j in range(n)
+            ]
+            sampled = rows.split(sample_batch(logits, params, keys, context))
+            runs = [kept_tokens(d, s) for d, s in zip(rows.drafts, sampled, strict=True)]
             replayed = [bool(live.replay) for live in lives]
             if any(replayed):
-                _replay(lives, tokens)
-            if processed:
-                self.controls.advance(seqs, [t.token_id for t in tokens])
+                _replay(lives, runs)
+            reasons = self._finishes(batch, lives, runs, replayed, processed)
         if isinstance(counter, HostSyncCounter):
             assert rank_syncs is not None
             self.last_host_syncs = max([counter.count, *rank_syncs.tolist()])
         record = self.group.cfg.record_logits
         kept = logits.to("cpu", copy=True) if record else None
-        for row, (seq, live, tok) in enumerate(zip(batch, lives, tokens, strict=True)):
-            if replayed[row]:
-                # Sent before, and it did not end the choice there. An empty event keeps the
-                # caller's wait for the next token from timing out over a long replay.
-                live.stream.put(TokenEvent(None, index=live.choice))
-                self.scheduler.append(seq.seq_id, tok.token_id, finished=False)
-                continue
-            reason = self.finish_reason(live, tok.token_id, len(seq.generated) + 1, seq.max_tokens)
-            logits_row = kept[row].clone() if kept is not None else None
-            live.stream.put(TokenEvent(tok, reason, logits_row, live.choice))
-            self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
-            if reason is not None:
-                self.drop(seq.seq_id)
+        for s, (seq, live, start) in enumerate(zip(batch, lives, rows.starts, strict=True)):
+            if rows.drafts[s]:
+                live.drafted += len(rows.drafts[s])
+                live.accepted += len(runs[s]) - 1
+                self.acceptance.record(len(rows.drafts[s]), len(runs[s]) - 1)
+            for i, reason in enumerate(reasons[s]):
+                tok = runs[s][i]
+                if replayed[s]:
+                    # Sent before, and it did not end the choice there. An empty event keeps
+                    # the caller's wait for the next token from timing out over a long replay.
+                    live.stream.put(TokenEvent(None, index=live.choice))
+                    self.scheduler.append(seq.seq_id, tok.token_id, finished=False)
+                    continue
+                logits_row = kept[start + i].clone() if kept is not None else None
+                drafted, accepted = (live.drafted, live.accepted) if reason else (0, 0)
+                event = TokenEvent(tok, reason, logits_row, live.choice, drafted, accepted)
+                live.stream.put(event)
+                self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
+                if reason is not None:
+                    self.drop(seq.seq_id)
+            if live.drafts is not None:
+                live.drafts.extend(t.token_id for t in runs[s][: len(reasons[s])])
+
+    def _finishes(
+        self,
+        batch: list[DecodeSequence],
+        lives: list[LiveChoice],
+        runs: list[list[SampledToken]],
+        replayed: list[bool],
+        processed: bool,
+    ) -> list[list[str | None]]:
+        """Each sequence's finish reason token by token, through the first token that ends
+        it: its controls advance one token at a time, as over plain steps, so a stop, a
+        length or a grammar failure ends a run of kept drafts exactly where plain decoding
+        ends."""
+        reasons: list[list[str | None]] = [[] for _ in batch]
+        going = list(range(len(batch)))
+        i = 0
+        while going := [s for s in going if i < len(runs[s])]:
+            if processed:
+                tokens = [runs[s][i].token_id for s in going]
+                self.controls.advance([lives[s].controls for s in going], tokens)
+            for s in going:
+                seq, token = batch[s], runs[s][i].token_id
+                generated = len(seq.generated) + i + 1
+                reason = (
+                    None
+                    if replayed[s]
+                    else self.finish_reason(lives[s], token, generated, seq.max_tokens)
+                )
+                reasons[s].append(reason)
+            going = [s for s in going if reasons[s][-1] is None]
+            i += 1
+        return reasons
+
+    def _drafts(self, batch: list[DecodeSequence], lives: list[LiveChoice]) -> list[list[int]]:
+        """Each sequence's drafts for this step: none above the speculation batch limit or
+        while replaying; at most k, what its max_tokens leaves room for (`draft_room`), and
+        rows for the whole step within max_batch, so a speculative step fits a batch bucket
+        (its CUDA graph) and the grammar bitmask."""
+        spec = self.spec
+        if not spec.enabled or len(batch) > spec.max_batch:
+            return [[] for _ in batch]
+        budget = self.scheduler.max_batch - len(batch)
+        out = []
+        for seq, live in zip(batch, lives, strict=True):
+            k = min(spec.tokens, draft_room(seq.max_tokens, len(seq.generated)), budget)
+            drafts = live.drafts.propose(k) if k > 0 and live.drafts and not live.replay else []
+            budget -= len(drafts)
+            out.append(drafts)
+        return out
 
     def finish_reason(
         self, live: LiveChoice, token: int, generated: int, max_tokens: int
@@ -208,10 +285,10 @@ class DecodeStep:
             live.stream.put(TokenEvent(None, reason, index=live.choice))
         self.live.clear()
 
-    def _logits(self, batch: list[DecodeSequence]) -> tuple[Tensor, Tensor | None]:
+    def _logits(self, batch: list[DecodeSequence], rows: StepRows) -> tuple[Tensor, Tensor | None]:
         """The batch's plan (at its bucket where steps are padded), run by every rank: the
-        batch's logits [B, V], and each follower's host waits in its step when counted."""
-        plan = self.plan(batch)
+        rows' logits [N, V], and each follower's host waits in its step when counted."""
+        plan = self.plan(batch, rows)
         runtime, par = self.group.runtime, self.group.cfg.parallel
         if par.tp > 1:
             send_plan(plan, runtime.comm)
@@ -219,9 +296,10 @@ class DecodeStep:
         parts = runtime.comm.gather(local)
         assert parts is not None  # rank 0
         rank_syncs = parts[1:, -1, 0] if plan.count_syncs else None
-        # [tp, B, V / tp] real rows -> [B, tp * V / tp]: one copy (none at tp = 1).
-        rows = parts[:, : len(batch)]
-        logits = rows[0] if par.tp == 1 else rows.transpose(0, 1).reshape(len(batch), -1)
+        # [tp, N, V / tp] real rows -> [N, tp * V / tp]: one copy (none at tp = 1).
+        n = rows.total
+        real = parts[:, :n]
+        logits = real[0] if par.tp == 1 else real.transpose(0, 1).reshape(n, -1)
         if self._vocab_columns is None:
             return logits[:, : self._vocab_size], rank_syncs
         return logits[:, self._vocab_columns], rank_syncs
@@ -246,34 +324,48 @@ class DecodeStep:
                 send_plan(plan, runtime.comm)
             runtime.comm.gather(runtime.step(plan))
 
-    def plan(self, batch: list[DecodeSequence]) -> DecodePlan:
-        """The step's plan: every table cut to the blocks under every row's tokens so far
-        (padded with -1 for shorter rows). Where the ranks replay captured steps
-        (`bucketed`), at its bucket (services/decode/group/buckets.py): the batch padded with
-        rows of token 0 at position 0 and an all -1 table (each rank writes them to its trash
-        slot; their logits are dropped), the tables padded to the bucket's width."""
+    def plan(self, batch: list[DecodeSequence], rows: StepRows | None = None) -> DecodePlan:
+        """The step's plan: a row per fed token (a sequence's last token, then its drafts at
+        the positions after it, each row with the sequence's tables), every table cut to the
+        blocks under every row's position (padded with -1 for shorter rows). Where the ranks
+        replay captured steps (`bucketed`), at its bucket (services/decode/group/buckets.py):
+        the rows padded with rows of token 0 at position 0 and an all -1 table (each rank
+        writes them to its trash slot; their logits are dropped), the tables padded to the
+        bucket's width."""
+        rows = rows or StepRows([[] for _ in batch])
         pool, scheduler = self.scheduler.pool, self.scheduler
         bs = self.group.cfg.block_size
         par = self.group.cfg.parallel
         ranks = par.tp if par.sp else 1
         per_seq = [pool.tables(s.seq_id) for s in batch]
+        sizes = rows.sizes
         blocks = max(
-            -(-pool.local_tokens(k, s.next_position + 1) // bs) for s in batch for k in range(ranks)
+            -(-pool.local_tokens(k, s.next_position + n) // bs)
+            for s, n in zip(batch, sizes, strict=True)
+            for k in range(ranks)
         )
-        width, size = max(blocks, 1), len(batch)
+        width, size = max(blocks, 1), rows.total
         if self.bucketed:
             width = width_bucket(width, -(-scheduler.max_model_len // bs))
             size = batch_bucket(size, max(scheduler.max_batch, size))
         pad_row = [-1] * width
         tables = [
-            [[*tables[k][:width], *pad_row[: max(width - len(tables[k]), 0)]] for tables in per_seq]
-            + [pad_row] * (size - len(batch))
+            [
+                [*tables[k][:width], *pad_row[: max(width - len(tables[k]), 0)]]
+                for tables, n in zip(per_seq, sizes, strict=True)
+                for _ in range(n)
+            ]
+            + [pad_row] * (size - rows.total)
             for k in range(ranks)
         ]
-        pad = [0] * (size - len(batch))
+        pad = [0] * (size - rows.total)
+        tokens = [t for s, d in zip(batch, rows.drafts, strict=True) for t in (s.last_token, *d)]
+        positions = [
+            s.next_position + j for s, n in zip(batch, sizes, strict=True) for j in range(n)
+        ]
         return DecodePlan(
-            torch.tensor([s.last_token for s in batch] + pad),
-            torch.tensor([s.next_position for s in batch] + pad),
+            torch.tensor(tokens + pad),
+            torch.tensor(positions + pad),
             torch.tensor(tables, dtype=torch.int64),
             self.count_host_syncs,
         )
@@ -299,9 +391,9 @@ class DecodeStep:
         self.group.runtime.copy_blocks(plan)
 
 
-def _replay(lives: list[LiveChoice], tokens: list[SampledToken]) -> None:
-    """Each replaying choice's next own earlier token in place of what it sampled (the draw
-    still advanced its generator, as the draw of that token did where it was sampled)."""
+def _replay(lives: list[LiveChoice], runs: list[list[SampledToken]]) -> None:
+    """Each replaying choice's next own earlier token in place of what it sampled (it is
+    fed no drafts)."""
     for row, live in enumerate(lives):
         if live.replay:
-            tokens[row] = SampledToken(live.replay.popleft(), 0.0)
+            runs[row] = [SampledToken(live.replay.popleft(), 0.0)]

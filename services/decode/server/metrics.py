@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from common.runtime.metrics import (
     PREFIX_CACHE_HELP,
+    SPEC_HELP,
     CounterCallback,
     DecodeMetrics,
     GaugeCallback,
@@ -15,11 +16,13 @@ from services.decode.engine import DecodeEngine
 
 
 def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
-    """Serve the group's metrics on `host:port` (a thread): the step-time histogram, the
-    load as gauges and the prefix cache's counters."""
+    """Serve the group's metrics on `host:port` (a thread): the step-time and acceptance
+    histograms, the load as gauges, the prefix cache's and speculation's counters."""
     registry = CollectorRegistry()
-    histogram = DecodeMetrics(registry).step_seconds
+    metrics = DecodeMetrics(registry)
+    histogram = metrics.step_seconds
     engine.on_step = lambda seconds, _batch: histogram.observe(seconds)
+    engine.acceptance.on_verify = metrics.acceptance_length.observe
 
     def read() -> dict[str, float]:
         load = engine.load()
@@ -54,4 +57,13 @@ def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
         }
 
     registry.register(CounterCallback(counters, PREFIX_CACHE_HELP))
+
+    def spec_counters() -> dict[str, float]:
+        acceptance = engine.acceptance
+        return {
+            "tpla:spec_draft_tokens": acceptance.drafted,
+            "tpla:spec_accepted_tokens": acceptance.accepted,
+        }
+
+    registry.register(CounterCallback(spec_counters, SPEC_HELP))
     serve_metrics(registry, host, port)

@@ -155,7 +155,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         context.add_callback(lambda: self._abort_quietly(rid))
         for event in stream:
             msg = decode_pb2.GenerateEvent(
-                finish_reason=event.finish_reason or "", index=event.index
+                finish_reason=event.finish_reason or "",
+                index=event.index,
+                spec_drafted=event.drafted,
+                spec_accepted=event.accepted,
             )
             if event.token is not None:
                 msg.token.CopyFrom(token_to_pb(event.token))

@@ -76,6 +76,8 @@ async def test_chat_walks_the_state_machine(
         assert record["state"] == "FINISHED"
         assert record["finish_reason"] == "stop"
         assert record["completion_tokens"] == str(n_completion)
+        # The choice's drafts and kept drafts, as its finishing event reported them.
+        assert (record["spec_draft_tokens"], record["spec_accepted_tokens"]) == ("3", "2")
         assert record["transfer_bytes"] == "4096"
         assert record["prefill_worker"] == "prefill-0" and record["decode_group"] == "g0"
         assert record["stream"] == "0"

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from common.sampling.keyed import DrawKey
 from common.sampling.logits import (
     LogitsContext,
     TokenHistory,
@@ -18,7 +19,7 @@ from common.sampling.logits import (
     token_rows,
 )
 from common.sampling.params import SamplingError, SamplingParams
-from common.sampling.sampler import make_generator, sample_batch
+from common.sampling.sampler import sample_batch
 
 V = 48
 EOS = (1,)
@@ -144,8 +145,8 @@ def test_huge_logit_bias_forces_its_token_greedy_and_sampled() -> None:
         SamplingParams(temperature=0.0),
     ]
     ctx = context_for(params, [[2]] * 3, [[]] * 3, EOS, V, "cpu")
-    gens = [make_generator(p) for p in params]
-    tokens = sample_batch(logits, params, gens, ctx)
+    keys = [DrawKey(3, 0, b) for b in range(3)]
+    tokens = sample_batch(logits, params, keys, ctx)
     assert [t.token_id for t in tokens[:2]] == [17, 17]
     assert tokens[2].token_id == int(logits[2].argmax())
     # Logprobs stay the model's own (raw logits), as in vLLM.
@@ -158,13 +159,13 @@ def test_min_tokens_forbids_stop_until_reached_and_seeded_sampling_reproduces() 
     p = SamplingParams(temperature=0.0, min_tokens=2)
     early = context_for([p], [[5]], [[4]], EOS, V, "cpu")
     late = context_for([p], [[5]], [[4, 4]], EOS, V, "cpu")
-    assert sample_batch(logits, [p], [make_generator(p)], early)[0].token_id != 1
-    assert sample_batch(logits, [p], [make_generator(p)], late)[0].token_id == 1
+    assert sample_batch(logits, [p], [DrawKey(0, 0, 1)], early)[0].token_id != 1
+    assert sample_batch(logits, [p], [DrawKey(0, 0, 2)], late)[0].token_id == 1
     q = SamplingParams(temperature=0.9, seed=11, presence_penalty=1.0, min_p=0.05, top_k=20)
     ctx = context_for([q], [[1, 2]], [[3, 3, 4]], EOS, V, "cpu")
     row = torch.randn(1, V)
-    a = sample_batch(row, [q], [make_generator(q)], ctx)[0].token_id
-    b = sample_batch(row, [q], [make_generator(q)], ctx)[0].token_id
+    a = sample_batch(row, [q], [DrawKey(11, 0, 5)], ctx)[0].token_id
+    b = sample_batch(row, [q], [DrawKey(11, 0, 5)], ctx)[0].token_id
     assert a == b
 
 
@@ -183,7 +184,7 @@ def test_context_is_none_without_processing_and_grammar_fallback() -> None:
     allowed[0, 1] = True
     p = SamplingParams(temperature=0.0, min_tokens=5)
     ctx = LogitsContext([0], EOS, allowed=allowed)
-    assert sample_batch(torch.randn(1, V), [p], [make_generator(p)], ctx)[0].token_id == 1
+    assert sample_batch(torch.randn(1, V), [p], [DrawKey(0, 0, 1)], ctx)[0].token_id == 1
 
 
 @pytest.mark.parametrize(

@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingError, SamplingParams
-from common.sampling.sampler import filtered_logits, make_generator, sample, sample_batch
+from common.sampling.sampler import filtered_logits, sample, sample_batch
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
 
 def test_greedy_takes_argmax_and_reports_logprob() -> None:
-    tok = sample(
-        LOGITS, SamplingParams(temperature=0.0, logprobs=2), make_generator(SamplingParams())
-    )
+    tok = sample(LOGITS, SamplingParams(temperature=0.0, logprobs=2), DrawKey(0, 0, 0))
     assert tok.token_id == 0
     assert tok.logprob == pytest.approx(torch.log_softmax(LOGITS, -1)[0].item())
     assert [t for t, _ in tok.top_logprobs] == [0, 1]
@@ -35,8 +34,7 @@ def test_seeded_sampling_reproduces_and_respects_support() -> None:
     params = SamplingParams(temperature=1.0, top_k=3, seed=1234)
 
     def draw() -> list[int]:
-        gen = make_generator(params)
-        return [sample(LOGITS, params, gen).token_id for _ in range(200)]
+        return [sample(LOGITS, params, DrawKey(1234, 0, t)).token_id for t in range(200)]
 
     first = draw()
     assert first == draw()
@@ -85,14 +83,15 @@ def test_a_batch_samples_each_row_as_alone_and_seeds_ignore_the_company() -> Non
         SamplingParams(temperature=1.3, top_p=0.5, seed=11),
         SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=3, logprobs=2),
     ]
-    alone = [sample(logits[b], p, make_generator(p, stream=1)) for b, p in enumerate(params)]
-    together = sample_batch(logits, params, [make_generator(p, stream=1) for p in params])
+    keys = [DrawKey(p.seed or 0, 1, 9) for p in params]
+    alone = [sample(logits[b], p, keys[b]) for b, p in enumerate(params)]
+    together = sample_batch(logits, params, keys)
     assert together == alone
     # The seeded row draws the same token in another company and order.
     shuffled = sample_batch(
         logits[[3, 1]],
         [params[3], params[1]],
-        [make_generator(p, stream=1) for p in (params[3], params[1])],
+        [keys[3], keys[1]],
     )
     assert shuffled == [alone[3], alone[1]]
     for b, p in enumerate(params):

@@ -1,0 +1,75 @@
+"""Draft proposers of the leader's speculative steps: what a sequence's next tokens may be.
+
+A proposer is per sequence, fed every token the sequence holds (prompt, then output), and
+asked before a step for up to k drafts; the step verifies them (leader/verify.py), so a
+draft only ever costs a row, never a wrong token. `ngram` (prompt lookup) needs no model:
+the longest recent n-gram (n = 4 down to 1) that ends the sequence and occurred before
+proposes the tokens that followed its latest earlier occurrence. Its state is the sequence's
+tokens, which a migrated request carries, so it moves with the request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from services.decode.config import SpecConfig
+
+MAX_NGRAM = 4
+
+
+class NgramDrafts:
+    """One sequence's n-gram index: for n = 1..4, each n-gram -> the index of the token that
+    followed its latest occurrence. Appending a token is O(4); proposing is O(4 + k)."""
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._follows: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            i = len(self.tokens)
+            # The n-grams ending just before token i are followed by it; the latest wins.
+            for n in range(1, min(MAX_NGRAM, i) + 1):
+                self._follows[n][tuple(self.tokens[i - n : i])] = i
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k drafts: what followed the latest earlier occurrence of the longest suffix
+        (4 tokens down to 1) seen before; none without a match."""
+        size = len(self.tokens)
+        for n in range(min(MAX_NGRAM, size), 0, -1):
+            start = self._follows[n].get(tuple(self.tokens[size - n :]))
+            if start is not None:
+                return self.tokens[start : start + k]
+        return []
+
+
+def mtp_layers(model_dir: str) -> int:
+    """The checkpoint's multi-token-prediction layers (DeepSeek-V3's
+    `num_nextn_predict_layers`; 0 without)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
+def check_proposer(spec: SpecConfig, model_dir: str) -> None:
+    """ValueError when the configured proposer cannot run on this model."""
+    if spec.method != "mtp":
+        return
+    if not mtp_layers(model_dir):
+        raise ValueError(
+            f"TPLA_SPECULATIVE=mtp: the model at {model_dir} has no MTP layer "
+            "(num_nextn_predict_layers is 0 or absent); use ngram or none"
+        )
+    raise ValueError(
+        "TPLA_SPECULATIVE=mtp: MTP drafts are not built yet (the MTP layer is not loaded); "
+        "use ngram or none"
+    )
+
+
+def proposer(spec: SpecConfig, prompt_ids: Sequence[int], output: Sequence[int]) -> NgramDrafts:
+    """A new sequence's proposer, holding what it has so far."""
+    assert spec.method == "ngram", spec.method  # check_proposer refused the others
+    return NgramDrafts([*prompt_ids, *output])
