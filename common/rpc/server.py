@@ -31,7 +31,8 @@ def start_serving(
             check_ports(host, [metrics_use])
             raise
     except BaseException:
-        server.stop(grace=0)
+        # stop() only starts the shutdown: wait for it, so the port is free when this raises.
+        server.stop(grace=0).wait(timeout=5)
         raise
 
 
