@@ -9,7 +9,10 @@ reports each child's peak RSS (VmHWM, `peak_rss_bytes`) next to the bytes of par
 - `rank`: one rank of tp = 2 TPLA (r = 2) and of tp = 2 MLA-TP, read shard-wise;
 - `whole-then-slice`: the old way, the whole model loaded and then a rank's share kept;
 - `rank-fp8`: one rank of tp = 2 TPLA read from the same model as a block-FP8 checkpoint
-  (128 x 128 blocks), its linear weights kept FP8 (TPLA_WEIGHT_DTYPE=float8), the rest bf16.
+  (128 x 128 blocks), its linear weights kept FP8 (TPLA_WEIGHT_DTYPE=float8), the rest bf16;
+- `prefill-rank`: both ranks of a tp = 2 prefill group (two processes over gloo), each
+  reading its share shard-wise, then prefilling a 2,048-token prompt together: the peak
+  covers loading and the prefill's activations.
 
 A rank read shard-wise should peak near overhead + its share. The checkpoint is deleted at
 the end.
@@ -143,6 +146,76 @@ def _quantized(name: str, shape: tuple[int, ...]) -> bool:
 # -- the child: one load, one measurement -------------------------------------------------------
 
 
+PREFILL_TOKENS = 2048
+
+
+def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str, Any]:
+    """Rank `rank` of a tp = 2 prefill group: its share, then one prompt's prefill."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from common.group.comm import Comm, DistCollectives
+    from common.loading.serving_model import open_serving_weights
+    from common.parallel import ParallelConfig
+    from services.prefill.rank.model import PrefillRankModel
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(minutes=10),
+    )
+    data = DistCollectives()
+    start = time.perf_counter()
+    source = open_serving_weights(model_dir, None, dtype)[0]
+    model = PrefillRankModel(source, ParallelConfig(tp=2), rank, Comm(2, data, data))
+    del source
+    seconds = time.perf_counter() - start
+    loaded = peak_rss_bytes()
+    gen = torch.Generator().manual_seed(0)  # both ranks prefill the same prompt
+    ids = torch.randint(2, model.config.vocab_size, (PREFILL_TOKENS,), generator=gen)
+    t0 = time.perf_counter()
+    model.prefill(ids, [PREFILL_TOKENS])
+    prefill_s = time.perf_counter() - t0
+    dist.barrier()
+    dist.destroy_process_group()
+    return {
+        "mode": "prefill-rank",
+        "layout": "mla-tp",
+        "rank": rank,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_after_load_bytes": loaded,
+        "parameter_bytes": model.parameter_bytes(),
+        "load_seconds": round(seconds, 2),
+        "prefill_tokens": PREFILL_TOKENS,
+        "prefill_seconds": round(prefill_s, 2),
+    }
+
+
+def run_prefill_group(model_dir: Path, dtype: str) -> list[dict]:
+    """Both ranks of a tp = 2 prefill group, as two child processes."""
+    from common.runtime.ports import free_port
+
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tools.bench.loading", "prefill-rank", str(model_dir), dtype]
+    procs = [
+        subprocess.Popen([*cmd, port, str(rank)], stdout=subprocess.PIPE, text=True, env=env)
+        for rank in (0, 1)
+    ]
+    rows = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=3600)
+        if proc.returncode:
+            raise RuntimeError(f"prefill rank failed ({proc.returncode})")
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    return rows
+
+
 def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict[str, Any]:
     """Load as `mode` says and report peak RSS and the parameter bytes kept (in this process)."""
     import torch
@@ -226,15 +299,19 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def planned_rank_bytes(model_dir: Path, layout: str, rank: int, dtype: str) -> int:
+def planned_rank_bytes(
+    model_dir: Path, layout: str, rank: int, dtype: str, prefill: bool = False
+) -> int:
+    """What `tpla plan` counts for this rank: a decode rank of `layout`, or a prefill rank."""
     from common.loading.checkpoint import Quantization
     from common.model.args import ModelConfig
     from common.parallel import ParallelConfig
-    from common.tpla.rank_memory import rank_tensors, weight_bytes
+    from common.tpla.rank_memory import prefill_rank_tensors, rank_tensors, weight_bytes
 
     c = ModelConfig.from_dir(model_dir)
     lay = ParallelConfig(tp=2, latent_groups=2 if layout == "tpla" else 1)
-    return weight_bytes(rank_tensors(c, lay, rank), dtype, Quantization.from_dir(model_dir).block)
+    tensors = prefill_rank_tensors(c, lay, rank) if prefill else rank_tensors(c, lay, rank)
+    return weight_bytes(tensors, dtype, Quantization.from_dir(model_dir).block)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -250,10 +327,13 @@ def _run(args: argparse.Namespace) -> int:
         for layout in ("tpla", "mla-tp"):
             rows += [run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
         rows.append(run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
+        rows += run_prefill_group(tmp, args.dtype)
         overhead = rows[0]["peak_rss_bytes"]
         for r in rows:
-            if r["mode"] in ("rank", "whole-then-slice"):
-                r["planned_bytes"] = planned_rank_bytes(tmp, r["layout"], r["rank"], args.dtype)
+            if r["mode"] in ("rank", "whole-then-slice", "prefill-rank"):
+                r["planned_bytes"] = planned_rank_bytes(
+                    tmp, r["layout"], r["rank"], args.dtype, prefill=r["mode"] == "prefill-rank"
+                )
         shutil.rmtree(tmp, ignore_errors=True)
         # The same model as a block-FP8 checkpoint, a rank keeping it FP8 (the rest bf16).
         write_checkpoint(tmp, int(args.shard_gb * GIB), "bfloat16", args.layers, fp8_block=128)
@@ -304,5 +384,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":
-    mode, model_dir, dtype, layout, rank = sys.argv[1:6]
-    print(json.dumps(child(mode, model_dir, dtype, layout, int(rank))))
+    if sys.argv[1] == "prefill-rank":
+        model_dir, dtype, port, rank = sys.argv[2:6]
+        print(json.dumps(prefill_child(model_dir, dtype, int(rank), int(port))))
+    else:
+        mode, model_dir, dtype, layout, rank = sys.argv[1:6]
+        print(json.dumps(child(mode, model_dir, dtype, layout, int(rank))))

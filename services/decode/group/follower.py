@@ -9,17 +9,12 @@ its settings and calls `follower_main`. Both join the group the same way
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
 
-import torch.distributed as dist
-
-from common.group.child import START_ERROR_EXIT, exit_with_parent
+from common.group.follower import run_follower
 from common.group.join import FollowerGroup
-from common.group.setup import init_group
-from common.runtime import group_files
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, recv_plan
@@ -34,21 +29,12 @@ FOLLOWER_MODULE = "services.decode.group.follower"
 
 def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> int:
     """A follower rank: join the group, execute the leader's plans until shutdown; the exit
-    code. `leader`: the pid of the leader that spawned this process (None: started on its own).
+    code (common/group/follower.py). `leader`: the pid of the leader that spawned this
+    process (None: started on its own)."""
+    receiver = None
 
-    Until the start-up barrier a spawned group's file has a name: a follower that fails to
-    start, or sees its leader gone, removes it, since the group cannot start. A start-up
-    error of its configuration (a port in use, a config that differs from the leader's) is
-    one line on stderr, reported to the leader through the group's store, and
-    START_ERROR_EXIT."""
-    remove_file = functools.partial(group_files.remove, cfg.shm_path)
-    if leader is not None:
-        exit_with_parent(leader, remove_file)
-    group: FollowerGroup | None = None
-    try:
-        spec = group_spec(cfg)
-        group = FollowerGroup.join(spec, rank, remove_file)
-        init_group(spec, rank, group.store)
+    def start(group: FollowerGroup) -> RankRuntime:
+        nonlocal receiver
         runtime = RankRuntime(cfg, rank)
         receiver = runtime.start_kv_receiver()
         group.publish(list(cfg.kv_addresses(rank) if receiver else ("", "")))
@@ -60,27 +46,13 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> in
                 f"{group.address} (KV receiver {kv})",
                 flush=True,
             )
-    except BaseException as exc:
-        remove_file()
-        if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main
-            if group is not None:
-                group.report(str(exc))
-            print(f"decode rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-            return START_ERROR_EXIT
-        raise
-    try:
-        run_plans(runtime)
-    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
-        if group.leader_alive():
-            raise  # this rank's own failure: its traceback
-        group.end()
-        group.leader_gone()
-        return 1
-    group.end()
-    if receiver is not None:
-        receiver.stop(grace=1)
-    dist.destroy_process_group()
-    return 0
+        return runtime
+
+    def close(_: RankRuntime) -> None:
+        if receiver is not None:
+            receiver.stop(grace=1)
+
+    return run_follower(group_spec(cfg), rank, cfg.shm_path, leader, start, run_plans, close)
 
 
 def run_plans(runtime: RankRuntime) -> None:

@@ -14,7 +14,6 @@ ends it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -23,13 +22,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from common.group.child import START_ERROR_EXIT, exit_with_parent
 from common.group.comm import Comm
+from common.group.follower import run_follower
 from common.group.join import FollowerGroup
-from common.group.setup import init_group, open_comm
+from common.group.setup import open_comm
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
-from common.runtime import group_files
 from common.runtime.device import rank_device
 from services.prefill.group.config import (
     CONFIG_ENV,
@@ -105,19 +103,13 @@ class RankState:
 def follower_main(
     cfg: PrefillGroupConfig, rank: int, loader: RankModelLoader, leader: int | None = None
 ) -> int:
-    """A follower rank: join the group, run the leader's plans until its end; the exit code.
-    `leader`: the pid of the leader that spawned this process (None: started on its own).
-    A start-up error of its configuration is one line on stderr, reported to the leader
-    through the group's store, and START_ERROR_EXIT."""
+    """A follower rank: join the group, run the leader's plans until its end; the exit code
+    (common/group/follower.py). `leader`: the pid of the leader that spawned this process
+    (None: started on its own)."""
     torch.set_num_threads(cfg.torch_threads)  # as its leader's (`tpla prefill`)
     spec = group_spec(cfg)
-    remove_file = functools.partial(group_files.remove, cfg.shm_path)
-    if leader is not None:
-        exit_with_parent(leader, remove_file)
-    group: FollowerGroup | None = None
-    try:
-        group = FollowerGroup.join(spec, rank, remove_file)
-        init_group(spec, rank, group.store)
+
+    def start(group: FollowerGroup) -> RankState:
         device = rank_device(cfg.device, spec.local_index(rank))
         comm = open_comm(spec, rank, device)
         state = RankState(cfg, rank, comm, loader(cfg, rank, comm, device), group.store)
@@ -126,27 +118,15 @@ def follower_main(
             print(
                 f"prefill rank {rank} of {cfg.tp} joined the group at {group.address}", flush=True
             )
-    except BaseException as exc:
-        remove_file()
-        if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main
-            if group is not None:
-                group.report(str(exc))
-            print(f"prefill rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-            return START_ERROR_EXIT
-        raise
-    try:
-        while (plan := recv_plan(comm)) is not None:
+        return state
+
+    def serve(state: RankState) -> None:
+        while (plan := recv_plan(state.comm)) is not None:
             state.run(plan)
-    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
-        if group.leader_alive():
-            raise  # this rank's own failure: its traceback
-        group.end()
-        group.leader_gone()
-        return 1
-    group.end()
-    state.shipper.close()
-    dist.destroy_process_group()
-    return 0
+
+    return run_follower(
+        spec, rank, cfg.shm_path, leader, start, serve, lambda state: state.shipper.close()
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""A follower rank's life in any rank group (a decode group's, a prefill group's): join the
+leader, build the rank's share, run the leader's plans until its end; the exit code.
+
+Until the start-up barrier a spawned group's file has a name: a follower that fails to
+start, or sees its leader gone, removes it, since the group cannot start. A start-up error
+of its configuration (a port in use, a config that differs from the leader's) is one line
+on stderr, reported to the leader through the group's store, and START_ERROR_EXIT.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from common.group.child import START_ERROR_EXIT, exit_with_parent
+from common.group.join import FollowerGroup
+from common.group.setup import init_group
+from common.group.spec import GroupSpec
+from common.runtime import group_files
+
+Rank = TypeVar("Rank")
+
+
+def run_follower(
+    spec: GroupSpec,
+    rank: int,
+    shm_path: str | None,
+    leader: int | None,
+    start: Callable[[FollowerGroup], Rank],
+    serve: Callable[[Rank], None],
+    close: Callable[[Rank], None],
+) -> int:
+    """Follower `rank` of the group `spec` describes. `leader`: the pid of the leader that
+    spawned this process (None: started on its own). `start` builds the rank once the process
+    group is up and returns after the group's start-up barrier; `serve` runs the leader's
+    plans until its shutdown plan; `close` frees what `start` opened. Exit code: 0 when the
+    leader ended the group, START_ERROR_EXIT after a start-up error it printed, 1 when the
+    leader died under a collective."""
+    remove_file = functools.partial(group_files.remove, shm_path)
+    if leader is not None:
+        exit_with_parent(leader, remove_file)
+    group: FollowerGroup | None = None
+    try:
+        group = FollowerGroup.join(spec, rank, remove_file)
+        init_group(spec, rank, group.store)
+        state = start(group)
+    except BaseException as exc:
+        remove_file()
+        if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main
+            if group is not None:
+                group.report(str(exc))
+            print(f"{spec.role} rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+            return START_ERROR_EXIT
+        raise
+    try:
+        serve(state)
+    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
+        if group.leader_alive():
+            raise  # this rank's own failure: its traceback
+        group.end()
+        group.leader_gone()
+        return 1
+    group.end()
+    close(state)
+    dist.destroy_process_group()
+    return 0
