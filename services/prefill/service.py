@@ -193,6 +193,7 @@ def serve_prefill(
     attention_backend: str = "auto",
     threads: PrefillThreads | None = None,
     max_batch_tokens: int = 2048,
+    chunk_tokens: int | None = None,
     prefix_cache_mb: float = 0.0,
     stop: threading.Event | None = None,
     drain: threading.Event | None = None,
@@ -213,6 +214,7 @@ def serve_prefill(
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
         max_batch_tokens=max_batch_tokens,
+        chunk_tokens=chunk_tokens,
         grammars=GrammarCompiler.from_model_dir(
             model_dir, model.config.vocab_size, model.config.eos_token_ids
         ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from common.kv.transfer import KvSender, TransferError, cut_shard
 from common.messages import KvTargetInfo, PrefillResult, Reservation
-from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.runtime.device import use_device
 from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import (
@@ -39,13 +40,17 @@ from common.sampling.grammar import (
 )
 from common.sampling.logits import LogitsContext, context_for
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import SampledToken, first_tokens
+from common.sampling.sampler import first_tokens
 from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.outputs import FirstTokens, prompt_logprobs
+from services.prefill.progress import PromptProgress, default_chunk_tokens
 from services.prefill.threads import PrefillThreads
 
 # Jobs in flight to the decode ranks at once (a few batches of short prompts).
 MAX_SHIPPING = 64
+# A queued prompt: its job, the future its caller waits on, how far its prefill got.
+Pending = tuple["PrefillJob", Future[PrefillResult], PromptProgress]
 
 
 @dataclass(frozen=True)
@@ -71,33 +76,6 @@ class PrefillJob:
         return self.reservation.cached_tokens
 
 
-@dataclass(frozen=True)
-class FirstTokens:
-    """What a job samples from its prefill: each choice's first token, and the logprobs of
-    prompt tokens 1..N-1 when asked for (the first has nothing to be predicted from)."""
-
-    tokens: tuple[SampledToken, ...]
-    prompt_logprobs: tuple[SampledToken, ...] = ()
-
-
-def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[SampledToken, ...]:
-    """Logprobs of prompt tokens 1..N-1 from the prefill's logits at positions 0..N-2 [N-1, V],
-    with the `top` most likely alternatives of each position."""
-    if len(prompt_ids) < 2:
-        return ()
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(prompt_ids[1:], device=logits.device)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-    alt_lps, alt_ids = (
-        logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], targets[:, None][:, :0])
-    )
-    alt_ids_l, alt_lps_l = alt_ids.tolist(), alt_lps.tolist()
-    return tuple(
-        SampledToken(tok, lp, tuple(zip(alt_ids_l[i], alt_lps_l[i], strict=True)))
-        for i, (tok, lp) in enumerate(zip(prompt_ids[1:], chosen, strict=True))
-    )
-
-
 class PrefillWorker:
     def __init__(
         self,
@@ -109,6 +87,7 @@ class PrefillWorker:
         threads: PrefillThreads | None = None,
         grammars: GrammarCompiler | None = None,
         prefix_cache: LatentPrefixCache | None = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.model = model
         # Structured outputs' grammars over the model's tokenizer (None: none can be served).
@@ -128,10 +107,17 @@ class PrefillWorker:
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         self.max_batch_tokens = max_batch_tokens
-        self._held: tuple[PrefillJob, Future[PrefillResult]] | None = None  # next batch's first
-        self._jobs: queue.Queue[tuple[PrefillJob, Future[PrefillResult]] | None] = queue.Queue()
+        self._held: Pending | None = None  # the next batch's first
+        self._jobs: queue.Queue[Pending | None] = queue.Queue()
         # Both threads run CUDA work on the model's GPU: each makes it current (use_device).
         self._device = model.lm_head.weight.device
+        # A longer prompt runs one chunk per batch, so activations follow the chunk and
+        # shorter prompts queued meanwhile go between its chunks (0: never chunked).
+        self.chunk_tokens = (
+            default_chunk_tokens(self._device) if chunk_tokens is None else chunk_tokens
+        )
+        if self.chunk_tokens < 0:
+            raise ValueError("chunk_tokens must be >= 0")
         self._pushers = ThreadPoolExecutor(
             8, "kv-push", initializer=use_device, initargs=(self._device,)
         )
@@ -177,7 +163,7 @@ class PrefillWorker:
         fut: Future[PrefillResult] = Future()
         with self._lock:
             self.queued_tokens += len(job.prompt_ids)
-        self._jobs.put((job, fut))
+        self._jobs.put((job, fut, PromptProgress(len(job.prompt_ids), self.chunk_tokens)))
         return fut
 
     @property
@@ -187,98 +173,153 @@ class PrefillWorker:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        with contextlib.suppress(queue.Empty):  # prompts between chunks when it stopped
+            while True:
+                if (item := self._jobs.get_nowait()) is not None and not item[1].done():
+                    item[1].set_exception(TransferError("the prefill worker closed"))
         self._pushers.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
 
-    def _next_batch(self) -> list[tuple[PrefillJob, Future[PrefillResult]]] | None:
-        """Queued jobs in arrival order, as many as fit `max_batch_tokens` (at least one).
+    def _next_batch(self) -> list[Pending] | None:
+        """Queued prompts in arrival order, as many pieces as fit `max_batch_tokens` (at
+        least one); a prompt whose request was cancelled is dropped.
 
-        Only the batcher thread calls this; the job that did not fit opens the next batch."""
-        first, self._held = self._held or self._jobs.get(), None
-        if first is None:
-            return None
-        batch, tokens = [first], len(first[0].prompt_ids)
+        Only the batcher thread calls this; the piece that did not fit opens the next batch."""
+        batch: list[Pending] = []
+        tokens = 0
         while tokens < self.max_batch_tokens:
-            try:
-                item = self._jobs.get_nowait()
-            except queue.Empty:
-                break
+            item, self._held = self._held, None
             if item is None:
-                self._jobs.put(None)  # finish this batch, then stop
-                break
-            if tokens + len(item[0].prompt_ids) > self.max_batch_tokens:
+                try:
+                    item = self._jobs.get() if not batch else self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            if item is None:
+                if batch:
+                    self._jobs.put(None)  # finish this batch, then stop
+                    break
+                return None
+            _, fut, progress = item
+            if fut.done():  # cancelled (the client left) between its pieces
+                self._counted(progress, 0)
+                continue
+            if batch and tokens + progress.piece() > self.max_batch_tokens:
                 self._held = item
                 break
             batch.append(item)
-            tokens += len(item[0].prompt_ids)
+            tokens += progress.piece()
         return batch
+
+    def _counted(self, progress: PromptProgress, left: int) -> None:
+        with self._lock:
+            self.queued_tokens -= progress.counted - left
+            progress.counted = left
 
     def _run(self) -> None:
         use_device(self._device)
         while (batch := self._next_batch()) is not None:
+            going: list[Pending] = []
             try:
-                self._prefill(batch)
+                going = self._prefill(batch)
             except Exception as exc:  # one bad batch must not kill the worker
-                for _, fut in batch:
+                for _, fut, _ in batch:
                     if not fut.done():
                         fut.set_exception(exc)
             finally:
-                with self._lock:
-                    self.queued_tokens -= sum(len(job.prompt_ids) for job, _ in batch)
+                kept = {id(item) for item in going}
+                for item in batch:
+                    self._counted(item[2], item[2].left if id(item) in kept else 0)
+            for item in going:  # behind whatever arrived meanwhile
+                self._jobs.put(item)
 
-    def _prefill(self, batch: list[tuple[PrefillJob, Future[PrefillResult]]]) -> None:
+    def _prefill(self, batch: list[Pending]) -> list[Pending]:
+        """One batch: every prompt's next piece. Returns the prompts with pieces left."""
         t0, t0_ns = time.perf_counter(), time.time_ns()
         cache = self.prefix_cache
-        hashes = [cache.hashes(job.prompt_ids) if cache is not None else [] for job, _ in batch]
-        # A job asking for its prompt's logprobs needs every prompt position's logits: it
-        # prefills whole (and still stores its blocks for later prompts).
-        pasts: list[PastLatents | None] = [
-            cache.lookup(h, len(job.prompt_ids))
-            if cache is not None and job.prompt_logprobs is None
-            else None
-            for h, (job, _) in zip(hashes, batch, strict=True)
-        ]
-        hits = [p.length if p is not None else 0 for p in pasts]
-        lens = [len(job.prompt_ids) - hit for (job, _), hit in zip(batch, hits, strict=True)]
+        for job, _, progress in batch:
+            if not progress.started:
+                # A job asking for its prompt's logprobs needs every prompt position's
+                # logits: it prefills whole (and still stores its blocks for later prompts).
+                hashes = cache.hashes(job.prompt_ids) if cache is not None else []
+                use = cache is not None and job.prompt_logprobs is None
+                progress.start(hashes, cache.lookup(hashes, progress.length) if use else None)
+        pasts = [progress.past() for _, _, progress in batch]
+        hits = [progress.done for _, _, progress in batch]
+        lens = [progress.piece() for _, _, progress in batch]
         device = self.model.lm_head.weight.device
-        ids = torch.tensor(
-            [t for (job, _), hit in zip(batch, hits, strict=True) for t in job.prompt_ids[hit:]],
-            dtype=torch.long,
-            device=device,
-        )
+        pieces = [job.prompt_ids[p.done : p.done + p.piece()] for job, _, p in batch]
+        ids = torch.tensor(list(itertools.chain(*pieces)), dtype=torch.long, device=device)
         # Prompt logprobs need every position's logits: only batches that ask pay for them.
-        every = any(job.prompt_logprobs is not None for job, _ in batch)
+        every = any(job.prompt_logprobs is not None for job, _, _ in batch)
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
             out = self.model.prefill(ids, lens, all_logits=every, past=pasts if any(hits) else None)
         prefill_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
-            if cache is not None:
-                self.metrics.prefix_queries.inc(sum(len(job.prompt_ids) for job, _ in batch))
-                self.metrics.prefix_hits.inc(sum(hits))
+            if cache is not None:  # once per prompt, at its first piece
+                firsts = [(job, p) for job, _, p in batch if p.done == p.cached]
+                self.metrics.prefix_queries.inc(sum(len(job.prompt_ids) for job, _ in firsts))
+                self.metrics.prefix_hits.inc(sum(p.cached for _, p in firsts))
+        going: list[Pending] = []
         start = 0
-        for row, (job, fut) in enumerate(batch):
+        for row, item in enumerate(batch):
+            job, fut, progress = item
             end = start + lens[row]
+            progress.seconds += prefill_s
             if job.trace is not None:
-                job.trace.batched(t0_ns, prefill_s, len(batch), len(ids), lens[row], hits[row])
-            try:
-                if cache is not None:
-                    cache.store(hashes[row], out.n, out.k_pe, hits[row], start)
-                context = self._context(job, device)
-                first = FirstTokens(
-                    first_tokens(out.logits[end - 1 if every else row], job.params, job.n, context),
-                    ()
-                    if job.prompt_logprobs is None
-                    else prompt_logprobs(
-                        out.logits[start : end - 1], job.prompt_ids, job.prompt_logprobs
-                    ),
+                job.trace.batched(
+                    t0_ns, prefill_s, len(batch), len(ids), lens[row], progress.cached
                 )
-                n, k_pe = _unshipped(out, start, end, pasts[row], job.cached_tokens)
-                self._ship(n, k_pe, job, fut, first, prefill_s, hits[row])
+            try:
+                self._piece(item, out, row, start, every, going)
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
                     fut.set_exception(exc)
             start = end
+        return going
+
+    def _piece(
+        self,
+        item: Pending,
+        out: PrefillOutput,
+        row: int,
+        start: int,
+        every: bool,
+        going: list[Pending],
+    ) -> None:
+        """What one prompt's piece of a batch leads to: its latents kept and the prompt
+        queued again when pieces are left, else its first token sampled and its KV shipped."""
+        job, fut, progress = item
+        cache = self.prefix_cache
+        whole, before, size = progress.whole, progress.done, progress.piece()
+        end = start + size
+        if job.prompt_logprobs is not None:
+            last = min(before + size, len(job.prompt_ids) - 1)  # no row predicts past the end
+            progress.logprobs += prompt_logprobs(
+                out.logits[start : start + last - before],
+                job.prompt_ids[before : last + 1],
+                job.prompt_logprobs,
+            )
+        if whole:
+            if cache is not None:
+                cache.store(progress.hashes, out.n, out.k_pe, before, start)
+            progress.done += size
+        else:
+            progress.add(out.n, out.k_pe, start)
+            if cache is not None:
+                progress.store(cache, before)
+        if progress.left:
+            going.append(item)
+            return
+        device = out.logits.device
+        first = FirstTokens(
+            first_tokens(
+                out.logits[end - 1 if every else row], job.params, job.n, self._context(job, device)
+            ),
+            progress.logprobs,
+        )
+        n, k_pe = progress.unshipped(out, start, job.cached_tokens)
+        self._ship(n, k_pe, job, fut, first, progress.seconds, progress.cached)
 
     def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
         """The first tokens' logits processing, one row per choice: the same as every later
@@ -399,23 +440,6 @@ class PrefillWorker:
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
-
-
-def _unshipped(
-    out: PrefillOutput, start: int, end: int, past: PastLatents | None, skip: int
-) -> tuple[list[Tensor], list[Tensor]]:
-    """One prompt's latents from position `skip` (the decode group holds the rest) to its
-    end, per layer. Its rows [start, end) of `out` are positions [P, N) after a cached prefix
-    of P tokens; what the decode group lacks of that prefix comes from the cache."""
-    hit = past.length if past is not None else 0
-    if skip >= hit:
-        lo = start + skip - hit
-        return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
-    assert past is not None
-    return (
-        [torch.cat([p[skip:], n[start:end]]) for p, n in zip(past.n, out.n, strict=True)],
-        [torch.cat([p[skip:], k[start:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
-    )
 
 
 def _shifted(target: KvTargetInfo, skip: int) -> KvTargetInfo:
