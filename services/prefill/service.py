@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -141,7 +141,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 )
             if not job.reservation.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
-            done = self.worker.submit(job).result(timeout=deadline)
+            pending = self.worker.submit(job)
+            # A caller that goes away (the client left, the router gave up) cancels the
+            # prompt: the worker computes none of its remaining chunks.
+            context.add_callback(pending.cancel)
+            try:
+                done = pending.result(timeout=deadline)
+            finally:
+                pending.cancel()
+        except CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, f"the prefill of {request.request_id} ended")
         except TimeoutError:
             err: TplaError = DeadlineExceeded(f"prefill of {request.request_id} timed out")
             context.abort(err.grpc_code, err.message)
