@@ -219,8 +219,9 @@ class ShardWriter:
 
 
 def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
-    """Flat cache slots of the shard's tokens 0..N-1, from its block table."""
-    positions = torch.arange(header.num_tokens)
+    """Flat cache slots of the shard's tokens 0..N-1, from its block table (token 0 at slot
+    `block_offset` of the first block)."""
+    positions = torch.arange(header.num_tokens) + header.block_offset
     blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
     index = positions // header.block_size
     if len(positions) and int(index.max()) >= len(blocks):

@@ -17,6 +17,7 @@ from torch import Tensor
 from common.model.model import PastLatents, PrefillOutput
 from common.sampling.sampler import SampledToken
 from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.sends import PromptSends
 
 
 class PromptProgress:
@@ -32,6 +33,7 @@ class PromptProgress:
         self.seconds = 0.0  # the prefill time of the batches that computed its pieces
         self.counted = length  # tokens still counted in the worker's queued tokens
         self.logprobs: tuple[SampledToken, ...] = ()  # the prompt's, when asked, so far
+        self.sends = PromptSends()  # its KV pushes, a round per shipped chunk
         self._past: PastLatents | None = None  # the cache hit, before any piece
         self._n: list[Tensor] = []  # per layer [length, d_c], once it takes several pieces
         self._k_pe: list[Tensor] = []

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from common.kv.transfer import KvSender, TransferError, cut_shard
+from common.kv.transfer import KvSender, TransferError, cut_chunk
 from common.messages import KvTargetInfo, PrefillResult, Reservation
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.runtime.device import use_device
@@ -45,9 +45,10 @@ from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.outputs import FirstTokens, prompt_logprobs
 from services.prefill.progress import PromptProgress, default_chunk_tokens
+from services.prefill.sends import when_all
 from services.prefill.threads import PrefillThreads
 
-# Jobs in flight to the decode ranks at once (a few batches of short prompts).
+# Rounds of sends (a job's, or one chunk's) in flight to the decode ranks at once.
 MAX_SHIPPING = 64
 # A queued prompt: its job, the future its caller waits on, how far its prefill got.
 Pending = tuple["PrefillJob", Future[PrefillResult], PromptProgress]
@@ -200,7 +201,9 @@ class PrefillWorker:
                     break
                 return None
             _, fut, progress = item
-            if fut.done():  # cancelled (the client left) between its pieces
+            if (error := progress.sends.error()) is not None and not fut.done():
+                fut.set_exception(error)  # a chunk's push failed: no more chunks
+            if fut.done():  # or cancelled (the client left) between its pieces
                 self._counted(progress, 0)
                 continue
             if batch and tokens + progress.piece() > self.max_batch_tokens:
@@ -253,7 +256,8 @@ class PrefillWorker:
         every = any(job.prompt_logprobs is not None for job, _, _ in batch)
         with self.threads.applied(len(ids)) if self.threads else contextlib.nullcontext():
             out = self.model.prefill(ids, lens, all_logits=every, past=pasts if any(hits) else None)
-        prefill_s = time.perf_counter() - t0
+        computed = time.perf_counter()
+        prefill_s = computed - t0
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_s)
             if cache is not None:  # once per prompt, at its first piece
@@ -271,7 +275,7 @@ class PrefillWorker:
                     t0_ns, prefill_s, len(batch), len(ids), lens[row], progress.cached
                 )
             try:
-                self._piece(item, out, row, start, every, going)
+                self._piece(item, out, (row, start), every, computed, going)
             except Exception as exc:  # this job's error; the batch's other jobs go on
                 if not fut.done():
                     fut.set_exception(exc)
@@ -282,14 +286,15 @@ class PrefillWorker:
         self,
         item: Pending,
         out: PrefillOutput,
-        row: int,
-        start: int,
+        rows: tuple[int, int],
         every: bool,
+        computed: float,
         going: list[Pending],
     ) -> None:
         """What one prompt's piece of a batch leads to: its latents kept and the prompt
         queued again when pieces are left, else its first token sampled and its KV shipped."""
         job, fut, progress = item
+        row, start = rows  # its index in the batch, its first row in `out`
         cache = self.prefix_cache
         whole, before, size = progress.whole, progress.done, progress.piece()
         end = start + size
@@ -304,10 +309,12 @@ class PrefillWorker:
             if cache is not None:
                 cache.store(progress.hashes, out.n, out.k_pe, before, start)
             progress.done += size
-        else:
+        else:  # each chunk's rows ship while the next chunk computes
             progress.add(out.n, out.k_pe, start)
             if cache is not None:
                 progress.store(cache, before)
+            if progress.done - job.cached_tokens > progress.sends.rows:
+                self._send(job, progress, *progress.unshipped(out, start, job.cached_tokens))
         if progress.left:
             going.append(item)
             return
@@ -318,8 +325,9 @@ class PrefillWorker:
             ),
             progress.logprobs,
         )
-        n, k_pe = progress.unshipped(out, start, job.cached_tokens)
-        self._ship(n, k_pe, job, fut, first, progress.seconds, progress.cached)
+        if whole:
+            self._send(job, progress, *progress.unshipped(out, start, job.cached_tokens))
+        when_all(progress.sends.futures, lambda: self._shipped(fut, first, progress, computed))
 
     def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
         """The first tokens' logits processing, one row per choice: the same as every later
@@ -336,39 +344,32 @@ class PrefillWorker:
             [job.params] * n, [prompt] * n, [outputs] * n, eos, vocab, device, allowed
         )
 
-    def _ship(
-        self,
-        n: list[Tensor],
-        k_pe: list[Tensor],
-        job: PrefillJob,
-        fut: Future[PrefillResult],
-        first: FirstTokens,
-        prefill_s: float,
-        reused: int,
+    def _send(
+        self, job: PrefillJob, progress: PromptProgress, n: list[Tensor], k_pe: list[Tensor]
     ) -> None:
-        """Push the job's shards to every target rank without waiting for them.
+        """Push the rows of what the decode group lacks (`n` / `k_pe`: prompt positions from
+        `job.cached_tokens` on) that are computed and not yet sent to every target rank,
+        without waiting for them.
 
-        The batcher goes on to the next batch while they travel (measured in the short-prompt
-        mix at 16 streams: a batch of 15 prompts took 320 ms to prefill and then 262 ms to
-        push one job after another). `fut` resolves when the last rank acknowledged, or fails
-        with the first error; the shards' sends run on the pusher threads.
+        The batcher goes on to the next batch (or the prompt's next chunk) while they travel
+        (measured in the short-prompt mix at 16 streams: a batch of 15 prompts took 320 ms to
+        prefill and then 262 ms to push one job after another); the sends run on the pusher
+        threads.
         """
-        # n / k_pe cover what the decode group lacks: prompt positions [skip, N). SP targets
-        # name their positions in the prompt, so their ranges move by the same offset.
-        res = job.reservation
-        skip = job.cached_tokens
-        rows = len(job.prompt_ids) - skip
+        # SP targets name their positions in the prompt: their ranges move by the skip.
+        res, sends, skip = job.reservation, progress.sends, job.cached_tokens
+        started = time.perf_counter()
+        lo, hi = sends.rows, progress.done - skip
         cut = [
-            cut_shard(n, k_pe, 0, rows, _shifted(t, skip), job.request_id, res.block_size)
+            cut_chunk(n, k_pe, lo, hi, _shifted(t, skip), job.request_id, res.block_size)
             for t in res.targets
         ]
         shards = list(zip(self.sender.prepare(cut), res.targets, strict=True))
         timeout = min(job.deadline_s, self.transfer_timeout_s)
         self._shipping.acquire()
-        t0 = time.perf_counter()
         try:
             send = self.sender.send
-            sends = [
+            futures = [
                 self._pushers.submit(
                     send if job.trace is None else job.trace.timed(t.rank, t.grpc_address, send),
                     shard,
@@ -382,64 +383,47 @@ class PrefillWorker:
         except BaseException:  # e.g. the pool is shut down: the job fails, its slot is free
             self._shipping.release()
             raise
-        if not sends:
-            self._shipping.release()
-            self._shipped(fut, first, prefill_s, 0.0, sends, reused)
-            return
-        remaining = len(sends)
-        lock = threading.Lock()
-
-        def arrived(_: Future[int]) -> None:
-            nonlocal remaining
-            with lock:
-                remaining -= 1
-                if remaining:
-                    return
-            self._shipping.release()
-            self._shipped(fut, first, prefill_s, time.perf_counter() - t0, sends, reused)
-
-        for send in sends:
-            send.add_done_callback(arrived)
+        when_all(futures, self._shipping.release)
+        sends.add(futures, hi, started)
 
     def _shipped(
         self,
         fut: Future[PrefillResult],
         first: FirstTokens,
-        prefill_s: float,
-        transfer_s: float,
-        sends: list[Future[int]],
-        reused: int,
+        progress: PromptProgress,
+        computed: float,
     ) -> None:
-        """Resolve a job once every one of its sends finished (on the pusher thread that
-        finished the last one; on the batcher's when the job had nothing to send)."""
-        for send in sends:
-            error = (
-                TransferError("the prefill worker closed before the KV was pushed")
-                if send.cancelled()
-                else send.exception()
-            )
-            if error is not None:
-                if not fut.done():
-                    fut.set_exception(error)
-                return
-        sent = sum(send.result() for send in sends)
+        """Resolve a finished prompt's job once every one of its sends finished (on the
+        pusher thread that finished the last one; on the batcher's when none was left);
+        `computed`: when its last chunk's compute ended."""
+        sends = progress.sends
+        if (error := sends.error()) is not None:
+            if not fut.done():
+                fut.set_exception(error)
+            return
+        now = time.perf_counter()
+        transfer_s = now - sends.started if sends.futures and sends.started else 0.0
+        exposed_s = now - computed if sends.futures else 0.0
+        sent = sends.sent_bytes()
         with self._lock:
             self.transfer_bytes_total += sent
         if not fut.done():
             fut.set_result(
                 PrefillResult(
                     first.tokens[0],
-                    prefill_s,
+                    progress.seconds,
                     transfer_s,
                     sent,
-                    reused,
+                    progress.cached,
                     first.tokens if len(first.tokens) > 1 else (),
                     first.prompt_logprobs,
+                    exposed_s,
                 )
             )
         if self.metrics is not None:
             self.metrics.transfer_bytes.labels(self.sender.name).inc(sent)
             self.metrics.transfer_seconds.labels(self.sender.name).observe(transfer_s)
+            self.metrics.exposed_transfer_seconds.labels(self.sender.name).observe(exposed_s)
 
 
 def _shifted(target: KvTargetInfo, skip: int) -> KvTargetInfo:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from common.kv.transfer import KvSender, Shard
+from common.kv.wire import shard_slots
 from common.loading.serving_model import load_prefill_model
 from common.messages import KvTargetInfo, PrefillResult, Reservation
 from common.sampling.params import SamplingParams
@@ -31,19 +32,21 @@ NO_TARGETS = Reservation("", 16, 0, 0, "float32", 30.0, ())
 
 
 class RecordingSender(KvSender):
-    """Keeps every shard's KV by request id; sends nothing."""
+    """Places every shard's rows where the receiver would (`shard_slots` of its header) in a
+    pool per request; sends nothing."""
 
     name = "recording"
 
     def __init__(self) -> None:
-        self.kv: dict[str, Tensor] = {}
+        self.kv: dict[str, torch.Tensor] = {}
+        self.shards: dict[str, int] = {}
 
     def send(self, shard: Shard, grpc_address: str, torch_address: str, deadline_s: float) -> int:
-        self.kv[shard.request_id] = shard.kv.clone()
+        layers, _, width = shard.kv.shape
+        pool = self.kv.setdefault(shard.request_id, torch.full((layers, 64 * 16, width), -7.0))
+        pool[:, shard_slots(shard.header())] = shard.kv
+        self.shards[shard.request_id] = self.shards.get(shard.request_id, 0) + 1
         return shard.nbytes
-
-
-Tensor = torch.Tensor
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +60,13 @@ def _job(model, request_id: str, ids: list[int], cached: int = 0, logprobs: int 
     d_c = model.config.kv_lora_rank
     blocks = tuple(range(cached // 16, -(-len(ids) // 16)))
     target = KvTargetInfo(0, "127.0.0.1:9", "", 0, d_c, blocks)
-    reservation = Reservation(request_id, 16, cached, 0, "float32", 30.0, (target,))
+    reservation = Reservation(request_id, 16, 0, 0, "float32", 30.0, (target,), cached)
     return PrefillJob(request_id, ids, GREEDY, reservation, 30.0, prompt_logprobs=logprobs)
 
 
-def _run(model_dir: Path, chunk: int, cache: bool, jobs_of) -> tuple[list[PrefillResult], dict]:  # type: ignore[no-untyped-def]
+def _run(
+    model_dir: Path, chunk: int, cache: bool, jobs_of
+) -> tuple[list[PrefillResult], RecordingSender]:  # type: ignore[no-untyped-def]
     model = load_prefill_model(model_dir, None)
     sender = RecordingSender()
     prefix = LatentPrefixCache(7, 1 << 24) if cache else None
@@ -71,7 +76,7 @@ def _run(model_dir: Path, chunk: int, cache: bool, jobs_of) -> tuple[list[Prefil
         results = [worker.submit(job).result(timeout=WAIT_S) for job in jobs_of(model)]
     finally:
         worker.close()
-    return results, sender.kv
+    return results, sender
 
 
 def _prompts() -> list[list[int]]:
@@ -99,8 +104,9 @@ def whole(model_dir: Path):  # type: ignore[no-untyped-def]
 def test_chunked_ships_what_a_whole_prefill_ships(
     model_dir: Path, whole, chunk: int, cache: bool
 ) -> None:  # type: ignore[no-untyped-def]
-    want, want_kv = whole
-    got, got_kv = _run(model_dir, chunk, cache, _jobs)
+    want, want_sent = whole
+    got, got_sent = _run(model_dir, chunk, cache, _jobs)
+    want_kv, got_kv = want_sent.kv, got_sent.kv
     for g, w in zip(got, want, strict=True):
         assert g.first_token.token_id == w.first_token.token_id
         torch.testing.assert_close(g.first_token.logprob, w.first_token.logprob, atol=1e-5, rtol=0)
@@ -109,6 +115,11 @@ def test_chunked_ships_what_a_whole_prefill_ships(
     assert set(got_kv) == set(want_kv)
     for rid, kv in want_kv.items():
         torch.testing.assert_close(got_kv[rid], kv, atol=2e-5, rtol=1e-4)
+    # Each chunk of the long prompts shipped as it was computed.
+    assert want_sent.shards == {"a": 1, "b": 1, "c": 1}
+    assert got_sent.shards["a"] == -(-110 // chunk) and got_sent.shards["c"] == -(-9 // chunk)
+    # Only the last chunk's push is exposed; the first chunk's started before it.
+    assert 0 < got[0].exposed_transfer_seconds <= got[0].transfer_seconds
 
 
 def test_chunked_prompt_logprobs_equal_whole(model_dir: Path) -> None:
