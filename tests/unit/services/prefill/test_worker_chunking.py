@@ -144,7 +144,7 @@ class Gated:
         self.short: Future[PrefillResult] | None = None
         model.prefill = self
 
-    def __call__(self, ids: Tensor, lens: list[int], **kw: object):  # type: ignore[no-untyped-def]
+    def __call__(self, ids: torch.Tensor, lens: list[int], **kw: object):  # type: ignore[no-untyped-def]
         self.batches.append((list(lens), self.short is not None and self.short.done()))
         assert self.release.wait(timeout=WAIT_S)
         return self.prefill(ids, lens, **kw)
