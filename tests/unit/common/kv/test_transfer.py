@@ -9,17 +9,22 @@ import pytest
 import torch
 
 from common.kv.transfer import cut_chunk, cut_shard
-from common.kv.wire import shard_slots
+from common.kv.wire import shard_segments, shard_slots
 from common.messages import KvTargetInfo
 
 BS = 4
 
 
 def _placed(shards) -> dict[int, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """Slot -> the row [L, w + d_r] the receiver writes there."""
+    """Slot -> the row [L, w + d_r] the receiver writes there; the segments both ends cut
+    agree with the slots (their groups of tokens run over consecutive slots)."""
     out: dict[int, torch.Tensor] = {}
     for shard in shards:
-        for i, slot in enumerate(shard_slots(shard.header()).tolist()):
+        slots = shard_slots(shard.header())
+        cut = shard_segments(shard.header())
+        grouped = cut.group_slots[:, None] + torch.arange(cut.group)
+        assert torch.equal(grouped.reshape(-1), slots)
+        for i, slot in enumerate(slots.tolist()):
             assert slot not in out, "a slot written twice"
             out[slot] = shard.kv[:, i]
     return out
