@@ -27,8 +27,9 @@ from torch import Tensor
 SCORE_ELEMENTS = 1 << 24
 MIN_TILE = 16
 
-# (first key, end key) -> keys [t, H or 1, d_qk] and values [t, H or 1, d_out] of that tile.
-TileKV = Callable[[int, int], tuple[Tensor, Tensor]]
+# (first key, end key) -> the scores of every head's queries over that tile of keys [H, Q, t]
+# and its values [H or 1, t, d_out].
+TileScores = Callable[[int, int], tuple[Tensor, Tensor]]
 
 
 def key_tile(heads: int, queries: int, score_elements: int = SCORE_ELEMENTS) -> int:
@@ -49,15 +50,18 @@ def expanded_over_past(
     [P + Q, d_r] the past's latents then the new tokens'; kv_b [H * (d_n + d_v), d_c] the
     heads' up-projection. Query i attends over keys 0..P + i. Returns [Q, H, d_v]."""
     heads, d_n = q_nope.shape[1], q_nope.shape[2]
+    q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [H, Q, d_n + d_r]
 
-    def tile_kv(lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        kv = F.linear(n[lo:hi], kv_b).view(hi - lo, heads, -1)
+    def tile_scores(lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        kv = F.linear(n[lo:hi], kv_b).view(hi - lo, heads, -1).transpose(0, 1)  # [H, t, e]
         k_nope, v = kv.split([d_n, kv.shape[-1] - d_n], dim=-1)
-        pe = k_pe[lo:hi, None].expand(-1, heads, -1)
-        return torch.cat((k_nope, pe), dim=-1), v
+        pe = k_pe[None, lo:hi].expand(heads, -1, -1)
+        # Keys [H, d_n + d_r, t] and values [H, t, d_v] contiguous: each a small copy of the
+        # tile, which the two GEMMs then read at full speed.
+        k = torch.cat((k_nope, pe), dim=-1).transpose(1, 2).contiguous()
+        return torch.bmm(q, k), v.contiguous()
 
-    q = torch.cat((q_nope, q_pe), dim=-1)
-    return _online_softmax(q, tile_kv, n.shape[0], scale, tile)
+    return _online_softmax(tile_scores, q_nope.shape[0], n.shape[0], scale, tile, heads)
 
 
 def absorbed_over_past(
@@ -73,44 +77,53 @@ def absorbed_over_past(
     heads, d_n = q_nope.shape[1], q_nope.shape[2]
     w = kv_b.view(heads, -1, kv_b.shape[-1])
     w_uk, w_uv = w[:, :d_n], w[:, d_n:]
-    q = torch.cat((torch.einsum("qhn,hnc->qhc", q_nope, w_uk), q_pe), dim=-1)
+    q_lat = torch.einsum("qhn,hnc->hqc", q_nope, w_uk)  # [H, Q, d_c]
+    qp = q_pe.transpose(0, 1)
 
-    def tile_kv(lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        return torch.cat((n[lo:hi], k_pe[lo:hi]), dim=-1)[:, None], n[lo:hi, None]
+    def tile_scores(lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        # Keys and values are the latents themselves, one row per token for every head.
+        scores = _shared_keys(qp, k_pe[lo:hi]).add_(_shared_keys(q_lat, n[lo:hi]))
+        return scores, n[None, lo:hi]
 
-    u = _online_softmax(q, tile_kv, n.shape[0], scale, tile)
+    u = _online_softmax(tile_scores, q_nope.shape[0], n.shape[0], scale, tile, heads)
     return torch.einsum("qhc,hvc->qhv", u, w_uv)
 
 
+def _shared_keys(q: Tensor, k: Tensor) -> Tensor:
+    """q [H, Q, d] against keys k [t, d] that every head shares: one GEMM, [H, Q, t]."""
+    heads, queries = q.shape[0], q.shape[1]
+    return torch.mm(q.reshape(heads * queries, -1), k.T).view(heads, queries, -1)
+
+
 def _online_softmax(
-    q: Tensor, tile_kv: TileKV, total: int, scale: float, tile: int | None
+    tile_scores: TileScores, queries: int, total: int, scale: float, tile: int | None, heads: int
 ) -> Tensor:
-    """softmax(q k^T * scale, causal from key total - Q) v over key tiles, merged with a
-    running max and sum in at least fp32. q [Q, H, d_qk] -> [Q, H, d_out] in q's dtype."""
-    queries, heads = q.shape[0], q.shape[1]
+    """softmax(scores * scale) values over key tiles, causal from key total - Q, merged with
+    a running max and sum in at least fp32. Returns [Q, H, d_out] in the values' dtype."""
     past = total - queries
     step = tile or key_tile(heads, queries)
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    qh = q.transpose(0, 1)  # [H, Q, d]
-    row_max = q.new_full((heads, queries, 1), float("-inf"), dtype=acc_dtype)
-    row_sum = q.new_zeros((heads, queries, 1), dtype=acc_dtype)
-    acc: Tensor | None = None
-    query_pos = torch.arange(past, total, device=q.device)[:, None]
+    row_max = row_sum = acc = None
     # Key 0 is visible to every query, so after the first tile every row's max is finite and
     # a later tile that a row sees none of adds exp(-inf) = 0 to it.
     for lo in range(0, total, step):
         hi = min(lo + step, total)
-        k, v = tile_kv(lo, hi)
-        scores = torch.matmul(qh, k.permute(1, 2, 0)).to(acc_dtype) * scale  # [H, Q, t]
+        scores, v = tile_scores(lo, hi)
+        acc_dtype = torch.promote_types(scores.dtype, torch.float32)
+        scores = scores.to(acc_dtype).mul_(scale)
         if hi - 1 > past:  # the tile reaches the new tokens: mask the later ones
-            hidden = torch.arange(lo, hi, device=q.device)[None] > query_pos
-            scores = scores.masked_fill(hidden[None], float("-inf"))
-        new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
-        probs = torch.exp(scores - new_max)
-        rescale = torch.exp(row_max - new_max)
-        row_sum = row_sum * rescale + probs.sum(dim=-1, keepdim=True)
-        part = torch.matmul(probs.to(v.dtype), v.permute(1, 0, 2)).to(acc_dtype)  # [H, Q, d_out]
-        acc = part if acc is None else acc * rescale + part
+            query_pos = torch.arange(past, total, device=scores.device)[:, None]
+            hidden = torch.arange(lo, hi, device=scores.device)[None] > query_pos
+            scores.masked_fill_(hidden, float("-inf"))
+        tile_max = scores.amax(dim=-1, keepdim=True)
+        new_max = tile_max if row_max is None else torch.maximum(row_max, tile_max)
+        probs = scores.sub_(new_max).exp_()
+        part = torch.matmul(probs.to(v.dtype), v).to(acc_dtype)  # [H, Q, d_out]
+        if row_max is None or row_sum is None or acc is None:
+            row_sum, acc = probs.sum(dim=-1, keepdim=True), part
+        else:
+            rescale = (row_max - new_max).exp_()
+            row_sum = row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
+            acc = acc.mul_(rescale).add_(part)
         row_max = new_max
-    assert acc is not None, "attention over no keys"
-    return (acc / row_sum).to(q.dtype).transpose(0, 1)
+    assert acc is not None and row_sum is not None, "attention over no keys"
+    return (acc / row_sum).to(v.dtype).transpose(0, 1)
