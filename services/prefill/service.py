@@ -157,7 +157,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except TransferError as exc:
             err = TransferFailed(str(exc))
             context.abort(err.grpc_code, err.message)
-        except (InvalidRequest, ValueError) as exc:
+        except (InvalidRequest, Unavailable, ValueError) as exc:
             err = exc if isinstance(exc, TplaError) else InvalidRequest(str(exc))
             context.abort(err.grpc_code, err.message)
         return result_to_pb(done)

@@ -2,15 +2,17 @@
 
 Lifecycle of a job: queued -> batched with whatever else is waiting (up to a token budget) ->
 its longest cached prefix looked up in the latent prefix cache (if any) -> one packed exact
-prefill of the batch's new tokens, each over its cached prefix -> its new full blocks stored
-in the cache -> first token sampled with the request's params (n of them for n choices, each
-from its own generator; the prompt's logprobs too when asked) -> the latents the decode group
-lacks (from its Reserve answer on: cached prefix and new tokens alike) cut into each decode
-rank's shard (its latent columns, or its token ranges in SP mode) and pushed
-over the chosen transport, all ranks and all of the batch's jobs in parallel, while the next
-batch already runs -> the job's future resolves when its last shard is acknowledged. A failed
-push fails only its job; the decode side frees the reservation by lease or by the router's
-abort.
+prefill of the batch's new tokens, each over its cached prefix (a prompt longer than the
+chunk: one chunk per batch over the chunks before it, queued again behind whatever arrived
+meanwhile, each chunk's KV pushed while the next computes; `progress.py`) -> its new full
+blocks stored in the cache -> first token sampled with the request's params (n of them for
+n choices, each from its own generator; the prompt's logprobs too when asked) -> the
+latents the decode group lacks (from its Reserve answer on: cached prefix and new tokens
+alike) cut into each decode rank's shard (its latent columns, or its token ranges in SP
+mode) and pushed over the chosen transport, all ranks and all of the batch's jobs in
+parallel, while the next batch already runs -> the job's future resolves when its last
+shard is acknowledged. A failed push fails only its job; the decode side frees the
+reservation by lease or by the router's abort.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from common.kv.transfer import KvSender, TransferError, cut_chunk
+from common.kv.transfer import KvSender, cut_chunk
 from common.messages import KvTargetInfo, PrefillResult, Reservation
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.runtime.device import use_device
+from common.runtime.errors import Unavailable
 from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import (
     GrammarCompiler,
@@ -177,7 +180,7 @@ class PrefillWorker:
         with contextlib.suppress(queue.Empty):  # prompts between chunks when it stopped
             while True:
                 if (item := self._jobs.get_nowait()) is not None and not item[1].done():
-                    item[1].set_exception(TransferError("the prefill worker closed"))
+                    item[1].set_exception(Unavailable("the prefill worker stopped"))
         self._pushers.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
 
