@@ -179,8 +179,10 @@ class PrefillWorker:
         self._thread.join(timeout=10)
         with contextlib.suppress(queue.Empty):  # prompts between chunks when it stopped
             while True:
-                if (item := self._jobs.get_nowait()) is not None and not item[1].done():
-                    item[1].set_exception(Unavailable("the prefill worker stopped"))
+                if (item := self._jobs.get_nowait()) is not None:
+                    self._counted(item[2], 0)
+                    if not item[1].done():
+                        item[1].set_exception(Unavailable("the prefill worker stopped"))
         self._pushers.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
 
