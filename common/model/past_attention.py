@@ -5,7 +5,7 @@ the scores are Q x (P + Q) per head and the expanded keys and values (P + Q) x H
 grow with the prompt. Here the keys are taken a tile at a time (the past's up-projection
 too, in the expanded form) and merged by an online softmax (running max and sum, as flash
 attention does), so the largest temporary is H x Q x tile. The tile is chosen so that stays
-under `SCORE_ELEMENTS`.
+under the device's score budget.
 
 The expanded form up-projects each tile's latents with `kv_b` into per-head keys and values;
 the absorbed form folds W_UK into the queries and attends over the latents themselves
@@ -23,8 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# At most this many fp32 score elements (heads x queries x keys) per tile: 64 MiB.
-SCORE_ELEMENTS = 1 << 24
+# At most this many fp32 score elements (heads x queries x keys) per tile. On the CPU 16 MiB:
+# a tile's passes (GEMM, max, exp, sum, GEMM) then stay closer to the caches (the demo's
+# 2K-token chunk over a 2K past: 0.29 s at 4M elements, 0.6-0.7 s at 16M-64M). On a GPU
+# 1 GiB: a V3 chunk of 8192 queries x 128 heads still gets 256-key tiles, not thousands of
+# small launches (its untiled scores over a 128K prompt would be 512 GiB).
+CPU_SCORE_ELEMENTS = 1 << 22
+GPU_SCORE_ELEMENTS = 1 << 28
 MIN_TILE = 16
 
 # (first key, end key) -> the scores of every head's queries over that tile of keys [H, Q, t]
@@ -32,9 +37,10 @@ MIN_TILE = 16
 TileScores = Callable[[int, int], tuple[Tensor, Tensor]]
 
 
-def key_tile(heads: int, queries: int, score_elements: int = SCORE_ELEMENTS) -> int:
-    """Keys per tile so heads x queries x tile stays within `score_elements`."""
-    return max(MIN_TILE, score_elements // max(1, heads * queries))
+def key_tile(heads: int, queries: int, device: torch.device) -> int:
+    """Keys per tile so heads x queries x tile stays within the device's score budget."""
+    budget = GPU_SCORE_ELEMENTS if device.type == "cuda" else CPU_SCORE_ELEMENTS
+    return max(MIN_TILE, budget // max(1, heads * queries))
 
 
 def expanded_over_past(
@@ -61,7 +67,8 @@ def expanded_over_past(
         k = torch.cat((k_nope, pe), dim=-1).transpose(1, 2).contiguous()
         return torch.bmm(q, k), v.contiguous()
 
-    return _online_softmax(tile_scores, q_nope.shape[0], n.shape[0], scale, tile, heads)
+    step = tile or key_tile(heads, q_nope.shape[0], n.device)
+    return _online_softmax(tile_scores, q_nope.shape[0], n.shape[0], scale, step)
 
 
 def absorbed_over_past(
@@ -85,7 +92,8 @@ def absorbed_over_past(
         scores = _shared_keys(qp, k_pe[lo:hi]).add_(_shared_keys(q_lat, n[lo:hi]))
         return scores, n[None, lo:hi]
 
-    u = _online_softmax(tile_scores, q_nope.shape[0], n.shape[0], scale, tile, heads)
+    step = tile or key_tile(heads, q_nope.shape[0], n.device)
+    u = _online_softmax(tile_scores, q_nope.shape[0], n.shape[0], scale, step)
     return torch.einsum("qhc,hvc->qhv", u, w_uv)
 
 
@@ -96,12 +104,12 @@ def _shared_keys(q: Tensor, k: Tensor) -> Tensor:
 
 
 def _online_softmax(
-    tile_scores: TileScores, queries: int, total: int, scale: float, tile: int | None, heads: int
+    tile_scores: TileScores, queries: int, total: int, scale: float, step: int
 ) -> Tensor:
-    """softmax(scores * scale) values over key tiles, causal from key total - Q, merged with
-    a running max and sum in at least fp32. Returns [Q, H, d_out] in the values' dtype."""
+    """softmax(scores * scale) values over tiles of `step` keys, causal from key total - Q,
+    merged with a running max and sum in at least fp32. Returns [Q, H, d_out] in the values'
+    dtype."""
     past = total - queries
-    step = tile or key_tile(heads, queries)
     row_max = row_sum = acc = None
     # Key 0 is visible to every query, so after the first tile every row's max is finite and
     # a later tile that a row sees none of adds exp(-inf) = 0 to it.
