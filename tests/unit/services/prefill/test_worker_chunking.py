@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from common.kv.wire import shard_slots
 from common.loading.serving_model import load_prefill_model
 from common.messages import KvTargetInfo, PrefillResult, Reservation
 from common.sampling.params import SamplingParams
+from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.tiny import save_hf
@@ -120,6 +122,15 @@ def test_chunked_ships_what_a_whole_prefill_ships(
     assert got_sent.shards["a"] == -(-110 // chunk) and got_sent.shards["c"] == -(-9 // chunk)
     # Only the last chunk's push is exposed; the first chunk's started before it.
     assert 0 < got[0].exposed_transfer_seconds <= got[0].transfer_seconds
+
+
+def test_a_chunked_prompts_trace_spans_its_chunks(model_dir: Path) -> None:
+    trace = JobTrace()
+    prompt = _prompts()[0]
+    _run(model_dir, 16, False, lambda m: [replace(_job(m, "t", prompt), trace=trace)])
+    assert trace.computed_tokens == len(prompt) and trace.reused_tokens == 0
+    assert trace.batch_start_ns < trace.batch_end_ns
+    assert len(trace.pushes) == -(-len(prompt) // 16)  # one push a chunk to the one rank
 
 
 def test_chunked_prompt_logprobs_equal_whole(model_dir: Path) -> None:
