@@ -55,6 +55,8 @@ class PrefillResult:
     choice_tokens: tuple[SampledToken, ...] = ()  # n > 1: every choice's first token, in order
     # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
     prompt_logprobs: tuple[SampledToken, ...] = ()
+    # From the end of the last chunk's compute to the last rank's ack: what TTFT waits for.
+    exposed_transfer_seconds: float = 0.0
 
     @property
     def first_tokens(self) -> tuple[SampledToken, ...]:

@@ -52,7 +52,8 @@ class Receivers:
             header.block_size,
             check_dtype(header),
         )
-        cache = PagedLatentCache(layout, max(header.block_ids) + 1, "cpu")
+        # The blocks the shard names, and the cache's trash block after them.
+        cache = PagedLatentCache(layout, max(header.block_ids) + 2, "cpu")
         with self._lock:
             self.caches[(header.request_id, header.rank)] = cache
         return ShardTarget(cache, shard_slots(header))

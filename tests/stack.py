@@ -76,10 +76,12 @@ def services_in_threads(
     heartbeat_s: float | None = None,
     start_timeout_s: float = 300,
     prefix_cache_mb: float = 0.0,
+    chunk_tokens: int | None = None,
 ) -> Iterator[Services]:
     """The decode group of `cfg` and one prefill worker per KV transport on `cfg.model`, each
     serving from a thread; all stop when the block ends, also when start-up failed.
-    `prefix_cache_mb`: each prefill worker's latent prefix cache (0: none)."""
+    `prefix_cache_mb`: each prefill worker's latent prefix cache (0: none); `chunk_tokens`:
+    their prefill chunk (None: the device's default)."""
     stop, ready = threading.Event(), threading.Event()
     extra = {} if heartbeat_s is None else {"heartbeat_s": heartbeat_s}
     decode_port = free_port()
@@ -103,6 +105,7 @@ def services_in_threads(
                     "token": token,
                     "stop": stop,
                     "prefix_cache_mb": prefix_cache_mb,
+                    "chunk_tokens": chunk_tokens,
                     **extra,
                 },
                 daemon=True,

@@ -56,6 +56,7 @@ class Shard:
     # On a GPU: recorded on the stream that cut `kv`, after the cut. A send waits for this
     # event alone, not for whatever the producing stream queued since (the next prefill).
     ready: torch.cuda.Event | None = None
+    block_offset: int = 0  # token 0's slot in block_ids[0] (a chunk may start inside one)
 
     @property
     def n(self) -> Tensor:
@@ -93,6 +94,7 @@ class Shard:
             block_size=self.block_size,
             block_ids=list(self.block_ids),
             peer=peer,
+            block_offset=self.block_offset,
         )
 
 
@@ -133,6 +135,36 @@ def cut_shard(
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(kv.device))
     return Shard(request_id, target.rank, kv, w, block_size, target.block_ids, ready=ready)
+
+
+def cut_chunk(
+    n_layers: list[Tensor],
+    k_pe_layers: list[Tensor],
+    lo: int,
+    hi: int,
+    target: KvTargetInfo,
+    request_id: str,
+    block_size: int,
+) -> Shard:
+    """`target`'s part of rows [lo, hi) of the latents it is reserved for (row 0 = the first
+    token it is sent): one chunk of a prompt shipped as it is computed, into the blocks (and
+    from the slot) where the target's earlier rows end."""
+    if not target.token_ranges:
+        local, ranges = lo, ()
+    else:
+        pairs = list(zip(target.token_ranges[::2], target.token_ranges[1::2], strict=True))
+        local = sum(max(0, min(b, lo) - a) for a, b in pairs)  # its tokens before the chunk
+        clipped = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in pairs if a < hi and b > lo]
+        ranges = tuple(x for pair in clipped for x in pair)
+        if not ranges:  # owns none of the chunk: an empty shard, not sent
+            ranges = (0, 0)
+    first = local // block_size
+    part = dataclasses.replace(target, token_ranges=ranges, block_ids=target.block_ids[first:])
+    shard = cut_shard(n_layers, k_pe_layers, lo, hi, part, request_id, block_size)
+    used = -(-(local % block_size + shard.kv.shape[1]) // block_size)
+    return dataclasses.replace(
+        shard, block_ids=shard.block_ids[:used], block_offset=local % block_size
+    )
 
 
 def staged_on_host(shards: list[Shard]) -> list[Shard]:

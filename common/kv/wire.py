@@ -14,7 +14,8 @@ in order:
   instead of following it.
 
 The `KvHeader` that precedes a payload says what it holds (dtype, shape) and where it goes
-(its block table: tokens 0..N-1 fill the blocks in order); the helpers at the end read it the
+(its block table: tokens 0..N-1 fill the blocks in order, from slot `block_offset` of the
+first); the helpers at the end read it the
 same way on both ends, and raise `TransferError` on a header the rank cannot take.
 """
 
@@ -82,6 +83,7 @@ def cut_segments(
     slots: Tensor,
     block_size: int,
     row_bytes: int,
+    block_offset: int = 0,
 ) -> ShardSegments:
     """Cut a packed payload of `num_layers` x len(slots) rows into segments.
 
@@ -89,9 +91,9 @@ def cut_segments(
     wire dtype), so they agree on every message's size.
     """
     n = len(slots)
-    # Tokens 0..N-1 fill blocks in order, so groups of gcd(N, block_size) tokens sit in one
-    # block and never cross a layer.
-    group = 1 if n == 0 else math.gcd(n, block_size)
+    # Tokens 0..N-1 fill blocks in order from slot `block_offset` of the first, so groups of
+    # gcd(N, block_size, block_offset) tokens sit in one block and never cross a layer.
+    group = 1 if n == 0 else math.gcd(n, block_size, block_offset)
     group_slots = slots[::group].to(torch.int64).contiguous()
     if n == 0:
         return ShardSegments(num_layers, n, group, group_slots, ())
@@ -219,8 +221,9 @@ class ShardWriter:
 
 
 def shard_slots(header: kv_pb2.KvHeader) -> Tensor:
-    """Flat cache slots of the shard's tokens 0..N-1, from its block table."""
-    positions = torch.arange(header.num_tokens)
+    """Flat cache slots of the shard's tokens 0..N-1, from its block table (token 0 at slot
+    `block_offset` of the first block)."""
+    positions = torch.arange(header.num_tokens) + header.block_offset
     blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
     index = positions // header.block_size
     if len(positions) and int(index.max()) >= len(blocks):
@@ -249,4 +252,4 @@ def payload_bytes(h: kv_pb2.KvHeader) -> int:
 def shard_segments(h: kv_pb2.KvHeader, slots: Tensor | None = None) -> ShardSegments:
     """The segments of a packed payload with header `h`, as both ends cut it."""
     slots = shard_slots(h) if slots is None else slots
-    return cut_segments(h.num_layers, slots, h.block_size, row_bytes(h))
+    return cut_segments(h.num_layers, slots, h.block_size, row_bytes(h), h.block_offset)

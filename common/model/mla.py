@@ -181,22 +181,6 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)
         return backend.causal_mla(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens, self.scale)
 
-    def expanded_over_past(self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor) -> Tensor:
-        """`expanded` for Q new tokens of one prompt that continue a cached prefix: n [P + Q,
-        d_c] and k_pe [P + Q, d_r] hold the prefix's latents then the new tokens'; query i
-        attends over keys 0..P + i. Returns [Q, H, d_v]."""
-        q_len, total = q_nope.shape[0], n.shape[0]
-        kv = F.linear(n, self.kv_b_proj.weight).view(total, self.num_heads, self.d_n + self.d_v)
-        k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)
-        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)[None]  # [1, H, Q, d_qk]
-        k = torch.cat((k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)), dim=-1)
-        k = k.transpose(0, 1)[None]
-        valid = torch.ones(q_len, total, dtype=torch.bool, device=n.device).tril(total - q_len)
-        o = F.scaled_dot_product_attention(
-            q, k, v.transpose(0, 1)[None], attn_mask=valid, scale=self.scale
-        )
-        return o[0].transpose(0, 1)
-
     def absorb_query(self, q_nope: Tensor) -> Tensor:
         """q~^h = W_UK^h^T q_nope^h: [..., H, d_n] -> [..., H, d_c]."""
         return torch.einsum("...hn,hnc->...hc", q_nope, self.w_uk())

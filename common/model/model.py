@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from common.model.args import ModelConfig
 from common.model.mla import MLAttention, RMSNorm
 from common.model.moe import MLP, MoE
+from common.model.past_attention import absorbed_over_past, expanded_over_past
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding
 
@@ -259,8 +260,10 @@ def _over_past(
     absorbed: bool,
     backend: PrefillAttention,
 ) -> Tensor:
-    """Attention for a batch where some prompts continue a cached prefix: each prompt on its
-    own, a prompt without a past exactly as in a batch without any."""
+    """Attention for a batch where some prompts continue a cached prefix (or earlier chunks):
+    each prompt on its own, a prompt without a past exactly as in a batch without any, one with
+    a past in key tiles (common/model/past_attention.py), never holding its scores over the
+    whole prompt at once."""
     out = []
     for (start, end), past in zip(pairwise(cu), pasts, strict=True):
         rows = slice(start, end)
@@ -274,14 +277,8 @@ def _over_past(
         else:
             n_all = torch.cat([past.n[layer].to(n.dtype), n[rows]])
             k_all = torch.cat([past.k_pe[layer].to(k_pe.dtype), k_pe[rows]])
-            if absorbed:
-                q, p = end - start, past.length
-                valid = torch.ones(q, p + q, dtype=torch.bool, device=n.device).tril(p)
-                o = attn.absorbed(
-                    q_nope[None, rows], q_pe[None, rows], n_all[None], k_all[None], valid[None]
-                )[0]
-            else:
-                o = attn.expanded_over_past(q_nope[rows], q_pe[rows], n_all, k_all)
+            over = absorbed_over_past if absorbed else expanded_over_past
+            o = over(q_nope[rows], q_pe[rows], n_all, k_all, attn.kv_b_proj.weight, attn.scale)
         out.append(o)
     return torch.cat(out)
 

@@ -69,6 +69,14 @@ class PrefillMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.exposed_transfer_seconds = Histogram(
+            "tpla:kv_exposed_transfer_seconds",
+            "time from the end of a request's last prefill chunk to the last rank's ack (the "
+            "transfer time TTFT waits for; earlier chunks ship while later ones compute)",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.prefill_seconds = Histogram(
             "tpla:prefill_seconds",
             "exact MLA prefill of a batch",

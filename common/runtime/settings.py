@@ -59,6 +59,12 @@ class Settings(BaseSettings):
         ge=1,
         description="prompt tokens per prefill batch at most (a longer prompt runs alone)",
     )
+    prefill_chunk_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="a longer prompt is prefilled in chunks of this many tokens, one per "
+        "batch (0: never; unset: 8192 on CUDA, 1024 on the CPU)",
+    )
     attention_backend: str = Field(
         "auto", description="prefill attention: auto | sdpa | native (C++, fp32 CPU) | flash-attn"
     )

@@ -43,10 +43,15 @@ class JobTrace:
         self, start_ns: int, seconds: float, jobs: int, tokens: int, computed: int, reused: int
     ) -> None:
         """The job's batch: when it started, how long the prefill took, its size, and how
-        many of this job's tokens were computed or reused from the prefix cache."""
-        self.batch_start_ns, self.batch_end_ns = start_ns, start_ns + int(seconds * 1e9)
+        many of this job's tokens were computed or reused from the prefix cache. A prompt
+        prefilled in chunks calls it once per chunk: the span runs from its first chunk's
+        batch to its last one's, with every chunk's tokens (size: the last batch's)."""
+        if not self.batch_start_ns:
+            self.batch_start_ns, self.computed_tokens = start_ns, 0
+        self.batch_end_ns = start_ns + int(seconds * 1e9)
         self.batch_jobs, self.batch_tokens = jobs, tokens
-        self.computed_tokens, self.reused_tokens = computed, reused
+        self.computed_tokens += computed
+        self.reused_tokens = reused
 
     def timed(self, rank: int, address: str, send: Callable[..., int]) -> Callable[..., int]:
         """`send` (a KvSender's, returning bytes sent) recording one rank's push here."""

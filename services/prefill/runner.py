@@ -27,6 +27,9 @@ class PrefillRunner(abc.ABC):
     config: ModelConfig
     device: torch.device  # where the worker's logits and latents live
     transport: str  # the KV transport's name (metrics)
+    # Whether a long prompt may run chunk by chunk (the worker keeps its chunks' latents as
+    # their past). A prefill group's other ranks keep none between plans: not there.
+    chunks: bool = True
 
     @abc.abstractmethod
     def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
@@ -40,9 +43,11 @@ class PrefillRunner(abc.ABC):
         n: list[Tensor],
         k_pe: list[Tensor],
         timed: Callable[[int, str, Send], Send] | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> list[Future[int]]:
-        """Start `job`'s KV sends from its latents (positions `skip` on): each resolves to
-        the bytes a decode rank acknowledged, or fails with the send's error."""
+        """Start `job`'s KV sends from its latents (positions `skip` on; only rows [lo, hi)
+        of them with `rows`, a chunk): each resolves to the bytes a decode rank acknowledged,
+        or fails with the send's error."""
 
     @property
     def failed(self) -> BaseException | None:
@@ -77,8 +82,9 @@ class LocalRunner(PrefillRunner):
         n: list[Tensor],
         k_pe: list[Tensor],
         timed: Callable[[int, str, Send], Send] | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> list[Future[int]]:
-        return self.shipper.ship(job.order, n, k_pe, timed=timed)
+        return self.shipper.ship(job.order, n, k_pe, timed=timed, rows=rows)
 
     def close(self) -> None:
         self.shipper.close()

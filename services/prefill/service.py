@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -147,16 +147,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 )
             if not job.reservation.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
-            done = self.worker.submit(job).result(timeout=deadline)
+            pending = self.worker.submit(job)
+            # A caller that goes away (the client left, the router gave up) cancels the
+            # prompt: the worker computes none of its remaining chunks.
+            context.add_callback(pending.cancel)
+            try:
+                done = pending.result(timeout=deadline)
+            finally:
+                pending.cancel()
+        except CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, f"the prefill of {request.request_id} ended")
         except TimeoutError:
             err: TplaError = DeadlineExceeded(f"prefill of {request.request_id} timed out")
             context.abort(err.grpc_code, err.message)
         except TransferError as exc:
             err = TransferFailed(str(exc))
             context.abort(err.grpc_code, err.message)
-        except Unavailable as exc:  # this worker's prefill group failed: another worker may not
-            context.abort(exc.grpc_code, exc.message)
-        except (InvalidRequest, ValueError) as exc:
+        # Unavailable: this worker stopped, or its prefill group failed (another may not).
+        except (InvalidRequest, Unavailable, ValueError) as exc:
             err = exc if isinstance(exc, TplaError) else InvalidRequest(str(exc))
             context.abort(err.grpc_code, err.message)
         return result_to_pb(done)
@@ -201,6 +209,7 @@ def serve_prefill(
     attention_backend: str = "auto",
     threads: PrefillThreads | None = None,
     max_batch_tokens: int = 2048,
+    chunk_tokens: int | None = None,
     prefix_cache_mb: float = 0.0,
     stop: threading.Event | None = None,
     drain: threading.Event | None = None,
@@ -236,6 +245,7 @@ def serve_prefill(
         transfer_timeout_s=transfer_timeout_s,
         threads=threads,
         max_batch_tokens=max_batch_tokens,
+        chunk_tokens=chunk_tokens,
         grammars=GrammarCompiler.from_model_dir(model_dir, config.vocab_size, config.eos_token_ids),
         prefix_cache=cache,
     )

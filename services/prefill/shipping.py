@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.kv.transfer import KvSender, cut_shard
+from common.kv.transfer import KvSender, cut_chunk
 from common.messages import KvTargetInfo
 from common.model.model import PastLatents, PrefillOutput
 from common.runtime.device import use_device
@@ -60,14 +60,16 @@ class Shipper:
         rank: int = 0,
         tp: int = 1,
         timed: Callable[[int, str, Send], Send] | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> list[Future[int]]:
         """Start the sends of `order`'s shards that rank `rank` of `tp` ships; `n` / `k_pe`
-        are the prompt's latents from position `skip` on. `timed` wraps each send (a job's
-        trace)."""
-        rows = order.num_tokens - order.skip
+        are the prompt's latents from position `skip` on, of which rows [lo, hi) `rows` go
+        now (a chunk: each decode rank places them where its earlier rows end; None: all of
+        them). `timed` wraps each send (a job's trace)."""
+        lo, hi = rows if rows is not None else (0, order.num_tokens - order.skip)
         mine = [t for t in order.targets if ships(t.rank, rank, tp)]
         cut = [
-            cut_shard(n, k_pe, 0, rows, shifted(t, order.skip), order.request_id, order.block_size)
+            cut_chunk(n, k_pe, lo, hi, shifted(t, order.skip), order.request_id, order.block_size)
             for t in mine
         ]
         sends = []

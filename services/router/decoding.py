@@ -106,6 +106,7 @@ class Decoding:
             RequestState.TRANSFERRING,
             transfer_bytes=first.transfer_bytes,
             transfer_seconds=first.transfer_seconds,
+            exposed_transfer_seconds=first.exposed_transfer_seconds,
             prefill_seconds=first.prefill_seconds,
             prefill_cached_tokens=first.cached_tokens,
             decode_cached_tokens=run.reservation.cached_tokens if run.reservation else 0,

@@ -1,4 +1,8 @@
-"""The e2e stack: `tpla serve` (tests/stack.py) on a tiny chat model, one per module."""
+"""The e2e stack: `tpla serve` (tests/stack.py) on a tiny chat model, one per module.
+
+Its prefill workers prefill in chunks of 7 tokens (KV blocks of 16), every chunk shipped as
+it is computed: the tests' answers are held to `tpla generate`, which prefills whole, so
+every e2e test also holds chunked prefill to the unchunked answers."""
 
 from __future__ import annotations
 
@@ -19,6 +23,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path) -> Iterator[LocalStack]:
-    s = start_stack(tiny_model, "grpc")
+    s = start_stack(tiny_model, "grpc", PREFILL_CHUNK_TOKENS="7")
     yield s
     s.stop()

@@ -128,6 +128,9 @@ def test_redis_record_walks_the_state_machine(stack: LocalStack) -> None:
     record = httpx.get(f"{stack.url}/admin/requests/{resp.id}", timeout=10).json()
     states = [h["state"] for h in record["history"]]
     assert states == ["QUEUED", "PREFILLING", "TRANSFERRING", "DECODING", "FINISHED"]
+    # From the end of the prompt's last chunk to the last rank's ack (the prompt's chunks
+    # shipped as they were computed).
+    assert float(record["exposed_transfer_seconds"]) > 0
 
 
 def test_metrics_count_ttft(stack: LocalStack) -> None:

@@ -31,6 +31,7 @@ RECOVERY_TIMEOUT_S = 90.0
 # The stack's worker TTL, which is also how long the router skips a group it saw fail.
 WORKER_TTL_S = 3.0
 BLOCK_SIZE = 16  # the stack's KV block (the default)
+PREFILL_CHUNK = 8
 # Two streams carry sampling state that must survive a migration: penalties over the tokens
 # generated so far, and a grammar that resumes where it stopped (the new group replays them).
 CONTROLLED: dict[str, dict] = {
@@ -250,6 +251,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         TRANSFER_TIMEOUT_S="2",
         TOKEN_TIMEOUT_S="5",
         LEASE_SECONDS="10",
+        # Prompts run in chunks of 8 tokens, each shipped as it is computed: every fault
+        # below also meets prompts between their chunks.
+        PREFILL_CHUNK_TOKENS=str(PREFILL_CHUNK),
     )
     try:
         wait_recovered(s)
@@ -544,6 +548,53 @@ def test_push_to_a_stalled_group_moves_the_request_to_another_group(stack: Local
     placed = [h["decode_group"] for h in history if h["state"] == "PREFILLING"]
     assert placed[0] == victim and placed[-1] != victim, history
     assert any(h.get("retry_reason", "").startswith("transfer:") for h in history), history
+    wait_recovered(stack)
+
+
+def _prefill_batches(worker: dict) -> float:
+    """Batches the worker has prefilled (its `tpla:prefill_seconds` count)."""
+    host, port = worker["address"].rsplit(":", 1)
+    text = httpx.get(f"http://{host}:{int(port) + 1000}/metrics", timeout=10).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("tpla:prefill_seconds_count"))
+    return float(line.split()[-1])
+
+
+# Last but one: a prefill worker killed earlier in the module is back at its address, but the
+# router's channel to it may still be in gRPC's reconnect backoff for a while; by now it has
+# served again. (The retry here needs the other worker's channel ready.)
+def test_prefill_worker_killed_mid_prompt_leaves_nothing_held(stack: LocalStack) -> None:
+    """A prompt of about 100 chunks; its prefill worker is frozen after a few of them (their
+    KV already pushed into the reservation) and killed. The router retries on the other
+    worker, whose pushes overwrite the reservation's rows: the answer is the undisturbed one,
+    the record shows the retry, and no block stays held. The prompt is new to every prefix
+    cache (a cached one would be computed in one piece), and the undisturbed answer is asked
+    for afterwards."""
+    prompt = (
+        f"{time.time_ns()} long prompt: " + "the quick brown fox jumps over the lazy dog. " * 24
+    )
+    prefill = [
+        w
+        for w in workers(stack.url)
+        if w["role"] == "prefill" and w["healthy"] and _running(w["pid"])
+    ]
+    before = {w["worker_id"]: _prefill_batches(w) for w in prefill}
+    client = Client(stack.url, prompt, max_tokens=8)
+    pool, futures = run_clients([client])
+    deadline = time.monotonic() + CLIENT_TIMEOUT_S
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline, "no prefill worker started the prompt"
+        victim = next(
+            (w for w in prefill if _prefill_batches(w) >= before[w["worker_id"]] + 3), None
+        )
+    os.kill(victim["pid"], signal.SIGSTOP)
+    kill(victim["pid"])
+    (result,) = finish(pool, futures)
+    assert result.error is None, result.error
+    assert result.text == complete(stack.url, prompt, 8) and result.completion_tokens == 8
+    record = httpx.get(f"{stack.url}/admin/requests/{result.request_id}", timeout=10).json()
+    retried = [h for h in record["history"] if h.get("retry_reason")]
+    assert retried, record["history"]  # the victim had not finished the prompt
     wait_recovered(stack)
 
 

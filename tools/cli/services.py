@@ -98,6 +98,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         attention_backend=s.attention_backend,
         threads=PrefillThreads.from_settings(s),
         max_batch_tokens=s.prefill_batch_tokens,
+        chunk_tokens=s.prefill_chunk_tokens,
         prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
         group=group,
     )

@@ -53,6 +53,8 @@ REPORT_GRACE_S = 5.0
 
 
 class GroupRunner(PrefillRunner):
+    chunks = False  # the ranks keep no prompt's latents between plans
+
     def __init__(
         self,
         cfg: PrefillGroupConfig,
@@ -147,7 +149,10 @@ class GroupRunner(PrefillRunner):
         n: list[Tensor],
         k_pe: list[Tensor],
         timed: Callable[[int, str, Send], Send] | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> list[Future[int]]:
+        # Prompts run whole here (`chunks`), so each job ships once: every row.
+        assert rows is None or rows == (0, job.order.num_tokens - job.order.skip)
         sends = self.shipper.ship(job.order, n, k_pe, 0, self.cfg.tp, timed)
         return sends + self._reports.pop(job.seq, [])
 

@@ -1,0 +1,116 @@
+"""A prompt's progress through the prefill worker's batches, at most one chunk per batch.
+
+Lifecycle: queued (`started` False; it counts as `piece()` tokens against a batch's budget)
+-> started in its first batch, where its longest cached prefix becomes its `past` and `done`
+-> each batch computes its next piece, at most `chunk` tokens, over everything before it ->
+finished with the piece holding the last token, whose logits give the first token. A prompt
+that fits one piece never copies its latents; a longer one appends each piece's to a buffer
+of the whole prompt (the cached prefix first), which is the next piece's past, feeds the
+prefix cache block by block and is what ships at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from common.model.model import PastLatents, PrefillOutput
+from common.sampling.sampler import SampledToken
+from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.sends import PromptSends
+
+
+class PromptProgress:
+    def __init__(self, length: int, chunk: int, seq: int = 0) -> None:
+        """`length` prompt tokens in pieces of at most `chunk` (0: one piece, however long);
+        `seq`: the job's number in the worker's plans."""
+        if chunk < 0:
+            raise ValueError("chunk must be >= 0")
+        self.length, self.chunk, self.seq = length, chunk, seq
+        self.started = False
+        self.hashes: list[int] = []  # the prompt's full blocks, for the prefix cache
+        self.cached = 0  # leading tokens taken from the prefix cache
+        self.done = 0  # tokens whose latents exist (cached or computed)
+        self.seconds = 0.0  # the prefill time of the batches that computed its pieces
+        self.counted = length  # tokens still counted in the worker's queued tokens
+        self.logprobs: tuple[SampledToken, ...] = ()  # the prompt's, when asked, so far
+        self.sends = PromptSends()  # its KV pushes, a round per shipped chunk
+        self._past: PastLatents | None = None  # the cache hit, before any piece
+        self._n: list[Tensor] = []  # per layer [length, d_c], once it takes several pieces
+        self._k_pe: list[Tensor] = []
+
+    def start(self, hashes: list[int], past: PastLatents | None) -> None:
+        """Begin after the cached prefix `past` (None: from position 0)."""
+        self.started, self.hashes, self._past = True, hashes, past
+        self.cached = self.done = past.length if past is not None else 0
+
+    @property
+    def left(self) -> int:
+        return self.length - self.done
+
+    def piece(self) -> int:
+        """Tokens the next batch computes for this prompt."""
+        return min(self.left, self.chunk) if self.chunk else self.left
+
+    @property
+    def whole(self) -> bool:
+        """Whether the prompt is computed in one piece (after its cached prefix)."""
+        return self.done == self.cached and self.piece() == self.left
+
+    def past(self) -> PastLatents | None:
+        """What the next piece attends over: the cache hit, then the pieces computed."""
+        if not self._n:
+            return self._past
+        return PastLatents([n[: self.done] for n in self._n], [k[: self.done] for k in self._k_pe])
+
+    def add(self, n: list[Tensor], k_pe: list[Tensor], row: int) -> None:
+        """Keep the piece just computed: rows row..row + piece() of each layer's n / k_pe."""
+        size = self.piece()
+        if not self._n:
+            self._n = [_buffer(x, self.length) for x in n]
+            self._k_pe = [_buffer(x, self.length) for x in k_pe]
+            if self._past is not None:
+                for buf, x in zip(
+                    self._n + self._k_pe, self._past.n + self._past.k_pe, strict=True
+                ):
+                    buf[: self.cached] = x
+        for buf, x in zip(self._n + self._k_pe, n + k_pe, strict=True):
+            buf[self.done : self.done + size] = x[row : row + size]
+        self.done += size
+
+    def store(self, cache: LatentPrefixCache, before: int) -> None:
+        """Put the full blocks finished since position `before` into the prefix cache."""
+        bs = cache.block_size
+        first = before // bs * bs  # the block `before` ends inside was not full then
+        cache.store(self.hashes[: self.done // bs], self._n, self._k_pe, first, first)
+
+    def unshipped(
+        self, out: PrefillOutput, row: int, skip: int
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Per layer, the finished prompt's latents from position `skip` (the decode group
+        holds the rest) to its end. A prompt computed whole has them in `out` from row `row`
+        (positions cached..length) and in its cached prefix; a chunked one in its buffer."""
+        if self._n:
+            return [n[skip:] for n in self._n], [k[skip:] for k in self._k_pe]
+        end = row + self.length - self.cached
+        if skip >= self.cached:
+            lo = row + skip - self.cached
+            return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
+        past = self._past
+        assert past is not None
+        return (
+            [torch.cat([p[skip:], n[row:end]]) for p, n in zip(past.n, out.n, strict=True)],
+            [torch.cat([p[skip:], k[row:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
+        )
+
+
+def _buffer(like: Tensor, length: int) -> Tensor:
+    return torch.empty(length, like.shape[1], dtype=like.dtype, device=like.device)
+
+
+def default_chunk_tokens(device: torch.device) -> int:
+    """The chunk a prompt is prefilled in when the settings leave it out: on CUDA, 8192 tokens
+    keep the GEMMs large and bound the activations; the CPU computes a 1024-token piece in
+    about the time a short prompt takes to prefill, so the short prompts queued behind a long
+    one wait about one piece."""
+    return 8192 if device.type == "cuda" else 1024
