@@ -153,6 +153,34 @@ def mtp_prefill(
     return MTPOutput(out.logits, hidden, out.n[0], out.k_pe[0])
 
 
+def prompt_next_ids(ids: Tensor, seq_lens: Sequence[int], firsts: Sequence[int]) -> Tensor:
+    """Packed prompts [T] -> each row's token t + 1: the prompt shifted by one, each prompt's
+    first sampled token last (what `mtp_prefill` reads)."""
+    out = torch.empty_like(ids)
+    start = 0
+    for length, first in zip(seq_lens, firsts, strict=True):
+        out[start : start + length - 1] = ids[start + 1 : start + length]
+        out[start + length - 1] = first
+        start += length
+    return out
+
+
+def with_mtp_latents(
+    out: PrefillOutput,
+    layer: MTPLayer,
+    rope: RotaryEmbedding,
+    ids: Tensor,
+    seq_lens: list[int],
+    firsts: Sequence[int],
+) -> PrefillOutput:
+    """A main-model prefill's output with the MTP layer's latents over the same prompts as
+    one more layer (what the decode ranks' MTP cache layer holds): row t from the main
+    model's hidden state at t and token t + 1."""
+    assert out.hidden is not None
+    mtp = mtp_prefill(layer, rope, prompt_next_ids(ids, seq_lens, firsts), out.hidden, seq_lens)
+    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+
+
 def mtp_decode(
     layer: MTPLayer,
     rope: RotaryEmbedding,
