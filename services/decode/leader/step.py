@@ -125,9 +125,9 @@ class DecodeStep:
             live = LiveChoice(params, stream, seed, ctl, choice, replay)
             if spec.enabled:
                 # The prefill's last hidden state seeds mtp drafts (a fresh request's only).
-                seed = None if output_ids or resumed else hidden
+                last = None if output_ids or resumed else hidden
                 output = [*output_ids, seq.generated[0]]
-                live.drafts = proposer(spec, prompt, output, seed, seq.next_position - 1)
+                live.drafts = proposer(spec, prompt, output, last, seq.next_position - 1)
             self.live[seq.seq_id] = live
         for seq in seqs:
             live = self.live[seq.seq_id]
