@@ -55,6 +55,9 @@ class PrefillResult:
     choice_tokens: tuple[SampledToken, ...] = ()  # n > 1: every choice's first token, in order
     # Prompt tokens 1..N-1 (the first has no context to be predicted from), when asked for.
     prompt_logprobs: tuple[SampledToken, ...] = ()
+    # The prompt's last hidden state (before the final norm) where the decode group runs MTP
+    # drafts: its first step drafts from it.
+    hidden: tuple[float, ...] = ()
 
     @property
     def first_tokens(self) -> tuple[SampledToken, ...]:

@@ -181,6 +181,35 @@ def with_mtp_latents(
     return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
 
 
+def with_mtp_prompt(
+    out: PrefillOutput,
+    layer: MTPLayer,
+    rope: RotaryEmbedding,
+    ids: Tensor,
+    seq_lens: list[int],
+    past: Sequence[PastLatents | None] | None = None,
+) -> PrefillOutput:
+    """`with_mtp_latents` before the first tokens are sampled: each prompt's last row reads
+    its own token in place of the first sampled one. That row's latent is the only one that
+    differs, and the decode ranks' first draft pass writes it again from the first token
+    before it is read (services/decode/rank/draft_pass.py). `past`: each prompt's cached MTP
+    latents (one layer), its new rows after them."""
+    assert out.hidden is not None
+    next_ids = ids.clone()
+    next_ids[:-1] = ids[1:]
+    ends = torch.tensor(seq_lens, device=ids.device).cumsum(0) - 1
+    next_ids[ends] = ids[ends]
+    mtp = mtp_prefill(layer, rope, next_ids, out.hidden, seq_lens, past=past)
+    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+
+
+def split_past(past: PastLatents | None, start: int, end: int) -> PastLatents | None:
+    """Layers [start, end) of a cached prefix's latents."""
+    if past is None:
+        return None
+    return PastLatents(past.n[start:end], past.k_pe[start:end])
+
+
 def mtp_decode(
     layer: MTPLayer,
     rope: RotaryEmbedding,

@@ -148,6 +148,7 @@ def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
         cached_tokens=r.cached_tokens,
         first_tokens=[token_to_pb(t) for t in r.choice_tokens],
         prompt_logprobs=[token_to_pb(t) for t in r.prompt_logprobs],
+        hidden=r.hidden,
     )
 
 
@@ -160,6 +161,7 @@ def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
         msg.cached_tokens,
         tuple(token_from_pb(t) for t in msg.first_tokens),
         tuple(token_from_pb(t) for t in msg.prompt_logprobs),
+        tuple(msg.hidden),
     )
 
 

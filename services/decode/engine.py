@@ -193,7 +193,7 @@ class DecodeEngine:
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
         resumed: Sequence[ResumedChoice] = (),
-        hidden: Tensor | None = None,
+        hidden: Tensor | Sequence[float] | None = None,
     ) -> TokenStream:
         """Start the reserved request from each choice's first token (one per choice it was
         reserved for); its stream carries every choice's events. `output_ids`: what the
@@ -204,6 +204,7 @@ class DecodeEngine:
         `hidden`: the prefill's hidden state at the prompt's last position (before the final
         norm), from which mtp drafts start at the first step."""
         firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
+        last = None if hidden is None else torch.as_tensor(hidden, dtype=torch.float32)
         if resumed and (output_ids or len(resumed) != len(firsts)):
             raise SchedulerError("resumed choices need one first token each and no output_ids")
         stream = TokenStream(len(firsts))
@@ -213,7 +214,7 @@ class DecodeEngine:
 
         self._loop.call(
             lambda: self._step.start(
-                request_id, firsts, params, matcher, prompt_ids, output_ids, stream, resumed, hidden
+                request_id, firsts, params, matcher, prompt_ids, output_ids, stream, resumed, last
             )
         )
         return stream

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from common.kv.transfer import TransferError
 from common.messages import PrefillResult, Reservation
-from common.model.model import PastLatents
+from common.model.model import PastLatents, PrefillOutput
 from common.runtime.device import use_device
 from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import (
@@ -81,6 +81,13 @@ class FirstTokens:
 
     tokens: tuple[SampledToken, ...]
     prompt_logprobs: tuple[SampledToken, ...] = ()
+    hidden: tuple[float, ...] = ()  # the last position's hidden state, for MTP drafts
+
+
+def last_hidden(out: PrefillOutput, end: int) -> tuple[float, ...]:
+    """Row end - 1's hidden state before the final norm: a prompt's last position."""
+    assert out.hidden is not None
+    return tuple(out.hidden[end - 1].float().tolist())
 
 
 def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[SampledToken, ...]:
@@ -274,6 +281,7 @@ class PrefillWorker:
                     else prompt_logprobs(
                         out.logits[start : end - 1], job.prompt_ids, job.prompt_logprobs
                     ),
+                    last_hidden(out, end) if self.runner.sends_hidden else (),
                 )
                 n, k_pe = unshipped(out, start, end, pasts[row], job.cached_tokens)
                 self._ship(n, k_pe, job, plan.jobs[row], fut, first, prefill_s, hits[row])
@@ -393,6 +401,7 @@ class PrefillWorker:
                     reused,
                     first.tokens if len(first.tokens) > 1 else (),
                     first.prompt_logprobs,
+                    first.hidden,
                 )
             )
         if self.metrics is not None:

@@ -100,6 +100,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         max_batch_tokens=s.prefill_batch_tokens,
         prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
         group=group,
+        mtp=s.speculative == "mtp",
     )
 
 
