@@ -176,6 +176,7 @@ class RankModel(nn.Module):
         comm.sum_(f)
         return h + f
 
+    @torch.inference_mode()
     def mtp_rows(
         self,
         next_ids: Tensor,
