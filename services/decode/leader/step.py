@@ -256,7 +256,10 @@ class DecodeStep:
         out = []
         for seq, live in zip(batch, lives, strict=True):
             k = min(spec.tokens, draft_room(seq.max_tokens, len(seq.generated)), budget)
-            drafts = live.drafts.propose(k) if k > 0 and live.drafts and not live.replay else []
+            # A proposer of another method than the step's (speculate() switched it) idles.
+            own = isinstance(live.drafts, MtpDrafts) == (spec.method == "mtp")
+            ok = k > 0 and own and not live.replay
+            drafts = live.drafts.propose(k) if ok and live.drafts is not None else []
             budget -= len(drafts)
             out.append(drafts)
         return out
