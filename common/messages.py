@@ -57,6 +57,9 @@ class PrefillResult:
     prompt_logprobs: tuple[SampledToken, ...] = ()
     # From the end of the last chunk's compute to the last rank's ack: what TTFT waits for.
     exposed_transfer_seconds: float = 0.0
+    # The prompt's last hidden state (before the final norm) where the decode group runs MTP
+    # drafts: its first step drafts from it.
+    hidden: tuple[float, ...] = ()
 
     @property
     def first_tokens(self) -> tuple[SampledToken, ...]:

@@ -20,9 +20,11 @@ import torch
 from torch import Tensor
 
 from common.loading.loader import serving_dtype
+from common.loading.mtp_weights import build_mtp_layer
 from common.loading.weights import CheckpointWeights, build_model
 from common.model.fp8_gemm import choose_gemms
 from common.model.model import DeepseekForCausalLM
+from common.model.mtp import MTPLayer
 from common.model.prefill_attention import select_prefill_attention
 
 
@@ -55,13 +57,14 @@ def open_serving_weights(
     """The checkpoint's weights (in the side file's basis when `reparam` is set), read on
     demand in `dtype` onto `device` (an FP8 checkpoint's linears kept FP8 where `weight_dtype`
     says so), and the per-layer latent spectra of the model's own layers. `mtp`: the source
-    serves the MTP layers too (in the side file's basis when it covers them; their spectra
-    are `load_side_file(...).mtp_spectra()`)."""
+    serves the MTP layers too (in the side file's basis when it covers them), and the spectra
+    go on with theirs (None for one the side file does not cover)."""
     keep = keeps_fp8(weight_dtype, device)
     src = CheckpointWeights(model_dir, serving_dtype(dtype), device, keep_fp8=keep, mtp=mtp)
     layers = src.config.num_hidden_layers
+    extra = src.mtp_layers if mtp else 0
     if not reparam:
-        return src, [None] * layers
+        return src, [None] * (layers + extra)
     from common.tpla.convert import basis_rotations, load_side_file
 
     path = side_file_path(model_dir, reparam)
@@ -72,7 +75,7 @@ def open_serving_weights(
             "e_i = 1/r (run `tpla convert` to calibrate)",
             stacklevel=2,
         )
-        return src, [None] * layers
+        return src, [None] * (layers + extra)
     side = load_side_file(path)
     attn = "model.layers.{}.self_attn."
     rotations = basis_rotations(
@@ -83,7 +86,8 @@ def open_serving_weights(
     )
     if rotations is not None:
         src.use_basis(rotations)
-    return src, list(side.spectra())
+    covered: list[Tensor | None] = list(side.mtp_spectra())[:extra]
+    return src, [*side.spectra(), *covered, *[None] * (extra - len(covered))]
 
 
 def load_serving_model(
@@ -118,3 +122,23 @@ def load_prefill_model(
         attention_backend, weight.device, weight.dtype
     )
     return model
+
+
+def load_prefill_mtp(
+    model_dir: str | Path,
+    reparam: str | None,
+    main: DeepseekForCausalLM,
+    dtype: str = "float32",
+    device: str = "cpu",
+    weight_dtype: str = "auto",
+) -> MTPLayer:
+    """MTP module 0, whole, in the serving basis (as the decode ranks hold it), sharing the
+    main prefill model's embedding and head: what a prefill runs over a prompt for the
+    ranks' MTP cache layer."""
+    src, _ = open_serving_weights(model_dir, reparam, dtype, device, weight_dtype, mtp=True)
+    if not src.mtp_layers:
+        raise ValueError(
+            f"TPLA_SPECULATIVE=mtp: the model at {model_dir} has no MTP layer "
+            "(num_nextn_predict_layers is 0 or absent); use ngram or none"
+        )
+    return build_mtp_layer(src, 0, main)

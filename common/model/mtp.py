@@ -153,6 +153,63 @@ def mtp_prefill(
     return MTPOutput(out.logits, hidden, out.n[0], out.k_pe[0])
 
 
+def prompt_next_ids(ids: Tensor, seq_lens: Sequence[int], firsts: Sequence[int]) -> Tensor:
+    """Packed prompts [T] -> each row's token t + 1: the prompt shifted by one, each prompt's
+    first sampled token last (what `mtp_prefill` reads)."""
+    out = torch.empty_like(ids)
+    start = 0
+    for length, first in zip(seq_lens, firsts, strict=True):
+        out[start : start + length - 1] = ids[start + 1 : start + length]
+        out[start + length - 1] = first
+        start += length
+    return out
+
+
+def with_mtp_latents(
+    out: PrefillOutput,
+    layer: MTPLayer,
+    rope: RotaryEmbedding,
+    ids: Tensor,
+    seq_lens: list[int],
+    firsts: Sequence[int],
+) -> PrefillOutput:
+    """A main-model prefill's output with the MTP layer's latents over the same prompts as
+    one more layer (what the decode ranks' MTP cache layer holds): row t from the main
+    model's hidden state at t and token t + 1."""
+    assert out.hidden is not None
+    mtp = mtp_prefill(layer, rope, prompt_next_ids(ids, seq_lens, firsts), out.hidden, seq_lens)
+    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+
+
+def with_mtp_prompt(
+    out: PrefillOutput,
+    layer: MTPLayer,
+    rope: RotaryEmbedding,
+    ids: Tensor,
+    seq_lens: list[int],
+    past: Sequence[PastLatents | None] | None = None,
+) -> PrefillOutput:
+    """`with_mtp_latents` before the first tokens are sampled: each prompt's last row reads
+    its own token in place of the first sampled one. That row's latent is the only one that
+    differs, and the decode ranks' first draft pass writes it again from the first token
+    before it is read (services/decode/rank/draft_pass.py). `past`: each prompt's cached MTP
+    latents (one layer), its new rows after them."""
+    assert out.hidden is not None
+    next_ids = ids.clone()
+    next_ids[:-1] = ids[1:]
+    ends = torch.tensor(seq_lens, device=ids.device).cumsum(0) - 1
+    next_ids[ends] = ids[ends]
+    mtp = mtp_prefill(layer, rope, next_ids, out.hidden, seq_lens, past=past)
+    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+
+
+def split_past(past: PastLatents | None, start: int, end: int) -> PastLatents | None:
+    """Layers [start, end) of a cached prefix's latents."""
+    if past is None:
+        return None
+    return PastLatents(past.n[start:end], past.k_pe[start:end])
+
+
 def mtp_decode(
     layer: MTPLayer,
     rope: RotaryEmbedding,

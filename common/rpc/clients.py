@@ -92,13 +92,15 @@ class DecodeClient:
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
         resumed: Sequence[ResumedChoice] = (),
+        hidden: Sequence[float] = (),
         trace: Metadata = (),
     ) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens, every choice's (one first token each); ends when
         every choice has ended. `idle_timeout` bounds the wait for each event.
         `output_ids`: tokens generated before `first_token` elsewhere (a migrated n = 1
         request); `resumed`: a migrated n > 1 request's live choices, one per first token;
-        `prompt_ids`: only for a repetition penalty."""
+        `prompt_ids`: only for a repetition penalty; `hidden`: the prefill's last hidden
+        state (MTP drafts)."""
         firsts = first_token if isinstance(first_token, tuple) else (first_token,)
         call = self._stub.Generate(
             decode_pb2.GenerateRequest(
@@ -109,6 +111,7 @@ class DecodeClient:
                 prompt_ids=list(prompt_ids),
                 output_ids=list(output_ids),
                 resumed=[resumed_to_pb(c) for c in resumed],
+                hidden=list(hidden),
             ),
             metadata=self._md + trace,
         )

@@ -149,6 +149,7 @@ def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
         first_tokens=[token_to_pb(t) for t in r.choice_tokens],
         prompt_logprobs=[token_to_pb(t) for t in r.prompt_logprobs],
         exposed_transfer_seconds=r.exposed_transfer_seconds,
+        hidden=r.hidden,
     )
 
 
@@ -162,6 +163,7 @@ def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
         tuple(token_from_pb(t) for t in msg.first_tokens),
         tuple(token_from_pb(t) for t in msg.prompt_logprobs),
         msg.exposed_transfer_seconds,
+        tuple(msg.hidden),
     )
 
 

@@ -193,14 +193,18 @@ class DecodeEngine:
         prompt_ids: Sequence[int] = (),
         output_ids: Sequence[int] = (),
         resumed: Sequence[ResumedChoice] = (),
+        hidden: Tensor | Sequence[float] | None = None,
     ) -> TokenStream:
         """Start the reserved request from each choice's first token (one per choice it was
         reserved for); its stream carries every choice's events. `output_ids`: what the
         request generated before on another group (a migrated n = 1 request); `prompt_ids`:
         its prompt, needed only for a repetition penalty. Both feed the penalties and grammar.
         `resumed` (a migrated n > 1 request): the choice each fork continues and the tokens
-        it replays after its first token before it samples again (`DecodeStep.start`)."""
+        it replays after its first token before it samples again (`DecodeStep.start`).
+        `hidden`: the prefill's hidden state at the prompt's last position (before the final
+        norm), from which mtp drafts start at the first step."""
         firsts = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
+        last = None if hidden is None else torch.as_tensor(hidden, dtype=torch.float32)
         if resumed and (output_ids or len(resumed) != len(firsts)):
             raise SchedulerError("resumed choices need one first token each and no output_ids")
         stream = TokenStream(len(firsts))
@@ -210,7 +214,7 @@ class DecodeEngine:
 
         self._loop.call(
             lambda: self._step.start(
-                request_id, firsts, params, matcher, prompt_ids, output_ids, stream, resumed
+                request_id, firsts, params, matcher, prompt_ids, output_ids, stream, resumed, last
             )
         )
         return stream
@@ -276,7 +280,7 @@ class DecodeEngine:
         """Speculative decoding as `spec` says from the next step on, for requests started
         from then on (`tpla bench`, tests: one group serves with and without). Outputs do
         not change with it (docs/design.md §7)."""
-        check_proposer(spec, self.cfg.model)
+        check_proposer(spec, self.cfg.model, self.runtime.model.mtp is not None)
 
         def run() -> None:
             self._step.spec = spec

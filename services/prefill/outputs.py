@@ -1,4 +1,5 @@
-"""What a prefill job samples from its prompt's logits (`FirstTokens`)."""
+"""What a prefill job answers with besides its KV (`FirstTokens`): from its prompt's logits,
+and the last hidden state a decode group's MTP drafts start from."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from common.model.model import PrefillOutput
 from common.sampling.sampler import SampledToken
 
 
@@ -17,6 +19,13 @@ class FirstTokens:
 
     tokens: tuple[SampledToken, ...]
     prompt_logprobs: tuple[SampledToken, ...] = ()
+    hidden: tuple[float, ...] = ()  # the last position's hidden state, for MTP drafts
+
+
+def last_hidden(out: PrefillOutput, end: int) -> tuple[float, ...]:
+    """Row end - 1's hidden state before the final norm: a prompt's last position."""
+    assert out.hidden is not None
+    return tuple(out.hidden[end - 1].float().tolist())
 
 
 def prompt_logprobs(logits: Tensor, prompt_ids: list[int], top: int) -> tuple[SampledToken, ...]:

@@ -19,6 +19,7 @@ from torch import Tensor
 from common.kv.transfer import KvSender
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.model.mtp import MTPLayer, split_past, with_mtp_prompt
 from services.prefill.plan import BatchPlan, JobPlan
 from services.prefill.shipping import Send, Shipper
 
@@ -30,6 +31,9 @@ class PrefillRunner(abc.ABC):
     # Whether a long prompt may run chunk by chunk (the worker keeps its chunks' latents as
     # their past). A prefill group's other ranks keep none between plans: not there.
     chunks: bool = True
+    # Its output holds the MTP layer's latents as one more layer: the worker sends each
+    # prompt's last hidden state with its first token (the decode ranks' first drafts).
+    sends_hidden: bool = False
 
     @abc.abstractmethod
     def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
@@ -62,19 +66,29 @@ class PrefillRunner(abc.ABC):
 
 
 class LocalRunner(PrefillRunner):
-    """The whole model here; this process ships every decode rank's shard."""
+    """The whole model here; this process ships every decode rank's shard. With `mtp` (the
+    decode ranks run MTP drafts), its latents over the prompts are one more layer of the
+    batch's output (`with_mtp_prompt`), shipped and cached with the others."""
 
-    def __init__(self, model: DeepseekForCausalLM, sender: KvSender) -> None:
-        self.model = model
+    def __init__(
+        self, model: DeepseekForCausalLM, sender: KvSender, mtp: MTPLayer | None = None
+    ) -> None:
+        self.model, self.mtp = model, mtp
+        self.sends_hidden = mtp is not None
         self.config = model.config
         self.device = model.lm_head.weight.device
         self.transport = sender.name
         self.shipper = Shipper(sender, self.device)
 
     def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
-        return self.model.prefill(
-            plan.ids(self.device), plan.lens, all_logits=plan.all_logits, past=past
-        )
+        ids = plan.ids(self.device)
+        if self.mtp is None:
+            return self.model.prefill(ids, plan.lens, all_logits=plan.all_logits, past=past)
+        layers = self.config.num_hidden_layers
+        main = None if past is None else [split_past(p, 0, layers) for p in past]
+        out = self.model.prefill(ids, plan.lens, all_logits=plan.all_logits, past=main)
+        own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
+        return with_mtp_prompt(out, self.mtp, self.model.rope, ids, plan.lens, own)
 
     def ship(
         self,

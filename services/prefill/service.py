@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes, model_identity
 from common.kv.transfer import TransferError, make_sender
-from common.loading.serving_model import load_prefill_model
+from common.loading.serving_model import load_prefill_model, load_prefill_mtp
 from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
 from common.rpc.clients import CHANNEL_OPTIONS
@@ -214,17 +214,25 @@ def serve_prefill(
     stop: threading.Event | None = None,
     drain: threading.Event | None = None,
     group: PrefillGroupConfig | None = None,
+    mtp: bool = False,
 ) -> int:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`, or `drain` and its drain);
     blocks; the exit code (1: its prefill group failed). `group`: run its batches on a
-    prefill group of `group.tp` ranks (its model settings are the group's). PortInUse (a
-    ValueError) if its gRPC or metrics port is taken."""
+    prefill group of `group.tp` ranks (its model settings are the group's). `mtp`: the
+    decode groups run MTP drafts (TPLA_SPECULATIVE=mtp): the MTP layer's prompt latents go
+    with the others, the last hidden state with the first token. PortInUse (a ValueError) if
+    its gRPC or metrics port is taken."""
     grpc_use, metrics_use = prefill_worker_ports(port)
     check_ports(host, [grpc_use, metrics_use])  # before the model loads
     spans = setup_tracing("tpla-prefill")
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
     runner: PrefillRunner
     if group is not None and (group.tp > 1 or not group.spawned):
+        if mtp:
+            raise ValueError(
+                "TPLA_SPECULATIVE=mtp: a prefill group (tp > 1) does not run the MTP layer "
+                "yet; serve MTP drafts with a tp = 1 prefill worker"
+            )
         group = replace(group, worker_id=worker_id)
         runner = GroupRunner.start(group, load_group_rank)
         cache = prefix_cache(group)
@@ -233,7 +241,10 @@ def serve_prefill(
             model_dir, reparam, dtype, attention_backend, device, weight_dtype
         )
         log.info("prefill attention backend: %s", model.prefill_attention.name)
-        runner = LocalRunner(model, make_sender(transport, worker_id, token))
+        layer = None
+        if mtp:
+            layer = load_prefill_mtp(model_dir, reparam, model, dtype, device, weight_dtype)
+        runner = LocalRunner(model, make_sender(transport, worker_id, token), layer)
         budget = int(prefix_cache_mb * 2**20)
         identity = model_identity(model_dir, reparam)
         cache = LatentPrefixCache(identity, budget) if budget > 0 else None

@@ -44,7 +44,7 @@ from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
 from services.prefill.job_trace import JobTrace
 from services.prefill.latent_cache import LatentPrefixCache
-from services.prefill.outputs import FirstTokens, prompt_logprobs
+from services.prefill.outputs import FirstTokens, last_hidden, prompt_logprobs
 from services.prefill.plan import BatchPlan, JobPlan
 from services.prefill.progress import PromptProgress, default_chunk_tokens
 from services.prefill.runner import PrefillRunner
@@ -333,6 +333,7 @@ class PrefillWorker:
                 position=len(job.prompt_ids),
             ),
             progress.logprobs,
+            last_hidden(out, end) if self.runner.sends_hidden else (),
         )
         if whole:
             rows = progress.unshipped(out, start, job.cached_tokens)
@@ -433,6 +434,7 @@ class PrefillWorker:
                     first.tokens if len(first.tokens) > 1 else (),
                     first.prompt_logprobs,
                     exposed_s,
+                    first.hidden,
                 )
             )
         if self.metrics is not None:

@@ -57,15 +57,16 @@ class Decoding:
         feeds = first.first_tokens
         generated = [[t.token_id] for t in feeds]  # each choice's: what a migration re-feeds
         resumed: tuple[ResumedChoice, ...] = ()  # after an n > 1 migration: each fork's
+        hidden = first.hidden  # the first group's MTP drafts start from it; a migration's not
         for index, token in enumerate(feeds):
             yield index, token
         while True:
             if req.n == 1:
                 # The group starts from `feeds`; the rest of `generated` came before.
                 params = _remaining(req.params, len(generated[0]) - 1)
-                stream = self._decode_stream(run, feeds, params, generated[0][:-1])
+                stream = self._decode_stream(run, feeds, params, generated[0][:-1], (), hidden)
             else:
-                stream = self._decode_stream(run, feeds, req.params, [], resumed)
+                stream = self._decode_stream(run, feeds, req.params, [], resumed, hidden)
             try:
                 async with contextlib.aclosing(stream) as events:
                     async for index, token in events:
@@ -76,6 +77,7 @@ class Decoding:
             except Unavailable as exc:
                 if not self._may_migrate(run, generated):
                     raise
+                hidden = ()
                 await self._leave_failed(run, generated, exc)
                 if req.n == 1:
                     feed = await self._migrate(run, generated[0], exc)
@@ -121,10 +123,12 @@ class Decoding:
         params: SamplingParams,
         earlier: list[int],
         resumed: tuple[ResumedChoice, ...] = (),
+        hidden: tuple[float, ...] = (),
     ) -> AsyncIterator[tuple[int, SampledToken | None]]:
         """Decode.Generate on the current group from each fork's `feeds` token, as
         `tokens` yields it (`earlier`: what an n = 1 request generated before `feeds`
-        elsewhere; `resumed`: a migrated n > 1 request's choice and replay per fork). A group
+        elsewhere; `resumed`: a migrated n > 1 request's choice and replay per fork; `hidden`:
+        the prefill's last hidden state, where MTP drafts start). A group
         that dies, or sends nothing for token_timeout_s, raises Unavailable (which may
         migrate the request)."""
         req = run.req
@@ -148,6 +152,7 @@ class Decoding:
             prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else (),
             output_ids=earlier,
             resumed=resumed,
+            hidden=hidden,
             trace=spans.metadata(span),
         )
         left = len(feeds)

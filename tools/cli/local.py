@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from common.kv.transfer import cut_shard
-from common.loading.serving_model import load_prefill_model, side_file_path
+from common.loading.serving_model import load_prefill_model, load_prefill_mtp, side_file_path
 from common.messages import Reservation, TokenEvent
 from common.model.generate import Generation
 from common.model.model import DeepseekForCausalLM, PrefillOutput
+from common.model.mtp import MTPLayer, with_mtp_latents
 from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
@@ -42,23 +43,35 @@ def submit(
     prefill: DeepseekForCausalLM,
     prompts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
+    mtp: MTPLayer | None = None,
 ) -> list[tuple[SampledToken, TokenStream]]:
-    """Prefill a batch of prompts and start their decode; returns (first token, stream) each."""
+    """Prefill a batch of prompts and start their decode; returns (first token, stream) each.
+    With `mtp` (the engine's ranks hold the MTP module), its latents over the prompts go to
+    the ranks as one more layer and each prompt's last hidden state seeds the drafts."""
     device = prefill.lm_head.weight.device
+    lens = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
-    out = prefill.prefill(ids, [len(p) for p in prompts])
-    started = []
-    start = 0
+    out = prefill.prefill(ids, lens)
+    firsts = []
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        rid = uuid.uuid4().hex
-        reservation = engine.reserve(rid, len(prompt), p.max_tokens)
-        write_prompt(engine, reservation, out, start, start + len(prompt))
         eos, vocab = engine.eos_token_ids, prefill.config.vocab_size
         matcher = engine.controls.matcher(p, [])
         allowed = None if matcher is None else allowed_now(matcher, vocab, device)
         context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
         [first] = first_tokens(out.logits[row], p, 1, context, position=len(prompt))
-        started.append((first, engine.generate(rid, first.token_id, p, prompt)))
+        firsts.append(first)
+    if mtp is not None:
+        out = with_mtp_latents(out, mtp, prefill.rope, ids, lens, [f.token_id for f in firsts])
+    started = []
+    start = 0
+    for prompt, p, first in zip(prompts, params, firsts, strict=True):
+        rid = uuid.uuid4().hex
+        reservation = engine.reserve(rid, len(prompt), p.max_tokens)
+        write_prompt(engine, reservation, out, start, start + len(prompt))
+        assert out.hidden is not None
+        hidden = out.hidden[start + len(prompt) - 1] if mtp is not None else None
+        stream = engine.generate(rid, first.token_id, p, prompt, hidden=hidden)
+        started.append((first, stream))
         start += len(prompt)
     return started
 
@@ -132,7 +145,10 @@ def generate_distributed(
             cfg.device,
             cfg.weight_dtype,
         )
-        [(first, stream)] = submit(engine, prefill, [prompt_ids], [params])
+        mtp = None
+        if cfg.speculative.method == "mtp":
+            mtp = load_prefill_mtp(cfg.model, cfg.reparam, prefill, cfg.dtype, cfg.device)
+        [(first, stream)] = submit(engine, prefill, [prompt_ids], [params], mtp)
         result = collect(first, stream)
     tokens = [first] + [e.token for e in result.events if e.token is not None]
     return Generation(result.token_ids, tokens, result.finish_reason)

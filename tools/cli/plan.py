@@ -41,7 +41,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--speculative mtp: {path} has no MTP layer (num_nextn_predict_layers is 0 or unset)"
         )
-    mtp_loaded = ckpt.mtp_layers if args.speculative == "mtp" else 0
+    # The decode ranks load MTP module 0 and chain drafts through it (V3 ships one).
+    mtp_loaded = min(ckpt.mtp_layers, 1) if args.speculative == "mtp" else 0
     hardware = Hardware(
         gpu_mem_bytes=round(args.gpu_mem_gib * GIB),
         gpus_per_group=args.gpus_per_group,

@@ -101,6 +101,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         chunk_tokens=s.prefill_chunk_tokens,
         prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
         group=group,
+        mtp=s.speculative == "mtp",
     )
 
 

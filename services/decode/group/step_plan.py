@@ -6,7 +6,9 @@ Every plan is a fixed 8-word header, then an op-specific int64 payload:
               bucket (services/decode/group/buckets.py): the leader pads the batch with
               rows whose table is all -1 (their write goes to the trash slot, their logits
               are dropped), so every rank runs the same static shapes. Header word 6 set:
-              each rank counts its step's host waits (`tpla bench decode-step`)
+              each rank counts its step's host waits (`tpla bench decode-step`). Header
+              word 7 set: an MTP draft pass follows (`MtpPlan`): 4 words (M, S, E, D),
+              then rows [4, M], drafts [3, S] and seeds [E, D] as fp32 bits
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
     COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 or tp as above):
               every rank copies its pairs' slots, all layers (a forked sequence's own copy
@@ -39,6 +41,44 @@ class Op(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class MtpPlan:
+    """A step's MTP draft pass (services/decode/rank/draft_pass.py), before its rows run.
+
+    Pass row m runs the MTP module at position t = rows[2, m] on token t + 1 = rows[1, m]
+    and the main model's hidden state at t: row rows[0, m] of the previous step's (>= 0) or
+    seed -1 - rows[0, m] (< 0: a prefill's last hidden state); its latents go where the step
+    row rows[3, m] (the same sequence's) says. Drafting sequence s takes its first draft from
+    pass row drafts[0, s] into step row drafts[1, s] and chains drafts[2, s] drafts in all,
+    into the rows after it."""
+
+    rows: Tensor  # [4, M] int64
+    drafts: Tensor  # [3, S] int64
+    seeds: Tensor  # [E, D] float32
+
+    def words(self) -> Tensor:
+        e, d = self.seeds.shape
+        bits = self.seeds.contiguous().flatten()
+        if bits.numel() % 2:
+            bits = torch.cat((bits, bits.new_zeros(1)))
+        sizes = torch.tensor([self.rows.shape[1], self.drafts.shape[1], e, d])
+        return torch.cat(
+            (sizes, self.rows.flatten(), self.drafts.flatten(), bits.view(torch.int64))
+        )
+
+    @staticmethod
+    def read(comm: Comm) -> MtpPlan:
+        sizes = torch.zeros(4, dtype=torch.int64)
+        comm.broadcast_plan_(sizes)
+        m, s, e, d = (int(v) for v in sizes)
+        payload = torch.empty(4 * m + 3 * s + -(-e * d // 2), dtype=torch.int64)
+        comm.broadcast_plan_(payload)
+        seeds = payload[4 * m + 3 * s :].view(torch.float32)[: e * d].view(e, d)
+        return MtpPlan(
+            payload[: 4 * m].view(4, m), payload[4 * m : 4 * m + 3 * s].view(3, s), seeds
+        )
+
+
+@dataclass(frozen=True)
 class DecodePlan:
     tokens: Tensor  # [B] int64
     positions: Tensor  # [B] int64
@@ -46,6 +86,9 @@ class DecodePlan:
     # Each rank counts its step's host waits and returns the count as one extra logits row
     # (services/decode/rank/runtime.py).
     count_syncs: bool = False
+    # The MTP draft pass that fills the draft rows' tokens first; the ranks then return the
+    # step's tokens after its logits (`token_rows`).
+    mtp: MtpPlan | None = None
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -93,6 +136,7 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         header[:4] = torch.tensor([Op.DECODE, b, m, 0])
         header[5] = r
         header[6] = int(plan.count_syncs)
+        header[7] = int(plan.mtp is not None)
         payload = torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()])
     elif isinstance(plan, CopyPlan):
         r, p, _ = plan.pairs.shape
@@ -104,6 +148,10 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         payload = plan.slots
     comm.broadcast_plan_(header)
     comm.broadcast_plan_(payload.to(torch.int64).contiguous())
+    if isinstance(plan, DecodePlan) and plan.mtp is not None:
+        words = plan.mtp.words()
+        comm.broadcast_plan_(words[:4].clone())
+        comm.broadcast_plan_(words[4:].clone())
 
 
 def recv_plan(comm: Comm) -> Plan:
@@ -120,7 +168,8 @@ def recv_plan(comm: Comm) -> Plan:
         payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
         comm.broadcast_plan_(payload)
         tables = payload[2 * b :].view(r, b, m)
-        return DecodePlan(payload[:b], payload[b : 2 * b], tables, count)
+        mtp = MtpPlan.read(comm) if header[7] else None
+        return DecodePlan(payload[:b], payload[b : 2 * b], tables, count, mtp)
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
         payload = torch.empty(r * p * 2, dtype=torch.int64)
@@ -130,3 +179,26 @@ def recv_plan(comm: Comm) -> Plan:
     payload = torch.empty(n, dtype=torch.int64)
     comm.broadcast_plan_(payload)
     return WritePlan(int(header[4]), payload)
+
+
+# Token ids cross the logits gather as base-256 digits: every digit below 256 is exact in
+# any float dtype the logits may have (bf16 included); three digits cover ids below 2^24.
+ID_DIGITS = 3
+
+
+def token_rows(tokens: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """Token ids [B] -> rows [X, width] of their digits, to append to a logits slice."""
+    digits = torch.stack([(tokens >> (8 * i)) & 255 for i in range(ID_DIGITS)], dim=1)
+    flat = digits.flatten().to(dtype)
+    rows = -(-flat.numel() // width)
+    return torch.nn.functional.pad(flat, (0, rows * width - flat.numel())).view(rows, width)
+
+
+def token_row_count(count: int, width: int) -> int:
+    return -(-count * ID_DIGITS // width)
+
+
+def read_token_rows(rows: Tensor, count: int) -> list[int]:
+    """`token_rows` back to `count` ids (host rows)."""
+    digits = rows.flatten()[: count * ID_DIGITS].view(count, ID_DIGITS).to(torch.int64)
+    return (digits * torch.tensor([1, 256, 65536])).sum(1).tolist()

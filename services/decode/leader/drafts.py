@@ -5,7 +5,9 @@ asked before a step for up to k drafts; the step verifies them (leader/verify.py
 draft only ever costs a row, never a wrong token. `ngram` (prompt lookup) needs no model:
 the longest recent n-gram (n = 4 down to 1) that ends the sequence and occurred before
 proposes the tokens that followed its latest earlier occurrence. Its state is the sequence's
-tokens, which a migrated request carries, so it moves with the request.
+tokens, which a migrated request carries, so it moves with the request. `mtp` drafts are
+made on the ranks, in the step (services/decode/rank/draft_pass.py): its state here is only
+where the main model's newest hidden states are, and the tokens after them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from torch import Tensor
 
 from services.decode.config import SpecConfig
 
@@ -47,6 +51,40 @@ class NgramDrafts:
         return []
 
 
+# A pass row's hidden state from the request's prefill (MtpDrafts.seed), not a step's row.
+SEED = -1
+
+
+class MtpDrafts:
+    """One sequence's MTP draft state: its positions the MTP module has still to run at
+    (rows: (the step row holding the main model's hidden state there, or SEED; the token
+    after it; the position)), the last step's kept rows or its prefill's last position. The
+    step's draft pass runs them, then drafts from the last one (DecodeStep, MtpPlan)."""
+
+    def __init__(self, seed: Tensor | None = None, first_token: int = 0, position: int = 0) -> None:
+        self.seed = seed
+        self.rows: list[tuple[int, int, int]] = []
+        if seed is not None:
+            self.rows = [(SEED, first_token, position)]
+
+    def propose(self, k: int) -> list[int]:
+        """k placeholders (the ranks fill them in) where the module can run; none before
+        the sequence's first step without a prefill's hidden state."""
+        return [0] * k if self.rows else []
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Nothing: a step's kept rows come through `kept`."""
+
+    def kept(self, start: int, position: int, tokens: Sequence[int]) -> None:
+        """The step's rows from `start` (row i at position + i) kept `tokens`: row i's
+        hidden state and token i are the next pass's row i."""
+        self.seed = None
+        self.rows = [(start + i, token, position + i) for i, token in enumerate(tokens)]
+
+
+Proposer = NgramDrafts | MtpDrafts
+
+
 def mtp_layers(model_dir: str) -> int:
     """The checkpoint's multi-token-prediction layers (DeepSeek-V3's
     `num_nextn_predict_layers`; 0 without)."""
@@ -54,8 +92,10 @@ def mtp_layers(model_dir: str) -> int:
     return int(config.get("num_nextn_predict_layers") or 0)
 
 
-def check_proposer(spec: SpecConfig, model_dir: str) -> None:
-    """ValueError when the configured proposer cannot run on this model."""
+def check_proposer(spec: SpecConfig, model_dir: str, mtp_loaded: bool = True) -> None:
+    """ValueError when the configured proposer cannot run on this model (`mtp_loaded`:
+    whether the group's ranks hold the MTP module, which they load at start-up only when
+    started with TPLA_SPECULATIVE=mtp)."""
     if spec.method != "mtp":
         return
     if not mtp_layers(model_dir):
@@ -63,13 +103,22 @@ def check_proposer(spec: SpecConfig, model_dir: str) -> None:
             f"TPLA_SPECULATIVE=mtp: the model at {model_dir} has no MTP layer "
             "(num_nextn_predict_layers is 0 or absent); use ngram or none"
         )
-    raise ValueError(
-        "TPLA_SPECULATIVE=mtp: MTP drafts are not built yet (the MTP layer is not loaded); "
-        "use ngram or none"
-    )
+    if not mtp_loaded:
+        raise ValueError(
+            "mtp drafts need the MTP module on the ranks: start the group with TPLA_SPECULATIVE=mtp"
+        )
 
 
-def proposer(spec: SpecConfig, prompt_ids: Sequence[int], output: Sequence[int]) -> NgramDrafts:
-    """A new sequence's proposer, holding what it has so far."""
+def proposer(
+    spec: SpecConfig,
+    prompt_ids: Sequence[int],
+    output: Sequence[int],
+    seed: Tensor | None = None,
+    position: int = 0,
+) -> Proposer:
+    """A new sequence's proposer, holding what it has so far (`seed`, mtp: its prefill's
+    last hidden state, at `position`, before the first output token)."""
+    if spec.method == "mtp":
+        return MtpDrafts(seed, output[-1], position)
     assert spec.method == "ngram", spec.method  # check_proposer refused the others
     return NgramDrafts([*prompt_ids, *output])

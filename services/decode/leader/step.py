@@ -11,6 +11,7 @@ that feed them in place of what it samples. Runs on the leader's loop thread onl
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -20,17 +21,18 @@ import torch
 from torch import Tensor
 
 from common.messages import ResumedChoice, TokenEvent
-from common.runtime.host_syncs import HostSyncCounter
-from common.runtime.transfers import to_device
+from common.runtime.host_syncs import HostSyncCounter, host_side
+from common.runtime.transfers import to_device, to_host
 from common.sampling.grammar import GrammarMatcher
 from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, request_seed, sample_batch
 from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
 from services.decode.group.start import RunningGroup
-from services.decode.group.step_plan import CopyPlan, DecodePlan, send_plan
+from services.decode.group.step_plan import CopyPlan, DecodePlan, MtpPlan, send_plan
 from services.decode.leader.controls import SequenceControls, StepControls
-from services.decode.leader.drafts import NgramDrafts, check_proposer, proposer
+from services.decode.leader.drafts import MtpDrafts, Proposer, check_proposer, proposer
+from services.decode.leader.mtp_plan import fed_drafts, fed_rows, mtp_plan, start_copy
 from services.decode.leader.scheduler import DecodeSequence, Scheduler
 from services.decode.leader.speculation import Acceptance
 from services.decode.leader.verify import StepRows, draft_room, kept_tokens
@@ -48,7 +50,7 @@ class LiveChoice:
     choice: int = 0  # its index in the request (a resumed choice's need not be its fork's)
     # A resumed choice's own earlier tokens, still to be fed in place of its samples.
     replay: deque[int] = field(default_factory=deque)
-    drafts: NgramDrafts | None = None  # its draft proposer (speculative decoding on)
+    drafts: Proposer | None = None  # its draft proposer (speculative decoding on)
     drafted: int = 0  # drafts fed for it, and how many of them it kept
     accepted: int = 0
 
@@ -83,7 +85,7 @@ class DecodeStep:
         # CPU step is not padded: a padding row or block is work for nothing there.
         self.bucketed = runtime.graphs is not None
         self.last_host_syncs = 0
-        check_proposer(cfg.speculative, cfg.model)
+        check_proposer(cfg.speculative, cfg.model, runtime.model.mtp is not None)
         self.spec = cfg.speculative
         self.acceptance = Acceptance()
 
@@ -97,6 +99,7 @@ class DecodeStep:
         output_ids: Sequence[int],
         stream: TokenStream,
         resumed: Sequence[ResumedChoice] = (),
+        hidden: Tensor | None = None,
     ) -> None:
         """The reserved request's choices go live from their first tokens (see
         `DecodeEngine.generate`); a choice its first token ends finishes at once.
@@ -121,7 +124,10 @@ class DecodeStep:
             replay = deque(resumed[k].replay if resumed else ())
             live = LiveChoice(params, stream, seed, ctl, choice, replay)
             if spec.enabled:
-                live.drafts = proposer(spec, prompt, [*output_ids, seq.generated[0]])
+                # The prefill's last hidden state seeds mtp drafts (a fresh request's only).
+                last = None if output_ids or resumed else hidden
+                output = [*output_ids, seq.generated[0]]
+                live.drafts = proposer(spec, prompt, output, last, seq.next_position - 1)
             self.live[seq.seq_id] = live
         for seq in seqs:
             live = self.live[seq.seq_id]
@@ -140,10 +146,19 @@ class DecodeStep:
         with counter:
             lives = [self.live[seq.seq_id] for seq in batch]
             rows = StepRows(self._drafts(batch, lives))
-            logits, rank_syncs = self._logits(batch, rows)
+            positions = [seq.next_position for seq in batch]
             sizes = rows.sizes
             params = [live.params for live, n in zip(lives, sizes, strict=True) for _ in range(n)]
             processed = any(p.processed for p in params)
+            logits, rank_syncs, fed = self._logits(batch, rows, self._mtp(lives, rows))
+            copied = None
+            if fed is not None and rows.speculative:
+                if processed:  # the processors count the drafts: read them first
+                    fed = to_host(fed)
+                    with host_side():
+                        rows = fed_drafts(fed, rows)
+                else:  # read after the sampler's one wait, which this copy precedes
+                    copied = start_copy(fed)
             context = None
             if processed:
                 context = self.controls.context(
@@ -157,6 +172,9 @@ class DecodeStep:
                 for j in range(n)
             ]
             sampled = rows.split(sample_batch(logits, params, keys, context))
+            if copied is not None:
+                with host_side():
+                    rows = fed_drafts(copied, rows)
             runs = [kept_tokens(d, s) for d, s in zip(rows.drafts, sampled, strict=True)]
             replayed = [bool(live.replay) for live in lives]
             if any(replayed):
@@ -187,7 +205,11 @@ class DecodeStep:
                 self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
                 if reason is not None:
                     self.drop(seq.seq_id)
-            if live.drafts is not None:
+            if isinstance(live.drafts, MtpDrafts):
+                live.drafts.kept(
+                    start, positions[s], [t.token_id for t in runs[s][: len(reasons[s])]]
+                )
+            elif live.drafts is not None:
                 live.drafts.extend(t.token_id for t in runs[s][: len(reasons[s])])
 
     def _finishes(
@@ -234,7 +256,10 @@ class DecodeStep:
         out = []
         for seq, live in zip(batch, lives, strict=True):
             k = min(spec.tokens, draft_room(seq.max_tokens, len(seq.generated)), budget)
-            drafts = live.drafts.propose(k) if k > 0 and live.drafts and not live.replay else []
+            # A proposer of another method than the step's (speculate() switched it) idles.
+            own = isinstance(live.drafts, MtpDrafts) == (spec.method == "mtp")
+            ok = k > 0 and own and not live.replay
+            drafts = live.drafts.propose(k) if ok and live.drafts is not None else []
             budget -= len(drafts)
             out.append(drafts)
         return out
@@ -285,10 +310,24 @@ class DecodeStep:
             live.stream.put(TokenEvent(None, reason, index=live.choice))
         self.live.clear()
 
-    def _logits(self, batch: list[DecodeSequence], rows: StepRows) -> tuple[Tensor, Tensor | None]:
+    def _mtp(self, lives: list[LiveChoice], rows: StepRows) -> MtpPlan | None:
+        """The step's MTP draft pass: in a step that speculates (the batch within the
+        speculation limit), over every mtp sequence's pending positions. A step that does
+        not leaves the MTP cache at its positions unwritten: later drafts read stale
+        latents there, which costs acceptance, never a token."""
+        spec = self.spec
+        if spec.method != "mtp" or len(lives) > spec.max_batch:
+            return None
+        hidden = self.group.runtime.model.config.hidden_size
+        return mtp_plan([live.drafts for live in lives], rows, hidden)
+
+    def _logits(
+        self, batch: list[DecodeSequence], rows: StepRows, mtp: MtpPlan | None = None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The batch's plan (at its bucket where steps are padded), run by every rank: the
-        rows' logits [N, V], and each follower's host waits in its step when counted."""
-        plan = self.plan(batch, rows)
+        rows' logits [N, V], each follower's host waits in its step when counted, and with a
+        draft pass the fed tokens' rows (`fed_rows`, on the device)."""
+        plan = dataclasses.replace(self.plan(batch, rows), mtp=mtp)
         runtime, par = self.group.runtime, self.group.cfg.parallel
         if par.tp > 1:
             send_plan(plan, runtime.comm)
@@ -296,13 +335,14 @@ class DecodeStep:
         parts = runtime.comm.gather(local)
         assert parts is not None  # rank 0
         rank_syncs = parts[1:, -1, 0] if plan.count_syncs else None
+        fed = fed_rows(parts, len(plan.tokens)) if mtp is not None else None
         # [tp, N, V / tp] real rows -> [N, tp * V / tp]: one copy (none at tp = 1).
         n = rows.total
         real = parts[:, :n]
         logits = real[0] if par.tp == 1 else real.transpose(0, 1).reshape(n, -1)
         if self._vocab_columns is None:
-            return logits[:, : self._vocab_size], rank_syncs
-        return logits[:, self._vocab_columns], rank_syncs
+            return logits[:, : self._vocab_size], rank_syncs, fed
+        return logits[:, self._vocab_columns], rank_syncs, fed
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (batch, table width) a step can be padded to, largest first."""

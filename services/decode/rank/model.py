@@ -5,7 +5,9 @@ slice i and head group j of the attention), a 1/tp slice of every FFN (dense MLP
 expert and the shared experts) and a 1/tp slice of the vocabulary. Norms, the router, the
 small kv_a projection and the embedding are replicated. Each layer does two all-reduces of
 the hidden state (after attention, after the FFN); logits are gathered to the leader. The
-step hands each kernel to the rank's backend and each collective to its `Comm`.
+step hands each kernel to the rank's backend and each collective to its `Comm`. Given a
+shard for one layer more than the model has, the rank holds MTP module 0 too (rank/mtp.py),
+run by `mtp_rows` over its own cache layer, after the model's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from common.group.comm import Comm
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.loading.rank_slices import rank_ffn, rank_norm
 from common.loading.weights import ModelWeights, WeightSource
-from common.model.fp8 import share_workspace
+from common.model.fp8 import Fp8Weight, share_workspace
 from common.model.model import DeepseekForCausalLM
 from common.model.rope import RotaryEmbedding
 from common.model.sp import merge_partials
@@ -26,6 +28,7 @@ from common.model.tpla import LatentShard
 from common.parallel import ParallelConfig
 from services.decode.rank.backends import DecodeBackend, TorchBackend
 from services.decode.rank.layers import RankAttention, RankLayer
+from services.decode.rank.mtp import RankMTP, global_argmax
 
 
 class RankModel(nn.Module):
@@ -68,6 +71,11 @@ class RankModel(nn.Module):
         self.lm_head = nn.Parameter(src.tensor("lm_head.weight", rows))
         self.rope = RotaryEmbedding(c, self.lm_head.device)
         self.latent_width = shards_per_layer[0][i].width
+        self.mtp: RankMTP | None = None
+        if len(shards_per_layer) > c.num_hidden_layers:
+            main = (self.embed.weight, self.lm_head)
+            shard = shards_per_layer[c.num_hidden_layers][i]
+            self.mtp = RankMTP(src, parallel, rank, shard, main)
         share_workspace(self)
         self.backend: DecodeBackend = TorchBackend()
         self.use_backend(backend or TorchBackend())
@@ -84,13 +92,14 @@ class RankModel(nn.Module):
 
     def use_backend(self, backend: DecodeBackend) -> DecodeBackend:
         """Run the step's kernels on `backend` from now on (bound to this model's weights)."""
-        backend.bind(list(self.layers), self.rope)
+        mtp = [self.mtp.layer] if self.mtp is not None else []
+        backend.bind([*self.layers, *mtp], self.rope)
         self.backend = backend
         return backend
 
     def cache_layout(self, block_size: int, dtype: torch.dtype) -> CacheLayout:
         return CacheLayout(
-            self.config.num_hidden_layers,
+            self.config.num_hidden_layers + (self.mtp is not None),
             self.latent_width,
             self.config.qk_rope_head_dim,
             block_size,
@@ -119,22 +128,84 @@ class RankModel(nn.Module):
         addresses the cached history (its slots / valid mask in SP mode). Every input is on
         the model's device.
         """
+        h = self.decode_hidden(token_ids, positions, write_slots, reads, cache, comm)
+        return self.logits(h)
+
+    @torch.inference_mode()
+    def decode_hidden(
+        self,
+        token_ids: Tensor,
+        positions: Tensor,
+        write_slots: Tensor,
+        reads: CacheReads,
+        cache: PagedLatentCache,
+        comm: Comm,
+    ) -> Tensor:
+        """`decode_step` up to the last layer's output: the hidden state [B, D] before the
+        final norm (what the MTP draft pass reads)."""
         if self.parallel.sp and (reads.slots is None or reads.valid is None):
             raise ValueError("an SP decode step reads per-token slots: use CacheReads.tokens")
-        be, rope = self.backend, self.rope
-        cos, sin = rope.cos_sin(positions)
+        cos, sin = self.rope.cos_sin(positions)
         h = self.embed(token_ids)
         for index, layer in enumerate(self.layers):
-            q_nope, q_pe = be.attention_inputs(index, layer, rope, h, cos, sin, cache, write_slots)
-            if self.parallel.sp:
-                y = attend_sp(layer.attn, q_nope, q_pe, cache, index, reads, comm, be)
-            else:
-                y = attend(layer.attn, q_nope, q_pe, cache, index, reads, be)
-            comm.sum_(y)
-            h = h + y
-            f = be.ffn(layer.ffn, be.rms_norm(layer.post_norm, h))
-            comm.sum_(f)
-            h = h + f
+            h = self.layer_step(index, layer, h, (cos, sin), write_slots, reads, cache, comm)
+        return h
+
+    def layer_step(
+        self,
+        index: int,
+        layer: RankLayer,
+        h: Tensor,
+        cos_sin: tuple[Tensor, Tensor],
+        write_slots: Tensor,
+        reads: CacheReads,
+        cache: PagedLatentCache,
+        comm: Comm,
+    ) -> Tensor:
+        """One layer (cache layer `index`) over the rows' hidden state h [B, D]."""
+        be, rope = self.backend, self.rope
+        cos, sin = cos_sin
+        q_nope, q_pe = be.attention_inputs(index, layer, rope, h, cos, sin, cache, write_slots)
+        if self.parallel.sp:
+            y = attend_sp(layer.attn, q_nope, q_pe, cache, index, reads, comm, be)
+        else:
+            y = attend(layer.attn, q_nope, q_pe, cache, index, reads, be)
+        comm.sum_(y)
+        h = h + y
+        f = be.ffn(layer.ffn, be.rms_norm(layer.post_norm, h))
+        comm.sum_(f)
+        return h + f
+
+    @torch.inference_mode()
+    def mtp_rows(
+        self,
+        next_ids: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        write_slots: Tensor,
+        reads: CacheReads,
+        cache: PagedLatentCache,
+        comm: Comm,
+    ) -> tuple[Tensor, Tensor]:
+        """The MTP module at rows of positions t: token t + 1 [R] and the main model's hidden
+        state at t [R, D] -> its output hidden state [R, D] (chaining reads it) and its greedy
+        draft of token t + 2 [R], the same on every rank. common/model/mtp.py's `mtp_decode`
+        is the same math on the whole layer."""
+        mtp = self.mtp
+        assert mtp is not None
+        be, p = self.backend, mtp.parts
+        e = be.rms_norm(p.enorm, p.embed(next_ids))
+        fused = torch.cat((e, be.rms_norm(p.hnorm, hidden)), dim=-1)
+        w = p.eh_proj if isinstance(p.eh_proj, Fp8Weight) else p.eh_proj.weight
+        x = be.linear(fused, w)
+        cos_sin = self.rope.cos_sin(positions)
+        h = self.layer_step(mtp.cache_layer, mtp.layer, x, cos_sin, write_slots, reads, cache, comm)
+        local = be.linear(be.rms_norm(p.norm, h), p.lm_head)
+        return h, global_argmax(local, mtp.vocab_offset, comm)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The final norm and this rank's vocabulary rows, padded to the common width."""
+        be = self.backend
         logits = be.linear(be.rms_norm(self.norm, h), self.lm_head)
         pad = self.vocab_size_padded - logits.shape[1]
         return F.pad(logits, (0, pad)) if pad else logits

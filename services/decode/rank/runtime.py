@@ -31,8 +31,9 @@ from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
-from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan
+from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan, token_rows
 from services.decode.rank.backends import select_decode_backend
+from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
 from services.decode.rank.model import RankModel
 from services.decode.rank.step_inputs import StepInputs
@@ -48,9 +49,12 @@ class RankRuntime:
         self.device = rank_device(cfg.device, cfg.local_index(rank))
         torch.set_num_threads(cfg.torch_threads)
         # Only this rank's share is read from the checkpoint, straight onto its device.
+        # The MTP module and its cache layer only where its drafts are asked for.
+        mtp = cfg.speculative.method == "mtp"
         weights, spectra = open_serving_weights(
-            cfg.model, cfg.reparam, cfg.dtype, self.device, cfg.weight_dtype
+            cfg.model, cfg.reparam, cfg.dtype, self.device, cfg.weight_dtype, mtp=mtp
         )
+        spectra = spectra[: weights.config.num_hidden_layers + mtp]
         r = cfg.parallel.latent_groups
         shards = [latent_shards(weights.config.kv_lora_rank, r, s) for s in spectra]
         self.model = RankModel(weights, cfg.parallel, rank, shards)
@@ -63,11 +67,17 @@ class RankRuntime:
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
         self.comm = open_comm(group_spec(cfg), rank, self.device)
         self.inputs = StepInputs(self.device)
+        # The last step's hidden states [B, D] before the final norm: the draft pass reads
+        # them (rank/draft_pass.py). Kept on the device.
+        self.hidden: Tensor | None = None
         # Each bucket's step captured once and replayed (CUDA only: a CPU step has no
         # launches to save), where every kernel of the step can be.
         self.graphs: StepGraphs | None = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             blocked = uncapturable(self.model)
+            if self.model.mtp is not None:
+                # A draft pass's shapes follow the batch's accepted runs, not a bucket.
+                blocked = "the MTP draft pass is not captured"
             if blocked is None:
                 self.graphs = StepGraphs(self.device, self.decode)
             else:
@@ -93,9 +103,28 @@ class RankRuntime:
         Reads span the tables' whole (bucketed) width; every row writes its new token, the
         ones this rank must not store (padding rows, SP tokens another rank owns) into the
         cache's trash slot."""
-        bs, par = self.cfg.block_size, self.cfg.parallel
         positions = plan.positions
         tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
+        tokens, cache, comm = plan.tokens, self.cache, self.comm
+        if plan.mtp is not None:
+            previous = self.hidden
+            tokens = draft_pass(
+                self.model, plan.mtp, tokens, tables, previous, self.address, cache, comm
+            )
+        write_slots, reads = self.address(positions, tables)
+        if self.model.mtp is None:
+            return self.model.decode_step(tokens, positions, write_slots, reads, cache, comm)
+        self.hidden = self.model.decode_hidden(tokens, positions, write_slots, reads, cache, comm)
+        logits = self.model.logits(self.hidden)
+        if plan.mtp is None:
+            return logits
+        # The leader learns the drafts with the logits: the tokens the rows were fed.
+        return torch.cat((logits, token_rows(tokens, logits.shape[1], logits.dtype)))
+
+    def address(self, positions: Tensor, tables: Tensor) -> tuple[Tensor, CacheReads]:
+        """Rows at `positions` with block tables [B, W] -> where each row's latent goes on
+        this rank (the trash slot where it must not be stored) and what the rows read."""
+        bs, par = self.cfg.block_size, self.cfg.parallel
         if par.sp:
             # This rank caches only its chunks: local lengths, and the new token only if owned.
             c = par.chunk_size
@@ -111,10 +140,7 @@ class RankRuntime:
             reads = CacheReads.blocks(tables, positions + 1, bs)
         # A padding row's table is all -1: a negative slot.
         keep = slots >= 0 if keep is None else keep & (slots >= 0)
-        write_slots = torch.where(keep, slots, self.cache.trash_slot)
-        return self.model.decode_step(
-            plan.tokens, positions, write_slots, reads, self.cache, self.comm
-        )
+        return torch.where(keep, slots, self.cache.trash_slot), reads
 
     def shard_target(self, header: kv_pb2.KvHeader) -> ShardTarget:
         """KV receiver sink: validate a transferred shard's header; the receiver then writes

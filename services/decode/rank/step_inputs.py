@@ -46,4 +46,4 @@ class StepInputs:
         event.record()
         self._done[turn] = event
         tables = dev[2 * b :].view(plan.block_tables.shape)
-        return DecodePlan(dev[:b], dev[b : 2 * b], tables, plan.count_syncs)
+        return DecodePlan(dev[:b], dev[b : 2 * b], tables, plan.count_syncs, plan.mtp)

@@ -149,6 +149,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 prompt_ids=request.prompt_ids,
                 output_ids=request.output_ids,
                 resumed=[resumed_from_pb(c) for c in request.resumed],
+                hidden=tuple(request.hidden) or None,
             ),
         )
         # A client that goes away (router abort, disconnect) frees the request's blocks.

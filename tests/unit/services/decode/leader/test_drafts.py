@@ -1,4 +1,5 @@
-"""The n-gram proposer against a plain search, and the mtp refusal."""
+"""The n-gram proposer against a plain search, the mtp proposer's pending rows, and the mtp
+refusals."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.decode.config import SpecConfig
-from services.decode.leader.drafts import MAX_NGRAM, NgramDrafts, check_proposer
+from services.decode.leader.drafts import (
+    MAX_NGRAM,
+    SEED,
+    MtpDrafts,
+    NgramDrafts,
+    check_proposer,
+)
 
 
 def _search(tokens: list[int], k: int) -> list[int]:
@@ -48,7 +56,18 @@ def test_mtp_is_refused_naming_the_model(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="has no MTP layer"):
         check_proposer(SpecConfig("mtp"), str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 1}))
-    with pytest.raises(ValueError, match="not built yet"):
-        check_proposer(SpecConfig("mtp"), str(tmp_path))
+    check_proposer(SpecConfig("mtp"), str(tmp_path))
+    with pytest.raises(ValueError, match="start the group with TPLA_SPECULATIVE=mtp"):
+        check_proposer(SpecConfig("mtp"), str(tmp_path), mtp_loaded=False)
     with pytest.raises(ValueError, match="not one of"):
         SpecConfig("eagle")
+
+
+def test_mtp_rows_follow_the_kept_tokens() -> None:
+    """Seeded by a prefill: one pending row at the prompt's last position; after a step,
+    the step's kept rows with the tokens after them."""
+    assert MtpDrafts().propose(3) == []  # no hidden state yet
+    seeded = MtpDrafts(torch.zeros(4), first_token=9, position=6)
+    assert seeded.rows == [(SEED, 9, 6)] and seeded.propose(2) == [0, 0]
+    seeded.kept(start=3, position=7, tokens=[11, 12])
+    assert seeded.seed is None and seeded.rows == [(3, 11, 7), (4, 12, 8)]
