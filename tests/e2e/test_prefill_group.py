@@ -1,7 +1,8 @@
 """The stack with its prefill worker as a group of two ranks (`TPLA_PREFILL_TP=2`), through
 the official openai client: greedy answers equal `tpla generate` (one prefill process, the
-same TPLA decode); a prefill rank killed in the middle of a batch fails that request with a
-clear error, frees its decode blocks, and the worker exits and is restarted."""
+same decode) for every decode layout (TPLA r=2 over gRPC, MLA-TP over the torch transport, SP
+over gRPC); a prefill rank killed in the middle of a batch fails that request with a clear
+error, frees its decode blocks, and the worker exits and is restarted."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ from tests.stack import MODEL_NAME, start_stack
 from tools.local_stack import LocalStack
 
 FOLLOWER = "services.prefill.group.follower"
+# The exact layouts beside the module's TPLA stack: (transport, stack settings, generate flags).
+EXACT_LAYOUTS = {
+    "mla-tp": ("torch", {"LATENT_GROUPS": "1", "PARALLEL": "mla-tp"}, ["--parallel", "mla-tp"]),
+    "sp": (
+        "grpc",
+        {"LATENT_GROUPS": "1", "PARALLEL": "sp", "CHUNK_SIZE": "8"},
+        ["--parallel", "sp", "--chunk-size", "8"],
+    ),
+}
 MESSAGES = [{"role": "user", "content": "def fibonacci(n): the quick brown fox " * 3}]
 
 
@@ -33,17 +43,21 @@ def stack(tiny_model: Path) -> Iterator[LocalStack]:
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(stack: LocalStack) -> str:
-    """`tpla generate`: one process prefills, the same TPLA tp=2 r=2 decode group."""
-    tok = Tokenizer.from_dir(stack.model_dir)
+def _generate(model_dir: Path, *flags: str) -> str:
+    """`tpla generate`: one process prefills, a tp=2 decode group of the layout `flags` say."""
+    tok = Tokenizer.from_dir(model_dir)
     ids = tok.encode_chat([ChatMessage(m["role"], m["content"]) for m in MESSAGES])
     out = tpla_json(
-        "generate", "--model", str(stack.model_dir), "--prompt-ids", ",".join(map(str, ids)),
-        "--max-tokens", "8", "--tp", "2", "--latent-groups", "2",
-        "--method", "identity", "--json", timeout=300,
+        "generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, ids)),
+        "--max-tokens", "8", "--tp", "2", *flags, "--json", timeout=300,
     )  # fmt: skip
     return out["text"]
+
+
+@pytest.fixture(scope="module")
+def reference(stack: LocalStack) -> str:
+    """The same TPLA tp=2 r=2 decode group."""
+    return _generate(stack.model_dir, "--latent-groups", "2", "--method", "identity")
 
 
 def _client(stack: LocalStack) -> openai.OpenAI:
@@ -78,6 +92,16 @@ def test_a_prefill_group_answers_as_one_prefill_process(stack: LocalStack, refer
     assert len(_followers(stack)) == 1
     assert _chat(stack) == reference
     assert _chat(stack) == reference  # again, over the group's cached prefix
+
+
+@pytest.mark.parametrize("layout", EXACT_LAYOUTS)
+def test_every_decode_layout_answers_as_one_prefill_process(tiny_model: Path, layout: str) -> None:
+    transport, settings, flags = EXACT_LAYOUTS[layout]
+    s = start_stack(tiny_model, transport, PREFILL_TP="2", **settings)
+    try:
+        assert _chat(s) == _generate(tiny_model, "--latent-groups", "1", *flags)
+    finally:
+        s.stop()
 
 
 def test_a_rank_killed_mid_batch_fails_the_request_and_the_worker_restarts(
