@@ -15,7 +15,8 @@ in order:
 
 The `KvHeader` that precedes a payload says what it holds (dtype, shape) and where it goes
 (its block table: tokens 0..N-1 fill the blocks in order, from slot `block_offset` of the
-first); the functions at the end of this module read it the same way on both ends, and raise `TransferError` on a header the rank cannot take.
+first); the functions at the end of this module read it the same way on both ends, and
+raise `TransferError` on a header the rank cannot take.
 """
 
 from __future__ import annotations
