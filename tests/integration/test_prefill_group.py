@@ -3,12 +3,16 @@ r=2, MLA-TP, SP) and decode group size (1, 2, 4), over both KV transports, each 
 receives the same KV (within fp32 rounding: the ranks' partial sums add in another order)
 and the request the same first token. One tp=2 group per transport
 serves the whole matrix; the decode ranks are recording KV receivers in this process, one
-gRPC server (and one torch store) for all of them."""
+gRPC server (and one torch store) for all of them. A tp=2 group that prefills in chunks
+(7 and 16 tokens, KV blocks of 16) ships what a tp=1 worker computing prompts whole does, and
+a chunked prompt dropped between its chunks leaves nothing held on the follower rank."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from common.sampling.params import SamplingParams
 from services.prefill.group.config import PrefillGroupConfig, prefix_cache
 from services.prefill.group.leader import GroupRunner
 from services.prefill.group.rank_model import load_group_rank
+from services.prefill.job_trace import JobTrace
 from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.recording_kv import Receivers, targets
@@ -129,3 +134,91 @@ def test_a_two_rank_prefill_group_ships_what_one_process_does(
             assert (want is None) == (got is None), (name, rank)
             if want is not None and got is not None:
                 torch.testing.assert_close(got.kv, want.kv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def chunked(model_dir: Path) -> Iterator[Workers]:
+    """A tp=1 worker computing prompts whole and a tp=2 group chunking them (its chunk size
+    set per test: the follower ranks take each prompt's from its first piece), over gRPC,
+    each with its prefix cache."""
+    cfg = PrefillGroupConfig(
+        model=str(model_dir), tp=2, worker_id="chunked", prefix_cache_mb=16, transport="grpc"
+    )
+    one = PrefillWorker(
+        LocalRunner(load_prefill_model(model_dir, None), make_sender("grpc", "whole")),
+        prefix_cache=prefix_cache(cfg),
+        chunk_tokens=0,
+    )
+    two = PrefillWorker(GroupRunner.start(cfg, load_group_rank), prefix_cache=prefix_cache(cfg))
+    yield Workers("grpc", {1: one, 2: two})
+    one.close()
+    two.close()
+
+
+@pytest.mark.parametrize("chunk", [7, 16])
+@pytest.mark.parametrize("mode", ["tpla", "sp"])
+def test_a_chunking_prefill_group_ships_what_one_whole_prompt_process_does(
+    chunked: Workers, receivers: Receivers, mode: str, chunk: int
+) -> None:
+    one, two = chunked.by_tp[1], chunked.by_tp[2]
+    two.chunk_tokens = chunk
+    d_c = one.runner.config.kv_lora_rank
+    tag = f"c{chunk}"
+    want = _run(one, _jobs(f"{tag}1", mode, 2, d_c, receivers))
+    got = _run(two, _jobs(f"{tag}2", mode, 2, d_c, receivers))
+    for w, g in zip(want, got, strict=True):
+        assert g.first_token.token_id == w.first_token.token_id
+        assert g.first_token.logprob == pytest.approx(w.first_token.logprob, abs=1e-5)
+        assert [t.token_id for t in g.prompt_logprobs] == [t.token_id for t in w.prompt_logprobs]
+        assert g.cached_tokens == w.cached_tokens
+    assert got[1].cached_tokens >= 32
+    for name in "abcd":
+        for rank in range(2):
+            w_kv = receivers.caches[(f"{tag}1-{mode}-2-{name}", rank)].kv
+            g_kv = receivers.caches[(f"{tag}2-{mode}-2-{name}", rank)].kv
+            torch.testing.assert_close(g_kv, w_kv, rtol=1e-4, atol=1e-5)
+    assert _held(two, 0) == 0  # every finished prompt forgotten
+
+
+class _Paused(JobTrace):
+    """Holds the batcher after the job's first piece until `resume` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.resume = threading.Event(), threading.Event()
+
+    def batched(
+        self, start_ns: int, seconds: float, jobs: int, tokens: int, computed: int, reused: int
+    ) -> None:
+        super().batched(start_ns, seconds, jobs, tokens, computed, reused)
+        if not self.first.is_set():
+            self.first.set()
+            assert self.resume.wait(30)
+
+
+def _held(worker: PrefillWorker, want: int) -> int:
+    """The prompts the follower rank holds, once it says `want` (or after 30 s): it reports
+    after its piece's sends began, not in step with the leader."""
+    runner = worker.runner
+    assert isinstance(runner, GroupRunner)
+    deadline, got = time.monotonic() + 30, -1
+    while time.monotonic() < deadline and (got := runner.reports.held(1)) != want:
+        time.sleep(0.02)
+    return got
+
+
+def test_a_prompt_dropped_between_chunks_leaves_nothing_on_the_follower(
+    chunked: Workers, receivers: Receivers
+) -> None:
+    two = chunked.by_tp[2]
+    two.chunk_tokens = 7
+    d_c = two.runner.config.kv_lora_rank
+    long, short = _jobs("drop", "tpla", 2, d_c, receivers)[2:4]
+    trace = _Paused()
+    fut = two.submit(replace(long, trace=trace))
+    assert trace.first.wait(30)
+    assert _held(two, 1) == 1  # its first chunk's latents
+    assert fut.cancel()  # the client left between its chunks
+    trace.resume.set()
+    two.submit(short).result(timeout=60)  # the next plan names the dropped prompt
+    assert _held(two, 0) == 0
