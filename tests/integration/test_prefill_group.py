@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 BLOCK = 16
+VOCAB = 321  # an uneven vocabulary split
 LAYOUTS = [
     (mode, tp)
     for mode in ("tpla", "mla-tp", "sp")
@@ -47,10 +50,12 @@ class Workers:
     by_tp: dict[int, PrefillWorker]  # prefill ranks -> its worker
 
 
-def _jobs(tag: str, mode: str, tp: int, d_c: int, rx: Receivers) -> list[PrefillJob]:
+def _jobs(
+    tag: str, mode: str, tp: int, d_c: int, rx: Receivers, shift: int = 0
+) -> list[PrefillJob]:
     """A prompt, one sharing its first 32 tokens (a prefix-cache hit), one whose first block
     the decode group holds, and one asking for its prompt's logprobs (every position's
-    logits)."""
+    logits); `shift` moves every token id (other prompts, the same shapes)."""
     base = [3 + (t * 11) % 300 for t in range(48)]
     prompts = [
         ("a", base, 0, None),
@@ -60,6 +65,7 @@ def _jobs(tag: str, mode: str, tp: int, d_c: int, rx: Receivers) -> list[Prefill
     ]
     jobs = []
     for name, ids, cached, logprobs in prompts:
+        ids = [(t + shift) % VOCAB for t in ids]
         rid = f"{tag}-{mode}-{tp}-{name}"
         kv = targets(mode, tp, d_c, len(ids), cached, rx.address, rx.torch_address)
         res = Reservation(rid, BLOCK, 0, 0, "float32", 30.0, kv, cached)
@@ -76,7 +82,7 @@ def _run(worker: PrefillWorker, jobs: list[PrefillJob]) -> list[PrefillResult]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("prefill-group")
-    save_hf("v2-greedy", out, vocab_size=321)  # an uneven vocabulary split
+    save_hf("v2-greedy", out, vocab_size=VOCAB)
     return out
 
 
@@ -136,36 +142,30 @@ def test_a_two_rank_prefill_group_ships_what_one_process_does(
                 torch.testing.assert_close(got.kv, want.kv, rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def chunked(model_dir: Path) -> Iterator[Workers]:
-    """A tp=1 worker computing prompts whole and a tp=2 group chunking them (its chunk size
-    set per test: the follower ranks take each prompt's from its first piece), over gRPC,
-    each with its prefix cache."""
-    cfg = PrefillGroupConfig(
-        model=str(model_dir), tp=2, worker_id="chunked", prefix_cache_mb=16, transport="grpc"
-    )
-    one = PrefillWorker(
-        LocalRunner(load_prefill_model(model_dir, None), make_sender("grpc", "whole")),
-        prefix_cache=prefix_cache(cfg),
-        chunk_tokens=0,
-    )
-    two = PrefillWorker(GroupRunner.start(cfg, load_group_rank), prefix_cache=prefix_cache(cfg))
-    yield Workers("grpc", {1: one, 2: two})
-    one.close()
-    two.close()
+@contextmanager
+def _chunking(workers: Workers, chunk: int) -> Iterator[tuple[PrefillWorker, PrefillWorker]]:
+    """The tp=1 worker computing prompts whole and the tp=2 group chunking them by `chunk`
+    (its follower rank takes each prompt's chunk from its first piece), for one test."""
+    one, two = workers.by_tp[1], workers.by_tp[2]
+    was = one.chunk_tokens, two.chunk_tokens
+    one.chunk_tokens, two.chunk_tokens = 0, chunk
+    try:
+        yield one, two
+    finally:
+        one.chunk_tokens, two.chunk_tokens = was
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
 @pytest.mark.parametrize("mode", ["tpla", "sp"])
 def test_a_chunking_prefill_group_ships_what_one_whole_prompt_process_does(
-    chunked: Workers, receivers: Receivers, mode: str, chunk: int
+    workers: Workers, receivers: Receivers, mode: str, chunk: int
 ) -> None:
-    one, two = chunked.by_tp[1], chunked.by_tp[2]
-    two.chunk_tokens = chunk
-    d_c = one.runner.config.kv_lora_rank
-    tag = f"c{chunk}"
-    want = _run(one, _jobs(f"{tag}1", mode, 2, d_c, receivers))
-    got = _run(two, _jobs(f"{tag}2", mode, 2, d_c, receivers))
+    tag = f"c{chunk}-{workers.transport}"
+    shift = 1 + zlib.crc32(f"{tag}-{mode}".encode()) % 300  # prompts no earlier test cached
+    with _chunking(workers, chunk) as (one, two):
+        d_c = one.runner.config.kv_lora_rank
+        want = _run(one, _jobs(f"{tag}-1", mode, 2, d_c, receivers, shift))
+        got = _run(two, _jobs(f"{tag}-2", mode, 2, d_c, receivers, shift))
     for w, g in zip(want, got, strict=True):
         assert g.first_token.token_id == w.first_token.token_id
         assert g.first_token.logprob == pytest.approx(w.first_token.logprob, abs=1e-5)
@@ -174,8 +174,8 @@ def test_a_chunking_prefill_group_ships_what_one_whole_prompt_process_does(
     assert got[1].cached_tokens >= 32
     for name in "abcd":
         for rank in range(2):
-            w_kv = receivers.caches[(f"{tag}1-{mode}-2-{name}", rank)].kv
-            g_kv = receivers.caches[(f"{tag}2-{mode}-2-{name}", rank)].kv
+            w_kv = receivers.caches[(f"{tag}-1-{mode}-2-{name}", rank)].kv
+            g_kv = receivers.caches[(f"{tag}-2-{mode}-2-{name}", rank)].kv
             torch.testing.assert_close(g_kv, w_kv, rtol=1e-4, atol=1e-5)
     assert _held(two, 0) == 0  # every finished prompt forgotten
 
@@ -208,17 +208,17 @@ def _held(worker: PrefillWorker, want: int) -> int:
 
 
 def test_a_prompt_dropped_between_chunks_leaves_nothing_on_the_follower(
-    chunked: Workers, receivers: Receivers
+    workers: Workers, receivers: Receivers
 ) -> None:
-    two = chunked.by_tp[2]
-    two.chunk_tokens = 7
-    d_c = two.runner.config.kv_lora_rank
-    long, short = _jobs("drop", "tpla", 2, d_c, receivers)[2:4]
-    trace = _Paused()
-    fut = two.submit(replace(long, trace=trace))
-    assert trace.first.wait(30)
-    assert _held(two, 1) == 1  # its first chunk's latents
-    assert fut.cancel()  # the client left between its chunks
-    trace.resume.set()
-    two.submit(short).result(timeout=60)  # the next plan names the dropped prompt
-    assert _held(two, 0) == 0
+    with _chunking(workers, 7) as (_, two):
+        d_c = two.runner.config.kv_lora_rank
+        tag = f"drop-{workers.transport}"
+        long, short = _jobs(tag, "tpla", 2, d_c, receivers, 301)[2:4]
+        trace = _Paused()
+        fut = two.submit(replace(long, trace=trace))
+        assert trace.first.wait(30)
+        assert _held(two, 1) == 1  # its first chunk's latents
+        assert fut.cancel()  # the client left between its chunks
+        trace.resume.set()
+        two.submit(short).result(timeout=60)  # the next plan names the dropped prompt
+        assert _held(two, 0) == 0

@@ -78,11 +78,12 @@ class RankState:
             self.prompts.pop(request_id, None)
         progress = [self._progress(job) for job in plan.jobs]
         found = [p.done for p in progress]
-        if found != [job.hit for job in plan.jobs] or [p.piece() for p in progress] != plan.lens:
+        mine = [(p.done, p.piece()) for p in progress]
+        leaders = [(job.hit, len(job.new_ids)) for job in plan.jobs]
+        if mine != leaders:
             raise RuntimeError(
-                f"prefill rank {self.rank}'s prompts start their pieces at {found} where the "
-                f"leader's start at {[job.hit for job in plan.jobs]}: the prefix-cache "
-                "replicas diverged"
+                f"prefill rank {self.rank}'s pieces (start, tokens) are {mine} where the "
+                f"leader's are {leaders}: the prefix-cache replicas diverged"
             )
         try:
             with self.threads.applied(sum(plan.lens)):  # as the leader's batch
