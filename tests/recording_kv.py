@@ -18,10 +18,13 @@ from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.gen import kv_pb2
 from common.runtime.ports import free_port
 
+# `targets` hands decode rank r the blocks BLOCK_SPAN * r + (0 .. BLOCKS - 1).
+BLOCK_SPAN, BLOCKS = 100, 8
+
 
 class Receivers:
     """Every decode rank's KV endpoint: a cache per (request, rank), made to the shard's
-    shape as it arrives."""
+    shape as its first shard arrives (a prompt shipped in chunks: every chunk lands in it)."""
 
     def __init__(self, torch_pairs: bool = False) -> None:
         self.caches: dict[tuple[str, int], PagedLatentCache] = {}
@@ -52,10 +55,12 @@ class Receivers:
             header.block_size,
             check_dtype(header),
         )
-        # The blocks the shard names, and the cache's trash block after them.
-        cache = PagedLatentCache(layout, max(header.block_ids) + 2, "cpu")
+        key = (header.request_id, header.rank)
         with self._lock:
-            self.caches[(header.request_id, header.rank)] = cache
+            cache = self.caches.get(key)
+            if cache is None:  # every block `targets` names, and the cache's trash block
+                cache = PagedLatentCache(layout, BLOCK_SPAN * header.rank + BLOCKS + 1, "cpu")
+                self.caches[key] = cache
         return ShardTarget(cache, shard_slots(header))
 
 
@@ -83,7 +88,7 @@ def targets(
             owned = par.owned_ranges(rank, prompt_len)
             kept = [x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)]
             ranges = tuple(kept) or (0, 0)
-        blocks = tuple(range(100 * rank, 100 * rank + 8))
+        blocks = tuple(range(BLOCK_SPAN * rank, BLOCK_SPAN * rank + BLOCKS))
         targets.append(
             KvTargetInfo(
                 rank, address, torch_address, cols.start, cols.stop - cols.start, blocks, ranges

@@ -3,9 +3,9 @@
 The leader's worker batches prompts and looks them up in its prefix cache; the plan carries
 each prompt's ids, its cache lookup and hit (every rank holds an identical replica of the
 cache, so each finds the same past latents), whether every position's logits are wanted,
-and where each prompt's KV goes (`ShipOrder`: each rank ships its own decode ranks' shards).
-It crosses to the other ranks over the group's control group as JSON bytes
-(`send_plan` / `recv_plan`); an empty plan ends the group.
+the prompts dropped between their pieces, and where each prompt's KV goes (`ShipOrder`: each
+rank ships its own decode ranks' shards). It crosses to the other ranks over the group's
+control group as JSON bytes (`send_plan` / `recv_plan`); an empty plan ends the group.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from services.prefill.shipping import ShipOrder
 
 @dataclass(frozen=True)
 class JobPlan:
-    seq: int  # the leader's number for the job: the key its ranks report their sends under
+    seq: int  # the leader's number for this piece: the key its ranks report its sends under
     prompt_ids: tuple[int, ...]
     lookup: bool  # looked up in the prefix cache (a prompt-logprobs job prefills whole)
     hit: int  # cached prefix tokens the prefill runs over: the leader's lookup
@@ -38,6 +38,9 @@ class JobPlan:
 class BatchPlan:
     jobs: tuple[JobPlan, ...]
     all_logits: bool  # every position's logits (a job asked for its prompt's logprobs)
+    # Request ids of prompts the leader dropped between their pieces since its last plan:
+    # the other ranks drop what they keep of them.
+    dropped: tuple[str, ...] = ()
 
     @property
     def lens(self) -> list[int]:
@@ -73,7 +76,7 @@ class BatchPlan:
                     order=ShipOrder(**order, targets=targets),
                 )
             )
-        return cls(tuple(jobs), raw["all_logits"])
+        return cls(tuple(jobs), raw["all_logits"], tuple(raw["dropped"]))
 
 
 def send_plan(plan: BatchPlan | None, comm: Comm) -> None:

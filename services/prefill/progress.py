@@ -21,12 +21,11 @@ from services.prefill.sends import PromptSends
 
 
 class PromptProgress:
-    def __init__(self, length: int, chunk: int, seq: int = 0) -> None:
-        """`length` prompt tokens in pieces of at most `chunk` (0: one piece, however long);
-        `seq`: the job's number in the worker's plans."""
+    def __init__(self, length: int, chunk: int) -> None:
+        """`length` prompt tokens in pieces of at most `chunk` (0: one piece, however long)."""
         if chunk < 0:
             raise ValueError("chunk must be >= 0")
-        self.length, self.chunk, self.seq = length, chunk, seq
+        self.length, self.chunk = length, chunk
         self.started = False
         self.hashes: list[int] = []  # the prompt's full blocks, for the prefix cache
         self.cached = 0  # leading tokens taken from the prefix cache
@@ -77,6 +76,21 @@ class PromptProgress:
         for buf, x in zip(self._n + self._k_pe, n + k_pe, strict=True):
             buf[self.done : self.done + size] = x[row : row + size]
         self.done += size
+
+    def advance(self, out: PrefillOutput, row: int, cache: LatentPrefixCache | None) -> None:
+        """Take the piece just computed, rows row..row + piece() of `out`: a prompt computed
+        whole stores its new blocks straight from `out`; a chunked one keeps the piece in its
+        buffer and stores the blocks it filled. Every rank of a prefill group calls this in
+        the same order, so their cache replicas stay identical."""
+        before = self.done
+        if self.whole:
+            if cache is not None:
+                cache.store(self.hashes, out.n, out.k_pe, before, row)
+            self.done += self.piece()
+            return
+        self.add(out.n, out.k_pe, row)
+        if cache is not None:
+            self.store(cache, before)
 
     def store(self, cache: LatentPrefixCache, before: int) -> None:
         """Put the full blocks finished since position `before` into the prefix cache."""

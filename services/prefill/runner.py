@@ -28,9 +28,6 @@ class PrefillRunner(abc.ABC):
     config: ModelConfig
     device: torch.device  # where the worker's logits and latents live
     transport: str  # the KV transport's name (metrics)
-    # Whether a long prompt may run chunk by chunk (the worker keeps its chunks' latents as
-    # their past). A prefill group's other ranks keep none between plans: not there.
-    chunks: bool = True
     # Its output holds the MTP layer's latents as one more layer: the worker sends each
     # prompt's last hidden state with its first token (the decode ranks' first drafts).
     sends_hidden: bool = False

@@ -116,17 +116,16 @@ class PrefillWorker:
         # The batcher runs CUDA work on the model's GPU: it makes it current (use_device).
         self._device = runner.device
         # A longer prompt runs one chunk per batch, so activations follow the chunk and
-        # shorter prompts queued meanwhile go between its chunks (0: never chunked). A
-        # prefill group's ranks keep no chunked prompt's latents between plans: it prefills
-        # every prompt whole.
+        # shorter prompts queued meanwhile go between its chunks (0: never chunked).
         self.chunk_tokens = (
             default_chunk_tokens(self._device) if chunk_tokens is None else chunk_tokens
         )
         if self.chunk_tokens < 0:
             raise ValueError("chunk_tokens must be >= 0")
-        if not runner.chunks:
-            self.chunk_tokens = 0
-        self._seqs = itertools.count()  # each job's number in the plans
+        self._seqs = itertools.count()  # each piece's number in the plans
+        # Prompts dropped between their pieces since the last plan: a prefill group's other
+        # ranks drop what they keep of them (the next plan names them).
+        self._dropped: list[str] = []
         # Jobs whose shards are still travelling, at most this many: past it the batcher waits
         # for pushes instead of queueing more batches' latents in memory behind a slow rank.
         self._shipping = threading.BoundedSemaphore(MAX_SHIPPING)
@@ -169,7 +168,7 @@ class PrefillWorker:
         fut: Future[PrefillResult] = Future()
         with self._lock:
             self.queued_tokens += len(job.prompt_ids)
-        progress = PromptProgress(len(job.prompt_ids), self.chunk_tokens, next(self._seqs))
+        progress = PromptProgress(len(job.prompt_ids), self.chunk_tokens)
         self._jobs.put((job, fut, progress))
         return fut
 
@@ -207,11 +206,11 @@ class PrefillWorker:
                     self._jobs.put(None)  # finish this batch, then stop
                     break
                 return None
-            _, fut, progress = item
+            job, fut, progress = item
             if (error := progress.sends.error()) is not None and not fut.done():
                 fut.set_exception(error)  # a chunk's push failed: no more chunks
             if fut.done():  # or cancelled (the client left) between its pieces
-                self._counted(progress, 0)
+                self._drop(job, progress)
                 continue
             if batch and tokens + progress.piece() > self.max_batch_tokens:
                 self._held = item
@@ -219,6 +218,12 @@ class PrefillWorker:
             batch.append(item)
             tokens += progress.piece()
         return batch
+
+    def _drop(self, job: PrefillJob, progress: PromptProgress) -> None:
+        """`job` computes no more pieces (its caller left, or it failed)."""
+        self._counted(progress, 0)
+        if progress.started and progress.left:
+            self._dropped.append(job.request_id)
 
     def _counted(self, progress: PromptProgress, left: int) -> None:
         with self._lock:
@@ -238,7 +243,10 @@ class PrefillWorker:
             finally:
                 kept = {id(item) for item in going}
                 for item in batch:
-                    self._counted(item[2], item[2].left if id(item) in kept else 0)
+                    if id(item) in kept:
+                        self._counted(item[2], item[2].left)
+                    else:
+                        self._drop(item[0], item[2])
             for item in going:  # behind whatever arrived meanwhile
                 self._jobs.put(item)
 
@@ -257,7 +265,8 @@ class PrefillWorker:
         hits = [progress.done for _, _, progress in batch]
         # Prompt logprobs need every position's logits: only batches that ask pay for them.
         every = any(job.prompt_logprobs is not None for job, _, _ in batch)
-        plan = BatchPlan(tuple(self._plan(job, p) for job, _, p in batch), every)
+        jobs = tuple(self._plan(job, p) for job, _, p in batch)
+        plan, self._dropped = BatchPlan(jobs, every, tuple(self._dropped)), []
         lens, tokens = plan.lens, sum(plan.lens)
         with self.threads.applied(tokens) if self.threads else contextlib.nullcontext():
             out = self.runner.prefill(plan, pasts if any(hits) else None)
@@ -299,7 +308,6 @@ class PrefillWorker:
         queued again when pieces are left, else its first token sampled and its KV shipped."""
         job, fut, progress = item
         row, start = rows  # its index in the batch, its first row in `out`
-        cache = self.prefix_cache
         whole, before, size = progress.whole, progress.done, progress.piece()
         end = start + size
         if job.prompt_logprobs is not None:
@@ -309,17 +317,11 @@ class PrefillWorker:
                 job.prompt_ids[before : last + 1],
                 job.prompt_logprobs,
             )
-        if whole:
-            if cache is not None:
-                cache.store(progress.hashes, out.n, out.k_pe, before, start)
-            progress.done += size
-        else:  # each chunk's rows ship while the next chunk computes
-            progress.add(out.n, out.k_pe, start)
-            if cache is not None:
-                progress.store(cache, before)
-            if progress.done - job.cached_tokens > progress.sends.rows:
-                rows = progress.unshipped(out, start, job.cached_tokens)
-                self._send(job, planned, progress, *rows)
+        progress.advance(out, start, self.prefix_cache)
+        # Each chunk's rows ship while the next chunk computes.
+        if not whole and progress.done - job.cached_tokens > progress.sends.rows:
+            rows = progress.unshipped(out, start, job.cached_tokens)
+            self._send(job, planned, progress, *rows)
         if progress.left:
             going.append(item)
             return
@@ -341,9 +343,10 @@ class PrefillWorker:
         when_all(progress.sends.futures, lambda: self._shipped(fut, first, progress, computed))
 
     def _plan(self, job: PrefillJob, progress: PromptProgress) -> JobPlan:
-        """What every rank needs of `job`'s next piece: the prompt up to the piece's end, after
-        its first `done` tokens (a prefill group's other ranks look a whole prompt up in their
-        cache replicas, find the same prefix and ship their decode ranks' shards)."""
+        """What every rank needs of `job`'s next piece, numbered apart from every other piece:
+        the prompt up to the piece's end, after its first `done` tokens (a prefill group's
+        other ranks look its first piece up in their cache replicas, find the same prefix,
+        keep the pieces' latents as the worker does and ship their decode ranks' shards)."""
         res = job.reservation
         order = ShipOrder(
             job.request_id,
@@ -355,7 +358,8 @@ class PrefillWorker:
         )
         lookup = self.prefix_cache is not None and job.prompt_logprobs is None
         end = progress.done + progress.piece()
-        return JobPlan(progress.seq, tuple(job.prompt_ids[:end]), lookup, progress.done, order)
+        ids = tuple(job.prompt_ids[:end])
+        return JobPlan(next(self._seqs), ids, lookup, progress.done, order)
 
     def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
         """The first tokens' logits processing, one row per choice: the same as every later

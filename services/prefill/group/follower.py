@@ -4,12 +4,14 @@ until it ends.
 One the leader spawned runs `python -m services.prefill.group.follower RANK LEADER_PID`
 with the leader's config as JSON in TPLA_PREFILL_CONFIG; a rank started on its own
 (`tpla prefill --rank K`) builds its config from its settings and calls `follower_main`.
-Each plan: look up each prompt's cached prefix in this rank's replica of the prefix cache
-(the same hit as the leader's, or the replicas have diverged: the rank fails), prefill its
-share, hand its logits shard to the leader's gather, store the new blocks in the replica
-as the leader does, and ship its decode ranks' shards (j, j + N, ...), reporting each job's
-outcome through the group's store. A spawned rank ignores SIGINT / SIGTERM: its leader
-ends it.
+Each plan: forget the prompts the leader dropped, look up each new prompt's cached prefix in
+this rank's replica of the prefix cache (the same hit as the leader's, or the replicas have
+diverged: the rank fails), prefill its share of every prompt's next piece over the prompt's
+past, hand its logits shard to the leader's gather, keep each chunked prompt's latents and
+store the new blocks in the replica as the leader's worker does (`PromptProgress`), and ship
+its decode ranks' shards (j, j + N, ...) of the rows each piece finished, reporting each
+piece's outcome through the group's store; a prompt is forgotten after its last piece. A
+spawned rank ignores SIGINT / SIGTERM: its leader ends it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -28,6 +32,7 @@ from common.group.join import FollowerGroup
 from common.group.setup import open_comm
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
+from common.model.model import PrefillOutput
 from common.runtime.device import rank_device
 from services.prefill.group.config import (
     CONFIG_ENV,
@@ -36,17 +41,20 @@ from services.prefill.group.config import (
     prefix_cache,
 )
 from services.prefill.group.rank_model import RankModelLoader
-from services.prefill.group.reports import report_when_sent
-from services.prefill.plan import BatchPlan, recv_plan
+from services.prefill.group.reports import report_held, report_when_sent
+from services.prefill.plan import BatchPlan, JobPlan, recv_plan
+from services.prefill.progress import PromptProgress
 from services.prefill.rank.model import PrefillRankModel
-from services.prefill.shipping import Shipper, ships, unshipped
+from services.prefill.shipping import Shipper, ships
 from services.prefill.threads import PrefillThreads
 
 log = logging.getLogger(__name__)
 
 
 class RankState:
-    """What a follower rank holds between plans."""
+    """What a follower rank holds between plans: its model share, its prefix-cache replica and
+    the prompts it is prefilling in pieces, by request id (what the leader's worker keeps of
+    them, `PromptProgress`)."""
 
     def __init__(
         self,
@@ -62,19 +70,20 @@ class RankState:
         self.shipper = Shipper(sender, self.device)
         self.cache = prefix_cache(cfg)
         self.threads = PrefillThreads.of(cfg.torch_threads, cfg.prefill_threads)
+        self.prompts: dict[str, PromptProgress] = {}
+        self._held = 0  # len(prompts) as last reported
 
     def run(self, plan: BatchPlan) -> None:
-        cache = self.cache
-        hashes = [cache.hashes(job.prompt_ids) if cache is not None else [] for job in plan.jobs]
-        pasts = [
-            cache.lookup(h, len(job.prompt_ids)) if cache is not None and job.lookup else None
-            for h, job in zip(hashes, plan.jobs, strict=True)
-        ]
-        found = [p.length if p is not None else 0 for p in pasts]
-        if found != [job.hit for job in plan.jobs]:
+        for request_id in plan.dropped:
+            self.prompts.pop(request_id, None)
+        progress = [self._progress(job) for job in plan.jobs]
+        found = [p.done for p in progress]
+        mine = [(p.done, p.piece()) for p in progress]
+        leaders = [(job.hit, len(job.new_ids)) for job in plan.jobs]
+        if mine != leaders:
             raise RuntimeError(
-                f"prefill rank {self.rank}'s prefix cache found {found} cached tokens where "
-                f"the leader's found {[job.hit for job in plan.jobs]}: the replicas diverged"
+                f"prefill rank {self.rank}'s pieces (start, tokens) are {mine} where the "
+                f"leader's are {leaders}: the prefix-cache replicas diverged"
             )
         try:
             with self.threads.applied(sum(plan.lens)):  # as the leader's batch
@@ -82,22 +91,60 @@ class RankState:
                     plan.ids(self.device),
                     plan.lens,
                     all_logits=plan.all_logits,
-                    past=pasts if any(found) else None,
+                    past=[p.past() for p in progress] if any(found) else None,
                 )
         except Exception:  # the leader's own prefill failed alike: the batch is skipped
             log.exception("prefill rank %d: batch failed", self.rank)
+            for job in plan.jobs:  # and the leader drops its prompts
+                self.prompts.pop(job.order.request_id, None)
+            self._report_held()
             return
         gather_vocab(self.comm, out.logits, self.model.config.vocab_size)
-        start, tp = 0, self.cfg.tp
-        for job, h, past, length in zip(plan.jobs, hashes, pasts, plan.lens, strict=True):
-            end = start + length
-            if cache is not None:
-                cache.store(h, out.n, out.k_pe, job.hit, start)
-            if any(ships(t.rank, self.rank, tp) for t in job.order.targets):
-                n, k_pe = unshipped(out, start, end, past, job.order.skip)
-                sends = self.shipper.ship(job.order, n, k_pe, self.rank, tp)
-                report_when_sent(self.store, job.seq, self.rank, sends)
-            start = end
+        start = 0
+        for job, p, length in zip(plan.jobs, progress, plan.lens, strict=True):
+            self._piece(job, p, out, start)
+            start += length
+        self._report_held()
+
+    def _progress(self, job: JobPlan) -> PromptProgress:
+        """The prompt `job` is a piece of, started at its first piece: after the cached prefix
+        this rank's replica holds (the leader's hit, unless the replicas diverged)."""
+        cache = self.cache
+        hashes = cache.hashes(job.prompt_ids) if cache is not None else []
+        progress = self.prompts.get(job.order.request_id)
+        if progress is not None:
+            progress.hashes = hashes  # the prompt's blocks up to this piece's end
+            return progress
+        # Every piece but the last is one chunk long: a first piece shorter than the rest of
+        # the prompt is the leader's chunk (one as long is the whole prompt).
+        length, piece = job.order.num_tokens, len(job.new_ids)
+        progress = PromptProgress(length, piece if job.hit + piece < length else 0)
+        use = cache is not None and job.lookup
+        progress.start(hashes, cache.lookup(hashes, len(job.prompt_ids)) if use else None)
+        self.prompts[job.order.request_id] = progress
+        return progress
+
+    def _piece(self, job: JobPlan, progress: PromptProgress, out: PrefillOutput, row: int) -> None:
+        """As the leader's worker: keep the piece (rows from `row` of `out`), store its blocks
+        in the replica, ship this rank's decode ranks' shards of the rows it finished and
+        report them; a prompt whose last piece this was is forgotten."""
+        order, tp = job.order, self.cfg.tp
+        progress.advance(out, row, self.cache)
+        if any(ships(t.rank, self.rank, tp) for t in order.targets):
+            sends: list[Future[int]] = []
+            lo, hi = progress.sends.rows, progress.done - order.skip
+            if hi > lo:
+                n, k_pe = progress.unshipped(out, row, order.skip)
+                sends = self.shipper.ship(order, n, k_pe, self.rank, tp, rows=(lo, hi))
+                progress.sends.add(sends, hi, time.perf_counter())
+            report_when_sent(self.store, job.seq, self.rank, sends)
+        if not progress.left:
+            del self.prompts[order.request_id]
+
+    def _report_held(self) -> None:
+        if len(self.prompts) != self._held:
+            self._held = len(self.prompts)
+            report_held(self.store, self.rank, self._held)
 
 
 def follower_main(

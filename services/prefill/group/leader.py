@@ -53,8 +53,6 @@ REPORT_GRACE_S = 5.0
 
 
 class GroupRunner(PrefillRunner):
-    chunks = False  # the ranks keep no prompt's latents between plans
-
     def __init__(
         self,
         cfg: PrefillGroupConfig,
@@ -69,8 +67,9 @@ class GroupRunner(PrefillRunner):
         self.shipper = Shipper(make_sender(cfg.transport, cfg.worker_id, cfg.token), self.device)
         self._error: BaseException | None = None
         self.reports = Reports(cfg.master_addr, cfg.master_port, lambda: self.failed)
-        # Per job of the batch in flight: the other ranks' reports, expected from the plan on
-        # (a job whose first token fails is never shipped here, but its ranks still report).
+        # Per piece of the batch in flight: the other ranks' reports, expected from the plan
+        # on (a piece that ships nothing here, or whose job fails, is never shipped here, but
+        # its ranks still report).
         self._reports: dict[int, list[Future[int]]] = {}
 
     @classmethod
@@ -151,13 +150,11 @@ class GroupRunner(PrefillRunner):
         timed: Callable[[int, str, Send], Send] | None = None,
         rows: tuple[int, int] | None = None,
     ) -> list[Future[int]]:
-        # Prompts run whole here (`chunks`), so each job ships once: every row.
-        assert rows is None or rows == (0, job.order.num_tokens - job.order.skip)
-        sends = self.shipper.ship(job.order, n, k_pe, 0, self.cfg.tp, timed)
+        sends = self.shipper.ship(job.order, n, k_pe, 0, self.cfg.tp, timed, rows)
         return sends + self._reports.pop(job.seq, [])
 
     def _expect(self, job: JobPlan) -> list[Future[int]]:
-        """The reports of the other ranks that ship some of `job`'s shards."""
+        """The reports of the other ranks that ship some of `job`'s shards: one per piece."""
         order, tp = job.order, self.cfg.tp
         others = sorted({k for t in order.targets for k in range(1, tp) if ships(t.rank, k, tp)})
         timeout = order.timeout_s + REPORT_GRACE_S

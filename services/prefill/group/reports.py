@@ -1,15 +1,19 @@
 """How a prefill group's ranks tell the leader what became of their KV sends.
 
 Rank j (j > 0) ships the shards of its decode ranks while the group goes on to the next
-batch, so its outcome cannot ride on a collective: when a job's last send on the rank ends,
-the rank writes one report (the bytes acknowledged, or the first error) under the job's key
-in the group's rendezvous store and bumps a counter. The leader's `Reports` thread watches
+batch, so its outcome cannot ride on a collective: when the last send of a job's piece (a
+chunk of its prompt, or the whole prompt) on the rank ends, the rank writes one report (the
+bytes acknowledged, or the first error) under the piece's key (its `seq` in the plan) in the
+group's rendezvous store and bumps a counter. The leader's `Reports` thread watches
 the counter (one round trip a poll, however many jobs are pending) and resolves each
-expected report's future, or fails it at its deadline, or when the group has failed.
+expected report's future, or fails it at its deadline, or when the group has failed. A rank
+also keeps the count of the prompts it holds between pieces under its own key (`held`), so
+a prompt the leader dropped can be seen gone from every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -31,8 +35,18 @@ def _key(seq: int, rank: int) -> str:
     return f"{_PREFIX}/{seq}/{rank}"
 
 
+def _held_key(rank: int) -> str:
+    return f"tpla/prefill/held/{rank}"
+
+
+def report_held(store: dist.Store, rank: int, prompts: int) -> None:
+    """Rank `rank` holds `prompts` prompts between their pieces."""
+    with contextlib.suppress(dist.DistError):  # the leader is gone: the group ends anyway
+        store.set(_held_key(rank), str(prompts))
+
+
 def report_when_sent(store: dist.Store, seq: int, rank: int, sends: list[Future[int]]) -> None:
-    """A rank's report on job `seq`, written once every send in `sends` has ended."""
+    """A rank's report on piece `seq`, written once every send in `sends` has ended."""
     if not sends:
         _write(store, seq, rank, {"bytes": 0})
         return
@@ -69,11 +83,12 @@ def _write(store: dist.Store, seq: int, rank: int, outcome: dict[str, object]) -
 
 
 class Reports:
-    """The leader's side: a future per (job, rank) it expects a report from."""
+    """The leader's side: a future per (piece, rank) it expects a report from."""
 
     def __init__(self, addr: str, port: int, failed: Callable[[], BaseException | None]) -> None:
         # Its own connection to the store: the leader's other threads use theirs.
         self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=30))
+        self._address = (addr, port)
         self._failed = failed
         self._pending: dict[str, tuple[Future[int], float, str]] = {}
         self._lock = threading.Lock()
@@ -84,7 +99,7 @@ class Reports:
         self._thread.start()
 
     def expect(self, seq: int, rank: int, timeout_s: float, request_id: str) -> Future[int]:
-        """The future of rank `rank`'s report on job `seq`: the bytes its decode ranks
+        """The future of rank `rank`'s report on piece `seq`: the bytes its decode ranks
         acknowledged, or TransferError."""
         fut: Future[int] = Future()
         what = f"prefill rank {rank} (KV of {request_id})"
@@ -92,6 +107,12 @@ class Reports:
             self._pending[_key(seq, rank)] = (fut, time.monotonic() + timeout_s, what)
         self._new.set()
         return fut
+
+    def held(self, rank: int) -> int:
+        """The prompts rank `rank` last said it holds between their pieces."""
+        key = _held_key(rank)
+        store = dist.TCPStore(*self._address, is_master=False, timeout=timedelta(seconds=30))
+        return int(store.get(key)) if store.check([key]) else 0
 
     def close(self) -> None:
         self._stop.set()

@@ -1,5 +1,5 @@
 """A batch plan crosses to the other ranks as JSON and comes back whole: every job's ids,
-lookup, hit and KV targets (SP token ranges included)."""
+lookup, hit and KV targets (SP token ranges included), and the prompts dropped."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def test_a_plan_survives_its_encoding() -> None:
             JobPlan(8, tuple(range(40)), False, 32, ShipOrder("r2", 40, 16, 16, (), 30.0)),
         ),
         all_logits=True,
+        dropped=("r0",),
     )
     back = BatchPlan.from_json(plan.to_json())
     assert back == plan
