@@ -11,8 +11,9 @@ reports each child's peak RSS (VmHWM, `peak_rss_bytes`) next to the bytes of par
 - `rank-fp8`: one rank of tp = 2 TPLA read from the same model as a block-FP8 checkpoint
   (128 x 128 blocks), its linear weights kept FP8 (TPLA_WEIGHT_DTYPE=float8), the rest bf16;
 - `prefill-rank`: both ranks of a tp = 2 prefill group (two processes over gloo), each
-  reading its share shard-wise, then prefilling a 2,048-token prompt together: the peak
-  covers loading and the prefill's activations.
+  reading its share shard-wise, then prefilling a 2,048-token prompt together in the
+  device's default chunks (as a group's worker does): the peak covers loading and the
+  prefill's activations.
 
 A rank read shard-wise should peak near overhead + its share. The checkpoint is deleted at
 the end.
@@ -158,8 +159,10 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
 
     from common.group.comm import Comm, DistCollectives
     from common.loading.serving_model import open_serving_weights
+    from common.model.chunked import prefill_in_chunks
     from common.model.prefill_attention import select_prefill_attention
     from common.parallel import ParallelConfig
+    from services.prefill.progress import default_chunk_tokens
     from services.prefill.rank.model import PrefillRankModel
 
     torch.set_num_threads(1)
@@ -183,7 +186,9 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
     gen = torch.Generator().manual_seed(0)  # both ranks prefill the same prompt
     ids = torch.randint(2, model.config.vocab_size, (PREFILL_TOKENS,), generator=gen)
     t0 = time.perf_counter()
-    model.prefill(ids, [PREFILL_TOKENS])
+    # In the CPU default's chunks, as the group's worker runs a prompt this long.
+    chunk = default_chunk_tokens(model.device)
+    prefill_in_chunks(model.prefill, ids, chunk)
     prefill_s = time.perf_counter() - t0
     dist.barrier()
     dist.destroy_process_group()
@@ -196,6 +201,7 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
         "parameter_bytes": model.parameter_bytes(),
         "load_seconds": round(seconds, 2),
         "prefill_tokens": PREFILL_TOKENS,
+        "prefill_chunk_tokens": chunk,
         "prefill_seconds": round(prefill_s, 2),
     }
 
