@@ -46,16 +46,20 @@ def speculative(tiny_model: Path) -> Iterator[LocalStack]:
     s.stop()
 
 
-def _answers(stack: LocalStack) -> list[tuple[list[str | None], str]]:
+def answers(
+    stack: LocalStack, messages: list[dict], requests: list[dict]
+) -> list[tuple[list[str | None], str]]:
+    """Each request's choices' texts and its id, through the openai client."""
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
     out = []
-    for kw in REQUESTS:
-        resp = client.chat.completions.create(model=MODEL_NAME, messages=REPEATING, **kw)
+    for kw in requests:
+        resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, **kw)
         out.append(([c.message.content for c in resp.choices], resp.id))
     return out
 
 
-def _record(stack: LocalStack, rid: str) -> dict:
+def finished_record(stack: LocalStack, rid: str) -> dict:
+    """The request's Redis record once it says FINISHED."""
     for _ in range(50):  # the record's last transition lands just after the answer
         record = httpx.get(f"{stack.url}/admin/requests/{rid}", timeout=10).json()
         if record.get("state") == "FINISHED":
@@ -65,28 +69,28 @@ def _record(stack: LocalStack, rid: str) -> dict:
 
 
 def test_drafts_change_no_answer(stack: LocalStack, speculative: LocalStack) -> None:
-    plain = _answers(stack)
-    drafted = _answers(speculative)
+    plain = answers(stack, REPEATING, REQUESTS)
+    drafted = answers(speculative, REPEATING, REQUESTS)
     assert [texts for texts, _ in drafted] == [texts for texts, _ in plain]
     *_, (structured, _) = drafted
     jsonschema.validate(json.loads(structured[0] or ""), SCHEMA)
-    records = [_record(speculative, rid) for _, rid in drafted]
+    records = [finished_record(speculative, rid) for _, rid in drafted]
     fed = sum(int(r["spec_draft_tokens"]) for r in records)
     kept = sum(int(r["spec_accepted_tokens"]) for r in records)
     assert fed > kept > 0
-    assert all(r["spec_draft_tokens"] == "0" for r in (_record(stack, plain[0][1]),))
+    assert all(r["spec_draft_tokens"] == "0" for r in (finished_record(stack, plain[0][1]),))
 
 
 def test_a_stop_string_cuts_a_kept_run_where_plain_decoding_does(
     stack: LocalStack, speculative: LocalStack
 ) -> None:
-    [greedy], _ = _answers(stack)[0]
+    [greedy], _ = answers(stack, REPEATING, REQUESTS)[0]
     assert greedy and len(greedy) > 20
     stop = greedy[12:16]  # inside the answer: drafts were kept around it (see above)
-    answers = []
+    cut = []
     for s in (stack, speculative):
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
         kw = {**REQUESTS[0], "stop": [stop]}
         resp = client.chat.completions.create(model=MODEL_NAME, messages=REPEATING, **kw)
-        answers.append((resp.choices[0].message.content, resp.choices[0].finish_reason))
-    assert answers[0] == answers[1] == (greedy[: greedy.index(stop)], "stop")
+        cut.append((resp.choices[0].message.content, resp.choices[0].finish_reason))
+    assert cut[0] == cut[1] == (greedy[: greedy.index(stop)], "stop")

@@ -5,15 +5,13 @@ prefill worker ships the MTP layer's prompt latents and the last hidden state)."
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 
-from tests.stack import MODEL_NAME, start_stack
+from tests.e2e.test_speculative import answers, finished_record
+from tests.stack import start_stack
 from tools.local_stack import LocalStack
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
@@ -37,29 +35,11 @@ def stacks() -> Iterator[dict[str, LocalStack]]:
             s.stop()
 
 
-def _answers(stack: LocalStack) -> list[tuple[list[str | None], str]]:
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
-    out = []
-    for kw in REQUESTS:
-        resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **kw)
-        out.append(([c.message.content for c in resp.choices], resp.id))
-    return out
-
-
-def _record(stack: LocalStack, rid: str) -> dict:
-    for _ in range(50):  # the record's last transition lands just after the answer
-        record = httpx.get(f"{stack.url}/admin/requests/{rid}", timeout=10).json()
-        if record.get("state") == "FINISHED":
-            return record
-        time.sleep(0.1)
-    raise AssertionError(f"request {rid} never recorded FINISHED")
-
-
 def test_mtp_drafts_change_no_answer(stacks: dict[str, LocalStack]) -> None:
-    plain = _answers(stacks["none"])
-    drafted = _answers(stacks["mtp"])
+    plain = answers(stacks["none"], MESSAGES, REQUESTS)
+    drafted = answers(stacks["mtp"], MESSAGES, REQUESTS)
     assert [texts for texts, _ in drafted] == [texts for texts, _ in plain]
-    records = [_record(stacks["mtp"], rid) for _, rid in drafted]
+    records = [finished_record(stacks["mtp"], rid) for _, rid in drafted]
     fed = sum(int(r["spec_draft_tokens"]) for r in records)
     kept = sum(int(r["spec_accepted_tokens"]) for r in records)
     assert fed > kept > 0

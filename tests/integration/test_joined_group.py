@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, Launch, engine_config
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill
+from tests.joined_ranks import Rank, rank_starter
 from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -77,46 +77,10 @@ def prefill_addr(model_dir: Path) -> Iterator[str]:
     worker.join(timeout=30)
 
 
-@dataclass
-class Rank:
-    proc: subprocess.Popen
-    log: Path
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running after {timeout:g} s:\n{self.text()}") from None
-
-
 @pytest.fixture
 def start_rank(model_dir: Path, tmp_path: Path) -> Iterator:
-    """`tpla decode --rank K --group-size 2 --group-addr 127.0.0.1:PORT` in a session of
-    its own, with TPLA_<KEY> settings; whatever is left is killed afterwards."""
-    started: list[Rank] = []
-
-    def start(rank: int, rendezvous: int, **settings: str) -> Rank:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TPLA_MODEL": str(model_dir)}
-        env.update({f"TPLA_{k}": v for k, v in {**BASE, **settings}.items()})
-        env.pop("TPLA_REDIS_URL", None)
-        log = tmp_path / f"rank{rank}-{len(started)}.log"
-        argv = [sys.executable, "-m", "tools.cli", "decode", "--rank", str(rank)]
-        argv += ["--group-size", "2", "--group-addr", f"127.0.0.1:{rendezvous}"]
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        started.append(Rank(proc, log))
-        return started[-1]
-
-    yield start
-    for rank in started:
-        if rank.proc.poll() is None:
-            os.killpg(rank.proc.pid, signal.SIGKILL)
-            rank.proc.wait(timeout=10)
+    """`tpla decode --rank K` of a group of two (tests/joined_ranks.py)."""
+    yield from rank_starter("decode", model_dir, tmp_path, BASE)
 
 
 def group_ports() -> dict[str, int]:

@@ -8,11 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,35 +25,13 @@ from common.sampling.params import SamplingParams
 from services.prefill.group.config import prefill_group_config
 from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillJob, PrefillWorker
+from tests.joined_ranks import rank_starter
 from tests.recording_kv import Receivers, targets
 from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 PROMPTS = [list(range(3, 40)), [5, 9, 2, 7, 11, 4, 8, 30, 31, 6, 12]]
-START_S = 180.0
 BASE = {"REPARAM": "", "PREFIX_CACHE_MB": "16", "PREFILL_TP": "2"}
-
-
-@dataclass
-class Rank:
-    proc: subprocess.Popen
-    log: Path
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running after {timeout:g} s:\n{self.text()}") from None
-
-    def wait_for(self, line: str) -> None:
-        deadline = time.monotonic() + START_S
-        while line not in self.text():
-            assert self.proc.poll() is None, self.text()
-            assert time.monotonic() < deadline, self.text()
-            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -68,29 +43,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def start_rank(model_dir: Path, tmp_path: Path) -> Iterator:
-    """`tpla prefill --rank K --group-size 2 --group-addr 127.0.0.1:PORT` in a session of its
-    own, with TPLA_<KEY> settings; whatever is left is killed afterwards."""
-    started: list[Rank] = []
-
-    def start(rank: int, rendezvous: int, **settings: str) -> Rank:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TPLA_MODEL": str(model_dir)}
-        env.update({f"TPLA_{k}": v for k, v in {**BASE, **settings}.items()})
-        env.pop("TPLA_REDIS_URL", None)
-        log = tmp_path / f"rank{rank}-{len(started)}.log"
-        argv = [sys.executable, "-m", "tools.cli", "prefill", "--rank", str(rank)]
-        argv += ["--group-size", "2", "--group-addr", f"127.0.0.1:{rendezvous}"]
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        started.append(Rank(proc, log))
-        return started[-1]
-
-    yield start
-    for rank in started:
-        if rank.proc.poll() is None:
-            os.killpg(rank.proc.pid, signal.SIGKILL)
-            rank.proc.wait(timeout=10)
+    """`tpla prefill --rank K` of a group of two (tests/joined_ranks.py)."""
+    yield from rank_starter("prefill", model_dir, tmp_path, BASE)
 
 
 def _reservation(rid: str, prompt: list[int], d_c: int, address: str) -> Reservation:
