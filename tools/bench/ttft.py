@@ -22,6 +22,7 @@ import json
 import platform
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -91,11 +92,6 @@ class Row:
     prefill_tokens_per_s: float
     exposed_transfer_s: float | None  # None: the record carries no such field
     peak_above_baseline_bytes: list[int]  # per prefill rank, rank 0 first
-
-
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
 def _status(pid: int, key: str) -> int:
@@ -191,9 +187,9 @@ def measure(
         rows.append(
             (
                 length,
-                _median(ttfts),
-                _median(prefills),
-                _median(exposed) if exposed else None,
+                statistics.median(ttfts),
+                statistics.median(prefills),
+                statistics.median(exposed) if exposed else None,
                 peaks,
             )
         )
@@ -212,7 +208,6 @@ def run(args: argparse.Namespace) -> list[Row]:
                     "SERVED_MODEL_NAME": SERVED,
                     "PREFILL_TP": str(tp),
                     "PREFILL_CHUNK_TOKENS": str(chunk),
-                    "PREFILL_BATCH_TOKENS": str(max(max(args.prompt_tokens), 1)),
                     "TP": "2",
                     "LATENT_GROUPS": "2",
                     "REPARAM": "",
