@@ -11,8 +11,8 @@ Configurations (each only when selected with --configs):
                (tools/bench/hf_baseline.py): one request at a time, or static batches.
 
 Each mix has a fixed prompt length and exactly `max_tokens` outputs per request (ignore_eos,
-greedy), prompts are windows of real Python source (the `edit` mix: a window twice, so an
-answer that repeats the prompt is likely), and every configuration serves the same prompts
+greedy), prompts are windows of real Python source (tools/bench/prompts.py; the `edit` mix's
+answers repeat what its prompts hold), and every configuration serves the same prompts
 (overlapping windows: nothing here caches prefixes). The load is swept either as closed loops
 (a level of concurrency c is c clients over waves * c requests, at least 2) or, with
 --request-rate, as Poisson arrivals (a level is `requests` requests at that rate; see
@@ -36,17 +36,11 @@ from pathlib import Path
 from common.runtime.settings import load_settings
 from services.prefill.threads import PrefillThreads, usable_cores
 from tools.bench.load import Arrival, Load, drive_blocking
+from tools.bench.prompts import Mix, make_prompts
 from tools.bench.stats import LoadSummary, RequestTiming, summarize
 
 CONFIGS = ("tpla", "mla-tp", "colocated", "hf-naive", "hf-static")
 DISAGGREGATED = {"tpla": (2, "tpla_pca"), "mla-tp": (1, "")}  # latent groups, reparam
-
-
-@dataclass(frozen=True)
-class Mix:
-    name: str
-    prompt_tokens: int
-    max_tokens: int
 
 
 @dataclass(frozen=True)
@@ -81,26 +75,6 @@ class SweepConfig:
         if load.arrival is Arrival.POISSON:
             return self.requests
         return max(self.waves * load.concurrency, 2)
-
-
-def make_prompts(model: str, mix: Mix, count: int) -> list[list[int]]:
-    """`count` distinct windows of `mix.prompt_tokens` tokens of Python source text."""
-    import inspect
-
-    from common.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(model)
-    ids: list[int] = []
-    for module in (argparse, json.decoder, dataclasses, inspect):
-        ids += tok.encode(inspect.getsource(module), add_bos=False)
-        if len(ids) >= mix.prompt_tokens + 97 * count:
-            break
-    size = mix.prompt_tokens // 2 if mix.name == "edit" else mix.prompt_tokens
-    span = len(ids) - size
-    if span < 1:
-        raise ValueError(f"not enough text for {mix.prompt_tokens}-token prompts")
-    windows = [ids[(97 * i) % span : (97 * i) % span + size] for i in range(count)]
-    return [w * 2 for w in windows] if mix.name == "edit" else windows
 
 
 Runner = Callable[[Sequence[Sequence[int]], int, Load], tuple[list[RequestTiming], float]]
@@ -317,12 +291,18 @@ def plot(report: dict, path: Path) -> None:
 
 def _mixes(quick: bool, names: Sequence[str]) -> tuple[Mix, ...]:
     catalog = (
-        {"short": Mix("short", 16, 8), "long": Mix("long", 256, 8), "edit": Mix("edit", 64, 16)}
+        {
+            "short": Mix("short", 16, 8),
+            "long": Mix("long", 256, 8),
+            "edit": Mix("edit", 64, 16),
+            "completion": Mix("completion", 32, 16),
+        }
         if quick
         else {
             "short": Mix("short", 64, 32),
             "long": Mix("long", 1536, 32),
             "edit": Mix("edit", 256, 64),
+            "completion": Mix("completion", 128, 64),
         }
     )
     return tuple(catalog[n] for n in names)
@@ -397,10 +377,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--mixes",
         nargs="+",
-        choices=("short", "long", "edit", "shared-prefix"),
-        help="default: short and long; edit: a prompt window twice (its answer tends to repeat "
-        "it); shared-prefix (alone): multi-turn chat over one system prompt, prefix cache on "
-        "and off",
+        choices=("short", "long", "edit", "completion", "shared-prefix"),
+        help="default: short and long; edit: prompts whose answers repeat what they hold "
+        "(tools/bench/prompts.py); completion: a window of source continued at length; "
+        "shared-prefix (alone): multi-turn chat over one system prompt, prefix cache on and off",
     )
     p.add_argument(
         "--speculative",
