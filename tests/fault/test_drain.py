@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -24,8 +25,8 @@ import pytest
 from tests.fault.test_faults import (
     CLIENT_TIMEOUT_S,
     Client,
-    busiest_group,
     complete,
+    decode_groups,
     finish,
     run_clients,
     wait_progress,
@@ -91,6 +92,19 @@ def exited_within(pid: int, seconds: float) -> float:
     return time.monotonic() - started
 
 
+def group_streaming(url: str, clients: list[Client]) -> list[dict]:
+    """The decode group (its rank records) holding the most of these clients' unfinished
+    streams, read from their request records: a group seen running nothing would drain at
+    once and be gone before the router saw it draining."""
+    holding = Counter(
+        record(url, c.result.request_id)["decode_group"]
+        for c in clients
+        if c.result.request_id and c.result.finish_reason is None
+    )
+    assert holding, "every stream ended before a group could be told to go"
+    return decode_groups(url)[holding.most_common(1)[0][0]]
+
+
 def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> None:
     wait_recovered(stack)
     tokens = 4 * MAX_TOKENS
@@ -98,7 +112,7 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
     clients = [Client(stack.url, p, tokens) for p in PROMPTS]
     pool, futures = run_clients(clients)
     wait_progress(clients, 4)
-    victim = busiest_group(stack.url)
+    victim = group_streaming(stack.url, clients)
     group, leader = victim[0]["group_id"], victim[0]["pid"]
     # Its followers stopped (for less than a stalled step takes to be reported): the group's
     # steps wait in their collectives, so its drain cannot end before the router has seen it
@@ -112,7 +126,10 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
         # its SIGTERM was handled is admitted, and finishes there, as it should).
         deadline = time.monotonic() + 10
         while not any(w["draining"] for w in workers(stack.url) if w.get("group_id") == group):
-            assert time.monotonic() < deadline, "the router never saw the group draining"
+            assert time.monotonic() < deadline, (
+                f"the router never saw group {group} draining: {workers(stack.url)}\n"
+                + "\n".join(ln for ln in stack.log().splitlines() if "GET /admin" not in ln)[-4000:]
+            )
             time.sleep(0.05)
         with concurrent.futures.ThreadPoolExecutor(3) as sends:
             meanwhile = list(sends.map(lambda i: send(stack.url, f"meanwhile {i}", 4), range(3)))
