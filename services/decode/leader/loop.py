@@ -1,11 +1,10 @@
 """The decode leader's loop thread: where every collective of the group runs.
 
 Callers enqueue commands (`call`) and wait on futures, or enqueue them without waiting
-(`post`). Each iteration applies the commands,
-expires leases, and runs one decode step for every running sequence (continuous batching:
-requests join and leave between steps); an idle group is pinged so its followers stay inside
-their collective timeout. When the loop stops, for whatever reason, every live choice and
-pending command ends with an error.
+(`post`). Each iteration applies the commands, expires leases, and runs one decode step for
+every running sequence (continuous batching: requests join and leave between steps); an idle
+group is pinged so its followers stay inside their collective timeout. When the loop stops,
+for whatever reason, every live choice and pending command ends with an error.
 """
 
 from __future__ import annotations
