@@ -109,7 +109,12 @@ class Settings(BaseSettings):
     spec_max_batch: int = Field(
         4, ge=1, description="no speculation in a decode step of more sequences than this"
     )
-    lease_seconds: float = Field(30.0, gt=0, description="unclaimed reservations expire")
+    lease_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="a reservation not started by then is freed; each of its KV shards "
+        "landing on decode rank 0 (a prompt's chunk) runs it that long again",
+    )
     # A group across hosts: every rank is a `tpla decode --rank K --group-size N --group-addr
     # HOST:PORT` of its own (common/group/join.py); without them the leader spawns
     # its ranks.

@@ -3,7 +3,8 @@
 API (thread-safe; the decode gRPC servicer is a thin shell over it):
     reserve(request_id, prompt_len, max_tokens, prompt_ids, n) -> Reservation
                                                blocks on every rank, leased (the prompt
-                                               once, max_tokens per choice); reuses the
+                                               once, max_tokens per choice; each shard
+                                               landing on rank 0 renews the lease); reuses the
                                                longest cached prefix of prompt_ids;
                                                its targets: where each rank's shard goes
     write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
@@ -81,6 +82,7 @@ class DecodeEngine:
         self._step = DecodeStep(self.group, self.scheduler, self.eos_token_ids)
         self.controls = self._step.controls
         self._loop = LeaderLoop(self.group, self.scheduler, self._step)
+        self.runtime.landed = self._renew
         # The last load the loop answered: what a heartbeat reports while a long step keeps
         # the loop from answering (see services/decode/server/records.py).
         self.last_load: DecodeLoad | None = None
@@ -170,6 +172,7 @@ class DecodeEngine:
                 raise SchedulerError(
                     f"KV shard for rank {rank} has shape {tuple(n.shape)}, expected {expected}"
                 )
+            self.scheduler.renew(request_id, time.monotonic() + self.cfg.lease_seconds)
             if tokens == 0:
                 return  # an SP rank that owns none of a short prompt
             slots = self._slots(request_id, rank, tokens, skip)
@@ -341,6 +344,13 @@ class DecodeEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def _renew(self, request_id: str) -> None:
+        """A shard of the request landed on rank 0 (a receiver thread): its reservation's
+        lease runs another lease period from now. Posted, not waited for: the shard's
+        acknowledgement must not wait out a decode step."""
+        deadline = time.monotonic() + self.cfg.lease_seconds
+        self._loop.post(lambda: self.scheduler.renew(request_id, deadline))
 
     def _slots(self, request_id: str, rank: int, num_tokens: int, first: int = 0) -> Tensor:
         """Cache slots of the rank's local tokens first..first+num_tokens-1 (all inside its

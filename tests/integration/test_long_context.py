@@ -44,8 +44,6 @@ def _config(model_dir: Path, parallel: ParallelConfig) -> EngineConfig:
         master_port=free_port(),
         kv_budget_mb=16,
         block_size=16,
-        # The reservation waits for the whole prefill (chunk landings do not renew it).
-        lease_seconds=600.0,
         kv_port_base=free_port(),
     )
 

@@ -90,6 +90,14 @@ def rows() -> list[tuple[str, list[Panel]]]:
                 Panel(
                     "End-to-end latency", "s", quantiles("tpla:e2e_request_latency_seconds", "e2e")
                 ),
+                Panel(
+                    "Exposed KV transfer time",
+                    "s",
+                    quantiles("tpla:kv_exposed_transfer_seconds", "exposed", "transport", ""),
+                    "the part of TTFT the KV transfer adds: from the end of a request's last"
+                    " prefill chunk to the last rank's ack (earlier chunks ship while later ones"
+                    " compute)",
+                ),
             ],
         ),
         (

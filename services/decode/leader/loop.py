@@ -1,10 +1,10 @@
 """The decode leader's loop thread: where every collective of the group runs.
 
-Callers enqueue commands (`call`) and wait on futures. Each iteration applies the commands,
-expires leases, and runs one decode step for every running sequence (continuous batching:
-requests join and leave between steps); an idle group is pinged so its followers stay inside
-their collective timeout. When the loop stops, for whatever reason, every live choice and
-pending command ends with an error.
+Callers enqueue commands (`call`) and wait on futures, or enqueue them without waiting
+(`post`). Each iteration applies the commands, expires leases, and runs one decode step for
+every running sequence (continuous batching: requests join and leave between steps); an idle
+group is pinged so its followers stay inside their collective timeout. When the loop stops,
+for whatever reason, every live choice and pending command ends with an error.
 """
 
 from __future__ import annotations
@@ -61,6 +61,13 @@ class LeaderLoop:
             return fut.result(timeout)
         except FutureTimeout:
             raise EngineError(f"the decode loop did not answer within {timeout:g} s") from None
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the loop thread between two steps without waiting for it: for a
+        caller that must not wait out a step. Its result and errors are dropped; nothing
+        runs once the loop has stopped."""
+        if self.error is None and not self._stop.is_set():
+            self._commands.put((fn, Future()))
 
     def step_running_for(self) -> float:
         """Seconds the current step (or ping) has been running; 0 between steps."""

@@ -2,7 +2,7 @@
 
 Request lifecycle on a decode group:
     RESERVED  blocks held for prompt + max_tokens, waiting for its KV shards and first token;
-              freed if not started before its lease expires
+              freed if neither started nor renewed (`renew`: a shard landed) within a lease
     WAITING   KV written, first token known; admitted when the batch has room
     RUNNING   in every step's batch until it finishes
     FINISHED | ABORTED   blocks returned to the pool
@@ -200,8 +200,17 @@ class Scheduler:
             self._end(seq, SeqState.ABORTED)
         return ended
 
+    def renew(self, request_id: str, deadline: float) -> None:
+        """Progress on a reservation (one of its KV shards landed): its lease runs to
+        `deadline` at least. A request that is unknown (a late shard of an expired or aborted
+        one) or started has no lease to renew."""
+        for seq in self.forks(request_id):
+            if seq.state is SeqState.RESERVED:
+                seq.lease_deadline = max(seq.lease_deadline, deadline)
+
     def expire_leases(self, now: float) -> list[str]:
-        """End reservations never started by their lease deadline; their request ids."""
+        """End reservations neither started nor renewed by their lease deadline; their
+        request ids."""
         expired = [
             rid
             for rid, ids in self.requests.items()

@@ -7,6 +7,7 @@ follower's process runs it under services/decode/group/follower.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -73,6 +74,9 @@ class RankRuntime:
         # Each bucket's step captured once and replayed (CUDA only: a CPU step has no
         # launches to save), where every kernel of the step can be.
         self.graphs: StepGraphs | None = None
+        # Called with a shard's request id once its rows are in this rank's cache: the
+        # leader renews the reservation's lease by it (a follower has no scheduler).
+        self.landed: Callable[[str], None] | None = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             blocked = uncapturable(self.model)
             if self.model.mtp is not None:
@@ -147,6 +151,7 @@ class RankRuntime:
         the shard into its blocks as it arrives.
 
         Safe beside the step loop: the blocks belong to a reservation that is not running.
+        The shard's landing is reported to `landed`, when set.
         """
         lay = self.layout
         if header.rank != self.rank:
@@ -166,7 +171,10 @@ class RankRuntime:
         slots = shard_slots(header)
         if len(slots) and int(slots.max()) >= self.cache.trash_slot:
             raise TransferError("shard addresses blocks outside this rank's pool")
-        return ShardTarget(self.cache, slots)
+        landed, request_id = self.landed, header.request_id
+        if landed is None:
+            return ShardTarget(self.cache, slots)
+        return ShardTarget(self.cache, slots, lambda _seconds: landed(request_id))
 
     def start_kv_receiver(self) -> grpc.Server | None:
         """Serve KvReceiver (and a TCPStore for the torch transport) for this rank."""

@@ -47,6 +47,7 @@ def test_the_issue_s_panels_are_there() -> None:
     for words in (
         "time to first token",
         "inter-token latency",
+        "exposed kv transfer time",
         "requests per second",
         "tokens per second",
         "queue wait",
@@ -62,3 +63,4 @@ def test_the_issue_s_panels_are_there() -> None:
         assert words in titles, words
     p99 = [e for e in exprs(dashboard()) if "histogram_quantile(0.99" in e]
     assert any("time_to_first_token" in e for e in p99) and any("inter_token" in e for e in p99)
+    assert any("kv_exposed_transfer" in e for e in p99)

@@ -83,6 +83,26 @@ def test_scheduler_expires_every_fork_of_a_reservation() -> None:
     assert pools.num_used == 0 and not sched.seqs
 
 
+def test_progress_renews_a_reservation_until_it_stops() -> None:
+    pools = RankPools(num_blocks=64, block_size=4, ranks=1)
+    sched = Scheduler(pools, max_batch=8, max_model_len=100)
+    sched.reserve("r", prompt_len=12, max_tokens=2, deadline=1.0, n=2)
+    # Each chunk's landing pushes the deadline out, every fork's; an earlier one never
+    # pulls it back.
+    for landed_at in (0.8, 1.6, 2.4):
+        assert sched.expire_leases(now=landed_at) == []
+        sched.renew("r", deadline=landed_at + 1.0)
+    sched.renew("r", deadline=2.0)
+    assert [s.lease_deadline for s in sched.forks("r")] == [3.4, 3.4]
+    sched.renew("late", deadline=9.0)  # a shard of a request that is gone: nothing to renew
+    assert sched.expire_leases(now=3.3) == []
+    assert sched.expire_leases(now=3.4) == ["r"] and pools.num_used == 0
+    sched.reserve("s", prompt_len=4, max_tokens=2, deadline=1.0)
+    sched.start("s", 3)
+    sched.renew("s", deadline=9.0)  # started: no lease left to renew
+    assert sched.seqs["s"].lease_deadline == 1.0
+
+
 def test_forks_share_cached_prefix_blocks_and_keep_them_from_eviction() -> None:
     """A prompt's cached blocks, reused by an n = 3 request, are referenced by every fork:
     they are not evictable while any fork lives (a request that needs them is refused) and
