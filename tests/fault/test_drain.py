@@ -11,11 +11,11 @@ the undisturbed one) and two prefill workers.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import re
 import signal
 import time
-from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -25,10 +25,12 @@ import pytest
 from tests.fault.test_faults import (
     CLIENT_TIMEOUT_S,
     Client,
+    busiest_group,
     complete,
     decode_groups,
     finish,
     run_clients,
+    running_requests,
     wait_progress,
     wait_recovered,
     workers,
@@ -92,19 +94,6 @@ def exited_within(pid: int, seconds: float) -> float:
     return time.monotonic() - started
 
 
-def group_streaming(url: str, clients: list[Client]) -> list[dict]:
-    """The decode group (its rank records) holding the most of these clients' unfinished
-    streams, read from their request records: a group seen running nothing would drain at
-    once and be gone before the router saw it draining."""
-    holding = Counter(
-        record(url, c.result.request_id)["decode_group"]
-        for c in clients
-        if c.result.request_id and c.result.finish_reason is None
-    )
-    assert holding, "every stream ended before a group could be told to go"
-    return decode_groups(url)[holding.most_common(1)[0][0]]
-
-
 def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> None:
     wait_recovered(stack)
     tokens = 4 * MAX_TOKENS
@@ -112,15 +101,20 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
     clients = [Client(stack.url, p, tokens) for p in PROMPTS]
     pool, futures = run_clients(clients)
     wait_progress(clients, 4)
-    victim = group_streaming(stack.url, clients)
-    group, leader = victim[0]["group_id"], victim[0]["pid"]
-    # Its followers stopped (for less than a stalled step takes to be reported): the group's
-    # steps wait in their collectives, so its drain cannot end before the router has seen it
-    # and the new requests are placed, however fast the streams would otherwise finish.
-    followers = [w["pid"] for w in victim[1:]]
-    for follower in followers:
-        os.kill(follower, signal.SIGSTOP)
+    # Every group's followers stopped (for less than a stalled step takes to be reported):
+    # the groups' steps wait in their collectives, so the streams are still running when
+    # the victim is chosen (a tiny model's streams end in a second or two: a group picked
+    # idle would drain at once and be gone before the router saw it), and the victim's drain
+    # cannot end before the router has seen it and the new requests are placed.
+    followers = {g: [w["pid"] for w in ranks[1:]] for g, ranks in decode_groups(stack.url).items()}
+    for pid in itertools.chain(*followers.values()):
+        os.kill(pid, signal.SIGSTOP)
     try:
+        victim = busiest_group(stack.url)
+        group, leader = victim[0]["group_id"], victim[0]["pid"]
+        assert running_requests(victim) > 0, "every stream ended before a group was chosen"
+        for pid in itertools.chain(*(pids for g, pids in followers.items() if g != group)):
+            os.kill(pid, signal.SIGCONT)
         os.kill(leader, signal.SIGTERM)
         # New requests once the router has seen it draining (a Reserve that reached it before
         # its SIGTERM was handled is admitted, and finishes there, as it should).
@@ -135,8 +129,8 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
             meanwhile = list(sends.map(lambda i: send(stack.url, f"meanwhile {i}", 4), range(3)))
         still_draining = psutil.pid_exists(leader)
     finally:
-        for follower in followers:
-            os.kill(follower, signal.SIGCONT)
+        for pid in itertools.chain(*followers.values()):
+            os.kill(pid, signal.SIGCONT)
     took = exited_within(leader, DRAIN_GRACE_S)
     results = finish(pool, futures)
     for client, r in zip(clients, results, strict=True):

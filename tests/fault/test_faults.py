@@ -145,18 +145,19 @@ def decode_groups(url: str) -> dict[str, list[dict]]:
     return {g: sorted(ranks, key=lambda w: w["rank"]) for g, ranks in groups.items()}
 
 
+def running_requests(ranks: list[dict]) -> float:
+    """The requests a decode group (its rank records) runs right now, read from its leader's
+    metrics endpoint, not from the registry, whose heartbeat-borne KV numbers can be seconds
+    old — by then that group may have finished its streams and sit idle."""
+    host, port = ranks[0]["address"].rsplit(":", 1)
+    text = httpx.get(f"http://{host}:{int(port) + 1000}/metrics", timeout=10).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("tpla:num_requests_running"))
+    return float(line.split()[-1])
+
+
 def busiest_group(url: str) -> list[dict]:
-    """The decode group (its rank records) running the most requests right now: read from
-    each leader's metrics endpoint, not from the registry, whose heartbeat-borne KV numbers
-    can be seconds old — by then that group may have finished its streams and sit idle."""
-
-    def running(ranks: list[dict]) -> float:
-        host, port = ranks[0]["address"].rsplit(":", 1)
-        text = httpx.get(f"http://{host}:{int(port) + 1000}/metrics", timeout=10).text
-        line = next(ln for ln in text.splitlines() if ln.startswith("tpla:num_requests_running"))
-        return float(line.split()[-1])
-
-    return max(decode_groups(url).values(), key=running)
+    """The decode group (its rank records) running the most requests right now."""
+    return max(decode_groups(url).values(), key=running_requests)
 
 
 def _running(pid: int) -> bool:
