@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.e2e.test_sampling_api import SCHEMAS, TOOL_MESSAGES, TOOLS
 from tests.stack import MODEL_NAME, start_stack
 from tools.local_stack import LocalStack
 
@@ -94,3 +95,29 @@ def test_a_stop_string_cuts_a_kept_run_where_plain_decoding_does(
         resp = client.chat.completions.create(model=MODEL_NAME, messages=REPEATING, **kw)
         cut.append((resp.choices[0].message.content, resp.choices[0].finish_reason))
     assert cut[0] == cut[1] == (greedy[: greedy.index(stop)], "stop")
+
+
+def test_tool_calls_validate_and_equal_plain_decoding(
+    stack: LocalStack, speculative: LocalStack
+) -> None:
+    """A required tool call, sampled with a seed: its grammar advances through kept drafts
+    and rolls back the rest, so the call validates and equals the one without drafts."""
+    calls = []
+    for s in (stack, speculative):
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        resp = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=TOOL_MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0.8,
+            seed=3,
+            max_tokens=200,
+        )
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        [call] = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        calls.append((call.function.name, call.function.arguments))
+    assert calls[0] == calls[1]
