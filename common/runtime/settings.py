@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     speculative: str = Field(
         "none",
         description="speculative decoding drafts: none | ngram (prompt lookup on the leader) | "
-        "mtp (the model's MTP layer; refused: not built yet)",
+        "mtp (the model's MTP layer)",
     )
     spec_tokens: int = Field(4, ge=1, description="drafts per sequence and step at most (k)")
     spec_max_batch: int = Field(

@@ -4,7 +4,8 @@ MTP layer): the MTP latents as one more layer within fp32 rounding and equal on 
 the same hidden state and first tokens, under both MoE splits, with the layer's embedding and
 head equal to the main model's (held once) or its own; a prompt prefilled in chunks, each over
 the latents before it (the MTP layer's too), gets what the tp = 1 worker's chunks get; a
-model without an MTP layer is refused by name."""
+rank holds the bytes `tpla plan --prefill-gpus` counts for it; a model without an MTP layer
+is refused by name."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ from common.loading.serving_model import (
 from common.model.model import PastLatents, PrefillOutput
 from common.model.mtp import with_mtp_prompt
 from common.parallel import MoeParallel, ParallelConfig
+from common.tpla.rank_memory import prefill_rank_tensors, weight_bytes
 from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
 from tests.shard_checkpoints import (
     CONFIG,
     MTP_CONFIG,
+    ThreadCollectives,
+    ThreadGroup,
     mtp_state,
     random_state,
     run_group,
@@ -140,6 +144,17 @@ def test_a_tp2_pair_in_chunks_computes_the_tp1_workers_chunks(dirs: dict[str, Pa
     (_, got, _), (_, other, _) = _pair(dirs["equal"], ParallelConfig(tp=2), CHUNKS)
     for g, o, w in zip(got, other, want, strict=True):
         _assert_close(g, o, w)
+
+
+@pytest.mark.parametrize("moe", [MoeParallel.TP, MoeParallel.EP])
+def test_a_rank_holds_the_planned_bytes(dirs: dict[str, Path], moe: MoeParallel) -> None:
+    weights, _ = open_serving_weights(dirs["equal"], None, mtp=True)
+    parallel = ParallelConfig(tp=2, moe=moe)
+    for rank in range(2):
+        coll = ThreadCollectives(ThreadGroup(2), rank)  # building runs no collective
+        share = PrefillRankModel(weights, parallel, rank, Comm(2, coll, coll), mtp=True)
+        planned = prefill_rank_tensors(weights.config, parallel, rank, mtp_layers=1)
+        assert share.parameter_bytes() == weight_bytes(planned, "float32"), rank
 
 
 def test_a_model_without_an_mtp_layer_is_refused_by_name(dirs: dict[str, Path]) -> None:
