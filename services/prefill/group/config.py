@@ -151,7 +151,7 @@ def identity(cfg: PrefillGroupConfig) -> dict[str, str]:
         "prefix_cache_mb": f"{cfg.prefix_cache_mb:g}",
         "transport": cfg.transport,
         "collectives": cfg.collectives,
-        "mtp": str(cfg.mtp),
+        "mtp": "mtp" if cfg.mtp else "none or ngram",
     }
 
 
