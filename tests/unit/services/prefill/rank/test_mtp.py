@@ -3,9 +3,10 @@ gives what the tp = 1 worker computes (the whole model, then `with_mtp_prompt` o
 MTP layer): the MTP latents as one more layer within fp32 rounding and equal on both ranks,
 the same hidden state and first tokens, under both MoE splits, with the layer's embedding and
 head equal to the main model's (held once) or its own; a prompt prefilled in chunks, each over
-the latents before it (the MTP layer's too), gets what the tp = 1 worker's chunks get; a
-rank holds the bytes `tpla plan --prefill-gpus` counts for it; a model without an MTP layer
-is refused by name."""
+the latents before it (the MTP layer's too), gets what the tp = 1 worker's chunks get (on
+the absorbed path too); FP8 weights kept FP8 on the ranks give the latents of the weights
+dequantized at load; a rank holds the bytes `tpla plan --prefill-gpus` counts for it; a
+model without an MTP layer is refused by name."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from common.loading.serving_model import (
     load_prefill_mtp,
     open_serving_weights,
 )
+from common.model.fp8 import Fp8Weight
 from common.model.model import PastLatents, PrefillOutput
 from common.model.mtp import with_mtp_prompt
 from common.parallel import MoeParallel, ParallelConfig
@@ -29,10 +31,12 @@ from common.tpla.rank_memory import prefill_rank_tensors, weight_bytes
 from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
 from tests.shard_checkpoints import (
     CONFIG,
+    FP8_CONFIG,
     MTP_CONFIG,
     ThreadCollectives,
     ThreadGroup,
     mtp_state,
+    quantize,
     random_state,
     run_group,
     save_checkpoint,
@@ -57,6 +61,8 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         for shared in ("equal", "different")
     }
     out["plain"] = save_checkpoint(main, root / "plain")
+    fp8, _ = quantize({**main, **mtp_state(main, "equal")})
+    out["fp8"] = save_checkpoint(fp8, root / "fp8", quantization_config=FP8_CONFIG, **MTP_CONFIG)
     return out
 
 
@@ -75,10 +81,10 @@ def _pieces(prefill: Prefill, pieces: list[tuple[int, int]]) -> list[PrefillOutp
     return outs
 
 
-def _tp1(path: Path, pieces: list[tuple[int, int]]) -> list[PrefillOutput]:
+def _tp1(path: Path, pieces: list[tuple[int, int]], weights: str = "auto") -> list[PrefillOutput]:
     """The tp = 1 worker's outputs (services/prefill/runner.py `LocalRunner.prefill`)."""
-    model = load_prefill_model(path, None)
-    layer = load_prefill_mtp(path, None, model)
+    model = load_prefill_model(path, None, weight_dtype=weights)
+    layer = load_prefill_mtp(path, None, model, weight_dtype=weights)
 
     def prefill(ids: torch.Tensor, lens: list[int], past: PastLatents | None) -> PrefillOutput:
         if past is None:
@@ -92,16 +98,23 @@ def _tp1(path: Path, pieces: list[tuple[int, int]]) -> list[PrefillOutput]:
 
 
 def _pair(
-    path: Path, parallel: ParallelConfig, pieces: list[tuple[int, int]]
+    path: Path,
+    parallel: ParallelConfig,
+    pieces: list[tuple[int, int]],
+    weight_dtype: str = "auto",
+    absorbed: bool = False,
 ) -> list[tuple[PrefillRankModel, list[PrefillOutput], list[torch.Tensor | None]]]:
     """Per rank: its share, its outputs and each output's gathered logits (rank 0's)."""
-    weights, _ = open_serving_weights(path, None, mtp=True)
+    weights, _ = open_serving_weights(path, None, weight_dtype=weight_dtype, mtp=True)
 
     def rank(
         r: int, comm: Comm
     ) -> tuple[PrefillRankModel, list[PrefillOutput], list[torch.Tensor | None]]:
         share = PrefillRankModel(weights, parallel, r, comm, mtp=True)
-        outs = _pieces(lambda i, n, p: share.prefill(i, n, past=None if p is None else [p]), pieces)
+        outs = _pieces(
+            lambda i, n, p: share.prefill(i, n, absorbed=absorbed, past=None if p is None else [p]),
+            pieces,
+        )
         return share, outs, [gather_vocab(comm, o.logits, VOCAB) for o in outs]
 
     return run_group(parallel.tp, rank)
@@ -139,11 +152,27 @@ def test_a_tp2_pair_computes_the_tp1_workers_mtp_latents(
         assert share.mtp.parts.embed.weight.shape[0] == share.vocab.stop - share.vocab.start
 
 
-def test_a_tp2_pair_in_chunks_computes_the_tp1_workers_chunks(dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_a_tp2_pair_in_chunks_computes_the_tp1_workers_chunks(
+    dirs: dict[str, Path], absorbed: bool
+) -> None:
     want = _tp1(dirs["equal"], CHUNKS)
-    (_, got, _), (_, other, _) = _pair(dirs["equal"], ParallelConfig(tp=2), CHUNKS)
+    (_, got, _), (_, other, _) = _pair(
+        dirs["equal"], ParallelConfig(tp=2), CHUNKS, absorbed=absorbed
+    )
     for g, o, w in zip(got, other, want, strict=True):
         _assert_close(g, o, w)
+
+
+def test_fp8_kept_ranks_compute_the_latents_of_dequantized_weights(
+    dirs: dict[str, Path],
+) -> None:
+    (want,) = _tp1(dirs["fp8"], WHOLE, "dequantize")
+    (first, (got,), _), (_, (other,), _) = _pair(dirs["fp8"], ParallelConfig(tp=2), WHOLE, "float8")
+    assert first.mtp is not None
+    assert isinstance(first.mtp.layer.self_attn.kv_b_proj, Fp8Weight)
+    assert isinstance(first.mtp.parts.eh_proj, Fp8Weight)
+    _assert_close(got, other, want)
 
 
 @pytest.mark.parametrize("moe", [MoeParallel.TP, MoeParallel.EP])
