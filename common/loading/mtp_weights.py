@@ -91,7 +91,9 @@ class RankMTPParts(nn.Module):
     """A rank's share of MTP module k around its decoder layer: the embedding, enorm, hnorm,
     eh_proj and shared_head.norm replicated (eh_proj is small beside an MoE layer, and
     replicating it costs no collective), the head's vocabulary rows as the rank's lm_head.
-    Given the rank's own embedding and lm_head, equal copies are not held twice."""
+    `vocab_embedding`: the embedding's rows are the rank's vocabulary rows too (a prefill
+    rank's, whose lookup is summed over the group). Given the rank's own embedding and
+    lm_head, equal copies are not held twice."""
 
     def __init__(
         self,
@@ -100,13 +102,16 @@ class RankMTPParts(nn.Module):
         parallel: ParallelConfig,
         rank: int,
         main: tuple[nn.Parameter, nn.Parameter] | None = None,
+        *,
+        vocab_embedding: bool = False,
     ) -> None:
         super().__init__()
         c = src.config
         p = f"model.layers.{mtp_layer_index(c, k)}."
         embed, head = (p + name if src.has(p + name) else main for name, main in SHARED_WITH_MAIN)
-        embed_weight = src.tensor(embed)
-        head_rows = src.tensor(head, parallel.vocab_rows(rank, c.vocab_size))
+        vocab = parallel.vocab_rows(rank, c.vocab_size)
+        embed_weight = src.tensor(embed, vocab) if vocab_embedding else src.tensor(embed)
+        head_rows = src.tensor(head, vocab)
         self.embed = nn.Embedding.from_pretrained(embed_weight, freeze=False)
         self.lm_head = nn.Parameter(head_rows)
         if main is not None:
@@ -129,8 +134,11 @@ def rank_mtp_parts(
     parallel: ParallelConfig,
     rank: int,
     main: tuple[nn.Parameter, nn.Parameter] | None = None,
+    *,
+    vocab_embedding: bool = False,
 ) -> RankMTPParts:
-    """`RankMTPParts` of module k; `main`: the rank's (embedding weight, lm_head rows)."""
+    """`RankMTPParts` of module k; `main`: the rank's (embedding weight, lm_head rows);
+    `vocab_embedding`: the embedding by vocabulary rows (a prefill rank's)."""
     if not src.has(f"model.layers.{mtp_layer_index(src.config, k)}.eh_proj.weight"):
         raise CheckpointError(f"the weight source does not serve MTP module {k}")
-    return RankMTPParts(src, k, parallel, rank, main)
+    return RankMTPParts(src, k, parallel, rank, main, vocab_embedding=vocab_embedding)

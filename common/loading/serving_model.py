@@ -136,9 +136,14 @@ def load_prefill_mtp(
     main prefill model's embedding and head: what a prefill runs over a prompt for the
     ranks' MTP cache layer."""
     src, _ = open_serving_weights(model_dir, reparam, dtype, device, weight_dtype, mtp=True)
+    require_mtp(src, model_dir)
+    return build_mtp_layer(src, 0, main)
+
+
+def require_mtp(src: CheckpointWeights, model_dir: str | Path) -> None:
+    """ValueError naming the model unless `src` (built with `mtp=True`) serves an MTP layer."""
     if not src.mtp_layers:
         raise ValueError(
             f"TPLA_SPECULATIVE=mtp: the model at {model_dir} has no MTP layer "
             "(num_nextn_predict_layers is 0 or absent); use ngram or none"
         )
-    return build_mtp_layer(src, 0, main)

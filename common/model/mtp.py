@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -85,8 +86,28 @@ class MTPLayer(DecoderLayer):
 
     def fuse(self, next_ids: Tensor, hidden: Tensor) -> Tensor:
         """Token ids of t+1 [T] and the hidden state at t [T, D] -> the layer's input [T, D]."""
-        e = self.enorm(self.embed_tokens(next_ids))
-        return self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
+        return fuse(self, self.embed_tokens(next_ids), hidden)
+
+
+class FusionParts(Protocol):
+    """The modules in front of an MTP layer's decoder layer: the whole layer's, or a rank's
+    (common/loading/mtp_weights.py `RankMTPParts`)."""
+
+    @property
+    def enorm(self) -> nn.Module: ...
+
+    @property
+    def hnorm(self) -> nn.Module: ...
+
+    @property
+    def eh_proj(self) -> nn.Module: ...
+
+
+def fuse(parts: FusionParts, embedded: Tensor, hidden: Tensor) -> Tensor:
+    """The embedding of token t+1 [T, D] and the main model's hidden state at t [T, D] ->
+    the MTP decoder layer's input [T, D]."""
+    e = parts.enorm(embedded)
+    return parts.eh_proj(torch.cat([e, parts.hnorm(hidden)], dim=-1))
 
 
 @dataclass
@@ -195,12 +216,19 @@ def with_mtp_prompt(
     before it is read (services/decode/rank/draft_pass.py). `past`: each prompt's cached MTP
     latents (one layer), its new rows after them."""
     assert out.hidden is not None
+    next_ids = prompt_own_next_ids(ids, seq_lens)
+    mtp = mtp_prefill(layer, rope, next_ids, out.hidden, seq_lens, past=past)
+    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+
+
+def prompt_own_next_ids(ids: Tensor, seq_lens: Sequence[int]) -> Tensor:
+    """Packed prompts [T] -> each row's token t + 1, each prompt's last row its own token
+    (what the MTP layer reads over a prompt before its first token is sampled)."""
     next_ids = ids.clone()
     next_ids[:-1] = ids[1:]
     ends = torch.tensor(seq_lens, device=ids.device).cumsum(0) - 1
     next_ids[ends] = ids[ends]
-    mtp = mtp_prefill(layer, rope, next_ids, out.hidden, seq_lens, past=past)
-    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+    return next_ids
 
 
 def split_past(past: PastLatents | None, start: int, end: int) -> PastLatents | None:

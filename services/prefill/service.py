@@ -228,12 +228,7 @@ def serve_prefill(
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
     runner: PrefillRunner
     if group is not None and (group.tp > 1 or not group.spawned):
-        if mtp:
-            raise ValueError(
-                "TPLA_SPECULATIVE=mtp: a prefill group (tp > 1) does not run the MTP layer "
-                "yet; serve MTP drafts with a tp = 1 prefill worker"
-            )
-        group = replace(group, worker_id=worker_id)
+        group = replace(group, worker_id=worker_id, mtp=mtp)
         runner = GroupRunner.start(group, load_group_rank)
         cache = prefix_cache(group)
     else:

@@ -1,7 +1,8 @@
 """MTP drafts through the served stack with the official `openai` client, on the demo (its
-trained MTP layer): a stack with `TPLA_SPECULATIVE=mtp` answers greedy, seeded and n = 2
-requests token for token as the same stack without drafts; drafts are fed and kept (the
-prefill worker ships the MTP layer's prompt latents and the last hidden state)."""
+trained MTP layer): a stack with `TPLA_SPECULATIVE=mtp` and its prefill worker a group of two
+ranks (`TPLA_PREFILL_TP=2`) answers greedy, seeded and n = 2 requests token for token as a
+stack without drafts and a one-process prefill worker; drafts are fed and kept (the prefill
+ranks ship the MTP layer's prompt latents, the leader the last hidden state)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ REQUESTS = [
 def stacks() -> Iterator[dict[str, LocalStack]]:
     started: dict[str, LocalStack] = {}
     try:
-        for method in ("none", "mtp"):
-            started[method] = start_stack(DEMO, "grpc", SPECULATIVE=method, SPEC_TOKENS="2")
+        for method, prefill_tp in (("none", "1"), ("mtp", "2")):
+            started[method] = start_stack(
+                DEMO, "grpc", SPECULATIVE=method, SPEC_TOKENS="2", PREFILL_TP=prefill_tp
+            )
         yield started
     finally:
         for s in started.values():

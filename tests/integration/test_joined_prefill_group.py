@@ -10,11 +10,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.group.join import mismatch
 from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.messages import Reservation
@@ -22,7 +24,7 @@ from common.rpc.clients import PrefillClient
 from common.runtime.ports import free_port
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
-from services.prefill.group.config import prefill_group_config
+from services.prefill.group.config import group_spec, identity, prefill_group_config
 from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillJob, PrefillWorker
 from tests.joined_ranks import rank_starter
@@ -123,7 +125,7 @@ def test_a_missing_or_differing_rank_fails_start_up_naming_why(start_rank) -> No
     assert "Traceback" not in leader.text() + follower.text()
 
 
-def test_joined_prefill_group_settings() -> None:
+def test_joined_prefill_group_settings(tmp_path: Path) -> None:
     cfg = prefill_group_config(load_settings(rank=1, group_size=4, group_addr="leader:29700"))
     assert (cfg.spawned, cfg.tp, cfg.master_addr, cfg.master_port, cfg.collectives) == (
         False,
@@ -134,6 +136,16 @@ def test_joined_prefill_group_settings() -> None:
     )
     spawned = prefill_group_config(load_settings(prefill_tp=2, prefill_dist_port=29800))
     assert (spawned.spawned, spawned.tp, spawned.master_port) == (True, 2, 29800)
+    # Every rank runs the MTP layer or none does: a follower started without it is named.
+    drafting = prefill_group_config(load_settings(prefill_tp=2, speculative="mtp"))
+    assert drafting.mtp and not spawned.mtp
+    (tmp_path / "config.json").write_text("{}")
+    mine, leader = (
+        identity(replace(c, model=str(tmp_path), device="cpu")) for c in (spawned, drafting)
+    )
+    assert mismatch(group_spec(drafting), mine, leader) == [
+        "TPLA_SPECULATIVE: none or ngram here, mtp on the leader"
+    ]
     with pytest.raises(ValueError, match="--group-addr"):
         prefill_group_config(load_settings(rank=1, group_size=2))
     with pytest.raises(ValueError, match="TPLA_PREFILL_TP=3"):

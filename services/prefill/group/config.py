@@ -40,6 +40,7 @@ SETTINGS = (
     ("prefix_cache_mb", "TPLA_PREFIX_CACHE / TPLA_PREFIX_CACHE_MB"),
     ("transport", "TPLA_TRANSPORT"),
     ("collectives", "TPLA_COLLECTIVES"),
+    ("mtp", "TPLA_SPECULATIVE"),
 )
 
 
@@ -60,6 +61,7 @@ class PrefillGroupConfig:
     torch_threads: int = 1
     prefill_threads: int = 1  # a large batch's threads (services/prefill/threads.py)
     collectives: str = "shm"
+    mtp: bool = False  # TPLA_SPECULATIVE=mtp: every rank runs its share of the MTP layer
     spawned: bool = True  # the leader spawns its ranks; else each joins (`--rank K`)
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free one (a spawned group)
@@ -125,6 +127,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         torch_threads=s.torch_threads,
         prefill_threads=s.prefill_threads,
         collectives=collectives,
+        mtp=s.speculative == "mtp",
         spawned=spawned,
         master_addr=addr,
         master_port=port,
@@ -148,6 +151,7 @@ def identity(cfg: PrefillGroupConfig) -> dict[str, str]:
         "prefix_cache_mb": f"{cfg.prefix_cache_mb:g}",
         "transport": cfg.transport,
         "collectives": cfg.collectives,
+        "mtp": "mtp" if cfg.mtp else "none or ngram",
     }
 
 

@@ -6,9 +6,11 @@ them to join, load this rank's share, meet every rank at a barrier. Each batch: 
 every rank over the control group -> every rank prefills its share -> the vocabulary
 shards of the logits gathered here, where the worker samples -> each rank ships the shards
 of its decode ranks (this one: 0, N, 2N, ...) and reports the others' outcomes through the
-store (services/prefill/group/reports.py). A collective that fails (a rank died, or hung
-past the collective timeout) fails the batch and the group: `failed` is set, and the
-service reports itself unhealthy and exits.
+store (services/prefill/group/reports.py). With the MTP layer, every rank's output holds
+its latents as one more layer, and the worker sends this rank's hidden state (whole on every
+rank) with the first tokens. A collective that fails (a rank died, or hung past the
+collective timeout) fails the batch and the group: `failed` is set, and the service reports
+itself unhealthy and exits.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class GroupRunner(PrefillRunner):
     ) -> None:
         self.cfg, self.processes, self.comm, self.model = cfg, processes, comm, model
         self.config = model.config
+        self.sends_hidden = model.mtp is not None
         self.device = rank_device(cfg.device, 0)
         self.transport = cfg.transport
         self.shipper = Shipper(make_sender(cfg.transport, cfg.worker_id, cfg.token), self.device)
@@ -133,7 +136,7 @@ class GroupRunner(PrefillRunner):
         except Exception as exc:
             raise self._fail(exc) from exc
         assert logits is not None  # rank 0
-        return PrefillOutput(logits, out.n, out.k_pe)
+        return PrefillOutput(logits, out.n, out.k_pe, out.hidden)
 
     def _fail(self, exc: Exception) -> Unavailable:
         """The group can run no more batches: a rank died or hung past the collective

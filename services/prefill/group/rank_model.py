@@ -20,8 +20,8 @@ RankModelLoader = Callable[[PrefillGroupConfig, int, Comm, torch.device], Prefil
 def load_group_rank(
     cfg: PrefillGroupConfig, rank: int, comm: Comm, device: torch.device
 ) -> PrefillRankModel:
-    """A `RankModelLoader`: rank `rank`'s share of the serving model, read shard-wise onto
-    `device`."""
+    """A `RankModelLoader`: rank `rank`'s share of the serving model (the MTP layer's too
+    with `cfg.mtp`), read shard-wise onto `device`."""
     return load_prefill_rank(
         cfg.model,
         cfg.reparam,
@@ -32,4 +32,5 @@ def load_group_rank(
         device=device,
         weight_dtype=cfg.weight_dtype,
         attention_backend=cfg.attention_backend,
+        mtp=cfg.mtp,
     )

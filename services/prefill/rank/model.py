@@ -8,6 +8,9 @@ the shared experts by columns, the router replicated) and 1/N of the vocabulary,
 embedding and the LM head. It runs `packed_prefill`, the whole model's loop: the embedding
 (a masked lookup), each layer's attention output and FFN output are summed over the group
 (`Comm.sum_`), and the logits are this rank's vocabulary shard (`gather_vocab` joins them).
+With `mtp` (the decode groups run MTP drafts) it holds its share of the MTP layer too
+(services/prefill/rank/mtp.py), whose latents over the prompts are one more layer of its
+output, as the tp = 1 worker's are.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import Tensor, nn
 
 from common.group.comm import Comm
 from common.loading.rank_slices import head_layer, rank_norm
-from common.loading.serving_model import open_serving_weights
+from common.loading.serving_model import open_serving_weights, require_mtp
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.fp8 import share_workspace
 from common.model.fp8_gemm import choose_gemms
@@ -33,6 +36,7 @@ from common.model.model import (
     PrefillOutput,
     packed_prefill,
 )
+from common.model.mtp import prompt_own_next_ids, split_past
 from common.model.prefill_attention import (
     PrefillAttention,
     SdpaPrefillAttention,
@@ -40,20 +44,15 @@ from common.model.prefill_attention import (
 )
 from common.model.rope import RotaryEmbedding
 from common.parallel import ParallelConfig, ParallelError
-
-
-def vocab_embedding(input_ids: Tensor, rows: Tensor, vocab: slice) -> Tensor:
-    """The embedding of the ids that fall in `vocab` (rows [V_rank, D] are its rows), zero
-    for the others: summed over the ranks, every id's row exactly once."""
-    local = input_ids - vocab.start
-    held = (local >= 0) & (local < rows.shape[0])
-    h = F.embedding(torch.where(held, local, 0), rows)
-    return torch.where(held[:, None], h, 0)
+from services.prefill.rank.embedding import vocab_embedding
+from services.prefill.rank.mtp import PrefillRankMTP, RankMTPStack
 
 
 class PrefillRankModel(nn.Module):
     """Everything one prefill rank needs, read from a `WeightSource` (a checkpoint, each
-    tensor sliced as it is read) or an already loaded whole model; `comm` is its group."""
+    tensor sliced as it is read) or an already loaded whole model; `comm` is its group.
+    `mtp`: its share of MTP module 0 too, from a source that serves it (built with
+    `mtp=True`)."""
 
     def __init__(
         self,
@@ -62,6 +61,8 @@ class PrefillRankModel(nn.Module):
         rank: int,
         comm: Comm,
         attention: PrefillAttention | None = None,
+        *,
+        mtp: bool = False,
     ) -> None:
         super().__init__()
         src = ModelWeights(source) if isinstance(source, DeepseekForCausalLM) else source
@@ -79,6 +80,9 @@ class PrefillRankModel(nn.Module):
         self.embed_rows = nn.Parameter(src.tensor("model.embed_tokens.weight", self.vocab))
         self.norm = rank_norm(src, "model.norm.weight", c.rms_norm_eps)
         self.lm_head = nn.Parameter(src.tensor("lm_head.weight", self.vocab))
+        self.mtp = (
+            PrefillRankMTP(src, parallel, rank, (self.embed_rows, self.lm_head)) if mtp else None
+        )
         self.rope = RotaryEmbedding(c, self.lm_head.device)
         self.prefill_attention: PrefillAttention = attention or SdpaPrefillAttention()
         share_workspace(self)
@@ -126,10 +130,24 @@ class PrefillRankModel(nn.Module):
     ) -> PrefillOutput:
         """`DeepseekForCausalLM.prefill` over this rank's share; every rank of the group calls
         it with the same batch. `n` / `k_pe` are the whole latents (equal on every rank), the
-        logits this rank's vocabulary shard [rows, V_rank] (`self.vocab`)."""
-        return packed_prefill(
-            self, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
+        logits this rank's vocabulary shard [rows, V_rank] (`self.vocab`), `hidden` whole.
+        With the MTP layer, its latents are the last layer (as `with_mtp_prompt` gives the
+        tp = 1 worker's) and each `past` holds its cached ones last."""
+        if self.mtp is None:
+            return packed_prefill(
+                self, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
+            )
+        layers = self.config.num_hidden_layers
+        main = None if past is None else [split_past(p, 0, layers) for p in past]
+        out = packed_prefill(
+            self, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=main
         )
+        assert out.hidden is not None
+        own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
+        stack = RankMTPStack(self.mtp, out.hidden, self.rope, self.prefill_attention, self.reduce)
+        next_ids = prompt_own_next_ids(input_ids, seq_lens)
+        mtp = packed_prefill(stack, next_ids, seq_lens, absorbed=absorbed, past=own)
+        return PrefillOutput(out.logits, [*out.n, *mtp.n], [*out.k_pe, *mtp.k_pe], out.hidden)
 
 
 def load_prefill_rank(
@@ -143,12 +161,16 @@ def load_prefill_rank(
     device: str | torch.device = "cpu",
     weight_dtype: str = "auto",
     attention_backend: str = "auto",
+    mtp: bool = False,
 ) -> PrefillRankModel:
     """Rank `rank`'s share of the serving model (rotated when `reparam` is set), read from
     the checkpoint slice by slice straight onto `device` (an FP8 checkpoint's linears kept
-    FP8 where `weight_dtype` says so), its attention on `attention_backend`."""
-    weights, _ = open_serving_weights(model_dir, reparam, dtype, device, weight_dtype)
-    model = PrefillRankModel(weights, parallel, rank, comm)
+    FP8 where `weight_dtype` says so), its attention on `attention_backend`; `mtp`: with its
+    share of the MTP layer (ValueError naming the model if it has none)."""
+    weights, _ = open_serving_weights(model_dir, reparam, dtype, device, weight_dtype, mtp=mtp)
+    if mtp:
+        require_mtp(weights, model_dir)
+    model = PrefillRankModel(weights, parallel, rank, comm, mtp=mtp)
     model.prefill_attention = select_prefill_attention(
         attention_backend, model.device, model.lm_head.dtype
     )

@@ -1,0 +1,78 @@
+"""A prefill rank's share of DeepSeek-V3's MTP module 0, run over a batch's prompts for the
+decode ranks' MTP cache layer.
+
+The module's decoder layer (checkpoint layer L = num_hidden_layers) is sharded like the rank's
+other layers (`head_layer`: its head group's attention over the whole latent, its FFN slice),
+and the parts around it come from `rank_mtp_parts`: the embedding and the head by the rank's
+vocabulary rows (shared with the rank's own when equal, as V3's are), enorm, hnorm, eh_proj
+and the head's norm replicated. Its pass is the whole layer's (common/model/mtp.py): the
+fused input of token t + 1 and the main model's hidden state at t (whole on every rank after
+the last all-reduce), through the main model's prefill loop on a one-layer stack whose
+partial sums `reduce` completes over the group; every rank gets the whole MTP latents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from common.loading.mtp_weights import rank_mtp_parts
+from common.loading.rank_slices import head_layer
+from common.loading.weights import WeightSource
+from common.model.model import DecoderLayer
+from common.model.mtp import fuse, mtp_layer_index
+from common.model.prefill_attention import PrefillAttention
+from common.model.rope import RotaryEmbedding
+from common.parallel import ParallelConfig
+from services.prefill.rank.embedding import vocab_embedding
+
+
+class PrefillRankMTP(nn.Module):
+    """MTP module 0 on one prefill rank: `layer` (its share of decoder layer L) and `parts`;
+    `main`: the rank's (embedding rows, lm_head rows), not held twice when equal."""
+
+    def __init__(
+        self,
+        src: WeightSource,
+        parallel: ParallelConfig,
+        rank: int,
+        main: tuple[nn.Parameter, nn.Parameter],
+    ) -> None:
+        super().__init__()
+        c = src.config
+        self.layer = head_layer(src, mtp_layer_index(c, 0), parallel, rank)
+        self.parts = rank_mtp_parts(src, 0, parallel, rank, main, vocab_embedding=True)
+        self.vocab = parallel.vocab_rows(rank, c.vocab_size)
+
+
+class RankMTPStack:
+    """The rank's MTP layer as a `LayerStack` for `packed_prefill` over one batch: its
+    "embedding" is the fused input from the main model's hidden state `hidden` [T, D]."""
+
+    def __init__(
+        self,
+        mtp: PrefillRankMTP,
+        hidden: Tensor,
+        rope: RotaryEmbedding,
+        prefill_attention: PrefillAttention,
+        reduce: Callable[[Tensor], Tensor],
+    ) -> None:
+        self.mtp, self.hidden, self.rope = mtp, hidden, rope
+        self.prefill_attention, self._reduce = prefill_attention, reduce
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        return [self.mtp.layer]
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        parts = self.mtp.parts
+        e = self.reduce(vocab_embedding(input_ids, parts.embed.weight, self.mtp.vocab))
+        return fuse(parts, e, self.hidden)
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        return self._reduce(partial)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """This rank's vocabulary shard of the draft logits [R, V_rank]."""
+        return F.linear(self.mtp.parts.norm(h), self.mtp.parts.lm_head)
