@@ -26,8 +26,8 @@ class Launch(enum.Enum):
     JOIN = "join"  # each on its own (`tpla decode --rank K`), over the network, maybe other hosts
 
 
-# Draft proposers (services/decode/leader/drafts.py); "mtp" is refused until the MTP layer
-# is loaded (a model's `num_nextn_predict_layers`).
+# Draft proposers (services/decode/leader/drafts.py); "mtp" needs the model's MTP layer
+# (`num_nextn_predict_layers`) and is refused, named, on a model without one.
 PROPOSERS = ("none", "ngram", "mtp")
 
 
