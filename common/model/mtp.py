@@ -206,17 +206,17 @@ def with_mtp_prompt(
     out: PrefillOutput,
     layer: MTPLayer,
     rope: RotaryEmbedding,
-    ids: Tensor,
+    next_ids: Tensor,
     seq_lens: list[int],
     past: Sequence[PastLatents | None] | None = None,
 ) -> PrefillOutput:
-    """`with_mtp_latents` before the first tokens are sampled: each prompt's last row reads
-    its own token in place of the first sampled one. That row's latent is the only one that
-    differs, and the decode ranks' first draft pass writes it again from the first token
-    before it is read (services/decode/rank/draft_pass.py). `past`: each prompt's cached MTP
-    latents (one layer), its new rows after them."""
+    """`with_mtp_latents` before the first tokens are sampled: `next_ids` is each row's next
+    prompt token, and at a prompt's last row its own token (`prompt_own_next_ids`) in place
+    of the first sampled one. That row's latent is the only one that differs, and the decode
+    ranks' first draft pass writes it again from the first token before it is read
+    (services/decode/rank/draft_pass.py). `past`: each prompt's cached MTP latents (one
+    layer), its new rows after them."""
     assert out.hidden is not None
-    next_ids = prompt_own_next_ids(ids, seq_lens)
     mtp = mtp_prefill(layer, rope, next_ids, out.hidden, seq_lens, past=past)
     return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
 

@@ -28,6 +28,9 @@ class JobPlan:
     lookup: bool  # looked up in the prefix cache (a prompt-logprobs job prefills whole)
     hit: int  # cached prefix tokens the prefill runs over: the leader's lookup
     order: ShipOrder
+    # The prompt's token after this piece (None: the piece ends the prompt): the MTP layer
+    # reads it at the piece's last row, whose own next token is otherwise not yet sampled.
+    next_id: int | None = None
 
     @property
     def new_ids(self) -> tuple[int, ...]:
@@ -49,6 +52,16 @@ class BatchPlan:
     def ids(self, device: torch.device) -> torch.Tensor:
         """The batch's new tokens, packed."""
         flat = [t for job in self.jobs for t in job.new_ids]
+        return torch.tensor(flat, dtype=torch.long, device=device)
+
+    def next_ids(self, device: torch.device) -> torch.Tensor:
+        """What the MTP layer reads at each packed row: the prompt's next token, and at a
+        prompt's last row its own (the first token is sampled after the prefill; the decode
+        ranks' first draft pass writes that row again)."""
+        flat = []
+        for job in self.jobs:
+            new = job.new_ids
+            flat += [*new[1:], new[-1] if job.next_id is None else job.next_id]
         return torch.tensor(flat, dtype=torch.long, device=device)
 
     def to_json(self) -> str:

@@ -85,7 +85,8 @@ class LocalRunner(PrefillRunner):
         main = None if past is None else [split_past(p, 0, layers) for p in past]
         out = self.model.prefill(ids, plan.lens, all_logits=plan.all_logits, past=main)
         own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
-        return with_mtp_prompt(out, self.mtp, self.model.rope, ids, plan.lens, own)
+        next_ids = plan.next_ids(self.device)
+        return with_mtp_prompt(out, self.mtp, self.model.rope, next_ids, plan.lens, own)
 
     def ship(
         self,

@@ -359,7 +359,8 @@ class PrefillWorker:
         lookup = self.prefix_cache is not None and job.prompt_logprobs is None
         end = progress.done + progress.piece()
         ids = tuple(job.prompt_ids[:end])
-        return JobPlan(next(self._seqs), ids, lookup, progress.done, order)
+        after = job.prompt_ids[end] if end < len(job.prompt_ids) else None
+        return JobPlan(next(self._seqs), ids, lookup, progress.done, order, after)
 
     def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
         """The first tokens' logits processing, one row per choice: the same as every later

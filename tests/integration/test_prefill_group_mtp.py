@@ -1,8 +1,8 @@
 """A prefill group of two real processes with the MTP layer (TPLA_SPECULATIVE=mtp) against one
 process with it: each decode rank receives the same KV, the MTP layer's latents one more layer
 of it (within fp32 rounding), and each request the same first token and last hidden state,
-over a prefix-cache hit, with prompts whole and in chunks (both workers chunking alike: a
-chunk's last row reads its own token in the MTP layer, as the tp = 1 worker's does)."""
+over a prefix-cache hit, with prompts whole and in chunks; and a prompt in chunks ships the
+MTP latents it does whole (a chunk's last row reads the prompt's next token)."""
 
 from __future__ import annotations
 
@@ -103,3 +103,24 @@ def test_a_two_rank_group_ships_the_mtp_latents_one_process_does(
             got = receivers.caches[(f"p2-{mode}-{chunk}-{name}", rank)].kv
             assert want.shape[0] == LAYERS
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunked", [1, 2])
+def test_chunks_ship_the_mtp_latents_of_the_whole_prompt(
+    workers: dict[int, PrefillWorker], receivers: Receivers, chunked: int
+) -> None:
+    """One worker in chunks of 7 against the other whole (two workers: neither's prefix
+    cache holds the other's latents): every row of every layer alike, the MTP layer's at
+    the chunks' last rows included."""
+    shift = {1: 171, 2: 213}[chunked]
+    for tp, worker in workers.items():
+        was, worker.chunk_tokens = worker.chunk_tokens, 7 if tp == chunked else 0
+        try:
+            _results(worker, f"c{chunked}-{tp}", "tpla", receivers, shift)
+        finally:
+            worker.chunk_tokens = was
+    for name in "abc":
+        for rank in range(2):
+            whole = receivers.caches[(f"c{chunked}-{3 - chunked}-{name}", rank)].kv
+            chunks = receivers.caches[(f"c{chunked}-{chunked}-{name}", rank)].kv
+            torch.testing.assert_close(chunks, whole, rtol=1e-4, atol=1e-5)

@@ -92,6 +92,7 @@ class RankState:
                     plan.lens,
                     all_logits=plan.all_logits,
                     past=[p.past() for p in progress] if any(found) else None,
+                    next_ids=plan.next_ids(self.device),
                 )
         except Exception:  # the leader's own prefill failed alike: the batch is skipped
             log.exception("prefill rank %d: batch failed", self.rank)

@@ -129,7 +129,11 @@ class GroupRunner(PrefillRunner):
         # A model error (bad input) happens alike on every rank, before the gather: each
         # rank skips the batch and the group goes on.
         out = self.model.prefill(
-            plan.ids(self.device), plan.lens, all_logits=plan.all_logits, past=past
+            plan.ids(self.device),
+            plan.lens,
+            all_logits=plan.all_logits,
+            past=past,
+            next_ids=plan.next_ids(self.device),
         )
         try:
             logits = gather_vocab(self.comm, out.logits, self.model.config.vocab_size)

@@ -127,12 +127,14 @@ class PrefillRankModel(nn.Module):
         all_logits: bool = False,
         absorbed: bool = False,
         past: Sequence[PastLatents | None] | None = None,
+        next_ids: Tensor | None = None,
     ) -> PrefillOutput:
         """`DeepseekForCausalLM.prefill` over this rank's share; every rank of the group calls
         it with the same batch. `n` / `k_pe` are the whole latents (equal on every rank), the
         logits this rank's vocabulary shard [rows, V_rank] (`self.vocab`), `hidden` whole.
         With the MTP layer, its latents are the last layer (as `with_mtp_prompt` gives the
-        tp = 1 worker's) and each `past` holds its cached ones last."""
+        tp = 1 worker's; `next_ids` as there, each prompt's last row its own token when not
+        given) and each `past` holds its cached ones last."""
         if self.mtp is None:
             return packed_prefill(
                 self, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
@@ -145,7 +147,8 @@ class PrefillRankModel(nn.Module):
         assert out.hidden is not None
         own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
         stack = RankMTPStack(self.mtp, out.hidden, self.rope, self.prefill_attention, self.reduce)
-        next_ids = prompt_own_next_ids(input_ids, seq_lens)
+        if next_ids is None:
+            next_ids = prompt_own_next_ids(input_ids, seq_lens)
         mtp = packed_prefill(stack, next_ids, seq_lens, absorbed=absorbed, past=own)
         return PrefillOutput(out.logits, [*out.n, *mtp.n], [*out.k_pe, *mtp.k_pe], out.hidden)
 

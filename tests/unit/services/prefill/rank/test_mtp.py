@@ -25,7 +25,7 @@ from common.loading.serving_model import (
 )
 from common.model.fp8 import Fp8Weight
 from common.model.model import PastLatents, PrefillOutput
-from common.model.mtp import with_mtp_prompt
+from common.model.mtp import prompt_own_next_ids, with_mtp_prompt
 from common.parallel import MoeParallel, ParallelConfig
 from common.tpla.rank_memory import prefill_rank_tensors, weight_bytes
 from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
@@ -88,11 +88,12 @@ def _tp1(path: Path, pieces: list[tuple[int, int]], weights: str = "auto") -> li
 
     def prefill(ids: torch.Tensor, lens: list[int], past: PastLatents | None) -> PrefillOutput:
         if past is None:
-            return with_mtp_prompt(model.prefill(ids, lens), layer, model.rope, ids, lens)
+            next_ids = prompt_own_next_ids(ids, lens)
+            return with_mtp_prompt(model.prefill(ids, lens), layer, model.rope, next_ids, lens)
         main = PastLatents(past.n[:LAYERS], past.k_pe[:LAYERS])
         own = PastLatents(past.n[LAYERS:], past.k_pe[LAYERS:])
         out = model.prefill(ids, lens, past=[main])
-        return with_mtp_prompt(out, layer, model.rope, ids, lens, [own])
+        return with_mtp_prompt(out, layer, model.rope, prompt_own_next_ids(ids, lens), lens, [own])
 
     return _pieces(prefill, pieces)
 
