@@ -64,6 +64,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         s.stop()
 
 
+def log_tail(stack: LocalStack) -> str:
+    """The end of the stack's log, without the tests' own polling."""
+    return "\n".join(ln for ln in stack.log().splitlines() if "GET /admin" not in ln)[-4000:]
+
+
 def record(url: str, request_id: str) -> dict:
     return httpx.get(f"{url}/admin/requests/{request_id}", timeout=10).json()
 
@@ -131,7 +136,7 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
         while not any(w["draining"] for w in workers(stack.url) if w.get("group_id") == group):
             assert time.monotonic() < deadline, (
                 f"the router never saw group {group} draining: {workers(stack.url)}\n"
-                + "\n".join(ln for ln in stack.log().splitlines() if "GET /admin" not in ln)[-4000:]
+                + log_tail(stack)
             )
             time.sleep(0.05)
         with concurrent.futures.ThreadPoolExecutor(3) as sends:
@@ -178,7 +183,10 @@ def test_a_prefill_worker_told_to_go_finishes_its_queued_burst(stack: LocalStack
             time.sleep(0.5)
             for follower in followers:
                 os.kill(follower, signal.SIGCONT)
-            results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
+            try:
+                results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{log_tail(stack)}") from exc
     finally:
         for follower in followers:
             os.kill(follower, signal.SIGCONT)
