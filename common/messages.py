@@ -85,7 +85,8 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
     logits: Tensor | None = None  # in process only (tests compare them); never on the wire
     index: int = 0  # the choice (n > 1); a request's stream ends after every choice's last
-    # On a choice's finishing event: the drafts speculative steps fed it, and kept.
+    # The drafts a speculative step fed the choice, and how many it kept: on the first event
+    # of that step's tokens (a choice's totals are the sums over its events).
     drafted: int = 0
     accepted: int = 0
 

@@ -161,11 +161,11 @@ class Decoding:
                 async for event in events:
                     now = time.monotonic()
                     index, reason = event.index, event.finish_reason
+                    run.spec_drafted += event.drafted
+                    run.spec_accepted += event.accepted
                     if reason is not None:
                         left -= 1
                         run.decode_live = left > 0
-                        run.spec_drafted += event.drafted
-                        run.spec_accepted += event.accepted
                         if index not in run.stopped:  # (a stopped choice ends as "abort")
                             run.reasons[index] = _checked_reason(reason)
                     if event.token is not None:

@@ -95,6 +95,10 @@ def test_a_stop_string_cuts_a_kept_run_where_plain_decoding_does(
         resp = client.chat.completions.create(model=MODEL_NAME, messages=REPEATING, **kw)
         cut.append((resp.choices[0].message.content, resp.choices[0].finish_reason))
     assert cut[0] == cut[1] == (greedy[: greedy.index(stop)], "stop")
+    # Its record keeps the drafts of the steps before the cut (their counts ride on the
+    # steps' first tokens, not on a last event the cut never lets come).
+    record = finished_record(speculative, resp.id)
+    assert int(record["spec_draft_tokens"]) >= int(record["spec_accepted_tokens"]) > 0
 
 
 def test_tool_calls_validate_and_equal_plain_decoding(

@@ -67,10 +67,10 @@ def _run(engine: DecodeEngine, spec: SpecConfig, prompts, params) -> list[list[i
     results = [collect(*s) for s in submit(engine, prefill, prompts, params)]
     load = engine.load()
     assert (load.running, load.reserved, load.blocks_used) == (0, 0, 0)
-    # Each choice's finishing event carries its own drafts and kept drafts.
-    ends = [r.events[-1] for r in results]
-    assert sum(e.drafted for e in ends) == engine.acceptance.drafted - before[0]
-    assert sum(e.accepted for e in ends) == engine.acceptance.accepted - before[1]
+    # The choices' events carry their steps' drafts and kept drafts.
+    events = [e for r in results for e in r.events]
+    assert sum(e.drafted for e in events) == engine.acceptance.drafted - before[0]
+    assert sum(e.accepted for e in events) == engine.acceptance.accepted - before[1]
     return [[*r.token_ids, r.finish_reason] for r in results]
 
 

@@ -51,8 +51,6 @@ class LiveChoice:
     # A resumed choice's own earlier tokens, still to be fed in place of its samples.
     replay: deque[int] = field(default_factory=deque)
     drafts: Proposer | None = None  # its draft proposer (speculative decoding on)
-    drafted: int = 0  # drafts fed for it, and how many of them it kept
-    accepted: int = 0
 
 
 class DecodeStep:
@@ -186,10 +184,11 @@ class DecodeStep:
         record = self.group.cfg.record_logits
         kept = logits.to("cpu", copy=True) if record else None
         for s, (seq, live, start) in enumerate(zip(batch, lives, rows.starts, strict=True)):
+            # The step's drafts and kept drafts ride on its first event for the choice, so
+            # a caller's sum holds them even when it stops the stream early (a stop string).
+            spec = (len(rows.drafts[s]), len(runs[s]) - 1) if rows.drafts[s] else (0, 0)
             if rows.drafts[s]:
-                live.drafted += len(rows.drafts[s])
-                live.accepted += len(runs[s]) - 1
-                self.acceptance.record(len(rows.drafts[s]), len(runs[s]) - 1)
+                self.acceptance.record(*spec)
             for i, reason in enumerate(reasons[s]):
                 tok = runs[s][i]
                 if replayed[s]:
@@ -199,8 +198,8 @@ class DecodeStep:
                     self.scheduler.append(seq.seq_id, tok.token_id, finished=False)
                     continue
                 logits_row = kept[start + i].clone() if kept is not None else None
-                drafted, accepted = (live.drafted, live.accepted) if reason else (0, 0)
-                event = TokenEvent(tok, reason, logits_row, live.choice, drafted, accepted)
+                event = TokenEvent(tok, reason, logits_row, live.choice, *spec)
+                spec = (0, 0)
                 live.stream.put(event)
                 self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
                 if reason is not None:
