@@ -26,7 +26,7 @@ class Receivers:
     """Every decode rank's KV endpoint: a cache per (request, rank), made to the shard's
     shape as its first shard arrives (a prompt shipped in chunks: every chunk lands in it)."""
 
-    def __init__(self, torch_pairs: bool = False) -> None:
+    def __init__(self, torch_pairs: bool = False, address: str = "") -> None:
         self.caches: dict[tuple[str, int], PagedLatentCache] = {}
         self._lock = threading.Lock()
         self.server = grpc.server(ThreadPoolExecutor(max_workers=8))
@@ -40,7 +40,7 @@ class Receivers:
             self.torch_address = f"127.0.0.1:{port}"
         self._store = store
         add_kv_receiver(KvReceiverServicer(self._sink, store, timeout_s=30), self.server)
-        self.address = f"127.0.0.1:{free_port()}"
+        self.address = address or f"127.0.0.1:{free_port()}"
         self.server.add_insecure_port(self.address)
         self.server.start()
 

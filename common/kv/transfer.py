@@ -247,6 +247,12 @@ def _ack(ack: kv_pb2.KvAck, shard: Shard) -> int:
 _PUSH_METHOD = "/{}/Push".format(kv_pb2.DESCRIPTOR.services_by_name["KvReceiver"].full_name)
 
 
+# How long a push that found its rank unreachable waits, once, for the channel to connect:
+# longer than the channel's reconnect backoff (CHANNEL_OPTIONS: at most 1 s), short enough
+# that a rank that is really gone still fails its push quickly.
+RECONNECT_WAIT_S = 2.0
+
+
 class GrpcKvSender(KvSender):
     name = "grpc"
 
@@ -254,10 +260,23 @@ class GrpcKvSender(KvSender):
         self._ch = _Channels(token)
 
     def send(self, shard: Shard, grpc_address: str, torch_address: str, deadline_s: float) -> int:
+        push = self._ch.push(grpc_address)
         try:
-            ack = self._ch.push(grpc_address)(
-                shard.chunks(), timeout=deadline_s, metadata=self._ch.metadata
-            )
+            try:
+                ack = push(shard.chunks(), timeout=deadline_s, metadata=self._ch.metadata)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                # A rank restarted on this address is up before the channel's reconnect
+                # backoff from the old one's end has run out, which fails every call
+                # meanwhile: wait for the channel once (the receiver writes a shard sent
+                # twice into the same slots).
+                ack = push(
+                    shard.chunks(),
+                    timeout=min(deadline_s, RECONNECT_WAIT_S),
+                    metadata=self._ch.metadata,
+                    wait_for_ready=True,
+                )
         except grpc.RpcError as exc:
             raise TransferError(
                 f"KV push to rank {shard.rank} at {grpc_address} failed: {exc.code().name}"

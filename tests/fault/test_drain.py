@@ -98,6 +98,48 @@ def exited_within(pid: int, seconds: float) -> float:
     return time.monotonic() - started
 
 
+def test_a_prefill_worker_told_to_go_finishes_its_queued_burst(stack: LocalStack) -> None:
+    wait_recovered(stack)
+    victim = next(w for w in workers(stack.url) if w["role"] == "prefill")
+    pid, before = victim["pid"], len(stack.log())
+    prompts = [
+        f"burst {i}: " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(12)
+    ]
+    # The decode followers stopped (for less than their beats take to go stale): every push
+    # to them waits, so the burst's prefills are inside the workers when the SIGTERM comes.
+    followers = [w["pid"] for w in workers(stack.url) if w["role"] == "decode" and w["rank"]]
+    for follower in followers:
+        os.kill(follower, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as sends:
+            burst = [sends.submit(send, stack.url, p, 4) for p in prompts]
+            time.sleep(1.5)  # every request prefilled, its push waiting
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.5)
+            for follower in followers:
+                os.kill(follower, signal.SIGCONT)
+            try:
+                results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{log_tail(stack)}") from exc
+    finally:
+        for follower in followers:
+            os.kill(follower, signal.SIGCONT)
+    exited_within(pid, DRAIN_GRACE_S)
+    records = [record(stack.url, r["id"]) for r in results]
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+    log = stack.log()[before:]
+    admitted = re.search(r"prefill worker draining: (\d+) prefills", log)
+    assert admitted, log[-4000:]
+    # Every prefill it admitted ran there to its end, KV push included, on its first try.
+    ran_there = [r for r in records if r["prefill_worker"] == victim["worker_id"]]
+    seen = [(r["prefill_worker"], r["attempt"], r.get("retry_reason")) for r in records]
+    assert len(ran_there) == int(admitted.group(1)) >= 1, (admitted.group(0), seen)
+    assert all(r["attempt"] == "1" for r in ran_there), ran_there
+    assert "prefill worker drained" in log
+    wait_recovered(stack)
+
+
 def group_decoding(url: str, clients: list[Client]) -> str:
     """The decode group holding the most of these clients' requests that are still decoding,
     by their request records (a frozen group's leader answers no metrics scrape)."""
@@ -160,46 +202,4 @@ def test_a_decode_group_told_to_go_finishes_its_streams(stack: LocalStack) -> No
     for resp in meanwhile:
         assert record(stack.url, resp["id"])["decode_group"] != group
     assert "decode leader drained" in stack.log()
-    wait_recovered(stack)
-
-
-def test_a_prefill_worker_told_to_go_finishes_its_queued_burst(stack: LocalStack) -> None:
-    wait_recovered(stack)
-    victim = next(w for w in workers(stack.url) if w["role"] == "prefill")
-    pid, before = victim["pid"], len(stack.log())
-    prompts = [
-        f"burst {i}: " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(12)
-    ]
-    # The decode followers stopped (for less than their beats take to go stale): every push
-    # to them waits, so the burst's prefills are inside the workers when the SIGTERM comes.
-    followers = [w["pid"] for w in workers(stack.url) if w["role"] == "decode" and w["rank"]]
-    for follower in followers:
-        os.kill(follower, signal.SIGSTOP)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as sends:
-            burst = [sends.submit(send, stack.url, p, 4) for p in prompts]
-            time.sleep(1.5)  # every request prefilled, its push waiting
-            os.kill(pid, signal.SIGTERM)
-            time.sleep(0.5)
-            for follower in followers:
-                os.kill(follower, signal.SIGCONT)
-            try:
-                results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}\n{log_tail(stack)}") from exc
-    finally:
-        for follower in followers:
-            os.kill(follower, signal.SIGCONT)
-    exited_within(pid, DRAIN_GRACE_S)
-    records = [record(stack.url, r["id"]) for r in results]
-    assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
-    log = stack.log()[before:]
-    admitted = re.search(r"prefill worker draining: (\d+) prefills", log)
-    assert admitted, log[-4000:]
-    # Every prefill it admitted ran there to its end, KV push included, on its first try.
-    ran_there = [r for r in records if r["prefill_worker"] == victim["worker_id"]]
-    seen = [(r["prefill_worker"], r["attempt"], r.get("retry_reason")) for r in records]
-    assert len(ran_there) == int(admitted.group(1)) >= 1, (admitted.group(0), seen)
-    assert all(r["attempt"] == "1" for r in ran_there), ran_there
-    assert "prefill worker drained" in log
     wait_recovered(stack)
