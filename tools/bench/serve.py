@@ -122,12 +122,14 @@ def _run_config(name: str, sweep: SweepConfig, prompts: dict[str, list[list[int]
         groups, reparam = DISAGGREGATED[name]
         rows = []
         for spec in sweep.speculative:
+            method, _, tokens = spec.partition(":")
             cfg = StackConfig(
                 name,
                 groups,
                 sweep.reparam if groups > 1 else reparam,
                 prefill_workers=sweep.prefill_workers,
-                speculative=spec,
+                speculative=method,
+                spec_tokens=int(tokens) if tokens else None,
             )
             label = name if spec == "none" else f"{name}+{spec}"
             with running_stack(cfg, sweep.model) as url:
@@ -289,6 +291,16 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _speculative(value: str) -> str:
+    """--speculative's METHOD[:K], checked."""
+    method, _, tokens = value.partition(":")
+    if method not in ("none", "ngram", "mtp"):
+        raise argparse.ArgumentTypeError(f"{value!r}: the method is none, ngram or mtp")
+    if tokens and (method == "none" or not tokens.isdigit() or int(tokens) < 1):
+        raise argparse.ArgumentTypeError(f"{value!r}: K is a count >= 1 of drafts (not with none)")
+    return value
+
+
 def _mixes(quick: bool, names: Sequence[str]) -> tuple[Mix, ...]:
     catalog = (
         {
@@ -386,8 +398,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
         "--speculative",
         nargs="+",
         default=["none"],
-        choices=("none", "ngram", "mtp"),
-        help="the disaggregated stacks once per TPLA_SPECULATIVE method",
+        type=_speculative,
+        metavar="METHOD[:K]",
+        help="the disaggregated stacks once per TPLA_SPECULATIVE method (none, ngram, mtp), "
+        "with TPLA_SPEC_TOKENS=K when given (e.g. mtp:1)",
     )
     p.add_argument("--users", type=int, default=16, help="shared-prefix: conversations")
     p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns each")

@@ -34,6 +34,7 @@ class StackConfig:
     served_name: str = "bench"
     prefill_workers: int = 1
     speculative: str = "none"  # TPLA_SPECULATIVE of its decode group
+    spec_tokens: int | None = None  # its TPLA_SPEC_TOKENS (None: the setting's default)
 
     def settings(self) -> dict[str, str]:
         """TPLA_<KEY> values for the launcher."""
@@ -45,6 +46,7 @@ class StackConfig:
             "REPARAM": self.reparam,
             "TRANSPORT": self.transport,
             "SPECULATIVE": self.speculative,
+            **({"SPEC_TOKENS": str(self.spec_tokens)} if self.spec_tokens else {}),
             "MAX_INFLIGHT": "256",
             # The bounded waits (30 s by default) fail requests queued behind more prefill
             # work than that, as a long-prompt level at high concurrency is on this CPU;
