@@ -16,10 +16,10 @@ from typing import Protocol, cast
 import torch
 from torch import Tensor, nn
 
+from common.model import past_native
 from common.model.args import ModelConfig
 from common.model.mla import MLAttention, RMSNorm
 from common.model.moe import MLP, MoE
-from common.model import past_native
 from common.model.past_attention import absorbed_over_past, expanded_over_past
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding
@@ -297,9 +297,7 @@ def _over_past(
             else:
                 n_all, k_all = torch.cat([p_n, n[rows]]), torch.cat([p_k_pe, k_pe[rows]])
                 over = absorbed_over_past if absorbed else expanded_over_past
-                o = over(
-                    q_nope[rows], q_pe[rows], n_all, k_all, attn.kv_b_proj.weight, attn.scale
-                )
+                o = over(q_nope[rows], q_pe[rows], n_all, k_all, attn.kv_b_proj.weight, attn.scale)
         out.append(o)
     return torch.cat(out)
 

@@ -46,9 +46,7 @@ def test_native_equals_the_reference(past: int, queries: int, tile, reference, n
     k_pe = torch.randn(total, D_R, generator=g)
     kv_b = torch.randn(HEADS * (D_N + D_V), D_C, generator=g) * 0.3
     want = reference(q_nope, q_pe, n, k_pe, kv_b, SCALE)
-    got = native(
-        q_nope, q_pe, (n[:past], k_pe[:past]), (n[past:], k_pe[past:]), kv_b, SCALE, tile
-    )
+    got = native(q_nope, q_pe, (n[:past], k_pe[:past]), (n[past:], k_pe[past:]), kv_b, SCALE, tile)
     assert got.shape == want.shape == (queries, HEADS, D_V)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
