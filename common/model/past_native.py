@@ -23,10 +23,10 @@ from common.model.prefill_attention import PrefillAttention
 from common.native import causal_attention
 
 # Floats of one key tile's temporaries: the up-projected keys and values ([t, H, d_n + d_v],
-# expanded form) or the kernel's packed copy of the shared latents (absorbed). 1M floats
-# (4 MiB) are 4,096 keys of the bench's long-context model, where the tiles' overhead is
-# already under 2 % of a 16K prompt's chunked prefill.
-NATIVE_TILE_ELEMENTS = 1 << 20
+# expanded form) or the kernel's packed copy of the shared latents (absorbed). 512K floats
+# (2 MiB) are 2,048 keys of the bench's long-context model; a 1,024-query chunk over a 15K
+# past ran within 3 % at 1,024 to 8,192 keys a tile, so the tile stays small.
+NATIVE_TILE_ELEMENTS = 1 << 19
 MIN_TILE = 256
 
 # (first key, end key) of the past -> that tile's (k_a, k_b, v), each [t, H, *] or [t, *].
