@@ -92,6 +92,13 @@ class PromptProgress:
         if cache is not None:
             self.store(cache, before)
 
+    def release(self) -> None:
+        """Drop the prompt's latents: it is finished (its sends settled) or dropped. Its
+        sends' futures and the callback that resolves the request hold each other, so without
+        this its buffer would live until Python's cyclic collector ran (measured: each 16K
+        prompt's 18 MiB buffer outlived its request, three repeats peaked 116 MiB)."""
+        self._past, self._n, self._k_pe = None, [], []
+
     def store(self, cache: LatentPrefixCache, before: int) -> None:
         """Put the full blocks finished since position `before` into the prefix cache."""
         bs = cache.block_size

@@ -224,6 +224,7 @@ class PrefillWorker:
         self._counted(progress, 0)
         if progress.started and progress.left:
             self._dropped.append(job.request_id)
+        progress.release()
 
     def _counted(self, progress: PromptProgress, left: int) -> None:
         with self._lock:
@@ -417,6 +418,7 @@ class PrefillWorker:
         pusher thread that finished the last one; on the batcher's when none was left);
         `computed`: when its last chunk's compute ended."""
         sends = progress.sends
+        progress.release()
         if (error := sends.error()) is not None:
             if not fut.done():
                 fut.set_exception(error)
