@@ -418,7 +418,6 @@ class PrefillWorker:
         pusher thread that finished the last one; on the batcher's when none was left);
         `computed`: when its last chunk's compute ended."""
         sends = progress.sends
-        progress.release()
         if (error := sends.error()) is not None:
             if not fut.done():
                 fut.set_exception(error)
