@@ -16,6 +16,7 @@ from typing import Protocol, cast
 import torch
 from torch import Tensor, nn
 
+from common.model import past_native
 from common.model.args import ModelConfig
 from common.model.mla import MLAttention, RMSNorm
 from common.model.moe import MLP, MoE
@@ -262,8 +263,9 @@ def _over_past(
 ) -> Tensor:
     """Attention for a batch where some prompts continue a cached prefix (or earlier chunks):
     each prompt on its own, a prompt without a past exactly as in a batch without any, one with
-    a past in key tiles (common/model/past_attention.py), never holding its scores over the
-    whole prompt at once."""
+    a past in key tiles, never holding its scores over the whole prompt at once: through the
+    native kernel where the backend is the native one (common/model/past_native.py), else
+    torch's tiled online softmax (common/model/past_attention.py, the reference)."""
     out = []
     for (start, end), past in zip(pairwise(cu), pasts, strict=True):
         rows = slice(start, end)
@@ -275,10 +277,27 @@ def _over_past(
                 else attn.expanded(q_nope[rows], q_pe[rows], n[rows], k_pe[rows], span, backend)
             )
         else:
-            n_all = torch.cat([past.n[layer].to(n.dtype), n[rows]])
-            k_all = torch.cat([past.k_pe[layer].to(k_pe.dtype), k_pe[rows]])
-            over = absorbed_over_past if absorbed else expanded_over_past
-            o = over(q_nope[rows], q_pe[rows], n_all, k_all, attn.kv_b_proj.weight, attn.scale)
+            p_n, p_k_pe = past.n[layer].to(n.dtype), past.k_pe[layer].to(k_pe.dtype)
+            args = (q_nope[rows], q_pe[rows], p_n, p_k_pe, n[rows], k_pe[rows])
+            if past_native.usable(backend, *args):
+                # Past and new given apart: no copy of the whole past per layer and chunk.
+                native = (
+                    past_native.native_absorbed_over_past
+                    if absorbed
+                    else past_native.native_expanded_over_past
+                )
+                o = native(
+                    q_nope[rows],
+                    q_pe[rows],
+                    (p_n, p_k_pe),
+                    (n[rows], k_pe[rows]),
+                    attn.kv_b_proj.weight,
+                    attn.scale,
+                )
+            else:
+                n_all, k_all = torch.cat([p_n, n[rows]]), torch.cat([p_k_pe, k_pe[rows]])
+                over = absorbed_over_past if absorbed else expanded_over_past
+                o = over(q_nope[rows], q_pe[rows], n_all, k_all, attn.kv_b_proj.weight, attn.scale)
         out.append(o)
     return torch.cat(out)
 

@@ -13,6 +13,8 @@ the absorbed form folds W_UK into the queries and attends over the latents thems
 the heads' slice of `kv_b` that the caller holds, so a rank with some of the heads calls
 them the same way. Untiled, both are plain softmax attention under the causal mask
 `key <= P + query`; tests/unit/common/model/test_past_attention.py holds them to that.
+This is the reference and the path of every device but the CPU's native backend, whose
+kernel runs the same attention faster (common/model/past_native.py).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@
 // d_qk + d_v multiply-adds): row by row, with scores [row, key], it took 31% of the time at
 // the demo's widths; across rows, 21% (the whole kernel 1.13-1.18x faster, measured).
 //
+// The same kernel runs a chunk of a prompt over its past (keys that start before the
+// queries, `offset` below) and reports each row's log-sum-exp, so that key tiles computed in
+// separate calls merge exactly (common/model/past_native.py).
+//
 // Packing also matters for the caches: in [T, H, d] layout a head's rows sit H * d floats
 // apart, a power of two here, so a block's rows would share a few L1 sets.
 
@@ -59,10 +63,18 @@ struct Operand {
 // q = [q_a | q_b] and k = [k_a | k_b] along d (d_a + d_b = d_qk; d_b may be 0): the prefill
 // passes MLA's parts as they come (q_nope | rotated q_pe, the up-projected k_nope | the shared
 // k_pe) and the kernel joins them while packing, instead of torch concatenating them first.
+//
+// Sequence b's queries are rows qcu[b]..qcu[b + 1] of q, its keys rows kcu[b]..kcu[b + 1] of
+// k and v, and its query i sees key j when j <= i + offset[b]: causal self-attention is
+// qcu = kcu, offset 0; a chunk of Q queries after P past keys is offset P over P + Q keys,
+// and offset >= the keys means no mask (a tile of the past).
 struct Problem {
   Operand qa, qb, ka, kb, v;
-  float* out;         // [T, H, d_v], contiguous
-  const int64_t* cu;  // [nseq + 1] sequence starts, cu[nseq] = T
+  float* out;              // [Tq, H, d_v], contiguous
+  float* lse;              // [Tq, H] log-sum-exp of each row's scaled scores, or null
+  const int64_t* qcu;      // [nseq + 1] query rows, qcu[nseq] = Tq
+  const int64_t* kcu;      // [nseq + 1] key rows, kcu[nseq] = Tk
+  const int64_t* offset;   // [nseq] >= 0
   int64_t nseq, H, da, db, dv;
   float scale;
 };
@@ -73,15 +85,18 @@ struct Workspace {
   std::vector<float*> srows, orows;
 };
 
-// One head of one sequence (tokens [start, start + T)).
-void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& ws) {
+// One head of one sequence: queries [start, start + T) over keys [kstart, kstart + Tk), query
+// i seeing keys 0..i + offset of them.
+void run_head(const Problem& p, int64_t start, int64_t T, int64_t kstart, int64_t Tk,
+              int64_t offset, int64_t h, Workspace& ws) {
   const int64_t da = p.da, dqk = p.da + p.db, dv = p.dv;
-  float* kp = lines(ws.kp, T * dqk);
-  float* vp = lines(ws.vp, T * dv);
-  for (int64_t t = 0; t < T; ++t) {
-    std::copy_n(p.ka.at(start + t, h), da, kp + t * dqk);
-    std::copy_n(p.kb.at(start + t, h), p.db, kp + t * dqk + da);
-    std::copy_n(p.v.at(start + t, h), dv, vp + t * dv);
+  Tk = std::min(Tk, T - 1 + offset + 1);  // keys no query sees are never packed
+  float* kp = lines(ws.kp, Tk * dqk);
+  float* vp = lines(ws.vp, Tk * dv);
+  for (int64_t t = 0; t < Tk; ++t) {
+    std::copy_n(p.ka.at(kstart + t, h), da, kp + t * dqk);
+    std::copy_n(p.kb.at(kstart + t, h), p.db, kp + t * dqk + da);
+    std::copy_n(p.v.at(kstart + t, h), dv, vp + t * dv);
   }
   float* qt = lines(ws.qt, dqk * kRows);  // the query block transposed and scaled [dqk, kRows]
   float* s = lines(ws.s, kKeys * kRows);  // [key, row]: scores, then weights
@@ -98,7 +113,7 @@ void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& 
   for (int64_t i = 0; i < kRows; ++i) orows[i] = o + i * dv;
   for (int64_t i0 = 0; i0 < T; i0 += kRows) {
     const int64_t nr = std::min(kRows, T - i0);
-    const int64_t last = i0 + nr - 1;  // the block's last query sees keys [0, last]
+    const int64_t last = std::min(Tk - 1, i0 + nr - 1 + offset);  // the block's last key
     std::fill(m, m + kRows, -std::numeric_limits<float>::infinity());
     std::fill(l, l + kRows, 0.0f);
     std::fill(o, o + nr * dv, 0.0f);
@@ -113,9 +128,9 @@ void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& 
       const int64_t nk = std::min(kKeys, last + 1 - j0);
       axpy_rows(dqk, Strided{kp + j0 * dqk, dqk, 1}, qrows, nk, kRows, srows, true);
       // s[j * kRows + i]: key j0 + j's score for query row i0 + i; only blocks that reach
-      // past the block's first row need the causal mask.
-      if (j0 + nk - 1 > i0)
-        online_softmax<true>(s, nk, kRows, kRows, m, l, alpha, j0, i0);
+      // past what the block's first row sees need the causal mask.
+      if (j0 + nk - 1 > i0 + offset)
+        online_softmax<true>(s, nk, kRows, kRows, m, l, alpha, j0, i0 + offset);
       else
         online_softmax<false>(s, nk, kRows, kRows, m, l, alpha);
       for (int64_t i = 0; i < nr; ++i) {
@@ -131,6 +146,8 @@ void run_head(const Problem& p, int64_t start, int64_t T, int64_t h, Workspace& 
       const float inv = 1.0f / l[i];
       float* dst = p.out + ((start + i0 + i) * p.H + h) * dv;
       for (int64_t c = 0; c < dv; ++c) dst[c] = orows[i][c] * inv;
+      // The scores were scaled with the queries, so m is the row's largest scaled score.
+      if (p.lse) p.lse[(start + i0 + i) * p.H + h] = m[i] + std::log(l[i]);
     }
   }
 }
@@ -140,32 +157,41 @@ thread_local Workspace tls_workspace;
 void run_heads(const Problem& p, int64_t h0, int64_t h1) {
   for (int64_t b = 0; b < p.nseq; ++b)
     for (int64_t h = h0; h < h1; ++h)
-      if (p.cu[b + 1] > p.cu[b]) run_head(p, p.cu[b], p.cu[b + 1] - p.cu[b], h, tls_workspace);
+      if (p.qcu[b + 1] > p.qcu[b])
+        run_head(p, p.qcu[b], p.qcu[b + 1] - p.qcu[b], p.kcu[b], p.kcu[b + 1] - p.kcu[b],
+                 p.offset[b], h, tls_workspace);
 }
 
 }  // namespace
 
 extern "C" {
 
-// tensors: q_a, q_b, k_a, k_b, v, out, cu_seqlens (int64, nseq + 1); fp32, every operand's
-//          last dimension contiguous, out contiguous [T, H, d_v]
-// dims:    nseq, T, H, d_a, d_b, d_v, threads, then (row, head) strides of q_a, q_b, k_a,
-//          k_b, v in floats
+// tensors: q_a, q_b, k_a, k_b, v, out, lse (or null), query cu, key cu (int64, nseq + 1
+//          each), offsets (int64, nseq); fp32, every operand's last dimension contiguous,
+//          out contiguous [Tq, H, d_v], lse contiguous [Tq, H]
+// dims:    nseq, Tq, Tk, H, d_a, d_b, d_v, threads, then (row, head) strides of q_a, q_b,
+//          k_a, k_b, v in floats
 // scalars: scale
-// Returns 0, or 1 if cu_seqlens is not 0 = cu[0] <= cu[1] <= ... <= cu[nseq] = T.
+// Returns 0, or 1 if the cu arrays do not rise from 0 to Tq / Tk or some sequence with
+// queries has a negative offset or no keys (its softmax would be over nothing).
 int tpla_causal_attention(void* const* tensors, const int64_t* dims, const float* scalars) {
   const auto operand = [&](int i) {
-    return Operand{static_cast<const float*>(tensors[i]), dims[7 + 2 * i], dims[8 + 2 * i]};
+    return Operand{static_cast<const float*>(tensors[i]), dims[8 + 2 * i], dims[9 + 2 * i]};
   };
   const Problem p{operand(0), operand(1), operand(2), operand(3), operand(4),
                   static_cast<float*>(tensors[5]),
-                  static_cast<const int64_t*>(tensors[6]),
-                  dims[0], dims[2], dims[3], dims[4], dims[5], scalars[0]};
-  const int64_t T = dims[1];
-  if (p.cu[0] != 0 || p.cu[p.nseq] != T) return 1;
-  for (int64_t b = 0; b < p.nseq; ++b)
-    if (p.cu[b + 1] < p.cu[b]) return 1;
-  const int64_t threads = std::max<int64_t>(1, std::min(dims[6], p.H));
+                  static_cast<float*>(tensors[6]),
+                  static_cast<const int64_t*>(tensors[7]),
+                  static_cast<const int64_t*>(tensors[8]),
+                  static_cast<const int64_t*>(tensors[9]),
+                  dims[0], dims[3], dims[4], dims[5], dims[6], scalars[0]};
+  if (p.qcu[0] != 0 || p.qcu[p.nseq] != dims[1] || p.kcu[0] != 0 || p.kcu[p.nseq] != dims[2])
+    return 1;
+  for (int64_t b = 0; b < p.nseq; ++b) {
+    if (p.qcu[b + 1] < p.qcu[b] || p.kcu[b + 1] < p.kcu[b]) return 1;
+    if (p.qcu[b + 1] > p.qcu[b] && (p.offset[b] < 0 || p.kcu[b + 1] == p.kcu[b])) return 1;
+  }
+  const int64_t threads = std::max<int64_t>(1, std::min(dims[7], p.H));
   if (threads == 1) {
     run_heads(p, 0, p.H);
     return 0;

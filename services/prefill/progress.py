@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from common.model.model import PastLatents, PrefillOutput
+from common.runtime.heap import trim_heap
 from common.sampling.sampler import SampledToken
 from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.sends import PromptSends
@@ -91,6 +92,19 @@ class PromptProgress:
         self.add(out.n, out.k_pe, row)
         if cache is not None:
             self.store(cache, before)
+
+    def release(self) -> None:
+        """Drop the prompt's latents: it is finished or dropped (the worker calls this for
+        every prompt that leaves a batch with no pieces left), while the worker's last batch
+        and its sends' callbacks still reference it. A chunked prompt's pieces also left their
+        temporaries free in the C heap, which glibc keeps for reuse: they go back to the OS
+        here (`trim_heap`). Measured on a worker over the bench's long-context model, 1 s
+        after each 16K prompt: 40-56 MiB above the baseline stayed resident without the trim,
+        2-7 MiB with it."""
+        held = bool(self._n)
+        self._past, self._n, self._k_pe = None, [], []
+        if held:
+            trim_heap()
 
     def store(self, cache: LatentPrefixCache, before: int) -> None:
         """Put the full blocks finished since position `before` into the prefix cache."""

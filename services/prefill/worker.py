@@ -224,6 +224,7 @@ class PrefillWorker:
         self._counted(progress, 0)
         if progress.started and progress.left:
             self._dropped.append(job.request_id)
+        progress.release()
 
     def _counted(self, progress: PromptProgress, left: int) -> None:
         with self._lock:

@@ -135,3 +135,40 @@ def test_bad_shapes_and_dtypes_are_refused() -> None:
         causal_attention.causal_attention(q, k[:, :1], v, cu, 1.0)
     with pytest.raises(ValueError, match="fp32"):
         causal_attention.causal_attention(q.double(), k.double(), v.double(), cu, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("queries", "keys", "offset"),
+    [
+        (9, 9, 0),  # causal and square: the whole-prompt case
+        (5, 42, 37),  # a chunk over its past, one call
+        (50, 130, 80),  # past one query block, keys past one key block
+        (49, 20, 20),  # every key seen (a tile of the past)
+        (3, 7, 1000),  # an offset far past the keys: no mask
+        (60, 100, 40),  # fewer keys than the last query could see
+    ],
+)
+def test_attention_over_keys_with_an_offset_and_its_log_sum_exp(queries, keys, offset) -> None:
+    g = torch.Generator().manual_seed(queries * keys)
+    heads, d_a, d_b, d_v = 3, 24, 8, 16
+    q_a, q_b = torch.randn(queries, heads, d_a, generator=g), torch.randn(queries, heads, d_b)
+    k_a, v = torch.randn(keys, heads, d_a, generator=g), torch.randn(keys, heads, d_v)
+    k_b = torch.randn(keys, d_b, generator=g)  # shared by the heads, as MLA's k_pe
+    scale = 0.2
+    out, lse = causal_attention.attention_over_keys(q_a, q_b, k_a, k_b, v, offset, scale)
+    q = torch.cat((q_a, q_b), -1).double().transpose(0, 1)
+    k = torch.cat((k_a, k_b[:, None].expand(-1, heads, -1)), -1).double().transpose(0, 1)
+    scores = scale * q @ k.transpose(1, 2)  # [H, Q, K]
+    seen = torch.ones(queries, keys, dtype=torch.bool).tril(offset)
+    scores = scores.masked_fill(~seen, -math.inf)
+    want = (scores.softmax(-1) @ v.double().transpose(0, 1)).transpose(0, 1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1).T, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_over_keys_refuses_rows_that_see_nothing() -> None:
+    q = torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="offset"):
+        causal_attention.attention_over_keys(q, q[..., :0], q, q[..., :0], q, -1, 1.0)
+    with pytest.raises(ValueError, match="K > 0"):
+        causal_attention.attention_over_keys(q, q[..., :0], q[:0], q[:0, :, :0], q[:0], 0, 1.0)
