@@ -29,6 +29,11 @@ class Launch(enum.Enum):
 # Draft proposers (services/decode/leader/drafts.py); "mtp" needs the model's MTP layer
 # (`num_nextn_predict_layers`) and is refused, named, on a model without one.
 PROPOSERS = ("none", "ngram", "mtp")
+# Drafts per sequence and step when TPLA_SPEC_TOKENS is 0, by proposer (benchmarks/
+# speculative.md): n-gram drafts cost no model pass and on edits are kept in long runs
+# (k = 4 beat k = 8); each chained MTP draft costs a pass of the MTP layer and is kept less
+# often than the first (k = 1 beat k = 4 at every load), as DeepSeek-V3 serves its one module.
+DEFAULT_SPEC_TOKENS = {"ngram": 4, "mtp": 1}
 
 
 @dataclass(frozen=True)
@@ -193,7 +198,11 @@ def engine_config(s: Settings) -> EngineConfig:
         kv_port_base=s.kv_port_base,
         internal_token=s.internal_token.get_secret_value() if s.internal_token else None,
         prefix_cache=s.prefix_cache,
-        speculative=SpecConfig(s.speculative, s.spec_tokens, s.spec_max_batch),
+        speculative=SpecConfig(
+            s.speculative,
+            s.spec_tokens or DEFAULT_SPEC_TOKENS.get(s.speculative, 1),
+            s.spec_max_batch,
+        ),
     )
 
 

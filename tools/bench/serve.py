@@ -313,7 +313,7 @@ def _mixes(quick: bool, names: Sequence[str]) -> tuple[Mix, ...]:
         else {
             "short": Mix("short", 64, 32),
             "long": Mix("long", 1536, 32),
-            "edit": Mix("edit", 256, 64),
+            "edit": Mix("edit", 256, 128),
             "completion": Mix("completion", 128, 64),
         }
     )

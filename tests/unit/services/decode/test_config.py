@@ -25,5 +25,8 @@ def test_speculation_settings_reach_the_config() -> None:
     cfg = engine_config(load_settings(speculative="ngram", spec_tokens=3, spec_max_batch=2))
     assert cfg.speculative == SpecConfig("ngram", tokens=3, max_batch=2)
     assert EngineConfig.from_json(cfg.to_json()) == cfg
+    # Unset, k is the proposer's own default.
+    for method, k in (("ngram", 4), ("mtp", 1)):
+        assert engine_config(load_settings(speculative=method)).speculative.tokens == k
     with pytest.raises(ValueError, match="not one of none, ngram, mtp"):
         engine_config(load_settings(speculative="medusa"))
