@@ -31,6 +31,19 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return load_model(out)
 
 
+def chunked_and_whole(model, chunk: int, absorbed: bool):  # type: ignore[no-untyped-def]
+    """A 150-token prompt prefilled whole and in chunks of `chunk`, checked equal (latents
+    within fp32 tolerance, logits): (prompt, whole, chunked)."""
+    prompt = torch.randint(2, 150, (150,), generator=torch.Generator().manual_seed(chunk))
+    whole = model.prefill(prompt, [len(prompt)])
+    chunked = prefill_in_chunks(model.prefill, prompt, chunk, absorbed=absorbed)
+    for layer in range(len(whole.n)):
+        torch.testing.assert_close(chunked.n[layer], whole.n[layer], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(chunked.k_pe[layer], whole.k_pe[layer], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-4, rtol=1e-4)
+    return prompt, whole, chunked
+
+
 def _greedy_after(model, prompt: torch.Tensor, out: PrefillOutput) -> list[int]:  # type: ignore[no-untyped-def]
     length = int(prompt.shape[0])
     cache = ContiguousLatentCache(model.config, 1, length + STEPS)
@@ -47,13 +60,7 @@ def _greedy_after(model, prompt: torch.Tensor, out: PrefillOutput) -> list[int]:
 @pytest.mark.parametrize("absorbed", [False, True])
 @pytest.mark.parametrize("chunk", [16, 23, 64])
 def test_chunks_equal_the_whole_prompt(model, chunk: int, absorbed: bool) -> None:  # type: ignore[no-untyped-def]
-    prompt = torch.randint(2, 150, (150,), generator=torch.Generator().manual_seed(chunk))
-    whole = model.prefill(prompt, [len(prompt)])
-    chunked = prefill_in_chunks(model.prefill, prompt, chunk, absorbed=absorbed)
-    for layer in range(len(whole.n)):
-        torch.testing.assert_close(chunked.n[layer], whole.n[layer], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(chunked.k_pe[layer], whole.k_pe[layer], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-4, rtol=1e-4)
+    prompt, whole, chunked = chunked_and_whole(model, chunk, absorbed)
     greedy = SamplingParams(max_tokens=STEPS, temperature=0.0)
     want = generate(model, prompt.tolist(), greedy).token_ids
     assert _greedy_after(model, prompt, whole) == want

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from common.loading.loader import load_model
-from common.model.chunked import prefill_in_chunks
 from common.model.past_attention import absorbed_over_past, expanded_over_past
 from common.model.past_native import (
     native_absorbed_over_past,
@@ -19,6 +18,7 @@ from common.model.past_native import (
 from common.model.prefill_attention import NativePrefillAttention, SdpaPrefillAttention
 from common.native import causal_attention
 from tests.tiny import save_hf
+from tests.unit.common.model.test_chunked import chunked_and_whole
 
 pytestmark = pytest.mark.skipif(
     not causal_attention.available(), reason="no C++ compiler for the kernel"
@@ -71,10 +71,4 @@ def model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
 @pytest.mark.parametrize("absorbed", [False, True])
 @pytest.mark.parametrize("chunk", [16, 23, 64])
 def test_native_chunks_equal_the_whole_prompt(model, chunk: int, absorbed: bool) -> None:  # type: ignore[no-untyped-def]
-    prompt = torch.randint(2, 150, (150,), generator=torch.Generator().manual_seed(chunk))
-    whole = model.prefill(prompt, [len(prompt)])
-    chunked = prefill_in_chunks(model.prefill, prompt, chunk, absorbed=absorbed)
-    for layer in range(len(whole.n)):
-        torch.testing.assert_close(chunked.n[layer], whole.n[layer], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(chunked.k_pe[layer], whole.k_pe[layer], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-4, rtol=1e-4)
+    chunked_and_whole(model, chunk, absorbed)
