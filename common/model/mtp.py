@@ -23,7 +23,7 @@ layer's latent cache, absorbed attention).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +35,7 @@ from common.model.mla import RMSNorm
 from common.model.model import (
     DecoderLayer,
     LatentKV,
+    LayerStack,
     PastLatents,
     PrefillOutput,
     decode_layer,
@@ -118,7 +119,7 @@ class MTPOutput:
     k_pe: Tensor  # packed [T, d_r] or [B, d_r]
 
 
-class _MTPStack:
+class MTPStack:
     """One MTP layer as a `LayerStack` for `packed_prefill`: its "embedding" is the fused
     input, so the main model's prefill loop (packing, `past`, both attention paths) runs it."""
 
@@ -163,7 +164,7 @@ def mtp_prefill(
     (one layer) or None. Logits and hidden at each prompt's last row, or every row."""
     if next_ids.shape[0] != hidden.shape[0]:
         raise ValueError("next_ids and hidden must cover the same packed rows")
-    stack = _MTPStack(layer, hidden, rope, prefill_attention or SdpaPrefillAttention())
+    stack = MTPStack(layer, hidden, rope, prefill_attention or SdpaPrefillAttention())
     out: PrefillOutput = packed_prefill(
         stack, next_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
     )
@@ -202,23 +203,36 @@ def with_mtp_latents(
     return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
 
 
-def with_mtp_prompt(
-    out: PrefillOutput,
-    layer: MTPLayer,
-    rope: RotaryEmbedding,
-    next_ids: Tensor,
+@torch.inference_mode()
+def prefill_with_mtp(
+    main: LayerStack,
+    mtp_stack: Callable[[Tensor], LayerStack],
+    input_ids: Tensor,
     seq_lens: list[int],
+    next_ids: Tensor,
+    *,
+    all_logits: bool = False,
+    absorbed: bool = False,
     past: Sequence[PastLatents | None] | None = None,
 ) -> PrefillOutput:
-    """`with_mtp_latents` before the first tokens are sampled: `next_ids` is each row's next
-    prompt token, and at a prompt's last row its own token (`prompt_own_next_ids`) in place
-    of the first sampled one. That row's latent is the only one that differs, and the decode
-    ranks' first draft pass writes it again from the first token before it is read
-    (services/decode/rank/draft_pass.py). `past`: each prompt's cached MTP latents (one
-    layer), its new rows after them."""
+    """A serving prefill with the MTP layer before the first tokens are sampled: the main
+    layers, then the MTP layer (`mtp_stack` of their last hidden state: the whole layer's
+    `MTPStack`, or a rank's share) over the same prompts, its latents one more layer.
+    `next_ids`: each row's next prompt token, and at a prompt's last row its own token
+    (`prompt_own_next_ids`) in place of the first sampled one; that row's latent is the only
+    one that differs, and the decode ranks' first draft pass writes it again from the first
+    token before it is read (services/decode/rank/draft_pass.py). `past`: each prompt's
+    cached latents, the MTP layer's last."""
+    layers = len(main.decoder_layers())
+    main_past = None if past is None else [split_past(p, 0, layers) for p in past]
+    out = packed_prefill(
+        main, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=main_past
+    )
     assert out.hidden is not None
-    mtp = mtp_prefill(layer, rope, next_ids, out.hidden, seq_lens, past=past)
-    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+    own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
+    stack = mtp_stack(out.hidden)
+    mtp = packed_prefill(stack, next_ids, seq_lens, absorbed=absorbed, past=own)
+    return PrefillOutput(out.logits, [*out.n, *mtp.n], [*out.k_pe, *mtp.k_pe], out.hidden)
 
 
 def prompt_own_next_ids(ids: Tensor, seq_lens: Sequence[int]) -> Tensor:

@@ -36,7 +36,7 @@ from common.model.model import (
     PrefillOutput,
     packed_prefill,
 )
-from common.model.mtp import prompt_own_next_ids, split_past
+from common.model.mtp import prefill_with_mtp, prompt_own_next_ids
 from common.model.prefill_attention import (
     PrefillAttention,
     SdpaPrefillAttention,
@@ -132,25 +132,28 @@ class PrefillRankModel(nn.Module):
         """`DeepseekForCausalLM.prefill` over this rank's share; every rank of the group calls
         it with the same batch. `n` / `k_pe` are the whole latents (equal on every rank), the
         logits this rank's vocabulary shard [rows, V_rank] (`self.vocab`), `hidden` whole.
-        With the MTP layer, its latents are the last layer (as `with_mtp_prompt` gives the
-        tp = 1 worker's; `next_ids` as there, each prompt's last row its own token when not
-        given) and each `past` holds its cached ones last."""
-        if self.mtp is None:
+        With the MTP layer, its latents are the last layer (`prefill_with_mtp`, as on the tp = 1
+        worker; `next_ids` as there, each prompt's last row its own token when not given)
+        and each `past` holds its cached ones last."""
+        mtp = self.mtp
+        if mtp is None:
             return packed_prefill(
                 self, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=past
             )
-        layers = self.config.num_hidden_layers
-        main = None if past is None else [split_past(p, 0, layers) for p in past]
-        out = packed_prefill(
-            self, input_ids, seq_lens, all_logits=all_logits, absorbed=absorbed, past=main
+
+        def mtp_stack(hidden: Tensor) -> RankMTPStack:
+            return RankMTPStack(mtp, hidden, self.rope, self.prefill_attention, self.reduce)
+
+        return prefill_with_mtp(
+            self,
+            mtp_stack,
+            input_ids,
+            seq_lens,
+            prompt_own_next_ids(input_ids, seq_lens) if next_ids is None else next_ids,
+            all_logits=all_logits,
+            absorbed=absorbed,
+            past=past,
         )
-        assert out.hidden is not None
-        own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
-        stack = RankMTPStack(self.mtp, out.hidden, self.rope, self.prefill_attention, self.reduce)
-        if next_ids is None:
-            next_ids = prompt_own_next_ids(input_ids, seq_lens)
-        mtp = packed_prefill(stack, next_ids, seq_lens, absorbed=absorbed, past=own)
-        return PrefillOutput(out.logits, [*out.n, *mtp.n], [*out.k_pe, *mtp.k_pe], out.hidden)
 
 
 def load_prefill_rank(

@@ -1,7 +1,8 @@
 """The local runner with the MTP layer: its output holds the MTP latents as one more layer,
 the whole layer's prefill over the prompt shifted by one (the last row fed its own token);
 a prompt run after a cached prefix of every layer (the MTP one too) gets the same latents
-for its new rows; a model without an MTP layer is refused by name."""
+for its new rows; nothing it returns carries an autograd graph; a model without an MTP layer
+is refused by name."""
 
 from __future__ import annotations
 
@@ -43,8 +44,12 @@ def test_the_mtp_latents_are_one_more_layer(runner: LocalRunner) -> None:
     ids = torch.tensor(prompt)
     shifted = torch.cat((ids[1:], ids[-1:]))
     assert runner.mtp is not None and out.hidden is not None
-    want = mtp_prefill(runner.mtp, runner.model.rope, shifted, out.hidden, [len(prompt)])
+    attention = runner.model.prefill_attention
+    rope, lens = runner.model.rope, [len(prompt)]
+    want = mtp_prefill(runner.mtp, rope, shifted, out.hidden, lens, prefill_attention=attention)
     assert torch.equal(out.n[layers], want.n) and torch.equal(out.k_pe[layers], want.k_pe)
+    # A serving prefill keeps no autograd graph, the MTP layer's pass included.
+    assert not any(t.requires_grad for t in [*out.n, *out.k_pe, out.logits, out.hidden])
 
     hit = 8  # a cached prefix of every layer's latents, the MTP layer's too
     past = PastLatents([n[:hit] for n in out.n], [k[:hit] for k in out.k_pe])

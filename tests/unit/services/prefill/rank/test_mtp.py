@@ -1,5 +1,5 @@
 """A prefill rank's share of the MTP layer: a tp=2 pair (threads, in-process collectives)
-gives what the tp = 1 worker computes (the whole model, then `with_mtp_prompt` over the whole
+gives what the tp = 1 worker computes (the whole model, then `mtp_prefill` over the whole
 MTP layer): the MTP latents as one more layer within fp32 rounding and equal on both ranks,
 the same hidden state and first tokens, under both MoE splits, with the layer's embedding and
 head equal to the main model's (held once) or its own; a prompt prefilled in chunks, each over
@@ -25,7 +25,7 @@ from common.loading.serving_model import (
 )
 from common.model.fp8 import Fp8Weight
 from common.model.model import PastLatents, PrefillOutput
-from common.model.mtp import prompt_own_next_ids, with_mtp_prompt
+from common.model.mtp import mtp_prefill, prompt_own_next_ids
 from common.parallel import MoeParallel, ParallelConfig
 from common.tpla.rank_memory import prefill_rank_tensors, weight_bytes
 from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
@@ -87,13 +87,16 @@ def _tp1(path: Path, pieces: list[tuple[int, int]], weights: str = "auto") -> li
     layer = load_prefill_mtp(path, None, model, weight_dtype=weights)
 
     def prefill(ids: torch.Tensor, lens: list[int], past: PastLatents | None) -> PrefillOutput:
-        if past is None:
-            next_ids = prompt_own_next_ids(ids, lens)
-            return with_mtp_prompt(model.prefill(ids, lens), layer, model.rope, next_ids, lens)
-        main = PastLatents(past.n[:LAYERS], past.k_pe[:LAYERS])
-        own = PastLatents(past.n[LAYERS:], past.k_pe[LAYERS:])
-        out = model.prefill(ids, lens, past=[main])
-        return with_mtp_prompt(out, layer, model.rope, prompt_own_next_ids(ids, lens), lens, [own])
+        # Composed here from the parts (not `prefill_with_mtp`, which both sides run).
+        main = own = None
+        if past is not None:
+            main = [PastLatents(past.n[:LAYERS], past.k_pe[:LAYERS])]
+            own = [PastLatents(past.n[LAYERS:], past.k_pe[LAYERS:])]
+        out = model.prefill(ids, lens, past=main)
+        assert out.hidden is not None
+        next_ids = prompt_own_next_ids(ids, lens)
+        mtp = mtp_prefill(layer, model.rope, next_ids, out.hidden, lens, past=own)
+        return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
 
     return _pieces(prefill, pieces)
 
