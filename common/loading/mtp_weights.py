@@ -1,5 +1,5 @@
 """DeepSeek-V3's MTP layers read from a weight source: whole (`build_mtp_layer`), or a rank's
-share of the parts around the decoder layer (`rank_mtp_parts`).
+share of the parts around the decoder layer (`RankMTPParts`).
 
 The decoder layer of MTP module k is checkpoint layer L = num_hidden_layers + k, so a rank
 takes its share of it with the same slicers as any layer (`head_layer`, `rank_ffn` and the
@@ -108,6 +108,8 @@ class RankMTPParts(nn.Module):
         super().__init__()
         c = src.config
         p = f"model.layers.{mtp_layer_index(c, k)}."
+        if not src.has(p + "eh_proj.weight"):
+            raise CheckpointError(f"the weight source does not serve MTP module {k}")
         embed, head = (p + name if src.has(p + name) else main for name, main in SHARED_WITH_MAIN)
         vocab = parallel.vocab_rows(rank, c.vocab_size)
         embed_weight = src.tensor(embed, vocab) if vocab_embedding else src.tensor(embed)
@@ -126,19 +128,3 @@ class RankMTPParts(nn.Module):
         place_linear(self, "eh_proj", src.linear(p + "eh_proj.weight"))
         self.norm = rank_norm(src, p + "shared_head.norm.weight", c.rms_norm_eps)
         share_workspace(self)
-
-
-def rank_mtp_parts(
-    src: WeightSource,
-    k: int,
-    parallel: ParallelConfig,
-    rank: int,
-    main: tuple[nn.Parameter, nn.Parameter] | None = None,
-    *,
-    vocab_embedding: bool = False,
-) -> RankMTPParts:
-    """`RankMTPParts` of module k; `main`: the rank's (embedding weight, lm_head rows);
-    `vocab_embedding`: the embedding by vocabulary rows (a prefill rank's)."""
-    if not src.has(f"model.layers.{mtp_layer_index(src.config, k)}.eh_proj.weight"):
-        raise CheckpointError(f"the weight source does not serve MTP module {k}")
-    return RankMTPParts(src, k, parallel, rank, main, vocab_embedding=vocab_embedding)

@@ -4,7 +4,7 @@ MTP module 0 is checkpoint layer L = num_hidden_layers: its decoder layer is sli
 layer (latent slice i and head group j of its attention, from the side file's MTP spectra;
 a 1/tp slice of its FFN) and caches its latents in pool layer L; the parts around it (the
 embedding, enorm, hnorm, eh_proj, the head's norm and this rank's vocabulary rows of the
-head) come from `rank_mtp_parts`. The pass itself runs in the step (RankModel.mtp_rows,
+head) come from `RankMTPParts`. The pass itself runs in the step (RankModel.mtp_rows,
 rank/draft_pass.py). V3 ships one module; chained drafts reuse it, as vLLM and SGLang do.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from common.group.comm import Comm
-from common.loading.mtp_weights import rank_mtp_parts
+from common.loading.mtp_weights import RankMTPParts
 from common.loading.rank_slices import rank_ffn
 from common.loading.weights import WeightSource
 from common.model.mtp import mtp_layer_index
@@ -40,7 +40,7 @@ class RankMTP(nn.Module):
         heads = parallel.heads(rank, c.num_attention_heads)
         attn = RankAttention(src, index, heads, shard, parallel.rmsnorm)
         self.layer = RankLayer(src, index, attn, rank_ffn(src, index, parallel, rank))
-        self.parts = rank_mtp_parts(src, 0, parallel, rank, main)
+        self.parts = RankMTPParts(src, 0, parallel, rank, main)
         self.cache_layer = index  # the pool's layer after the model's own
         self.vocab_offset = parallel.vocab_rows(rank, c.vocab_size).start
 

@@ -3,7 +3,7 @@ decode ranks' MTP cache layer.
 
 The module's decoder layer (checkpoint layer L = num_hidden_layers) is sharded like the rank's
 other layers (`head_layer`: its head group's attention over the whole latent, its FFN slice),
-and the parts around it come from `rank_mtp_parts`: the embedding and the head by the rank's
+and the parts around it come from `RankMTPParts`: the embedding and the head by the rank's
 vocabulary rows (shared with the rank's own when equal, as V3's are), enorm, hnorm, eh_proj
 and the head's norm replicated. Its pass is the whole layer's (common/model/mtp.py): the
 fused input of token t + 1 and the main model's hidden state at t (whole on every rank after
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.loading.mtp_weights import rank_mtp_parts
+from common.loading.mtp_weights import RankMTPParts
 from common.loading.rank_slices import head_layer
 from common.loading.weights import WeightSource
 from common.model.model import DecoderLayer
@@ -43,7 +43,7 @@ class PrefillRankMTP(nn.Module):
         super().__init__()
         c = src.config
         self.layer = head_layer(src, mtp_layer_index(c, 0), parallel, rank)
-        self.parts = rank_mtp_parts(src, 0, parallel, rank, main, vocab_embedding=True)
+        self.parts = RankMTPParts(src, 0, parallel, rank, main, vocab_embedding=True)
         self.vocab = parallel.vocab_rows(rank, c.vocab_size)
 
 

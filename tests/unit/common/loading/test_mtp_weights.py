@@ -12,7 +12,7 @@ from torch import Tensor
 
 from common.loading.checkpoint import CheckpointError
 from common.loading.loader import load_model
-from common.loading.mtp_weights import build_mtp_layer, load_mtp_layers, rank_mtp_parts
+from common.loading.mtp_weights import RankMTPParts, build_mtp_layer, load_mtp_layers
 from common.loading.rank_slices import head_layer, rank_ffn
 from common.loading.weights import CheckpointWeights
 from common.model.fp8 import Fp8Weight, dense
@@ -114,7 +114,7 @@ def test_rank_slices_equal_slices_of_the_whole_layer(dirs: dict[str, Path], tp: 
     parallel = ParallelConfig(tp=tp)
     c = src.config
     for rank in range(tp):
-        parts = rank_mtp_parts(src, 0, parallel, rank)
+        parts = RankMTPParts(src, 0, parallel, rank)
         rows = parallel.vocab_rows(rank, c.vocab_size)
         assert torch.equal(parts.lm_head, whole.shared_head.head.weight[rows])
         assert torch.equal(parts.eh_proj.weight, whole.eh_proj.weight)
@@ -139,11 +139,11 @@ def test_rank_slices_equal_slices_of_the_whole_layer(dirs: dict[str, Path], tp: 
 
 def test_rank_parts_keep_fp8_and_need_the_mtp_source(dirs: dict[str, Path]) -> None:
     src = CheckpointWeights(dirs["fp8"], torch.float32, keep_fp8=True, mtp=True)
-    parts = rank_mtp_parts(src, 0, ParallelConfig(tp=2), 1)
+    parts = RankMTPParts(src, 0, ParallelConfig(tp=2), 1)
     assert isinstance(parts.eh_proj, Fp8Weight)
     without = CheckpointWeights(dirs["fp8"], torch.float32)
     with pytest.raises(CheckpointError, match="MTP module 0"):
-        rank_mtp_parts(without, 0, ParallelConfig(tp=2), 0)
+        RankMTPParts(without, 0, ParallelConfig(tp=2), 0)
 
 
 def test_a_missing_mtp_tensor_is_named(dirs: dict[str, Path], tmp_path: Path) -> None:

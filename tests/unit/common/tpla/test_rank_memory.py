@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common.loading.loader import load_model
-from common.loading.mtp_weights import load_mtp_layers, rank_mtp_parts
+from common.loading.mtp_weights import RankMTPParts, load_mtp_layers
 from common.loading.rank_slices import rank_ffn
 from common.loading.weights import CheckpointWeights
 from common.model.fp8 import Fp8Weight
@@ -73,7 +73,7 @@ def _rank_mtp_bytes(src: CheckpointWeights, parallel: ParallelConfig, rank: int)
         nn.Parameter(src.tensor("model.embed_tokens.weight")),
         nn.Parameter(src.tensor("lm_head.weight", rows)),
     )
-    parts = rank_mtp_parts(src, 0, parallel, rank, main)
+    parts = RankMTPParts(src, 0, parallel, rank, main)
     assert parts.embed.weight is main[0] and parts.lm_head is main[1]
     return _bytes(layer) + _bytes(parts, main)
 
@@ -101,7 +101,7 @@ def test_fp8_rank_shares_are_planned_as_held(dirs: dict[str, Path]) -> None:
     for tp, r, mode in LAYOUTS:
         parallel = ParallelConfig(tp, r, mode=ParallelMode(mode))
         for rank in range(tp):
-            assert isinstance(rank_mtp_parts(src, 0, parallel, rank).eh_proj, Fp8Weight)
+            assert isinstance(RankMTPParts(src, 0, parallel, rank).eh_proj, Fp8Weight)
             planned = weight_bytes(mtp_tensors(src.config, parallel, rank, 1), "float8", (4, 4))
             assert planned == _rank_mtp_bytes(src, parallel, rank), (tp, r, mode, rank)
 
