@@ -18,6 +18,7 @@ import torch
 
 from common.group.comm import Comm
 from common.messages import KvTargetInfo
+from common.model.mtp import prompt_next_ids
 from services.prefill.shipping import ShipOrder
 
 
@@ -58,11 +59,8 @@ class BatchPlan:
         """What the MTP layer reads at each packed row: the prompt's next token, and at a
         prompt's last row its own (the first token is sampled after the prefill; the decode
         ranks' first draft pass writes that row again)."""
-        flat = []
-        for job in self.jobs:
-            new = job.new_ids
-            flat += [*new[1:], new[-1] if job.next_id is None else job.next_id]
-        return torch.tensor(flat, dtype=torch.long, device=device)
+        ends = [job.new_ids[-1] if job.next_id is None else job.next_id for job in self.jobs]
+        return prompt_next_ids(self.ids(device), self.lens, ends)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
