@@ -58,6 +58,10 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.method != "none"
 
+    def speculates(self, batch: int) -> bool:
+        """Whether a step of `batch` sequences drafts (and runs an MTP pass)."""
+        return self.enabled and batch <= self.max_batch
+
 
 @dataclass(frozen=True)
 class EngineConfig:

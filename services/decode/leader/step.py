@@ -249,7 +249,7 @@ class DecodeStep:
         rows for the whole step within max_batch, so a speculative step fits a batch bucket
         (its CUDA graph) and the grammar bitmask."""
         spec = self.spec
-        if not spec.enabled or len(batch) > spec.max_batch:
+        if not spec.speculates(len(batch)):
             return [[] for _ in batch]
         budget = self.scheduler.max_batch - len(batch)
         out = []
@@ -314,8 +314,7 @@ class DecodeStep:
         speculation limit), over every mtp sequence's pending positions. A step that does
         not leaves the MTP cache at its positions unwritten: later drafts read stale
         latents there, which costs acceptance, never a token."""
-        spec = self.spec
-        if spec.method != "mtp" or len(lives) > spec.max_batch:
+        if self.spec.method != "mtp" or not self.spec.speculates(len(lives)):
             return None
         hidden = self.group.runtime.model.config.hidden_size
         return mtp_plan([live.drafts for live in lives], rows, hidden)
