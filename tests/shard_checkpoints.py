@@ -1,6 +1,6 @@
 """Small multi-shard checkpoints written on the fly: plain, FP8 (DeepSeek-V3's block format)
-and the same FP8 weights dequantized beforehand; and an in-process group (threads) to run a
-real multi-rank decode step or prefill without processes."""
+and the same FP8 weights dequantized beforehand, with a random side file; and an in-process
+group (threads) to run a real multi-rank decode step or prefill without processes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from common.group.comm import Collectives, Comm, ReduceOp
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
+from common.tpla.convert import LayerReparameterization, Reparameterization
+from common.tpla.transforms import Method
 
 T = TypeVar("T")
 
@@ -263,3 +265,17 @@ def fp8_copy(model_dir: Path, out: Path, block: int) -> tuple[Path, Path]:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
         dirs.append(path)
     return dirs[0], dirs[1]
+
+
+def random_rotation(fingerprint: str, seed: int = 1) -> Reparameterization:
+    """A side file for `CONFIG`'s model (its `model_fingerprint`): a random orthogonal rotation
+    and positive scales per layer (gamma folded and R applied on load)."""
+    d_c, gen = CONFIG["kv_lora_rank"], torch.Generator().manual_seed(seed)
+    layers = tuple(
+        LayerReparameterization(
+            torch.linalg.qr(torch.randn(d_c, d_c, generator=gen, dtype=torch.float64))[0],
+            torch.rand(d_c, generator=gen, dtype=torch.float64) + 0.1,
+        )
+        for _ in range(CONFIG["num_hidden_layers"])
+    )
+    return Reparameterization(Method.PCA, 0, d_c, layers, False, fingerprint, 100, "random")

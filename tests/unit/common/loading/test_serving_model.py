@@ -26,13 +26,10 @@ from common.model.model import DeepseekForCausalLM
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.convert import (
-    LayerReparameterization,
-    Reparameterization,
     apply_reparameterization,
     model_fingerprint,
     save_side_file,
 )
-from common.tpla.transforms import Method
 from services.decode.rank.model import RankModel
 from tests.shard_checkpoints import (
     CONFIG,
@@ -40,6 +37,7 @@ from tests.shard_checkpoints import (
     ThreadCollectives,
     ThreadGroup,
     quantize,
+    random_rotation,
     random_state,
     save_checkpoint,
 )
@@ -66,18 +64,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "dequantized": save_checkpoint(dequantized, root / "dequantized", files=1),
     }
     # A side file with a random rotation per layer (gamma is folded and R applied on load).
-    model = load_model(out["plain"])
-    d_c, gen = CONFIG["kv_lora_rank"], torch.Generator().manual_seed(1)
-    layers = tuple(
-        LayerReparameterization(
-            torch.linalg.qr(torch.randn(d_c, d_c, generator=gen, dtype=torch.float64))[0],
-            torch.rand(d_c, generator=gen, dtype=torch.float64) + 0.1,
-        )
-        for _ in range(CONFIG["num_hidden_layers"])
-    )
-    side = Reparameterization(
-        Method.PCA, 0, d_c, layers, False, model_fingerprint(model), 100, "random"
-    )
+    side = random_rotation(model_fingerprint(load_model(out["plain"])))
     save_side_file(out["plain"] / f"{SIDE}.json", side)
     # The FP8 checkpoint and its dequantized copy load to the same weights: one side file.
     fingerprint = model_fingerprint(load_model(out["dequantized"]))

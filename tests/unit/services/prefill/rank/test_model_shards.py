@@ -21,21 +21,18 @@ from common.model.fp8 import Fp8Weight
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.parallel import MoeParallel, ParallelConfig
 from common.tpla.convert import (
-    LayerReparameterization,
-    Reparameterization,
     apply_reparameterization,
     load_side_file,
     model_fingerprint,
     save_side_file,
 )
-from common.tpla.transforms import Method
 from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
 from tests.shard_checkpoints import (
-    CONFIG,
     FP8_CONFIG,
     ThreadCollectives,
     ThreadGroup,
     quantize,
+    random_rotation,
     random_state,
     run_group,
     save_checkpoint,
@@ -61,16 +58,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "plain": save_checkpoint(state, root / "plain"),
         "fp8": save_checkpoint(fp8, root / "fp8", quantization_config=FP8_CONFIG),
     }
-    d_c, gen = CONFIG["kv_lora_rank"], torch.Generator().manual_seed(1)
-    layers = tuple(
-        LayerReparameterization(
-            torch.linalg.qr(torch.randn(d_c, d_c, generator=gen, dtype=torch.float64))[0],
-            torch.rand(d_c, generator=gen, dtype=torch.float64) + 0.1,
-        )
-        for _ in range(CONFIG["num_hidden_layers"])
-    )
-    fingerprint = model_fingerprint(load_model(out["plain"]))
-    side = Reparameterization(Method.PCA, 0, d_c, layers, False, fingerprint, 100, "random")
+    side = random_rotation(model_fingerprint(load_model(out["plain"])))
     save_side_file(out["plain"] / f"{SIDE}.json", side)
     return out
 
