@@ -1,5 +1,5 @@
 """A follower rank's life in any rank group (a decode group's, a prefill group's): join the
-leader, build the rank's share, run the leader's plans until its end; the exit code.
+leader, build the rank's share, run the leader's plans until its end, then end the process.
 
 Until the start-up barrier a spawned group's file has a name: a follower that fails to
 start, or sees its leader gone, removes it, since the group cannot start. A start-up error
@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from common.group.child import START_ERROR_EXIT, exit_with_parent
+from common.group.child import START_ERROR_EXIT, end_process, exit_with_parent
 from common.group.join import FollowerGroup
 from common.group.setup import init_group
 from common.group.spec import GroupSpec
@@ -33,13 +33,14 @@ def run_follower(
     start: Callable[[FollowerGroup], Rank],
     serve: Callable[[Rank], None],
     close: Callable[[Rank], None],
-) -> int:
-    """Follower `rank` of the group `spec` describes. `leader`: the pid of the leader that
-    spawned this process (None: started on its own). `start` builds the rank once the process
-    group is up and returns after the group's start-up barrier; `serve` runs the leader's
-    plans until its shutdown plan; `close` frees what `start` opened. Exit code: 0 when the
-    leader ended the group, START_ERROR_EXIT after a start-up error it printed, 1 when the
-    leader died under a collective."""
+) -> NoReturn:
+    """Follower `rank` of the group `spec` describes, to the end of its process. `leader`: the
+    pid of the leader that spawned this process (None: started on its own). `start` builds
+    the rank once the process group is up and returns after the group's start-up barrier;
+    `serve` runs the leader's plans until its shutdown plan; `close` frees what `start`
+    opened. Exit code: 0 when the leader ended the group, START_ERROR_EXIT after a start-up
+    error it printed, 1 when the leader died under a collective; this rank's own failure
+    raises (its traceback)."""
     remove_file = functools.partial(group_files.remove, shm_path)
     if leader is not None:
         exit_with_parent(leader, remove_file)
@@ -54,7 +55,7 @@ def run_follower(
             if group is not None:
                 group.report(str(exc))
             print(f"{spec.role} rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-            return START_ERROR_EXIT
+            end_process(START_ERROR_EXIT)
         raise
     try:
         serve(state)
@@ -63,8 +64,8 @@ def run_follower(
             raise  # this rank's own failure: its traceback
         group.end()
         group.leader_gone()
-        return 1
+        end_process(1)
     group.end()
     close(state)
     dist.destroy_process_group()
-    return 0
+    end_process(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from common.group.follower import run_follower
 from common.group.join import FollowerGroup
@@ -27,10 +28,10 @@ CONFIG_ENV = "TPLA_ENGINE_CONFIG"
 FOLLOWER_MODULE = "services.decode.group.follower"
 
 
-def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> int:
-    """A follower rank: join the group, execute the leader's plans until shutdown; the exit
-    code (common/group/follower.py). `leader`: the pid of the leader that spawned this
-    process (None: started on its own)."""
+def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> NoReturn:
+    """A follower rank: join the group, execute the leader's plans until shutdown, then end
+    the process with its exit code (common/group/follower.py). `leader`: the pid of the
+    leader that spawned this process (None: started on its own)."""
     receiver = None
 
     def start(group: FollowerGroup) -> RankRuntime:
@@ -78,8 +79,6 @@ if __name__ == "__main__":
     # (exit_with_parent).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    sys.exit(
-        follower_main(
-            EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]), int(sys.argv[2])
-        )
+    follower_main(
+        EngineConfig.from_json(os.environ.pop(CONFIG_ENV)), int(sys.argv[1]), int(sys.argv[2])
     )

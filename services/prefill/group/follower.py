@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from concurrent.futures import Future
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -150,10 +151,10 @@ class RankState:
 
 def follower_main(
     cfg: PrefillGroupConfig, rank: int, loader: RankModelLoader, leader: int | None = None
-) -> int:
-    """A follower rank: join the group, run the leader's plans until its end; the exit code
-    (common/group/follower.py). `leader`: the pid of the leader that spawned this process
-    (None: started on its own)."""
+) -> NoReturn:
+    """A follower rank: join the group, run the leader's plans until its end, then end the
+    process with its exit code (common/group/follower.py). `leader`: the pid of the leader
+    that spawned this process (None: started on its own)."""
     torch.set_num_threads(cfg.torch_threads)  # as its leader's (`tpla prefill`)
     spec = group_spec(cfg)
 
@@ -183,11 +184,9 @@ if __name__ == "__main__":
         signal.signal(sig, signal.SIG_IGN)
     from services.prefill.group.rank_model import load_group_rank
 
-    sys.exit(
-        follower_main(
-            PrefillGroupConfig.from_json(os.environ.pop(CONFIG_ENV)),
-            int(sys.argv[1]),
-            load_group_rank,
-            int(sys.argv[2]),
-        )
+    follower_main(
+        PrefillGroupConfig.from_json(os.environ.pop(CONFIG_ENV)),
+        int(sys.argv[1]),
+        load_group_rank,
+        int(sys.argv[2]),
     )
