@@ -126,7 +126,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         firsts = list(request.first_tokens) or [request.first_token]
         live = {i for i, first in enumerate(firsts) if first.token_id not in stops}
         for i in sorted(set(range(len(firsts))) - live):
-            yield decode_pb2.GenerateEvent(finish_reason="stop", index=i)
+            yield _one(decode_pb2.GenerateEvent(finish_reason="stop", index=i))
         count = 1
         for tok in self.script.ids[1:]:
             if count >= params.max_tokens or not live:
@@ -137,17 +137,21 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             count += 1
             reason = "stop" if tok in stops else ("length" if count >= params.max_tokens else "")
             for i in sorted(live):
-                yield decode_pb2.GenerateEvent(
-                    token=_token(tok, params.logprobs),
-                    finish_reason=reason,
-                    index=i,
-                    **(SPEC_COUNTS if reason else {}),
+                yield _one(
+                    decode_pb2.GenerateEvent(
+                        token=_token(tok, params.logprobs),
+                        finish_reason=reason,
+                        index=i,
+                        **(SPEC_COUNTS if reason else {}),
+                    )
                 )
             if reason:
                 return
         for i in sorted(live):
-            yield decode_pb2.GenerateEvent(
-                finish_reason=self.script.final or "length", index=i, **SPEC_COUNTS
+            yield _one(
+                decode_pb2.GenerateEvent(
+                    finish_reason=self.script.final or "length", index=i, **SPEC_COUNTS
+                )
             )
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -307,3 +311,8 @@ async def client(model_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
 
 def chat(**kw: Any) -> dict[str, Any]:
     return {"model": "tpla-test", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def _one(event: Any) -> Any:
+    """A stream message holding one event (the real leader packs those ready together)."""
+    return decode_pb2.GenerateEvents(events=[event])

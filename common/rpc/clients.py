@@ -13,13 +13,13 @@ import grpc
 
 from common.messages import DecodeLoad, PrefillResult, Reservation, ResumedChoice, TokenEvent
 from common.rpc.convert import (
+    event_from_pb,
     load_from_pb,
     params_to_pb,
     reservation_from_pb,
     reservation_to_pb,
     result_from_pb,
     resumed_to_pb,
-    token_from_pb,
     token_to_pb,
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -124,18 +124,12 @@ class DecodeClient:
                     msg = await call.read()
                 if msg is grpc.aio.EOF:
                     return
-                token = token_from_pb(msg.token) if msg.HasField("token") else None
-                yield TokenEvent(
-                    token,
-                    msg.finish_reason or None,
-                    index=msg.index,
-                    drafted=msg.spec_drafted,
-                    accepted=msg.spec_accepted,
-                )
-                if msg.finish_reason:
-                    left -= 1
-                    if not left:
-                        return
+                for event in msg.events:
+                    yield event_from_pb(event)
+                    if event.finish_reason:
+                        left -= 1
+                        if not left:
+                            return
         except grpc.RpcError as exc:
             raise from_grpc(exc) from exc
         finally:

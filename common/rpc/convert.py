@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.messages import DecodeLoad, KvTargetInfo, PrefillResult, Reservation, ResumedChoice
+from common.messages import (
+    DecodeLoad,
+    KvTargetInfo,
+    PrefillResult,
+    Reservation,
+    ResumedChoice,
+    TokenEvent,
+)
 from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.params import SamplingError, SamplingParams
@@ -78,6 +85,29 @@ def token_to_pb(t: SampledToken) -> common_pb2.TokenInfo:
 def token_from_pb(msg: common_pb2.TokenInfo) -> SampledToken:
     return SampledToken(
         msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top_logprobs)
+    )
+
+
+def event_to_pb(e: TokenEvent) -> decode_pb2.GenerateEvent:
+    msg = decode_pb2.GenerateEvent(
+        finish_reason=e.finish_reason or "",
+        index=e.index,
+        spec_drafted=e.drafted,
+        spec_accepted=e.accepted,
+    )
+    if e.token is not None:
+        msg.token.CopyFrom(token_to_pb(e.token))
+    return msg
+
+
+def event_from_pb(msg: decode_pb2.GenerateEvent) -> TokenEvent:
+    token = token_from_pb(msg.token) if msg.HasField("token") else None
+    return TokenEvent(
+        token,
+        msg.finish_reason or None,
+        index=msg.index,
+        drafted=msg.spec_drafted,
+        accepted=msg.spec_accepted,
     )
 
 

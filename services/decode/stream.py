@@ -28,14 +28,25 @@ class TokenStream:
         self._q.put(event)
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        for ready in self.batches():
+            yield from ready
+
+    def batches(self) -> Iterator[list[TokenEvent]]:
+        """The events in order, as lists of those ready together: it waits for one, then
+        takes whatever else is already queued (a speculative step puts its whole run)."""
         left = self.choices
-        while True:
-            event = self._q.get()
-            yield event
-            if event.finish_reason is not None:
-                left -= 1
+        while left:
+            ready, event = [], self._q.get()
+            while True:
+                ready.append(event)
+                left -= event.finish_reason is not None
                 if not left:
-                    return
+                    break
+                try:
+                    event = self._q.get_nowait()
+                except queue.Empty:
+                    break
+            yield ready
 
     def get(self, timeout: float | None = None) -> TokenEvent:
         return self._q.get(timeout=timeout)

@@ -18,12 +18,12 @@ from common.kv.block_pool import OutOfBlocks
 from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
 from common.rpc.convert import (
+    event_to_pb,
     load_to_pb,
     params_from_pb,
     reservation_to_pb,
     resumed_from_pb,
     token_from_pb,
-    token_to_pb,
 )
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.runtime.errors import InvalidRequest, Overloaded, TplaError, Unavailable
@@ -111,7 +111,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.GenerateEvent]:
+    ) -> Iterator[decode_pb2.GenerateEvents]:
         if not self.spans.on:
             yield from self._generate(request, context)
             return
@@ -124,9 +124,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         tokens, reasons, error = 0, [], None
         try:
             for msg in self._generate(request, context):
-                tokens += msg.HasField("token")
-                if msg.finish_reason:
-                    reasons.append(msg.finish_reason)
+                for event in msg.events:
+                    tokens += event.HasField("token")
+                    if event.finish_reason:
+                        reasons.append(event.finish_reason)
                 yield msg
         except BaseException as exc:
             error = exc
@@ -137,7 +138,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.GenerateEvent]:
+    ) -> Iterator[decode_pb2.GenerateEvents]:
         rid = request.request_id
         firsts = list(request.first_tokens) or [request.first_token]
         stream = self._call(
@@ -154,16 +155,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         # A client that goes away (router abort, disconnect) frees the request's blocks.
         context.add_callback(lambda: self._abort_quietly(rid))
-        for event in stream:
-            msg = decode_pb2.GenerateEvent(
-                finish_reason=event.finish_reason or "",
-                index=event.index,
-                spec_drafted=event.drafted,
-                spec_accepted=event.accepted,
-            )
-            if event.token is not None:
-                msg.token.CopyFrom(token_to_pb(event.token))
-            yield msg
+        for ready in stream.batches():
+            yield decode_pb2.GenerateEvents(events=[event_to_pb(e) for e in ready])
 
     def _abort_quietly(self, request_id: str) -> None:
         # The group may be gone; its requests then already ended with an error.
