@@ -199,6 +199,27 @@ class LayerStack(Protocol):
         """The final hidden state [R, D] -> the logits this stack holds [R, V or its shard]."""
 
 
+def packed_positions(
+    input_ids: Tensor, seq_lens: list[int], past: Sequence[PastLatents | None] | None
+) -> tuple[list[int], list[PastLatents | None], Tensor]:
+    """Packed prompts' row offsets (cu: each prompt's first row, then the total), each
+    prompt's past (None: from position 0) and every row's position [T] (after its past)."""
+    cu = [0]
+    for length in seq_lens:
+        cu.append(cu[-1] + length)
+    if cu[-1] != input_ids.shape[0] or min(seq_lens, default=0) <= 0:
+        raise ValueError("seq_lens must be positive and sum to len(input_ids)")
+    pasts = list(past) if past is not None else [None] * len(seq_lens)
+    if len(pasts) != len(seq_lens):
+        raise ValueError("past must have one entry per prompt")
+    starts = [p.length if p is not None else 0 for p in pasts]
+    device = input_ids.device
+    positions = torch.cat(
+        [torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens, strict=True)]
+    )
+    return cu, pasts, positions
+
+
 def packed_prefill(
     stack: LayerStack,
     input_ids: Tensor,
@@ -213,19 +234,8 @@ def packed_prefill(
     Each layer's attention output and FFN output are summed over the ranks (`reduce`) before
     the residual add; the whole model's `reduce` is the identity, so it runs exactly this.
     """
-    cu = [0]
-    for length in seq_lens:
-        cu.append(cu[-1] + length)
-    if cu[-1] != input_ids.shape[0] or min(seq_lens, default=0) <= 0:
-        raise ValueError("seq_lens must be positive and sum to len(input_ids)")
-    pasts = list(past) if past is not None else [None] * len(seq_lens)
-    if len(pasts) != len(seq_lens):
-        raise ValueError("past must have one entry per prompt")
+    cu, pasts, positions = packed_positions(input_ids, seq_lens, past)
     starts = [p.length if p is not None else 0 for p in pasts]
-    device = input_ids.device
-    positions = torch.cat(
-        [torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens, strict=True)]
-    )
     rope, backend = stack.rope, stack.prefill_attention
     cos, sin = rope.cos_sin(positions)
     h = stack.embed(input_ids)

@@ -39,6 +39,7 @@ from common.model.model import (
     PastLatents,
     PrefillOutput,
     decode_layer,
+    packed_positions,
     packed_prefill,
 )
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
@@ -146,6 +147,37 @@ class MTPStack:
         return self.layer.shared_head(h)
 
 
+class MTPInput(Protocol):
+    """What `mtp_latents` reads of an MTP stack: the whole layer's (`MTPStack`) or a prefill
+    rank's (services/prefill/rank/mtp.py)."""
+
+    rope: RotaryEmbedding
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """The one decoder layer (a rank's: its attention keeps the whole latent)."""
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token ids of t+1 [T] -> the layer's fused input [T, D], whole."""
+
+
+def mtp_latents(
+    stack: MTPInput,
+    next_ids: Tensor,
+    seq_lens: list[int],
+    past: Sequence[PastLatents | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The MTP layer's latents over packed prompts, n [T, d_c] and k_pe [T, d_r]: all that a
+    prefill needs of the layer (the decode ranks' MTP cache). A layer's latents come from its
+    input alone, so its attention and FFN, whose output only the draft logits read, are not
+    run; `mtp_prefill` computes the same n and k_pe with the same operations (a test holds
+    them bit-equal). `past`: each prompt's cached prefix, for its positions only."""
+    _, _, positions = packed_positions(next_ids, seq_lens, past)
+    cos, sin = stack.rope.cos_sin(positions)
+    (layer,) = stack.decoder_layers()
+    x = layer.input_layernorm(stack.embed(next_ids))
+    return layer.self_attn.latents(x, stack.rope, cos, sin)
+
+
 def mtp_prefill(
     layer: MTPLayer,
     rope: RotaryEmbedding,
@@ -199,14 +231,15 @@ def with_mtp_latents(
     one more layer (what the decode ranks' MTP cache layer holds): row t from the main
     model's hidden state at t and token t + 1."""
     assert out.hidden is not None
-    mtp = mtp_prefill(layer, rope, prompt_next_ids(ids, seq_lens, firsts), out.hidden, seq_lens)
-    return PrefillOutput(out.logits, [*out.n, mtp.n], [*out.k_pe, mtp.k_pe], out.hidden)
+    stack = MTPStack(layer, out.hidden, rope, SdpaPrefillAttention())
+    n, k_pe = mtp_latents(stack, prompt_next_ids(ids, seq_lens, firsts), seq_lens)
+    return PrefillOutput(out.logits, [*out.n, n], [*out.k_pe, k_pe], out.hidden)
 
 
 @torch.inference_mode()
 def prefill_with_mtp(
     main: LayerStack,
-    mtp_stack: Callable[[Tensor], LayerStack],
+    mtp_stack: Callable[[Tensor], MTPInput],
     input_ids: Tensor,
     seq_lens: list[int],
     next_ids: Tensor,
@@ -216,8 +249,9 @@ def prefill_with_mtp(
     past: Sequence[PastLatents | None] | None = None,
 ) -> PrefillOutput:
     """A serving prefill with the MTP layer before the first tokens are sampled: the main
-    layers, then the MTP layer (`mtp_stack` of their last hidden state: the whole layer's
-    `MTPStack`, or a rank's share) over the same prompts, its latents one more layer.
+    layers, then the MTP layer's latents (`mtp_latents` of `mtp_stack` of their last hidden
+    state: the whole layer's `MTPStack`, or a rank's share) over the same prompts, one more
+    layer.
     `next_ids`: each row's next prompt token, and at a prompt's last row its own token
     (`prompt_own_next_ids`) in place of the first sampled one; that row's latent is the only
     one that differs, and the decode ranks' first draft pass writes it again from the first
@@ -230,9 +264,8 @@ def prefill_with_mtp(
     )
     assert out.hidden is not None
     own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
-    stack = mtp_stack(out.hidden)
-    mtp = packed_prefill(stack, next_ids, seq_lens, absorbed=absorbed, past=own)
-    return PrefillOutput(out.logits, [*out.n, *mtp.n], [*out.k_pe, *mtp.k_pe], out.hidden)
+    n, k_pe = mtp_latents(mtp_stack(out.hidden), next_ids, seq_lens, own)
+    return PrefillOutput(out.logits, [*out.n, n], [*out.k_pe, k_pe], out.hidden)
 
 
 def prompt_own_next_ids(ids: Tensor, seq_lens: Sequence[int]) -> Tensor:

@@ -142,7 +142,7 @@ class PrefillRankModel(nn.Module):
             )
 
         def mtp_stack(hidden: Tensor) -> RankMTPStack:
-            return RankMTPStack(mtp, hidden, self.rope, self.prefill_attention, self.reduce)
+            return RankMTPStack(mtp, hidden, self.rope, self.reduce)
 
         return prefill_with_mtp(
             self,

@@ -5,17 +5,17 @@ The module's decoder layer (checkpoint layer L = num_hidden_layers) is sharded l
 other layers (`head_layer`: its head group's attention over the whole latent, its FFN slice),
 and the parts around it come from `RankMTPParts`: the embedding and the head by the rank's
 vocabulary rows (shared with the rank's own when equal, as V3's are), enorm, hnorm, eh_proj
-and the head's norm replicated. Its pass is the whole layer's (common/model/mtp.py): the
-fused input of token t + 1 and the main model's hidden state at t (whole on every rank after
-the last all-reduce), through the main model's prefill loop on a one-layer stack whose
-partial sums `reduce` completes over the group; every rank gets the whole MTP latents.
+and the head's norm replicated. A prefill needs only the layer's latents
+(common/model/mtp.py `mtp_latents`): the fused input of token t + 1 (its embedding's
+vocabulary shards summed over the group) and the main model's hidden state at t (whole on
+every rank after the last all-reduce), normed and projected by the layer's attention, which
+keeps the whole latent: every rank gets the whole MTP latents.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.loading.mtp_weights import RankMTPParts
@@ -23,7 +23,6 @@ from common.loading.rank_slices import head_layer
 from common.loading.weights import WeightSource
 from common.model.model import DecoderLayer
 from common.model.mtp import fuse, mtp_layer_index
-from common.model.prefill_attention import PrefillAttention
 from common.model.rope import RotaryEmbedding
 from common.parallel import ParallelConfig
 from services.prefill.rank.embedding import vocab_embedding
@@ -48,31 +47,22 @@ class PrefillRankMTP(nn.Module):
 
 
 class RankMTPStack:
-    """The rank's MTP layer as a `LayerStack` for `packed_prefill` over one batch: its
-    "embedding" is the fused input from the main model's hidden state `hidden` [T, D]."""
+    """The rank's MTP layer over one batch, as `mtp_latents` reads it: its input is fused from
+    the main model's hidden state `hidden` [T, D]; `reduce` sums a partial over the group."""
 
     def __init__(
         self,
         mtp: PrefillRankMTP,
         hidden: Tensor,
         rope: RotaryEmbedding,
-        prefill_attention: PrefillAttention,
         reduce: Callable[[Tensor], Tensor],
     ) -> None:
-        self.mtp, self.hidden, self.rope = mtp, hidden, rope
-        self.prefill_attention, self._reduce = prefill_attention, reduce
+        self.mtp, self.hidden, self.rope, self._reduce = mtp, hidden, rope, reduce
 
     def decoder_layers(self) -> Sequence[DecoderLayer]:
         return [self.mtp.layer]
 
     def embed(self, input_ids: Tensor) -> Tensor:
         parts = self.mtp.parts
-        e = self.reduce(vocab_embedding(input_ids, parts.embed.weight, self.mtp.vocab))
+        e = self._reduce(vocab_embedding(input_ids, parts.embed.weight, self.mtp.vocab))
         return fuse(parts, e, self.hidden)
-
-    def reduce(self, partial: Tensor) -> Tensor:
-        return self._reduce(partial)
-
-    def logits(self, h: Tensor) -> Tensor:
-        """This rank's vocabulary shard of the draft logits [R, V_rank]."""
-        return F.linear(self.mtp.parts.norm(h), self.mtp.parts.lm_head)

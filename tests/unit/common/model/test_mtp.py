@@ -12,7 +12,16 @@ from torch import Tensor
 
 from common.model.args import ModelConfig
 from common.model.model import ContiguousLatentCache, DeepseekForCausalLM, PastLatents
-from common.model.mtp import MTPLayer, mtp_decode, mtp_draft, mtp_layer_index, mtp_prefill
+from common.model.mtp import (
+    MTPLayer,
+    MTPStack,
+    mtp_decode,
+    mtp_draft,
+    mtp_latents,
+    mtp_layer_index,
+    mtp_prefill,
+)
+from common.model.prefill_attention import SdpaPrefillAttention
 from tests.tiny import BASE, VARIANTS
 
 DTYPE = torch.float64
@@ -110,6 +119,31 @@ def test_prefill_matches_the_reference_packed(models, absorbed: bool) -> None:
     torch.testing.assert_close(last.logits, out.logits[ends], rtol=0, atol=1e-12)
     torch.testing.assert_close(last.hidden, out.hidden[ends], rtol=0, atol=1e-12)
     assert out.n.shape == (sum(lens), main.config.kv_lora_rank)
+
+
+def test_the_latents_alone_equal_the_whole_layer_pass_bit_for_bit(models) -> None:
+    """What a serving prefill computes of the MTP layer (its latents, from its input alone)
+    against the whole layer's pass: packed prompts, then prompts continuing a cached prefix."""
+    main, layers = models
+    layer = layers[0]
+    (a, ha), (b, hb) = _prompt(main, 11, 4), _prompt(main, 6, 5)
+    next_ids, hidden, lens = torch.cat([a[1:], b[1:]]), torch.cat([ha, hb]), [11, 6]
+    stack = MTPStack(layer, hidden, main.rope, SdpaPrefillAttention())
+    whole = mtp_prefill(layer, main.rope, next_ids, hidden, lens)
+    n, k_pe = mtp_latents(stack, next_ids, lens)
+    assert torch.equal(n, whole.n) and torch.equal(k_pe, whole.k_pe)
+    # Continuing cached prefixes of 5 and 2 positions: the rows' positions start after them.
+    pasts = [
+        PastLatents([whole.n[:5]], [whole.k_pe[:5]]),
+        None,
+        PastLatents([n[11:13]], [k_pe[11:13]]),
+    ]
+    rows = torch.cat([torch.arange(5, 11), torch.arange(11, 17), torch.arange(13, 17)])
+    tail = MTPStack(layer, hidden[rows], main.rope, SdpaPrefillAttention())
+    want = mtp_prefill(layer, main.rope, next_ids[rows], hidden[rows], [6, 6, 4], past=pasts)
+    n, k_pe = mtp_latents(tail, next_ids[rows], [6, 6, 4], pasts)
+    assert torch.equal(n, want.n) and torch.equal(k_pe, want.k_pe)
+    torch.testing.assert_close(k_pe, whole.k_pe[rows], rtol=0, atol=1e-12)
 
 
 def test_decode_over_the_prefill_latents_matches_prefill(models) -> None:
