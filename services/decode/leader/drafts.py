@@ -25,24 +25,30 @@ MAX_NGRAM = 4
 
 class NgramDrafts:
     """One sequence's n-gram index: for n = 1..4, each n-gram -> the index of the token that
-    followed its latest occurrence. Appending a token is O(4); proposing is O(4 + k)."""
+    followed its latest occurrence. Appending a token is O(1); the index catches up with
+    what was appended when drafts are asked for (O(4) a token), so a sequence whose steps do
+    not speculate (a batch above the limit) never pays for it; proposing is O(4 + k)."""
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(tokens)
         self._follows: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
-        self.extend(tokens)
+        self._indexed = 0  # tokens[:_indexed] are in the index
 
     def extend(self, tokens: Iterable[int]) -> None:
-        for token in tokens:
-            i = len(self.tokens)
+        self.tokens.extend(tokens)
+
+    def _index(self) -> None:
+        tokens = self.tokens
+        for i in range(self._indexed, len(tokens)):
             # The n-grams ending just before token i are followed by it; the latest wins.
             for n in range(1, min(MAX_NGRAM, i) + 1):
-                self._follows[n][tuple(self.tokens[i - n : i])] = i
-            self.tokens.append(token)
+                self._follows[n][tuple(tokens[i - n : i])] = i
+        self._indexed = len(tokens)
 
     def propose(self, k: int) -> list[int]:
         """Up to k drafts: what followed the latest earlier occurrence of the longest suffix
         (4 tokens down to 1) seen before; none without a match."""
+        self._index()
         size = len(self.tokens)
         for n in range(min(MAX_NGRAM, size), 0, -1):
             start = self._follows[n].get(tuple(self.tokens[size - n :]))

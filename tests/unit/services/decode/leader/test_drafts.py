@@ -41,6 +41,21 @@ def test_ngram_drafts_are_the_plain_search() -> None:
             assert drafts.propose(k) == _search(tokens, k), (tokens, k)
 
 
+def test_ngram_index_caught_up_between_appends_is_the_plain_search() -> None:
+    """Drafts asked for after some appends and not others (steps that speculate, steps that
+    do not): the index catches up from where it stopped."""
+    rng = random.Random(1)
+    for _ in range(100):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(2, 60))]
+        drafts, end = NgramDrafts(tokens[:1]), 1
+        while end < len(tokens):
+            step = rng.randrange(1, 6)
+            drafts.extend(tokens[end : end + step])
+            end = min(end + step, len(tokens))
+            if rng.random() < 0.5:
+                assert drafts.propose(4) == _search(tokens[:end], 4), (tokens, end)
+
+
 def test_ngram_prefers_the_longest_then_latest_match() -> None:
     drafts = NgramDrafts([1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3])
     assert drafts.propose(3) == [9, 2, 3]  # "1 2 3" beats the later "2 3"
