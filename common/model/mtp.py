@@ -219,23 +219,6 @@ def prompt_next_ids(ids: Tensor, seq_lens: Sequence[int], firsts: Sequence[int])
     return out
 
 
-def with_mtp_latents(
-    out: PrefillOutput,
-    layer: MTPLayer,
-    rope: RotaryEmbedding,
-    ids: Tensor,
-    seq_lens: list[int],
-    firsts: Sequence[int],
-) -> PrefillOutput:
-    """A main-model prefill's output with the MTP layer's latents over the same prompts as
-    one more layer (what the decode ranks' MTP cache layer holds): row t from the main
-    model's hidden state at t and token t + 1."""
-    assert out.hidden is not None
-    stack = MTPStack(layer, out.hidden, rope, SdpaPrefillAttention())
-    n, k_pe = mtp_latents(stack, prompt_next_ids(ids, seq_lens, firsts), seq_lens)
-    return PrefillOutput(out.logits, [*out.n, n], [*out.k_pe, k_pe], out.hidden)
-
-
 @torch.inference_mode()
 def prefill_with_mtp(
     main: LayerStack,

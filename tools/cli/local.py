@@ -21,7 +21,7 @@ from common.loading.serving_model import load_prefill_model, load_prefill_mtp, s
 from common.messages import Reservation, TokenEvent
 from common.model.generate import Generation
 from common.model.model import DeepseekForCausalLM, PrefillOutput
-from common.model.mtp import MTPLayer, with_mtp_latents
+from common.model.mtp import MTPLayer, MTPStack, prefill_with_mtp, prompt_own_next_ids
 from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
@@ -51,7 +51,17 @@ def submit(
     device = prefill.lm_head.weight.device
     lens = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
-    out = prefill.prefill(ids, lens)
+    if mtp is None:
+        out = prefill.prefill(ids, lens)
+    else:  # as the prefill worker does (services/prefill/runner.py)
+        layer = mtp
+        out = prefill_with_mtp(
+            prefill,
+            lambda hidden: MTPStack(layer, hidden, prefill.rope, prefill.prefill_attention),
+            ids,
+            lens,
+            prompt_own_next_ids(ids, lens),
+        )
     firsts = []
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         eos, vocab = engine.eos_token_ids, prefill.config.vocab_size
@@ -60,8 +70,6 @@ def submit(
         context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
         [first] = first_tokens(out.logits[row], p, 1, context, position=len(prompt))
         firsts.append(first)
-    if mtp is not None:
-        out = with_mtp_latents(out, mtp, prefill.rope, ids, lens, [f.token_id for f in firsts])
     started = []
     start = 0
     for prompt, p, first in zip(prompts, params, firsts, strict=True):

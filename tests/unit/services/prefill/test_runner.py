@@ -44,9 +44,7 @@ def test_the_mtp_latents_are_one_more_layer(runner: LocalRunner) -> None:
     ids = torch.tensor(prompt)
     shifted = torch.cat((ids[1:], ids[-1:]))
     assert runner.mtp is not None and out.hidden is not None
-    attention = runner.model.prefill_attention
-    rope, lens = runner.model.rope, [len(prompt)]
-    want = mtp_prefill(runner.mtp, rope, shifted, out.hidden, lens, prefill_attention=attention)
+    want = mtp_prefill(runner.mtp, runner.model.rope, shifted, out.hidden, [len(prompt)])
     assert torch.equal(out.n[layers], want.n) and torch.equal(out.k_pe[layers], want.k_pe)
     # A serving prefill keeps no autograd graph, the MTP layer's pass included.
     assert not any(t.requires_grad for t in [*out.n, *out.k_pe, out.logits, out.hidden])
