@@ -34,13 +34,18 @@ def exit_with_parent(parent: int | None = None, on_exit: Callable[[], None] | No
 
 
 def end_process(code: int) -> NoReturn:
-    """End a rank process whose work is done, skipping the interpreter's teardown: there a
-    native thread still running (the C++ libraries' own: gloo's, gRPC's) met its object's
-    destructor now and then and aborted the process (`terminate called without an active
-    exception`, SIGABRT; a prefill follower in about 1 of 20 runs of
-    tests/integration/test_joined_prefill_group.py, none in 50 since), turning a clean end
-    into a crash its supervisor reports. Nothing is left to clean up: the rank has ended its
-    group, closed its senders and flushed its output here."""
+    """End a rank process whose work is done, skipping the interpreter's teardown.
+
+    Why: gloo's worker thread frees a finished collective's work after the caller has seen it
+    complete, and freeing a work that holds a Python-owned tensor takes the GIL. If the main
+    thread goes from its last collective to the interpreter's teardown without letting go of
+    the GIL, that thread meets a finalizing interpreter in `take_gil`, which ends the thread
+    by unwinding through a `noexcept` destructor: `terminate called without an active
+    exception`, SIGABRT (a core of a test rank showed it: `~AsyncBarrierWork` -> tensor
+    decref -> `PyThread_exit_thread`). A clean end became a crash its supervisor reports, in
+    about 1 run in 10 of a rank that exits right after `barrier(); destroy_process_group()`.
+    Nothing is left to clean up here: the rank has ended its group, closed its senders and
+    flushed its output."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

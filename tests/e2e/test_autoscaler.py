@@ -18,7 +18,8 @@ from tests.stack import MODEL_NAME
 from tools.local_stack import LocalStack
 
 PROFILE = ROOT / "tests" / "data" / "autoscaler_profile.json"
-WINDOW_S = 6.0
+# Long enough that a burst on a busy 2-core CI machine (5 s seen) ends inside it.
+WINDOW_S = 10.0
 
 
 def autoscaler(url: str) -> subprocess.Popen[str]:
@@ -69,6 +70,6 @@ def test_long_prompts_raise_prefill_before_decode(stack: LocalStack) -> None:
     assert time.monotonic() - t0 < WINDOW_S - 1.0, "the burst outlasted the window"
     out = decision(proc)
     obs = out["inputs"]["observation"]
-    assert obs["request_rate"] >= 3.0 and obs["prompt_tokens"] >= 400
+    assert obs["request_rate"] >= 2.0 and obs["prompt_tokens"] >= 400
     assert out["desired_replicas"]["prefill"] > 1
     assert out["desired_replicas"]["decode"] == 1

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import queue
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from common.loading.serving_model import load_prefill_model
 from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
 from services.prefill.rank.model import load_prefill_rank
+from tests.rank_exit import leave_group
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +50,7 @@ def test_a_rank_of_one_is_the_whole_model_on_the_gpu() -> None:
         assert torch.equal(n, m)
 
 
-def _rank(port: int, rank: int, out: mp.Queue) -> None:
+def _rank(port: int, rank: int, out: mp.Queue) -> NoReturn:
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
@@ -71,8 +73,7 @@ def _rank(port: int, rank: int, out: mp.Queue) -> None:
     got = model.prefill(_batch(f"cuda:{rank}"), LENS)
     whole = gather_vocab(Comm(2, data, data), got.logits, model.config.vocab_size)
     out.put((rank, [n.float().cpu() for n in got.n], None if whole is None else whole.cpu()))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(out)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

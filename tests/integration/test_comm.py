@@ -7,10 +7,10 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+from typing import NoReturn
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from common.group.comm import Comm, ShmCollectives
 from common.group.setup import create_shm_group, init_group, open_comm
@@ -20,11 +20,12 @@ from common.runtime.ports import free_port
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.group.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
+from tests.rank_exit import leave_group
 
 WORLD = 2
 
 
-def _rank(cfg_json: str, rank: int, out: mp.Queue) -> None:
+def _rank(cfg_json: str, rank: int, out: mp.Queue) -> NoReturn:
     torch.set_num_threads(1)
     cfg = EngineConfig.from_json(cfg_json)
     init_group(group_spec(cfg), rank)
@@ -66,11 +67,7 @@ def _rank(cfg_json: str, rank: int, out: mp.Queue) -> None:
     comm.barrier()
     results["bytes"] = comm.bytes
     out.put((rank, results))
-    # Both ranks leave the group before either exits: a gloo rank whose peer (or the store on
-    # rank 0) vanished first may abort in its threads at exit ("terminate called ...").
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_group(out)
 
 
 @pytest.mark.parametrize("collectives", ["shm", "dist"])

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import queue
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -21,13 +22,14 @@ from common.loading.loader import load_model
 from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
 from services.prefill.rank.model import load_prefill_rank
+from tests.rank_exit import leave_group
 from tests.tiny import save_hf
 
 WORLD = 2
 IDS, LENS = list(range(3, 40)), [21, 16]
 
 
-def _rank(model_dir: str, port: int, rank: int, out: mp.Queue) -> None:
+def _rank(model_dir: str, port: int, rank: int, out: mp.Queue) -> NoReturn:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -51,9 +53,7 @@ def _rank(model_dir: str, port: int, rank: int, out: mp.Queue) -> None:
             model.parameter_bytes(),
         )
     )
-    # Both ranks leave the group before either exits (gloo aborts on a vanished peer).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(out)
 
 
 def test_a_two_process_group_equals_the_whole_model(tmp_path: Path) -> None:

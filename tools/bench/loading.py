@@ -397,6 +397,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "prefill-rank":
         model_dir, dtype, port, rank = sys.argv[2:6]
         print(json.dumps(prefill_child(model_dir, dtype, int(rank), int(port))))
+        from common.group.child import end_process
+
+        end_process(0)  # right after its group's last collective: past the teardown's race
     else:
         mode, model_dir, dtype, layout, rank = sys.argv[1:6]
         print(json.dumps(child(mode, model_dir, dtype, layout, int(rank))))
