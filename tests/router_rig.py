@@ -79,6 +79,7 @@ class Script:
     ids: list[int]
     delay_s: float = 0.0  # between decode tokens
     final: str = ""  # decode's finish_reason after the last scripted token ("" = none)
+    per_message: int = 1  # decode tokens a Generate message holds (a speculative step's run)
 
 
 def _token(token_id: int, top: int) -> common_pb2.TokenInfo:
@@ -127,26 +128,32 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         live = {i for i, first in enumerate(firsts) if first.token_id not in stops}
         for i in sorted(set(range(len(firsts))) - live):
             yield _one(decode_pb2.GenerateEvent(finish_reason="stop", index=i))
-        count = 1
+        count, step = 1, []
         for tok in self.script.ids[1:]:
             if count >= params.max_tokens or not live:
                 break
-            await asyncio.sleep(self.script.delay_s)
+            if not step:
+                await asyncio.sleep(self.script.delay_s)
             if rid in self.aborted:
                 return
             count += 1
             reason = "stop" if tok in stops else ("length" if count >= params.max_tokens else "")
-            for i in sorted(live):
-                yield _one(
-                    decode_pb2.GenerateEvent(
-                        token=_token(tok, params.logprobs),
-                        finish_reason=reason,
-                        index=i,
-                        **(SPEC_COUNTS if reason else {}),
-                    )
+            step += [
+                decode_pb2.GenerateEvent(
+                    token=_token(tok, params.logprobs),
+                    finish_reason=reason,
+                    index=i,
+                    **(SPEC_COUNTS if reason else {}),
                 )
+                for i in sorted(live)
+            ]
+            if reason or len(step) >= self.script.per_message * len(live):
+                yield decode_pb2.GenerateEvents(events=step)
+                step = []
             if reason:
                 return
+        if step:
+            yield decode_pb2.GenerateEvents(events=step)
         for i in sorted(live):
             yield _one(
                 decode_pb2.GenerateEvent(

@@ -112,6 +112,33 @@ async def test_streaming_stop_string_across_tokens(
         assert record["state"] == "FINISHED" and record["finish_reason"] == "stop"
 
 
+async def test_a_message_of_several_tokens_streams_each(
+    model_dir: Path, redis_url: str, tokenizer: Tokenizer
+) -> None:
+    """The leader sends a speculative step's kept run in one message: the client gets each
+    token's text and logprobs as from one token a message, and a stop string inside the run
+    cuts where it did."""
+    script = script_for(tokenizer, per_message=4)
+    async with run_stack(model_dir, redis_url, script) as stack:
+        body = chat_body(stream=True, logprobs=True, stream_options={"include_usage": True})
+        async with stack.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        assert "".join(c["delta"].get("content") or "" for c in choices) == TEXT
+        logprobs = [lp for c in choices for lp in (c.get("logprobs") or {}).get("content") or []]
+        assert len(logprobs) == chunks[-1]["usage"]["completion_tokens"] == len(script.ids)
+        assert choices[-1]["finish_reason"] == "stop"
+
+        body = chat_body(stream=True, stop=[" brown f"], stream_options={"include_usage": True})
+        async with stack.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        assert "".join(c["delta"].get("content") or "" for c in choices) == "the quick"
+        # The message of qu, ick, brown, fox: the stop string ends in fox, which counts.
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+        assert stack.decode.aborted == [chunks[0]["id"]]
+
+
 async def test_openai_client_streaming_and_not(
     model_dir: Path, redis_url: str, tokenizer: Tokenizer
 ) -> None:
