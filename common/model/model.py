@@ -201,9 +201,10 @@ class LayerStack(Protocol):
 
 def packed_positions(
     input_ids: Tensor, seq_lens: list[int], past: Sequence[PastLatents | None] | None
-) -> tuple[list[int], list[PastLatents | None], Tensor]:
+) -> tuple[list[int], list[PastLatents | None], list[int], Tensor]:
     """Packed prompts' row offsets (cu: each prompt's first row, then the total), each
-    prompt's past (None: from position 0) and every row's position [T] (after its past)."""
+    prompt's past (None: from position 0), its first position (its past's length) and every
+    row's position [T]."""
     cu = [0]
     for length in seq_lens:
         cu.append(cu[-1] + length)
@@ -217,7 +218,7 @@ def packed_positions(
     positions = torch.cat(
         [torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens, strict=True)]
     )
-    return cu, pasts, positions
+    return cu, pasts, starts, positions
 
 
 def packed_prefill(
@@ -234,8 +235,7 @@ def packed_prefill(
     Each layer's attention output and FFN output are summed over the ranks (`reduce`) before
     the residual add; the whole model's `reduce` is the identity, so it runs exactly this.
     """
-    cu, pasts, positions = packed_positions(input_ids, seq_lens, past)
-    starts = [p.length if p is not None else 0 for p in pasts]
+    cu, pasts, starts, positions = packed_positions(input_ids, seq_lens, past)
     rope, backend = stack.rope, stack.prefill_attention
     cos, sin = rope.cos_sin(positions)
     h = stack.embed(input_ids)

@@ -34,6 +34,7 @@ from common.model.args import ModelConfig
 from common.model.mla import RMSNorm
 from common.model.model import (
     DecoderLayer,
+    DeepseekForCausalLM,
     LatentKV,
     LayerStack,
     PastLatents,
@@ -171,7 +172,7 @@ def mtp_latents(
     input alone, so its attention and FFN, whose output only the draft logits read, are not
     run; `mtp_prefill` computes the same n and k_pe with the same operations (a test holds
     them bit-equal). `past`: each prompt's cached prefix, for its positions only."""
-    _, _, positions = packed_positions(next_ids, seq_lens, past)
+    *_, positions = packed_positions(next_ids, seq_lens, past)
     cos, sin = stack.rope.cos_sin(positions)
     (layer,) = stack.decoder_layers()
     x = layer.input_layernorm(stack.embed(next_ids))
@@ -249,6 +250,28 @@ def prefill_with_mtp(
     own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
     n, k_pe = mtp_latents(mtp_stack(out.hidden), next_ids, seq_lens, own)
     return PrefillOutput(out.logits, [*out.n, n], [*out.k_pe, k_pe], out.hidden)
+
+
+def whole_prefill_with_mtp(
+    model: DeepseekForCausalLM,
+    layer: MTPLayer,
+    input_ids: Tensor,
+    seq_lens: list[int],
+    next_ids: Tensor,
+    *,
+    all_logits: bool = False,
+    past: Sequence[PastLatents | None] | None = None,
+) -> PrefillOutput:
+    """`prefill_with_mtp` on the whole model and its whole MTP layer (a tp = 1 prefill)."""
+    return prefill_with_mtp(
+        model,
+        lambda hidden: MTPStack(layer, hidden, model.rope, model.prefill_attention),
+        input_ids,
+        seq_lens,
+        next_ids,
+        all_logits=all_logits,
+        past=past,
+    )
 
 
 def prompt_own_next_ids(ids: Tensor, seq_lens: Sequence[int]) -> Tensor:

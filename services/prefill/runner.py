@@ -19,7 +19,7 @@ from torch import Tensor
 from common.kv.transfer import KvSender
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
-from common.model.mtp import MTPLayer, MTPStack, prefill_with_mtp
+from common.model.mtp import MTPLayer, whole_prefill_with_mtp
 from services.prefill.plan import BatchPlan, JobPlan
 from services.prefill.shipping import Send, Shipper
 
@@ -65,7 +65,7 @@ class PrefillRunner(abc.ABC):
 class LocalRunner(PrefillRunner):
     """The whole model here; this process ships every decode rank's shard. With `mtp` (the
     decode ranks run MTP drafts), its latents over the prompts are one more layer of the
-    batch's output (`prefill_with_mtp`), shipped and cached with the others."""
+    batch's output (`whole_prefill_with_mtp`), shipped and cached with the others."""
 
     def __init__(
         self, model: DeepseekForCausalLM, sender: KvSender, mtp: MTPLayer | None = None
@@ -81,14 +81,9 @@ class LocalRunner(PrefillRunner):
         ids, model, layer = plan.ids(self.device), self.model, self.mtp
         if layer is None:
             return model.prefill(ids, plan.lens, all_logits=plan.all_logits, past=past)
-        return prefill_with_mtp(
-            model,
-            lambda hidden: MTPStack(layer, hidden, model.rope, model.prefill_attention),
-            ids,
-            plan.lens,
-            plan.next_ids(self.device),
-            all_logits=plan.all_logits,
-            past=past,
+        next_ids = plan.next_ids(self.device)
+        return whole_prefill_with_mtp(
+            model, layer, ids, plan.lens, next_ids, all_logits=plan.all_logits, past=past
         )
 
     def ship(

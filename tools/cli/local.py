@@ -21,7 +21,7 @@ from common.loading.serving_model import load_prefill_model, load_prefill_mtp, s
 from common.messages import Reservation, TokenEvent
 from common.model.generate import Generation
 from common.model.model import DeepseekForCausalLM, PrefillOutput
-from common.model.mtp import MTPLayer, MTPStack, prefill_with_mtp, prompt_own_next_ids
+from common.model.mtp import MTPLayer, prompt_own_next_ids, whole_prefill_with_mtp
 from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
@@ -54,14 +54,7 @@ def submit(
     if mtp is None:
         out = prefill.prefill(ids, lens)
     else:  # as the prefill worker does (services/prefill/runner.py)
-        layer = mtp
-        out = prefill_with_mtp(
-            prefill,
-            lambda hidden: MTPStack(layer, hidden, prefill.rope, prefill.prefill_attention),
-            ids,
-            lens,
-            prompt_own_next_ids(ids, lens),
-        )
+        out = whole_prefill_with_mtp(prefill, mtp, ids, lens, prompt_own_next_ids(ids, lens))
     firsts = []
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         eos, vocab = engine.eos_token_ids, prefill.config.vocab_size
