@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from common.runtime.ports import free_port, wait_ready
+from common.runtime.ports import free_port, kv_port_offsets, wait_ready
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
@@ -55,13 +55,10 @@ class LocalStack:
         # receiver on base + k, torch stores on +100, a second group or worker on the
         # strides of services/stack/serve.py), none of it overlapping another service's.
         workers = (0, 1, 1000, 1001)
-        kv = tuple(g * 200 + off + r for g in (0, 1) for off in (0, 100) for r in range(4))
-        taken: set[int] = set()
+        kv = tuple(g * 200 + off for g in (0, 1) for off in kv_port_offsets(4))
 
         def pick(offsets: tuple[int, ...] = (0,)) -> str:
-            base = free_port(offsets, avoid=taken)
-            taken.update(base + off for off in offsets)
-            return str(base)
+            return str(free_port(offsets))
 
         router_port = int(pick())
         env = {

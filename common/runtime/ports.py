@@ -29,13 +29,21 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+# Every port `free_port` handed out in this process, oldest first. A returned port is only
+# free at that moment; its service binds it later, so a second call made meanwhile (the next
+# service of a test, a second decode group) must not be handed it, or one of its derived ports,
+# again. Bounded: a port handed out this many ports ago has long been bound or dropped.
+_HANDED_OUT: dict[int, None] = {}
+_HANDED_OUT_CAP = 4096
+
+
 def free_port(
     offsets: tuple[int, ...] = (0,), attempts: int = 200, avoid: Collection[int] = ()
 ) -> int:
     """A port p on 127.0.0.1 with every p + offset free right now (services derive ports:
-    metrics on +1000, KV receivers on +rank) and none of them in `avoid`: ports already
-    chosen for services that have not bound them yet (separate calls hold nothing, so
-    without it two services of one stack can be handed overlapping ports).
+    metrics on +1000, KV receivers on +rank, their TCPStores on +100 + rank) and none of
+    them in `avoid` (ports another process will bind) or handed out by an earlier call of
+    this process.
 
     Chosen below the OS's ephemeral range: a listening port picked from that range (as
     binding port 0 does) can be taken a moment later as the source port of any outgoing
@@ -45,31 +53,37 @@ def free_port(
     top = max(low - 1 - max(offsets), 10_001)
     for _ in range(attempts):
         base = random.randint(10_000, top)
-        if any(base + off in avoid for off in offsets):
+        ports = [base + off for off in offsets]
+        if any(p in avoid or p in _HANDED_OUT for p in ports):
             continue
         held: list[socket.socket] = []
         try:
-            for off in offsets:
+            for port in ports:
                 sock = socket.socket()
                 held.append(sock)
-                sock.bind(("127.0.0.1", base + off))
-            return base
+                sock.bind(("127.0.0.1", port))
         except OSError:  # taken: try another base
             continue
         finally:
             for sock in held:
                 sock.close()
+        for port in ports:
+            _HANDED_OUT[port] = None
+        while len(_HANDED_OUT) > _HANDED_OUT_CAP:
+            del _HANDED_OUT[next(iter(_HANDED_OUT))]
+        return base
     raise RuntimeError(f"no free port with offsets {offsets} in {attempts} tries")
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: separate `free_port()` calls hold nothing between them,
-    so two of them can return the same port (a kv-transfer bench run once failed so)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        if (port := free_port()) not in ports:
-            ports.append(port)
-    return ports
+    """`count` distinct free ports."""
+    return [free_port() for _ in range(count)]
+
+
+def kv_port_offsets(ranks: int) -> tuple[int, ...]:
+    """The offsets from `kv_port_base` that a decode group of `ranks` ranks binds: each rank's
+    KV receiver and its TCPStore (see `kv_receiver_ports`); for `free_port(offsets)`."""
+    return tuple(range(ranks)) + tuple(TORCH_PORT_OFFSET + rank for rank in range(ranks))
 
 
 def wait_ready(url: str, died: Callable[[], str | None], timeout_s: float) -> None:

@@ -28,7 +28,7 @@ from common.group.errors import RankStartError
 from common.native import shm_group
 from common.parallel import ParallelConfig
 from common.runtime.group_files import files_of
-from common.runtime.ports import PortInUse, free_port
+from common.runtime.ports import PortInUse, free_port, kv_port_offsets
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
@@ -226,8 +226,8 @@ def start_decode(model: Path) -> tuple[subprocess.Popen, Watched]:
         "TPLA_KV_BUDGET_MB": "8",
         "TPLA_TP": "2",
         "TPLA_DECODE_PORT": str(port),
-        "TPLA_KV_PORT_BASE": str(free_port((0, 1, 100, 101), avoid=(port, port + 1000))),
-        "TPLA_DIST_PORT": str(free_port(avoid=(port, port + 1000))),
+        "TPLA_KV_PORT_BASE": str(free_port(kv_port_offsets(2))),
+        "TPLA_DIST_PORT": str(free_port()),
     }
     env.pop("TPLA_REDIS_URL", None)
     proc = subprocess.Popen(
@@ -293,7 +293,7 @@ def test_a_taken_kv_port_fails_the_group_and_leaves_no_file(
     """Rank 0's TCPStore (the leader binds it) or rank 1's KV receiver (a follower): the
     group fails with the port and its setting named, and leaves no file. This process is the
     leader."""
-    base = free_port((0, 1, 100, 101))
+    base = free_port(kv_port_offsets(2))
     port = base + offset + rank
     what = "KV TCPStore" if offset else "KV receiver"
     message = (

@@ -13,7 +13,7 @@ from common.loading.loader import load_model
 from common.model.generate import generate
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
-from common.runtime.ports import free_port
+from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from tests.stack import services_in_threads
@@ -37,7 +37,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
-        kv_port_base=free_port(),
+        kv_port_base=free_port(kv_port_offsets(2)),
     )
     with services_in_threads(
         cfg, None, ("grpc", "torch"), prefix_cache_mb=16.0, chunk_tokens=5

@@ -28,7 +28,7 @@ from common.rpc.gen import (
     prefill_pb2_grpc,
 )
 from common.runtime.errors import Unauthorized
-from common.runtime.ports import free_port
+from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from tests.stack import services_in_threads
@@ -49,7 +49,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         master_port=free_port(),
         kv_budget_mb=2,
         block_size=8,
-        kv_port_base=free_port(),
+        kv_port_base=free_port(kv_port_offsets(1)),
         internal_token=TOKEN,
     )
     with services_in_threads(cfg, None, token=TOKEN, start_timeout_s=120) as svc:

@@ -26,7 +26,7 @@ import pytest
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.group_files import files_of
-from common.runtime.ports import free_port
+from common.runtime.ports import free_port, kv_port_offsets
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, Launch, engine_config
@@ -84,18 +84,11 @@ def start_rank(model_dir: Path, tmp_path: Path) -> Iterator:
 
 
 def group_ports() -> dict[str, int]:
-    taken: list[int] = []
-
-    def pick(offsets: tuple[int, ...]) -> int:
-        base = free_port(offsets, avoid=taken)
-        taken.extend(base + off for off in offsets)
-        return base
-
     return {
-        "decode": pick((0, 1000)),
-        "leader_kv": pick((0, 100)),
-        "follower_kv": pick((0, 100)),
-        "rendezvous": pick((0,)),
+        "decode": free_port((0, 1000)),
+        "leader_kv": free_port(kv_port_offsets(1)),
+        "follower_kv": free_port(kv_port_offsets(1)),
+        "rendezvous": free_port(),
     }
 
 
@@ -147,7 +140,7 @@ def spawned_group(model_dir: Path, parallel: ParallelConfig) -> Iterator[str]:
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
-        kv_port_base=free_port((0, 1, 100, 101)),
+        kv_port_base=free_port(kv_port_offsets(parallel.tp)),
     )
     leader = threading.Thread(
         target=serve_decode,

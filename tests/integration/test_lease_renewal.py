@@ -19,7 +19,7 @@ from common.loading.serving_model import load_prefill_model
 from common.model.generate import generate
 from common.model.model import PrefillOutput
 from common.parallel import ParallelConfig
-from common.runtime.ports import free_port
+from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
@@ -48,7 +48,7 @@ def engine(model_dir: Path) -> Iterator[DecodeEngine]:
         kv_budget_mb=2,
         block_size=8,
         lease_seconds=LEASE_S,
-        kv_port_base=free_port(),
+        kv_port_base=free_port(kv_port_offsets(2)),
     )
     with DecodeEngine(cfg) as engine:
         yield engine

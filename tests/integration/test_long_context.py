@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from common.model.chunked import prefill_in_chunks
 from common.model.model import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
-from common.runtime.ports import free_port
+from common.runtime.metrics import METRICS_PORT_OFFSET
+from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, SequenceState, Variant
 from services.decode.config import EngineConfig
@@ -44,7 +46,7 @@ def _config(model_dir: Path, parallel: ParallelConfig) -> EngineConfig:
         master_port=free_port(),
         kv_budget_mb=16,
         block_size=16,
-        kv_port_base=free_port(),
+        kv_port_base=free_port(kv_port_offsets(2)),
     )
 
 
@@ -53,13 +55,16 @@ def _decode_group(cfg: EngineConfig):  # type: ignore[no-untyped-def]
     """A second decode group, in a process of its own: a leader per process (its default
     torch.distributed group is the process's)."""
     spawn = multiprocessing.get_context("spawn")
-    ready, stop, port = spawn.Event(), spawn.Event(), free_port()
+    ready, stop, port = spawn.Event(), spawn.Event(), free_port((0, METRICS_PORT_OFFSET))
     proc = spawn.Process(
         target=serve_decode, args=(cfg, port, None), kwargs={"ready": ready, "stop": stop}
     )
     proc.start()
     try:
-        assert ready.wait(300), "the SP decode group did not start"
+        deadline = time.monotonic() + 300
+        while not ready.wait(1):  # a group that died is reported now, not after the wait
+            assert proc.is_alive(), f"the SP decode group exited ({proc.exitcode})"
+            assert time.monotonic() < deadline, "the SP decode group did not start"
         yield f"127.0.0.1:{port}"
     finally:
         stop.set()

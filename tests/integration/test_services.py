@@ -12,7 +12,7 @@ from common.model.generate import generate
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.errors import InvalidRequest
-from common.runtime.ports import free_port
+from common.runtime.ports import free_port, kv_port_offsets
 from common.runtime.redis_state import WorkerRegistry, WorkerRole
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, SpecConfig
@@ -38,7 +38,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
-        kv_port_base=free_port(),
+        kv_port_base=free_port(kv_port_offsets(2)),
         # Drafts change no token (docs/design.md §7): every answer below holds with them.
         speculative=SpecConfig("ngram"),
     )
