@@ -21,32 +21,33 @@ class TokenStream:
     its `choices` has sent its event with a finish_reason."""
 
     def __init__(self, choices: int = 1) -> None:
-        self._q: queue.Queue[TokenEvent] = queue.Queue()
+        # One item per `put`: a choice's events of one step travel together, so no reader
+        # that wakes between two of them can send a step's run split over two messages.
+        self._q: queue.Queue[tuple[TokenEvent, ...]] = queue.Queue()
         self.choices = choices
 
-    def put(self, event: TokenEvent) -> None:
-        self._q.put(event)
+    def put(self, *events: TokenEvent) -> None:
+        """One choice's events of one step, in order; a finish_reason only on the last."""
+        if events:
+            self._q.put(events)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         for ready in self.batches():
             yield from ready
 
     def batches(self) -> Iterator[list[TokenEvent]]:
-        """The events in order, as lists of those ready together: it waits for one, then
-        takes whatever else is already queued (a speculative step puts its whole run)."""
+        """The events in order, as lists of those ready together: it waits for one step's,
+        then takes whatever else is already queued (other choices', later steps')."""
         left = self.choices
         while left:
-            ready, event = [], self._q.get()
+            ready, events = [], self._q.get()
             while True:
-                ready.append(event)
-                left -= event.finish_reason is not None
+                ready += events
+                left -= sum(e.finish_reason is not None for e in events)
                 if not left:
                     break
                 try:
-                    event = self._q.get_nowait()
+                    events = self._q.get_nowait()
                 except queue.Empty:
                     break
             yield ready
-
-    def get(self, timeout: float | None = None) -> TokenEvent:
-        return self._q.get(timeout=timeout)

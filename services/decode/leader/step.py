@@ -189,21 +189,22 @@ class DecodeStep:
             spec = (len(rows.drafts[s]), len(runs[s]) - 1) if rows.drafts[s] else (0, 0)
             if rows.drafts[s]:
                 self.acceptance.record(*spec)
+            events = []
             for i, reason in enumerate(reasons[s]):
                 tok = runs[s][i]
                 if replayed[s]:
                     # Sent before, and it did not end the choice there. An empty event keeps
                     # the caller's wait for the next token from timing out over a long replay.
-                    live.stream.put(TokenEvent(None, index=live.choice))
+                    events.append(TokenEvent(None, index=live.choice))
                     self.scheduler.append(seq.seq_id, tok.token_id, finished=False)
                     continue
                 logits_row = kept[start + i].clone() if kept is not None else None
-                event = TokenEvent(tok, reason, logits_row, live.choice, *spec)
+                events.append(TokenEvent(tok, reason, logits_row, live.choice, *spec))
                 spec = (0, 0)
-                live.stream.put(event)
                 self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
                 if reason is not None:
                     self.drop(seq.seq_id)
+            live.stream.put(*events)
             if isinstance(live.drafts, MtpDrafts):
                 live.drafts.kept(
                     start, positions[s], [t.token_id for t in runs[s][: len(reasons[s])]]
