@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ def _ephemeral_range() -> tuple[int, int]:
 # again. Bounded: a port handed out this many ports ago has long been bound or dropped.
 _HANDED_OUT: dict[int, None] = {}
 _HANDED_OUT_CAP = 4096
+_HANDED_OUT_LOCK = threading.Lock()  # services started in threads pick ports too
 
 
 def free_port(
@@ -54,25 +56,31 @@ def free_port(
     for _ in range(attempts):
         base = random.randint(10_000, top)
         ports = [base + off for off in offsets]
-        if any(p in avoid or p in _HANDED_OUT for p in ports):
-            continue
-        held: list[socket.socket] = []
-        try:
+        with _HANDED_OUT_LOCK:
+            if any(p in avoid or p in _HANDED_OUT for p in ports) or not _all_free(ports):
+                continue
             for port in ports:
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:  # taken: try another base
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-        for port in ports:
-            _HANDED_OUT[port] = None
-        while len(_HANDED_OUT) > _HANDED_OUT_CAP:
-            del _HANDED_OUT[next(iter(_HANDED_OUT))]
+                _HANDED_OUT[port] = None
+            while len(_HANDED_OUT) > _HANDED_OUT_CAP:
+                del _HANDED_OUT[next(iter(_HANDED_OUT))]
         return base
     raise RuntimeError(f"no free port with offsets {offsets} in {attempts} tries")
+
+
+def _all_free(ports: list[int]) -> bool:
+    """Whether every one of `ports` can be bound on 127.0.0.1 right now."""
+    held: list[socket.socket] = []
+    try:
+        for port in ports:
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:  # taken
+        return False
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def free_ports(count: int) -> list[int]:
