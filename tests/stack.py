@@ -21,8 +21,7 @@ import grpc
 
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, prefill_pb2_grpc
-from common.runtime.metrics import METRICS_PORT_OFFSET
-from common.runtime.ports import free_port
+from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port
 from services.decode.config import EngineConfig
 from services.decode.service import serve_decode
 from services.prefill.service import serve_prefill
@@ -85,7 +84,7 @@ def services_in_threads(
     their prefill chunk (None: the device's default)."""
     stop, ready = threading.Event(), threading.Event()
     extra = {} if heartbeat_s is None else {"heartbeat_s": heartbeat_s}
-    decode_port = free_port((0, METRICS_PORT_OFFSET))
+    decode_port = free_port(SERVICE_PORT_OFFSETS)
     threads = [
         threading.Thread(
             target=serve_decode,
@@ -96,7 +95,7 @@ def services_in_threads(
     ]
     prefill = {}
     for transport in transports:
-        port = free_port((0, METRICS_PORT_OFFSET))
+        port = free_port(SERVICE_PORT_OFFSETS)
         threads.append(
             threading.Thread(
                 target=serve_prefill,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from common.runtime.ports import free_port, kv_port_offsets, wait_ready
+from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets, wait_ready
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
@@ -54,7 +54,7 @@ class LocalStack:
         # Room for what the services derive from each port (metrics on +1000, rank k's KV
         # receiver on base + k, torch stores on +100, a second group or worker on the
         # strides of services/stack/serve.py), none of it overlapping another service's.
-        workers = (0, 1, 1000, 1001)
+        workers = tuple(w + off for w in (0, 1) for off in SERVICE_PORT_OFFSETS)
         kv = tuple(g * 200 + off for g in (0, 1) for off in kv_port_offsets(4))
 
         def pick(offsets: tuple[int, ...] = (0,)) -> str:

@@ -88,6 +88,10 @@ def free_ports(count: int) -> list[int]:
     return [free_port() for _ in range(count)]
 
 
+# What a gRPC service binds from its port: the port, and its metrics on +1000.
+SERVICE_PORT_OFFSETS = (0, METRICS_PORT_OFFSET)
+
+
 def kv_port_offsets(ranks: int) -> tuple[int, ...]:
     """The offsets from `kv_port_base` that a decode group of `ranks` ranks binds: each rank's
     KV receiver and its TCPStore (see `kv_receiver_ports`); for `free_port(offsets)`."""

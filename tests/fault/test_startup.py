@@ -28,7 +28,7 @@ from common.group.errors import RankStartError
 from common.native import shm_group
 from common.parallel import ParallelConfig
 from common.runtime.group_files import files_of
-from common.runtime.ports import PortInUse, free_port, kv_port_offsets
+from common.runtime.ports import SERVICE_PORT_OFFSETS, PortInUse, free_port, kv_port_offsets
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
@@ -217,7 +217,7 @@ def test_serve_stopped_during_start_up_stops_at_once_and_leaves_no_file(stack_of
 
 def start_decode(model: Path) -> tuple[subprocess.Popen, Watched]:
     """`tpla decode` alone, tp=2, in a session of its own, on free ports."""
-    port = free_port((0, 1000))
+    port = free_port(SERVICE_PORT_OFFSETS)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

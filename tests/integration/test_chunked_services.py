@@ -37,7 +37,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
-        kv_port_base=free_port(kv_port_offsets(2)),
+        kv_port_base=free_port(kv_port_offsets(parallel.tp)),
     )
     with services_in_threads(
         cfg, None, ("grpc", "torch"), prefix_cache_mb=16.0, chunk_tokens=5

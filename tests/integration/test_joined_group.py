@@ -26,7 +26,7 @@ import pytest
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.group_files import files_of
-from common.runtime.ports import free_port, kv_port_offsets
+from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, Launch, engine_config
@@ -64,7 +64,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def prefill_addr(model_dir: Path) -> Iterator[str]:
     """A real prefill worker (gRPC KV transport), serving both groups."""
-    port, stop = free_port((0, 1000)), threading.Event()
+    port, stop = free_port(SERVICE_PORT_OFFSETS), threading.Event()
     worker = threading.Thread(
         target=serve_prefill,
         args=(str(model_dir), None, "127.0.0.1", port, None),
@@ -85,7 +85,7 @@ def start_rank(model_dir: Path, tmp_path: Path) -> Iterator:
 
 def group_ports() -> dict[str, int]:
     return {
-        "decode": free_port((0, 1000)),
+        "decode": free_port(SERVICE_PORT_OFFSETS),
         "leader_kv": free_port(kv_port_offsets(1)),
         "follower_kv": free_port(kv_port_offsets(1)),
         "rendezvous": free_port(),
@@ -133,7 +133,7 @@ async def wait_serving(addr: str, ranks: list[Rank]) -> None:
 @contextlib.contextmanager
 def spawned_group(model_dir: Path, parallel: ParallelConfig) -> Iterator[str]:
     """The existing path: `serve_decode` in this process, its follower spawned."""
-    port, stop, ready = free_port((0, 1000)), threading.Event(), threading.Event()
+    port, stop, ready = free_port(SERVICE_PORT_OFFSETS), threading.Event(), threading.Event()
     cfg = EngineConfig(
         model=str(model_dir),
         parallel=parallel,
@@ -219,7 +219,7 @@ def test_a_rank_that_never_comes_fails_start_up_in_bounded_time(start_rank) -> N
         KV_PORT_BASE=str(lonely["leader_kv"]),
         GROUP_JOIN_TIMEOUT_S="2",
     )
-    nobody = free_port(avoid=list(lonely.values()))
+    nobody = free_port()
     follower = start_rank(
         1, nobody, KV_PORT_BASE=str(lonely["follower_kv"]), GROUP_JOIN_TIMEOUT_S="2"
     )

@@ -21,7 +21,7 @@ from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.messages import Reservation
 from common.rpc.clients import PrefillClient
-from common.runtime.ports import free_port
+from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from services.prefill.group.config import group_spec, identity, prefill_group_config
@@ -68,7 +68,7 @@ def test_a_joined_prefill_group_ships_what_one_process_does(model_dir: Path, sta
             ).result(timeout=60)
             for i, p in enumerate(PROMPTS)
         ]
-        port, rendezvous = free_port((0, 1000)), free_port()
+        port, rendezvous = free_port(SERVICE_PORT_OFFSETS), free_port()
         leader = start_rank(0, rendezvous, PREFILL_PORT=str(port))
         follower = start_rank(1, rendezvous)
         follower.wait_for("prefill rank 1 of 2 joined the group")
@@ -103,7 +103,9 @@ def test_a_joined_prefill_group_ships_what_one_process_does(model_dir: Path, sta
 def test_a_missing_or_differing_rank_fails_start_up_naming_why(start_rank) -> None:
     lonely = free_port()
     started = time.monotonic()
-    leader = start_rank(0, lonely, PREFILL_PORT=str(free_port((0, 1000))), GROUP_JOIN_TIMEOUT_S="2")
+    leader = start_rank(
+        0, lonely, PREFILL_PORT=str(free_port(SERVICE_PORT_OFFSETS)), GROUP_JOIN_TIMEOUT_S="2"
+    )
     assert leader.wait(60) == 2, leader.text()
     assert time.monotonic() - started < 60
     assert (
@@ -112,7 +114,7 @@ def test_a_missing_or_differing_rank_fails_start_up_naming_why(start_rank) -> No
         f"--group-addr 127.0.0.1:{lonely}`"
     ) in leader.text()
     rendezvous = free_port()
-    leader = start_rank(0, rendezvous, PREFILL_PORT=str(free_port((0, 1000))))
+    leader = start_rank(0, rendezvous, PREFILL_PORT=str(free_port(SERVICE_PORT_OFFSETS)))
     follower = start_rank(1, rendezvous, PREFIX_CACHE_MB="8")
     difference = (
         "its config differs from the leader's: TPLA_PREFIX_CACHE / TPLA_PREFIX_CACHE_MB: "

@@ -22,8 +22,7 @@ from common.model.chunked import prefill_in_chunks
 from common.model.model import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
-from common.runtime.metrics import METRICS_PORT_OFFSET
-from common.runtime.ports import free_port, kv_port_offsets
+from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, SequenceState, Variant
 from services.decode.config import EngineConfig
@@ -46,7 +45,7 @@ def _config(model_dir: Path, parallel: ParallelConfig) -> EngineConfig:
         master_port=free_port(),
         kv_budget_mb=16,
         block_size=16,
-        kv_port_base=free_port(kv_port_offsets(2)),
+        kv_port_base=free_port(kv_port_offsets(parallel.tp)),
     )
 
 
@@ -55,7 +54,7 @@ def _decode_group(cfg: EngineConfig):  # type: ignore[no-untyped-def]
     """A second decode group, in a process of its own: a leader per process (its default
     torch.distributed group is the process's)."""
     spawn = multiprocessing.get_context("spawn")
-    ready, stop, port = spawn.Event(), spawn.Event(), free_port((0, METRICS_PORT_OFFSET))
+    ready, stop, port = spawn.Event(), spawn.Event(), free_port(SERVICE_PORT_OFFSETS)
     proc = spawn.Process(
         target=serve_decode, args=(cfg, port, None), kwargs={"ready": ready, "stop": stop}
     )

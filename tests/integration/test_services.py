@@ -38,7 +38,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         master_port=free_port(),
         kv_budget_mb=4,
         block_size=8,
-        kv_port_base=free_port(kv_port_offsets(2)),
+        kv_port_base=free_port(kv_port_offsets(parallel.tp)),
         # Drafts change no token (docs/design.md §7): every answer below holds with them.
         speculative=SpecConfig("ngram"),
     )

@@ -7,11 +7,16 @@ import socket
 
 import pytest
 
-from common.runtime.ports import free_port, kv_port_offsets, kv_receiver_ports
+from common.runtime.ports import (
+    SERVICE_PORT_OFFSETS,
+    free_port,
+    kv_port_offsets,
+    kv_receiver_ports,
+)
 
 
 def test_a_port_avoids_the_ports_already_handed_out() -> None:
-    offsets = (0, 1000)
+    offsets = SERVICE_PORT_OFFSETS
     # Every base except multiples of 5 would put one of its ports on an avoided one.
     avoid = {p for p in range(10_000, 65_536) if p % 5}
     for _ in range(5):
