@@ -80,7 +80,19 @@ def uniform_bits(words: Tensor, vocab: int) -> Tensor:
 
 
 def exponential_noise(words: Tensor, vocab: int) -> Tensor:
-    """Exp(1) noise [B, V] (float32) per key and column: -log(u) with u from the top 24 bits,
-    exact in float32 and strictly inside (0, 1)."""
-    u = uniform_bits(words, vocab).bitwise_right_shift_(8).to(torch.float32)
-    return u.add_(0.5).mul_(2.0**-24).log_().neg_()
+    """Exp(1) noise [B, V] (float32) per key and column (`exponential_from_bits`)."""
+    return exponential_from_bits(uniform_bits(words, vocab))
+
+
+# The largest float32 below 1.
+_BELOW_ONE = 1.0 - 2.0**-24
+
+
+def exponential_from_bits(bits: Tensor) -> Tensor:
+    """Exp(1) noise (float32) from 32 random bits (int64 in [0, 2^32)), in place: -log(u),
+    u = (k + 0.5) 2^-24 from the top 24 bits k, strictly inside (0, 1), so the noise is never
+    0. At the top k, k + 0.5 rounds up to 2^24 in float32 (u = 1): it is held just below 1.
+    A noise of 0 would turn a token of probability 0 (masked by a grammar, top-k, top-p) into
+    0 / 0 = NaN, which the race's argmax picks."""
+    u = bits.bitwise_right_shift_(8).to(torch.float32)
+    return u.add_(0.5).mul_(2.0**-24).clamp_(max=_BELOW_ONE).log_().neg_()

@@ -8,7 +8,14 @@ from pathlib import Path
 import torch
 
 from common.loading.loader import load_model
-from common.sampling.keyed import DrawKey, exponential_noise, key_words, mix32, uniform_bits
+from common.sampling.keyed import (
+    DrawKey,
+    exponential_from_bits,
+    exponential_noise,
+    key_words,
+    mix32,
+    uniform_bits,
+)
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import sample_batch
 from tests.tiny import save_hf
@@ -53,6 +60,20 @@ def test_the_noise_is_exponential() -> None:
     # P(E > 1) = e^-1, and columns are alike (no column-dependent bias).
     assert abs((noise > 1).double().mean().item() - torch.exp(torch.tensor(-1.0)).item()) < 0.01
     assert (noise.mean(0) - 1).abs().max() < 0.25
+
+
+def test_the_noise_is_never_zero_so_a_token_of_probability_zero_is_never_drawn() -> None:
+    # The extreme bits: the top one once rounded to u = 1 (noise 0), and a masked token's
+    # weight 0 / 0 = NaN won the race (one draw in 2^24 per column: a V = 129K vocabulary
+    # drew a masked token in about 1 sampled step of 130).
+    bits = torch.tensor([0, 255, 2**32 - 256, 2**32 - 1], dtype=torch.int64)
+    noise = exponential_from_bits(bits.clone())
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    weights = torch.tensor([[0.0, 0.0, 0.25, 0.0]])  # only column 2 may be drawn
+    for column in range(4):
+        row = torch.full((1, 4), 1.0)
+        row[0, column] = exponential_from_bits(torch.tensor([2**32 - 1]))[0]
+        assert (weights / row).argmax(-1).item() == 2
 
 
 def test_keyed_marginals_match_the_models_distribution(tmp_path: Path) -> None:
