@@ -9,6 +9,7 @@ reports its `DecodeLoad`. common/rpc/convert.py maps each to and from its protob
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,17 @@ class ResumedChoice:
     replay: tuple[int, ...] = ()
 
 
+class FailureScope(enum.Enum):
+    """Whose failure ended a choice with an error, which decides what the router does."""
+
+    # The request's own (its grammar cannot go on, a deterministic error): it would fail the
+    # same on any group, so it ends there; the group is not blamed.
+    REQUEST = "request"
+    # The group's (a rank died, a collective or a step timed out, the engine stopped): the
+    # router quarantines the group and may move the request to another.
+    GROUP = "group"
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One event of a request's stream; the last one carries the finish_reason."""
@@ -89,6 +101,12 @@ class TokenEvent:
     # of that step's tokens (a choice's totals are the sums over its events).
     drafted: int = 0
     accepted: int = 0
+    failure: FailureScope | None = None  # set with an "error: ..." finish_reason
+
+    @classmethod
+    def failed(cls, scope: FailureScope, message: str, index: int = 0) -> TokenEvent:
+        """A choice's end by an error (no token: nothing sampled with it is sent)."""
+        return cls(None, f"error: {message}", index=index, failure=scope)
 
 
 @dataclass(frozen=True)

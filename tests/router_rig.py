@@ -79,6 +79,7 @@ class Script:
     ids: list[int]
     delay_s: float = 0.0  # between decode tokens
     final: str = ""  # decode's finish_reason after the last scripted token ("" = none)
+    failure: int = 0  # with an "error: ..." final: whose failure (decode_pb2.FailureScope)
     per_message: int = 1  # decode tokens a Generate message holds (a speculative step's run)
 
 
@@ -157,7 +158,10 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         for i in sorted(live):
             yield _one(
                 decode_pb2.GenerateEvent(
-                    finish_reason=self.script.final or "length", index=i, **SPEC_COUNTS
+                    finish_reason=self.script.final or "length",
+                    index=i,
+                    failure=self.script.failure,
+                    **SPEC_COUNTS,
                 )
             )
 
@@ -199,11 +203,12 @@ class Stack:
     base_url: str
     client: httpx.AsyncClient
     script: Script
-    decode: FakeDecode
+    decode: FakeDecode  # group g0's leader
     prefills: list[FakePrefill]
     registry: WorkerRegistry
     settings: Settings
     servers: list[grpc.aio.Server] = field(default_factory=list)
+    decodes: list[FakeDecode] = field(default_factory=list)  # group gK's leader at K
 
     async def record(self, request_id: str) -> dict[str, Any]:
         resp = await self.client.get(f"/admin/requests/{request_id}")
@@ -235,6 +240,7 @@ async def run_stack(
     *,
     prefill_fail: tuple[bool, ...] = (False, False),
     with_decode: bool = True,
+    decode_groups: int = 1,
     api_keys: str | None = None,
     routing_policy: str = "least-loaded",
     **overrides: Any,
@@ -244,7 +250,7 @@ async def run_stack(
     The tests assert which prefill worker a request goes to (prefill-0 first, a burst split
     evenly): that is least-loaded's choice, so the rig routes by it whatever the default."""
     registry = WorkerRegistry(redis.Redis.from_url(redis_url))
-    decode = FakeDecode(script)
+    decodes = [FakeDecode(script) for _ in range(decode_groups if with_decode else 0)]
     prefills = [FakePrefill(script, fail) for fail in prefill_fail]
     servers: list[grpc.aio.Server] = []
     for i, fake in enumerate(prefills):
@@ -253,18 +259,19 @@ async def run_stack(
         # Worker ids sort in list order and queued_tokens rise with it: least-loaded (the
         # rig's policy) tries prefill-0 first.
         registry.publish(WorkerRecord(f"prefill-{i}", WorkerRole.PREFILL, address, queued_tokens=i))
-    if with_decode:
+    for g, decode in enumerate(decodes):
         server, address = await _grpc_server(decode, decode_pb2_grpc.add_DecodeServicer_to_server)
         servers.append(server)
         for rank in (0, 1):  # a tp=2 group: the router must route to the leader only
             registry.publish(
                 WorkerRecord(
-                    f"decode-g0-r{rank}",
+                    f"decode-g{g}-r{rank}",
                     WorkerRole.DECODE,
                     address if rank == 0 else "127.0.0.1:9",
                     rank=rank,
-                    group_id="g0",
-                    kv_blocks_used=10,
+                    group_id=f"g{g}",
+                    # Later groups a little busier: least-loaded tries g0 first.
+                    kv_blocks_used=10 + g,
                     kv_blocks_total=100,
                 )
             )
@@ -290,7 +297,8 @@ async def run_stack(
     base = f"http://127.0.0.1:{port}"
     client = httpx.AsyncClient(base_url=base, timeout=10.0)
     try:
-        yield Stack(base, client, script, decode, prefills, registry, settings, servers)
+        decode = decodes[0] if decodes else FakeDecode(script)
+        yield Stack(base, client, script, decode, prefills, registry, settings, servers, decodes)
     finally:
         await client.aclose()
         server.should_exit = True

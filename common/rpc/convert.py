@@ -11,6 +11,7 @@ import dataclasses
 
 from common.messages import (
     DecodeLoad,
+    FailureScope,
     KvTargetInfo,
     PrefillResult,
     Reservation,
@@ -88,12 +89,21 @@ def token_from_pb(msg: common_pb2.TokenInfo) -> SampledToken:
     )
 
 
+_SCOPE_TO_PB = {
+    None: decode_pb2.FAILURE_SCOPE_UNSPECIFIED,
+    FailureScope.REQUEST: decode_pb2.FAILURE_SCOPE_REQUEST,
+    FailureScope.GROUP: decode_pb2.FAILURE_SCOPE_GROUP,
+}
+_SCOPE_FROM_PB = {v: k for k, v in _SCOPE_TO_PB.items()}
+
+
 def event_to_pb(e: TokenEvent) -> decode_pb2.GenerateEvent:
     msg = decode_pb2.GenerateEvent(
         finish_reason=e.finish_reason or "",
         index=e.index,
         spec_drafted=e.drafted,
         spec_accepted=e.accepted,
+        failure=_SCOPE_TO_PB[e.failure],
     )
     if e.token is not None:
         msg.token.CopyFrom(token_to_pb(e.token))
@@ -108,6 +118,7 @@ def event_from_pb(msg: decode_pb2.GenerateEvent) -> TokenEvent:
         index=msg.index,
         drafted=msg.spec_drafted,
         accepted=msg.spec_accepted,
+        failure=_SCOPE_FROM_PB.get(msg.failure),
     )
 
 

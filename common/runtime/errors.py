@@ -49,6 +49,15 @@ class InvalidRequest(TplaError):
     error_type = "invalid_request_error"
 
 
+class RequestFailed(InvalidRequest):
+    """The request's own failure while it was being served (its grammar could not go on, its
+    parameters could not be applied): deterministic, it would fail the same on any worker, so
+    it ends that request alone and never counts against the worker that reported it."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="request_failed")
+
+
 class PayloadTooLarge(InvalidRequest):
     http_status = 413
 

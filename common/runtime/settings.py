@@ -85,6 +85,28 @@ class Settings(BaseSettings):
         "one host; else dist) | dist",
     )
 
+    # -- structured outputs (common/sampling/grammar.py) ------------------------------------
+    json_whitespace: str = Field(
+        "compact",
+        pattern="^(compact|bounded)$",
+        description="whitespace a JSON output (response_format, structured_outputs.json, tool "
+        "calls) allows between two of its tokens: compact (at most one space, no line breaks; "
+        "bounded like vLLM's and SGLang's 'disable any whitespace') | bounded (a "
+        "pretty-printer's indentation, at most 16 blanks)",
+    )
+    grammar_max_items_in_row: int = Field(
+        2000, ge=1, description="llguidance: Earley items in one parser row (ambiguity)"
+    )
+    grammar_step_max_items: int = Field(
+        50_000, ge=1, description="llguidance: Earley items one token mask may create (~20k/ms)"
+    )
+    grammar_step_lexer_fuel: int = Field(
+        200_000, ge=1, description="llguidance: lexer work one token mask may spend (~14k/ms)"
+    )
+    grammar_initial_lexer_fuel: int = Field(
+        1_000_000, ge=1, description="llguidance: lexer work to build a grammar (~50k/ms)"
+    )
+
     # -- decode group -----------------------------------------------------------------------
     tp: int = Field(2, ge=1, description="decode ranks per group")
     latent_groups: int = Field(2, ge=1, description="TPLA latent groups r (1 = MLA-TP)")

@@ -11,7 +11,11 @@ Lifecycle of a constrained request: the router compiles its spec once (a bad spe
 the spec travels in SamplingParams; the prefill worker and the decode leader each take a fresh
 matcher from their compiler's LRU cache (a deep copy of the compiled one), replay the tokens
 the request generated before (a migrated request) and then, at every token, fill the row's
-bitmask and consume the sampled token. The grammar allows EOS only where it accepts.
+bitmask and consume the sampled token. The grammar allows EOS only where it accepts. A
+grammar whose parser stops (a `GrammarLimits` limit, a rejected token) cannot say what may
+come next: its mask raises GrammarError, and the request ends with that error (nothing is
+sampled from an unconstrained row). The whitespace a JSON grammar allows is part of its spec
+(`JsonWhitespace`), so every service compiles the same grammar whatever its settings.
 """
 
 from __future__ import annotations
@@ -28,17 +32,37 @@ import llguidance
 import torch
 from torch import Tensor
 
+from common.sampling.grammar_limits import DEFAULT_LIMITS, GrammarLimits
+
 TOKENIZER_FILE = "tokenizer.json"
 CACHE_SIZE = 128
 
-# Whitespace between JSON tokens: flexible like a pretty-printer's, but bounded, so a model
-# cannot fill max_tokens with blanks.
-_JSON_OPTIONS: dict[str, object] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
-_COMPACT: dict[str, object] = {"whitespace_pattern": " ?"}
-
 
 class GrammarError(ValueError):
-    """A grammar spec that does not compile (the message says why), or none can be used."""
+    """A grammar spec that does not compile, or a grammar that cannot go on (the message says
+    why), or none can be used."""
+
+
+class JsonWhitespace(enum.Enum):
+    """The whitespace a JSON grammar allows between JSON tokens (`TPLA_JSON_WHITESPACE`).
+
+    Free-form whitespace lets a model write blank after blank (greedy decoding of a small
+    model does) until `max_tokens`, and grows the parser's work with every one of them."""
+
+    # At most one space between two JSON tokens, no line breaks: `{"a":1}` and `{"a": 1}`
+    # both, nothing longer. Bounded like vLLM's and SGLang's "disable any whitespace"
+    # (llguidance's whitespace_flexible=false, no whitespace at all), without forcing a model
+    # off the separators it writes.
+    COMPACT = "compact"
+    # A pretty-printer's indentation, bounded: at most 16 blanks between two JSON tokens.
+    BOUNDED = "bounded"
+
+    @property
+    def options(self) -> dict[str, object]:
+        """llguidance's JSON compile options for it."""
+        if self is JsonWhitespace.COMPACT:
+            return {"whitespace_pattern": " ?"}
+        return {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 
 
 class GrammarKind(enum.Enum):
@@ -54,13 +78,17 @@ class GrammarSpec:
     spec: str
 
     @classmethod
-    def json_schema(cls, schema: dict[str, object], compact: bool = False) -> GrammarSpec:
-        """`compact`: at most one space between JSON tokens (machine-read output such as
-        tool calls), instead of a pretty-printer's bounded whitespace."""
-        if compact:
-            options = schema.get("x-guidance")
-            schema = {**schema, "x-guidance": {**(options or {}), **_COMPACT}}  # type: ignore[dict-item]
-        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+    def json_schema(
+        cls, schema: dict[str, object], whitespace: JsonWhitespace = JsonWhitespace.COMPACT
+    ) -> GrammarSpec:
+        """The schema's grammar with `whitespace` between JSON tokens (over any whitespace
+        option the schema's own `x-guidance` names): part of the spec, so every service
+        compiles the same grammar whatever its settings."""
+        options = schema.get("x-guidance")
+        guidance = {**(options if isinstance(options, dict) else {}), **whitespace.options}
+        return cls(
+            GrammarKind.JSON_SCHEMA, json.dumps({**schema, "x-guidance": guidance}, sort_keys=True)
+        )
 
     def to_llguidance(self) -> str:
         """The llguidance grammar text; GrammarError if the spec itself is malformed."""
@@ -68,7 +96,7 @@ class GrammarSpec:
             if self.kind is GrammarKind.JSON_SCHEMA:
                 return llguidance.LLMatcher.grammar_from_json_schema(
                     self.spec,
-                    defaults=_JSON_OPTIONS,  # type: ignore[arg-type]
+                    defaults=JsonWhitespace.COMPACT.options,  # type: ignore[arg-type]
                 )
             if self.kind is GrammarKind.REGEX:
                 return llguidance.LLMatcher.grammar_from_regex(self.spec)
@@ -124,9 +152,13 @@ class GrammarMatcher:
         return self._m.get_error()
 
     def fill(self, row: Tensor) -> None:
-        """Write the allowed tokens as bits into `row` (int32 [W], CPU, contiguous)."""
+        """Write the allowed tokens as bits into `row` (int32 [W], CPU, contiguous).
+        GrammarError when the grammar cannot say (its parser stopped at a GrammarLimits
+        limit, or an earlier error): nothing may then be sampled for it."""
         assert row.dtype == torch.int32 and row.is_contiguous() and not row.is_cuda
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if self._m.is_error():
+            raise GrammarError(f"the grammar cannot go on: {self._m.get_error()}")
 
 
 class GrammarCompiler:
@@ -139,9 +171,11 @@ class GrammarCompiler:
         tokenizer_json: str,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        limits: GrammarLimits = DEFAULT_LIMITS,
         cache_size: int = CACHE_SIZE,
     ) -> None:
         self.vocab_size = vocab_size
+        self._limits = limits.to_llguidance()
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
         )
@@ -151,13 +185,17 @@ class GrammarCompiler:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]
+        cls,
+        model_dir: str | Path,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        limits: GrammarLimits = DEFAULT_LIMITS,
     ) -> GrammarCompiler | None:
         """The model's compiler, or None when it ships no tokenizer.json."""
         path = Path(model_dir) / TOKENIZER_FILE
         if not path.is_file():
             return None
-        return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+        return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids, limits)
 
     @property
     def mask_words(self) -> int:
@@ -172,7 +210,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 return compiled
         grammar = spec.to_llguidance()
-        compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if compiled.is_error():
             raise GrammarError(f"invalid {spec.kind.value}: {compiled.get_error()}")
         with self._lock:

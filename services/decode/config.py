@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from common.group.spec import parse_group_addr
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.settings import TORCH_PORT_OFFSET, Settings
+from common.sampling.grammar_limits import GrammarLimits
 
 
 class Launch(enum.Enum):
@@ -105,6 +106,7 @@ class EngineConfig:
     # Keep finished prompts' full blocks for reuse by later prompts (common.kv.prefix_cache).
     prefix_cache: bool = True
     speculative: SpecConfig = field(default_factory=SpecConfig)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # the leader's
 
     def __post_init__(self) -> None:
         if self.launch is Launch.JOIN and self.collectives == "shm":
@@ -143,7 +145,8 @@ class EngineConfig:
         par["moe"] = MoeParallel(par["moe"])
         raw["launch"] = Launch(raw["launch"])
         spec = SpecConfig(**raw.pop("speculative"))
-        return cls(parallel=ParallelConfig(**par), speculative=spec, **raw)
+        limits = GrammarLimits(**raw.pop("grammar_limits"))
+        return cls(parallel=ParallelConfig(**par), speculative=spec, grammar_limits=limits, **raw)
 
 
 # The decode kernels a rank can ask for (`select_decode_backend` picks one for `auto`).
@@ -207,6 +210,7 @@ def engine_config(s: Settings) -> EngineConfig:
             s.spec_tokens or DEFAULT_SPEC_TOKENS.get(s.speculative, 1),
             s.spec_max_batch,
         ),
+        grammar_limits=GrammarLimits.from_settings(s),
     )
 
 

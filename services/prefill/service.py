@@ -48,6 +48,7 @@ from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, 
 from common.runtime.spans import Spans, end
 from common.runtime.tracing import setup_tracing
 from common.sampling.grammar import GrammarCompiler
+from common.sampling.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from services.prefill.group.config import PrefillGroupConfig, prefix_cache
 from services.prefill.group.leader import GroupRunner
 from services.prefill.group.rank_model import load_group_rank
@@ -215,6 +216,7 @@ def serve_prefill(
     drain: threading.Event | None = None,
     group: PrefillGroupConfig | None = None,
     mtp: bool = False,
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS,
 ) -> int:
     """Run one prefill worker until SIGINT/SIGTERM (or `stop`, or `drain` and its drain);
     blocks; the exit code (1: its prefill group failed). `group`: run its batches on a
@@ -252,7 +254,9 @@ def serve_prefill(
         threads=threads,
         max_batch_tokens=max_batch_tokens,
         chunk_tokens=chunk_tokens,
-        grammars=GrammarCompiler.from_model_dir(model_dir, config.vocab_size, config.eos_token_ids),
+        grammars=GrammarCompiler.from_model_dir(
+            model_dir, config.vocab_size, config.eos_token_ids, grammar_limits
+        ),
         prefix_cache=cache,
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)

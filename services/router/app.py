@@ -34,7 +34,8 @@ from common.runtime.settings import Settings
 from common.runtime.spans import Spans
 from common.runtime.tracing import setup_tracing
 from common.sampling.defaults import load_defaults
-from common.sampling.grammar import GrammarCompiler
+from common.sampling.grammar import GrammarCompiler, JsonWhitespace
+from common.sampling.grammar_limits import GrammarLimits
 from common.text.tokenizer import Tokenizer
 from services.router import batch, prepare, response_schemas
 from services.router.chat_format import ChatFormat
@@ -142,13 +143,15 @@ async def _sse_body(
     yield DONE_LINE
 
 
-def _worker_json(r: WorkerRecord) -> dict[str, Any]:
+def _worker_json(r: WorkerRecord, quarantined: str | None) -> dict[str, Any]:
+    """`quarantined`: why this router quarantined the worker (or its group), if it did."""
     entry: dict[str, Any] = {
         "worker_id": r.worker_id,
         "role": r.role.value,
         "rank": r.rank,
         "pid": r.pid,
         "healthy": r.healthy,
+        "quarantined": quarantined,
         "draining": r.draining,
         "address": r.address,
         "group_id": r.group_id,
@@ -241,8 +244,12 @@ def _routes() -> APIRouter:
 
     @api.get("/admin/workers")
     async def workers(request: Request) -> list[dict[str, Any]]:
-        records = await _state(request).directory.refresh()
-        return [_worker_json(r) for r in records.records]
+        directory = _state(request).directory
+        records = await directory.refresh()
+        quarantined = directory.quarantined()
+        return [
+            _worker_json(r, quarantined.get(r.group_id or r.worker_id)) for r in records.records
+        ]
 
     return api
 
@@ -265,8 +272,12 @@ def create_app(
         max_model_len=prepare.context_limit(model_dir),
         log_prompts=settings.log_prompts,
         grammars=GrammarCompiler.from_model_dir(
-            model_dir, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
+            model_dir,
+            tokenizer.vocab_size,
+            sorted(tokenizer.eos_token_ids),
+            GrammarLimits.from_settings(settings),
         ),
+        json_whitespace=JsonWhitespace(settings.json_whitespace),
         defaults=load_defaults(model_dir, settings.generation_config),
     )
     log.info("%s", info.defaults.describe())

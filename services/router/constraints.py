@@ -10,7 +10,13 @@ import json
 from dataclasses import replace
 
 from common.runtime.errors import InvalidRequest
-from common.sampling.grammar import GrammarCompiler, GrammarError, GrammarKind, GrammarSpec
+from common.sampling.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarKind,
+    GrammarSpec,
+    JsonWhitespace,
+)
 from common.text.chat_template import ChatMessage
 from common.text.tokenizer import Tokenizer
 from services.router import tools
@@ -109,10 +115,13 @@ def chat_messages(
 
 
 def output_grammar(
-    body: ChatCompletionRequest | CompletionRequest, grammars: GrammarCompiler | None
+    body: ChatCompletionRequest | CompletionRequest,
+    grammars: GrammarCompiler | None,
+    whitespace: JsonWhitespace = JsonWhitespace.COMPACT,
 ) -> GrammarSpec | None:
     """The request's structured output (response_format or structured_outputs), compiled
-    once here so a bad one is a 400 naming the problem; None when the output is free."""
+    once here so a bad one is a 400 naming the problem; None when the output is free.
+    `whitespace`: what a JSON output allows between its tokens."""
     spec, param = None, "structured_outputs"
     so = body.structured_outputs
     fmt = body.response_format
@@ -121,10 +130,11 @@ def output_grammar(
             "give either response_format or structured_outputs, not both", param=param
         )
     if fmt is not None and fmt.type == "json_object":
-        spec, param = GrammarSpec.json_schema({"type": "object"}), "response_format"
+        spec, param = GrammarSpec.json_schema({"type": "object"}, whitespace), "response_format"
     elif fmt is not None and fmt.type == "json_schema":
         assert fmt.json_schema is not None
-        spec, param = GrammarSpec.json_schema(fmt.json_schema.schema_), "response_format"
+        spec = GrammarSpec.json_schema(fmt.json_schema.schema_, whitespace)
+        param = "response_format"
     elif so is not None:
         if so.json_ is not None:
             schema = so.json_
@@ -135,7 +145,7 @@ def output_grammar(
                     raise InvalidRequest(
                         f"structured_outputs.json is not valid JSON: {exc}", param=param
                     ) from exc
-            spec = GrammarSpec.json_schema(schema)
+            spec = GrammarSpec.json_schema(schema, whitespace)
         elif so.regex is not None:
             spec = GrammarSpec(GrammarKind.REGEX, so.regex)
         elif so.choice is not None:

@@ -5,7 +5,9 @@ When the group dies or stalls mid-stream, the request migrates to another group 
 stream carries on from there, no token lost or repeated: n = 1, prompt + the tokens generated
 so far are prefilled there; n > 1, the prompt is prefilled there once, forked into one
 sequence per live choice, and each replays its own tokens so far before it samples again.
-Where this sits in a request's lifecycle: DESIGN §2.
+Only the group's failures move a request (services/router/faults.py): the request's own end
+it, and a second failure for the same reason ends it too. Where this sits in a request's
+lifecycle: DESIGN §2.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from common.runtime.redis_state import RequestState
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken
 from services.router.config import PipelineConfig
+from services.router.faults import GroupFailed, GroupFault, finished, group_failure
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, Record, Run
 
@@ -74,8 +77,8 @@ class Decoding:
                             generated[index].append(token.token_id)
                         yield index, token
                 return
-            except Unavailable as exc:
-                if not self._may_migrate(run, generated):
+            except GroupFailed as exc:
+                if not self._may_migrate(run, generated, exc):
                     raise
                 hidden = ()
                 await self._leave_failed(run, generated, exc)
@@ -128,9 +131,10 @@ class Decoding:
         """Decode.Generate on the current group from each fork's `feeds` token, as
         `tokens` yields it (`earlier`: what an n = 1 request generated before `feeds`
         elsewhere; `resumed`: a migrated n > 1 request's choice and replay per fork; `hidden`:
-        the prefill's last hidden state, where MTP drafts start). A group
-        that dies, or sends nothing for token_timeout_s, raises Unavailable (which may
-        migrate the request)."""
+        the prefill's last hidden state, where MTP drafts start). A group that dies, or sends
+        nothing for token_timeout_s, or ends a choice for its own failure raises GroupFailed
+        (which may migrate the request); a choice that ends for the request's own failure
+        raises RequestFailed."""
         req = run.req
         assert run.decode is not None and run.group is not None
         deadline = req.arrival + self.config.request_timeout_s
@@ -167,7 +171,7 @@ class Decoding:
                         left -= 1
                         run.decode_live = left > 0
                         if index not in run.stopped:  # (a stopped choice ends as "abort")
-                            run.reasons[index] = _checked_reason(reason)
+                            run.reasons[index] = finished(reason, event.failure)
                     if event.token is not None:
                         self.metrics.observe_itl(now - last.get(index, started))
                         last[index] = now
@@ -181,13 +185,19 @@ class Decoding:
                         raise DeadlineExceeded(
                             f"request exceeded {self.config.request_timeout_s:g} s"
                         )
-            raise Unavailable("the decode stream ended without a finish reason")
+            raise GroupFailed(GroupFault.CUT, "the decode stream ended without a finish reason")
         except TimeoutError:
-            error = Unavailable(
+            error = GroupFailed(
+                GroupFault.STALLED,
                 f"decode group {run.group.group_id} sent nothing for "
-                f"{self.config.token_timeout_s:g} s"
+                f"{self.config.token_timeout_s:g} s",
             )
             raise error from None
+        except Unavailable as exc:  # the call failed: the group is gone or unreachable
+            error = group_failure(exc, GroupFault.UNREACHABLE)
+            if error is exc:
+                raise
+            raise error from exc
         except BaseException as exc:
             error = exc
             raise
@@ -195,23 +205,26 @@ class Decoding:
             done = {"tpla.tokens": tokens, "tpla.migrations": run.migrations}
             spans.end(span, done, error=error)
 
-    def _may_migrate(self, run: Run, generated: list[list[int]]) -> bool:
+    def _may_migrate(self, run: Run, generated: list[list[int]], failure: GroupFailed) -> bool:
         live = _live(run)
         return (
             self.config.migrate
             and run.migrations < _MAX_MIGRATIONS
+            # Failed on one group for this reason already: a third would fail the same.
+            and failure.cause not in run.failed_groups.values()
             and bool(live)
             and all(len(generated[i]) < run.req.params.max_tokens for i in live)
             and time.monotonic() < run.req.arrival + self.config.request_timeout_s
         )
 
-    async def _leave_failed(self, run: Run, generated: list[list[int]], cause: Unavailable) -> None:
-        """Leave the failed group (quarantined, the request aborted there), counted and
-        recorded as a migration. Raises `cause` when no other group is healthy."""
+    async def _leave_failed(self, run: Run, generated: list[list[int]], cause: GroupFailed) -> None:
+        """Leave the failed group (quarantined unless it is the last healthy one, the
+        request aborted there), counted and recorded as a migration. Raises `cause` when no
+        other group is healthy."""
         req, old = run.req, run.group
         assert old is not None
-        self.placement.drop_group(run)
-        if not self.placement.healthy_groups_exist():
+        self.placement.drop_group(run, cause)
+        if not self.placement.healthy_groups_exist(run.failed_groups):
             raise cause
         run.migrations += 1
         self.metrics.migrated()
@@ -238,7 +251,7 @@ class Decoding:
         )
         await self._record(run.req.request_id, RequestState.DECODING)
 
-    async def _migrate(self, run: Run, generated: list[int], cause: Unavailable) -> SampledToken:
+    async def _migrate(self, run: Run, generated: list[int], cause: GroupFailed) -> SampledToken:
         """Move an n = 1 stream to another decode group: re-prefill prompt + generated
         tokens there and return the next token. Raises `cause` when it cannot."""
         req = run.req
@@ -253,7 +266,7 @@ class Decoding:
         return result.first_token
 
     async def _migrate_choices(
-        self, run: Run, generated: list[list[int]], cause: Unavailable
+        self, run: Run, generated: list[list[int]], cause: GroupFailed
     ) -> tuple[tuple[SampledToken, ...], tuple[ResumedChoice, ...]]:
         """Move an n > 1 request's live choices to another decode group: the prompt is
         placed and prefilled there once (its first tokens are not used), forked into one
@@ -286,9 +299,3 @@ def _remaining(params: SamplingParams, done: int) -> SamplingParams:
         max_tokens=params.max_tokens - done,
         min_tokens=max(params.min_tokens - done, 0),
     )
-
-
-def _checked_reason(reason: str) -> str:
-    if reason in ("stop", "length"):
-        return reason
-    raise Unavailable(f"decode group ended the request: {reason}")

@@ -3,9 +3,11 @@
 `place` reserves KV on a decode group (waiting for room when every group is full),
 `prefill_anywhere` runs the prefill into that reservation (re-placing the request once when
 the KV push to the group fails), `leave_group` / `drop_group` end the request's stay on a
-group. Each step's retries and waits, and how a request's lifecycle strings them together
-(a migration is a second place + prefill_anywhere), are in DESIGN §2. Every count of this
-router's load goes through `RouterLoad`.
+group. A group is quarantined only for its own failure (services/router/faults.py), and never
+when it is the last healthy one: one request's failure must not take the fleet down. Each
+step's retries and waits, and how a request's lifecycle strings them together (a migration is
+a second place + prefill_anywhere), are in DESIGN §2. Every count of this router's load goes
+through `RouterLoad`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 import anyio
@@ -32,6 +34,7 @@ from common.runtime.redis_state import RequestState
 from common.runtime.spans import Spans, annotate, event, metadata
 from common.sampling.params import SamplingParams
 from services.router.config import PipelineConfig
+from services.router.faults import GroupFailed, GroupFault, group_failure
 from services.router.load import RouterLoad
 from services.router.policy import DecodeGroup, RoutingPolicy
 from services.router.request import GenerationRequest
@@ -62,6 +65,9 @@ class Run:
     stopped: set[int] = field(default_factory=set)  # choices ended here by a stop string
     finished: bool = False
     migrations: int = 0
+    # The groups that failed the request, and why (GroupFailed.cause): it is not placed on
+    # them again, and not moved on after a second failure for the same reason.
+    failed_groups: dict[str, tuple[GroupFault, str]] = field(default_factory=dict)
     # Drafts the decode groups' speculative steps fed the request's choices, and kept.
     spec_drafted: int = 0
     spec_accepted: int = 0
@@ -111,7 +117,7 @@ class Placement:
         rid = run.req.request_id
         deadline = time.monotonic() + self.config.queue_timeout_s
         while True:
-            skip = set(self.directory.quarantined()) | self.load.full_groups()
+            skip = {*self.directory.quarantined(), *self.load.full_groups(), *run.failed_groups}
             while True:
                 snapshot = self.directory.snapshot
                 try:
@@ -119,7 +125,7 @@ class Placement:
                         snapshot, self.load.sent_since(snapshot), frozenset(skip), prompt_ids
                     )
                 except Unavailable:
-                    if not self.healthy_groups_exist():
+                    if not self.healthy_groups_exist(run.failed_groups):
                         raise
                     break  # every healthy group is full: wait for room
                 self.load.send_to_group(snapshot, group.group_id)
@@ -145,7 +151,8 @@ class Placement:
                         group.group_id,
                         exc.message,
                     )
-                    self.directory.quarantine(group.group_id, self.config.quarantine_s)
+                    if not self.quarantine(group.group_id, GroupFault.RESERVE):
+                        raise GroupFailed(GroupFault.RESERVE, exc.message) from exc
                     skip.add(group.group_id)
                     event(span, "retry", {"tpla.group": group.group_id, "tpla.reason": exc.message})
                     # The record says why the request waited and where it did not go.
@@ -182,9 +189,24 @@ class Placement:
         self._room.set()
         self._room = anyio.Event()
 
-    def healthy_groups_exist(self) -> bool:
-        bad = self.directory.quarantined()
+    def healthy_groups_exist(self, excluding: Collection[str] = ()) -> bool:
+        """Whether a healthy decode group that is not quarantined exists, besides `excluding`."""
+        bad = {*self.directory.quarantined(), *excluding}
         return any(g.group_id not in bad for g in self.directory.snapshot.healthy_groups())
+
+    def quarantine(self, group_id: str, fault: GroupFault) -> bool:
+        """Route nothing to a group that failed (its own fault) for quarantine_s; unless it
+        is the last healthy group: then it stays, and the caller fails the one request
+        instead. Whether it was quarantined."""
+        if not self.healthy_groups_exist(excluding=(group_id,)):
+            log.warning(
+                "decode group %s failed (%s) but is the last healthy group: not quarantined",
+                group_id,
+                fault.value,
+            )
+            return False
+        self.directory.quarantine(group_id, self.config.quarantine_s, fault.value)
+        return True
 
     def leave_group(self, run: Run) -> None:
         if run.group is not None:
@@ -192,11 +214,13 @@ class Placement:
             run.group = None
             self.room_freed()
 
-    def drop_group(self, run: Run) -> None:
-        """Leave a decode group that failed us: quarantine it and abort our request there in
-        the background (a stalled leader answers only once its step ends; nobody waits)."""
+    def drop_group(self, run: Run, failure: GroupFailed) -> None:
+        """Leave a decode group that failed us: quarantine it (`quarantine`'s rule), never
+        place the request there again, and abort it there in the background (a stalled
+        leader answers only once its step ends; nobody waits)."""
         assert run.group is not None and run.decode is not None
-        self.directory.quarantine(run.group.group_id, self.config.quarantine_s)
+        run.failed_groups[run.group.group_id] = failure.cause
+        self.quarantine(run.group.group_id, failure.fault)
         if run.decode_live:
             run.decode_live = False
             task = asyncio.create_task(abort(run.decode, run.req.request_id))
@@ -220,8 +244,8 @@ class Placement:
                     run, prompt_ids, params, num_output_tokens, span
                 )
         except TransferFailed as exc:
-            self.drop_group(run)
-            if not self.healthy_groups_exist():
+            self.drop_group(run, group_failure(exc, GroupFault.TRANSFER))
+            if not self.healthy_groups_exist(run.failed_groups):
                 raise
             log.warning(
                 "request %s: KV push failed (%s); placing it on another decode group",

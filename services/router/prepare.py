@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common.runtime.errors import InvalidRequest, NotFound, TokenizerError
 from common.sampling.defaults import GenerationDefaults
-from common.sampling.grammar import GrammarCompiler, GrammarSpec
+from common.sampling.grammar import GrammarCompiler, GrammarSpec, JsonWhitespace
 from common.sampling.params import SamplingError, SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.router import constraints, tools
@@ -54,6 +54,7 @@ class ModelInfo:
     max_model_len: int
     log_prompts: bool = False
     grammars: GrammarCompiler | None = None  # None: structured outputs are refused
+    json_whitespace: JsonWhitespace = JsonWhitespace.COMPACT  # between a JSON output's tokens
     # What a request gets for the sampling fields it leaves out.
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
@@ -192,7 +193,7 @@ def _build(
     _check_token_ids([t for t, _ in bias], vocab, "logit_bias")
     eos = () if body.ignore_eos else info.tokenizer.eos_token_ids
     stop_ids = tuple(sorted({*(body.stop_token_ids or ()), *eos}))
-    grammar = tool_grammar or constraints.output_grammar(body, info.grammars)
+    grammar = tool_grammar or constraints.output_grammar(body, info.grammars, info.json_whitespace)
     if grammar is not None and body.ignore_eos:
         raise InvalidRequest(
             "ignore_eos cannot be combined with a structured output (it ends with EOS)",

@@ -81,7 +81,7 @@ def new_call_id() -> str:
 def grammar(calling: ToolCalling) -> GrammarSpec | None:
     """What decoding is constrained to (required / named), or None (auto)."""
     if calling.mode is ToolMode.NAMED:
-        return GrammarSpec.json_schema(calling.function.schema, compact=True)
+        return GrammarSpec.json_schema(calling.function.schema)
     if calling.mode is ToolMode.AUTO:
         return None
     calls = [
@@ -96,7 +96,7 @@ def grammar(calling: ToolCalling) -> GrammarSpec | None:
     array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not calling.parallel:
         array["maxItems"] = 1
-    return GrammarSpec.json_schema(array, compact=True)
+    return GrammarSpec.json_schema(array)
 
 
 def system_prompt(tools: tuple[Tool, ...]) -> str:

@@ -2,7 +2,9 @@
 
 One series per registered worker (decode: per rank), labelled by worker id, role, rank and
 decode group: `tpla:worker_healthy` is 1 while the worker reports itself healthy and the
-router has not quarantined it (or its group), 0 otherwise; `tpla:worker_heartbeat_age_seconds`
+router has not quarantined it (or its group), 0 otherwise, and its `reason` label says why
+not ("" when healthy, "unhealthy" as the worker reports itself, else the fault the router
+quarantined its group for: services/router/faults.py); `tpla:worker_heartbeat_age_seconds`
 is how old its registry record is. A worker whose record expired has no series.
 """
 
@@ -17,6 +19,7 @@ from prometheus_client.registry import Collector
 from services.router.workers import WorkerDirectory
 
 _LABELS = ["worker_id", "role", "rank", "group_id"]
+UNHEALTHY = "unhealthy"  # the `reason` of a worker that reports itself unhealthy
 
 
 class WorkerHealth(Collector):
@@ -27,8 +30,9 @@ class WorkerHealth(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         healthy = GaugeMetricFamily(
             "tpla:worker_healthy",
-            "1 while a registered worker is healthy and not quarantined by this router",
-            labels=_LABELS,
+            "1 while a registered worker is healthy and not quarantined by this router "
+            "(reason: why not)",
+            labels=[*_LABELS, "reason"],
         )
         age = GaugeMetricFamily(
             "tpla:worker_heartbeat_age_seconds",
@@ -40,7 +44,8 @@ class WorkerHealth(Collector):
         for record in self._directory.snapshot.records:
             unit = record.group_id or record.worker_id
             labels = [record.worker_id, record.role.value, str(record.rank), record.group_id]
-            healthy.add_metric(labels, float(record.healthy and unit not in quarantined))
+            reason = quarantined.get(unit, "" if record.healthy else UNHEALTHY)
+            healthy.add_metric([*labels, reason], float(not reason))
             age.add_metric(labels, max(0.0, now - record.updated_at))
         yield healthy
         yield age

@@ -32,9 +32,9 @@ class WorkerDirectory:
         self._refresh_s = refresh_s
         self.snapshot = WorkerSnapshot()
         self.last_error: str | None = None
-        # Workers and groups this router saw fail, until when (time.monotonic()): the
-        # registry may list a dead worker until its record's TTL runs out.
-        self._quarantine: dict[str, float] = {}
+        # Workers and groups this router saw fail: until when (time.monotonic()) and why.
+        # The registry may list a dead worker until its record's TTL runs out.
+        self._quarantine: dict[str, tuple[float, str]] = {}
         self._decode: dict[str, DecodeClient] = {}
         self._prefill: dict[str, PrefillClient] = {}
         self._task: asyncio.Task[None] | None = None
@@ -65,15 +65,17 @@ class WorkerDirectory:
             await asyncio.sleep(self._refresh_s)
             await self.refresh()
 
-    def quarantine(self, worker_id: str, seconds: float) -> None:
-        """Route nothing to `worker_id` (a prefill worker or decode group) for `seconds`."""
-        self._quarantine[worker_id] = time.monotonic() + seconds
+    def quarantine(self, worker_id: str, seconds: float, reason: str) -> None:
+        """Route nothing to `worker_id` (a prefill worker or decode group) for `seconds`;
+        `reason`: why (a GroupFault value), for the metrics and /admin/workers."""
+        self._quarantine[worker_id] = (time.monotonic() + seconds, reason)
 
-    def quarantined(self) -> frozenset[str]:
+    def quarantined(self) -> dict[str, str]:
+        """The workers and groups quarantined now, each with its reason."""
         now = time.monotonic()
-        for wid in [w for w, until in self._quarantine.items() if until <= now]:
+        for wid in [w for w, (until, _) in self._quarantine.items() if until <= now]:
             del self._quarantine[wid]
-        return frozenset(self._quarantine)
+        return {wid: reason for wid, (_, reason) in self._quarantine.items()}
 
     def decode_client(self, address: str) -> DecodeClient:
         client = self._decode.get(address)

@@ -14,7 +14,7 @@ import torch
 from common.group.comm import ShmCollectives
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
-from common.messages import ResumedChoice
+from common.messages import FailureScope, ResumedChoice
 from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
@@ -216,6 +216,7 @@ def test_shutdown_ends_live_streams(model_dir: Path) -> None:
         engine.shutdown()
     events = list(stream)  # returns: the last event carries a finish reason
     assert events[-1].finish_reason == "error: decode engine shut down"
+    assert events[-1].failure is FailureScope.GROUP  # the group's failure: it may migrate
     assert len(events) < long.max_tokens
 
 

@@ -108,7 +108,7 @@ def test_grammars_from_the_first_token(engine: DecodeEngine, model_dir: Path) ->
         "additionalProperties": False,
     }
     specs = [
-        GrammarSpec.json_schema(schema, compact=True),
+        GrammarSpec.json_schema(schema),
         GrammarSpec(GrammarKind.REGEX, r"[0-9]{2}-[a-c]{3}"),
         GrammarSpec(GrammarKind.CHOICE, json.dumps(["alpha", "beta"])),
     ]

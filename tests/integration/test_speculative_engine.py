@@ -149,7 +149,7 @@ def test_a_grammar_holds_through_drafts(engine: DecodeEngine, model_dir: Path) -
         "required": ["ok", "n"],
         "additionalProperties": False,
     }
-    grammar = GrammarSpec.json_schema(schema, compact=True)
+    grammar = GrammarSpec.json_schema(schema)
     params = [
         SamplingParams(max_tokens=60, temperature=t, seed=s, grammar=grammar)
         for t, s in ((0.0, None), (0.8, 4))

@@ -67,6 +67,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_prefill(args: argparse.Namespace) -> int:
     import torch
 
+    from common.sampling.grammar_limits import GrammarLimits
     from services.prefill.group.config import prefill_group_config
     from services.prefill.service import serve_prefill
     from services.prefill.threads import PrefillThreads
@@ -102,6 +103,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
         group=group,
         mtp=s.speculative == "mtp",
+        grammar_limits=GrammarLimits.from_settings(s),
     )
 
 

@@ -28,6 +28,7 @@ from common.sampling.grammar import (
     allowed_tokens,
     new_bitmask,
 )
+from common.sampling.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from common.sampling.logits import LogitsContext, TokenHistory
 from common.sampling.params import SamplingParams
 
@@ -36,7 +37,13 @@ from common.sampling.params import SamplingParams
 class SequenceControls:
     matcher: GrammarMatcher | None = None  # a structured output's grammar state
     history_row: int = 0  # the sequence's TokenHistory row (0: no penalties)
-    failed: str = ""  # the grammar rejected a sampled token (never expected: it is masked)
+    # Why its grammar cannot go on (its parser stopped at a limit, or rejected a token): the
+    # request's own failure, which ends the choice without the token sampled for it.
+    failed: str = ""
+
+    @property
+    def failure(self) -> str:
+        return f"structured output: {self.failed}"
 
 
 class StepControls:
@@ -47,12 +54,15 @@ class StepControls:
         eos_token_ids: Collection[int],
         max_batch: int,
         device: torch.device,
+        limits: GrammarLimits = DEFAULT_LIMITS,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.history = TokenHistory(vocab_size, device)
-        self.grammars = GrammarCompiler.from_model_dir(model_dir, vocab_size, sorted(eos_token_ids))
+        self.grammars = GrammarCompiler.from_model_dir(
+            model_dir, vocab_size, sorted(eos_token_ids), limits
+        )
         words = self.grammars.mask_words if self.grammars else 1
         self._bitmask = new_bitmask(max_batch, words, pin=device.type == "cuda")
 
@@ -120,8 +130,11 @@ class StepControls:
             mask = self._bitmask[: sum(sizes)]
             mask.fill_(-1)
             for s, start, d in zip(seqs, starts, drafts, strict=True):
-                if s.matcher is not None:
-                    _fill_rows(s.matcher, d, mask[start : start + 1 + len(d)])
+                if s.matcher is not None and not s.failed:
+                    try:
+                        _fill_rows(s.matcher, d, mask[start : start + 1 + len(d)])
+                    except GrammarError as exc:  # its rows' samples are never sent
+                        s.failed = str(exc)
             allowed = allowed_tokens(mask.to(self.device, non_blocking=True), self.vocab_size)
         num_generated = [g + j for g, n in zip(generated, sizes, strict=True) for j in range(n)]
         return LogitsContext(num_generated, self.eos_token_ids, counts, prompt_mask, allowed)
@@ -135,8 +148,8 @@ class StepControls:
                 to_device([t for _, t in tracked], self.device),
             )
         for s, t in zip(seqs, tokens, strict=True):
-            if s.matcher is not None and not s.matcher.accept(t):
-                s.failed = s.failed or s.matcher.error or f"token {t} rejected"
+            if s.matcher is not None and not s.failed and not s.matcher.accept(t):
+                s.failed = s.matcher.error or f"token {t} is not allowed by the grammar"
 
 
 def _fill_rows(matcher: GrammarMatcher, drafts: Sequence[int], mask: Tensor) -> None:

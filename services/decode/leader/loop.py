@@ -100,8 +100,7 @@ class LeaderLoop:
         except BaseException as exc:  # a rank died or a collective timed out
             self.error = exc
         finally:
-            reason = f"error: {self.error}" if self.error else "error: decode engine shut down"
-            self.step.end_all(reason)
+            self.step.end_all(str(self.error) if self.error else "decode engine shut down")
             self._fail_pending_commands()
             if dist.is_initialized():
                 with contextlib.suppress(Exception):

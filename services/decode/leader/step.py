@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from common.messages import ResumedChoice, TokenEvent
+from common.messages import FailureScope, ResumedChoice, TokenEvent
 from common.runtime.host_syncs import HostSyncCounter, host_side
 from common.runtime.transfers import to_device, to_host
 from common.sampling.grammar import GrammarMatcher
@@ -64,7 +64,7 @@ class DecodeStep:
         self.live: dict[str, LiveChoice] = {}
         vocab_size = runtime.model.config.vocab_size
         self.controls = StepControls(
-            cfg.model, vocab_size, eos_token_ids, cfg.max_batch, runtime.device
+            cfg.model, vocab_size, eos_token_ids, cfg.max_batch, runtime.device, cfg.grammar_limits
         )
         # Rank k's logits are padded to a common width for the gather; these columns of the
         # gathered row are the real vocabulary, in order (None: the first vocab_size, when
@@ -135,7 +135,7 @@ class DecodeStep:
             if reason is not None:
                 self.scheduler.finish(seq.seq_id)
                 self.drop(seq.seq_id)
-                live.stream.put(TokenEvent(None, reason, index=live.choice))
+                live.stream.put(_event(live, None, reason))
 
     def run(self, batch: list[DecodeSequence]) -> None:
         """One step of every running sequence: each one's next token, or with drafts the
@@ -199,7 +199,7 @@ class DecodeStep:
                     self.scheduler.append(seq.seq_id, tok.token_id, finished=False)
                     continue
                 logits_row = kept[start + i].clone() if kept is not None else None
-                events.append(TokenEvent(tok, reason, logits_row, live.choice, *spec))
+                events.append(_event(live, tok, reason, logits_row, spec))
                 spec = (0, 0)
                 self.scheduler.append(seq.seq_id, tok.token_id, finished=reason is not None)
                 if reason is not None:
@@ -267,13 +267,12 @@ class DecodeStep:
     def finish_reason(
         self, live: LiveChoice, token: int, generated: int, max_tokens: int
     ) -> str | None:
-        """Why `token`, a choice's `generated`-th, ends it: a stop token, "length" at the
-        `max_tokens` its blocks were reserved for, a structured output the grammar rejected;
-        None while it goes on."""
-        reason = live.params.finish_reason(token, generated, self.eos_token_ids, max_tokens)
-        if reason is None and live.controls.failed:
-            reason = f"error: structured output: {live.controls.failed}"
-        return reason
+        """Why `token`, a choice's `generated`-th, ends it: a structured output the grammar
+        could not go on with (the request's own failure), a stop token, "length" at the
+        `max_tokens` its blocks were reserved for; None while it goes on."""
+        if live.controls.failed:  # before a stop token: the token is outside the grammar
+            return f"error: {live.controls.failure}"
+        return live.params.finish_reason(token, generated, self.eos_token_ids, max_tokens)
 
     def abort(self, request_id: str, choices: frozenset[int] | None) -> bool:
         """End the request's live choices (only `choices`, the request's indices, when
@@ -304,10 +303,11 @@ class DecodeStep:
             self.controls.release(live.controls)
         return live
 
-    def end_all(self, reason: str) -> None:
-        """Every live choice ends with `reason`: no stream may wait forever."""
+    def end_all(self, message: str) -> None:
+        """Every live choice ends with the group's failure `message`: no stream may wait
+        forever."""
         for live in self.live.values():
-            live.stream.put(TokenEvent(None, reason, index=live.choice))
+            live.stream.put(TokenEvent.failed(FailureScope.GROUP, message, live.choice))
         self.live.clear()
 
     def _mtp(self, lives: list[LiveChoice], rows: StepRows) -> MtpPlan | None:
@@ -436,3 +436,17 @@ def _replay(lives: list[LiveChoice], runs: list[list[SampledToken]]) -> None:
     for row, live in enumerate(lives):
         if live.replay:
             runs[row] = [SampledToken(live.replay.popleft(), 0.0)]
+
+
+def _event(
+    live: LiveChoice,
+    token: SampledToken | None,
+    reason: str | None,
+    logits: Tensor | None = None,
+    spec: tuple[int, int] = (0, 0),
+) -> TokenEvent:
+    """The choice's event for `token`. A choice whose grammar failed ends without its token,
+    which the grammar did not allow (it is never sent), as the request's own failure."""
+    if live.controls.failed:
+        return TokenEvent.failed(FailureScope.REQUEST, live.controls.failure, live.choice)
+    return TokenEvent(token, reason, logits, live.choice, *spec)

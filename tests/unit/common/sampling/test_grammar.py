@@ -14,10 +14,12 @@ from common.sampling.grammar import (
     GrammarError,
     GrammarKind,
     GrammarSpec,
+    JsonWhitespace,
     allowed_now,
     allowed_tokens,
     new_bitmask,
 )
+from common.sampling.grammar_limits import GrammarLimits
 from common.text.tokenizer import Tokenizer
 from tests.tiny import CORPUS, train_tokenizer
 
@@ -118,3 +120,49 @@ def test_cache_is_lru_and_bad_specs_name_the_problem(tokenizer) -> None:
         compiler.compile(GrammarSpec(GrammarKind.CHOICE, "[1]"))
     with pytest.raises(GrammarError, match="grammar"):
         compiler.compile(GrammarSpec(GrammarKind.GRAMMAR, "start: undefined_rule"))
+
+
+# An ambiguous grammar: its parser's work per token grows with the tokens it has read.
+AMBIGUOUS = GrammarSpec(GrammarKind.GRAMMAR, 'start: s\ns: s s | "a" | "b"\n')
+
+
+def test_a_grammar_past_its_limits_stops_with_an_error_never_a_free_mask(tokenizer) -> None:
+    tok, path = tokenizer
+    text = (path / "tokenizer.json").read_text()
+    strict = GrammarCompiler(text, tok.vocab_size, [EOS], GrammarLimits(step_max_items=100))
+    m = strict.matcher(AMBIGUOUS)
+    row = new_bitmask(1, strict.mask_words)[0]
+    (a,) = tok.encode("a")
+    with pytest.raises(GrammarError, match=r"cannot go on: .*Too many items"):
+        for _ in range(100):
+            m.fill(row)
+            assert m.accept(a)
+    assert m.error  # it stays stopped: every later mask raises too
+    with pytest.raises(GrammarError):
+        m.fill(row)
+    # The same grammar under the default limits goes on past that point.
+    m = _compiler(tokenizer).matcher(AMBIGUOUS)
+    for _ in range(30):
+        m.fill(row)
+        assert m.accept(a)
+
+
+def test_json_whitespace_is_bounded_by_default(tokenizer) -> None:
+    tok, _ = tokenizer
+    compiler = _compiler(tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def takes(spec: GrammarSpec, text: str) -> bool:
+        m = compiler.matcher(spec)
+        return all(m.accept(t) for t in tok.encode(text))
+
+    compact = GrammarSpec.json_schema(schema)
+    assert compact == GrammarSpec.json_schema(schema, JsonWhitespace.COMPACT)
+    assert takes(compact, '{"a":1}') and takes(compact, '{"a": 1}')
+    assert not takes(compact, '{"a":  1}') and not takes(compact, '{\n"a": 1}')
+    bounded = GrammarSpec.json_schema(schema, JsonWhitespace.BOUNDED)
+    assert takes(bounded, '{\n    "a": 1\n}')
+    assert not takes(bounded, "{" + " " * 17 + '"a": 1}')
+    # A schema's own whitespace option does not lift the bound.
+    loose = {**schema, "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": None}}
+    assert not takes(GrammarSpec.json_schema(loose), '{\n"a": 1}')

@@ -23,7 +23,7 @@ def test_draft_rows_are_the_plain_contexts_after_the_drafts(tmp_path: Path) -> N
     tok = Tokenizer.from_dir(tmp_path)
     controls = StepControls(str(tmp_path), V, {1}, 16, torch.device("cpu"))
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    grammar = GrammarSpec.json_schema(schema, compact=True)
+    grammar = GrammarSpec.json_schema(schema)
     penalized = SamplingParams(frequency_penalty=1.0, min_tokens=4, grammar=grammar)
     plain = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.3)
     text = tok.encode('{"a":12}')
