@@ -1,21 +1,25 @@
 """`make soak`: mixed load on the local stack with periodic worker kills; writes a report.
 
     .venv/bin/python loadtest/soak.py [--duration 600] [--kill-every 60] [--users 6]
-        [--model models/demo] [--out benchmarks/soak]
+        [--mix plain|chaos] [--model models/demo] [--out benchmarks/soak]
 
 Starts `tpla serve` (two decode groups, two prefill workers, embedded Redis) on free loopback
-ports, runs `--users` client threads that each send one request after another — streaming
-or not, short or long prompts, 16–128 new tokens — and every `--kill-every` seconds kill -9s
-one process in turn: a decode follower rank, a prefill worker, a decode leader. Every 10 s it
+ports, runs `--users` client threads that each send one request after another of the mix
+(loadtest/mix.py: `plain` chat turns, or the `chaos` mix of n > 1, structured outputs, named
+tools and shared system prompts), and every `--kill-every` seconds (0: never) kill -9s one
+process in turn: a decode follower rank, a prefill worker, a decode leader. Every 10 s it
 records each process's RSS. When the time is up the load stops, the stack gets up to 2
 minutes to recover, and the report counts:
 
     sent / completed / failed (a clean error: an OpenAI error body, or an SSE error event
-    followed by [DONE]) / lost (no answer within the client timeout, a dropped connection,
-    a stream without [DONE]) and leaked KV blocks (in use on a decode leader once idle).
+    followed by [DONE]; 503s among them counted apart) / lost (no answer within the client
+    timeout, a dropped connection, a stream without [DONE]) / invalid (a structured answer
+    that finished with "stop" but does not validate) and leaked KV blocks (in use on a
+    decode leader once idle).
 
-Writes OUT.json and OUT.md (and OUT_rss.png). Exits non-zero when lost > 0 or leaked > 0.
-Every client request has a hard timeout and the run a fixed duration: it always ends.
+Writes OUT.json and OUT.md (and OUT_rss.png). Exits non-zero when lost, invalid or leaked
+is above 0. Every client request has a hard timeout and the run a fixed duration: it always
+ends.
 """
 
 from __future__ import annotations
@@ -39,16 +43,13 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from loadtest.mix import MIXES, send  # noqa: E402
 from tools.local_stack import LocalStack  # noqa: E402
 
 CLIENT_TIMEOUT_S = 120.0
 RSS_EVERY_S = 10.0
 RECOVER_TIMEOUT_S = 120.0
 VICTIMS = ("decode-follower", "prefill", "decode-leader")
-SHORT = "Write a Python function that adds two numbers."
-LONG = " ".join(
-    f"def helper_{i}(x):\n    return x * {i} + {i * i}  # keep this in mind\n" for i in range(40)
-)
 
 
 @dataclass
@@ -63,52 +64,22 @@ class Tally:
             self.counts[outcome] += 1
             if outcome == "failed":
                 self.errors[detail[:80]] += 1
-            if outcome == "lost" and len(self.lost_examples) < 10:
-                self.lost_examples.append(detail[:200])
+            if outcome in ("lost", "invalid") and len(self.lost_examples) < 10:
+                self.lost_examples.append(f"{outcome}: {detail[:300]}")
 
 
-def one_request(url: str, rng: random.Random, model: str) -> tuple[str, str]:
-    """(outcome, detail) of one request: completed | failed | lost."""
-    stream = rng.random() < 0.6
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": LONG if rng.random() < 0.3 else SHORT}],
-        "max_tokens": rng.randint(16, 128),
-        "temperature": rng.choice([0.0, 0.7]),
-        "stream": stream,
-    }
-    try:
-        if not stream:
-            resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S)
-            if resp.status_code == 200:
-                return "completed", ""
-            return "failed", f"{resp.status_code} {resp.json()['error']['message']}"
-        with httpx.stream(
-            "POST", f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S
-        ) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                return "failed", f"{resp.status_code} {resp.json()['error']['message']}"
-            error, done = None, False
-            for line in resp.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: ") and '"error"' in line[:20]:
-                    error = json.loads(line[6:])["error"]["message"]
-            if not done:
-                return "lost", "stream ended without [DONE]"
-            return ("failed", f"sse {error}") if error else ("completed", "")
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        return "lost", f"{type(exc).__name__}: {exc}"
-
-
-def user(url: str, model: str, seed: int, stop: threading.Event, tally: Tally) -> None:
+def user(url: str, mix: str, model: str, seed: int, stop: threading.Event, tally: Tally) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
         tally.add("sent")
-        outcome, detail = one_request(url, rng, model)
-        tally.add(outcome, detail)
-        if outcome == "failed":
+        req = MIXES[mix](rng, model)
+        answer = send(url, req, CLIENT_TIMEOUT_S)
+        tally.add(answer.outcome, f"{answer.status} {answer.detail}")
+        if answer.status == 503:
+            tally.add("unavailable")
+        if bad := answer.invalid(req):
+            tally.add("invalid", f"{req.body} -> {bad}")
+        if answer.outcome == "failed":
             time.sleep(0.5)  # a client backs off after an error
 
 
@@ -185,12 +156,14 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     try:
         threads = [
-            threading.Thread(target=user, args=(stack.url, model_name, i, stop, tally))
+            threading.Thread(target=user, args=(stack.url, args.mix, model_name, i, stop, tally))
             for i in range(args.users)
         ]
         for t in threads:
             t.start()
-        next_kill, next_rss, turn = t0 + args.kill_every, t0, 0
+        never = float("inf")
+        next_kill = t0 + args.kill_every if args.kill_every > 0 else never
+        next_rss, turn = t0, 0
         while (now := time.monotonic()) < t0 + args.duration:
             if now >= next_rss:
                 rss.append(sample_rss(stack, t0))
@@ -225,11 +198,14 @@ def run(args: argparse.Namespace) -> dict:
         "duration_s": args.duration,
         "kill_every_s": args.kill_every,
         "users": args.users,
+        "mix": args.mix,
         "model": os.path.relpath(args.model, ROOT),
         "machine": f"{os.cpu_count()} cores, CPU only",
         "sent": c["sent"],
         "completed": c["completed"],
         "failed": c["failed"],
+        "unavailable": c["unavailable"],
+        "invalid": c["invalid"],
         "lost": c["lost"] + hung,
         "leaked_blocks": leaked,
         "recovered": recovered,
@@ -262,7 +238,9 @@ def write_report(report: dict, out: Path) -> None:
             "sent",
             "completed",
             "failed (clean error)",
+            "of them 503",
             "**lost**",
+            "**invalid**",
             "**leaked KV blocks**",
             "migrations",
             "recovered",
@@ -271,7 +249,9 @@ def write_report(report: dict, out: Path) -> None:
             report["sent"],
             report["completed"],
             report["failed"],
+            report["unavailable"],
             f"**{report['lost']}**",
+            f"**{report['invalid']}**",
             f"**{report['leaked_blocks']}**",
             f"{report['migrations']:.0f}",
             report["recovered"],
@@ -281,14 +261,15 @@ def write_report(report: dict, out: Path) -> None:
     out.with_suffix(".md").write_text(
         f"""# Soak: mixed load with periodic worker kills
 
-Command: `make soak` (= `.venv/bin/python loadtest/soak.py --duration {report["duration_s"]:g}
---kill-every {report["kill_every_s"]:g} --users {report["users"]}`), {report["date"]},
+Command: `.venv/bin/python loadtest/soak.py --duration {report["duration_s"]:g}
+--kill-every {report["kill_every_s"]:g} --users {report["users"]} --mix {report["mix"]}`
+(`make soak`: 600 s, 60 s, 6 users, plain), {report["date"]},
 {report["machine"]}, model `{report["model"]}`: 2 decode groups (TPLA tp=2 r=2) + 2 prefill
 workers + router + embedded Redis, all on this machine.
 
 {table}
 
-Kills (kill -9, one every {report["kill_every_s"]:g} s): {dict(kills)}.
+Kills (kill -9, one every {report["kill_every_s"]:g} s; 0: none): {dict(kills)}.
 
 Clean errors seen (most common first):
 {errors}
@@ -326,16 +307,17 @@ Full time series in `{out.with_suffix(".json").name}`; plot in `{out.name}_rss.p
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--duration", type=float, default=600.0)
-    ap.add_argument("--kill-every", type=float, default=60.0)
+    ap.add_argument("--kill-every", type=float, default=60.0, help="0: no kills")
+    ap.add_argument("--mix", choices=sorted(MIXES), default="plain")
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--model", default=str(ROOT / "models" / "demo"))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "soak")
     args = ap.parse_args()
     report = run(args)
     write_report(report, args.out)
-    summary = {k: report[k] for k in ("sent", "completed", "failed", "lost", "leaked_blocks")}
-    print(json.dumps(summary), flush=True)
-    return 0 if report["lost"] == 0 and report["leaked_blocks"] == 0 else 1
+    keys = ("sent", "completed", "failed", "unavailable", "invalid", "lost", "leaked_blocks")
+    print(json.dumps({k: report[k] for k in keys}), flush=True)
+    return 0 if report["lost"] == report["invalid"] == report["leaked_blocks"] == 0 else 1
 
 
 if __name__ == "__main__":
