@@ -304,8 +304,7 @@ class DecodeStep:
         return live
 
     def end_all(self, message: str) -> None:
-        """Every live choice ends with the group's failure `message`: no stream may wait
-        forever."""
+        """Every live choice ends with the group's failure `message`: no stream waits forever."""
         for live in self.live.values():
             live.stream.put(TokenEvent.failed(FailureScope.GROUP, message, live.choice))
         self.live.clear()
@@ -445,8 +444,7 @@ def _event(
     logits: Tensor | None = None,
     spec: tuple[int, int] = (0, 0),
 ) -> TokenEvent:
-    """The choice's event for `token`. A choice whose grammar failed ends without its token,
-    which the grammar did not allow (it is never sent), as the request's own failure."""
+    """The choice's event for `token`; one whose grammar failed ends without it (never sent)."""
     if live.controls.failed:
         return TokenEvent.failed(FailureScope.REQUEST, live.controls.failure, live.choice)
     return TokenEvent(token, reason, logits, live.choice, *spec)
