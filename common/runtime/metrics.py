@@ -1,6 +1,7 @@
 """Worker-side Prometheus metrics (prefix `tpla:`); the router defines the client-facing ones.
 
-Each worker serves its own registry over HTTP on its gRPC port + METRICS_PORT_OFFSET.
+Each worker serves its own registry over HTTP on its gRPC port + METRICS_PORT_OFFSET
+(common/runtime/ports.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-METRICS_PORT_OFFSET = 1000
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 

@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from common.runtime.metrics import METRICS_PORT_OFFSET
-from common.runtime.settings import TORCH_PORT_OFFSET
-
 if TYPE_CHECKING:
     import grpc
+
+# The ports a service derives from the ones it is given, here and nowhere else.
+# A worker serves its Prometheus metrics on its gRPC port + METRICS_PORT_OFFSET.
+METRICS_PORT_OFFSET = 1000
+# Decode rank k receives KV over gRPC on kv_port_base + k and, for the torch transport, serves
+# a TCPStore on kv_port_base + TORCH_PORT_OFFSET + k.
+TORCH_PORT_OFFSET = 100
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -5,10 +5,6 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# A decode rank k receives KV over gRPC on kv_port_base + k and, for the torch transport,
-# serves a TCPStore on kv_port_base + TORCH_PORT_OFFSET + k.
-TORCH_PORT_OFFSET = 100
-
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TPLA_", extra="ignore")
@@ -136,8 +132,8 @@ class Settings(BaseSettings):
     spec_max_batch: int = Field(
         4,
         ge=1,
-        description="no speculation in a decode step of more sequences than this (at 16 "
-        "streams mtp fell to 0.81-0.96x speculating, 0.97-1.09x with this cut-off at 4)",
+        description="no speculation in a decode step of more sequences than this: drafts pay "
+        "where a step costs its overhead, not its rows (benchmarks/speculative.md)",
     )
     lease_seconds: float = Field(
         30.0,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from common.group.spec import parse_group_addr
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
-from common.runtime.settings import TORCH_PORT_OFFSET, Settings
+from common.runtime.ports import TORCH_PORT_OFFSET
+from common.runtime.settings import Settings
 from common.sampling.grammar_limits import GrammarLimits
 
 

@@ -55,7 +55,7 @@ from services.router.openapi import document_responses
 from services.router.pipeline import Pipeline
 from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Done, GenerationRequest, Output
-from services.router.responses import DONE_LINE, sse_error
+from services.router.body_parts import DONE_LINE, sse_error
 from services.router.worker_health import WorkerHealth
 from services.router.workers import WorkerDirectory
 

@@ -29,7 +29,7 @@ from services.router.response_schemas import (
     TopLogprobOut,
     Usage,
 )
-from services.router.responses import Choices, sse, total_usage
+from services.router.body_parts import Choices, sse, total_usage
 from services.router.text import TokenLogprob
 from services.router.tools import ToolCalling, parse
 

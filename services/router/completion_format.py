@@ -17,7 +17,7 @@ from services.router.response_schemas import (
     CompletionResponse,
     Usage,
 )
-from services.router.responses import Choices, sse, total_usage
+from services.router.body_parts import Choices, sse, total_usage
 from services.router.text import TokenLogprob
 
 

@@ -29,8 +29,9 @@ import httpx
 
 from common.rpc.server import stop_on_signals
 from common.runtime import group_files
-from common.runtime.metrics import METRICS_PORT_OFFSET
 from common.runtime.ports import (
+    METRICS_PORT_OFFSET,
+    TORCH_PORT_OFFSET,
     PortUse,
     check_ports,
     decode_group_ports,
@@ -39,7 +40,7 @@ from common.runtime.ports import (
     router_port,
     wait_ready,
 )
-from common.runtime.settings import TORCH_PORT_OFFSET, Settings
+from common.runtime.settings import Settings
 from services.stack.devices import StackDevices
 from services.stack.embedded_redis import EmbeddedRedis
 

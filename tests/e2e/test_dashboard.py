@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 
-from common.runtime.metrics import METRICS_PORT_OFFSET
+from common.runtime.ports import METRICS_PORT_OFFSET
 from tests.stack import MODEL_NAME
 from tools.grafana.dashboard import dashboard, exprs, variable_queries
 from tools.grafana.promql import exported_series, unknown_names, variable_metric_names

@@ -238,7 +238,7 @@ def test_worker_metrics_parse(stack) -> None:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from common.runtime.metrics import METRICS_PORT_OFFSET
+    from common.runtime.ports import METRICS_PORT_OFFSET
 
     _, decode_addr, prefills, _ = stack
 

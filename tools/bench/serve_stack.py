@@ -70,7 +70,7 @@ def spec_counts(url: str) -> tuple[float, float]:
     """The stack's decode leader's drafts fed and kept so far (its metrics endpoint)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from common.runtime.metrics import METRICS_PORT_OFFSET
+    from common.runtime.ports import METRICS_PORT_OFFSET
 
     workers = httpx.get(f"{url}/admin/workers", timeout=10).json()
     leader = next(w for w in workers if w["role"] == "decode" and w["rank"] == 0)
