@@ -40,12 +40,10 @@ def end_process(code: int) -> NoReturn:
     complete, and freeing a work that holds a Python-owned tensor takes the GIL. When the
     main thread reaches the interpreter's teardown first, that thread meets a finalizing
     interpreter in `take_gil`, which ends the thread by unwinding through a `noexcept`
-    destructor: `terminate called without an active exception`, SIGABRT (a core of a test
-    rank showed it: `~AsyncBarrierWork` -> tensor decref -> `PyThread_exit_thread`). A clean
-    end became a crash its supervisor reports: 2 in 30 runs of a test whose ranks exit right
-    after `barrier(); destroy_process_group()` (tests/integration/test_prefill_rank.py).
-    Nothing is left to clean up here: the rank has ended its group, closed its senders and
-    flushed its output."""
+    destructor: `terminate called without an active exception`, SIGABRT (`~AsyncBarrierWork`
+    -> tensor decref -> `PyThread_exit_thread`), so a clean end would become a crash its
+    supervisor reports. Nothing is left to clean up here: the rank has ended its group,
+    closed its senders and flushed its output."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -3,8 +3,8 @@ MoE layer's routed experts for a few tokens, behind checked calls that fall back
 
 `linear` is `F.linear` (no bias), `mlp` is `MLP.forward` and `moe_experts` is the expert loop
 of `MoE.forward`; all run natively only where the kernel wins and is safe: fp32 contiguous
-CPU tensors, no autograd, few rows (BLAS is as fast from ~16 rows of a linear up, measured per
-product on the development VM). Anything else takes the PyTorch path: `linear` and `mlp` run
+CPU tensors, no autograd, few rows (BLAS is as fast from ~16 rows of a linear up:
+benchmarks/decode_step.md). Anything else takes the PyTorch path: `linear` and `mlp` run
 it themselves; `moe_experts` returns None and its caller runs the model's expert loop, whose
 module this package does not import.
 """
@@ -20,9 +20,9 @@ from torch import Tensor
 
 from common.native.library import load_optional
 
-# Rows up to which the native linear beats BLAS on the development VM (1.6-2x at 2-4 rows,
-# 1.2-1.5x at 1 and 8, even at 16). A MoE layer's experts each see ~rows * k / E of its rows,
-# so its bound is higher.
+# Rows up to which the native linear beats BLAS (benchmarks/decode_step.md, "native
+# decode-sized linears"). A MoE layer's experts each see ~rows * k / E of its rows, so its
+# bound is higher.
 MAX_LINEAR_ROWS = 8
 MAX_MOE_ROWS = 64
 

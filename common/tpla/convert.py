@@ -365,22 +365,7 @@ def convert_checkpoint(
     for file in checkpoint_files(src):
         with safe_open(str(file), framework="pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        if dtype is not None:
-            # Cast before rotating, so R is applied in float64 and rounded once, to `dtype`.
-            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        for i, r in rotations.items():
-            names = [
-                _ATTN.format(i) + n
-                for n in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight")
-            ]
-            present = [n in tensors for n in names]
-            if not any(present):
-                continue
-            if not all(present):
-                raise SideFileError(f"layer {i}'s latent tensors are split across shard files")
-            a, g, b = reparameterized_weights(*(tensors[n] for n in names), r)
-            rounded |= a.dtype in (torch.bfloat16, torch.float16)
-            tensors.update(zip(names, (a, g, b), strict=True))
+        rounded |= _rotate_shard(tensors, rotations, dtype)
         for i in rotations:
             name = _ATTN.format(i) + "kv_a_proj_with_mqa.weight"
             if name in tensors:
@@ -415,6 +400,32 @@ def convert_checkpoint(
     )
     save_side_file(out / side_file_name(side.method), converted)
     return converted
+
+
+def _rotate_shard(
+    tensors: dict[str, Tensor], rotations: dict[int, Tensor], dtype: torch.dtype | None
+) -> bool:
+    """One shard file's tensors, in place: cast to `dtype` (when given) and each layer's three
+    latent tensors reparameterized by its rotation. Whether a rotated weight was rounded to a
+    16-bit dtype."""
+    if dtype is not None:
+        # Cast before rotating, so R is applied in float64 and rounded once, to `dtype`.
+        tensors.update({k: v.to(dtype) for k, v in tensors.items() if v.is_floating_point()})
+    rounded = False
+    for i, r in rotations.items():
+        names = [
+            _ATTN.format(i) + n
+            for n in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight")
+        ]
+        present = [n in tensors for n in names]
+        if not any(present):
+            continue
+        if not all(present):
+            raise SideFileError(f"layer {i}'s latent tensors are split across shard files")
+        a, g, b = reparameterized_weights(*(tensors[n] for n in names), r)
+        rounded |= a.dtype in (torch.bfloat16, torch.float16)
+        tensors.update(zip(names, (a, g, b), strict=True))
+    return rounded
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:

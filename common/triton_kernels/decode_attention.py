@@ -320,23 +320,7 @@ def paged_decode_attention(
     under TRITON_INTERPRET=1; anything else is an error, never a silent fallback.
     """
     _check(q, kv, block_ids, lengths, block_size, rope_width)
-    if num_splits is not None and not 1 <= num_splits <= MAX_GRID_Z:
-        raise ValueError(f"num_splits must lie in [1, {MAX_GRID_Z}], got {num_splits}")
-    if not triton_installed():
-        raise RuntimeError("the Triton decode kernel needs triton (pip install triton)")
-    if not q.is_cuda and not interpreting():
-        raise ValueError(
-            f"the Triton decode kernel runs on CUDA tensors, not {q.device} "
-            "(set TRITON_INTERPRET=1 to run Triton's interpreter on the CPU)"
-        )
-    if q.is_cuda == interpreted_import():
-        raise RuntimeError(
-            "triton was imported under TRITON_INTERPRET=1, so this process cannot run compiled "
-            "kernels on CUDA tensors"
-            if q.is_cuda
-            else "Triton's interpreter needs TRITON_INTERPRET=1 set before triton is first "
-            "imported in the process"
-        )
+    _check_runnable(q, num_splits)
     batch, heads, cols = q.shape
     width = cols - rope_width
     u = q.new_empty(batch, heads, width)
@@ -346,8 +330,7 @@ def paged_decode_attention(
     tiles = choose_tiles(heads, width, rope_width, q.dtype)
     head_tiles = math.ceil(heads / tiles.block_h)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        num_splits = choose_num_splits(batch, head_tiles, block_ids.shape[1] * block_size, sms)
+        num_splits = _num_splits(q, head_tiles, block_ids.shape[1] * block_size)
     # The index tensors are [B, nb] and [B]: contiguous() is a no-op for the engine's own.
     q, block_ids, lengths = q.contiguous(), block_ids.contiguous(), lengths.contiguous()
     part_o = torch.empty(batch, heads, num_splits, width, dtype=torch.float32, device=q.device)
@@ -394,6 +377,33 @@ def paged_decode_attention(
             enable_fp_fusion=True,
         )
     return u, lse
+
+
+def _num_splits(q: Tensor, head_tiles: int, width_tokens: int) -> int:
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    return choose_num_splits(q.shape[0], head_tiles, width_tokens, sms)
+
+
+def _check_runnable(q: Tensor, num_splits: int | None) -> None:
+    """The kernel can run on q's device in this process (compiled on CUDA, or interpreted on
+    the CPU) with `num_splits`, else the error that says why."""
+    if num_splits is not None and not 1 <= num_splits <= MAX_GRID_Z:
+        raise ValueError(f"num_splits must lie in [1, {MAX_GRID_Z}], got {num_splits}")
+    if not triton_installed():
+        raise RuntimeError("the Triton decode kernel needs triton (pip install triton)")
+    if not q.is_cuda and not interpreting():
+        raise ValueError(
+            f"the Triton decode kernel runs on CUDA tensors, not {q.device} "
+            "(set TRITON_INTERPRET=1 to run Triton's interpreter on the CPU)"
+        )
+    if q.is_cuda == interpreted_import():
+        raise RuntimeError(
+            "triton was imported under TRITON_INTERPRET=1, so this process cannot run compiled "
+            "kernels on CUDA tensors"
+            if q.is_cuda
+            else "Triton's interpreter needs TRITON_INTERPRET=1 set before triton is first "
+            "imported in the process"
+        )
 
 
 def paged_decode_attention_reference(

@@ -186,15 +186,8 @@ class Decoding:
                             f"request exceeded {self.config.request_timeout_s:g} s"
                         )
             raise GroupFailed(GroupFault.CUT, "the decode stream ended without a finish reason")
-        except TimeoutError:
-            error = GroupFailed(
-                GroupFault.STALLED,
-                f"decode group {run.group.group_id} sent nothing for "
-                f"{self.config.token_timeout_s:g} s",
-            )
-            raise error from None
-        except Unavailable as exc:  # the call failed: the group is gone or unreachable
-            error = group_failure(exc, GroupFault.UNREACHABLE)
+        except (TimeoutError, Unavailable) as exc:
+            error = self._stream_failure(run, exc)
             if error is exc:
                 raise
             raise error from exc
@@ -204,6 +197,18 @@ class Decoding:
         finally:
             done = {"tpla.tokens": tokens, "tpla.migrations": run.migrations}
             spans.end(span, done, error=error)
+
+    def _stream_failure(self, run: Run, exc: TimeoutError | Unavailable) -> GroupFailed:
+        """The group's failure a Generate stream ended with: it sent nothing for
+        token_timeout_s, or the call failed (the group is gone or unreachable)."""
+        if isinstance(exc, TimeoutError):
+            assert run.group is not None
+            return GroupFailed(
+                GroupFault.STALLED,
+                f"decode group {run.group.group_id} sent nothing for "
+                f"{self.config.token_timeout_s:g} s",
+            )
+        return group_failure(exc, GroupFault.UNREACHABLE)
 
     def _may_migrate(self, run: Run, generated: list[list[int]], failure: GroupFailed) -> bool:
         live = _live(run)

@@ -15,6 +15,7 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Request sizes in tokens, powers of two: a performance profile is indexed by prompt length.
 _LENGTH_BUCKETS = tuple(float(2**k) for k in range(18))  # 1 .. 131072
+_LABELS = ["model_name"]
 
 
 class Outcome(enum.Enum):
@@ -29,104 +30,77 @@ class RouterMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
         self._model = model_name
-        self.ttft = Histogram(
+        self.ttft = self._histogram(
             "tpla:time_to_first_token_seconds",
             "Time from request arrival to the first token (prefill returned).",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=self.registry,
+            _TTFT_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = self._histogram(
             "tpla:inter_token_latency_seconds",
             "Time between consecutive generated tokens.",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
+            _ITL_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = self._histogram(
             "tpla:e2e_request_latency_seconds",
             "Time from request arrival to its last token.",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=self.registry,
+            _E2E_BUCKETS,
         )
         self.requests = Counter(
-            "tpla:requests",
-            "Requests by outcome.",
-            [*labels, "outcome"],
-            registry=self.registry,
+            "tpla:requests", "Requests by outcome.", [*_LABELS, "outcome"], registry=self.registry
         )
-        self.running = Gauge(
-            "tpla:num_requests_running",
-            "Requests admitted by this router and not yet finished.",
-            labels,
-            registry=self.registry,
+        self.running = self._gauge(
+            "tpla:num_requests_running", "Requests admitted by this router and not yet finished."
         )
-        self.waiting = Gauge(
-            "tpla:num_requests_waiting",
-            "Requests waiting in this router for an in-flight slot.",
-            labels,
-            registry=self.registry,
+        self.waiting = self._gauge(
+            "tpla:num_requests_waiting", "Requests waiting in this router for an in-flight slot."
         )
-        self.migrations = Counter(
-            "tpla:request_migrations",
-            "Streams moved to another decode group after theirs failed.",
-            labels,
-            registry=self.registry,
+        self.migrations = self._counter(
+            "tpla:request_migrations", "Streams moved to another decode group after theirs failed."
         )
-        self.prompt_tokens = Counter(
-            "tpla:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
-        )
-        self.generation_tokens = Counter(
-            "tpla:generation_tokens", "Tokens generated.", labels, registry=self.registry
-        )
-        self.request_prompt_tokens = Histogram(
+        self.prompt_tokens = self._counter("tpla:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = self._counter("tpla:generation_tokens", "Tokens generated.")
+        self.request_prompt_tokens = self._histogram(
             "tpla:request_prompt_tokens",
             "Prompt length of each finished request, in tokens.",
-            labels,
-            buckets=_LENGTH_BUCKETS,
-            registry=self.registry,
+            _LENGTH_BUCKETS,
         )
-        self.request_generation_tokens = Histogram(
+        self.request_generation_tokens = self._histogram(
             "tpla:request_generation_tokens",
             "Tokens generated for each finished request (all its choices).",
-            labels,
-            buckets=_LENGTH_BUCKETS,
-            registry=self.registry,
+            _LENGTH_BUCKETS,
         )
-        self.queue = Histogram(
+        self.queue = self._histogram(
             "tpla:request_queue_seconds",
             "Time a request waited in this router for an in-flight slot (0: none).",
-            labels,
-            buckets=_QUEUE_BUCKETS,
-            registry=self.registry,
+            _QUEUE_BUCKETS,
         )
         self.errors = Counter(
             "tpla:request_errors",
             "Failed requests by error type (the OpenAI error body's `type`).",
-            [*labels, "error_type"],
+            [*_LABELS, "error_type"],
             registry=self.registry,
         )
-        # Pre-create every series of the model (errors come by type) so that dashboards and the
-        # autoscaler see zeros instead of missing series on an idle router.
+        # Every series of the model exists from the start (errors come by type), so that
+        # dashboards and the autoscaler see zeros instead of missing series on an idle router.
         for outcome in Outcome:
             self.requests.labels(model_name, outcome.value)
-        for metric in (
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.running,
-            self.waiting,
-            self.migrations,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.request_prompt_tokens,
-            self.request_generation_tokens,
-            self.queue,
-        ):
-            metric.labels(model_name)
+
+    # The metrics labelled by the model alone, their series created with them.
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
+        metric.labels(self._model)
+        return metric
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        metric = Counter(name, doc, _LABELS, registry=self.registry)
+        metric.labels(self._model)
+        return metric
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        metric = Gauge(name, doc, _LABELS, registry=self.registry)
+        metric.labels(self._model)
+        return metric
 
     def outcome(self, outcome: Outcome, error_type: str = "") -> None:
         """A request's end; `error_type` (the OpenAI error body's `type`) when it failed."""

@@ -19,6 +19,7 @@ import anyio
 import redis
 from opentelemetry.trace import Span, SpanKind
 
+from common.messages import PrefillResult
 from common.runtime.errors import DeadlineExceeded, Overloaded, TplaError, Unavailable
 from common.runtime.redis_state import InvalidTransition, RequestLog, RequestState
 from common.runtime.spans import Parent, Spans, annotate, end, wall_ns
@@ -124,20 +125,7 @@ class Pipeline:
 
     async def _lifecycle(self, req: GenerationRequest, span: Span | None) -> AsyncIterator[Output]:
         run = Run(req, spans=self.spans, span=span)
-        try:
-            await self.requests.create(
-                req.request_id,
-                model=self.config.model,
-                prompt_tokens=len(req.prompt_ids),
-                max_tokens=req.params.max_tokens,
-                stream=int(req.stream),
-            )
-        except (redis.RedisError, OSError) as exc:
-            # Without its record a request could be lost without trace: refuse it instead.
-            self.metrics.outcome(Outcome.FAILED, Unavailable.error_type)
-            raise Unavailable(f"request store unavailable: {exc}") from exc
-        if self.config.log_prompts:
-            log.info("request %s prompt: %r", req.request_id, req.prompt_text)
+        await self._open_record(req)
         try:
             await self.placement.place(run, req.prompt_ids, req.params.max_tokens)
             yield Started(req.request_id)
@@ -152,17 +140,7 @@ class Pipeline:
                 yield Prompt(req.echo_text, self._prompt_logprobs(req, first.prompt_logprobs))
             assert run.reservation is not None
             cached = max(first.cached_tokens, run.reservation.cached_tokens)
-            texts = [
-                TextStream(
-                    self.tokenizer,
-                    req.prompt_ids,
-                    req.stops,
-                    req.params.stop_token_ids,
-                    self._token_text if req.want_logprobs else None,
-                    skip_special_tokens=not req.keep_special_tokens,
-                )
-                for _ in range(req.n)
-            ]
+            texts = [self._text_stream(req) for _ in range(req.n)]
             ended: dict[int, str] = {}
             if req.score_only:  # echo with max_tokens 0: the prompt's logprobs are the answer
                 await self.decoding.prefilled(run, first)
@@ -170,52 +148,10 @@ class Pipeline:
                     ended[i] = "length"
                     yield ChoiceEnd(i, "length")
             else:
-                async with contextlib.aclosing(self.decoding.tokens(run, first)) as tokens:
-                    async for index, token in tokens:
-                        text = texts[index]
-                        if index in ended:
-                            continue
-                        if token is not None:
-                            out = text.push(token)
-                            if out is not None:
-                                yield Delta(*out, index=index)
-                            if not text.stopped:
-                                continue
-                            # A stop string: this choice is over here, and on the leader.
-                            run.stopped.add(index)
-                            if run.decode_live and len(ended) + 1 < req.n:
-                                assert run.decode is not None
-                                await abort(run.decode, req.request_id, (index,))
-                        out = text.finish()
-                        if out is not None:
-                            yield Delta(*out, index=index)
-                        ended[index] = "stop" if text.stopped else run.reasons[index]
-                        yield ChoiceEnd(index, ended[index])
-                        if len(ended) == req.n:
-                            break
-            # Ended on stop strings (or only scored the prompt): the leader still has it.
-            if run.decode_live:
-                run.decode_live = False
-                assert run.decode is not None
-                await abort(run.decode, req.request_id)
-            reasons = tuple(ended[i] for i in range(req.n))
-            count = sum(t.count for t in texts)
-            await self._record(
-                req.request_id,
-                RequestState.FINISHED,
-                completion_tokens=count,
-                finish_reason=",".join(reasons),
-                migrations=run.migrations,
-                e2e_seconds=round(time.monotonic() - req.arrival, 6),
-                spec_draft_tokens=run.spec_drafted,
-                spec_accepted_tokens=run.spec_accepted,
-            )
-            run.finished = True
-            self.placement.leave_group(run)
-            self._finish_metrics(req, count, Outcome.FINISHED)
-            if self.config.log_prompts:
-                log.info("request %s output: %r", req.request_id, [t.text for t in texts])
-            yield Done(reasons, len(req.prompt_ids), count, cached)
+                async with contextlib.aclosing(self._choices(run, first, texts, ended)) as outs:
+                    async for out in outs:
+                        yield out
+            yield await self._finish(run, texts, ended, cached)
         except BaseException as exc:
             if run.finished:  # the consumer closed us after Done: nothing left to clean up
                 raise
@@ -225,6 +161,92 @@ class Pipeline:
             if error is not None and error is not exc:
                 raise error from exc
             raise
+
+    async def _open_record(self, req: GenerationRequest) -> None:
+        """The request's Redis record, QUEUED; Unavailable (and no request) without Redis."""
+        try:
+            await self.requests.create(
+                req.request_id,
+                model=self.config.model,
+                prompt_tokens=len(req.prompt_ids),
+                max_tokens=req.params.max_tokens,
+                stream=int(req.stream),
+            )
+        except (redis.RedisError, OSError) as exc:
+            # Without its record a request could be lost without trace: refuse it instead.
+            self.metrics.outcome(Outcome.FAILED, Unavailable.error_type)
+            raise Unavailable(f"request store unavailable: {exc}") from exc
+        if self.config.log_prompts:
+            log.info("request %s prompt: %r", req.request_id, req.prompt_text)
+
+    def _text_stream(self, req: GenerationRequest) -> TextStream:
+        return TextStream(
+            self.tokenizer,
+            req.prompt_ids,
+            req.stops,
+            req.params.stop_token_ids,
+            self._token_text if req.want_logprobs else None,
+            skip_special_tokens=not req.keep_special_tokens,
+        )
+
+    async def _choices(
+        self, run: Run, first: PrefillResult, texts: list[TextStream], ended: dict[int, str]
+    ) -> AsyncIterator[Output]:
+        """Every choice's Deltas and its ChoiceEnd (recorded in `ended`) as its tokens come,
+        until every choice has ended."""
+        req = run.req
+        async with contextlib.aclosing(self.decoding.tokens(run, first)) as tokens:
+            async for index, token in tokens:
+                text = texts[index]
+                if index in ended:
+                    continue
+                if token is not None:
+                    out = text.push(token)
+                    if out is not None:
+                        yield Delta(*out, index=index)
+                    if not text.stopped:
+                        continue
+                    # A stop string: this choice is over here, and on the leader.
+                    run.stopped.add(index)
+                    if run.decode_live and len(ended) + 1 < req.n:
+                        assert run.decode is not None
+                        await abort(run.decode, req.request_id, (index,))
+                out = text.finish()
+                if out is not None:
+                    yield Delta(*out, index=index)
+                ended[index] = "stop" if text.stopped else run.reasons[index]
+                yield ChoiceEnd(index, ended[index])
+                if len(ended) == req.n:
+                    return
+
+    async def _finish(
+        self, run: Run, texts: list[TextStream], ended: dict[int, str], cached: int
+    ) -> Done:
+        """Every choice ended: the request is FINISHED, its group left, its usage counted."""
+        req = run.req
+        # Ended on stop strings (or only scored the prompt): the leader still has it.
+        if run.decode_live:
+            run.decode_live = False
+            assert run.decode is not None
+            await abort(run.decode, req.request_id)
+        reasons = tuple(ended[i] for i in range(req.n))
+        count = sum(t.count for t in texts)
+        await self._record(
+            req.request_id,
+            RequestState.FINISHED,
+            completion_tokens=count,
+            finish_reason=",".join(reasons),
+            migrations=run.migrations,
+            e2e_seconds=round(time.monotonic() - req.arrival, 6),
+            spec_draft_tokens=run.spec_drafted,
+            spec_accepted_tokens=run.spec_accepted,
+        )
+        run.finished = True
+        self.placement.leave_group(run)
+        self._finish_metrics(req, count, Outcome.FINISHED)
+        if self.config.log_prompts:
+            log.info("request %s output: %r", req.request_id, [t.text for t in texts])
+        return Done(reasons, len(req.prompt_ids), count, cached)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

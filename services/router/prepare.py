@@ -162,31 +162,7 @@ def _build(
     prompt_text: str,
     tool_grammar: GrammarSpec | None = None,
 ) -> GenerationRequest:
-    limit = info.max_model_len
-    prefix = request_id.split("-", 1)[0]
-    if not prompt_ids:
-        raise InvalidRequest(
-            "the prompt is empty", param="messages" if prefix == "chatcmpl" else "prompt"
-        )
-    if len(prompt_ids) >= limit:
-        raise InvalidRequest(
-            f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"has {len(prompt_ids)} tokens. Please reduce the length of the prompt.",
-            param="messages" if prefix == "chatcmpl" else "prompt",
-            code="context_length_exceeded",
-        )
-    left = limit - len(prompt_ids)
-    if max_tokens is None:
-        max_tokens = info.defaults.max_tokens_for(left)
-    elif max_tokens > left:
-        raise InvalidRequest(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
-            "max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    max_tokens = _token_budget(request_id, prompt_ids, max_tokens, info)
     vocab = info.tokenizer.vocab_size
     _check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")
     bias = tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items()))
@@ -242,6 +218,37 @@ def _build(
         prompt_text=prompt_text,
         n=body.choices,
     )
+
+
+def _token_budget(
+    request_id: str, prompt_ids: list[int], max_tokens: int | None, info: ModelInfo
+) -> int:
+    """The request's max_tokens (the model's default when it names none) within the context
+    that the prompt leaves; InvalidRequest when the prompt or max_tokens does not fit."""
+    limit = info.max_model_len
+    prompt = "messages" if request_id.split("-", 1)[0] == "chatcmpl" else "prompt"
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param=prompt)
+    if len(prompt_ids) >= limit:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"has {len(prompt_ids)} tokens. Please reduce the length of the prompt.",
+            param=prompt,
+            code="context_length_exceeded",
+        )
+    left = limit - len(prompt_ids)
+    if max_tokens is None:
+        return info.defaults.max_tokens_for(left)
+    if max_tokens > left:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
+            "max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
 
 
 def _check_token_ids(ids: Sequence[int], vocab: int, param: str) -> None:

@@ -26,6 +26,7 @@ from common.model.model import DeepseekForCausalLM
 from common.model.moe import MoE
 from common.tpla import corpus
 from tools.demo.chat_data import chat_documents
+from tools.demo.model_card import model_card
 from tools.demo.tokenizer_train import END, save_tokenizer, special_ids, train_tokenizer
 
 
@@ -221,6 +222,35 @@ def _lr(cfg: TrainConfig, step: int, progress: float) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def _optimizer(model: DeepseekForCausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW, weight decay on the matrices but the embedding."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def _resume(
+    state_path: Path, model: DeepseekForCausalLM, opt: torch.optim.AdamW, cfg: TrainConfig
+) -> tuple[int, float, float, list[dict[str, Any]]]:
+    """(step, elapsed s, CPU s, eval history) of the run saved at `state_path`, its model and
+    optimizer state loaded; a fresh run's when there is none."""
+    if not state_path.is_file():
+        return 0, 0.0, 0.0, []
+    state = torch.load(state_path, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    print(f"resumed at step {state['step']} ({state['elapsed'] / 60:.1f} min trained)")
+    cpu = state.get("cpu_seconds", cfg.prior_cpu_seconds)
+    return state["step"], state["elapsed"], cpu, state["history"]
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train under the time budget (resuming from the work dir) and export `cfg.out`."""
     torch.manual_seed(cfg.seed)
@@ -230,25 +260,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model = DeepseekForCausalLM(ModelConfig.from_hf_dict(hf_config))
     init_weights(model, cfg.arch.num_layers)
     balance = BalanceLoss(model)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = _optimizer(model, cfg)
     state_path = cfg.work_dir / "train_state.pt"
-    step, elapsed, cpu, history = 0, 0.0, 0.0, []
-    if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, elapsed, history = state["step"], state["elapsed"], state["history"]
-        cpu = state.get("cpu_seconds", cfg.prior_cpu_seconds)
-        print(f"resumed at step {step} ({elapsed / 60:.1f} min trained)")
+    step, elapsed, cpu, history = _resume(state_path, model, opt, cfg)
     rng = random.Random(cfg.seed * 1_000_003 + step)
     eval_rng = random.Random(12345)
     eval_batch = _batch(streams["eval"], cfg.eval_windows, cfg.seq_len, eval_rng)
@@ -411,55 +425,3 @@ def export(
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "README.md").write_text(model_card(report))
     return report
-
-
-def model_card(r: dict[str, Any]) -> str:
-    import platform
-
-    m, a = r["metrics"], r["arch"]
-    params = r["parameters"] / 1e6
-    d_n = a["qk_nope_head_dim"]
-    experts = (
-        f"{a['n_routed_experts']} routed experts, top-{a['experts_per_token']}, "
-        f"{a['n_shared_experts']} shared"
-    )
-    return f"""# tpla-serve demo model (DeepSeek-V2 architecture, {params:.1f}M parameters)
-
-A small MLA + MoE model trained from scratch on CPU by `tpla train-demo`, so the serving
-stack, TPLA fidelity measurements and demos work offline. It writes Python, not prose.
-
-## Architecture
-DeepSeek-V2 (`model_type: deepseek_v2`): {a["num_layers"]} layers (1 dense, then MoE with
-{experts}), hidden {a["hidden_size"]}, {a["num_heads"]} heads, MLA with `kv_lora_rank`
-{4 * d_n} (= 4 x `qk_nope_head_dim` {d_n}), `qk_rope_head_dim` {a["qk_rope_head_dim"]},
-`v_head_dim` {a["v_head_dim"]}, `q_lora_rank` null, vocab {a["vocab_size"]} (byte-level BPE),
-context {a["max_position_embeddings"]}. Weights stored in bf16; load as fp32.
-
-## Data
-The standard-library `.py` sources of Python {platform.python_version()}, split by a hash of
-each file's relative path: 90% train, 5% calibration, 5% eval
-(`common.tpla.corpus.calibration_text()` / `eval_text()` rebuild the held-out text on any
-machine with this Python version). About 10% of training documents are chat-formatted
-(user: a docstring's first line; assistant: the function), so the chat template means
-something.
-
-## Training
-{r["steps"]} steps of {r["train"]["batch_size"]} x {r["train"]["seq_len"]} tokens
-({r["tokens_seen"] / 1e6:.2f}M tokens): {r["minutes"]} minutes of wall-clock step time and
-{r.get("cpu_minutes", 0)} CPU-minutes (2 torch threads; the machine's 2 cores were shared with
-other work during training, so wall-clock minutes overstate the compute). AdamW (peak lr
-{r["train"]["lr"]}, warmup then cosine over the time budget), expert balance loss 0.01.
-
-## Held-out evaluation
-First {int(m["eval_bytes"]):,} bytes of the {r["eval_source"]} ({int(m["eval_tokens"]):,} tokens),
-non-overlapping {r["train"]["seq_len"]}-token windows, exported bf16 weights:
-
-| model | perplexity (per token) | bits per byte |
-|---|---|---|
-| this model | {m["perplexity"]:.2f} | {m["bits_per_byte"]:.3f} |
-| unigram (train-split token frequencies) | - | {m["unigram_bits_per_byte"]:.3f} |
-| gzip -9 | - | {m["gzip_bits_per_byte"]:.3f} |
-
-Made with `tpla train-demo --out models/demo --minutes {r["minutes"]:.0f}`; the full record is in
-`training_report.json`.
-"""

@@ -72,205 +72,230 @@ def quantiles(histogram: str, what: str, by: str = "", matchers: str = MODEL) ->
     )
 
 
+WORKER_LABELS = "worker_id, role, rank, group_id"
+
+
 def rows() -> list[tuple[str, list[Panel]]]:
     """The dashboard's sections and their panels, in order."""
-    worker = "worker_id, role, rank, group_id"
     return [
-        (
-            "Latency",
-            [
-                Panel(
-                    "Time to first token",
-                    "s",
-                    quantiles("tpla:time_to_first_token_seconds", "TTFT"),
-                ),
-                Panel(
-                    "Inter-token latency", "s", quantiles("tpla:inter_token_latency_seconds", "ITL")
-                ),
-                Panel(
-                    "End-to-end latency", "s", quantiles("tpla:e2e_request_latency_seconds", "e2e")
-                ),
-                Panel(
-                    "Exposed KV transfer time",
-                    "s",
-                    quantiles("tpla:kv_exposed_transfer_seconds", "exposed", "transport", ""),
-                    "the part of TTFT the KV transfer adds: from the end of a request's last"
-                    " prefill chunk to the last rank's ack (earlier chunks ship while later ones"
-                    " compute)",
-                ),
-            ],
-        ),
-        (
-            "Traffic",
-            [
-                Panel(
-                    "Requests per second",
-                    "reqps",
-                    (
-                        Target(
-                            summed_rate("tpla:requests_total", "outcome"),
-                            "{{outcome}}",
-                        ),
-                    ),
-                ),
-                Panel(
-                    "Tokens per second",
-                    "short",
-                    (
-                        Target(summed_rate("tpla:prompt_tokens_total"), "prompt"),
-                        Target(summed_rate("tpla:generation_tokens_total"), "generated"),
-                    ),
-                ),
-                Panel(
-                    "Request sizes (tokens)",
-                    "short",
-                    quantiles("tpla:request_prompt_tokens", "prompt")
-                    + quantiles("tpla:request_generation_tokens", "output"),
-                    "finished requests; output counts every choice",
-                ),
-            ],
-        ),
-        (
-            "Queue and admission",
-            [
-                Panel(
-                    "Requests running and waiting (routers)",
-                    "short",
-                    (
-                        Target(f"sum (tpla:num_requests_running{{{MODEL}}})", "running"),
-                        Target(f"sum (tpla:num_requests_waiting{{{MODEL}}})", "waiting"),
-                    ),
-                ),
-                Panel("Queue wait", "s", quantiles("tpla:request_queue_seconds", "wait")),
-                Panel(
-                    "Rejected (429) per second",
-                    "reqps",
-                    (
-                        Target(
-                            summed_rate(
-                                "tpla:requests_total", matchers=f'{MODEL}, outcome="rejected"'
-                            ),
-                            "rejected",
-                        ),
-                    ),
-                    "refused at admission: the routers' in-flight and waiting slots were full",
-                ),
-            ],
-        ),
-        (
-            "KV cache",
-            [
-                Panel(
-                    "KV blocks used and cached per decode group",
-                    "short",
-                    (
-                        Target("sum by (instance) (tpla:kv_blocks_used)", "used {{instance}}"),
-                        Target("sum by (instance) (tpla:kv_blocks_cached)", "cached {{instance}}"),
-                        Target("sum by (instance) (tpla:kv_blocks_total)", "total {{instance}}"),
-                    ),
-                    "blocks held by live requests, and cached prefix blocks no request holds",
-                ),
-                Panel(
-                    "KV cache usage per decode group",
-                    "percentunit",
-                    (Target("max by (instance) (tpla:kv_cache_usage_ratio)", "{{instance}}"),),
-                ),
-                Panel(
-                    "Prefix-cache hit rate",
-                    "percentunit",
-                    (
-                        Target(
-                            f"{summed_rate('tpla:prefix_cache_hits_total', 'job', '')}"
-                            f" / {summed_rate('tpla:prefix_cache_queries_total', 'job', '')}",
-                            "{{job}}",
-                        ),
-                    ),
-                    "prompt tokens found cached over tokens looked up: decode groups (blocks reused"
-                    " at Reserve) and prefill workers (latents reused)",
-                ),
-            ],
-        ),
-        (
-            "Prefill, KV transfer and decode",
-            [
-                Panel(
-                    "KV transfer time",
-                    "s",
-                    quantiles("tpla:kv_transfer_seconds", "transfer", "transport", ""),
-                    "from a request's shards leaving its prefill batch to the last rank's ack",
-                ),
-                Panel(
-                    "KV transfer bytes per second",
-                    "Bps",
-                    (
-                        Target(
-                            summed_rate("tpla:kv_transfer_bytes_total", "transport", ""),
-                            "{{transport}}",
-                        ),
-                    ),
-                ),
-                Panel(
-                    "Prefill batch and decode step time",
-                    "s",
-                    quantiles("tpla:prefill_seconds", "prefill batch", matchers="")
-                    + quantiles("tpla:decode_step_seconds", "decode step", matchers=""),
-                ),
-            ],
-        ),
-        (
-            "Failures",
-            [
-                Panel(
-                    "Migrations per second",
-                    "reqps",
-                    (Target(summed_rate("tpla:request_migrations_total"), "migrated"),),
-                    "streams moved to another decode group after theirs failed",
-                ),
-                Panel(
-                    "Errors by type per second",
-                    "reqps",
-                    (
-                        Target(
-                            summed_rate("tpla:request_errors_total", "error_type"),
-                            "{{error_type}}",
-                        ),
-                        Target(
-                            summed_rate(
-                                "tpla:requests_total",
-                                "outcome",
-                                f'{MODEL}, outcome=~"aborted|rejected"',
-                            ),
-                            "{{outcome}}",
-                        ),
-                    ),
-                    "failed requests by the OpenAI error type; aborted: the client went away",
-                ),
-            ],
-        ),
-        (
-            "Workers",
-            [
-                Panel(
-                    "Worker health",
-                    "short",
-                    (Target(f"min by ({worker}) (tpla:worker_healthy)", "{{role}} {{worker_id}}"),),
-                    "1: registered, healthy and not quarantined by any router",
-                    kind="state-timeline",
-                ),
-                Panel(
-                    "Heartbeat age",
-                    "s",
-                    (
-                        Target(
-                            f"max by ({worker}) (tpla:worker_heartbeat_age_seconds)",
-                            "{{role}} {{worker_id}}",
-                        ),
-                    ),
-                    "seconds since each worker's registry record was refreshed",
-                ),
-            ],
-        ),
+        _latency(),
+        _traffic(),
+        _queue(),
+        _kv_cache(),
+        _prefill_and_decode(),
+        _failures(),
+        _workers(),
     ]
+
+
+def _latency() -> tuple[str, list[Panel]]:
+    return (
+        "Latency",
+        [
+            Panel(
+                "Time to first token",
+                "s",
+                quantiles("tpla:time_to_first_token_seconds", "TTFT"),
+            ),
+            Panel("Inter-token latency", "s", quantiles("tpla:inter_token_latency_seconds", "ITL")),
+            Panel("End-to-end latency", "s", quantiles("tpla:e2e_request_latency_seconds", "e2e")),
+            Panel(
+                "Exposed KV transfer time",
+                "s",
+                quantiles("tpla:kv_exposed_transfer_seconds", "exposed", "transport", ""),
+                "the part of TTFT the KV transfer adds: from the end of a request's last"
+                " prefill chunk to the last rank's ack (earlier chunks ship while later ones"
+                " compute)",
+            ),
+        ],
+    )
+
+
+def _traffic() -> tuple[str, list[Panel]]:
+    return (
+        "Traffic",
+        [
+            Panel(
+                "Requests per second",
+                "reqps",
+                (
+                    Target(
+                        summed_rate("tpla:requests_total", "outcome"),
+                        "{{outcome}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Tokens per second",
+                "short",
+                (
+                    Target(summed_rate("tpla:prompt_tokens_total"), "prompt"),
+                    Target(summed_rate("tpla:generation_tokens_total"), "generated"),
+                ),
+            ),
+            Panel(
+                "Request sizes (tokens)",
+                "short",
+                quantiles("tpla:request_prompt_tokens", "prompt")
+                + quantiles("tpla:request_generation_tokens", "output"),
+                "finished requests; output counts every choice",
+            ),
+        ],
+    )
+
+
+def _queue() -> tuple[str, list[Panel]]:
+    return (
+        "Queue and admission",
+        [
+            Panel(
+                "Requests running and waiting (routers)",
+                "short",
+                (
+                    Target(f"sum (tpla:num_requests_running{{{MODEL}}})", "running"),
+                    Target(f"sum (tpla:num_requests_waiting{{{MODEL}}})", "waiting"),
+                ),
+            ),
+            Panel("Queue wait", "s", quantiles("tpla:request_queue_seconds", "wait")),
+            Panel(
+                "Rejected (429) per second",
+                "reqps",
+                (
+                    Target(
+                        summed_rate("tpla:requests_total", matchers=f'{MODEL}, outcome="rejected"'),
+                        "rejected",
+                    ),
+                ),
+                "refused at admission: the routers' in-flight and waiting slots were full",
+            ),
+        ],
+    )
+
+
+def _kv_cache() -> tuple[str, list[Panel]]:
+    return (
+        "KV cache",
+        [
+            Panel(
+                "KV blocks used and cached per decode group",
+                "short",
+                (
+                    Target("sum by (instance) (tpla:kv_blocks_used)", "used {{instance}}"),
+                    Target("sum by (instance) (tpla:kv_blocks_cached)", "cached {{instance}}"),
+                    Target("sum by (instance) (tpla:kv_blocks_total)", "total {{instance}}"),
+                ),
+                "blocks held by live requests, and cached prefix blocks no request holds",
+            ),
+            Panel(
+                "KV cache usage per decode group",
+                "percentunit",
+                (Target("max by (instance) (tpla:kv_cache_usage_ratio)", "{{instance}}"),),
+            ),
+            Panel(
+                "Prefix-cache hit rate",
+                "percentunit",
+                (
+                    Target(
+                        f"{summed_rate('tpla:prefix_cache_hits_total', 'job', '')}"
+                        f" / {summed_rate('tpla:prefix_cache_queries_total', 'job', '')}",
+                        "{{job}}",
+                    ),
+                ),
+                "prompt tokens found cached over tokens looked up: decode groups (blocks reused"
+                " at Reserve) and prefill workers (latents reused)",
+            ),
+        ],
+    )
+
+
+def _prefill_and_decode() -> tuple[str, list[Panel]]:
+    return (
+        "Prefill, KV transfer and decode",
+        [
+            Panel(
+                "KV transfer time",
+                "s",
+                quantiles("tpla:kv_transfer_seconds", "transfer", "transport", ""),
+                "from a request's shards leaving its prefill batch to the last rank's ack",
+            ),
+            Panel(
+                "KV transfer bytes per second",
+                "Bps",
+                (
+                    Target(
+                        summed_rate("tpla:kv_transfer_bytes_total", "transport", ""),
+                        "{{transport}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Prefill batch and decode step time",
+                "s",
+                quantiles("tpla:prefill_seconds", "prefill batch", matchers="")
+                + quantiles("tpla:decode_step_seconds", "decode step", matchers=""),
+            ),
+        ],
+    )
+
+
+def _failures() -> tuple[str, list[Panel]]:
+    return (
+        "Failures",
+        [
+            Panel(
+                "Migrations per second",
+                "reqps",
+                (Target(summed_rate("tpla:request_migrations_total"), "migrated"),),
+                "streams moved to another decode group after theirs failed",
+            ),
+            Panel(
+                "Errors by type per second",
+                "reqps",
+                (
+                    Target(
+                        summed_rate("tpla:request_errors_total", "error_type"),
+                        "{{error_type}}",
+                    ),
+                    Target(
+                        summed_rate(
+                            "tpla:requests_total",
+                            "outcome",
+                            f'{MODEL}, outcome=~"aborted|rejected"',
+                        ),
+                        "{{outcome}}",
+                    ),
+                ),
+                "failed requests by the OpenAI error type; aborted: the client went away",
+            ),
+        ],
+    )
+
+
+def _workers() -> tuple[str, list[Panel]]:
+    worker = WORKER_LABELS
+    return (
+        "Workers",
+        [
+            Panel(
+                "Worker health",
+                "short",
+                (Target(f"min by ({worker}) (tpla:worker_healthy)", "{{role}} {{worker_id}}"),),
+                "1: registered, healthy and not quarantined by any router",
+                kind="state-timeline",
+            ),
+            Panel(
+                "Heartbeat age",
+                "s",
+                (
+                    Target(
+                        f"max by ({worker}) (tpla:worker_heartbeat_age_seconds)",
+                        "{{role}} {{worker_id}}",
+                    ),
+                ),
+                "seconds since each worker's registry record was refreshed",
+            ),
+        ],
+    )
 
 
 def _panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
