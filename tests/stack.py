@@ -21,6 +21,7 @@ import grpc
 
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, prefill_pb2_grpc
+from common.rpc.server import Lifetime
 from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port
 from services.decode.config import EngineConfig
 from services.decode.service import serve_decode
@@ -84,12 +85,13 @@ def services_in_threads(
     their prefill chunk (None: the device's default)."""
     stop, ready = threading.Event(), threading.Event()
     extra = {} if heartbeat_s is None else {"heartbeat_s": heartbeat_s}
+    life = Lifetime(redis_url) if heartbeat_s is None else Lifetime(redis_url, heartbeat_s)
     decode_port = free_port(SERVICE_PORT_OFFSETS)
     threads = [
         threading.Thread(
             target=serve_decode,
-            args=(cfg, decode_port, redis_url),
-            kwargs={"ready": ready, "stop": stop, **extra},
+            args=(cfg, decode_port, life),
+            kwargs={"ready": ready, "stop": stop},
             daemon=True,
         )
     ]

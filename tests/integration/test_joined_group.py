@@ -25,6 +25,7 @@ import pytest
 
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
+from common.rpc.server import Lifetime
 from common.runtime.group_files import files_of
 from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets
 from common.runtime.settings import load_settings
@@ -144,7 +145,7 @@ def spawned_group(model_dir: Path, parallel: ParallelConfig) -> Iterator[str]:
     )
     leader = threading.Thread(
         target=serve_decode,
-        args=(cfg, port, None),
+        args=(cfg, port, Lifetime()),
         kwargs={"ready": ready, "stop": stop},
         daemon=True,
     )

@@ -45,6 +45,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def cmd_decode(args: argparse.Namespace) -> int:
     import torch
 
+    from common.rpc.server import Lifetime
     from services.decode.config import engine_config
     from services.decode.service import serve_decode
 
@@ -54,14 +55,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         from services.decode.service import serve_rank
 
         return serve_rank(engine_config(s), s.rank, s.drain_grace_s)
-    return serve_decode(
-        engine_config(s),
-        s.decode_port,
-        s.redis_url,
-        heartbeat_s=s.heartbeat_s,
-        worker_ttl_s=s.worker_ttl_s,
-        drain_grace_s=s.drain_grace_s,
-    )
+    return serve_decode(engine_config(s), s.decode_port, Lifetime.from_settings(s))
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
