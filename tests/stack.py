@@ -21,9 +21,11 @@ import grpc
 
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, prefill_pb2_grpc
+from common.rpc.server import Lifetime
 from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port
 from services.decode.config import EngineConfig
 from services.decode.service import serve_decode
+from services.prefill.config import PrefillConfig, PrefillGroupConfig
 from services.prefill.service import serve_prefill
 from tools.local_stack import LocalStack
 
@@ -83,13 +85,13 @@ def services_in_threads(
     `prefix_cache_mb`: each prefill worker's latent prefix cache (0: none); `chunk_tokens`:
     their prefill chunk (None: the device's default)."""
     stop, ready = threading.Event(), threading.Event()
-    extra = {} if heartbeat_s is None else {"heartbeat_s": heartbeat_s}
+    life = Lifetime(redis_url) if heartbeat_s is None else Lifetime(redis_url, heartbeat_s)
     decode_port = free_port(SERVICE_PORT_OFFSETS)
     threads = [
         threading.Thread(
             target=serve_decode,
-            args=(cfg, decode_port, redis_url),
-            kwargs={"ready": ready, "stop": stop, **extra},
+            args=(cfg, decode_port, life),
+            kwargs={"ready": ready, "stop": stop},
             daemon=True,
         )
     ]
@@ -99,15 +101,20 @@ def services_in_threads(
         threads.append(
             threading.Thread(
                 target=serve_prefill,
-                args=(cfg.model, None, "127.0.0.1", port, redis_url),
-                kwargs={
-                    "transport": transport,
-                    "token": token,
-                    "stop": stop,
-                    "prefix_cache_mb": prefix_cache_mb,
-                    "chunk_tokens": chunk_tokens,
-                    **extra,
-                },
+                args=(
+                    PrefillConfig(
+                        PrefillGroupConfig(
+                            cfg.model,
+                            transport=transport,
+                            token=token,
+                            prefix_cache_mb=prefix_cache_mb,
+                        ),
+                        chunk_tokens=chunk_tokens,
+                    ),
+                    port,
+                    life,
+                ),
+                kwargs={"stop": stop},
                 daemon=True,
             )
         )

@@ -1,9 +1,9 @@
 """What a rank group is, for the machinery that forms it: its size, rendezvous, device kind,
 collectives, timeouts and the identity every rank must share.
 
-Decode groups and prefill groups each map their own config onto a `GroupSpec`; everything in
-common/group (process-group init, the shared-memory file, spawned ranks, the join protocol)
-reads only this.
+Decode groups and prefill groups each build theirs from their own config (`GroupSpec.from_config`
+reads what both configs name alike, `GroupConfig`); everything in common/group (process-group
+init, the shared-memory file, spawned ranks, the join protocol) reads only this.
 """
 
 from __future__ import annotations
@@ -12,6 +12,31 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+
+class GroupConfig(Protocol):
+    """Where and how a service's ranks meet, as its config names it (the decode leader's
+    `EngineConfig`, a prefill worker's `PrefillGroupConfig`)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def collectives(self) -> str: ...
+    @property
+    def collective_timeout_s(self) -> float: ...
+    @property
+    def join_timeout_s(self) -> float: ...
+    @property
+    def master_addr(self) -> str: ...
+    @property
+    def master_port(self) -> int: ...
+    @property
+    def shm_path(self) -> str | None: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def advertise_host(self) -> str: ...  # "": the host
 
 
 @dataclass(frozen=True)
@@ -35,6 +60,38 @@ class GroupSpec:
     # for each of its keys the setting that changes it (the config check names it).
     identity: Callable[[], dict[str, str]] = dict
     settings: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: GroupConfig,
+        *,
+        role: str,
+        size: int,
+        spawned: bool,
+        port_setting: str,
+        identity: Callable[[], dict[str, str]],
+        settings: tuple[tuple[str, str], ...],
+    ) -> GroupSpec:
+        """The spec of a group whose config is `cfg`: its rendezvous, device, collectives,
+        timeouts and addresses as `cfg` names them; the rest as its service says."""
+        return cls(
+            role=role,
+            size=size,
+            device=cfg.device,
+            collectives=cfg.collectives,
+            collective_timeout_s=cfg.collective_timeout_s,
+            join_timeout_s=cfg.join_timeout_s,
+            spawned=spawned,
+            addr=cfg.master_addr,
+            port=cfg.master_port,
+            port_setting=port_setting,
+            shm_path=cfg.shm_path,
+            host=cfg.host,
+            advertise_host=cfg.advertise_host or cfg.host,
+            identity=identity,
+            settings=settings,
+        )
 
     def __post_init__(self) -> None:
         if self.size < 1:

@@ -1,6 +1,6 @@
 """One prompt prefilled chunk by chunk through any `prefill(ids, seq_lens, *, past, ...)`:
 each chunk attends over the earlier chunks' latents as its `PastLatents`. The single-prompt
-reference of the prefill worker's chunking (services/prefill/progress.py), and the way a
+reference of the prefill worker's chunking (services/prefill/batch/progress.py), and the way a
 long prompt is prefilled where no worker runs (tests, the long-context oracle)."""
 
 from __future__ import annotations

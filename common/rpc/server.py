@@ -1,15 +1,63 @@
-"""A service process's serving life: its servers (gRPC, metrics) up on checked ports, down on
-a signal (drained first on SIGTERM where the service drains)."""
+"""A service process's serving life: its servers (gRPC, metrics) up on checked ports, its
+records published, down on a signal (drained first on SIGTERM where the service drains).
+
+Lifecycle (`serve`): bind and start the servers -> publish the registry records with
+heartbeats -> serve until SIGINT / SIGTERM, `stop`, a failure of the core (exit code 1: its
+supervisor restarts it) or `drain` -> on a drain: report itself draining, admit nothing new,
+wait for the admitted work for at most the drain grace -> stop the servers, deregister, close
+the core. The decode leader and the prefill worker both live this way; each hands `serve` its
+core as a `Service`.
+"""
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
+import redis
 
+from common.rpc.drain import wait_drained
 from common.runtime.ports import PortUse, bind_grpc, check_ports
+from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry
+from common.runtime.settings import Settings
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """How a service lives among the others: where it publishes its records (None: nowhere),
+    how often, how long a record outlives a silent service, how long a drain may take."""
+
+    redis_url: str | None = None
+    heartbeat_s: float = 2.0
+    worker_ttl_s: float = 10.0
+    drain_grace_s: float = 25.0
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Lifetime:
+        return cls(s.redis_url, s.heartbeat_s, s.worker_ttl_s, s.drain_grace_s)
+
+
+@dataclass(frozen=True)
+class Service:
+    """A service's core as `serve` runs it: its gRPC server (its servicer added, not started)
+    and what the serving loop asks of the core."""
+
+    name: str  # its log lines' subject: "decode leader", "prefill worker"
+    work: str  # what its admitted work is called in them: "live requests", "prefills ..."
+    server: grpc.Server
+    host: str
+    ports: tuple[PortUse, PortUse]  # gRPC, metrics
+    serve_metrics: Callable[[int], None]  # the metrics endpoint on a port (a thread)
+    records: Callable[[], Iterable[WorkerRecord]]  # what each heartbeat publishes
+    failure: Callable[[], BaseException | None]  # why it can serve no more; checked each poll
+    close_admission: Callable[[], object]  # a drain begins: nothing new is admitted
+    running: Callable[[], int | None]  # admitted work not ended yet (None: not known now)
+    close: Callable[[], None]  # the end: release what the core holds
+    poll_s: float = 0.1  # how often the loop looks at the core
 
 
 def start_serving(
@@ -53,3 +101,82 @@ def stop_on_signals(stop: threading.Event, drain: threading.Event | None = None)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+
+
+def serve(
+    service: Service,
+    life: Lifetime,
+    banner: str,
+    *,
+    ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
+    drain: threading.Event | None = None,
+) -> int:
+    """Run `service` until SIGINT/SIGTERM (or `stop`, or `drain` and its drain); blocks. Prints
+    `banner` once serving, then sets `ready`. The exit code: 0 after a requested stop or a
+    drain, 1 when the core failed. A taken port raises PortInUse, the core closed."""
+    grpc_use, metrics_use = service.ports
+    try:
+        start_serving(service.server, service.host, grpc_use, metrics_use, service.serve_metrics)
+    except BaseException:
+        service.close()
+        raise
+    stop = stop or threading.Event()
+    drain = drain or threading.Event()
+    heartbeat = None
+    if life.redis_url:
+        registry = WorkerRegistry(redis.Redis.from_url(life.redis_url), ttl_s=life.worker_ttl_s)
+        heartbeat = Heartbeat(registry, service.records, life.heartbeat_s).start()
+    stop_on_signals(stop, drain)
+    print(banner, flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        return _serve_until_told(service, heartbeat, life.drain_grace_s, stop, drain)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        service.server.stop(grace=2)
+        service.close()
+
+
+def _serve_until_told(
+    service: Service,
+    heartbeat: Heartbeat | None,
+    grace_s: float,
+    stop: threading.Event,
+    drain: threading.Event,
+) -> int:
+    """Watch the core until `stop`, its failure or `drain`; the exit code."""
+    while not stop.wait(service.poll_s):
+        if (failed := service.failure()) is not None:
+            # Unhealthy in the registry at once, then gone: its supervisor restarts it.
+            if heartbeat is not None:
+                heartbeat.beat_now()
+            print(f"{service.name} failed: {failed}; exiting", file=sys.stderr, flush=True)
+            return 1
+        if drain.is_set():
+            return _drain(service, heartbeat, grace_s, stop)
+    return 0
+
+
+def _drain(
+    service: Service, heartbeat: Heartbeat | None, grace_s: float, stop: threading.Event
+) -> int:
+    """Admit nothing more and wait (up to `grace_s`, or until `stop`) for the admitted work
+    to end: a router tries elsewhere what is turned away, and moves what is left at the end.
+    The exit code: 1 if the core failed meanwhile."""
+    service.close_admission()
+    if heartbeat is not None:
+        heartbeat.beat_now()  # the routers' next refresh sees the service draining
+    name, work = service.name, service.work
+    print(f"{name} draining: {service.running()} {work}, up to {grace_s:g} s", flush=True)
+    drained = wait_drained(lambda: service.running() == 0, grace_s, stop)
+    if (failed := service.failure()) is not None:
+        print(f"{name} failed while draining: {failed}", file=sys.stderr, flush=True)
+        return 1
+    if drained:
+        print(f"{name} drained", flush=True)
+    else:
+        print(f"{name}: ending {service.running()} {work}", flush=True)
+    return 0

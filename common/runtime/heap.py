@@ -3,7 +3,7 @@
 glibc keeps freed memory of its heaps for reuse, and after a large block is freed it serves
 blocks up to that size from the heaps too (its dynamic mmap threshold), so a process that
 ran a long prompt keeps holding what that prompt's temporaries left free. A prefill worker
-trims after each chunked prompt (services/prefill/progress.py says what it measured).
+trims after each chunked prompt (services/prefill/batch/progress.py says what it measured).
 """
 
 from __future__ import annotations

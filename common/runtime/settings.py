@@ -48,7 +48,7 @@ class Settings(BaseSettings):
         ge=1,
         description="intra-op threads of a prefill batch of >= 512 tokens (at least "
         "torch_threads, at most the usable cores): for prefill workers with cores of their "
-        "own; see services/prefill/threads.py",
+        "own; see services/prefill/batch/threads.py",
     )
     prefill_batch_tokens: int = Field(
         2048,

@@ -21,14 +21,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import redis
 
 from common.rpc.clients import CHANNEL_OPTIONS
-from common.rpc.drain import wait_drained
 from common.rpc.gen import decode_pb2_grpc
-from common.rpc.server import start_serving, stop_on_signals
+from common.rpc.server import Lifetime, Service, serve
 from common.runtime.ports import PortUse, check_ports, decode_group_ports
-from common.runtime.redis_state import Heartbeat, WorkerRegistry
 from common.runtime.tracing import setup_tracing
 from services.decode.config import EngineConfig, Launch
 from services.decode.engine import DecodeEngine
@@ -43,11 +40,8 @@ from services.decode.stream import EngineError
 def serve_decode(
     cfg: EngineConfig,
     port: int,
-    redis_url: str | None,
+    life: Lifetime,
     *,
-    heartbeat_s: float = 2.0,
-    worker_ttl_s: float = 10.0,
-    drain_grace_s: float = 25.0,
     ready: threading.Event | None = None,
     stop: threading.Event | None = None,
     drain: threading.Event | None = None,
@@ -73,61 +67,7 @@ def serve_decode(
         DecodeServicer(engine, cfg.internal_token, spans), server
     )
     address = f"{cfg.advertise_host or cfg.host}:{port}"
-    grpc_use, metrics_use = ports[:2]
-    try:
-        start_serving(
-            server,
-            cfg.host,
-            grpc_use,
-            metrics_use,
-            lambda metrics_port: serve_decode_metrics(engine, cfg.host, metrics_port),
-        )
-    except BaseException:
-        engine.shutdown()
-        raise
-    stop = stop or threading.Event()
-    drain = drain or threading.Event()
-    heartbeat = None
-    if redis_url:
-        group_id = f"decode-{uuid.uuid4().hex[:8]}"
-        registry = WorkerRegistry(redis.Redis.from_url(redis_url), ttl_s=worker_ttl_s)
-        heartbeat = Heartbeat(
-            registry, lambda: rank_records(engine, address, group_id, cfg.model), heartbeat_s
-        ).start()
-    stop_on_signals(stop, drain)
-    print(
-        f"decode leader serving on {address} (tp={cfg.parallel.tp}, "
-        f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks)",
-        flush=True,
-    )
-    if ready is not None:
-        ready.set()
-    code = 0
-    try:
-        while not stop.wait(0.2):
-            if engine.failed is not None:
-                print(f"decode group failed: {engine.failed}", flush=True)
-                code = 1
-                break
-            if drain.is_set():
-                code = _drain(engine, heartbeat, drain_grace_s, stop)
-                break
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        server.stop(grace=2)
-        engine.shutdown()
-    return code
-
-
-def _drain(
-    engine: DecodeEngine, heartbeat: Heartbeat | None, grace_s: float, stop: threading.Event
-) -> int:
-    """Admit nothing more and wait (up to `grace_s`, or until `stop`) for the admitted
-    requests to end; the exit code (1 if the group failed meanwhile)."""
-    engine.drain()
-    if heartbeat is not None:
-        heartbeat.beat_now()  # the routers' next refresh sees the group draining
+    group_id = f"decode-{uuid.uuid4().hex[:8]}"
 
     def live() -> int | None:
         try:
@@ -135,16 +75,25 @@ def _drain(
         except EngineError:  # a long step: ask again; a failed loop: nothing left to wait for
             return None if engine.failed is None else 0
 
-    print(f"decode leader draining: {live()} live requests, up to {grace_s:g} s", flush=True)
-    drained = wait_drained(lambda: live() == 0, grace_s, stop)
-    if engine.failed is not None:
-        print(f"decode group failed while draining: {engine.failed}", flush=True)
-        return 1
-    if drained:
-        print("decode leader drained", flush=True)
-    else:
-        print(f"decode leader: ending {live()} live requests (their routers move them)", flush=True)
-    return 0
+    service = Service(
+        name="decode leader",
+        work="live requests",
+        server=server,
+        host=cfg.host,
+        ports=(ports[0], ports[1]),
+        serve_metrics=lambda metrics_port: serve_decode_metrics(engine, cfg.host, metrics_port),
+        records=lambda: rank_records(engine, address, group_id, cfg.model),
+        failure=lambda: engine.failed,
+        close_admission=engine.drain,
+        running=live,
+        close=engine.shutdown,
+        poll_s=0.2,
+    )
+    banner = (
+        f"decode leader serving on {address} (tp={cfg.parallel.tp}, "
+        f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks)"
+    )
+    return serve(service, life, banner, ready=ready, stop=stop, drain=drain)
 
 
 def serve_rank(cfg: EngineConfig, rank: int, drain_grace_s: float = 25.0) -> int:

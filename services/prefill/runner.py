@@ -20,7 +20,7 @@ from common.kv.transfer import KvSender
 from common.model.args import ModelConfig
 from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
 from common.model.mtp import MTPLayer, whole_prefill_with_mtp
-from services.prefill.plan import BatchPlan, JobPlan
+from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.shipping import Send, Shipper
 
 

@@ -1,14 +1,21 @@
-"""A prefill rank's KV pushes: cut the shards of one prompt that this rank ships and push
-them on its pusher threads, each send a future of the bytes the decode rank acknowledged.
+"""A prefill rank's KV shipping: cut the shards of one prompt that this rank ships, push them
+on its pusher threads (each send a future of the bytes the decode rank acknowledged), and
+follow a prompt's sends round by round until they settle.
 
 At tp = 1 the worker's one rank ships every decode rank's shard; in a prefill group of N
 ranks, each holding the whole latent, rank j ships the shards of decode ranks j, j + N, ...
 (`ships`), so no rank sends everything.
+
+A prompt's sends (`PromptSends`): empty -> a round added after each chunk's compute (one for
+a prompt computed whole), carrying the rows shipped so far -> failed as soon as any send
+failed (the worker then computes none of the prompt's remaining chunks) -> settled when every
+send of every round finished, which resolves the request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,9 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.kv.transfer import KvSender, cut_chunk
+from common.kv.transfer import KvSender, TransferError, cut_chunk
 from common.messages import KvTargetInfo
-from common.model.model import PastLatents, PrefillOutput
 from common.runtime.device import use_device
 
 # The send a job's trace wraps: (shard, grpc address, torch address, timeout) -> bytes.
@@ -89,26 +95,58 @@ class Shipper:
         self.sender.close()
 
 
-def unshipped(
-    out: PrefillOutput, start: int, end: int, past: PastLatents | None, skip: int
-) -> tuple[list[Tensor], list[Tensor]]:
-    """One prompt's latents from position `skip` (the decode group holds the rest) to its
-    end, per layer. Its rows [start, end) of `out` are positions [P, N) after a cached prefix
-    of P tokens; what the decode group lacks of that prefix comes from the cache."""
-    hit = past.length if past is not None else 0
-    if skip >= hit:
-        lo = start + skip - hit
-        return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
-    assert past is not None
-    return (
-        [torch.cat([p[skip:], n[start:end]]) for p, n in zip(past.n, out.n, strict=True)],
-        [torch.cat([p[skip:], k[start:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
-    )
-
-
 def shifted(target: KvTargetInfo, skip: int) -> KvTargetInfo:
     """An SP target with its token ranges counted from prompt position `skip`."""
     if not target.token_ranges or not skip:
         return target
     ranges = tuple(max(x - skip, 0) for x in target.token_ranges)
     return dataclasses.replace(target, token_ranges=ranges)
+
+
+class PromptSends:
+    def __init__(self) -> None:
+        self.futures: list[Future[int]] = []
+        self.rows = 0  # rows of what the decode group lacks that were handed to sends
+        self.started: float | None = None  # perf_counter of the first round
+
+    def add(self, futures: list[Future[int]], rows: int, started: float) -> None:
+        """A round of sends, begun (cut) at perf_counter `started`, handing off `rows`."""
+        if self.started is None:
+            self.started = started
+        self.futures += futures
+        self.rows = rows
+
+    def error(self) -> BaseException | None:
+        """The first failed send's error, among the finished ones."""
+        for send in self.futures:
+            if not send.done():
+                continue
+            if send.cancelled():
+                return TransferError("the prefill worker closed before the KV was pushed")
+            if (error := send.exception()) is not None:
+                return error
+        return None
+
+    def sent_bytes(self) -> int:
+        return sum(send.result() for send in self.futures)
+
+
+def when_all(futures: list[Future[int]], then: Callable[[], None]) -> None:
+    """Call `then` once every future finished: on the thread that finished the last one, or
+    on this one when none is left running."""
+    remaining = len(futures)
+    if not remaining:
+        then()
+        return
+    lock = threading.Lock()
+
+    def arrived(_: Future[int]) -> None:
+        nonlocal remaining
+        with lock:
+            remaining -= 1
+            if remaining:
+                return
+        then()
+
+    for future in futures:
+        future.add_done_callback(arrived)

@@ -4,7 +4,7 @@ Lifecycle of a job: queued -> batched with whatever else is waiting (up to a tok
 its longest cached prefix looked up in the latent prefix cache (if any) -> one packed exact
 prefill of the batch's new tokens, each over its cached prefix (a prompt longer than the
 chunk: one chunk per batch over the chunks before it, queued again behind whatever arrived
-meanwhile, each chunk's KV pushed while the next computes; `progress.py`) -> its new full
+meanwhile, each chunk's KV pushed while the next computes; `batch/progress.py`) -> its new full
 blocks stored in the cache -> first token sampled with the request's params (n of them for
 n choices, each from its own generator; the prompt's logprobs too when asked) -> the
 latents the decode group lacks (from its Reserve answer on: cached prefix and new tokens
@@ -23,62 +23,32 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from common.messages import PrefillResult, Reservation
+from common.messages import PrefillResult
 from common.model.model import PrefillOutput
 from common.runtime.device import use_device
 from common.runtime.errors import Unavailable
 from common.runtime.metrics import PrefillMetrics
-from common.sampling.grammar import (
-    GrammarCompiler,
-    GrammarError,
-    GrammarMatcher,
-    allowed_now,
-)
+from common.sampling.grammar import GrammarCompiler, GrammarError, allowed_now
 from common.sampling.logits import LogitsContext, context_for
-from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
-from services.prefill.job_trace import JobTrace
-from services.prefill.latent_cache import LatentPrefixCache
-from services.prefill.outputs import FirstTokens, last_hidden, prompt_logprobs
-from services.prefill.plan import BatchPlan, JobPlan
-from services.prefill.progress import PromptProgress, default_chunk_tokens
+from services.prefill.batch.batch_plan import BatchPlan, JobPlan
+from services.prefill.batch.job import PrefillJob
+from services.prefill.batch.latent_cache import LatentPrefixCache
+from services.prefill.batch.outputs import FirstTokens, last_hidden, prompt_logprobs
+from services.prefill.batch.progress import PromptProgress, default_chunk_tokens
+from services.prefill.batch.threads import PrefillThreads
 from services.prefill.runner import PrefillRunner
-from services.prefill.sends import when_all
-from services.prefill.shipping import ShipOrder
-from services.prefill.threads import PrefillThreads
+from services.prefill.shipping import ShipOrder, when_all
 
 # Rounds of sends (a job's, or one chunk's) in flight to the decode ranks at once.
 MAX_SHIPPING = 64
 # A queued prompt: its job, the future its caller waits on, how far its prefill got.
-Pending = tuple["PrefillJob", Future[PrefillResult], PromptProgress]
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    """One prompt to prefill into `reservation` (its KV targets), within `deadline_s`."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    reservation: Reservation
-    deadline_s: float
-    # The last N prompt ids are the request's own earlier output (a migrated request).
-    num_output_tokens: int = 0
-    matcher: GrammarMatcher | None = None  # set by submit() for a structured output
-    n: int = 1  # choices: first tokens to sample
-    prompt_logprobs: int | None = None  # set: the prompt's logprobs, this many alternatives
-    trace: JobTrace | None = None  # set: the worker records the job's spans' times here
-
-    @property
-    def cached_tokens(self) -> int:
-        """Leading prompt tokens the decode group holds already (its Reserve answer): their
-        KV is not shipped; the targets name only the blocks after them."""
-        return self.reservation.cached_tokens
+Pending = tuple[PrefillJob, Future[PrefillResult], PromptProgress]
 
 
 class PrefillWorker:
@@ -136,29 +106,7 @@ class PrefillWorker:
         self._thread.start()
 
     def submit(self, job: PrefillJob) -> Future[PrefillResult]:
-        vocab = self.runner.config.vocab_size
-        if not job.prompt_ids or min(job.prompt_ids) < 0 or max(job.prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
-        if len(job.prompt_ids) > self.runner.config.max_position_embeddings:
-            raise ValueError("prompt exceeds the model's context length")
-        if not 0 <= job.cached_tokens <= len(job.prompt_ids):
-            raise ValueError(f"cached_tokens {job.cached_tokens} is outside the prompt")
-        targets = job.reservation.targets
-        if any(t.token_ranges for t in targets):
-            # SP targets name the prompt positions they cache; together they must be the
-            # prompt after the decode group's cached prefix.
-            covered = sum(
-                hi - lo
-                for t in targets
-                for lo, hi in zip(t.token_ranges[::2], t.token_ranges[1::2], strict=True)
-            )
-            if covered != len(job.prompt_ids) - job.cached_tokens:
-                raise ValueError(
-                    f"the KV targets cover {covered} prompt tokens, the prompt has "
-                    f"{len(job.prompt_ids) - job.cached_tokens} to ship: reserve for this prompt"
-                )
-        if not 0 <= job.num_output_tokens < len(job.prompt_ids):
-            raise ValueError("num_output_tokens must be smaller than the prompt")
+        job.check(self.runner.config)
         if job.params.grammar is not None:
             if self.grammars is None:
                 raise GrammarError("structured outputs need the model's tokenizer.json")

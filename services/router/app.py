@@ -38,6 +38,7 @@ from common.sampling.grammar import GrammarCompiler, JsonWhitespace
 from common.sampling.grammar_limits import GrammarLimits
 from common.text.tokenizer import Tokenizer
 from services.router import batch, prepare, response_schemas
+from services.router.body_parts import DONE_LINE, sse_error
 from services.router.chat_format import ChatFormat
 from services.router.chat_schemas import ChatCompletionRequest
 from services.router.completion_format import CompletionFormat
@@ -55,7 +56,6 @@ from services.router.openapi import document_responses
 from services.router.pipeline import Pipeline
 from services.router.policy import RoutingPolicy, make_policy
 from services.router.request import Done, GenerationRequest, Output
-from services.router.body_parts import DONE_LINE, sse_error
 from services.router.worker_health import WorkerHealth
 from services.router.workers import WorkerDirectory
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.router.body_parts import Choices, sse, total_usage
 from services.router.chat_text import ChatText
 from services.router.request import ChoiceEnd, Delta, Done, Output
 from services.router.response_schemas import (
@@ -29,7 +30,6 @@ from services.router.response_schemas import (
     TopLogprobOut,
     Usage,
 )
-from services.router.body_parts import Choices, sse, total_usage
 from services.router.text import TokenLogprob
 from services.router.tools import ToolCalling, parse
 

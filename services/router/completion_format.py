@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.router.body_parts import Choices, sse, total_usage
 from services.router.request import ChoiceEnd, Delta, Done, Output, Prompt
 from services.router.response_schemas import (
     CompletionChoice,
@@ -17,7 +18,6 @@ from services.router.response_schemas import (
     CompletionResponse,
     Usage,
 )
-from services.router.body_parts import Choices, sse, total_usage
 from services.router.text import TokenLogprob
 
 

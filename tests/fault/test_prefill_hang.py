@@ -16,10 +16,11 @@ from common.kv.transfer import TransferError
 from common.messages import KvTargetInfo, Reservation
 from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
-from services.prefill.group.config import PrefillGroupConfig
+from services.prefill.batch.job import PrefillJob
+from services.prefill.config import PrefillGroupConfig
 from services.prefill.group.leader import GroupRunner
 from services.prefill.group.rank_model import load_group_rank
-from services.prefill.worker import PrefillJob, PrefillWorker
+from services.prefill.worker import PrefillWorker
 from tests.tiny import save_hf
 
 TIMEOUT_S = 3.0

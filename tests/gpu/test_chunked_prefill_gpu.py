@@ -11,7 +11,7 @@ import torch
 
 from common.loading.serving_model import load_prefill_model
 from common.model.chunked import prefill_in_chunks
-from services.prefill.progress import default_chunk_tokens
+from services.prefill.batch.progress import default_chunk_tokens
 
 pytestmark = [
     pytest.mark.gpu,

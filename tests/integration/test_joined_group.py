@@ -25,12 +25,14 @@ import pytest
 
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
+from common.rpc.server import Lifetime
 from common.runtime.group_files import files_of
 from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, Launch, engine_config
 from services.decode.service import serve_decode
+from services.prefill.config import PrefillConfig, PrefillGroupConfig
 from services.prefill.service import serve_prefill
 from tests.joined_ranks import Rank, rank_starter
 from tests.tiny import save_hf
@@ -67,7 +69,7 @@ def prefill_addr(model_dir: Path) -> Iterator[str]:
     port, stop = free_port(SERVICE_PORT_OFFSETS), threading.Event()
     worker = threading.Thread(
         target=serve_prefill,
-        args=(str(model_dir), None, "127.0.0.1", port, None),
+        args=(PrefillConfig(PrefillGroupConfig(str(model_dir))), port, Lifetime()),
         kwargs={"stop": stop},
         daemon=True,
     )
@@ -144,7 +146,7 @@ def spawned_group(model_dir: Path, parallel: ParallelConfig) -> Iterator[str]:
     )
     leader = threading.Thread(
         target=serve_decode,
-        args=(cfg, port, None),
+        args=(cfg, port, Lifetime()),
         kwargs={"ready": ready, "stop": stop},
         daemon=True,
     )

@@ -24,9 +24,11 @@ from common.rpc.clients import PrefillClient
 from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
-from services.prefill.group.config import group_spec, identity, prefill_group_config
+from services.prefill.batch.job import PrefillJob
+from services.prefill.config import prefill_group_config
+from services.prefill.group.spec import group_spec, identity
 from services.prefill.runner import LocalRunner
-from services.prefill.worker import PrefillJob, PrefillWorker
+from services.prefill.worker import PrefillWorker
 from tests.joined_ranks import rank_starter
 from tests.recording_kv import Receivers, targets
 from tests.tiny import save_hf

@@ -22,6 +22,7 @@ from common.model.chunked import prefill_in_chunks
 from common.model.model import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
+from common.rpc.server import Lifetime
 from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from common.tpla.reference import AttentionSpec, ReferenceModel, SequenceState, Variant
@@ -56,7 +57,7 @@ def _decode_group(cfg: EngineConfig):  # type: ignore[no-untyped-def]
     spawn = multiprocessing.get_context("spawn")
     ready, stop, port = spawn.Event(), spawn.Event(), free_port(SERVICE_PORT_OFFSETS)
     proc = spawn.Process(
-        target=serve_decode, args=(cfg, port, None), kwargs={"ready": ready, "stop": stop}
+        target=serve_decode, args=(cfg, port, Lifetime()), kwargs={"ready": ready, "stop": stop}
     )
     proc.start()
     try:

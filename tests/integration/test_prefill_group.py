@@ -24,12 +24,13 @@ from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.messages import PrefillResult, Reservation
 from common.sampling.params import SamplingParams
-from services.prefill.group.config import PrefillGroupConfig, prefix_cache
+from services.prefill.batch.job import PrefillJob
+from services.prefill.batch.job_trace import JobTrace
+from services.prefill.config import PrefillGroupConfig, prefix_cache
 from services.prefill.group.leader import GroupRunner
 from services.prefill.group.rank_model import load_group_rank
-from services.prefill.job_trace import JobTrace
 from services.prefill.runner import LocalRunner
-from services.prefill.worker import PrefillJob, PrefillWorker
+from services.prefill.worker import PrefillWorker
 from tests.recording_kv import Receivers, targets
 from tests.tiny import save_hf
 

@@ -26,7 +26,7 @@ from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.prefill.threads import PrefillThreads
+from services.prefill.batch.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
 from tools.cli.local import write_prompt
 

@@ -162,7 +162,7 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
     from common.model.chunked import prefill_in_chunks
     from common.model.prefill_attention import select_prefill_attention
     from common.parallel import ParallelConfig
-    from services.prefill.progress import default_chunk_tokens
+    from services.prefill.batch.progress import default_chunk_tokens
     from services.prefill.rank.model import PrefillRankModel
 
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from common.runtime.settings import load_settings
-from services.prefill.threads import PrefillThreads, usable_cores
+from services.prefill.batch.threads import PrefillThreads, usable_cores
 from tools.bench.load import Arrival, Load, drive_blocking
 from tools.bench.prompts import Mix, make_prompts
 from tools.bench.stats import LoadSummary, RequestTiming, summarize

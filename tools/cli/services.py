@@ -45,6 +45,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def cmd_decode(args: argparse.Namespace) -> int:
     import torch
 
+    from common.rpc.server import Lifetime
     from services.decode.config import engine_config
     from services.decode.service import serve_decode
 
@@ -54,57 +55,23 @@ def cmd_decode(args: argparse.Namespace) -> int:
         from services.decode.service import serve_rank
 
         return serve_rank(engine_config(s), s.rank, s.drain_grace_s)
-    return serve_decode(
-        engine_config(s),
-        s.decode_port,
-        s.redis_url,
-        heartbeat_s=s.heartbeat_s,
-        worker_ttl_s=s.worker_ttl_s,
-        drain_grace_s=s.drain_grace_s,
-    )
+    return serve_decode(engine_config(s), s.decode_port, Lifetime.from_settings(s))
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
     import torch
 
-    from common.sampling.grammar_limits import GrammarLimits
-    from services.prefill.group.config import prefill_group_config
+    from common.rpc.server import Lifetime
+    from services.prefill.config import prefill_config
     from services.prefill.service import serve_prefill
-    from services.prefill.threads import PrefillThreads
 
     s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
-    group = prefill_group_config(s)
     if s.rank > 0:  # a follower of a prefill group whose ranks are started on their own
-        from services.prefill.group.follower import follower_main
-        from services.prefill.group.rank_model import load_group_rank
+        from services.prefill.service import serve_rank
 
-        return follower_main(group, s.rank, load_group_rank)
-    token = s.internal_token.get_secret_value() if s.internal_token else None
-    return serve_prefill(
-        s.model,
-        s.reparam or None,
-        s.host,
-        s.prefill_port,
-        s.redis_url,
-        transport=s.transport,
-        token=token,
-        dtype=s.dtype,
-        weight_dtype=s.weight_dtype,
-        device=s.device,
-        heartbeat_s=s.heartbeat_s,
-        worker_ttl_s=s.worker_ttl_s,
-        drain_grace_s=s.drain_grace_s,
-        transfer_timeout_s=s.transfer_timeout_s,
-        attention_backend=s.attention_backend,
-        threads=PrefillThreads.from_settings(s),
-        max_batch_tokens=s.prefill_batch_tokens,
-        chunk_tokens=s.prefill_chunk_tokens,
-        prefix_cache_mb=s.prefix_cache_mb if s.prefix_cache else 0.0,
-        group=group,
-        mtp=s.speculative == "mtp",
-        grammar_limits=GrammarLimits.from_settings(s),
-    )
+        return serve_rank(prefill_config(s), s.rank)
+    return serve_prefill(prefill_config(s), s.prefill_port, Lifetime.from_settings(s))
 
 
 def cmd_router(args: argparse.Namespace) -> int:

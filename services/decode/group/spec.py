@@ -49,20 +49,12 @@ def identity(cfg: EngineConfig) -> dict[str, str]:
 
 
 def group_spec(cfg: EngineConfig) -> GroupSpec:
-    return GroupSpec(
+    return GroupSpec.from_config(
+        cfg,
         role="decode",
         size=cfg.parallel.tp,
-        device=cfg.device,
-        collectives=cfg.collectives,
-        collective_timeout_s=cfg.collective_timeout_s,
-        join_timeout_s=cfg.join_timeout_s,
         spawned=cfg.launch is Launch.SPAWN,
-        addr=cfg.master_addr,
-        port=cfg.master_port,
         port_setting="TPLA_DIST_PORT",
-        shm_path=cfg.shm_path,
-        host=cfg.host,
-        advertise_host=cfg.advertise_host or cfg.host,
         identity=functools.partial(identity, cfg),
         settings=SETTINGS,
     )

@@ -35,21 +35,23 @@ from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
 from common.model.model import PrefillOutput
 from common.runtime.device import rank_device
-from services.prefill.group.config import (
-    CONFIG_ENV,
-    PrefillGroupConfig,
-    group_spec,
-    prefix_cache,
-)
+from services.prefill.batch.batch_plan import BatchPlan, JobPlan, recv_plan
+from services.prefill.batch.progress import PromptProgress
+from services.prefill.batch.threads import PrefillThreads
+from services.prefill.config import PrefillGroupConfig, prefix_cache
 from services.prefill.group.rank_model import RankModelLoader
 from services.prefill.group.reports import report_held, report_when_sent
-from services.prefill.plan import BatchPlan, JobPlan, recv_plan
-from services.prefill.progress import PromptProgress
+from services.prefill.group.spec import group_spec
 from services.prefill.rank.model import PrefillRankModel
 from services.prefill.shipping import Shipper, ships
-from services.prefill.threads import PrefillThreads
 
 log = logging.getLogger(__name__)
+
+# The leader hands a spawned rank its config in the environment, not on the command line: the
+# config holds the internal token, and any local user can read a process's arguments.
+CONFIG_ENV = "TPLA_PREFILL_CONFIG"
+# Run as `python -m services.prefill.group.follower RANK LEADER_PID`.
+FOLLOWER_MODULE = "services.prefill.group.follower"
 
 
 class RankState:

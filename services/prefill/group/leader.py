@@ -35,15 +35,12 @@ from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.errors import Unavailable
 from common.runtime.ports import free_port
-from services.prefill.group.config import (
-    CONFIG_ENV,
-    FOLLOWER_MODULE,
-    PrefillGroupConfig,
-    group_spec,
-)
+from services.prefill.batch.batch_plan import BatchPlan, JobPlan, send_plan
+from services.prefill.config import PrefillGroupConfig
+from services.prefill.group.follower import CONFIG_ENV, FOLLOWER_MODULE
 from services.prefill.group.rank_model import RankModelLoader
 from services.prefill.group.reports import Reports
-from services.prefill.plan import BatchPlan, JobPlan, send_plan
+from services.prefill.group.spec import group_spec
 from services.prefill.rank.model import PrefillRankModel
 from services.prefill.runner import PrefillRunner
 from services.prefill.shipping import Send, Shipper, ships

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from common.group.comm import Comm
-from services.prefill.group.config import PrefillGroupConfig, rank_layout
+from services.prefill.config import PrefillGroupConfig, rank_layout
 from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
 
 # (the group's config, this rank, its Comm, its device) -> the rank's model share.

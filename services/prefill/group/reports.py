@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from common.kv.transfer import TransferError
 from common.runtime.errors import Unavailable
+from services.prefill.shipping import when_all
 
 _PREFIX = "tpla/prefill/sent"
 _COUNT = f"{_PREFIX}/count"
@@ -47,24 +48,13 @@ def report_held(store: dist.Store, rank: int, prompts: int) -> None:
 
 def report_when_sent(store: dist.Store, seq: int, rank: int, sends: list[Future[int]]) -> None:
     """A rank's report on piece `seq`, written once every send in `sends` has ended."""
-    if not sends:
-        _write(store, seq, rank, {"bytes": 0})
-        return
-    remaining = len(sends)
-    lock = threading.Lock()
 
-    def ended(_: Future[int]) -> None:
-        nonlocal remaining
-        with lock:
-            remaining -= 1
-            if remaining:
-                return
+    def ended() -> None:
         errors = [_error(s) for s in sends if _error(s) is not None]
         outcome = {"error": errors[0]} if errors else {"bytes": sum(s.result() for s in sends)}
         _write(store, seq, rank, outcome)
 
-    for send in sends:
-        send.add_done_callback(ended)
+    when_all(sends, ended)
 
 
 def _error(send: Future[int]) -> str | None:

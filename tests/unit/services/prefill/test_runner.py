@@ -13,7 +13,7 @@ from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model, load_prefill_mtp
 from common.model.model import PastLatents
 from common.model.mtp import mtp_prefill
-from services.prefill.plan import BatchPlan, JobPlan
+from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.runner import LocalRunner
 from services.prefill.shipping import ShipOrder
 from tests.shard_checkpoints import MTP_CONFIG, mtp_state, random_state, save_checkpoint

@@ -15,8 +15,9 @@ from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.messages import Reservation
 from common.sampling.params import SamplingParams
+from services.prefill.batch.job import PrefillJob
 from services.prefill.runner import LocalRunner
-from services.prefill.worker import PrefillJob, PrefillWorker
+from services.prefill.worker import PrefillWorker
 from tests.tiny import save_hf
 
 # A reservation with no KV targets: the prefill runs, nothing is shipped.

@@ -23,10 +23,11 @@ from common.kv.wire import shard_slots
 from common.loading.serving_model import load_prefill_model
 from common.messages import KvTargetInfo, PrefillResult, Reservation
 from common.sampling.params import SamplingParams
-from services.prefill.job_trace import JobTrace
-from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.batch.job import PrefillJob
+from services.prefill.batch.job_trace import JobTrace
+from services.prefill.batch.latent_cache import LatentPrefixCache
 from services.prefill.runner import LocalRunner
-from services.prefill.worker import PrefillJob, PrefillWorker
+from services.prefill.worker import PrefillWorker
 from tests.tiny import save_hf
 
 WAIT_S = 60.0

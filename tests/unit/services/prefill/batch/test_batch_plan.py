@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from common.messages import KvTargetInfo
-from services.prefill.plan import BatchPlan, JobPlan
+from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.shipping import ShipOrder
 
 

@@ -1,47 +1,24 @@
-"""A prefill group's configuration: built once from the settings, read by every rank (its
-`GroupSpec` for common/group, its prefix-cache replica).
+"""A prefill worker's configuration: everything its ranks and its batcher start with.
 
-A spawned rank receives its leader's config as JSON; a rank started on its own builds its
-own from its settings, which the join checks against the leader's (`identity`).
+Frozen dataclasses, validated when built; `prefill_config` maps the settings (env and flags,
+`common/runtime/settings.py`) onto them, once. A spawned rank of a prefill group receives its
+leader's `PrefillGroupConfig` as JSON; a rank started on its own builds its own from its
+settings, which the join checks against the leader's (services/prefill/group/spec.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass
 
-import torch
-
-from common.group.spec import GroupSpec, config_digest, parse_group_addr
+from common.group.spec import parse_group_addr
 from common.kv.prefix_cache import model_identity
 from common.parallel import MoeParallel, ParallelConfig
 from common.runtime.settings import Settings
-from services.prefill.latent_cache import LatentPrefixCache
-
-# The leader hands a spawned rank its config in the environment (it holds the internal
-# token, and any local user can read a process's arguments).
-CONFIG_ENV = "TPLA_PREFILL_CONFIG"
-# Run as `python -m services.prefill.group.follower RANK LEADER_PID`.
-FOLLOWER_MODULE = "services.prefill.group.follower"
-
-# What every rank must agree on (each computes the whole latent and ships from it, and
-# holds a replica of the prefix cache), and the setting that changes it.
-SETTINGS = (
-    ("model", "TPLA_MODEL"),
-    ("tp", "TPLA_PREFILL_TP / --group-size"),
-    ("reparam", "TPLA_REPARAM"),
-    ("dtype", "TPLA_DTYPE"),
-    ("weight_dtype", "TPLA_WEIGHT_DTYPE"),
-    ("device", "TPLA_DEVICE"),
-    ("attention_backend", "TPLA_ATTENTION_BACKEND"),
-    ("moe_parallel", "TPLA_MOE_PARALLEL"),
-    ("prefix_cache_mb", "TPLA_PREFIX_CACHE / TPLA_PREFIX_CACHE_MB"),
-    ("transport", "TPLA_TRANSPORT"),
-    ("collectives", "TPLA_COLLECTIVES"),
-    ("mtp", "TPLA_SPECULATIVE"),
-)
+from common.sampling.grammar_limits import DEFAULT_LIMITS, GrammarLimits
+from services.prefill.batch.latent_cache import LatentPrefixCache
+from services.prefill.batch.threads import PrefillThreads
 
 
 @dataclass(frozen=True)
@@ -59,7 +36,7 @@ class PrefillGroupConfig:
     worker_id: str = "prefill"  # the worker's id: its ranks' torch pairs are named after it
     prefix_cache_mb: float = 0.0  # per rank: every rank holds a replica
     torch_threads: int = 1
-    prefill_threads: int = 1  # a large batch's threads (services/prefill/threads.py)
+    prefill_threads: int = 1  # a large batch's threads (services/prefill/batch/threads.py)
     collectives: str = "shm"
     mtp: bool = False  # TPLA_SPECULATIVE=mtp: every rank runs its share of the MTP layer
     spawned: bool = True  # the leader spawns its ranks; else each joins (`--rank K`)
@@ -79,6 +56,11 @@ class PrefillGroupConfig:
                 "TPLA_COLLECTIVES=shm: shared memory cannot reach ranks started on their own "
                 "(--rank / --group-addr), which may run on other hosts; use dist or auto"
             )
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the whole model runs in this process: no other rank to start or join."""
+        return self.tp == 1 and self.spawned
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -137,22 +119,31 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
     )
 
 
-def identity(cfg: PrefillGroupConfig) -> dict[str, str]:
-    """What a prefill rank serves, as strings (the model as its config.json's digest)."""
-    return {
-        "model": config_digest(cfg.model),
-        "tp": str(cfg.tp),
-        "reparam": cfg.reparam or "none",
-        "dtype": cfg.dtype,
-        "weight_dtype": cfg.weight_dtype,
-        "device": torch.device(cfg.device).type,
-        "attention_backend": cfg.attention_backend,
-        "moe_parallel": cfg.moe_parallel,
-        "prefix_cache_mb": f"{cfg.prefix_cache_mb:g}",
-        "transport": cfg.transport,
-        "collectives": cfg.collectives,
-        "mtp": "mtp" if cfg.mtp else "none or ngram",
-    }
+@dataclass(frozen=True)
+class PrefillConfig:
+    """A prefill worker: its model and ranks (`group`), how its batcher batches and ships."""
+
+    group: PrefillGroupConfig
+    # One push may take at most this long even when the request allows more: a hung decode
+    # rank must fail the request, not hold this worker's pushers for minutes.
+    transfer_timeout_s: float = 30.0
+    max_batch_tokens: int = 2048  # prompts per batch fill this many tokens at most
+    chunk_tokens: int | None = None  # a longer prompt's piece per batch; None: the device's
+    threads: PrefillThreads | None = None  # None: every batch on the process's thread count
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS  # each structured output's parser budget
+
+
+def prefill_config(s: Settings) -> PrefillConfig:
+    """A prefill worker's config from `placed` settings: the one mapping of the two;
+    ValueError naming what is wrong."""
+    return PrefillConfig(
+        group=prefill_group_config(s),
+        transfer_timeout_s=s.transfer_timeout_s,
+        max_batch_tokens=s.prefill_batch_tokens,
+        chunk_tokens=s.prefill_chunk_tokens,
+        threads=PrefillThreads.from_settings(s),
+        grammar_limits=GrammarLimits.from_settings(s),
+    )
 
 
 def prefix_cache(cfg: PrefillGroupConfig) -> LatentPrefixCache | None:
@@ -169,23 +160,3 @@ def prefix_cache(cfg: PrefillGroupConfig) -> LatentPrefixCache | None:
 def rank_layout(cfg: PrefillGroupConfig) -> ParallelConfig:
     """The ranks' shares: MLA-TP over the group (heads, FFN columns or experts, vocabulary)."""
     return ParallelConfig(tp=cfg.tp, moe=MoeParallel(cfg.moe_parallel))
-
-
-def group_spec(cfg: PrefillGroupConfig) -> GroupSpec:
-    return GroupSpec(
-        role="prefill",
-        size=cfg.tp,
-        device=cfg.device,
-        collectives=cfg.collectives,
-        collective_timeout_s=cfg.collective_timeout_s,
-        join_timeout_s=cfg.join_timeout_s,
-        spawned=cfg.spawned,
-        addr=cfg.master_addr,
-        port=cfg.master_port,
-        port_setting="TPLA_PREFILL_DIST_PORT",
-        shm_path=cfg.shm_path,
-        host=cfg.host,
-        advertise_host=cfg.advertise_host or cfg.host,
-        identity=functools.partial(identity, cfg),
-        settings=SETTINGS,
-    )

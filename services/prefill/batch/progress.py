@@ -17,8 +17,8 @@ from torch import Tensor
 from common.model.model import PastLatents, PrefillOutput
 from common.runtime.heap import trim_heap
 from common.sampling.sampler import SampledToken
-from services.prefill.latent_cache import LatentPrefixCache
-from services.prefill.sends import PromptSends
+from services.prefill.batch.latent_cache import LatentPrefixCache
+from services.prefill.shipping import PromptSends
 
 
 class PromptProgress:

@@ -13,10 +13,11 @@ from common.loading.serving_model import load_prefill_model
 from common.messages import Reservation
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
-from services.prefill import threads
+from services.prefill.batch import threads
+from services.prefill.batch.job import PrefillJob
+from services.prefill.batch.threads import PrefillThreads
 from services.prefill.runner import LocalRunner
-from services.prefill.threads import PrefillThreads
-from services.prefill.worker import PrefillJob, PrefillWorker
+from services.prefill.worker import PrefillWorker
 from tests.tiny import save_hf
 
 # A reservation with no KV targets: the prefill runs, nothing is shipped.

@@ -13,9 +13,10 @@ from common.kv.transfer import KvSender, Shard
 from common.loading.serving_model import load_prefill_model
 from common.messages import KvTargetInfo, Reservation
 from common.sampling.params import SamplingParams
-from services.prefill.latent_cache import LatentPrefixCache
+from services.prefill.batch.job import PrefillJob
+from services.prefill.batch.latent_cache import LatentPrefixCache
 from services.prefill.runner import LocalRunner
-from services.prefill.worker import PrefillJob, PrefillWorker
+from services.prefill.worker import PrefillWorker
 from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from common.model.model import PastLatents
-from services.prefill.progress import PromptProgress
+from services.prefill.batch.progress import PromptProgress
 
 
 def test_release_drops_the_buffer_and_the_past() -> None:

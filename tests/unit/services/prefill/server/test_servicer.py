@@ -15,7 +15,7 @@ from common.rpc.convert import params_to_pb, reservation_to_pb
 from common.rpc.gen import prefill_pb2
 from common.sampling.params import SamplingParams
 from services.prefill.runner import LocalRunner
-from services.prefill.service import PrefillServicer
+from services.prefill.server.servicer import PrefillServicer
 from services.prefill.worker import PrefillWorker
 from tests.tiny import save_hf
 from tests.unit.services.prefill.test_worker_chunking import WAIT_S, Gated
