@@ -9,9 +9,9 @@ position p is in chunk p // C, owned by rank (p // C) mod tp, and each rank stor
 contiguously in chunk order, so its local cache is an ordinary growing sequence.
 
 The layouts' names (`LAYOUT_NAMES`), their parser and what each layout means for a rank live
-here and nowhere else. Pure integer arithmetic, no torch: the decode ranks, the leader's engine
-and `tpla plan` all take their slices here; the token arithmetic also runs elementwise on
-integer tensors.
+here and nowhere else (tests/unit/test_layout_locality.py). Pure integer arithmetic, no
+torch: the decode ranks, the leader's engine and `tpla plan` all take their slices here; the
+token arithmetic also runs elementwise on integer tensors.
 """
 
 from __future__ import annotations
