@@ -238,7 +238,6 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     from services.decode.rank.model import RankModel
 
     torch.set_num_threads(1)
-    parallel = ParallelConfig.parse(layout, tp=2, latent_groups=2)
     start = time.perf_counter()
     kept = 0
     if mode == "overhead":
@@ -253,6 +252,7 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
             source = open_serving_weights(model_dir, None, dtype, "cpu", "float8")[0]
         else:  # whole-then-slice
             source = load_model(model_dir, dtype=dtype)
+        parallel = ParallelConfig.parse(layout, tp=2, latent_groups=2)
         rank_model = RankModel(source, parallel, rank)
         del source
         kept = rank_model.parameter_bytes()
