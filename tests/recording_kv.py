@@ -14,7 +14,7 @@ from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import check_dtype, shard_slots
 from common.messages import KvTargetInfo
-from common.parallel import ParallelConfig, ParallelMode
+from common.parallel import ParallelConfig
 from common.rpc.gen import kv_pb2
 from common.runtime.ports import free_port
 
@@ -74,20 +74,11 @@ def targets(
     torch_address: str = "",
 ) -> tuple[KvTargetInfo, ...]:
     """What a decode group of this layout names (services/decode/leader/kv_targets.py)."""
-    par = ParallelConfig(
-        tp=tp,
-        latent_groups=2 if mode == "tpla" else 1,
-        mode=ParallelMode.SP if mode == "sp" else ParallelMode.TPLA,
-        chunk_size=8,
-    )
+    par = ParallelConfig.parse(mode, tp, latent_groups=2, chunk_size=8)
     targets = []
     for rank in range(tp):
         cols = par.latent_columns(rank, d_c)
-        ranges: tuple[int, ...] = ()
-        if par.sp:
-            owned = par.owned_ranges(rank, prompt_len)
-            kept = [x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)]
-            ranges = tuple(kept) or (0, 0)
+        ranges = par.token_ranges(rank, cached, prompt_len)
         blocks = tuple(range(BLOCK_SPAN * rank, BLOCK_SPAN * rank + BLOCKS))
         targets.append(
             KvTargetInfo(

@@ -22,8 +22,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.prefix_cache import PrefixIndex
+from common.parallel import ParallelConfig
 
 
 class BlockState(enum.Enum):
@@ -214,39 +214,35 @@ class BlockPool:
 class RankPools:
     """The leader's view of every rank's pool.
 
-    TPLA / MLA-TP: every rank caches every token, so one allocator serves all ranks and the
-    block tables are identical. SP: rank k caches only its chunks, so each rank has its own
-    allocator and table, sized by how many of the request's tokens it owns.
+    One pool per `ParallelConfig.token_ranks`: where every rank caches every token (TPLA,
+    MLA-TP) one allocator serves all ranks and the block tables are identical; in SP rank k
+    caches only its chunks, so each rank has its own allocator and table, sized by how many
+    of the request's tokens it owns.
 
     Prefix reuse (`prefix_cache`): prompt block b (tokens [b * bs, (b + 1) * bs)) lives in
-    one pool: the shared one, or in SP the pool of the rank owning its chunk, at that rank's
-    local block local_index(b * bs) / bs. The leader matches a prompt's chain block by block
-    in those pools and every rank follows its table, so all ranks agree on the hit. SP needs
-    chunks of whole blocks (chunk_size a multiple of block_size); otherwise it caches nothing.
+    one pool, `token_owner(b * bs)`'s, at its local block local_position(b * bs) / bs. The
+    leader matches a prompt's chain block by block in those pools and every rank follows its
+    table, so all ranks agree on the hit. It needs every block whole in one pool
+    (`keeps_whole_blocks`); otherwise it caches nothing.
     """
 
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
-        ranks: int,
-        chunk_size: int | None = None,
+        parallel: ParallelConfig,
         prefix_cache: bool = False,
     ) -> None:
-        self.ranks = ranks
-        self.chunk_size = chunk_size
+        self.parallel = parallel
         self.block_size = block_size
-        count = 1 if chunk_size is None else ranks
-        self.prefix_cache = prefix_cache and (chunk_size is None or chunk_size % block_size == 0)
+        self.prefix_cache = prefix_cache and parallel.keeps_whole_blocks(block_size)
         self.pools = [
             BlockPool(num_blocks, block_size, PrefixIndex() if self.prefix_cache else None)
-            for _ in range(count)
+            for _ in range(parallel.token_ranks)
         ]
 
     def local_tokens(self, rank: int, total: int) -> int:
-        if self.chunk_size is None:
-            return total
-        return local_length(total, rank, self.chunk_size, self.ranks)
+        return self.parallel.local_length(total, rank)
 
     def allocate(self, request_id: str, num_tokens: int) -> list[list[int]]:
         """Reserve on every rank (all-or-nothing); returns each rank's block table."""
@@ -309,11 +305,8 @@ class RankPools:
 
     def _home(self, block: int) -> tuple[int, int]:
         """(pool, local block index) of prompt block `block`."""
-        if self.chunk_size is None:
-            return 0, block
-        pos = block * self.block_size
-        owner = chunk_owner(pos, self.chunk_size, self.ranks)
-        return owner, local_index(pos, self.chunk_size, self.ranks) // self.block_size
+        pos, par = block * self.block_size, self.parallel
+        return par.token_owner(pos), par.local_position(pos) // self.block_size
 
     def _owned(self, pool: int, blocks: int) -> list[int]:
         """The first `blocks` prompt blocks that live in `pool`, in order."""
@@ -352,7 +345,7 @@ class RankPools:
 
     def tables(self, request_id: str) -> list[list[int]]:
         tables = [list(pool.table(request_id).blocks) for pool in self.pools]
-        return tables * self.ranks if len(tables) == 1 else tables
+        return tables * self.parallel.tp if len(tables) == 1 else tables
 
     @property
     def num_used(self) -> int:

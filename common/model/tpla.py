@@ -51,26 +51,28 @@ class LatentShard:
         return self.end - self.start
 
 
-def latent_shards(d_c: int, groups: int, spectrum: Tensor | None = None) -> list[LatentShard]:
-    """Contiguous equal slices of the latent; energies from a per-dimension spectrum.
+def latent_shard(columns: slice, groups: int, spectrum: Tensor | None = None) -> LatentShard:
+    """Latent slice S_i = `columns`, one of `groups` equal contiguous slices (the layout cuts
+    them: `ParallelConfig.latent_columns`), with its energy share e_i.
 
     `spectrum` holds E[n_k^2] per latent dimension in the (rotated) basis the cache uses;
     without it every slice gets e_i = 1/r.
     """
-    if groups < 1 or d_c % groups:
-        raise ValueError(f"latent width {d_c} is not divisible into {groups} groups")
-    width = d_c // groups
+    width = columns.stop - columns.start
+    d_c = width * groups
     if spectrum is None:
-        energies = [1.0 / groups] * groups
+        energy = 1.0 / groups
     else:
         if spectrum.shape != (d_c,):
             raise ValueError(f"spectrum has shape {tuple(spectrum.shape)}, expected ({d_c},)")
         total = float(spectrum.double().sum())
-        energies = [
-            float(spectrum[i * width : (i + 1) * width].double().sum()) / total
-            for i in range(groups)
-        ]
-    return [LatentShard(i, groups, i * width, (i + 1) * width, energies[i]) for i in range(groups)]
+        energy = float(spectrum[columns].double().sum()) / total
+    return LatentShard(columns.start // width, groups, columns.start, columns.stop, energy)
+
+
+def latent_shards(slices: list[slice], spectrum: Tensor | None = None) -> list[LatentShard]:
+    """`latent_shard` of each of S_1 .. S_r (`ParallelConfig.latent_slices`), in order."""
+    return [latent_shard(columns, len(slices), spectrum) for columns in slices]
 
 
 def sliced_rmsnorm(

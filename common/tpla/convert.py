@@ -8,7 +8,7 @@ rms is rotation invariant, so MLA's outputs are unchanged and the cached latent 
 `R^T x / rms(x)`. The result is either written as a new HF checkpoint (`convert_checkpoint`)
 or recorded in a small side file that `apply_reparameterization` replays at load time. A
 side file also carries each layer's calibration spectrum in the rotated basis, from which
-`common.model.tpla.latent_shards` derives the per-shard constants for any TP degree.
+`common.model.tpla.latent_shard` derives each shard's constants for any TP degree.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from common.kv.chunks import local_length
 from common.model.args import ModelConfig
-from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode, layout_label
+from common.parallel import MoeParallel, ParallelConfig, RmsNormMode, layout_label
 from common.tpla.rank_memory import (
     DTYPE_BYTES,
     WEIGHT_DTYPES,
@@ -129,16 +128,13 @@ class PlanRequest:
             )
 
     def layouts(self) -> list[tuple[str, ParallelConfig]]:
-        """(row name, layout): mla-tp, tpla for each requested r (r = 1 too), sp."""
-        tp, norm, chunk, moe = self.hardware.gpus_per_group, self.rmsnorm, self.chunk_size, self.moe
-        return [
-            ("mla-tp", ParallelConfig(tp, 1, norm, ParallelMode.TPLA, chunk, moe)),
-            *(
-                ("tpla", ParallelConfig(tp, r, norm, ParallelMode.TPLA, chunk, moe))
-                for r in self.latent_groups
-            ),
-            ("sp", ParallelConfig(tp, 1, norm, ParallelMode.SP, chunk, moe)),
-        ]
+        """(row name, layout): every layout `ParallelConfig.compared` sets side by side, the
+        baseline first; a tpla row keeps its name at r = 1."""
+        tp = self.hardware.gpus_per_group
+        compared = ParallelConfig.compared(
+            tp, self.latent_groups, self.rmsnorm, self.chunk_size, self.moe
+        )
+        return [(mode.value, layout) for mode, layout in compared]
 
     def prefill_layout(self) -> ParallelConfig:
         """A prefill group's ranks: MLA-TP over `prefill_gpus`, whatever decode runs."""
@@ -149,7 +145,7 @@ class PlanRequest:
 class LayoutPlan:
     """One layout on one rank (the largest rank: lm_head slices differ by a row)."""
 
-    name: str  # mla-tp | tpla | sp: the plan's row (a tpla row may ask for r = 1)
+    name: str  # the plan's row: a layout's name (a tpla row may ask for r = 1)
     layout: ParallelConfig
     weights_bytes: int
     kv_bytes_per_token: float  # per context token of the group, on one rank
@@ -176,19 +172,19 @@ def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelCon
     budget = hw.gpu_mem_bytes - weights - hw.reserve
     # As CacheLayout.blocks_for_budget, less the cache's trash block (never handed out).
     blocks = max(max(budget, 0) // (stored * bs) - 1, 0)
-    sp = layout.sp
-    # SP: rank 0 owns the most of a sequence's round-robin chunks; others share one pool.
-    local = local_length(req.context, 0, layout.chunk_size, layout.tp) if sp else req.context
-    per_seq = -(-local // bs)
+    # Rank 0 caches the most of a sequence: in SP it owns the first of its chunks.
+    per_seq = -(-layout.local_length(req.context, 0) // bs)
+    # A context token costs a rank its row only on the one of `token_ranks` that caches it.
+    ranks = layout.token_ranks
     return LayoutPlan(
         name=name,
         layout=layout,
         weights_bytes=weights,
-        kv_bytes_per_token=stored / layout.tp if sp else stored,
+        kv_bytes_per_token=stored / ranks,
         kv_bytes_per_stored_token=stored,
         kv_budget_bytes=budget,
         stored_tokens=blocks * bs,
-        max_tokens=blocks * bs * (layout.tp if sp else 1),
+        max_tokens=blocks * bs * ranks,
         blocks_per_sequence=per_seq,
         max_sequences=blocks // per_seq,
         fits=weights + hw.reserve < hw.gpu_mem_bytes,
@@ -199,7 +195,7 @@ def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelCon
 class Plan:
     config: ModelConfig
     request: PlanRequest
-    layouts: tuple[LayoutPlan, ...]  # mla-tp, tpla for each requested r, sp
+    layouts: tuple[LayoutPlan, ...]  # as `PlanRequest.layouts`: the baseline first
     breakdown: tuple[tuple[str, int], ...]  # the first TPLA layout's rank-0 bytes by part
     full_model_bytes: int  # the whole model in the weight dtype
     prefill_weights_bytes: int  # the largest prefill rank's (vocabulary slices differ by a row)
@@ -210,17 +206,22 @@ class Plan:
         return self.prefill_weights_bytes + hw.reserve < hw.gpu_mem_bytes
 
     @property
+    def baseline(self) -> LayoutPlan:
+        """The exact baseline's row (MLA-TP), which the others are compared with."""
+        return self.layouts[0]
+
+    @property
     def chosen(self) -> LayoutPlan:
         return self.layouts[1]
 
     def by_name(self, name: str) -> LayoutPlan:
-        """The row of mla-tp or sp; of tpla, the first r's."""
-        return self.chosen if name == "tpla" else next(p for p in self.layouts if p.name == name)
+        """The first row of that name: of tpla, the first r's."""
+        return next(p for p in self.layouts if p.name == name)
 
     def to_json(self) -> dict[str, Any]:
-        """The `tpla plan --json` contract (keyed by mla-tp / tpla / sp: tpla is the first r)."""
+        """The `tpla plan --json` contract (keyed by layout name: tpla is the first r)."""
         req, hw = self.request, self.request.hardware
-        keyed = {name: self.by_name(name) for name in ("mla-tp", "tpla", "sp")}
+        keyed = {p.name: self.by_name(p.name) for p in self.layouts}
         return {
             "model_type": self.config.model_type,
             "num_hidden_layers": self.config.num_hidden_layers,

@@ -142,7 +142,7 @@ def prefill_rank_tensors(
     head) but its embedding is split by vocabulary too: a prefill batch embeds thousands of
     tokens, so a masked lookup and one all-reduce cost little beside the layers, while
     V3's replicated embedding would be 1.75 GiB a rank."""
-    if layout.latent_groups != 1 or layout.sp:
+    if not layout.splits_heads_only:
         raise PlanError("a prefill group is sharded as MLA-TP (r = 1, no SP)")
     vocab_rows = span(layout.vocab_rows(rank, c.vocab_size))
     return [

@@ -37,7 +37,7 @@ from common.model.tpla import (
     new_token_latent,
     shard_attention,
 )
-from common.parallel import RmsNormMode
+from common.parallel import ParallelConfig, RmsNormMode
 from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens, request_seed, sample
@@ -110,9 +110,9 @@ class ReferenceModel:
         self.model = model
         self.spec = spec
         # GLA uses no beta, so its shards need no energies.
+        slices = ParallelConfig(spec.groups, spec.groups).latent_slices(c.kv_lora_rank)
         self.shards: list[list[LatentShard]] = [
-            latent_shards(c.kv_lora_rank, spec.groups, None if spec.variant is Variant.GLA else s)
-            for s in spectra
+            latent_shards(slices, None if spec.variant is Variant.GLA else s) for s in spectra
         ]
 
     # -- entry point (a): teacher forcing ---------------------------------------------------

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from common.group.spec import parse_group_addr
-from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
+from common.parallel import ParallelConfig, RmsNormMode, parse_mode, parse_moe
 from common.runtime.ports import TORCH_PORT_OFFSET
 from common.runtime.settings import Settings
 from common.sampling.grammar_limits import GrammarLimits
@@ -131,23 +131,18 @@ class EngineConfig:
 
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
-        raw["parallel"]["rmsnorm"] = self.parallel.rmsnorm.value
-        raw["parallel"]["mode"] = self.parallel.mode.value
-        raw["parallel"]["moe"] = self.parallel.moe.value
+        raw["parallel"] = self.parallel.to_dict()
         raw["launch"] = self.launch.value
         return json.dumps(raw)
 
     @classmethod
     def from_json(cls, text: str) -> EngineConfig:
         raw = json.loads(text)
-        par = raw.pop("parallel")
-        par["rmsnorm"] = RmsNormMode(par["rmsnorm"])
-        par["mode"] = ParallelMode(par["mode"])
-        par["moe"] = MoeParallel(par["moe"])
+        parallel = ParallelConfig.parse(**raw.pop("parallel"))
         raw["launch"] = Launch(raw["launch"])
         spec = SpecConfig(**raw.pop("speculative"))
         limits = GrammarLimits(**raw.pop("grammar_limits"))
-        return cls(parallel=ParallelConfig(**par), speculative=spec, grammar_limits=limits, **raw)
+        return cls(parallel=parallel, speculative=spec, grammar_limits=limits, **raw)
 
 
 # The decode kernels a rank can ask for (`select_decode_backend` picks one for `auto`).
@@ -156,10 +151,7 @@ KERNELS = ("auto", "torch", "native", "triton")
 
 def engine_config(s: Settings) -> EngineConfig:
     """The decode engine's config from `placed` settings: the one mapping of the two."""
-    if s.parallel not in ("tpla", "mla-tp", "sp"):
-        raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
-    if s.moe_parallel not in ("tp", "ep"):
-        raise ValueError(f"MoE parallel mode {s.moe_parallel!r} is not tp or ep")
+    mode, moe = parse_mode(s.parallel), parse_moe(s.moe_parallel)
     if s.decode_kernel not in KERNELS:
         raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
     if s.cuda_graphs not in ("auto", "0"):
@@ -173,17 +165,15 @@ def engine_config(s: Settings) -> EngineConfig:
     collectives = s.collectives
     if collectives == "auto":
         collectives = "shm" if launch is Launch.SPAWN else "dist"
-    latent_groups = s.latent_groups if s.parallel == "tpla" else 1
-    mode = ParallelMode.SP if s.parallel == "sp" else ParallelMode.TPLA
     return EngineConfig(
         model=s.model,
         parallel=ParallelConfig(
             tp=tp,
-            latent_groups=latent_groups,
+            latent_groups=mode.latent_groups(s.latent_groups),
             rmsnorm=RmsNormMode(s.rmsnorm),
             mode=mode,
             chunk_size=s.chunk_size,
-            moe=MoeParallel(s.moe_parallel),
+            moe=moe,
         ),
         reparam=s.reparam or None,
         block_size=s.block_size,

@@ -68,12 +68,10 @@ class DecodeEngine:
             eos_token_ids if eos_token_ids is not None else model_cfg.eos_token_ids
         )
         max_len = cfg.max_model_len or model_cfg.max_position_embeddings
-        par = cfg.parallel
         self.pool = RankPools(
             self.runtime.cache.usable_blocks,
             cfg.block_size,
-            par.tp,
-            par.chunk_size if par.sp else None,
+            cfg.parallel,
             prefix_cache=cfg.prefix_cache,
         )
         # The root of this group's block hash chains: the model and its side file.

@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from common.loading.serving_model import open_serving_weights
-from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig
 from services.decode.rank.model import RankModel
 from tests.shard_checkpoints import (
-    CONFIG,
     FP8_CONFIG,
     quantize,
     random_state,
@@ -35,7 +33,6 @@ def test_a_rank_read_onto_cuda_equals_one_read_on_the_cpu(
     fp8, _ = quantize(random_state())
     model_dir = save_checkpoint(fp8, tmp_path / "fp8", quantization_config=FP8_CONFIG)
     parallel = ParallelConfig(tp=2, latent_groups=2)
-    shards = [latent_shards(CONFIG["kv_lora_rank"], 2)] * CONFIG["num_hidden_layers"]
     for rank in range(2):
         # `auto` would keep FP8 on cuda and dequantize on the CPU: name the same one for both.
         cuda, cpu = (
@@ -43,7 +40,6 @@ def test_a_rank_read_onto_cuda_equals_one_read_on_the_cpu(
                 open_serving_weights(model_dir, None, dtype, device, weight_dtype)[0],
                 parallel,
                 rank,
-                shards,
             )
             for device in ("cuda", "cpu")
         )

@@ -18,7 +18,7 @@ from common.loading.loader import load_model
 from common.loading.weights import ModelWeights
 from common.model.sp import merge_partials
 from common.model.tpla import latent_shards
-from common.parallel import RmsNormMode
+from common.parallel import ParallelConfig, RmsNormMode
 from common.triton_kernels import decode_attention
 from services.decode.rank.backends import TorchBackend, select_decode_backend
 from services.decode.rank.layers import RankAttention
@@ -60,8 +60,8 @@ def test_the_triton_backend_attends_as_the_torch_backend(tmp_path: Path) -> None
     heads = attn.num_heads
     g = torch.Generator().manual_seed(0)
     for shard, group in (
-        (latent_shards(attn.d_c, 2)[1], slice(0, heads)),
-        (latent_shards(attn.d_c, 1)[0], slice(heads // 2, heads)),
+        (latent_shards(ParallelConfig(2, 2).latent_slices(attn.d_c))[1], slice(0, heads)),
+        (latent_shards(ParallelConfig(1, 1).latent_slices(attn.d_c))[0], slice(heads // 2, heads)),
     ):
         rank = RankAttention(ModelWeights(model), 1, group, shard, RmsNormMode.EXACT)
         cache, tables, lens = _history([21, 4, 40], shard.width, attn.d_r, 8, seed=1)

@@ -8,8 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.model.args import ModelConfig
+from common.parallel import BASELINE, ParallelConfig, ParallelMode, span
 
 TP = 2
+# The layouts a decode-attention call is measured in, on one device of TP: head-parallel MLA
+# (the baseline) and TPLA at r = TP.
+MODES = (BASELINE.value, ParallelMode.TPLA.value)
 
 
 @dataclass(frozen=True)
@@ -89,13 +93,12 @@ class DeviceWork:
 
 
 def per_device(shape: AttnShape, mode: str, ranks: int = TP) -> tuple[int, int]:
-    """(heads, latent width) on one device: head-parallel MLA ("mla-tp") splits the heads,
-    TPLA ("tpla") splits the latent."""
-    if mode == "mla-tp":
-        return shape.heads // ranks, shape.d_c
-    if mode == "tpla":
-        return shape.heads, shape.d_c // ranks
-    raise ValueError(f"unknown mode {mode!r}")
+    """(heads, latent width) on one device, as the layout slices them (one of `MODES`):
+    head-parallel MLA splits the heads, TPLA (r = ranks) the latent."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    par = ParallelConfig.parse(mode, ranks, ranks)
+    return span(par.heads(0, shape.heads)), span(par.latent_columns(0, shape.d_c))
 
 
 def device_work(shape: AttnShape, mode: str, batch: int, context: int) -> DeviceWork:

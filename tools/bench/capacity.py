@@ -17,6 +17,7 @@ import torch
 
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.model.args import ModelConfig
+from common.parallel import ParallelConfig
 from tools.bench.output import table_stream
 
 BLOCK_SIZE = 16
@@ -63,7 +64,7 @@ def measure_capacity(
         rows.append(
             {
                 "shape": shape.name,
-                "mode": "mla-tp" if r == 1 else "tpla",
+                "mode": ParallelConfig(r, r).name,
                 "latent_groups": r,
                 "budget_bytes": budget_bytes,
                 "allocated_bytes": nbytes,

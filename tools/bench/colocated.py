@@ -20,7 +20,7 @@ import torch
 
 from common.loading.serving_model import load_prefill_model
 from common.model.model import PrefillOutput
-from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
+from common.parallel import ParallelConfig
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
@@ -48,7 +48,7 @@ class ColocatedServer:
         self.threads = PrefillThreads.from_settings(settings)
         cfg = EngineConfig(
             model=model,
-            parallel=ParallelConfig(tp, latent_groups, RmsNormMode.EXACT, ParallelMode.TPLA, 256),
+            parallel=ParallelConfig(tp, latent_groups),
             reparam=reparam or None,
             master_port=0,
             max_batch=max_batch,

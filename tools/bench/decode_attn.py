@@ -45,7 +45,7 @@ import torch
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.model.tpla import fused_slice_attention, latent_slice_attention
 from common.native.latent_attention import paged_latent_attention
-from tools.bench.attn_work import GPUS, TP, Accelerator, DeviceWork, device_work, shapes
+from tools.bench.attn_work import GPUS, MODES, TP, Accelerator, DeviceWork, device_work, shapes
 from tools.bench.output import table_stream
 from tools.bench.roofline import Roofline, measure_roofline, roofline_record
 
@@ -165,7 +165,7 @@ def run_bench(
     timed: dict[tuple[str, int, int], dict[str, list[float]]] = {}
     for _ in range(rounds):
         for shape, context, batch in cells:
-            works = {m: device_work(shape, m, batch, context) for m in ("mla-tp", "tpla")}
+            works = {m: device_work(shape, m, batch, context) for m in MODES}
             # About 0.3 s of ideal work per mode and round, at least 5 repeats, at most 20.
             ideal = max(roof.bound_seconds(w.flops(), w.bytes(4)) for w in works.values())
             repeats = max(5, min(20, int(0.3 / max(ideal, 1e-6))))
@@ -234,9 +234,9 @@ def finish_rows(rows: list[dict[str, Any]], roof: Roofline) -> None:
         )
         by_key.setdefault((row["shape"], row["context"], row["batch"]), {})[row["mode"]] = row
     for pair in by_key.values():
-        if set(pair) != {"mla-tp", "tpla"}:
+        if set(pair) != set(MODES):
             continue
-        mla, tpla = pair["mla-tp"], pair["tpla"]
+        mla, tpla = (pair[m] for m in MODES)
         tpla["speedup_vs_mla_tp"] = mla["ms"] / tpla["ms"]
         tpla["predicted_speedup_cpu"] = mla["bound_ms"] / tpla["bound_ms"]
         for gpu in GPUS:
@@ -355,7 +355,7 @@ def run_triton_bench(
         if names and shape.name not in names:
             continue
         for context, batch in grid(quick):
-            works = {m: device_work(shape, m, batch, context) for m in ("mla-tp", "tpla")}
+            works = {m: device_work(shape, m, batch, context) for m in MODES}
             runs = {m: prepare_triton(w, device, dtype) for m, w in works.items()}
             pair: dict[str, dict[str, Any]] = {}
             for mode, times in time_gpu(runs, 5 * rounds).items():
@@ -384,7 +384,7 @@ def run_triton_bench(
                     "bound_ms": 1e3 * bound,
                     "roofline_fraction": bound / seconds,
                 }
-            mla, tpla = pair["mla-tp"], pair["tpla"]
+            mla, tpla = (pair[m] for m in MODES)
             tpla["speedup_vs_mla_tp"] = mla["ms"] / tpla["ms"]
             # The paper's TPLA / MLA-TP ratio: the roofline's, from bytes and FLOPs alone.
             tpla["predicted_speedup"] = mla["bound_ms"] / tpla["bound_ms"]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
+from common.parallel import BASELINE, COMPARED, ParallelConfig, parse_mode
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 
@@ -45,7 +45,7 @@ COUNTED_STEPS = 2  # full-batch steps whose host waits are counted, after the ti
 
 @dataclass(frozen=True)
 class StepResult:
-    layout: str  # mla-tp | tpla | sp
+    layout: str  # a layout's name (common/parallel.py)
     collectives: str  # shm | dist
     tp: int
     latent_groups: int
@@ -81,8 +81,7 @@ def measure(
     """Median step time per batch size for one layout, with its cache and comm footprint."""
     from services.decode.engine import DecodeEngine  # not imported by `tpla --help`
 
-    mode = ParallelMode.SP if layout == "sp" else ParallelMode.TPLA
-    par = ParallelConfig(tp, r, RmsNormMode.EXACT, mode, chunk_size)
+    par = ParallelConfig.parse(layout, tp, r, chunk_size=chunk_size)
     cfg = EngineConfig(
         model=model,
         parallel=par,
@@ -208,7 +207,7 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
     for collectives, graphs, layout in itertools.product(
         args.collectives, graph_modes, args.layouts
     ):
-        r = args.tp if layout == "tpla" else 1
+        r = parse_mode(layout).latent_groups(args.tp)
         rows += measure(
             args.model,
             layout,
@@ -228,7 +227,9 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
         )
     # Speedups are against MLA-TP with the same collectives and graphs setting, from this run.
     base = {
-        (row.collectives, row.cuda_graphs, row.batch): row for row in rows if row.layout == "mla-tp"
+        (row.collectives, row.cuda_graphs, row.batch): row
+        for row in rows
+        if row.layout == BASELINE.value
     }
     table = sys.stderr if args.json else sys.stdout
     print(
@@ -263,8 +264,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     ds.add_argument(
         "--layouts",
         nargs="+",
-        choices=["mla-tp", "tpla", "sp"],
-        default=["mla-tp", "tpla", "sp"],
+        choices=[m.value for m in COMPARED],
+        default=[m.value for m in COMPARED],
         help="tpla uses r = tp",
     )
     ds.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")

@@ -49,7 +49,7 @@ V2_LITE = dict(num_layers=27, d_c=512, d_r=64)  # DeepSeek-V2-Lite's MLA cache s
 @dataclass(frozen=True)
 class ShardSet:
     name: str
-    layout: str  # tpla | mla-tp
+    layout: str  # its layout's name: tpla, or mla-tp at r = 1
     tp: int
     latent_groups: int
     tokens: int
@@ -73,24 +73,27 @@ class BackendResult:
         return nbytes / pick(self.seconds) / 1e9
 
 
-def _targets(tp: int, r: int, d_c: int, tokens: int) -> list[tuple[int, int, tuple[int, ...]]]:
+def _targets(par: ParallelConfig, d_c: int, tokens: int) -> list[tuple[int, int, tuple[int, ...]]]:
     """(latent_start, latent_width, block_ids) per rank; blocks spread so slots are scattered."""
-    par = ParallelConfig(tp, r)
     blocks = -(-tokens // BLOCK_SIZE)
     # Every other block, as a pool with other requests' blocks in between would hand out.
     ids = tuple(range(1, 2 * blocks + 1, 2))
-    cols = [par.latent_columns(rank, d_c) for rank in range(tp)]
+    cols = [par.latent_columns(rank, d_c) for rank in range(par.tp)]
     return [(c.start, span(c), ids) for c in cols]
 
 
-def _cut(name: str, layout: str, n: list, k_pe: list, tp: int, r: int, dtype: str) -> ShardSet:
+def _cut(source: str, n: list, k_pe: list, tp: int, r: int, dtype: str) -> ShardSet:
+    """The shards of `source`'s latents for a group of tp ranks in r latent groups, named
+    after both."""
     tokens, d_c = n[0].shape
+    par = ParallelConfig(tp, r)
+    name = f"{source}-{par.name}"
     rid = f"bench-{name}-{uuid.uuid4().hex[:8]}"
     shards = tuple(
         cut_shard(n, k_pe, 0, tokens, KvTargetInfo(rank, "", "", start, w, ids), rid, BLOCK_SIZE)
-        for rank, (start, w, ids) in enumerate(_targets(tp, r, d_c, tokens))
+        for rank, (start, w, ids) in enumerate(_targets(par, d_c, tokens))
     )
-    return ShardSet(name, layout, tp, r, tokens, dtype, shards)
+    return ShardSet(name, par.name, tp, r, tokens, dtype, shards)
 
 
 def demo_sets(model_dir: str, tokens: int) -> list[ShardSet]:
@@ -110,8 +113,8 @@ def demo_sets(model_dir: str, tokens: int) -> list[ShardSet]:
     with torch.no_grad():
         out = model.prefill(torch.tensor(ids, dtype=torch.long), [len(ids)])
     return [
-        _cut("demo-tpla", "tpla", out.n, out.k_pe, 2, 2, "float32"),
-        _cut("demo-mla-tp", "mla-tp", out.n, out.k_pe, 2, 1, "float32"),
+        _cut("demo", out.n, out.k_pe, 2, 2, "float32"),
+        _cut("demo", out.n, out.k_pe, 2, 1, "float32"),
     ]
 
 
@@ -120,7 +123,7 @@ def synthetic_set(tokens: int) -> ShardSet:
     layers, d_c, d_r = V2_LITE["num_layers"], V2_LITE["d_c"], V2_LITE["d_r"]
     n = [torch.randn(tokens, d_c, generator=gen).bfloat16() for _ in range(layers)]
     k_pe = [torch.randn(tokens, d_r, generator=gen).bfloat16() for _ in range(layers)]
-    return _cut("v2-lite-tpla", "tpla", n, k_pe, 2, 2, "bfloat16")
+    return _cut("v2-lite", n, k_pe, 2, 2, "bfloat16")
 
 
 def shard_digest(shard: Shard) -> str:

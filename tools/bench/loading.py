@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.parallel import BASELINE, ParallelMode
 from tools.bench.output import table_stream
 
 GIB = 2**30
@@ -176,7 +177,8 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
     data = DistCollectives()
     start = time.perf_counter()
     source = open_serving_weights(model_dir, None, dtype)[0]
-    model = PrefillRankModel(source, ParallelConfig(tp=2), rank, Comm(2, data, data))
+    parallel = ParallelConfig(tp=2)
+    model = PrefillRankModel(source, parallel, rank, Comm(2, data, data))
     del source
     # The kernel a served rank runs (`load_prefill_rank`): on the CPU the native one, which
     # streams over keys; SDPA over a packed batch would hold every head's scores.
@@ -194,7 +196,7 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
     dist.destroy_process_group()
     return {
         "mode": "prefill-rank",
-        "layout": "mla-tp",
+        "layout": parallel.name,
         "rank": rank,
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_after_load_bytes": loaded,
@@ -232,12 +234,10 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
 
     from common.loading.loader import load_model
     from common.loading.serving_model import open_serving_weights
-    from common.model.tpla import latent_shards
     from common.parallel import ParallelConfig
     from services.decode.rank.model import RankModel
 
     torch.set_num_threads(1)
-    parallel = ParallelConfig(tp=2, latent_groups=2 if layout == "tpla" else 1)
     start = time.perf_counter()
     kept = 0
     if mode == "overhead":
@@ -252,9 +252,8 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
             source = open_serving_weights(model_dir, None, dtype, "cpu", "float8")[0]
         else:  # whole-then-slice
             source = load_model(model_dir, dtype=dtype)
-        c = source.config
-        shards = [latent_shards(c.kv_lora_rank, parallel.latent_groups)] * c.num_hidden_layers
-        rank_model = RankModel(source, parallel, rank, shards)
+        parallel = ParallelConfig.parse(layout, tp=2, latent_groups=2)
+        rank_model = RankModel(source, parallel, rank)
         del source
         kept = rank_model.parameter_bytes()
     seconds = time.perf_counter() - start
@@ -319,7 +318,7 @@ def planned_rank_bytes(
     from common.tpla.rank_memory import prefill_rank_tensors, rank_tensors, weight_bytes
 
     c = ModelConfig.from_dir(model_dir)
-    lay = ParallelConfig(tp=2, latent_groups=2 if layout == "tpla" else 1)
+    lay = ParallelConfig.parse(layout, tp=2, latent_groups=2)
     tensors = prefill_rank_tensors(c, lay, rank) if prefill else rank_tensors(c, lay, rank)
     return weight_bytes(tensors, dtype, Quantization.from_dir(model_dir).block)
 
@@ -334,7 +333,7 @@ def _run(args: argparse.Namespace) -> int:
         took = time.perf_counter() - t0
         print(f"checkpoint: {size / GIB:.2f} GiB in {files} shards ({took:.0f} s)", file=out)
         rows = [run_child(tmp, args.dtype, "overhead"), run_child(tmp, args.dtype, "whole")]
-        for layout in ("tpla", "mla-tp"):
+        for layout in (ParallelMode.TPLA.value, BASELINE.value):
             rows += [run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
         rows.append(run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
         rows += run_prefill_group(tmp, args.dtype)

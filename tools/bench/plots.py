@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tools.bench.attn_work import GPUS, device_work, shapes
+from tools.bench.attn_work import GPUS, MODES, device_work, shapes
 
 GPU_BATCHES = (1, 64)  # the projection is a formula, so it can show a serving-size batch too
 
@@ -22,7 +22,8 @@ def plot_decode_attn(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tpla = [r for r in result["rows"] if r["mode"] == "tpla"]
+    baseline, compared = MODES
+    tpla = [r for r in result["rows"] if r["mode"] == compared]
     names = list(dict.fromkeys(r["shape"] for r in tpla))
     by_name = {s.name: s for s in shapes()}
     roof = result["roofline"]
@@ -54,8 +55,8 @@ def plot_decode_attn(result: dict[str, Any], path: Path) -> None:
         for gpu, style in zip(GPUS, (":", "-."), strict=True):
             for batch, width in zip(GPU_BATCHES, (1.6, 3.0), strict=True):
                 ratio = [
-                    gpu.bound_seconds(device_work(shape, "mla-tp", batch, c))
-                    / gpu.bound_seconds(device_work(shape, "tpla", batch, c))
+                    gpu.bound_seconds(device_work(shape, baseline, batch, c))
+                    / gpu.bound_seconds(device_work(shape, compared, batch, c))
                     for c in contexts
                 ]
                 ax.plot(

@@ -29,6 +29,7 @@ import torch
 from common.model.args import ModelConfig
 from common.model.mla import MLAttention
 from common.model.prefill_attention import PrefillAttention, select_prefill_attention
+from common.parallel import BASELINE
 from tools.bench.attn_work import AttnShape, per_device, shapes
 from tools.bench.output import table_stream
 
@@ -54,7 +55,7 @@ class PrefillWork:
 
 def prefill_work(shape: AttnShape, mode: str, tokens: int) -> PrefillWork:
     # "mla-sep" (the paper's TPLA (sep.)) is head-parallel MLA prefill.
-    heads, latent = per_device(shape, "mla-tp" if mode == "mla-sep" else mode, RANKS)
+    heads, latent = per_device(shape, BASELINE.value if mode == "mla-sep" else mode, RANKS)
     return PrefillWork(heads, latent, shape.d_r, shape.d_n, shape.d_v, tokens)
 
 

@@ -10,6 +10,7 @@ levels must form a full grid (every mix at every level)."""
 
 from __future__ import annotations
 
+from common.parallel import BASELINE, ParallelMode
 from services.autoscaler.profile import DecodeProfile, PerformanceProfile, PrefillProfile
 
 PREFILL_WORKER_GPUS = 1
@@ -54,9 +55,12 @@ def profile_from_rows(
 
 def profile_from_report(report: dict, decode_gpus: int) -> PerformanceProfile:
     """The profile of the report's first disaggregated configuration (tpla, else mla-tp)."""
-    configs = [c for c in ("tpla", "mla-tp") if c in report["sweep"]["configs"]]
+    disaggregated = (ParallelMode.TPLA.value, BASELINE.value)
+    configs = [c for c in disaggregated if c in report["sweep"]["configs"]]
     if not configs:
-        raise ValueError("--profile needs a disaggregated configuration (tpla or mla-tp)")
+        raise ValueError(
+            "--profile needs a disaggregated configuration ({} or {})".format(*disaggregated)
+        )
     machine = report.get("machine", {})
     source = (
         f"tpla bench serve --configs {configs[0]}, {report['date']}, "

@@ -33,14 +33,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from common.parallel import BASELINE, ParallelMode
 from common.runtime.settings import load_settings
 from services.prefill.batch.threads import PrefillThreads, usable_cores
 from tools.bench.load import Arrival, Load, drive_blocking
 from tools.bench.prompts import Mix, make_prompts
 from tools.bench.stats import LoadSummary, RequestTiming, summarize
 
-CONFIGS = ("tpla", "mla-tp", "colocated", "hf-naive", "hf-static")
-DISAGGREGATED = {"tpla": (2, "tpla_pca"), "mla-tp": (1, "")}  # latent groups, reparam
+# The disaggregated configurations are named after their decode layout: (latent groups, reparam).
+DISAGGREGATED = {ParallelMode.TPLA.value: (2, "tpla_pca"), BASELINE.value: (1, "")}
+CONFIGS = (*DISAGGREGATED, "colocated", "hf-naive", "hf-static")
 
 
 @dataclass(frozen=True)

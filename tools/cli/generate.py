@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.parallel import LAYOUT_NAMES, RMSNORM_MODES, ParallelMode
 from common.runtime.settings import Settings, load_settings, placed
-from tools.cli.tpla import METHODS, RMSNORM_MODES
+from tools.cli.tpla import METHODS
 
 if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
     from common.model.generate import Generation
@@ -136,8 +137,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
     gen.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     gen.add_argument(
         "--parallel",
-        choices=["tpla", "mla-tp", "sp"],
-        default="tpla",
+        choices=LAYOUT_NAMES,
+        default=ParallelMode.TPLA.value,
         help="with --tp: split the cache by latent columns (tpla), not at all (mla-tp), "
         "or by token chunks (sp, exact)",
     )

@@ -22,6 +22,7 @@ from common.messages import Reservation, TokenEvent
 from common.model.generate import Generation
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.model.mtp import MTPLayer, prompt_own_next_ids, whole_prefill_with_mtp
+from common.parallel import parse_mode
 from common.runtime.settings import Settings
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
@@ -105,7 +106,9 @@ def generate_distributed(
     """`tpla generate --tp G --latent-groups R`: exact prefill here, decode in a rank group."""
     from services.decode.config import engine_config
 
-    r = args.latent_groups if args.mode in (None, "tpla") and args.parallel == "tpla" else 1
+    # The oracle modes mla and gla split no latent; of the layouts, only tpla takes r.
+    asked = args.latent_groups if args.mode in (None, "tpla") else 1
+    r = parse_mode(args.parallel).latent_groups(asked)
     reparam = None
     if r > 1 and args.method != "identity":
         side = side_file_path(model_dir, f"tpla_{args.method}")

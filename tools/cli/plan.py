@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tools.cli.tpla import DTYPES, RMSNORM_MODES
+from common.parallel import MOE_MODES, RMSNORM_MODES
+from tools.cli.tpla import DTYPES
 
 if TYPE_CHECKING:
     from common.tpla.plan import Checkpoint, Plan
@@ -33,7 +34,7 @@ def _read_checkpoint(args: argparse.Namespace) -> tuple[Path, Checkpoint]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`tpla plan`: the table on stdout; with --json, the plan as the last stdout line."""
-    from common.parallel import MoeParallel, RmsNormMode
+    from common.parallel import RmsNormMode, parse_moe
     from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan
 
     path, ckpt = _read_checkpoint(args)
@@ -58,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         chunk_size=args.chunk_size,
         fp8_block=ckpt.fp8_block,
-        moe=MoeParallel(args.moe_parallel),
+        moe=parse_moe(args.moe_parallel),
         prefill_gpus=args.prefill_gpus,
         mtp_layers=mtp_loaded,
     )
@@ -93,7 +94,7 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
     loaded = "loaded: weights and cache counted" if req.mtp_layers else "not loaded"
     mtp = f" (+{ckpt.mtp_layers} MTP layer(s), {loaded})" if ckpt.mtp_layers else ""
     quant = f"; checkpoint stored as {ckpt.quant_method}" if ckpt.quant_method else ""
-    base = plan.by_name("mla-tp").max_tokens
+    base = plan.baseline.max_tokens
     lines = [
         f"{path}: {c.model_type}, {c.num_hidden_layers} layers{mtp}, {c.num_attention_heads} "
         f"heads, d_c={c.kv_lora_rank} d_r={c.qk_rope_head_dim}{quant}",
@@ -105,11 +106,11 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
         f"{'layout':<10} {'heads':>5} {'latent':>6} {'weights':>8} {'KV bytes':>9} "
         f"{'KV budget':>9} {'tokens':>11} {'vs':>6} {'seqs':>7}  fits",
         f"{'':<10} {'/rank':>5} {'/rank':>6} {'GiB':>8} {'/token':>9} "
-        f"{'GiB':>9} {'/group':>11} {'mla-tp':>6} {f'@{ctx}':>7}",
+        f"{'GiB':>9} {'/group':>11} {plan.baseline.name:>6} {f'@{ctx}':>7}",
     ]
     for p in plan.layouts:
         lay = p.layout
-        kv = f"{p.kv_bytes_per_token:,.0f}" + ("*" if lay.sp else "")
+        kv = f"{p.kv_bytes_per_token:,.0f}" + ("" if lay.caches_every_token else "*")
         ratio = f"{p.max_tokens / base:.2f}x" if base else "-"
         heads = span(lay.heads(0, c.num_attention_heads))
         latent = span(lay.latent_columns(0, c.kv_lora_rank))
@@ -182,7 +183,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--chunk-size", type=int, default=256, help="SP tokens per chunk")
     p.add_argument(
         "--moe-parallel",
-        choices=("tp", "ep"),
+        choices=MOE_MODES,
         default="tp",
         help="routed experts: a column slice of each (tp) or whole experts per rank (ep)",
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from common.parallel import LAYOUT_NAMES, RMSNORM_MODES
 from common.runtime.settings import Settings, load_settings, placed
 
 
@@ -114,8 +115,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="decode ranks (TPLA_TP)")
     p.add_argument("--latent-groups", type=int, help="TPLA latent groups r (1 = MLA-TP)")
-    p.add_argument("--rmsnorm", choices=["exact", "sliced"])
-    p.add_argument("--parallel", choices=["tpla", "mla-tp", "sp"], help="decode parallel mode")
+    p.add_argument("--rmsnorm", choices=RMSNORM_MODES)
+    p.add_argument("--parallel", choices=LAYOUT_NAMES, help="decode parallel mode")
     p.add_argument("--chunk-size", type=int, help="SP: tokens per round-robin chunk")
     p.add_argument("--kv-port-base", type=int)
     p.add_argument("--dist-port", type=int)

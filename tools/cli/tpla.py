@@ -15,7 +15,6 @@ from common.runtime.settings import load_settings, placed
 
 METHODS = ("identity", "hadamard", "pca")
 DTYPES = ("float32", "bfloat16", "float16")
-RMSNORM_MODES = ("exact", "sliced")
 
 
 def _threads(count: int | None) -> None:

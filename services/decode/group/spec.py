@@ -38,7 +38,7 @@ def identity(cfg: EngineConfig) -> dict[str, str]:
         "latent_groups": str(par.latent_groups),
         "parallel": par.name,
         "rmsnorm": par.rmsnorm.value,
-        "chunk_size": str(par.chunk_size) if par.sp else "-",
+        "chunk_size": "-" if par.caches_every_token else str(par.chunk_size),
         "reparam": cfg.reparam or "none",
         "block_size": str(cfg.block_size),
         "dtype": cfg.dtype,

@@ -24,12 +24,6 @@ def kv_targets(
     for rank, table in enumerate(block_tables):
         cols = par.latent_columns(rank, d_c)
         blocks = table[pool.local_tokens(rank, cached) // cfg.block_size :]
-        ranges: tuple[int, ...] = ()
-        if par.sp:
-            owned = par.owned_ranges(rank, prompt_len)
-            # An empty list means "every token" on the wire, so "none" is (0, 0).
-            kept = [x for lo, hi in owned if hi > cached for x in (max(lo, cached), hi)]
-            ranges = tuple(kept) or (0, 0)
         grpc_addr, torch_addr = group.kv_endpoints[rank]
         targets.append(
             KvTargetInfo(
@@ -39,7 +33,7 @@ def kv_targets(
                 cols.start,
                 cols.stop - cols.start,
                 tuple(blocks),
-                ranges,
+                par.token_ranges(rank, cached, prompt_len),
             )
         )
     return tuple(targets)

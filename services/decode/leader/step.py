@@ -354,7 +354,7 @@ class DecodeStep:
         serves, so no request's step pays for either. Largest first: the first step grows the
         workspaces to their final size. Padding rows write only the trash slot."""
         runtime, par = self.group.runtime, self.group.cfg.parallel
-        ranks = par.tp if par.sp else 1
+        ranks = par.token_ranks
         for size, width in self.buckets():
             zeros = torch.zeros(size, dtype=torch.int64)
             plan = DecodePlan(zeros, zeros, torch.full((ranks, size, width), -1))
@@ -374,7 +374,7 @@ class DecodeStep:
         pool, scheduler = self.scheduler.pool, self.scheduler
         bs = self.group.cfg.block_size
         par = self.group.cfg.parallel
-        ranks = par.tp if par.sp else 1
+        ranks = par.token_ranks
         per_seq = [pool.tables(s.seq_id) for s in batch]
         sizes = rows.sizes
         blocks = max(

@@ -114,7 +114,7 @@ class RankAttention(nn.Module):
     def attend_reference(
         self, q_nope: Tensor, q_pe: Tensor, n: Tensor, k_pe: Tensor, valid: Tensor
     ) -> Tensor:
-        """The step's `attend` (rank/model.py) unfused, on per-token gathered n [B, T, w],
+        """`LatentColumns.attend` (rank/cache_split.py) unfused, on per-token gathered n [B, T, w],
         k_pe [B, T, d_r] and a mask [B, T]: the reference its kernels are tested against."""
         o = latent_slice_attention(
             q_nope[:, None],

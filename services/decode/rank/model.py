@@ -5,12 +5,16 @@ slice i and head group j of the attention), a 1/tp slice of every FFN (dense MLP
 expert and the shared experts) and a 1/tp slice of the vocabulary. Norms, the router, the
 small kv_a projection and the embedding are replicated. Each layer does two all-reduces of
 the hidden state (after attention, after the FFN); logits are gathered to the leader. The
-step hands each kernel to the rank's backend and each collective to its `Comm`. Given a
-shard for one layer more than the model has, the rank holds MTP module 0 too (rank/mtp.py),
-run by `mtp_rows` over its own cache layer, after the model's.
+step hands each kernel to the rank's backend, each collective to its `Comm`, and what its
+layout decides (where tokens are cached, how attention joins the group's) to its
+`CacheSplit` (rank/cache_split.py). Given a spectrum for one layer more than the model has,
+the rank holds MTP module 0 too (rank/mtp.py), run by `mtp_rows` over its own cache layer,
+after the model's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,17 +27,19 @@ from common.loading.weights import ModelWeights, WeightSource
 from common.model.fp8 import Fp8Weight, share_workspace
 from common.model.model import DeepseekForCausalLM
 from common.model.rope import RotaryEmbedding
-from common.model.sp import merge_partials
-from common.model.tpla import LatentShard
+from common.model.tpla import latent_shard
 from common.parallel import ParallelConfig
 from services.decode.rank.backends import DecodeBackend, TorchBackend
+from services.decode.rank.cache_split import cache_split
 from services.decode.rank.layers import RankAttention, RankLayer
 from services.decode.rank.mtp import RankMTP, global_argmax
 
 
 class RankModel(nn.Module):
     """Everything one rank needs for decode, read from a `WeightSource`: a checkpoint (each
-    tensor sliced as it is read) or an already loaded full model.
+    tensor sliced as it is read) or an already loaded full model. `spectra` holds each cache
+    layer's latent spectrum in the serving basis (its slice's energy, `latent_shard`), or
+    None for e_i = 1/r; none given: the model's layers, all None.
 
     The step is device-generic PyTorch; what a kernel can speed up goes through the rank's
     `DecodeBackend` (`use_backend`), chosen once at start-up.
@@ -44,20 +50,23 @@ class RankModel(nn.Module):
         source: WeightSource | DeepseekForCausalLM,
         parallel: ParallelConfig,
         rank: int,
-        shards_per_layer: list[list[LatentShard]],
+        spectra: Sequence[Tensor | None] | None = None,
         backend: DecodeBackend | None = None,
     ) -> None:
         super().__init__()
         src = ModelWeights(source) if isinstance(source, DeepseekForCausalLM) else source
         c = src.config
         self.config, self.parallel, self.rank = c, parallel, rank
-        i, _ = parallel.coords(rank)
+        self.split = cache_split(parallel, rank)
         heads = parallel.heads(rank, c.num_attention_heads)
+        columns = parallel.latent_columns(rank, c.kv_lora_rank)
+        spectra = list(spectra) if spectra is not None else [None] * c.num_hidden_layers
+        shards = [latent_shard(columns, parallel.latent_groups, s) for s in spectra]
         self.layers = nn.ModuleList(
             RankLayer(
                 src,
                 n,
-                RankAttention(src, n, heads, shards_per_layer[n][i], parallel.rmsnorm),
+                RankAttention(src, n, heads, shards[n], parallel.rmsnorm),
                 rank_ffn(src, n, parallel, rank),
             )
             for n in range(c.num_hidden_layers)
@@ -70,12 +79,11 @@ class RankModel(nn.Module):
         rows = parallel.vocab_rows(rank, c.vocab_size)
         self.lm_head = nn.Parameter(src.tensor("lm_head.weight", rows))
         self.rope = RotaryEmbedding(c, self.lm_head.device)
-        self.latent_width = shards_per_layer[0][i].width
+        self.latent_width = columns.stop - columns.start
         self.mtp: RankMTP | None = None
-        if len(shards_per_layer) > c.num_hidden_layers:
+        if len(shards) > c.num_hidden_layers:
             main = (self.embed.weight, self.lm_head)
-            shard = shards_per_layer[c.num_hidden_layers][i]
-            self.mtp = RankMTP(src, parallel, rank, shard, main)
+            self.mtp = RankMTP(src, parallel, rank, shards[c.num_hidden_layers], main)
         share_workspace(self)
         self.backend: DecodeBackend = TorchBackend()
         self.use_backend(backend or TorchBackend())
@@ -143,8 +151,7 @@ class RankModel(nn.Module):
     ) -> Tensor:
         """`decode_step` up to the last layer's output: the hidden state [B, D] before the
         final norm (what the MTP draft pass reads)."""
-        if self.parallel.sp and (reads.slots is None or reads.valid is None):
-            raise ValueError("an SP decode step reads per-token slots: use CacheReads.tokens")
+        self.split.check(reads)
         cos, sin = self.rope.cos_sin(positions)
         h = self.embed(token_ids)
         for index, layer in enumerate(self.layers):
@@ -166,10 +173,7 @@ class RankModel(nn.Module):
         be, rope = self.backend, self.rope
         cos, sin = cos_sin
         q_nope, q_pe = be.attention_inputs(index, layer, rope, h, cos, sin, cache, write_slots)
-        if self.parallel.sp:
-            y = attend_sp(layer.attn, q_nope, q_pe, cache, index, reads, comm, be)
-        else:
-            y = attend(layer.attn, q_nope, q_pe, cache, index, reads, be)
+        y = self.split.attend(layer.attn, q_nope, q_pe, cache, index, reads, comm, be)
         comm.sum_(y)
         h = h + y
         f = be.ffn(layer.ffn, be.rms_norm(layer.post_norm, h))
@@ -209,47 +213,3 @@ class RankModel(nn.Module):
         logits = be.linear(be.rms_norm(self.norm, h), self.lm_head)
         pad = self.vocab_size_padded - logits.shape[1]
         return F.pad(logits, (0, pad)) if pad else logits
-
-
-def attend(
-    attn: RankAttention,
-    q_nope: Tensor,
-    q_pe: Tensor,
-    cache: PagedLatentCache,
-    index: int,
-    reads: CacheReads,
-    backend: DecodeBackend,
-) -> Tensor:
-    """TPLA / MLA-TP: [B, h, *] queries over this rank's latent slice of layer `index`
-    -> partial hidden state [B, D]; `RankAttention.attend_reference` is the same math
-    unfused."""
-    o = backend.attention(attn, q_nope, q_pe, cache, index, reads)
-    return backend.linear(o.reshape(o.shape[0], -1), attn.w_o)
-
-
-def attend_sp(
-    attn: RankAttention,
-    q_nope: Tensor,
-    q_pe: Tensor,
-    cache: PagedLatentCache,
-    index: int,
-    reads: CacheReads,
-    comm: Comm,
-    backend: DecodeBackend,
-) -> Tensor:
-    """SP: every head over this rank's token chunks, merged exactly across ranks."""
-    b = q_nope.shape[0]
-    q_lat = torch.einsum("bhn,hnc->bhc", q_nope, attn.w_uk)
-    # Every rank needs every head's query for its own tokens: gather the head groups.
-    q_all = comm.gather_heads(torch.cat((q_lat, q_pe), dim=-1))
-    q_lat_all, q_pe_all = q_all.split([attn.d_c, attn.d_r], dim=-1)
-    u, m, l = backend.partial_attention(q_lat_all, q_pe_all, cache, index, reads, attn.scale)
-    global_max = m.clone()
-    comm.max_(global_max)
-    u, l = merge_partials(u, m, l, global_max)  # fp32: summed and divided unrounded
-    packed = torch.cat((u, l[..., None]), dim=-1)
-    comm.sum_(packed)
-    heads = slice(attn.head_offset, attn.head_offset + attn.num_heads)
-    u_mine = packed[:, heads, : attn.d_c] / packed[:, heads, attn.d_c :]
-    o = torch.einsum("bhc,hvc->bhv", u_mine.to(attn.w_uv.dtype), attn.w_uv)
-    return backend.linear(o.reshape(b, -1), attn.w_o)

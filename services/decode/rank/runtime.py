@@ -17,14 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.group.setup import open_comm
-from common.kv.chunks import chunk_owner, local_index, local_length
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
-from common.kv.slots import token_slots
 from common.kv.wire import TransferError, shard_slots
 from common.loading.serving_model import open_serving_weights
 from common.model.fp8_gemm import choose_gemms
-from common.model.tpla import latent_shards
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.runtime.device import rank_device, use_device
@@ -56,9 +53,7 @@ class RankRuntime:
             cfg.model, cfg.reparam, cfg.dtype, self.device, cfg.weight_dtype, mtp=mtp
         )
         spectra = spectra[: weights.config.num_hidden_layers + mtp]
-        r = cfg.parallel.latent_groups
-        shards = [latent_shards(weights.config.kv_lora_rank, r, s) for s in spectra]
-        self.model = RankModel(weights, cfg.parallel, rank, shards)
+        self.model = RankModel(weights, cfg.parallel, rank, spectra)
         dtype = getattr(torch, cfg.dtype)
         self.model.place(self.device)
         choose_gemms(self.model)  # TPLA_FP8_GEMM, once its weights are on their device
@@ -127,24 +122,10 @@ class RankRuntime:
 
     def address(self, positions: Tensor, tables: Tensor) -> tuple[Tensor, CacheReads]:
         """Rows at `positions` with block tables [B, W] -> where each row's latent goes on
-        this rank (the trash slot where it must not be stored) and what the rows read."""
-        bs, par = self.cfg.block_size, self.cfg.parallel
-        if par.sp:
-            # This rank caches only its chunks: local lengths, and the new token only if owned.
-            c = par.chunk_size
-            lengths = local_length(positions + 1, self.rank, c, par.tp)
-            local = local_index(positions, c, par.tp)
-            # Non-owned rows may index past this rank's table (token_slots clamps).
-            keep = chunk_owner(positions, c, par.tp) == self.rank
-            slots = token_slots(tables, local[:, None], bs)[:, 0]
-            reads = CacheReads.tokens(tables, lengths, bs)
-        else:
-            keep = None
-            slots = token_slots(tables, positions[:, None], bs)[:, 0]
-            reads = CacheReads.blocks(tables, positions + 1, bs)
-        # A padding row's table is all -1: a negative slot.
-        keep = slots >= 0 if keep is None else keep & (slots >= 0)
-        return torch.where(keep, slots, self.cache.trash_slot), reads
+        this rank (the trash slot where it must not be stored) and what the rows read: as its
+        layout says (`CacheSplit.address`)."""
+        split = self.model.split
+        return split.address(positions, tables, self.cfg.block_size, self.cache.trash_slot)
 
     def shard_target(self, header: kv_pb2.KvHeader) -> ShardTarget:
         """KV receiver sink: validate a transferred shard's header; the receiver then writes

@@ -67,7 +67,7 @@ class PrefillRankModel(nn.Module):
         super().__init__()
         src = ModelWeights(source) if isinstance(source, DeepseekForCausalLM) else source
         c = src.config
-        if parallel.sp or parallel.latent_groups != 1:
+        if not parallel.splits_heads_only:
             raise ParallelError(f"a prefill group splits by heads (mla-tp), not {parallel.label}")
         if comm.tp != parallel.tp or not 0 <= rank < parallel.tp:
             raise ParallelError(f"rank {rank} of a group of {comm.tp} for tp={parallel.tp}")

@@ -10,16 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from common.kv.chunks import chunk_owner
 from common.model.args import ModelConfig
 from common.model.tpla import latent_shards
 from common.parallel import (
+    COMPARED,
+    LAYOUT_NAMES,
     MoeParallel,
     ParallelConfig,
     ParallelError,
     ParallelMode,
     RmsNormMode,
+    parse_mode,
+    parse_moe,
     span,
     split_range,
 )
@@ -92,7 +97,7 @@ def test_heads_and_latent_columns_follow_the_coordinates(tp: int, r: int) -> Non
     assert _tiles([heads[j] for j in range(m)], 128)
     assert _tiles([cols[i * m] for i in range(r)], 512)
     # The math's latent shards (what a rank's attention reads) are the same columns.
-    shards = latent_shards(512, r)
+    shards = latent_shards(par.latent_slices(512))
     assert [slice(shards[i].start, shards[i].end) for i, _ in coords] == cols
 
 
@@ -148,23 +153,108 @@ def test_sp_ranks_own_their_round_robin_chunks(tp: int, chunk: int) -> None:
     for total in range(0, 30):
         for rank in range(tp):
             owned = [p for lo, hi in par.owned_ranges(rank, total) for p in range(lo, hi)]
-            assert owned == [p for p in range(total) if chunk_owner(p, chunk, tp) == rank]
+            assert owned == [p for p in range(total) if par.token_owner(p) == rank]
     # Outside SP every rank caches every token.
     assert ParallelConfig(tp=2).owned_ranges(1, 7) == [(0, 7)]
     assert ParallelConfig(tp=2).owned_ranges(1, 0) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(0, 200), chunk=st.integers(1, 9), ranks=st.integers(1, 4))
+def test_round_robin_bookkeeping(total: int, chunk: int, ranks: int) -> None:
+    par = ParallelConfig(tp=ranks, mode=ParallelMode.SP, chunk_size=chunk)
+    seen: dict[int, list[int]] = {r: [] for r in range(ranks)}
+    for pos in range(total):
+        owner = par.token_owner(pos)
+        assert par.local_position(pos) == len(seen[owner])  # contiguous local order
+        seen[owner].append(pos)
+    lengths = [par.local_length(total, r) for r in range(ranks)]
+    # A growing sequence stays balanced: no rank holds more than one chunk more than another.
+    assert max(lengths) - min(lengths) <= chunk
+    for r in range(ranks):
+        assert lengths[r] == len(seen[r])
+        flat = [p for lo, hi in par.owned_ranges(r, total) for p in range(lo, hi)]
+        assert flat == seen[r]
+
+
+def test_token_arithmetic_runs_on_tensors_as_on_ints() -> None:
+    par = ParallelConfig(tp=3, mode=ParallelMode.SP, chunk_size=4)
+    positions = torch.arange(50)
+    for rank in range(3):
+        lengths = par.local_length(positions + 1, rank)
+        assert lengths.tolist() == [par.local_length(p + 1, rank) for p in range(50)]
+    assert par.local_position(positions).tolist() == [par.local_position(p) for p in range(50)]
+    assert par.token_owner(positions).tolist() == [par.token_owner(p) for p in range(50)]
+
+
+@pytest.mark.parametrize(("tp", "r"), LAYOUTS)
+def test_where_every_rank_caches_every_token_one_pool_holds_it(tp: int, r: int) -> None:
+    par = ParallelConfig(tp, r)
+    assert par.caches_every_token and par.token_ranks == 1
+    assert par.keeps_whole_blocks(block_size=7)
+    for rank in range(tp):
+        assert [par.local_length(t, rank) for t in range(20)] == list(range(20))
+        assert par.token_ranges(rank, 3, 20) == ()
+    assert [(par.token_owner(p), par.local_position(p)) for p in range(20)] == [
+        (0, p) for p in range(20)
+    ]
+
+
+def test_sp_token_ranges_name_the_positions_a_rank_caches() -> None:
+    sp = ParallelConfig(2, mode=ParallelMode.SP, chunk_size=4)
+    assert sp.token_ranks == 2
+    assert sp.token_ranges(0, 0, 10) == (0, 4, 8, 10)
+    assert sp.token_ranges(1, 0, 10) == (4, 8)
+    assert sp.token_ranges(0, 5, 10) == (8, 10)  # after a cached prefix
+    assert sp.token_ranges(1, 8, 10) == (0, 0)  # none of what is left
+    assert sp.keeps_whole_blocks(4) and sp.keeps_whole_blocks(2)
+    assert not sp.keeps_whole_blocks(3)
 
 
 def test_names_labels_and_validation() -> None:
     assert (ParallelConfig().name, ParallelConfig().label) == ("mla-tp", "mla-tp")
     assert ParallelConfig(4, 2).name == "tpla" and ParallelConfig(4, 2).label == "tpla r=2"
     sp = ParallelConfig(4, 1, RmsNormMode.SLICED, ParallelMode.SP, 8)
-    assert sp.sp and (sp.name, sp.label) == ("sp", "sp")
+    assert not sp.caches_every_token and (sp.name, sp.label) == ("sp", "sp")
     with pytest.raises(ParallelError, match="tp=6 is not a multiple of latent_groups=4"):
         ParallelConfig(6, 4)
     with pytest.raises(ParallelError, match="latent_groups=1"):
         ParallelConfig(4, 2, mode=ParallelMode.SP)
     with pytest.raises(ParallelError, match="chunk_size"):
         ParallelConfig(chunk_size=0)
+    # TPLA with one latent group is MLA-TP: one value, one name.
+    assert ParallelConfig(4, 1, mode=ParallelMode.TPLA) == ParallelConfig(
+        4, 1, mode=ParallelMode.MLA_TP
+    )
+    with pytest.raises(ParallelError, match="latent_groups=1"):
+        ParallelConfig(4, 2, mode=ParallelMode.MLA_TP)
+
+
+def test_one_parser_for_every_name() -> None:
+    assert LAYOUT_NAMES == ("tpla", "mla-tp", "sp")
+    assert [m.value for m in COMPARED] == ["mla-tp", "tpla", "sp"]
+    assert ParallelConfig.parse("tpla", 4, 2) == ParallelConfig(4, 2)
+    # r is taken by TPLA only; r = 1 TPLA is MLA-TP.
+    assert ParallelConfig.parse("mla-tp", 4, 2) == ParallelConfig(4, 1)
+    assert ParallelConfig.parse("tpla", 4, 1).name == "mla-tp"
+    sp = ParallelConfig.parse("sp", 4, 2, "sliced", 8, "ep")
+    assert sp == ParallelConfig(4, 1, RmsNormMode.SLICED, ParallelMode.SP, 8, MoeParallel.EP)
+    assert ParallelConfig.parse(**sp.to_dict()) == sp
+    with pytest.raises(ValueError, match="parallel mode 'gla' is not tpla, mla-tp or sp"):
+        parse_mode("gla")
+    with pytest.raises(ValueError, match="MoE parallel mode 'dp' is not tp or ep"):
+        parse_moe("dp")
+
+
+def test_a_plan_compares_the_baseline_first() -> None:
+    rows = ParallelConfig.compared(4, (2, 1, 4))
+    assert [(mode.value, par.label) for mode, par in rows] == [
+        ("mla-tp", "mla-tp"),
+        ("tpla", "tpla r=2"),
+        ("tpla", "mla-tp"),
+        ("tpla", "tpla r=4"),
+        ("sp", "sp"),
+    ]
 
 
 def test_check_refuses_what_a_rank_could_not_slice() -> None:

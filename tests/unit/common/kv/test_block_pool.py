@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.kv.block_pool import BlockPool, BlockState, OutOfBlocks, RankPools
+from common.parallel import ParallelConfig, ParallelMode
 
 
 def test_allocate_grow_free_and_refcounts() -> None:
@@ -66,7 +67,9 @@ def test_rank_pools_fork_per_rank_in_sp() -> None:
     # SP, 2 ranks, chunks of 4 tokens, blocks of 2: a 10-token prompt puts tokens 0-3 and 8-9
     # on rank 0 (6 tokens: full blocks) and tokens 4-7 on rank 1 (4: full) -> no copy;
     # an 11-token prompt leaves rank 0 with 7 tokens: its last block is copied, rank 1's not.
-    pools = RankPools(num_blocks=32, block_size=2, ranks=2, chunk_size=4)
+    pools = RankPools(
+        num_blocks=32, block_size=2, parallel=ParallelConfig(2, mode=ParallelMode.SP, chunk_size=4)
+    )
     pools.allocate("a", 10 + 3)
     assert pools.fork("a#1", "a", 10, 13) == [[], []]
     pools.allocate("b", 11 + 3)

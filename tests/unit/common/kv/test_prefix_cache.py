@@ -7,7 +7,6 @@ import random
 import pytest
 
 from common.kv.block_pool import BlockPool, BlockState, OutOfBlocks, RankPools
-from common.kv.chunks import local_length
 from common.kv.prefix_cache import (
     PrefixIndex,
     block_hashes,
@@ -16,6 +15,7 @@ from common.kv.prefix_cache import (
     parse_hashes,
     root_hash,
 )
+from common.parallel import ParallelConfig, ParallelMode
 from services.decode.leader.scheduler import Scheduler
 
 BS = 4
@@ -23,7 +23,7 @@ ROOT = root_hash("model-a", "side-file-x")
 
 
 def _pools(num_blocks: int = 16) -> RankPools:
-    return RankPools(num_blocks, BS, ranks=2, prefix_cache=True)
+    return RankPools(num_blocks, BS, ParallelConfig(tp=2), prefix_cache=True)
 
 
 def _check(pools: RankPools) -> None:
@@ -162,7 +162,8 @@ def test_refcounts_stay_consistent_after_aborts_and_failures() -> None:
 
 def test_sp_pools_hit_on_the_chunk_owners() -> None:
     chunk = 8  # two blocks per chunk, chunks round-robin over two ranks
-    pools = RankPools(16, BS, ranks=2, chunk_size=chunk, prefix_cache=True)
+    sp = ParallelConfig(tp=2, mode=ParallelMode.SP, chunk_size=chunk)
+    pools = RankPools(16, BS, sp, prefix_cache=True)
     sched = Scheduler(pools, max_batch=8, max_model_len=1000)
     prompt = list(range(30))  # 7 full blocks: rank 0 owns blocks 0,1,4,5; rank 1 owns 2,3,6
     hashes = block_hashes(ROOT, prompt, BS)
@@ -175,12 +176,13 @@ def test_sp_pools_hit_on_the_chunk_owners() -> None:
     assert sched.seqs["b"].cached_tokens == 20
     b_tables = pools.tables("b")
     for rank in range(2):
-        reused = local_length(20, rank, chunk, 2) // BS  # rank 0: 12 tokens, rank 1: 8
+        reused = sp.local_length(20, rank) // BS  # rank 0: 12 tokens, rank 1: 8
         assert b_tables[rank][:reused] == a_tables[rank][:reused]
     sched.abort("b")
     _check(pools)
     # Chunks that are not whole blocks: SP then caches nothing (still allocates).
-    odd = RankPools(16, BS, ranks=2, chunk_size=6, prefix_cache=True)
+    odd_chunks = ParallelConfig(tp=2, mode=ParallelMode.SP, chunk_size=6)
+    odd = RankPools(16, BS, odd_chunks, prefix_cache=True)
     assert not odd.prefix_cache and odd.allocate_prefix("x", 10, hashes) == 0
 
 
@@ -201,7 +203,7 @@ def test_tpla_prefix_cache_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> No
     assert engine_config(placed(load_settings(device="cpu"))).prefix_cache
     monkeypatch.setenv("TPLA_PREFIX_CACHE", "0")
     assert not engine_config(placed(load_settings(device="cpu"))).prefix_cache
-    pools = RankPools(8, BS, ranks=2, prefix_cache=False)
+    pools = RankPools(8, BS, ParallelConfig(tp=2), prefix_cache=False)
     sched = Scheduler(pools, max_batch=8, max_model_len=100)
     hashes = block_hashes(ROOT, list(range(8)), BS)
     for rid in ("a", "b"):

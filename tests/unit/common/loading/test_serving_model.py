@@ -16,14 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.group.comm import Comm
-from common.kv.chunks import chunk_owner, local_index, local_length
-from common.kv.paged_cache import CacheReads, PagedLatentCache
+from common.kv.paged_cache import PagedLatentCache
 from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model, open_serving_weights
 from common.model.fp8 import Fp8Weight
 from common.model.model import DeepseekForCausalLM
-from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.convert import (
     apply_reparameterization,
@@ -90,8 +88,7 @@ def _shard_wise(model_dir: Path, parallel: ParallelConfig, reparam: str | None =
 
 
 def _ranks(source, parallel: ParallelConfig, spectra) -> list[RankModel]:
-    shards = [latent_shards(CONFIG["kv_lora_rank"], parallel.latent_groups, s) for s in spectra]
-    return [RankModel(source, parallel, rank, shards) for rank in range(parallel.tp)]
+    return [RankModel(source, parallel, rank, spectra) for rank in range(parallel.tp)]
 
 
 def _assert_same_parameters(got: list[RankModel], want: list[RankModel]) -> None:
@@ -118,18 +115,7 @@ def _decode_step(models: list[RankModel]) -> torch.Tensor:
         cache = PagedLatentCache(model.cache_layout(bs, torch.float32), 16)
         gen = torch.Generator().manual_seed(100 + rank)
         cache.kv.copy_(0.3 * torch.randn(cache.kv.shape, generator=gen))
-        rows = torch.arange(2)
-        if par.sp:
-            c = par.chunk_size
-            lengths = local_length(positions + 1, rank, c, par.tp)
-            local = local_index(positions, c, par.tp)
-            slots = tables[rows, local // bs] * bs + local % bs
-            owned = chunk_owner(positions, c, par.tp) == rank
-            write = torch.where(owned, slots, torch.full_like(slots, -1))
-            reads = CacheReads.tokens(tables, lengths, bs)
-        else:
-            write = tables[rows, positions // bs] * bs + positions % bs
-            reads = CacheReads.blocks(tables, positions + 1, bs)
+        write, reads = model.split.address(positions, tables, bs, cache.trash_slot)
         coll = ThreadCollectives(group, rank) if par.tp > 1 else None
         comm = Comm(par.tp, coll, coll)
         out[rank] = model.decode_step(tokens, positions, write, reads, cache, comm)
@@ -222,9 +208,8 @@ def test_bf16_fp8_ranks_equal_the_dequantized_copy_in_bf16(dirs) -> None:
     parallel = LAYOUTS["tpla-tp2-r2"]
     got, _ = open_serving_weights(dirs["fp8"], None, "bfloat16")
     want, _ = open_serving_weights(dirs["dequantized"], None, "bfloat16")
-    shards = [latent_shards(CONFIG["kv_lora_rank"], 2) for _ in range(CONFIG["num_hidden_layers"])]
-    a = [RankModel(got, parallel, r, shards) for r in range(2)]
-    _assert_same_parameters(a, [RankModel(want, parallel, r, shards) for r in range(2)])
+    a = [RankModel(got, parallel, r) for r in range(2)]
+    _assert_same_parameters(a, [RankModel(want, parallel, r) for r in range(2)])
     assert a[1].layers[1].ffn.experts.gate_up_proj.dtype == torch.bfloat16
 
 
@@ -291,11 +276,10 @@ def test_fp8_resident_ranks_equal_dequantized_at_load(dirs, layout: str) -> None
     """Weights kept FP8 and dequantized on use give bit-equal steps (blocks of 128 over these
     widths: slices start inside blocks and the last blocks are partial), in fewer bytes."""
     parallel = LAYOUTS[layout]
-    shards = [latent_shards(CONFIG["kv_lora_rank"], parallel.latent_groups)] * 2
     models = {}
     for kept in ("float8", "dequantize"):
         weights = open_serving_weights(dirs["fp8"], None, "float32", "cpu", kept)[0]
-        models[kept] = [RankModel(weights, parallel, r, shards) for r in range(parallel.tp)]
+        models[kept] = [RankModel(weights, parallel, r) for r in range(parallel.tp)]
     resident = models["float8"][0]
     assert isinstance(resident.layers[1].ffn.experts.gate_up_proj, Fp8Weight)
     assert isinstance(resident.layers[0].attn.uk, Fp8Weight)

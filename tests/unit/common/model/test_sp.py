@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from common.kv.chunks import chunk_owner
 from common.model.sp import merge_partials, partial_attention
+from common.parallel import ParallelConfig, ParallelMode
 
 
 def test_merged_partials_equal_full_softmax() -> None:
@@ -23,7 +23,9 @@ def test_merged_partials_equal_full_softmax() -> None:
     reference = torch.einsum("bht,btc->bhc", probs, n)
 
     chunk, ranks = 4, 3
-    owner = torch.tensor([chunk_owner(p, chunk, ranks) for p in range(t)])
+    owner = ParallelConfig(ranks, mode=ParallelMode.SP, chunk_size=chunk).token_owner(
+        torch.arange(t)
+    )
     parts = [
         partial_attention(q_lat, q_pe, n, k_pe, valid & (owner == r)[None], scale)
         for r in range(ranks)
@@ -42,7 +44,7 @@ def test_bf16_partials_merge_in_fp32() -> None:
     q_lat, q_pe = torch.randn(b, h, d_c, generator=g), torch.randn(b, h, d_r, generator=g)
     n, k_pe = torch.randn(b, t, d_c, generator=g), torch.randn(b, t, d_r, generator=g)
     valid = torch.ones(b, t, dtype=torch.bool)
-    owner = torch.tensor([chunk_owner(p, 8, ranks) for p in range(t)])
+    owner = ParallelConfig(ranks, mode=ParallelMode.SP, chunk_size=8).token_owner(torch.arange(t))
     scale = 0.1
     exact = [
         partial_attention(q_lat, q_pe, n, k_pe, valid & (owner == r)[None], scale)

@@ -12,7 +12,6 @@ from common.group.comm import Comm
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.loading.loader import load_model
 from common.model.mla import RMSNorm
-from common.model.tpla import latent_shards
 from common.native import decode_layer
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from services.decode.rank.backends import TorchBackend
@@ -51,9 +50,7 @@ def checkpoints(tmp_path_factory) -> dict[str, object]:
 
 def _rank_model(path, parallel: ParallelConfig, rank: int):
     full = load_model(path)
-    r = parallel.latent_groups
-    shards = [latent_shards(full.config.kv_lora_rank, r) for _ in full.model.layers]
-    return RankModel(full, parallel, rank, shards, NativeBackend())
+    return RankModel(full, parallel, rank, backend=NativeBackend())
 
 
 LAYOUTS = [

@@ -139,14 +139,15 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     """The rank step's `attend` with the native kernel and with the torch kernel,
     on a TPLA rank (r = 2, equal shards, beta = 1/2) and an MLA-TP rank (a head group) of a
     real (tiny) checkpoint, against `attend_reference`."""
+    from common.group.comm import Comm
     from common.loading.loader import load_model
     from common.loading.weights import ModelWeights
     from common.model.tpla import latent_shards
-    from common.parallel import RmsNormMode
+    from common.parallel import ParallelConfig, RmsNormMode
     from services.decode.rank.backends import TorchBackend
     from services.decode.rank.backends.native_backend import NativeBackend
+    from services.decode.rank.cache_split import LatentColumns
     from services.decode.rank.layers import RankAttention
-    from services.decode.rank.model import attend
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
@@ -154,8 +155,8 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
     attn = model.model.layers[1].self_attn
     heads = attn.num_heads
     for shard, group in (
-        (latent_shards(attn.d_c, 2)[1], slice(0, heads)),
-        (latent_shards(attn.d_c, 1)[0], slice(heads // 2, heads)),
+        (latent_shards(ParallelConfig(2, 2).latent_slices(attn.d_c))[1], slice(0, heads)),
+        (latent_shards(ParallelConfig(1, 1).latent_slices(attn.d_c))[0], slice(heads // 2, heads)),
     ):
         rank = RankAttention(ModelWeights(model), 1, group, shard, RmsNormMode.EXACT)
         cache, slots, valid, lens = random_cache([21, 4, 140], shard.width, attn.d_r, 8, seed=5)
@@ -169,6 +170,8 @@ def test_rank_attention_kernels_agree(tmp_path) -> None:
             reference = rank.attend_reference(q_nope, q_pe, n, k_pe, valid)
             outputs = {}
             for backend in (NativeBackend(), TorchBackend()):
-                outputs[backend.name] = attend(rank, q_nope, q_pe, cache, 0, reads, backend)
+                split = LatentColumns(ParallelConfig(), 0)
+                out = split.attend(rank, q_nope, q_pe, cache, 0, reads, Comm(1), backend)
+                outputs[backend.name] = out
         for out in outputs.values():
             torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)

@@ -61,7 +61,6 @@ def test_an_unwritable_cache_is_reported_not_raised_as_oserror(tmp_path, monkeyp
 def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
     """A rank asked for the native kernel where it cannot run uses the torch kernel."""
     from common.loading.loader import load_model
-    from common.model.tpla import latent_shards
     from common.native import latent_attention
     from common.parallel import ParallelConfig
     from services.decode.rank.backends import select_decode_backend
@@ -70,14 +69,12 @@ def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     full = load_model(tmp_path)
-    shards = [latent_shards(full.config.kv_lora_rank, 2) for _ in full.model.layers]
     cpu = torch.device("cpu")
     model = RankModel(
         full,
         ParallelConfig(tp=2, latent_groups=2),
         0,
-        shards,
-        select_decode_backend("native", cpu, torch.float32),
+        backend=select_decode_backend("native", cpu, torch.float32),
     )
     if latent_attention.available():
         assert model.backend.name == "native"

@@ -102,7 +102,6 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     equals the module's own forward; the native backend runs the native products."""
     from common.loading.loader import load_model
     from common.model.moe import MoE
-    from common.model.tpla import latent_shards
     from common.parallel import ParallelConfig
     from services.decode.rank.backends.native_backend import NativeBackend
     from services.decode.rank.model import RankModel
@@ -110,8 +109,7 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     full = load_model(tmp_path)
-    shards = [latent_shards(full.config.kv_lora_rank, 2) for _ in full.model.layers]
-    model = RankModel(full, ParallelConfig(tp=2, latent_groups=2), 1, shards, NativeBackend())
+    model = RankModel(full, ParallelConfig(tp=2, latent_groups=2), 1, backend=NativeBackend())
     native = model.backend
     kinds = {type(layer.ffn) for layer in model.layers}
     assert MoE in kinds and len(kinds) == 2  # a dense first layer, then MoE layers

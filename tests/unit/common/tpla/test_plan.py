@@ -15,7 +15,6 @@ from common.group.comm import Comm
 from common.loading.loader import load_model
 from common.loading.serving_model import open_serving_weights
 from common.model.fp8 import Fp8Weight
-from common.model.tpla import latent_shards
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
 from common.tpla.rank_memory import (
@@ -56,10 +55,9 @@ def test_analytic_rank_weights_equal_rank_model_parameter_bytes(
     )
     for (tp, r, mode), rmsnorm, moe in itertools.product(LAYOUTS, RmsNormMode, MoeParallel):
         parallel = ParallelConfig(tp, r, rmsnorm, ParallelMode(mode), moe=moe)
-        shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
         per_rank = []
         for rank in range(tp):
-            engine = RankModel(full, parallel, rank, shards).parameter_bytes()
+            engine = RankModel(full, parallel, rank).parameter_bytes()
             analytic = weight_bytes(rank_tensors(c, parallel, rank), "float32")
             assert analytic == engine, (tp, r, mode, rmsnorm, moe, rank)
             per_rank.append(analytic)
@@ -72,10 +70,9 @@ def test_uneven_expert_parallel_ranks_are_planned(tmp_path: Path) -> None:
     full = load_model(tmp_path)
     c = full.config
     parallel = ParallelConfig(4, 2, moe=MoeParallel.EP)
-    shards = [latent_shards(c.kv_lora_rank, 2) for _ in range(c.num_hidden_layers)]
     sizes = []
     for rank in range(4):
-        model = RankModel(full, parallel, rank, shards)
+        model = RankModel(full, parallel, rank)
         analytic = weight_bytes(rank_tensors(c, parallel, rank), "float32")
         assert analytic == model.parameter_bytes()
         sizes.append(model.layers[1].ffn.experts.gate_up_proj.shape[0])
@@ -96,9 +93,8 @@ def test_bf16_rank_model_holds_the_bf16_bytes(tmp_path: Path) -> None:
     assert build_plan(c, request).full_model_bytes == full_bytes  # the host copy at load
     for tp, r, mode in [(4, 2, "tpla"), (2, 1, "sp")]:
         parallel = ParallelConfig(tp, r, RmsNormMode.EXACT, ParallelMode(mode))
-        shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
         for rank in range(tp):
-            engine = RankModel(full, parallel, rank, shards).parameter_bytes()
+            engine = RankModel(full, parallel, rank).parameter_bytes()
             assert weight_bytes(rank_tensors(c, parallel, rank), "bfloat16") == engine
 
 
@@ -163,9 +159,8 @@ def test_float8_resident_rank_model_holds_the_planned_bytes(tmp_path: Path) -> N
     c = weights.config
     for (tp, r, mode), rmsnorm in itertools.product(LAYOUTS, RmsNormMode):
         parallel = ParallelConfig(tp, r, rmsnorm, ParallelMode(mode))
-        shards = [latent_shards(c.kv_lora_rank, r) for _ in range(c.num_hidden_layers)]
         for rank in range(tp):
-            model = RankModel(weights, parallel, rank, shards)
+            model = RankModel(weights, parallel, rank)
             assert isinstance(model.layers[1].ffn.experts.gate_up_proj, Fp8Weight)
             planned = weight_bytes(rank_tensors(c, parallel, rank), "float8", (4, 4))
             assert model.parameter_bytes() == planned, (tp, r, mode, rmsnorm, rank)

@@ -18,7 +18,7 @@ from common.loading.mtp_weights import RankMTPParts, load_mtp_layers
 from common.loading.rank_slices import rank_ffn
 from common.loading.weights import CheckpointWeights
 from common.model.fp8 import Fp8Weight
-from common.model.tpla import latent_shards
+from common.model.tpla import latent_shard
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
 from common.tpla.plan import GIB, Hardware, PlanError, PlanRequest, build_plan
 from common.tpla.rank_memory import kv_bytes_per_stored_token, mtp_tensors, weight_bytes
@@ -59,8 +59,7 @@ def _rank_mtp_bytes(src: CheckpointWeights, parallel: ParallelConfig, rank: int)
     """A decode rank's MTP share as the engine builds it: the layer as any `RankLayer`, the
     parts around it, less the embedding and head (the main model's)."""
     c = src.config
-    i, _ = parallel.coords(rank)
-    shard = latent_shards(c.kv_lora_rank, parallel.latent_groups)[i]
+    shard = latent_shard(parallel.latent_columns(rank, c.kv_lora_rank), parallel.latent_groups)
     heads = parallel.heads(rank, c.num_attention_heads)
     layer = RankLayer(
         src,

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import latent_shards
-from common.parallel import RmsNormMode
+from common.parallel import ParallelConfig, RmsNormMode
 from common.tpla.convert import apply_reparameterization, build_reparameterization
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from common.tpla.transforms import Method
@@ -121,7 +121,7 @@ def test_shard_constants_match_the_calibration_latents(
     for layer, spectrum in enumerate(spectra):
         n = torch.cat([out[layer] for out in latents]).double()  # the cache: rotated x / rms(x)
         total = n.pow(2).sum()
-        for shard in latent_shards(d_c, groups, spectrum):
+        for shard in latent_shards(ParallelConfig(groups, groups).latent_slices(d_c), spectrum):
             part = n[:, shard.start : shard.end].pow(2).sum()
             assert shard.energy == pytest.approx(float(part / total), rel=1e-5)
             assert shard.beta == shard.energy

@@ -7,6 +7,7 @@ import torch
 
 from common.model.model import DeepseekForCausalLM
 from common.model.tpla import latent_shards
+from common.parallel import ParallelConfig
 from common.tpla.convert import build_reparameterization
 from common.tpla.transforms import (
     Method,
@@ -74,7 +75,10 @@ def test_methods_on_a_model_with_structured_latents(tiny_model: DeepseekForCausa
     for method in Method:
         side = build_reparameterization(tiny_model, method, stats, seed=0)
         energies[method] = {
-            r: [[s.energy for s in latent_shards(d_c, r, sp)] for sp in side.spectra()]
+            r: [
+                [s.energy for s in latent_shards(ParallelConfig(r, r).latent_slices(d_c), sp)]
+                for sp in side.spectra()
+            ]
             for r in (2, 4)
         }
         if method is Method.PCA:

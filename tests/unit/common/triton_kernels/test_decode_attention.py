@@ -26,6 +26,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytest.importorskip("triton.language")
 
 from common.model.tpla import absorbed_queries, latent_shards, latent_slice_attention  # noqa: E402
+from common.parallel import ParallelConfig  # noqa: E402
 from common.triton_kernels import decode_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -143,7 +144,7 @@ def test_equals_tpla_latent_slice_attention(groups: int) -> None:
     g = torch.Generator().manual_seed(5)
     heads, d_c, d_r, d_n, d_v, block_size = 4, 128, 16, 32, 32, 16
     spectrum = torch.linspace(2.0, 0.5, d_c)
-    shard = latent_shards(d_c, groups, spectrum)[-1]
+    shard = latent_shards(ParallelConfig(groups, groups).latent_slices(d_c), spectrum)[-1]
     case = make_case([1, 20, 53], heads, shard.width, d_r, block_size, seed=7)
     q_nope = torch.randn(3, heads, d_n, generator=g).to(DEVICE)
     q_pe = torch.randn(3, heads, d_r, generator=g).to(DEVICE)

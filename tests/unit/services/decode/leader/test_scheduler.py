@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.kv.block_pool import BlockPool, BlockState, OutOfBlocks, RankPools
+from common.parallel import ParallelConfig
 from services.decode.leader.scheduler import Scheduler, SchedulerError, SeqState
 
 
@@ -47,7 +48,7 @@ def test_scheduler_rejects_bad_requests_and_expires_leases() -> None:
 
 
 def test_scheduler_forks_choices_and_frees_them_when_all_end() -> None:
-    pools = RankPools(num_blocks=64, block_size=4, ranks=2)
+    pools = RankPools(num_blocks=64, block_size=4, parallel=ParallelConfig(tp=2))
     sched = Scheduler(pools, max_batch=8, max_model_len=100)
     sched.reserve("r", prompt_len=6, max_tokens=4, deadline=10.0, n=3)
     # The prompt's full block once, then per choice: the copied last block + room to grow.
@@ -71,7 +72,7 @@ def test_scheduler_forks_choices_and_frees_them_when_all_end() -> None:
 
 
 def test_scheduler_expires_every_fork_of_a_reservation() -> None:
-    pools = RankPools(num_blocks=64, block_size=4, ranks=1)
+    pools = RankPools(num_blocks=64, block_size=4, parallel=ParallelConfig())
     sched = Scheduler(pools, max_batch=8, max_model_len=100)
     sched.reserve("r", prompt_len=5, max_tokens=2, deadline=1.0, n=4)
     with pytest.raises(SchedulerError, match="already exists"):
@@ -84,7 +85,7 @@ def test_scheduler_expires_every_fork_of_a_reservation() -> None:
 
 
 def test_progress_renews_a_reservation_until_it_stops() -> None:
-    pools = RankPools(num_blocks=64, block_size=4, ranks=1)
+    pools = RankPools(num_blocks=64, block_size=4, parallel=ParallelConfig())
     sched = Scheduler(pools, max_batch=8, max_model_len=100)
     sched.reserve("r", prompt_len=12, max_tokens=2, deadline=1.0, n=2)
     # Each chunk's landing pushes the deadline out, every fork's; an earlier one never
@@ -107,7 +108,7 @@ def test_forks_share_cached_prefix_blocks_and_keep_them_from_eviction() -> None:
     """A prompt's cached blocks, reused by an n = 3 request, are referenced by every fork:
     they are not evictable while any fork lives (a request that needs them is refused) and
     go back to the cache, not the free list, when the last fork ends."""
-    pools = RankPools(num_blocks=12, block_size=4, ranks=1, prefix_cache=True)
+    pools = RankPools(num_blocks=12, block_size=4, parallel=ParallelConfig(), prefix_cache=True)
     pool = pools.pools[0]
     sched = Scheduler(pools, max_batch=8, max_model_len=100)
     hashes = [11, 22]  # the prompt's two full blocks (10 tokens)

@@ -17,7 +17,6 @@ from common.loading.loader import load_model
 from common.loading.mtp_weights import load_mtp_layers
 from common.loading.weights import CheckpointWeights
 from common.model.mtp import mtp_prefill
-from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig
 from common.tpla.rank_memory import kv_bytes_per_stored_token, mtp_tensors, weight_bytes
 from services.decode.rank.model import RankModel
@@ -36,7 +35,7 @@ def _rank(model_dir: Path, mtp: bool) -> RankModel:
     src = CheckpointWeights(model_dir, torch.float32, mtp=mtp)
     c = src.config
     layers = c.num_hidden_layers + mtp
-    return RankModel(src, ParallelConfig(), 0, [latent_shards(c.kv_lora_rank, 1)] * layers)
+    return RankModel(src, ParallelConfig(), 0, [None] * layers)
 
 
 def test_the_pass_is_the_whole_layers_prefill(model_dir: Path) -> None:
