@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
-
-from common.model.args import ModelConfig
+from typing import Any, Protocol
 
 
 class ParallelError(ValueError):
@@ -97,6 +95,21 @@ def layout_label(name: str, latent_groups: int) -> str:
 def span(s: slice) -> int:
     """How many rows (or columns, heads) a slice of this module covers."""
     return s.stop - s.start
+
+
+class ModelShape(Protocol):
+    """What a layout splits of a model (common.model.args.ModelConfig has it): the layout
+    module stays below the model's."""
+
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+
+    def is_moe_layer(self, layer: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -332,7 +345,7 @@ class ParallelConfig:
         whole blocks."""
         return self.caches_every_token or self.chunk_size % block_size == 0
 
-    def check(self, c: ModelConfig) -> None:
+    def check(self, c: ModelShape) -> None:
         """Raise ParallelError, naming the layout, where a rank could not take its slices of
         model `c`."""
         moe = [c.is_moe_layer(n) for n in range(c.num_hidden_layers)]

@@ -125,3 +125,8 @@ def drive_blocking(
             )
 
         return asyncio.run(drive(submit, prompts, load))
+
+
+def level(row: dict) -> float:
+    """The load a row ran at: its streams (closed loop) or its request rate (Poisson)."""
+    return row["concurrency"] if row["arrival"] == Arrival.CLOSED else row["request_rate"]

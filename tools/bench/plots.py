@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.bench.attn_work import GPUS, MODES, device_work, shapes
+from tools.bench.load import Arrival, level
 
 GPU_BATCHES = (1, 64)  # the projection is a formula, so it can show a serving-size batch too
 
@@ -89,4 +90,52 @@ def plot_decode_attn(result: dict[str, Any], path: Path) -> None:
     )
     fig.tight_layout(rect=(0, 0.13, 1, 0.93))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_serve(report: dict, path: Path) -> None:
+    """Throughput, TPOT p99 and ITL p99 against the load, one row per request mix."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = report["sweep"]["arrival"] == Arrival.CLOSED
+    mixes = [m["name"] for m in report["sweep"]["mixes"]]
+    fig, axes = plt.subplots(len(mixes), 3, figsize=(17, 4.2 * len(mixes)), squeeze=False)
+    labels = list(dict.fromkeys(r["config"] for r in report["results"]))
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    for (ax_t, ax_p, ax_i), mix in zip(axes, mixes, strict=True):
+        for config in labels:
+            pts = [
+                r
+                for r in report["results"]
+                if r["config"] == config and r["mix"] == mix and r["completed"]
+            ]
+            if not pts:
+                continue
+            xs = [level(r) for r in pts]
+            kw = dict(color=colors[config], marker="o", label=config)
+            ax_t.plot(xs, [r["output_tok_s"] for r in pts], **kw)
+            ax_p.plot(xs, [r["tpot_p99_ms"] for r in pts], **kw)
+            ax_i.plot(xs, [r["itl_p99_ms"] for r in pts], **kw)
+        prompt = next(m for m in report["sweep"]["mixes"] if m["name"] == mix)
+        what = f"{mix} mix ({prompt['prompt_tokens']} prompt, {prompt['max_tokens']} output tokens)"
+        ax_t.set_title(f"Output throughput - {what}", fontsize=10)
+        ax_p.set_title(f"TPOT p99 - {what}", fontsize=10)
+        ax_i.set_title(f"ITL p99 - {what}", fontsize=10)
+        ax_t.set_ylabel("output tokens / s")
+        ax_p.set_ylabel("ms per output token (log)")
+        ax_i.set_ylabel("ms between two output chunks (log)")
+        for ax in (ax_t, ax_p, ax_i):
+            if closed:
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams" if closed else "requests / s (Poisson arrivals)")
+            ax.grid(True, which="both", alpha=0.3)
+        for ax in (ax_p, ax_i):
+            ax.set_yscale("log")
+        ax_t.legend(fontsize=8)
+    fig.suptitle(f"tpla bench serve - {report['model']} - {report['date']} (2-core CPU, fp32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -36,7 +36,7 @@ from pathlib import Path
 from common.parallel import BASELINE, ParallelMode
 from common.runtime.settings import load_settings
 from services.prefill.batch.threads import PrefillThreads, usable_cores
-from tools.bench.load import Arrival, Load, drive_blocking
+from tools.bench.load import Arrival, Load, drive_blocking, level
 from tools.bench.prompts import Mix, make_prompts
 from tools.bench.stats import LoadSummary, RequestTiming, summarize
 
@@ -205,13 +205,9 @@ def run(sweep: SweepConfig) -> dict:
     }
 
 
-def _level(row: dict) -> float:
-    return row["concurrency"] if row["arrival"] == Arrival.CLOSED else row["request_rate"]
-
-
 def _find(rows: list[dict], config: str, mix: str, level: float) -> dict | None:
     for r in rows:
-        if (r["config"], r["mix"], _level(r)) == (config, mix, level):
+        if (r["config"], r["mix"], level(r)) == (config, mix, level):
             return r
     return None
 
@@ -236,61 +232,13 @@ def goals(rows: list[dict]) -> dict:
     for r in rows:
         if r["config"] != "tpla" or r["mix"] != "long":
             continue
-        col = _find(rows, "colocated", "long", _level(r))
+        col = _find(rows, "colocated", "long", level(r))
         closed = r["arrival"] == Arrival.CLOSED
         tag = f"c{r['concurrency']}" if closed else f"rate{r['request_rate']:g}"
         for metric in ("tpot_p99_ms", "itl_p99_ms"):
             if col and col[metric] > 0:
                 out[f"tpla_vs_colocated_{metric[:-3]}_long_{tag}"] = r[metric] / col[metric]
     return out
-
-
-def plot(report: dict, path: Path) -> None:
-    """Throughput, TPOT p99 and ITL p99 against the load, one row per request mix."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    closed = report["sweep"]["arrival"] == Arrival.CLOSED
-    mixes = [m["name"] for m in report["sweep"]["mixes"]]
-    fig, axes = plt.subplots(len(mixes), 3, figsize=(17, 4.2 * len(mixes)), squeeze=False)
-    labels = list(dict.fromkeys(r["config"] for r in report["results"]))
-    colors = {label: f"C{i}" for i, label in enumerate(labels)}
-    for (ax_t, ax_p, ax_i), mix in zip(axes, mixes, strict=True):
-        for config in labels:
-            pts = [
-                r
-                for r in report["results"]
-                if r["config"] == config and r["mix"] == mix and r["completed"]
-            ]
-            if not pts:
-                continue
-            xs = [_level(r) for r in pts]
-            kw = dict(color=colors[config], marker="o", label=config)
-            ax_t.plot(xs, [r["output_tok_s"] for r in pts], **kw)
-            ax_p.plot(xs, [r["tpot_p99_ms"] for r in pts], **kw)
-            ax_i.plot(xs, [r["itl_p99_ms"] for r in pts], **kw)
-        prompt = next(m for m in report["sweep"]["mixes"] if m["name"] == mix)
-        what = f"{mix} mix ({prompt['prompt_tokens']} prompt, {prompt['max_tokens']} output tokens)"
-        ax_t.set_title(f"Output throughput - {what}", fontsize=10)
-        ax_p.set_title(f"TPOT p99 - {what}", fontsize=10)
-        ax_i.set_title(f"ITL p99 - {what}", fontsize=10)
-        ax_t.set_ylabel("output tokens / s")
-        ax_p.set_ylabel("ms per output token (log)")
-        ax_i.set_ylabel("ms between two output chunks (log)")
-        for ax in (ax_t, ax_p, ax_i):
-            if closed:
-                ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrent streams" if closed else "requests / s (Poisson arrivals)")
-            ax.grid(True, which="both", alpha=0.3)
-        for ax in (ax_p, ax_i):
-            ax.set_yscale("log")
-        ax_t.legend(fontsize=8)
-    fig.suptitle(f"tpla bench serve - {report['model']} - {report['date']} (2-core CPU, fp32)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _speculative(value: str) -> str:
@@ -379,7 +327,9 @@ def cmd(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
-        plot(report, Path(args.plot))
+        from tools.bench.plots import plot_serve
+
+        plot_serve(report, Path(args.plot))
     print(json.dumps(report) if args.json else json.dumps(report["goals"], indent=2))
     return 0 if all(r["completed"] == r["requests"] for r in report["results"]) else 1
 
