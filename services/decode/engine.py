@@ -2,18 +2,16 @@
 
 API (thread-safe; the decode gRPC servicer is a thin shell over it):
     reserve(request_id, prompt_len, max_tokens, prompt_ids, n) -> Reservation
-                                               blocks on every rank, leased (the prompt
-                                               once, max_tokens per choice; each shard
-                                               landing on rank 0 renews the lease); reuses the
-                                               longest cached prefix of prompt_ids;
-                                               its targets: where each rank's shard goes
-    write_kv(request_id, rank, n, k_pe)        a rank's shard, layer-major, into its blocks
+        blocks on every rank, leased (the prompt once, max_tokens per choice; each shard
+        landing on rank 0 renews the lease), reusing the longest cached prefix of
+        prompt_ids; its targets: where each rank's shard goes
     generate(request_id, first_tokens, params, prompt_ids, output_ids, resumed) -> TokenStream
-                                               streams every choice's tokens as sampled
-                                               (a resumed choice's after its replay)
-    abort(request_id, choices)                 at any time; blocks are freed
-    load() -> DecodeLoad                       running, waiting, blocks used / total
-    drain()                                    reserve no more (scale-in); live() -> count
+        streams every choice's tokens as sampled (a resumed choice's after its replay)
+    abort(request_id, choices)   at any time; blocks are freed
+    load() -> DecodeLoad         running, waiting, blocks used / total
+    drain()                      reserve no more (scale-in); live() -> count
+    probe                        what benchmarks, metrics and tests observe of the steps
+A local tool writes a prompt's KV in process: services/decode/local_kv.py.
 
 Start-up: services/decode/group/start.py. All collectives run on one loop thread
 (services/decode/leader/loop.py): each call here is a command it runs between two decode
@@ -21,16 +19,15 @@ steps (services/decode/leader/step.py).
 
 n > 1 choices: the prompt's KV arrives once; `generate` forks it into n sequences (shared
 full blocks, a copied last block: see Scheduler) that decode side by side in the batch, each
-with its own draw keys and its own controls (penalty counts and grammar state forked from
-the request's at its first token), and stream into one TokenStream with each event's choice
-index. A migrated n > 1 request's live choices are such forks too (`resumed`): each first
-replays the tokens it generated on the group it left, then samples on.
+with its own draw keys and controls (penalty counts, grammar state: forked from the
+request's at its first token), into one TokenStream with each event's choice index. A
+migrated n > 1 request's choices are such forks too (`resumed`): each first replays the
+tokens it generated on the group it left, then samples on.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,19 +36,15 @@ from torch import Tensor
 
 from common.kv.block_pool import RankPools
 from common.kv.prefix_cache import block_hashes, model_identity
-from common.kv.slots import token_slots
 from common.messages import DecodeLoad, Reservation, ResumedChoice
-from common.model.args import ModelConfig
 from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, SpecConfig
 from services.decode.group.start import start_group
-from services.decode.group.step_plan import WritePlan, send_plan
 from services.decode.leader.drafts import check_proposer
-from services.decode.leader.kv_targets import kv_targets
+from services.decode.leader.kv_targets import reservation
 from services.decode.leader.loop import LeaderLoop
 from services.decode.leader.scheduler import Scheduler, SchedulerError, SeqState
-from services.decode.leader.speculation import Acceptance
 from services.decode.leader.step import DecodeStep
 from services.decode.stream import TokenStream
 
@@ -63,10 +56,9 @@ class DecodeEngine:
         self.group = start_group(cfg)
         self.cfg = cfg = self.group.cfg
         self.runtime = self.group.runtime
-        model_cfg: ModelConfig = self.runtime.model.config
-        self.eos_token_ids = frozenset(
-            eos_token_ids if eos_token_ids is not None else model_cfg.eos_token_ids
-        )
+        model_cfg = self.runtime.model.config
+        eos = model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
+        self.eos_token_ids = frozenset(eos)
         max_len = cfg.max_model_len or model_cfg.max_position_embeddings
         self.pool = RankPools(
             self.runtime.cache.usable_blocks,
@@ -78,7 +70,7 @@ class DecodeEngine:
         self.prefix_root = model_identity(cfg.model, cfg.reparam) if cfg.prefix_cache else 0
         self.scheduler = Scheduler(self.pool, cfg.max_batch, max_len)
         self._step = DecodeStep(self.group, self.scheduler, self.eos_token_ids)
-        self.controls = self._step.controls
+        self.controls, self.probe = self._step.controls, self._step.probe
         self._loop = LeaderLoop(self.group, self.scheduler, self._step)
         self.runtime.landed = self._renew
         # The last load the loop answered: what a heartbeat reports while a long step keeps
@@ -102,10 +94,8 @@ class DecodeEngine:
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
-        """Every (batch, block-table width) a step is padded to (DecodeStep.plan)."""
-        return self._step.buckets()
-
-    # -- public API --------------------------------------------------------------------------
+        """Every (batch, block-table width) a step is padded to (DecodePlans.step)."""
+        return self._step.plans.buckets()
 
     def reserve(
         self,
@@ -123,11 +113,8 @@ class DecodeEngine:
             raise Unavailable("the decode group is draining", code="draining")
         if prompt_ids and len(prompt_ids) != prompt_len:
             raise SchedulerError(f"{len(prompt_ids)} prompt ids for a prompt of {prompt_len}")
-        hashes = (
-            block_hashes(self.prefix_root, prompt_ids, self.cfg.block_size)
-            if self.cfg.prefix_cache
-            else []
-        )
+        size = self.cfg.block_size
+        hashes = block_hashes(self.prefix_root, prompt_ids, size) if self.cfg.prefix_cache else []
 
         def run() -> Reservation:
             deadline = time.monotonic() + self.cfg.lease_seconds
@@ -135,56 +122,9 @@ class DecodeEngine:
                 request_id, prompt_len, max_tokens, deadline, hashes, n, tuple(prompt_ids)
             )
             cached = self.scheduler.seqs[request_id].cached_tokens
-            layout = self.runtime.layout
-            return Reservation(
-                request_id,
-                self.cfg.block_size,
-                layout.num_layers,
-                layout.rope_width,
-                self.cfg.dtype,
-                self.cfg.lease_seconds,
-                kv_targets(self.group, self.pool, tables, prompt_len, cached),
-                cached,
-            )
+            return reservation(self.group, self.pool, request_id, tables, prompt_len, cached)
 
         return self._loop.call(run)
-
-    def write_kv(self, request_id: str, rank: int, n: Tensor, k_pe: Tensor) -> None:
-        """Write rank `rank`'s shard of the prompt: n [L, N, w], k_pe [L, N, d_r].
-
-        N is the prompt length, or in SP mode the number of prompt tokens the rank owns.
-        """
-
-        def run() -> None:
-            seq = self.scheduler.seqs.get(request_id)
-            if seq is None or seq.state is not SeqState.RESERVED:
-                raise SchedulerError(f"request {request_id!r} has no open reservation")
-            if not 0 <= rank < self.cfg.parallel.tp:
-                raise SchedulerError(f"rank {rank} is outside the group of {self.cfg.parallel.tp}")
-            layout = self.runtime.layout
-            skip = self.pool.local_tokens(rank, seq.cached_tokens)  # held already
-            tokens = self.pool.local_tokens(rank, seq.prompt_len) - skip
-            expected = (layout.num_layers, tokens, layout.latent_width)
-            expected_rope = (*expected[:2], layout.rope_width)
-            if tuple(n.shape) != expected or tuple(k_pe.shape) != expected_rope:
-                raise SchedulerError(
-                    f"KV shard for rank {rank} has shape {tuple(n.shape)}, expected {expected}"
-                )
-            self.scheduler.renew(request_id, time.monotonic() + self.cfg.lease_seconds)
-            if tokens == 0:
-                return  # an SP rank that owns none of a short prompt
-            slots = self._slots(request_id, rank, tokens, skip)
-            device, comm = self.runtime.device, self.runtime.comm
-            n_ = n.to(device, layout.dtype).contiguous()
-            k_ = k_pe.to(device, layout.dtype).contiguous()
-            if rank == 0:
-                self.runtime.cache.write_all_layers(slots.to(device), n_, k_)
-            else:
-                send_plan(WritePlan(rank, slots), comm)
-                comm.send(n_, rank)
-                comm.send(k_, rank)
-
-        self._loop.call(run)
 
     def generate(
         self,
@@ -212,7 +152,6 @@ class DecodeEngine:
         # The grammar is compiled and replayed here, off the loop thread: a new schema must
         # not stall the running sequences' steps. Each choice's copy takes its first token.
         matcher = self.controls.matcher(params, output_ids)
-
         self._loop.call(
             lambda: self._step.start(
                 request_id, firsts, params, matcher, prompt_ids, output_ids, stream, resumed, last
@@ -265,54 +204,12 @@ class DecodeEngine:
         running sequence waits for it (a colocated server's prefill does exactly this)."""
         return self._loop.call(fn)
 
-    def parameter_bytes(self) -> int:
-        return self.runtime.model.parameter_bytes()
-
-    def count_host_syncs(self, on: bool) -> None:
-        """From the next step on, count (or stop counting) every rank's host waits in each
-        step (`tpla bench decode-step`; the count slows the step)."""
-
-        def run() -> None:
-            self._step.count_host_syncs = on
-
-        self._loop.call(run)
-
     def speculate(self, spec: SpecConfig) -> None:
         """Speculative decoding as `spec` says from the next step on, for requests started
         from then on (`tpla bench`, tests: one group serves with and without). Outputs do
         not change with it (docs/design.md §7)."""
         check_proposer(spec, self.cfg.model, self.runtime.model.mtp is not None)
-
-        def run() -> None:
-            self._step.spec = spec
-
-        self._loop.call(run)
-
-    @property
-    def acceptance(self) -> Acceptance:
-        """The group's drafts fed and kept (metrics; read on the loop thread's schedule)."""
-        return self._step.acceptance
-
-    @property
-    def last_host_syncs(self) -> int:
-        """The host waits of the last counted step: the most on any rank, the leader's
-        sampling included (read on the loop thread: an `on_step` callback)."""
-        return self._step.last_host_syncs
-
-    @property
-    def step_seconds(self) -> deque[float]:
-        """The recent decode steps' seconds, oldest first (metrics)."""
-        return self._loop.step_seconds
-
-    @property
-    def on_step(self) -> Callable[[float, int], None] | None:
-        """Called with each step's seconds and batch size on the loop thread (the service's
-        histogram, `tpla bench decode-step`)."""
-        return self._loop.on_step
-
-    @on_step.setter
-    def on_step(self, fn: Callable[[float, int], None] | None) -> None:
-        self._loop.on_step = fn
+        self._loop.call(lambda: self._step.speculation.use(spec))
 
     def follower_alive(self) -> list[bool]:
         """Whether each rank's process is running: rank 0 (this process) while its loop
@@ -349,9 +246,3 @@ class DecodeEngine:
         acknowledgement must not wait out a decode step."""
         deadline = time.monotonic() + self.cfg.lease_seconds
         self._loop.post(lambda: self.scheduler.renew(request_id, deadline))
-
-    def _slots(self, request_id: str, rank: int, num_tokens: int, first: int = 0) -> Tensor:
-        """Cache slots of the rank's local tokens first..first+num_tokens-1 (all inside its
-        reserved blocks: write_kv checked the shard's size against the reservation)."""
-        blocks = torch.tensor(self.pool.tables(request_id)[rank], dtype=torch.int64)
-        return token_slots(blocks, torch.arange(first, first + num_tokens), self.cfg.block_size)

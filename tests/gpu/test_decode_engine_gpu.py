@@ -114,7 +114,7 @@ def test_the_first_step_after_start_up_is_not_stalled() -> None:
     step takes well under the stall threshold."""
     with _engine("bfloat16", ParallelConfig(tp=1, latent_groups=1)) as engine:
         seconds: list[float] = []
-        engine.on_step = lambda s, _batch: seconds.append(s)
+        engine.probe.on_step = lambda s, _batch: seconds.append(s)
         prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         prompt = _prompts(1, engine.runtime.model.config.vocab_size)[0]

@@ -23,6 +23,7 @@ from common.sampling.sampler import first_tokens
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
+from services.decode.local_kv import write_kv
 from tests.tiny import save_hf
 from tools.cli.local import collect, submit, write_prompt
 
@@ -155,7 +156,7 @@ def test_cache_bytes_leases_and_bad_input(model_dir: Path) -> None:
                 == (cfg.kv_lora_rank // r + cfg.qk_rope_head_dim) * 4
             )
             full = sum(p.numel() * p.element_size() for p in load_model(model_dir).parameters())
-            assert 0 < engine.parameter_bytes() < full  # a rank keeps only its share
+            assert 0 < engine.runtime.model.parameter_bytes() < full  # a rank keeps only its share
             if r == 2:
                 res = engine.reserve("leased", prompt_len=10, max_tokens=5)
                 assert [t.latent_width for t in res.targets] == [16, 16]
@@ -169,10 +170,10 @@ def test_cache_bytes_leases_and_bad_input(model_dir: Path) -> None:
                 with pytest.raises(ValueError, match="exceeds the context limit"):
                     engine.reserve("huge", prompt_len=1000, max_tokens=100)
                 with pytest.raises(ValueError, match="no open reservation"):
-                    engine.write_kv("nobody", 0, torch.zeros(1), torch.zeros(1))
+                    write_kv(engine, "nobody", 0, torch.zeros(1), torch.zeros(1))
                 engine.reserve("shape", prompt_len=3, max_tokens=2)
                 with pytest.raises(ValueError, match="expected"):
-                    engine.write_kv("shape", 1, torch.zeros(3, 2, 16), torch.zeros(3, 2, 8))
+                    write_kv(engine, "shape", 1, torch.zeros(3, 2, 16), torch.zeros(3, 2, 8))
                 assert engine.abort("shape")
                 _assert_pool_free(engine)
 

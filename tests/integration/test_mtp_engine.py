@@ -86,12 +86,12 @@ def test_mtp_drafts_change_no_token(engine: DecodeEngine) -> None:
     ]
     prompts = _prompts(engine)
     plain = _run(engine, PLAIN, prompts, params)
-    before = engine.acceptance.drafted, engine.acceptance.accepted
+    before = engine.probe.acceptance.drafted, engine.probe.acceptance.accepted
     assert _run(engine, MTP, prompts, params) == plain
     for p, prompt, expected in zip(params, prompts, plain, strict=True):
         assert _run(engine, MTP, [prompt], [p]) == [expected]
-    drafted = engine.acceptance.drafted - before[0]
-    accepted = engine.acceptance.accepted - before[1]
+    drafted = engine.probe.acceptance.drafted - before[0]
+    accepted = engine.probe.acceptance.accepted - before[1]
     assert drafted > 0
     if Path(engine.cfg.model) == DEMO:
         assert accepted > 0  # the trained layer's drafts are kept
@@ -103,18 +103,18 @@ def test_an_mtp_step_adds_no_host_wait(engine: DecodeEngine) -> None:
         pytest.skip("one layout and model is enough")
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     counts: list[int] = []
-    engine.on_step = lambda _s, _b: counts.append(engine.last_host_syncs)
-    engine.count_host_syncs(True)
+    engine.probe.on_step = lambda _s, _b: counts.append(engine.probe.last_host_syncs)
+    engine.probe.count_syncs = True
     try:
         prompt = _prompts(engine)[:1]
         _run(engine, PLAIN, prompt, [greedy])
         plain, counts[:] = set(counts), []
-        before = engine.acceptance.drafted
+        before = engine.probe.acceptance.drafted
         _run(engine, MTP, prompt, [greedy])
-        assert engine.acceptance.drafted > before
+        assert engine.probe.acceptance.drafted > before
     finally:
-        engine.count_host_syncs(False)
-        engine.on_step = None
+        engine.probe.count_syncs = False
+        engine.probe.on_step = None
     assert set(counts) == plain and max(plain) <= 2
 
 

@@ -63,14 +63,14 @@ def _run(engine: DecodeEngine, spec: SpecConfig, prompts, params) -> list[list[i
     its finish reason last."""
     engine.speculate(spec)
     prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
-    before = engine.acceptance.drafted, engine.acceptance.accepted
+    before = engine.probe.acceptance.drafted, engine.probe.acceptance.accepted
     results = [collect(*s) for s in submit(engine, prefill, prompts, params)]
     load = engine.load()
     assert (load.running, load.reserved, load.blocks_used) == (0, 0, 0)
     # The choices' events carry their steps' drafts and kept drafts.
     events = [e for r in results for e in r.events]
-    assert sum(e.drafted for e in events) == engine.acceptance.drafted - before[0]
-    assert sum(e.accepted for e in events) == engine.acceptance.accepted - before[1]
+    assert sum(e.drafted for e in events) == engine.probe.acceptance.drafted - before[0]
+    assert sum(e.accepted for e in events) == engine.probe.acceptance.accepted - before[1]
     return [[*r.token_ids, r.finish_reason] for r in results]
 
 
@@ -96,10 +96,10 @@ def test_drafts_change_no_token(engine: DecodeEngine) -> None:
     ]
     prompts = [REPEATING, OTHER, REPEATING, OTHER]
     plain = _run(engine, PLAIN, prompts, params)
-    before = engine.acceptance.drafted, engine.acceptance.accepted
+    before = engine.probe.acceptance.drafted, engine.probe.acceptance.accepted
     assert _run(engine, NGRAM, prompts, params) == plain
-    drafted = engine.acceptance.drafted - before[0]
-    accepted = engine.acceptance.accepted - before[1]
+    drafted = engine.probe.acceptance.drafted - before[0]
+    accepted = engine.probe.acceptance.accepted - before[1]
     assert drafted > accepted > 0  # some drafts kept, some rejected
     # One at a time (every step speculates: batch 1 is under the limit).
     for p, prompt, expected in zip(params, prompts, plain, strict=True):
@@ -167,15 +167,15 @@ def test_a_speculative_step_adds_no_host_wait(engine: DecodeEngine) -> None:
     drafting, processing and acceptance included: the same with drafts as without."""
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     counts: list[int] = []
-    engine.on_step = lambda _s, _b: counts.append(engine.last_host_syncs)
-    engine.count_host_syncs(True)
+    engine.probe.on_step = lambda _s, _b: counts.append(engine.probe.last_host_syncs)
+    engine.probe.count_syncs = True
     try:
         _run(engine, PLAIN, [REPEATING], [greedy])
         plain, counts[:] = set(counts), []
-        before = engine.acceptance.drafted
+        before = engine.probe.acceptance.drafted
         _run(engine, NGRAM, [REPEATING], [greedy])
-        assert engine.acceptance.drafted > before
+        assert engine.probe.acceptance.drafted > before
     finally:
-        engine.count_host_syncs(False)
-        engine.on_step = None
+        engine.probe.count_syncs = False
+        engine.probe.on_step = None
     assert set(counts) == plain and max(plain) <= 2

@@ -1,7 +1,10 @@
 """The layering holds: common/ is the library the services share, services/ build on it, and
-tools/ (the CLI, benchmarks, the demo trainer) sit on top; and no modules import each other in
-a cycle. Every import statement under common/, services/ and tools/ is read with `ast` (lazy
-imports inside functions and those under TYPE_CHECKING included)."""
+tools/ (the CLI, benchmarks, the demo trainer) sit on top; no modules import each other in
+a cycle; and no two siblings of the tree (two folders of one folder, or a folder and a module
+beside it) import each other, even without a module cycle: such a tie means a concept both
+need lives in the wrong one, and should move down. Every import statement under common/,
+services/ and tools/ is read with `ast` (lazy imports inside functions and those under
+TYPE_CHECKING included)."""
 
 from __future__ import annotations
 
@@ -197,3 +200,58 @@ def test_a_cycle_is_caught() -> None:
         "    common.c imports common.a",
     ]
     assert cycles(graph(pairs[1:], modules)) == []
+
+
+def siblings(importer: str, imported: str) -> tuple[str, str] | None:
+    """The two siblings of the tree an import runs between: the two names down to the first
+    part where they differ (`services.decode.group.spec` importing `services.decode.config`:
+    `services.decode.group` and `services.decode.config`); None when one contains the other."""
+    a, b = importer.split("."), imported.split(".")
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    if common in (len(a), len(b)):
+        return None
+    return ".".join(a[: common + 1]), ".".join(b[: common + 1])
+
+
+def ties(g: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """Each pair of siblings that import each other, with the module imports each way."""
+    between: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for src, names in g.items():
+        for dst in names:
+            pair = siblings(src, dst)
+            if pair is not None:
+                between.setdefault(pair, []).append((src, dst))
+    return {
+        (a, b): sorted(between[a, b] + between[b, a])
+        for a, b in sorted(between)
+        if a < b and (b, a) in between
+    }
+
+
+def test_no_two_siblings_import_each_other() -> None:
+    g = graph(edges(), {_module(path) for path in _sources()})
+    found = ties(g)
+    assert found == {}, "two-way ties:\n" + "\n".join(
+        f"  {a} <-> {b}: " + ", ".join(f"{s} imports {d}" for s, d in imports)
+        for (a, b), imports in found.items()
+    )
+
+
+def test_a_tie_is_caught() -> None:
+    # A folder and a module beside it, each importing the other, is a tie; so are two
+    # folders; a package importing its own modules is none.
+    g = {
+        "common.parallel": {"common.model.args"},
+        "common.model.tpla": {"common.parallel"},
+        "services.decode.group.start": {"services.decode.rank.runtime"},
+        "services.decode.rank.graphs": {"services.decode.group.step_plan"},
+        "services.decode": {"services.decode.config"},
+        "services.decode.config": {"services.decode.leader.drafts"},
+    }
+    assert siblings("services.decode", "services.decode.config") is None
+    assert list(ties(g)) == [
+        ("common.model", "common.parallel"),
+        ("services.decode.group", "services.decode.rank"),
+    ]

@@ -4,8 +4,8 @@ One decode group (the same engine, layout and weights as the disaggregated TPLA 
 the exact prefill model inside its leader process. As in a colocated server without chunked
 prefill, a request's prefill runs *on the engine loop thread, between decode steps*: while a
 prompt is prefilled every running sequence waits, which is precisely the interference that
-disaggregation removes. The latent cache is then written locally (`engine.write_kv`, no
-transfer) and the request joins the continuous batch. Timings are taken in-process, so this
+disaggregation removes. The latent cache is then written locally (services/decode/local_kv.py,
+no transfer) and the request joins the continuous batch. Timings are taken in-process, so this
 baseline pays no HTTP, router or gRPC cost: any TPOT advantage of the disaggregated stack
 over it is not an artifact of the client path.
 """

@@ -35,6 +35,7 @@ import torch
 from common.parallel import BASELINE, COMPARED, ParallelConfig, parse_mode
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
+from services.decode.local_kv import write_kv
 
 if TYPE_CHECKING:
     from services.decode.engine import DecodeEngine
@@ -114,7 +115,7 @@ def measure(
             def record(seconds: float, size: int, seen: list = steps_seen) -> None:
                 seen.append((seconds, size, comm.bytes))
 
-            engine.on_step = record
+            engine.probe.on_step = record
             _run(engine, rids, params)
             full = []
             for seconds, size, after in steps_seen:
@@ -143,7 +144,7 @@ def measure(
                     cache.bytes_per_token_per_layer,
                     per_seq,
                     timed[-1][1],
-                    engine.parameter_bytes(),
+                    engine.runtime.model.parameter_bytes(),
                     syncs,
                     engine.runtime.graphs is not None,
                 )
@@ -160,7 +161,7 @@ def _reserve(engine: DecodeEngine, context: int, params: SamplingParams, tp: int
         tokens = engine.pool.local_tokens(rank, context)
         n = torch.randn(cache.num_layers, tokens, cache.latent_width) * 0.1
         k_pe = torch.randn(cache.num_layers, tokens, cache.rope_width) * 0.1
-        engine.write_kv(rid, rank, n, k_pe)
+        write_kv(engine, rid, rank, n, k_pe)
     return rid
 
 
@@ -182,15 +183,15 @@ def _count_syncs(engine: DecodeEngine, batch: int, context: int, tp: int) -> int
 
     def record(seconds: float, size: int) -> None:
         if size == batch:
-            counts.append(engine.last_host_syncs)
+            counts.append(engine.probe.last_host_syncs)
 
-    engine.on_step = record
-    engine.count_host_syncs(True)
+    engine.probe.on_step = record
+    engine.probe.count_syncs = True
     try:
         _run(engine, rids, params)
     finally:
-        engine.count_host_syncs(False)
-        engine.on_step = None
+        engine.probe.count_syncs = False
+        engine.probe.on_step = None
     if not counts:
         raise RuntimeError(f"batch {batch}: no counted step ran the whole batch")
     return max(counts)

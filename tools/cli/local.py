@@ -29,6 +29,7 @@ from common.sampling.logits import context_for
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, first_tokens
 from services.decode.engine import DecodeEngine
+from services.decode.local_kv import write_kv
 from services.decode.stream import TokenStream
 
 
@@ -86,7 +87,7 @@ def write_prompt(
     rid = reservation.request_id
     for target in reservation.targets:
         shard = cut_shard(out.n, out.k_pe, start, end, target, rid, reservation.block_size)
-        engine.write_kv(rid, target.rank, shard.n, shard.k_pe)
+        write_kv(engine, rid, target.rank, shard.n, shard.k_pe)
 
 
 def collect(first: SampledToken, stream: TokenStream) -> LocalResult:

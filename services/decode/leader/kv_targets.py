@@ -1,10 +1,34 @@
-"""Where each rank's KV shard of a reserved request goes, and which part of it that is."""
+"""What a reserved request's prefill is told (`Reservation`): where each rank's KV shard goes,
+which part of the prompt's KV it is, in what shape."""
 
 from __future__ import annotations
 
 from common.kv.block_pool import RankPools
-from common.messages import KvTargetInfo
+from common.messages import KvTargetInfo, Reservation
 from services.decode.group.start import RunningGroup
+
+
+def reservation(
+    group: RunningGroup,
+    pool: RankPools,
+    request_id: str,
+    block_tables: list[list[int]],
+    prompt_len: int,
+    cached: int,
+) -> Reservation:
+    """The request's reservation: its shards' format, its lease, each rank's target
+    (`kv_targets`) and the `cached` prefix tokens its blocks hold already."""
+    cfg, layout = group.cfg, group.runtime.layout
+    return Reservation(
+        request_id,
+        cfg.block_size,
+        layout.num_layers,
+        layout.rope_width,
+        cfg.dtype,
+        cfg.lease_seconds,
+        kv_targets(group, pool, block_tables, prompt_len, cached),
+        cached,
+    )
 
 
 def kv_targets(

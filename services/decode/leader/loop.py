@@ -13,7 +13,6 @@ import contextlib
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -41,10 +40,6 @@ class LeaderLoop:
         # Idle keep-alive: well inside the followers' collective timeout.
         self._ping_interval = min(1.0, group.cfg.collective_timeout_s / 4)
         self._next_ping = time.monotonic() + self._ping_interval
-        # Recent step times (metrics); bounded so the loop never grows or copies it.
-        self.step_seconds: deque[float] = deque(maxlen=100)
-        # Called with each step's seconds and batch size on the loop thread.
-        self.on_step: Callable[[float, int], None] | None = None
         self._thread = threading.Thread(target=self._run, name="decode-leader", daemon=True)
         self._thread.start()
 
@@ -141,10 +136,7 @@ class LeaderLoop:
         try:
             t0 = time.perf_counter()
             self.step.run(batch)
-            seconds = time.perf_counter() - t0
-            self.step_seconds.append(seconds)
-            if self.on_step is not None:
-                self.on_step(seconds, len(batch))
+            self.step.probe.stepped(time.perf_counter() - t0, len(batch))
         finally:
             self._step_started = None
             self._next_ping = time.monotonic() + self._ping_interval

@@ -49,6 +49,10 @@ class StepRows:
     def speculative(self) -> bool:
         return any(self.drafts)
 
+    def per_row(self, values: Sequence[T]) -> list[T]:
+        """Each sequence's value, once per its row."""
+        return [v for v, n in zip(values, self.sizes, strict=True) for _ in range(n)]
+
     def split(self, rows: Sequence[T]) -> list[list[T]]:
         """Per-row values, one list per sequence."""
         return [list(rows[a : a + n]) for a, n in zip(self.starts, self.sizes, strict=True)]

@@ -21,12 +21,12 @@ def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
     registry = CollectorRegistry()
     metrics = DecodeMetrics(registry)
     histogram = metrics.step_seconds
-    engine.on_step = lambda seconds, _batch: histogram.observe(seconds)
-    engine.acceptance.on_verify = metrics.acceptance_length.observe
+    engine.probe.on_step = lambda seconds, _batch: histogram.observe(seconds)
+    engine.probe.acceptance.on_verify = metrics.acceptance_length.observe
 
     def read() -> dict[str, float]:
         load = engine.load()
-        steps = list(engine.step_seconds)[-20:]
+        steps = list(engine.probe.step_seconds)[-20:]
         return {
             "tpla:num_requests_running": load.running,
             "tpla:num_requests_waiting": load.waiting,
@@ -59,7 +59,7 @@ def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
     registry.register(CounterCallback(counters, PREFIX_CACHE_HELP))
 
     def spec_counters() -> dict[str, float]:
-        acceptance = engine.acceptance
+        acceptance = engine.probe.acceptance
         return {
             "tpla:spec_draft_tokens": acceptance.drafted,
             "tpla:spec_accepted_tokens": acceptance.accepted,

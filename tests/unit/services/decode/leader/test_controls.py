@@ -18,7 +18,7 @@ from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken
 from common.text.tokenizer import Tokenizer
 from services.decode.leader.controls import StepControls
-from services.decode.leader.step import LiveChoice, _event
+from services.decode.leader.live_choice import LiveChoice
 from services.decode.stream import TokenStream
 from tests.tiny import save_tokenizer
 
@@ -89,13 +89,13 @@ def test_a_grammar_past_its_limit_fails_its_sequence_alone(tmp_path: Path) -> No
     assert not seqs[1].failed
     # Its choice ends with the request's own failure, without the token sampled for it.
     live = LiveChoice(constrained, TokenStream(), 0, seqs[0], choice=2)
-    event = _event(live, SampledToken(a, -0.1), "stop")
+    event = live.event(SampledToken(a, -0.1), "stop")
     assert event.token is None and event.index == 2
     assert event.failure is FailureScope.REQUEST
     assert event.finish_reason == f"error: {seqs[0].failure}"
     # A sequence that did not fail streams its token as before.
     plain = LiveChoice(SamplingParams(), TokenStream(), 0, seqs[1])
-    assert _event(plain, SampledToken(a, -0.1), None).token == SampledToken(a, -0.1)
+    assert plain.event(SampledToken(a, -0.1), None).token == SampledToken(a, -0.1)
 
 
 def test_a_rejected_token_fails_the_sequence(tmp_path: Path) -> None:

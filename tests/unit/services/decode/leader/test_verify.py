@@ -26,6 +26,7 @@ def test_step_rows_and_draft_room() -> None:
         True,
     )
     assert rows.split(list("abcdef")) == [["a", "b", "c"], ["d"], ["e", "f"]]
+    assert rows.per_row("xyz") == list("xxxyzz")
     assert not StepRows([[], []]).speculative
     # A step keeps at most 1 + drafts tokens, never past max_tokens.
     assert [draft_room(5, g) for g in (1, 3, 4, 5)] == [3, 1, 0, 0]
