@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from common.model.args import ModelConfig
 from common.parallel import BASELINE, ParallelConfig, ParallelMode, span
 
+BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size)
+
 TP = 2
 # The layouts a decode-attention call is measured in, on one device of TP: head-parallel MLA
 # (the baseline) and TPLA at r = TP.
@@ -104,3 +106,11 @@ def per_device(shape: AttnShape, mode: str, ranks: int = TP) -> tuple[int, int]:
 def device_work(shape: AttnShape, mode: str, batch: int, context: int) -> DeviceWork:
     heads, width = per_device(shape, mode)
     return DeviceWork(heads, width, shape.d_r, shape.d_n, shape.d_v, batch, context)
+
+
+def grid(quick: bool) -> list[tuple[int, int]]:
+    """(context, batch) pairs; large batches only where the pool stays a few hundred MB."""
+    if quick:
+        return [(c, b) for c in (1024, 4096) for b in (1, 4)]
+    contexts = (1024, 2048, 4096, 8192, 16384, 32768)
+    return [(c, b) for c in contexts for b in (1, 4, 16) if c * b <= 65536]

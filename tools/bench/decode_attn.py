@@ -45,11 +45,10 @@ import torch
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
 from common.model.tpla import fused_slice_attention, latent_slice_attention
 from common.native.latent_attention import paged_latent_attention
-from tools.bench.attn_work import GPUS, MODES, TP, DeviceWork, device_work, shapes
+from tools.bench.attn_work import BLOCK_SIZE, GPUS, MODES, TP, DeviceWork, device_work, grid, shapes
 from tools.bench.output import table_stream
 from tools.bench.roofline import Roofline, measure_roofline, roofline_record
 
-BLOCK_SIZE = 16  # the engine's default (EngineConfig.block_size)
 COLD_BYTES = 96 * 2**20  # > the 32 MB L3 of the development VM, so each layer comes from DRAM
 
 
@@ -125,14 +124,6 @@ def time_pair(works: dict[str, DeviceWork], kernel: str, repeats: int) -> dict[s
                 run(i)
                 times[mode].append(time.perf_counter() - t0)
     return times
-
-
-def grid(quick: bool) -> list[tuple[int, int]]:
-    """(context, batch) pairs; large batches only where the pool stays a few hundred MB."""
-    if quick:
-        return [(c, b) for c in (1024, 4096) for b in (1, 4)]
-    contexts = (1024, 2048, 4096, 8192, 16384, 32768)
-    return [(c, b) for c in contexts for b in (1, 4, 16) if c * b <= 65536]
 
 
 def run_bench(

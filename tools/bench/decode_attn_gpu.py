@@ -15,8 +15,17 @@ from typing import Any
 import torch
 
 from common.kv.paged_cache import CacheLayout, PagedLatentCache
-from tools.bench.attn_work import GPUS, MODES, TP, Accelerator, DeviceWork, device_work, shapes
-from tools.bench.decode_attn import BLOCK_SIZE, grid
+from tools.bench.attn_work import (
+    BLOCK_SIZE,
+    GPUS,
+    MODES,
+    TP,
+    Accelerator,
+    DeviceWork,
+    device_work,
+    grid,
+    shapes,
+)
 from tools.bench.output import table_stream
 
 GPU_COLD_BYTES = 256 * 2**20  # > the 50 MB L2 of an H100 / H200: every call reads HBM
