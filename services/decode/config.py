@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from common.group.spec import parse_group_addr
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
+from common.runtime.kernel_choice import KernelConfig, kernel_config
 from common.runtime.settings import TORCH_PORT_OFFSET, Settings
 
 
@@ -78,7 +79,9 @@ class EngineConfig:
     device: str = "cpu"
     lease_seconds: float = 30.0
     torch_threads: int = 1
-    decode_kernel: str = "auto"  # `select_decode_backend`: auto | torch | native | triton
+    # What each kernel selector is asked for (TPLA_DECODE_KERNEL, TPLA_FP8_GEMM,
+    # TPLA_EXPERTS_KERNEL): each rank chooses by it at start-up (rank/runtime.py).
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     # Replay each step bucket's CUDA graph (services/decode/rank/graphs.py) where the ranks
     # run on CUDA; ignored on the CPU.
     cuda_graphs: bool = True
@@ -143,11 +146,8 @@ class EngineConfig:
         par["moe"] = MoeParallel(par["moe"])
         raw["launch"] = Launch(raw["launch"])
         spec = SpecConfig(**raw.pop("speculative"))
-        return cls(parallel=ParallelConfig(**par), speculative=spec, **raw)
-
-
-# The decode kernels a rank can ask for (`select_decode_backend` picks one for `auto`).
-KERNELS = ("auto", "torch", "native", "triton")
+        kernels = KernelConfig(**raw.pop("kernels"))
+        return cls(parallel=ParallelConfig(**par), speculative=spec, kernels=kernels, **raw)
 
 
 def engine_config(s: Settings) -> EngineConfig:
@@ -156,8 +156,6 @@ def engine_config(s: Settings) -> EngineConfig:
         raise ValueError(f"parallel mode {s.parallel!r} is not tpla, mla-tp or sp")
     if s.moe_parallel not in ("tp", "ep"):
         raise ValueError(f"MoE parallel mode {s.moe_parallel!r} is not tp or ep")
-    if s.decode_kernel not in KERNELS:
-        raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
     if s.cuda_graphs not in ("auto", "0"):
         raise ValueError(f"cuda_graphs {s.cuda_graphs!r} is not auto or 0")
     if s.collectives not in ("auto", "shm", "dist"):
@@ -190,7 +188,7 @@ def engine_config(s: Settings) -> EngineConfig:
         device=s.device,
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
-        decode_kernel=s.decode_kernel,
+        kernels=kernel_config(s),
         cuda_graphs=s.cuda_graphs == "auto",
         collectives=collectives,
         launch=launch,

@@ -27,6 +27,7 @@ from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.drain import wait_drained
 from common.rpc.gen import decode_pb2_grpc
 from common.rpc.server import start_serving, stop_on_signals
+from common.runtime.kernel_choice import log_choices, summary
 from common.runtime.ports import PortUse, check_ports, decode_group_ports
 from common.runtime.redis_state import Heartbeat, WorkerRegistry
 from common.runtime.tracing import setup_tracing
@@ -95,9 +96,11 @@ def serve_decode(
             registry, lambda: rank_records(engine, address, group_id, cfg.model), heartbeat_s
         ).start()
     stop_on_signals(stop, drain)
+    log_choices(engine.runtime.kernels)
     print(
         f"decode leader serving on {address} (tp={cfg.parallel.tp}, "
-        f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks)",
+        f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks; kernels: "
+        f"{summary(engine.runtime.kernels)})",
         flush=True,
     )
     if ready is not None:

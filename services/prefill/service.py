@@ -11,7 +11,6 @@ The servicer only translates protocol types; `PrefillWorker` does the work.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -27,6 +26,8 @@ from prometheus_client import CollectorRegistry
 
 from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes, model_identity
 from common.kv.transfer import TransferError, make_sender
+from common.loading.loader import serving_dtype
+from common.loading.serving_kernels import PrefillKernels
 from common.loading.serving_model import load_prefill_model, load_prefill_mtp
 from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
@@ -35,6 +36,7 @@ from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.drain import DrainGate, wait_drained
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
 from common.rpc.server import start_serving, stop_on_signals
+from common.runtime.device import rank_device
 from common.runtime.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -42,7 +44,8 @@ from common.runtime.errors import (
     TransferFailed,
     Unavailable,
 )
-from common.runtime.metrics import PrefillMetrics, serve_metrics
+from common.runtime.kernel_choice import KernelConfig, log_choices, summary
+from common.runtime.metrics import PrefillMetrics, kernel_info, serve_metrics
 from common.runtime.ports import check_ports, prefill_worker_ports
 from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, WorkerRole
 from common.runtime.spans import Spans, end
@@ -56,8 +59,6 @@ from services.prefill.latent_cache import LatentPrefixCache
 from services.prefill.runner import LocalRunner, PrefillRunner
 from services.prefill.threads import PrefillThreads
 from services.prefill.worker import PrefillJob, PrefillWorker
-
-log = logging.getLogger(__name__)
 
 MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_TOP_LOGPROBS = 20
@@ -206,7 +207,7 @@ def serve_prefill(
     worker_ttl_s: float = 10.0,
     drain_grace_s: float = 25.0,
     transfer_timeout_s: float = 30.0,
-    attention_backend: str = "auto",
+    kernels: KernelConfig | None = None,
     threads: PrefillThreads | None = None,
     max_batch_tokens: int = 2048,
     chunk_tokens: int | None = None,
@@ -229,13 +230,14 @@ def serve_prefill(
     runner: PrefillRunner
     if group is not None and (group.tp > 1 or not group.spawned):
         group = replace(group, worker_id=worker_id, mtp=mtp)
+        # Rank 0's, as its load chooses them (each rank chooses alike).
+        rank0 = rank_device(group.device, 0)
+        chosen = PrefillKernels.select(group.kernels, rank0, serving_dtype(group.dtype))
         runner = GroupRunner.start(group, load_group_rank)
         cache = prefix_cache(group)
     else:
-        model = load_prefill_model(
-            model_dir, reparam, dtype, attention_backend, device, weight_dtype
-        )
-        log.info("prefill attention backend: %s", model.prefill_attention.name)
+        chosen = PrefillKernels.select(kernels or KernelConfig(), device, serving_dtype(dtype))
+        model = load_prefill_model(model_dir, reparam, dtype, kernels, device, weight_dtype)
         layer = None
         if mtp:
             layer = load_prefill_mtp(model_dir, reparam, model, dtype, device, weight_dtype)
@@ -244,6 +246,7 @@ def serve_prefill(
         identity = model_identity(model_dir, reparam)
         cache = LatentPrefixCache(identity, budget) if budget > 0 else None
     registry = CollectorRegistry()
+    kernel_info(registry, chosen.choices)
     config = runner.config
     worker = PrefillWorker(
         runner,
@@ -297,8 +300,10 @@ def serve_prefill(
         ).start()
     stop_on_signals(stop, drain)
     tp = f", a group of {group.tp} ranks" if group is not None and group.tp > 1 else ""
+    log_choices(chosen.choices)
     print(
-        f"prefill worker {worker_id} serving on {address} ({transport} KV transport{tp})",
+        f"prefill worker {worker_id} serving on {address} ({transport} KV transport{tp}; "
+        f"kernels: {summary(chosen.choices)})",
         flush=True,
     )
     code = 0

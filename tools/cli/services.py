@@ -67,6 +67,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_prefill(args: argparse.Namespace) -> int:
     import torch
 
+    from common.runtime.kernel_choice import kernel_config
     from services.prefill.group.config import prefill_group_config
     from services.prefill.service import serve_prefill
     from services.prefill.threads import PrefillThreads
@@ -95,7 +96,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         worker_ttl_s=s.worker_ttl_s,
         drain_grace_s=s.drain_grace_s,
         transfer_timeout_s=s.transfer_timeout_s,
-        attention_backend=s.attention_backend,
+        kernels=kernel_config(s),
         threads=PrefillThreads.from_settings(s),
         max_batch_tokens=s.prefill_batch_tokens,
         chunk_tokens=s.prefill_chunk_tokens,

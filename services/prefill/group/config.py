@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.group.spec import GroupSpec, config_digest, parse_group_addr
 from common.kv.prefix_cache import model_identity
 from common.parallel import MoeParallel, ParallelConfig
+from common.runtime.kernel_choice import KernelConfig, kernel_config
 from common.runtime.settings import Settings
 from services.prefill.latent_cache import LatentPrefixCache
 
@@ -52,7 +53,9 @@ class PrefillGroupConfig:
     dtype: str = "float32"
     weight_dtype: str = "auto"
     device: str = "cpu"  # "cpu", or "cuda" / "cuda:N": rank k on GPU N + k
-    attention_backend: str = "auto"
+    # What each kernel selector is asked for (TPLA_ATTENTION_BACKEND, TPLA_FP8_GEMM,
+    # TPLA_EXPERTS_KERNEL): each rank chooses by it at start-up (`PrefillKernels`).
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     moe_parallel: str = "tp"  # routed experts: a column slice of each (tp) or whole ones (ep)
     transport: str = "grpc"  # each rank's KV sender
     token: str | None = None  # the internal token on KV pushes
@@ -85,7 +88,8 @@ class PrefillGroupConfig:
 
     @classmethod
     def from_json(cls, text: str) -> PrefillGroupConfig:
-        return cls(**json.loads(text))
+        raw = json.loads(text)
+        return cls(kernels=KernelConfig(**raw.pop("kernels")), **raw)
 
 
 def prefill_group_config(s: Settings) -> PrefillGroupConfig:
@@ -119,7 +123,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
         device=s.device,
-        attention_backend=s.attention_backend,
+        kernels=kernel_config(s),
         moe_parallel=s.moe_parallel,
         transport=s.transport,
         token=s.internal_token.get_secret_value() if s.internal_token else None,
@@ -146,7 +150,7 @@ def identity(cfg: PrefillGroupConfig) -> dict[str, str]:
         "dtype": cfg.dtype,
         "weight_dtype": cfg.weight_dtype,
         "device": torch.device(cfg.device).type,
-        "attention_backend": cfg.attention_backend,
+        "attention_backend": cfg.kernels.prefill_attention,
         "moe_parallel": cfg.moe_parallel,
         "prefix_cache_mb": f"{cfg.prefix_cache_mb:g}",
         "transport": cfg.transport,
