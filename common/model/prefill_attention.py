@@ -150,8 +150,10 @@ class FlashPrefillAttention(PrefillAttention):
 def _flash_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     if importlib.util.find_spec("flash_attn") is None:
         return "the flash_attn package is not installed (pip install flash-attn)"
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return f"flash-attn runs on CUDA, not on {device}"
+    if not torch.cuda.is_available():
+        return "flash-attn runs on CUDA, and none is visible"
     if dtype not in FlashPrefillAttention.DTYPES:
         return f"flash-attn runs fp16 and bf16, not {dtype}"
     return None
