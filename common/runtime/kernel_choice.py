@@ -39,7 +39,7 @@ SELECTORS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 # Why a kernel cannot run here, or None where it can; called only when the rule asks.
-Check = Callable[[], "str | None"]
+Check = Callable[[], str | None]
 
 
 class KernelUnavailable(ValueError):
