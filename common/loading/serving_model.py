@@ -21,11 +21,11 @@ from torch import Tensor
 
 from common.loading.loader import serving_dtype
 from common.loading.mtp_weights import build_mtp_layer
+from common.loading.serving_kernels import PrefillKernels
 from common.loading.weights import CheckpointWeights, build_model
-from common.model.fp8_gemm import choose_gemms
 from common.model.model import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
-from common.model.prefill_attention import select_prefill_attention
+from common.runtime.kernel_choice import KernelConfig
 
 
 def side_file_path(model_dir: str | Path, reparam: str) -> Path:
@@ -106,21 +106,19 @@ def load_prefill_model(
     model_dir: str | Path,
     reparam: str | None,
     dtype: str = "float32",
-    attention_backend: str = "auto",
+    kernels: KernelConfig | None = None,
     device: str = "cpu",
     weight_dtype: str = "auto",
 ) -> DeepseekForCausalLM:
-    """The serving model for a prefill on `device`: its attention on `attention_backend`
-    (`select_prefill_attention`: auto, sdpa, native, flash-attn). Decode ranks build their
-    share with `open_serving_weights` and never prefill, so only here is a prefill kernel
-    chosen."""
+    """The serving model for a prefill on `device`, on the kernels `kernels` asks for (all
+    `auto` when None: `PrefillKernels`, chosen before the weights load). Decode ranks build
+    their share with `open_serving_weights` and never prefill, so only here and in a prefill
+    rank's share is a prefill kernel chosen."""
+    chosen = PrefillKernels.select(kernels or KernelConfig(), device, serving_dtype(dtype))
     # The latent rotation is computed on the CPU in fp64 as each tensor is read, then placed.
     model = load_serving_model(model_dir, reparam, dtype, device, weight_dtype)[0]
-    choose_gemms(model)  # TPLA_FP8_GEMM, once its weights are on their device
-    weight = model.lm_head.weight
-    model.prefill_attention = select_prefill_attention(
-        attention_backend, weight.device, weight.dtype
-    )
+    chosen.weights.apply(model)
+    model.prefill_attention = chosen.attention_backend()
     return model
 
 

@@ -14,9 +14,11 @@ A slot routed to an expert held elsewhere (expert parallelism) contributes zero 
   `searchsorted` (no host read), both projections as one `grouped_mm` each, SiLU * up between,
   the routing weights applied before the down projection, then a `view(T, k, D).sum(1)`.
 
-`select_routed_experts` picks one for a set of weights, once (`grouped_unsupported` says why the
-grouped kernel cannot run: no `grouped_mm` in this torch, a dtype or device it lacks, strides
-that are not 16-byte aligned).
+`select_experts_kernel` is the selector (TPLA_EXPERTS_KERNEL, by the rule of
+common/runtime/kernel_choice.py): `grouped` where this torch runs `grouped_mm` on the device in
+the dtype (`grouped_unsupported_on`), else `loop`. A layer's weights that the grouped GEMMs
+cannot take (strides that are not 16-byte aligned: `grouped_unsupported`) run the loop under
+either choice (`loop_reason`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from common.runtime.kernel_choice import KernelChoice, choose_kernel, setting_of
 
 RoutedExperts = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor]
 
@@ -82,18 +86,27 @@ def grouped_experts(
     return torch.empty_like(y).index_copy_(0, order, y).view(t, k, d).sum(1)
 
 
-def grouped_unsupported(gate_up: Tensor, down: Tensor) -> str | None:
-    """Why `grouped_experts` cannot run on these weights, or None where it can."""
+def grouped_unsupported_on(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this torch cannot run `grouped_experts` on `device` in `dtype`, or None where it
+    can (the weights' own sizes aside: `grouped_unsupported`)."""
     if not hasattr(F, "grouped_mm"):  # the public API arrived after some torch we run on
         return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
-    dev, dtype = gate_up.device, gate_up.dtype
-    if dev.type == "cuda":
+    if device.type == "cuda":
         if dtype != torch.bfloat16:
             return f"grouped_mm on CUDA runs bf16, not {dtype}"
-        if torch.cuda.get_device_capability(dev) < (8, 0):
+        if torch.cuda.get_device_capability(device) < (8, 0):
             return "grouped_mm on CUDA needs compute capability 8.0 or newer"
-    elif dev.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return f"grouped_mm does not run {dtype} on {dev.type}"
+    elif device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return f"grouped_mm does not run {dtype} on {device.type}"
+    return None
+
+
+def grouped_unsupported(gate_up: Tensor, down: Tensor) -> str | None:
+    """Why `grouped_experts` cannot run on these weights, or None where it can."""
+    dev, dtype = gate_up.device, gate_up.dtype
+    why = grouped_unsupported_on(dev, dtype)
+    if why is not None:
+        return why
     if down.dtype != dtype or down.device != dev:
         return "gate_up and down differ in dtype or device"
     if not (gate_up.is_contiguous() and down.is_contiguous()):
@@ -109,6 +122,16 @@ def grouped_unsupported(gate_up: Tensor, down: Tensor) -> str | None:
     return None
 
 
-def select_routed_experts(gate_up: Tensor, down: Tensor) -> RoutedExperts:
-    """The grouped kernel where it runs on these weights, else the reference loop."""
-    return routed_experts if grouped_unsupported(gate_up, down) else grouped_experts
+def select_experts_kernel(asked: str, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """The routed experts' kernel for weights on `device` in `dtype` (TPLA_EXPERTS_KERNEL:
+    auto | grouped | loop), by the kernel-choice rule."""
+    checks = {"grouped": lambda: grouped_unsupported_on(device, dtype), "loop": lambda: None}
+    return choose_kernel("experts", asked, checks, ("grouped", "loop"))
+
+
+def loop_reason(kernel: str, gate_up: Tensor, down: Tensor) -> str | None:
+    """Why these weights run the per-expert loop under the chosen `kernel` (grouped |
+    loop), or None: they run the grouped GEMMs."""
+    if kernel == "loop":
+        return f"the loop was chosen ({setting_of('experts')})"
+    return grouped_unsupported(gate_up, down)

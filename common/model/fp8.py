@@ -102,7 +102,7 @@ class Fp8Weight(nn.Module):
         self.whole_col_blocks = col_offset == 0 and cols % block[1] == 0
         self.workspace = Fp8Workspace()
         # x @ W^T without dequantizing W (common/model/fp8_gemm.py `ScaledGemm`, called with
-        # x and the values), where `choose_gemms` gave this weight one at load; else None.
+        # x and the values), where `assign_gemms` gave this weight one at load; else None.
         self.gemm: nn.Module | None = None
 
     values: Tensor

@@ -5,11 +5,14 @@ device per 1 x 128 group of its columns (`quantize_groups`: no host sync, so a C
 captures it), and cuBLAS multiplies the two e4m3 operands with fp32 accumulation, applying
 both scales. torch runs this recipe on sm_90 only, with cuBLASLt 12.9 or later (`unsupported`).
 
-`choose_gemms` decides once per weight, at load (TPLA_FP8_GEMM): a weight whose slice the
-recipe can express gets a `ScaledGemm`, which its `Fp8Weight.forward` then calls; any other
-(columns that start inside a block so that a 128-column group straddles two weight scales,
-sides that are not multiples of 16, stacked experts, per-head W_UK / W_UV) keeps
-dequantize-on-use, with the reason logged. The routed experts' grouped GEMM dequantizes on use.
+`select_fp8_gemm` is the selector (TPLA_FP8_GEMM, by the rule of
+common/runtime/kernel_choice.py): `scaled_mm` where the device runs it, else `dequantize`.
+`assign_gemms` then applies the choice once per weight, at load: under `scaled_mm` a weight
+whose slice the recipe can express gets a `ScaledGemm`, which its `Fp8Weight.forward` then
+calls; any other (columns that start inside a block so that a 128-column group straddles two
+weight scales, sides that are not multiples of 16, stacked experts, per-head W_UK / W_UV)
+keeps dequantize-on-use, with the reason logged. The routed experts' grouped GEMM dequantizes
+on use.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.fp8 import Fp8Weight
+from common.runtime.kernel_choice import KernelChoice, choose_kernel
 
 log = logging.getLogger(__name__)
 
-GEMMS = ("auto", "scaled_mm", "dequantize")
 GROUP = 128  # activation columns per scale: DeepSeek's 1 x 128 groups
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # An all-zero group gets this amax, so its scale is never 0 (0 / 0 would be NaN).
@@ -131,18 +134,19 @@ def weight_scales(w: Fp8Weight) -> tuple[Tensor, str] | str:
     return per_row.t().contiguous().t(), "1x128"
 
 
-def choose_gemms(model: nn.Module, gemm: str | None = None) -> dict[str, str]:
-    """Give each FP8 weight of `model` (placed on its device) a `ScaledGemm` where `gemm`
-    (TPLA_FP8_GEMM when None: auto | scaled_mm | dequantize) and its device and slice allow;
-    the others dequantize on use, as do the weights a module names in its `dense_weights`
-    (those it reads as tensors, never applies). `scaled_mm` on a device that cannot run it is
-    a ValueError. Returns, per weight, "scaled_mm (recipe)" or "dequantize: why"."""
-    if gemm is None:
-        from common.runtime.settings import load_settings  # torch-free; read where loaded
+def select_fp8_gemm(asked: str, device: torch.device) -> KernelChoice:
+    """How FP8 weights on `device` are applied (TPLA_FP8_GEMM: auto | scaled_mm |
+    dequantize), by the kernel-choice rule."""
+    checks = {"scaled_mm": lambda: unsupported(device), "dequantize": lambda: None}
+    return choose_kernel("fp8_gemm", asked, checks, ("scaled_mm", "dequantize"))
 
-        gemm = load_settings().fp8_gemm
-    if gemm not in GEMMS:
-        raise ValueError(f"FP8 GEMM {gemm!r} is not one of {', '.join(GEMMS)}")
+
+def assign_gemms(model: nn.Module, gemm: str) -> dict[str, str]:
+    """Apply the chosen FP8 GEMM (`select_fp8_gemm`: scaled_mm | dequantize) to each FP8
+    weight of `model`, placed on its device: under scaled_mm a weight gets a `ScaledGemm`
+    where its slice allows; the others dequantize on use, as do the weights a module names in
+    its `dense_weights` (those it reads as tensors, never applies). Returns, per weight,
+    "scaled_mm (recipe)" or "dequantize: why"."""
     chosen: dict[str, str] = {}
     for prefix, parent in model.named_modules():
         dense_weights = getattr(parent, "dense_weights", ())
@@ -151,10 +155,7 @@ def choose_gemms(model: nn.Module, gemm: str | None = None) -> dict[str, str]:
                 continue
             name = f"{prefix}.{leaf}" if prefix else leaf
             w.gemm = None
-            device = w.values.device
-            why = "TPLA_FP8_GEMM=dequantize" if gemm == "dequantize" else unsupported(device)
-            if why is not None and gemm == "scaled_mm":
-                raise ValueError(f"TPLA_FP8_GEMM=scaled_mm: {why}")
+            why = "dequantize was chosen" if gemm == "dequantize" else None
             if why is None and leaf in dense_weights:
                 why = f"{type(parent).__name__} reads it as a tensor"
             layout = weight_scales(w) if why is None else why

@@ -88,7 +88,7 @@ class MLAttention(nn.Module):
     """One layer's MLA weights, named like the HF checkpoint so loading is a plain mapping."""
 
     # Read as tensors (latent and rope rows split, per-head W_UK / W_UV views), never applied
-    # whole: an FP8 one dequantizes on use (common/model/fp8_gemm.py `choose_gemms`).
+    # whole: an FP8 one dequantizes on use (common/model/fp8_gemm.py `assign_gemms`).
     dense_weights = ("kv_a_proj_with_mqa", "kv_b_proj")
 
     def __init__(self, config: ModelConfig) -> None:

@@ -9,6 +9,8 @@ The kernels over the routed tokens live in common/model/experts.py.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.args import ModelConfig
-from common.model.experts import RoutedExperts, select_routed_experts
+from common.model.experts import RoutedExperts, grouped_experts, loop_reason, routed_experts
 from common.model.fp8 import dense
+
+log = logging.getLogger(__name__)
 
 
 class MLP(nn.Module):
@@ -80,9 +84,11 @@ class Gate(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (all of them, or the run `experts` a rank holds under expert
-    parallelism) plus the shared experts. The routed kernel (`select_routed_experts`: grouped
-    GEMMs where they run, else the reference loop) is picked once for the weights as they
-    are placed, on the first call after a load or a move, never per call."""
+    parallelism) plus the shared experts. The routed kernel follows the model's choice
+    (`experts_kernel`, given by `use_experts_kernel`; grouped until then): grouped GEMMs where
+    they run on these weights (`loop_reason`), else the reference loop. It is settled once
+    for the weights as they are placed, on the first call after a load or a move, never per
+    call."""
 
     def __init__(self, config: ModelConfig, experts: slice | None = None) -> None:
         super().__init__()
@@ -96,6 +102,7 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(d, i * config.n_shared_experts) if config.n_shared_experts else None
         )
+        self.experts_kernel = "grouped"  # the choice (common/model/experts.py): grouped | loop
         self._kernel: RoutedExperts | None = None
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> MoE:
@@ -103,11 +110,24 @@ class MoE(nn.Module):
         self._kernel = None
         return super()._apply(fn, recurse)
 
+    def loop_reason(self) -> str | None:
+        """Why the held experts run the per-expert loop, or None: the grouped GEMMs."""
+        e = self.experts
+        return loop_reason(self.experts_kernel, dense(e.gate_up_proj), dense(e.down_proj))
+
+    def use_kernel(self, kernel: str) -> str | None:
+        """Run the routed experts on `kernel` (grouped | loop), settled now for the weights
+        as placed; why they run the loop, or None."""
+        self.experts_kernel = kernel
+        why = self.loop_reason()
+        self._kernel = routed_experts if why else grouped_experts
+        return why
+
     @property
     def kernel(self) -> RoutedExperts:
         if self._kernel is None:
-            e = self.experts
-            self._kernel = select_routed_experts(dense(e.gate_up_proj), dense(e.down_proj))
+            self.use_kernel(self.experts_kernel)
+        assert self._kernel is not None
         return self._kernel
 
     def routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
@@ -121,3 +141,18 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def use_experts_kernel(model: nn.Module, kernel: str) -> dict[str, str]:
+    """Give every MoE layer of `model` (placed on its device) the routed experts' kernel the
+    model was given (`select_experts_kernel`: grouped | loop), settled now; logs how many
+    layers run each and why. Returns, per layer, "grouped" or "loop: why"."""
+    chosen: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            why = module.use_kernel(kernel)
+            chosen[name] = "grouped" if why is None else f"loop: {why}"
+    if chosen:
+        counts = Counter(chosen.values())
+        log.info("MoE experts: %s", "; ".join(f"{c} x {how}" for how, c in counts.items()))
+    return chosen

@@ -1,11 +1,13 @@
 """Causal varlen attention of the expanded (prefill) MLA path, chosen once per model by
-`select_prefill_attention` (the decode ranks' backends are another interface).
+`select_prefill_attention` (TPLA_ATTENTION_BACKEND, by the rule of
+common/runtime/kernel_choice.py; the decode ranks' backends are another interface).
 
 `SdpaPrefillAttention` runs everywhere and is the reference. `NativePrefillAttention` is the
-CPU fast path (common/native/causal_attention.cpp, fp32; anything else goes to SDPA), chosen by
-`auto` on CPU when the kernel builds here. `FlashPrefillAttention` is a thin GPU path that
-`auto` chooses only for an fp16 / bf16 model where CUDA and the `flash_attn` package are both
-present; importing this module never imports flash_attn or builds a native library.
+CPU fast path (common/native/causal_attention.cpp, fp32 CPU; tensors outside its domain, such
+as under autograd, go to SDPA), chosen by `auto` for an fp32 CPU model when the kernel builds
+here. `FlashPrefillAttention` is a thin GPU path that `auto` chooses only for an fp16 / bf16
+model on CUDA where the `flash_attn` package is present; importing this module never imports
+flash_attn or builds a native library.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from common.runtime.kernel_choice import KernelChoice, choose_kernel
 
 
 class PrefillAttention(abc.ABC):
@@ -143,41 +147,49 @@ class FlashPrefillAttention(PrefillAttention):
         return out[..., :d_v]
 
 
-def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+def _flash_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash_attn package is not installed (pip install flash-attn)"
+    if device.type != "cuda":
+        return f"flash-attn runs on CUDA, not on {device}"
+    if not torch.cuda.is_available():
+        return "flash-attn runs on CUDA, and none is visible"
+    if dtype not in FlashPrefillAttention.DTYPES:
+        return f"flash-attn runs fp16 and bf16, not {dtype}"
+    return None
+
+
+def _native_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"the native prefill kernel runs fp32 on the CPU, not {dtype} on {device}"
+    from common.native import causal_attention
+
+    if not causal_attention.available():
+        return "the native prefill attention kernel cannot be built or loaded here"
+    return None
 
 
 def select_prefill_attention(
-    name: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype | None = None
-) -> PrefillAttention:
-    """`auto` picks flash-attn on a CUDA device when installed and the model runs in fp16 or
-    bf16 (`dtype`; None: unknown, so not flash-attn), the native kernel on CPU when it builds
-    here, else SDPA. A named backend that cannot run here is an error that says why."""
-    if name == "sdpa":
-        return SdpaPrefillAttention()
-    if name == "native":
-        return NativePrefillAttention()  # NativeUnavailable (a RuntimeError) if it cannot build
-    if name == "flash-attn":
-        if importlib.util.find_spec("flash_attn") is None:
-            raise RuntimeError(
-                "the flash-attn prefill backend was asked for but the flash_attn package is "
-                "not installed (pip install flash-attn, or TPLA_ATTENTION_BACKEND=sdpa)"
-            )
-        if not torch.cuda.is_available():
-            raise RuntimeError("the flash-attn prefill backend needs CUDA, and none is visible")
-        if dtype is not None and dtype not in FlashPrefillAttention.DTYPES:
-            raise ValueError(f"flash-attn runs fp16 and bf16, not {dtype}: use sdpa")
-        return FlashPrefillAttention()
-    if name != "auto":
-        raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, native, flash-attn)")
-    kind = torch.device(device).type
-    if kind == "cuda" and dtype in FlashPrefillAttention.DTYPES and flash_attn_available():
-        return FlashPrefillAttention()
-    if kind == "cpu":
-        from common.native.library import NativeUnavailable
+    asked: str, device: torch.device | str, dtype: torch.dtype
+) -> KernelChoice:
+    """The prefill attention of a model on `device` computing in `dtype`
+    (TPLA_ATTENTION_BACKEND: auto | sdpa | native | flash-attn), by the kernel-choice rule:
+    `auto` tries flash-attn, then native, then SDPA."""
+    dev = torch.device(device)
+    checks = {
+        "flash-attn": lambda: _flash_unsupported(dev, dtype),
+        "native": lambda: _native_unsupported(dev, dtype),
+        "sdpa": lambda: None,
+    }
+    return choose_kernel("prefill_attention", asked, checks, ("flash-attn", "native", "sdpa"))
 
-        try:
-            return NativePrefillAttention()
-        except NativeUnavailable:
-            pass  # no compiler / unsupported CPU: the library logged why once
-    return SdpaPrefillAttention()
+
+def make_prefill_attention(kernel: str) -> PrefillAttention:
+    """The backend of a chosen kernel (`select_prefill_attention`): sdpa | native |
+    flash-attn."""
+    backends: dict[str, type[PrefillAttention]] = {
+        "sdpa": SdpaPrefillAttention,
+        "native": NativePrefillAttention,
+        "flash-attn": FlashPrefillAttention,
+    }
+    return backends[kernel]()

@@ -6,11 +6,13 @@ Each worker serves its own registry over HTTP on its gRPC port + METRICS_PORT_OF
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from common.runtime.kernel_choice import KernelChoice
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -112,6 +114,19 @@ SPEC_HELP = {
     "tpla:spec_draft_tokens": "draft tokens speculative steps fed",
     "tpla:spec_accepted_tokens": "draft tokens speculative steps kept",
 }
+
+
+def kernel_info(registry: CollectorRegistry, choices: Iterable[KernelChoice]) -> None:
+    """`tpla:kernel_info{selector, kernel} 1` for each kernel choice the service made at
+    start-up (common/runtime/kernel_choice.py)."""
+    info = Info(
+        "tpla:kernel",
+        "the kernel each selector chose at start-up (TPLA_DECODE_KERNEL, ...)",
+        ["selector"],
+        registry=registry,
+    )
+    for choice in choices:
+        info.labels(choice.selector).info({"kernel": choice.kernel})
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:

@@ -35,7 +35,7 @@ class Settings(BaseSettings):
         "quantized per 1x128 group, torch's block-scaled scaled_mm; sm_90, CUDA 12.9+) | "
         "dequantize (on use, any device) | auto (scaled_mm where the device runs it); a "
         "weight whose slice the recipe cannot express dequantizes either way, with the reason "
-        "logged",
+        "logged; scaled_mm where the device cannot run it stops the start-up",
     )
     device: str = Field(
         "auto", description="auto (cuda when visible) | cpu | cuda | cuda:N (decode rank k: N + k)"
@@ -62,12 +62,24 @@ class Settings(BaseSettings):
         "batch (0: never; unset: 8192 on CUDA, 1024 on the CPU)",
     )
     attention_backend: str = Field(
-        "auto", description="prefill attention: auto | sdpa | native (C++, fp32 CPU) | flash-attn"
+        "auto",
+        description="prefill attention: auto (flash-attn on CUDA in fp16 / bf16 where "
+        "installed, native on the CPU in fp32 where it builds; else sdpa) | sdpa | native "
+        "(C++, fp32 CPU) | flash-attn; a named one that cannot run here stops the start-up",
     )
     decode_kernel: str = Field(
         "auto",
         description="decode backend: auto (native on the CPU in fp32, triton on CUDA, each "
-        "where it runs; else torch) | torch | native (C++, fp32 CPU) | triton",
+        "where it runs; else torch) | torch | native (C++, fp32 CPU) | triton; a named one "
+        "that cannot run here stops the start-up",
+    )
+    experts_kernel: str = Field(
+        "auto",
+        description="a MoE layer's routed experts: auto (grouped where this torch, device and "
+        "dtype run grouped_mm: bf16 on CUDA sm_80+, fp32 / bf16 on the CPU; else loop) | "
+        "grouped (two grouped GEMMs, routed on the device) | loop (the per-expert reference); "
+        "a layer whose sizes grouped_mm cannot take runs the loop either way, with the reason "
+        "logged; grouped where the device cannot run it stops the start-up",
     )
     cuda_graphs: str = Field(
         "auto",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from common.group.spec import parse_group_addr
 from common.parallel import ParallelConfig, RmsNormMode, parse_mode, parse_moe
+from common.runtime.kernel_choice import KernelConfig, kernel_config
 from common.runtime.ports import TORCH_PORT_OFFSET
 from common.runtime.settings import Settings
 from common.sampling.grammar_limits import GrammarLimits
@@ -80,7 +81,9 @@ class EngineConfig:
     device: str = "cpu"
     lease_seconds: float = 30.0
     torch_threads: int = 1
-    decode_kernel: str = "auto"  # `select_decode_backend`: auto | torch | native | triton
+    # What each kernel selector is asked for (TPLA_DECODE_KERNEL, TPLA_FP8_GEMM,
+    # TPLA_EXPERTS_KERNEL): each rank chooses by it at start-up (rank/runtime.py).
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     # Replay each step bucket's CUDA graph (services/decode/rank/graphs.py) where the ranks
     # run on CUDA; ignored on the CPU.
     cuda_graphs: bool = True
@@ -142,18 +145,15 @@ class EngineConfig:
         raw["launch"] = Launch(raw["launch"])
         spec = SpecConfig(**raw.pop("speculative"))
         limits = GrammarLimits(**raw.pop("grammar_limits"))
-        return cls(parallel=parallel, speculative=spec, grammar_limits=limits, **raw)
-
-
-# The decode kernels a rank can ask for (`select_decode_backend` picks one for `auto`).
-KERNELS = ("auto", "torch", "native", "triton")
+        kernels = KernelConfig(**raw.pop("kernels"))
+        return cls(
+            parallel=parallel, speculative=spec, grammar_limits=limits, kernels=kernels, **raw
+        )
 
 
 def engine_config(s: Settings) -> EngineConfig:
     """The decode engine's config from `placed` settings: the one mapping of the two."""
     mode, moe = parse_mode(s.parallel), parse_moe(s.moe_parallel)
-    if s.decode_kernel not in KERNELS:
-        raise ValueError(f"decode kernel {s.decode_kernel!r} is not one of {', '.join(KERNELS)}")
     if s.cuda_graphs not in ("auto", "0"):
         raise ValueError(f"cuda_graphs {s.cuda_graphs!r} is not auto or 0")
     if s.collectives not in ("auto", "shm", "dist"):
@@ -184,7 +184,7 @@ def engine_config(s: Settings) -> EngineConfig:
         device=s.device,
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,
-        decode_kernel=s.decode_kernel,
+        kernels=kernel_config(s),
         cuda_graphs=s.cuda_graphs == "auto",
         collectives=collectives,
         launch=launch,

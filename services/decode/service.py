@@ -25,6 +25,7 @@ import grpc
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import decode_pb2_grpc
 from common.rpc.server import Lifetime, Service, serve
+from common.runtime.kernel_choice import log_choices, summary
 from common.runtime.ports import PortUse, check_ports, decode_group_ports
 from common.runtime.tracing import setup_tracing
 from services.decode.config import EngineConfig, Launch
@@ -89,9 +90,11 @@ def serve_decode(
         close=engine.shutdown,
         poll_s=0.2,
     )
+    log_choices(engine.runtime.kernels)
     banner = (
         f"decode leader serving on {address} (tp={cfg.parallel.tp}, "
-        f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks)"
+        f"r={cfg.parallel.latent_groups}, {engine.pool.num_blocks} KV blocks; kernels: "
+        f"{summary(engine.runtime.kernels)})"
     )
     return serve(service, life, banner, ready=ready, stop=stop, drain=drain)
 

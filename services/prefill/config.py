@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.group.spec import parse_group_addr
 from common.kv.prefix_cache import model_identity
 from common.parallel import MoeParallel, ParallelConfig
+from common.runtime.kernel_choice import KernelConfig, kernel_config
 from common.runtime.settings import Settings
 from common.sampling.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from services.prefill.batch.latent_cache import LatentPrefixCache
@@ -29,7 +30,9 @@ class PrefillGroupConfig:
     dtype: str = "float32"
     weight_dtype: str = "auto"
     device: str = "cpu"  # "cpu", or "cuda" / "cuda:N": rank k on GPU N + k
-    attention_backend: str = "auto"
+    # What each kernel selector is asked for (TPLA_ATTENTION_BACKEND, TPLA_FP8_GEMM,
+    # TPLA_EXPERTS_KERNEL): each rank chooses by it at start-up (`PrefillKernels`).
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     moe_parallel: str = "tp"  # routed experts: a column slice of each (tp) or whole ones (ep)
     transport: str = "grpc"  # each rank's KV sender
     token: str | None = None  # the internal token on KV pushes
@@ -67,7 +70,8 @@ class PrefillGroupConfig:
 
     @classmethod
     def from_json(cls, text: str) -> PrefillGroupConfig:
-        return cls(**json.loads(text))
+        raw = json.loads(text)
+        return cls(kernels=KernelConfig(**raw.pop("kernels")), **raw)
 
 
 def prefill_group_config(s: Settings) -> PrefillGroupConfig:
@@ -101,7 +105,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
         device=s.device,
-        attention_backend=s.attention_backend,
+        kernels=kernel_config(s),
         moe_parallel=s.moe_parallel,
         transport=s.transport,
         token=s.internal_token.get_secret_value() if s.internal_token else None,

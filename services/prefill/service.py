@@ -21,11 +21,15 @@ from dataclasses import replace
 import grpc
 from prometheus_client import CollectorRegistry
 
+from common.loading.loader import serving_dtype
+from common.loading.serving_kernels import PrefillKernels
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.drain import DrainGate
 from common.rpc.gen import prefill_pb2_grpc
 from common.rpc.server import Lifetime, Service, serve
-from common.runtime.metrics import PrefillMetrics, serve_metrics
+from common.runtime.device import rank_device
+from common.runtime.kernel_choice import log_choices, summary
+from common.runtime.metrics import PrefillMetrics, kernel_info, serve_metrics
 from common.runtime.ports import check_ports, prefill_worker_ports
 from common.runtime.tracing import setup_tracing
 from services.prefill.config import PrefillConfig
@@ -55,7 +59,14 @@ def serve_prefill(
     spans = setup_tracing("tpla-prefill")
     worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
     cfg = replace(cfg, group=replace(cfg.group, worker_id=worker_id))
+    group = cfg.group
+    # Rank 0's, as its load chooses them (each rank chooses alike), before anything loads:
+    # a kernel named that cannot run here stops the worker now.
+    kernels = PrefillKernels.select(
+        group.kernels, rank_device(group.device, 0), serving_dtype(group.dtype)
+    )
     registry = CollectorRegistry()
+    kernel_info(registry, kernels.choices)
     worker = start_worker(cfg, PrefillMetrics(registry))
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     gate = DrainGate(f"prefill worker {worker_id}")
@@ -77,8 +88,10 @@ def serve_prefill(
         close=worker.close,
     )
     tp = f", a group of {cfg.group.tp} ranks" if cfg.group.tp > 1 else ""
+    log_choices(kernels.choices)
     banner = (
-        f"prefill worker {worker_id} serving on {address} ({cfg.group.transport} KV transport{tp})"
+        f"prefill worker {worker_id} serving on {address} ({cfg.group.transport} KV transport"
+        f"{tp}; kernels: {summary(kernels.choices)})"
     )
     return serve(service, life, banner, ready=ready, stop=stop, drain=drain)
 

@@ -11,6 +11,7 @@ import torch
 
 from common.loading.serving_model import load_prefill_model
 from common.model.chunked import prefill_in_chunks
+from common.runtime.kernel_choice import KernelConfig
 from services.prefill.batch.progress import default_chunk_tokens
 
 pytestmark = [
@@ -27,7 +28,7 @@ def test_the_cuda_default_chunk_is_8192() -> None:
 
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_chunked_prefill_on_cuda_equals_whole(dtype: str, tol: float) -> None:
-    model = load_prefill_model(DEMO, None, dtype, "sdpa", "cuda")
+    model = load_prefill_model(DEMO, None, dtype, KernelConfig(prefill_attention="sdpa"), "cuda")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, model.config.vocab_size, (3000,), generator=g).cuda()
     with torch.no_grad():

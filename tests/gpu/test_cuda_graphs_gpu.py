@@ -10,6 +10,7 @@ import torch
 
 from common.loading.serving_model import load_prefill_model
 from common.parallel import ParallelConfig
+from common.runtime.kernel_choice import KernelConfig
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
@@ -44,7 +45,7 @@ def _engine(model: Path, graphs: bool, kernel: str, dtype: str = "float32") -> D
         max_model_len=512,
         dtype=dtype,
         device="cuda",
-        decode_kernel=kernel,
+        kernels=KernelConfig(decode_attention=kernel),
         cuda_graphs=graphs,
         record_logits=True,
     )

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from common.loading.serving_model import load_serving_model
 from common.loading.weights import ALL, CheckpointWeights
 from common.model.fp8 import Fp8Weight, dense
-from common.model.fp8_gemm import choose_gemms, quantize_groups, unsupported
+from common.model.fp8_gemm import assign_gemms, quantize_groups, select_fp8_gemm, unsupported
 from common.model.generate import generate
 from common.sampling.params import SamplingParams
 from tests.shard_checkpoints import FP8_CONFIG, per_expert, quantize, random_state, save_checkpoint
@@ -71,7 +71,7 @@ def test_scaled_mm_against_dequantize_on_use(
     src = CheckpointWeights(fp8_dir, dtype, "cuda", keep_fp8=True)
     w = src.linear(f"model.layers.0.{name}.weight", rows, cols)
     assert isinstance(w, Fp8Weight)
-    chosen = choose_gemms(torch.nn.ModuleDict({"w": w}), "scaled_mm")
+    chosen = assign_gemms(torch.nn.ModuleDict({"w": w}), "scaled_mm")
     assert chosen == {"w": f"scaled_mm ({recipe})"}
     n, k = w.values.shape
     gen = torch.Generator("cuda").manual_seed(n + k)
@@ -92,7 +92,7 @@ def test_no_host_sync_and_a_cuda_graph_replays_it(fp8_dir: Path) -> None:
     src = CheckpointWeights(fp8_dir, torch.bfloat16, "cuda", keep_fp8=True)
     w = src.linear("model.layers.0.mlp.up_proj.weight", slice(160, 320))
     assert isinstance(w, Fp8Weight)
-    choose_gemms(torch.nn.ModuleDict({"w": w}), "scaled_mm")
+    assign_gemms(torch.nn.ModuleDict({"w": w}), "scaled_mm")
     x = torch.randn(8, 192, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -135,13 +135,14 @@ def test_greedy_decode_on_both_paths(demo_fp8: Path, dtype: str) -> None:
     model = load_serving_model(demo_fp8, None, dtype, "cuda", "float8")[0]
     prompt = [int(t) for t in torch.randint(2, 6144, (16,), generator=torch.Generator())]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    chosen = choose_gemms(model, "scaled_mm")
+    assert select_fp8_gemm("auto", torch.device("cuda")).kernel == "scaled_mm"
+    chosen = assign_gemms(model, "scaled_mm")
     assert sum(v.startswith("scaled_mm") for v in chosen.values()) > 0, chosen
     got = generate(model, prompt, params).token_ids
     seq = torch.tensor(prompt + got[:-1], device="cuda")
     # Absorbed, as the decode steps are, to hold the free-running tokens to these logits.
     mm = model(seq, [len(seq)], all_logits=True, absorbed=True).logits.float()
-    choose_gemms(model, "dequantize")
+    assign_gemms(model, "dequantize")
     want = generate(model, prompt, params).token_ids
     ref = model(seq, [len(seq)], all_logits=True, absorbed=True).logits.float()
     assert (mm - ref).norm() <= 0.05 * ref.norm()

@@ -10,7 +10,7 @@ from common.model.experts import (
     grouped_experts,
     grouped_unsupported,
     routed_experts,
-    select_routed_experts,
+    select_experts_kernel,
 )
 from tests.unit.common.model.test_experts import TOL, _case
 
@@ -27,8 +27,10 @@ def _on_cuda(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def test_grouped_mm_is_picked_for_bf16_and_not_fp32() -> None:
     *_, gate_up, down = _on_cuda(4, torch.bfloat16)
     assert grouped_unsupported(gate_up, down) is None, torch.__version__
-    assert select_routed_experts(gate_up, down) is grouped_experts
-    assert select_routed_experts(gate_up.float(), down.float()) is routed_experts
+    cuda = gate_up.device
+    assert select_experts_kernel("auto", cuda, torch.bfloat16).kernel == "grouped"
+    assert select_experts_kernel("auto", cuda, torch.float32).kernel == "loop"
+    assert grouped_unsupported(gate_up.float(), down.float()) is not None
 
 
 @pytest.mark.parametrize("t", [1, 16, 64])

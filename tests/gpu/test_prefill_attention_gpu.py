@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.loading.serving_model import load_prefill_model
+from common.runtime.kernel_choice import KernelConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,8 +24,12 @@ DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
 def test_a_flash_attn_prefill_in_bf16_matches_sdpa() -> None:
-    flash = load_prefill_model(DEMO, None, "bfloat16", "flash-attn", "cuda")
-    sdpa = load_prefill_model(DEMO, None, "bfloat16", "sdpa", "cuda")
+    flash = load_prefill_model(
+        DEMO, None, "bfloat16", KernelConfig(prefill_attention="flash-attn"), "cuda"
+    )
+    sdpa = load_prefill_model(
+        DEMO, None, "bfloat16", KernelConfig(prefill_attention="sdpa"), "cuda"
+    )
     assert flash.prefill_attention.name == "flash-attn"
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, flash.config.vocab_size, (90,), generator=g).cuda()

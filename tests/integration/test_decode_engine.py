@@ -18,6 +18,7 @@ from common.messages import FailureScope, ResumedChoice
 from common.model.generate import generate
 from common.model.model import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
+from common.runtime.kernel_choice import KernelConfig
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
@@ -54,7 +55,7 @@ def _engine(
         block_size=4,
         record_logits=True,
         collectives=collectives,
-        decode_kernel=kernel,
+        kernels=KernelConfig(decode_attention=kernel),
         collective_timeout_s=collective_timeout_s,
     )
     return DecodeEngine(cfg)

@@ -20,6 +20,7 @@ from common.group.comm import Comm, DistCollectives
 from common.group.vocab import gather_vocab
 from common.loading.loader import load_model
 from common.parallel import ParallelConfig
+from common.runtime.kernel_choice import KernelConfig
 from common.runtime.ports import free_port
 from services.prefill.rank.model import load_prefill_rank
 from tests.rank_exit import leave_group
@@ -41,7 +42,12 @@ def _rank(model_dir: str, port: int, rank: int, out: mp.Queue) -> NoReturn:
     data = DistCollectives()
     comm = Comm(WORLD, data, data)
     model = load_prefill_rank(
-        model_dir, None, ParallelConfig(tp=WORLD), rank, comm, attention_backend="sdpa"
+        model_dir,
+        None,
+        ParallelConfig(tp=WORLD),
+        rank,
+        comm,
+        kernels=KernelConfig(prefill_attention="sdpa"),
     )
     got = model.prefill(torch.tensor(IDS), LENS, all_logits=True)
     whole = gather_vocab(comm, got.logits, model.config.vocab_size)

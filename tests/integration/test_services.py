@@ -6,9 +6,12 @@ import asyncio
 
 import pytest
 import redis
+import torch
 
 from common.loading.loader import load_model
+from common.model.experts import select_experts_kernel
 from common.model.generate import generate
+from common.model.prefill_attention import select_prefill_attention
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.errors import InvalidRequest
@@ -16,6 +19,7 @@ from common.runtime.ports import free_port, kv_port_offsets
 from common.runtime.redis_state import WorkerRegistry, WorkerRole
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, SpecConfig
+from services.decode.rank.backends import select_decode_kernel
 from services.stack.embedded_redis import EmbeddedRedis
 from tests.stack import services_in_threads
 from tests.tiny import save_hf
@@ -268,3 +272,18 @@ def test_worker_metrics_parse(stack) -> None:
         hits = scraped["tpla:prefix_cache_hits_total[]"]
         assert 0 < hits <= scraped["tpla:prefix_cache_queries_total[]"]
     assert decode["tpla:kv_blocks_cached[]"] > 0 and decode["tpla:kv_blocks_used[]"] == 0
+    # The kernel each selector chose at start-up (fp32 on the CPU, every setting auto).
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    native = select_decode_kernel("auto", cpu, fp32).kernel
+    attention = select_prefill_attention("auto", cpu, fp32).kernel
+    experts = select_experts_kernel("auto", cpu, fp32).kernel
+    for scraped, chosen in (
+        (decode, {"decode_attention": native}),
+        (prefill, {"prefill_attention": attention}),
+    ):
+        chosen |= {"fp8_gemm": "dequantize", "experts": experts}
+        kernels = {k: v for k, v in scraped.items() if k.startswith("tpla:kernel_info[")}
+        assert kernels == {
+            f"tpla:kernel_info[('kernel', '{kernel}'), ('selector', '{selector}')]": 1.0
+            for selector, kernel in chosen.items()
+        }

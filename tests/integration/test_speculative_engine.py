@@ -16,6 +16,7 @@ import torch
 
 from common.loading.serving_model import load_prefill_model
 from common.parallel import ParallelConfig, ParallelMode
+from common.runtime.kernel_choice import KernelConfig
 from common.sampling.grammar import GrammarSpec
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
@@ -51,7 +52,9 @@ def engine(request: pytest.FixtureRequest, model_dir: Path):
         master_port=0,
         kv_budget_mb=2,
         block_size=4,
-        decode_kernel="native" if request.param.endswith("native") else "torch",
+        kernels=KernelConfig(
+            decode_attention="native" if request.param.endswith("native") else "torch"
+        ),
         max_batch=16,
     )
     with DecodeEngine(cfg) as eng:

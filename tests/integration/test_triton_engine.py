@@ -20,7 +20,7 @@ from common.model.sp import merge_partials
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig, RmsNormMode
 from common.triton_kernels import decode_attention
-from services.decode.rank.backends import TorchBackend, select_decode_backend
+from services.decode.rank.backends import TorchBackend, decode_backend, select_decode_kernel
 from services.decode.rank.layers import RankAttention
 from tests.cli import generate_ids
 from tests.tiny import save_hf
@@ -55,7 +55,8 @@ def test_the_triton_backend_attends_as_the_torch_backend(tmp_path: Path) -> None
     save_hf("v2-greedy", tmp_path, std=0.05)
     model = load_model(tmp_path)
     attn = model.model.layers[1].self_attn
-    triton_, torch_ = select_decode_backend("triton", CPU, torch.float32), TorchBackend()
+    triton_ = decode_backend(select_decode_kernel("triton", CPU, torch.float32).kernel)
+    torch_ = TorchBackend()
     assert triton_.name == "triton"
     heads = attn.num_heads
     g = torch.Generator().manual_seed(0)

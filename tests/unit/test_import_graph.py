@@ -21,6 +21,9 @@ FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("common", "tools"),
     ("services", "tools"),
     ("common.native", "common.model"),
+    # Kernels receive their choice from the config (common/runtime/kernel_choice.py).
+    ("common.model", "common.runtime.settings"),
+    ("services.decode.rank.backends", "common.runtime.settings"),
 )
 
 

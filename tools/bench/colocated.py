@@ -21,6 +21,7 @@ import torch
 from common.loading.serving_model import load_prefill_model
 from common.model.model import PrefillOutput
 from common.parallel import ParallelConfig
+from common.runtime.kernel_choice import kernel_config
 from common.runtime.settings import load_settings
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
@@ -42,8 +43,8 @@ class ColocatedServer:
         latent_groups: int,
         max_batch: int = 32,
     ) -> None:
-        # The prefill runs as the stack's prefill worker runs it (the same settings: attention
-        # backend, thread policy), so that the two configurations differ only in placement.
+        # The prefill runs as the stack's prefill worker runs it (the same settings: kernels,
+        # thread policy), so that the two configurations differ only in placement.
         settings = load_settings()
         self.threads = PrefillThreads.from_settings(settings)
         cfg = EngineConfig(
@@ -52,11 +53,12 @@ class ColocatedServer:
             reparam=reparam or None,
             master_port=0,
             max_batch=max_batch,
+            kernels=kernel_config(settings),
         )
         self.engine = DecodeEngine(cfg)
         try:
             self.prefill_model = load_prefill_model(
-                cfg.model, cfg.reparam, cfg.dtype, settings.attention_backend, cfg.device
+                cfg.model, cfg.reparam, cfg.dtype, cfg.kernels, cfg.device
             )
         except BaseException:
             self.engine.shutdown()

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.parallel import BASELINE, COMPARED, ParallelConfig, parse_mode
+from common.runtime.kernel_choice import KernelConfig
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.local_kv import write_kv
@@ -91,7 +92,7 @@ def measure(
         max_batch=max(batches),
         kv_budget_mb=512,
         torch_threads=threads,
-        decode_kernel=kernel,
+        kernels=KernelConfig(decode_attention=kernel),
         collectives=collectives,
         device=device,
         dtype=dtype,

@@ -161,7 +161,7 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
     from common.group.comm import Comm, DistCollectives
     from common.loading.serving_model import open_serving_weights
     from common.model.chunked import prefill_in_chunks
-    from common.model.prefill_attention import select_prefill_attention
+    from common.model.prefill_attention import make_prefill_attention, select_prefill_attention
     from common.parallel import ParallelConfig
     from services.prefill.batch.progress import default_chunk_tokens
     from services.prefill.rank.model import PrefillRankModel
@@ -182,7 +182,8 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
     del source
     # The kernel a served rank runs (`load_prefill_rank`): on the CPU the native one, which
     # streams over keys; SDPA over a packed batch would hold every head's scores.
-    model.prefill_attention = select_prefill_attention("auto", model.device, model.lm_head.dtype)
+    choice = select_prefill_attention("auto", model.device, model.lm_head.dtype)
+    model.prefill_attention = make_prefill_attention(choice.kernel)
     seconds = time.perf_counter() - start
     loaded = peak_rss_bytes()
     gen = torch.Generator().manual_seed(0)  # both ranks prefill the same prompt

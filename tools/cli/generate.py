@@ -36,10 +36,11 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from common.loading.loader import load_model
+    from common.loading.loader import load_model, serving_dtype
+    from common.loading.serving_kernels import PrefillKernels
     from common.model.args import ModelConfig
     from common.model.generate import generate
-    from common.model.prefill_attention import select_prefill_attention
+    from common.runtime.kernel_choice import kernel_config
     from common.sampling.params import SamplingParams
     from common.text.tokenizer import Tokenizer
 
@@ -74,10 +75,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             settings.model, prompt_ids, params, sorted(eos), args, settings
         )
         return _print_generation(args, settings, tokenizer, result)
-    model = load_model(settings.model, dtype=settings.dtype, device=settings.device)
-    model.prefill_attention = select_prefill_attention(
-        settings.attention_backend, settings.device, model.lm_head.weight.dtype
-    )
+    dtype = serving_dtype(settings.dtype)
+    kernels = PrefillKernels.select(kernel_config(settings), settings.device, dtype)
+    model = load_model(settings.model, dtype=dtype, device=settings.device)
+    kernels.weights.apply(model)
+    model.prefill_attention = kernels.attention_backend()
     if args.mode is not None:
         result = generate_with_mode(model, settings.model, prompt_ids, params, sorted(eos), args)
     else:

@@ -143,12 +143,7 @@ def generate_distributed(
     with DecodeEngine(cfg, eos_token_ids=tuple(eos_ids)) as engine:
         # The exact prefill model, in the same (possibly rotated) latent basis as the ranks.
         prefill = load_prefill_model(
-            cfg.model,
-            cfg.reparam,
-            cfg.dtype,
-            settings.attention_backend,
-            cfg.device,
-            cfg.weight_dtype,
+            cfg.model, cfg.reparam, cfg.dtype, cfg.kernels, cfg.device, cfg.weight_dtype
         )
         mtp = None
         if cfg.speculative.method == "mtp":

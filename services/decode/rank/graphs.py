@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from common.model.experts import grouped_unsupported
-from common.model.fp8 import dense
 from common.model.moe import MoE
 from services.decode.group.step_plan import DecodePlan
 
@@ -87,12 +85,11 @@ def _tensors(plan: DecodePlan) -> tuple[Tensor, Tensor, Tensor]:
 
 def uncapturable(model: nn.Module) -> str | None:
     """Why `model`'s decode step cannot be captured, or None where it can: a MoE layer whose
-    experts run the per-expert loop (no grouped GEMM for their dtype) reads each expert's
-    token count back to the host, which a graph cannot replay."""
+    experts run the per-expert loop (chosen, or no grouped GEMM for their dtype) reads each
+    expert's token count back to the host, which a graph cannot replay."""
     for module in model.modules():
         if isinstance(module, MoE):
-            experts = module.experts
-            why = grouped_unsupported(dense(experts.gate_up_proj), dense(experts.down_proj))
+            why = module.loop_reason()
             if why is not None:
                 return f"the MoE experts run the per-expert loop ({why})"
     return None

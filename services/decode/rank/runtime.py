@@ -20,8 +20,8 @@ from common.group.setup import open_comm
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
+from common.loading.serving_kernels import WeightKernels
 from common.loading.serving_model import open_serving_weights
-from common.model.fp8_gemm import choose_gemms
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.runtime.device import rank_device, use_device
@@ -30,7 +30,7 @@ from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan, token_rows
-from services.decode.rank.backends import select_decode_backend
+from services.decode.rank.backends import decode_backend, select_decode_kernel
 from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
 from services.decode.rank.model import RankModel
@@ -46,6 +46,11 @@ class RankRuntime:
         self.cfg, self.rank = cfg, rank
         self.device = rank_device(cfg.device, cfg.local_index(rank))
         torch.set_num_threads(cfg.torch_threads)
+        dtype = getattr(torch, cfg.dtype)
+        # Chosen before the weights load: a kernel named that cannot run here stops it now.
+        attention = select_decode_kernel(cfg.kernels.decode_attention, self.device, dtype)
+        weight_kernels = WeightKernels.select(cfg.kernels, self.device, dtype)
+        self.kernels = (attention, *weight_kernels.choices)
         # Only this rank's share is read from the checkpoint, straight onto its device.
         # The MTP module and its cache layer only where its drafts are asked for.
         mtp = cfg.speculative.method == "mtp"
@@ -54,10 +59,9 @@ class RankRuntime:
         )
         spectra = spectra[: weights.config.num_hidden_layers + mtp]
         self.model = RankModel(weights, cfg.parallel, rank, spectra)
-        dtype = getattr(torch, cfg.dtype)
         self.model.place(self.device)
-        choose_gemms(self.model)  # TPLA_FP8_GEMM, once its weights are on their device
-        self.model.use_backend(select_decode_backend(cfg.decode_kernel, self.device, dtype))
+        weight_kernels.apply(self.model)
+        self.model.use_backend(decode_backend(attention.kernel))
         self.layout = self.model.cache_layout(cfg.block_size, dtype)
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)

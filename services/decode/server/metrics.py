@@ -10,6 +10,7 @@ from common.runtime.metrics import (
     CounterCallback,
     DecodeMetrics,
     GaugeCallback,
+    kernel_info,
     serve_metrics,
 )
 from services.decode.engine import DecodeEngine
@@ -17,9 +18,11 @@ from services.decode.engine import DecodeEngine
 
 def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
     """Serve the group's metrics on `host:port` (a thread): the step-time and acceptance
-    histograms, the load as gauges, the prefix cache's and speculation's counters."""
+    histograms, the load as gauges, the prefix cache's and speculation's counters, the
+    leader rank's kernel choices."""
     registry = CollectorRegistry()
     metrics = DecodeMetrics(registry)
+    kernel_info(registry, engine.runtime.kernels)
     histogram = metrics.step_seconds
     engine.probe.on_step = lambda seconds, _batch: histogram.observe(seconds)
     engine.probe.acceptance.on_verify = metrics.acceptance_length.observe

@@ -31,6 +31,6 @@ def load_group_rank(
         dtype=cfg.dtype,
         device=device,
         weight_dtype=cfg.weight_dtype,
-        attention_backend=cfg.attention_backend,
+        kernels=cfg.kernels,
         mtp=cfg.mtp,
     )

@@ -37,7 +37,7 @@ def identity(cfg: PrefillGroupConfig) -> dict[str, str]:
         "dtype": cfg.dtype,
         "weight_dtype": cfg.weight_dtype,
         "device": torch.device(cfg.device).type,
-        "attention_backend": cfg.attention_backend,
+        "attention_backend": cfg.kernels.prefill_attention,
         "moe_parallel": cfg.moe_parallel,
         "prefix_cache_mb": f"{cfg.prefix_cache_mb:g}",
         "transport": cfg.transport,

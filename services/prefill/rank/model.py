@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.group.comm import Comm
+from common.loading.loader import serving_dtype
 from common.loading.rank_slices import head_layer, rank_norm
+from common.loading.serving_kernels import PrefillKernels
 from common.loading.serving_model import open_serving_weights, require_mtp
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.fp8 import share_workspace
-from common.model.fp8_gemm import choose_gemms
 from common.model.model import (
     DecoderLayer,
     DeepseekForCausalLM,
@@ -37,13 +38,10 @@ from common.model.model import (
     packed_prefill,
 )
 from common.model.mtp import prefill_with_mtp, prompt_own_next_ids
-from common.model.prefill_attention import (
-    PrefillAttention,
-    SdpaPrefillAttention,
-    select_prefill_attention,
-)
+from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding
 from common.parallel import ParallelConfig, ParallelError
+from common.runtime.kernel_choice import KernelConfig
 from services.prefill.rank.embedding import vocab_embedding
 from services.prefill.rank.mtp import PrefillRankMTP, RankMTPStack
 
@@ -166,19 +164,19 @@ def load_prefill_rank(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
     weight_dtype: str = "auto",
-    attention_backend: str = "auto",
+    kernels: KernelConfig | None = None,
     mtp: bool = False,
 ) -> PrefillRankModel:
     """Rank `rank`'s share of the serving model (rotated when `reparam` is set), read from
     the checkpoint slice by slice straight onto `device` (an FP8 checkpoint's linears kept
-    FP8 where `weight_dtype` says so), its attention on `attention_backend`; `mtp`: with its
-    share of the MTP layer (ValueError naming the model if it has none)."""
+    FP8 where `weight_dtype` says so), on the kernels `kernels` asks for (all `auto` when
+    None); `mtp`: with its share of the MTP layer (ValueError naming the model if it has
+    none)."""
+    chosen = PrefillKernels.select(kernels or KernelConfig(), device, serving_dtype(dtype))
     weights, _ = open_serving_weights(model_dir, reparam, dtype, device, weight_dtype, mtp=mtp)
     if mtp:
         require_mtp(weights, model_dir)
     model = PrefillRankModel(weights, parallel, rank, comm, mtp=mtp)
-    model.prefill_attention = select_prefill_attention(
-        attention_backend, model.device, model.lm_head.dtype
-    )
-    choose_gemms(model)  # TPLA_FP8_GEMM, once its weights are on their device
+    model.prefill_attention = chosen.attention_backend()
+    chosen.weights.apply(model)
     return model

@@ -25,9 +25,8 @@ def start_runner(cfg: PrefillGroupConfig) -> PrefillRunner:
     if not cfg.in_process:
         return GroupRunner.start(cfg, load_group_rank)
     model = load_prefill_model(
-        cfg.model, cfg.reparam, cfg.dtype, cfg.attention_backend, cfg.device, cfg.weight_dtype
+        cfg.model, cfg.reparam, cfg.dtype, cfg.kernels, cfg.device, cfg.weight_dtype
     )
-    log.info("prefill attention backend: %s", model.prefill_attention.name)
     layer = None
     if cfg.mtp:
         layer = load_prefill_mtp(

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
+from functools import partial
 
 import torch
 
-from services.decode.config import KERNELS
+from common.runtime.kernel_choice import KernelChoice, choose_kernel
 from services.decode.rank.backends.interface import DecodeBackend
 from services.decode.rank.backends.torch_backend import TorchBackend
-
-log = logging.getLogger(__name__)
 
 
 def _backend_class(name: str) -> type[DecodeBackend]:
@@ -27,26 +25,26 @@ def _backend_class(name: str) -> type[DecodeBackend]:
     return TorchBackend
 
 
-def select_decode_backend(name: str, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
-    """The backend of a rank on `device` computing in `dtype` (TPLA_DECODE_KERNEL).
-
-    `auto` takes the native kernels on the CPU (fp32) and Triton on CUDA, each where it can
-    run, else the torch reference. A named backend that cannot run here logs why and runs
-    the torch backend, so a deployment never fails over a kernel (the placement itself is
-    checked before this: asking for a device that does not exist is an error).
-    """
-    if name not in KERNELS:
-        raise ValueError(f"decode kernel {name!r} is not one of {', '.join(KERNELS)}")
-    if name == "auto":
-        preferred = "native" if device.type == "cpu" else "triton"
-        cls = _backend_class(preferred)
-        return (cls if cls.unsupported(device, dtype) is None else TorchBackend)()
-    cls = _backend_class(name)
-    reason = cls.unsupported(device, dtype)
-    if reason is not None:
-        log.warning("decode kernel %r cannot run here (%s); using the torch kernel", name, reason)
-        return TorchBackend()
-    return cls()
+_NAMES = ("torch", "native", "triton")
 
 
-__all__ = ["DecodeBackend", "TorchBackend", "select_decode_backend"]
+def _unsupported(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    return _backend_class(name).unsupported(device, dtype)
+
+
+def select_decode_kernel(asked: str, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """The backend of a rank on `device` computing in `dtype` (TPLA_DECODE_KERNEL: auto |
+    torch | native | triton), by the kernel-choice rule: `auto` tries the native kernels on
+    the CPU, Triton on CUDA, then the torch reference (the placement itself is checked
+    before this: asking for a device that does not exist is an error)."""
+    checks = {name: partial(_unsupported, name, device, dtype) for name in _NAMES}
+    auto = ("native" if device.type == "cpu" else "triton", "torch")
+    return choose_kernel("decode_attention", asked, checks, auto)
+
+
+def decode_backend(kernel: str) -> DecodeBackend:
+    """The backend of a chosen kernel (`select_decode_kernel`): torch | native | triton."""
+    return _backend_class(kernel)()
+
+
+__all__ = ["DecodeBackend", "TorchBackend", "decode_backend", "select_decode_kernel"]

@@ -5,7 +5,7 @@ kernel can speed up: a layer's attention inputs (norm, projections, rotary embed
 new token's cache write), attention over the paged latent cache (TPLA / MLA-TP shard
 attention with beta; SP partial attention with the max / sum its log-sum-exp merge needs),
 the small linears and the FFN / MoE experts. One backend is chosen per rank at start-up
-(`select_decode_backend`); the step itself holds no kernel flags.
+(`select_decode_kernel`); the step itself holds no kernel flags.
 
 Implementations: `torch` (the reference, any device), `native` (C++ kernels, fp32 CPU) and
 `triton` (paged attention kernel; GPUs, or the CPU under `TRITON_INTERPRET=1`).
@@ -36,7 +36,7 @@ class DecodeBackend(abc.ABC):
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run a rank on `device` in `dtype`, or None if it can:
-        the one check behind `select_decode_backend`."""
+        the one check behind `select_decode_kernel`."""
         return None
 
     def bind(  # noqa: B027 - optional hook

@@ -23,6 +23,7 @@ from common.loading.serving_model import load_prefill_model, open_serving_weight
 from common.model.fp8 import Fp8Weight
 from common.model.model import DeepseekForCausalLM
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
+from common.runtime.kernel_choice import KernelConfig
 from common.tpla.convert import (
     apply_reparameterization,
     model_fingerprint,
@@ -49,6 +50,7 @@ LAYOUTS = {
     "sp-tp2": ParallelConfig(tp=2, mode=ParallelMode.SP, chunk_size=4),
 }
 SIDE = "tpla_pca"
+SDPA = KernelConfig(prefill_attention="sdpa")
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +194,12 @@ def test_full_and_prefill_models_equal_a_whole_file_read(dirs) -> None:
         assert torch.equal(p, q), name
     expected = want.prefill(ids, [len(ids)]).logits
     assert torch.equal(got.prefill(ids, [len(ids)]).logits, expected)
-    prefill = load_prefill_model(dirs["plain"], None, attention_backend="sdpa")
+    prefill = load_prefill_model(dirs["plain"], None, kernels=SDPA)
     assert torch.equal(prefill.prefill(ids, [len(ids)]).logits, expected)
     # FP8: the prefill model equals the one loaded from the pre-dequantized copy, in bf16 too.
     for dtype in ("float32", "bfloat16"):
-        fp8 = load_prefill_model(dirs["fp8"], None, dtype, attention_backend="sdpa")
-        deq = load_prefill_model(dirs["dequantized"], None, dtype, attention_backend="sdpa")
+        fp8 = load_prefill_model(dirs["fp8"], None, dtype, kernels=SDPA)
+        deq = load_prefill_model(dirs["dequantized"], None, dtype, kernels=SDPA)
         assert fp8.lm_head.weight.dtype == getattr(torch, dtype)
         for (name, p), q in zip(fp8.state_dict().items(), deq.state_dict().values(), strict=True):
             assert torch.equal(p, q), name
@@ -290,13 +292,13 @@ def test_fp8_resident_ranks_equal_dequantized_at_load(dirs, layout: str) -> None
 def test_fp8_resident_prefill_model_equals_dequantized_at_load(dirs) -> None:
     ids = torch.arange(2, 40)
     for dtype in ("float32", "bfloat16"):
-        got = load_prefill_model(dirs["fp8"], None, dtype, "sdpa", weight_dtype="float8")
-        want = load_prefill_model(dirs["fp8"], None, dtype, "sdpa", weight_dtype="dequantize")
+        got = load_prefill_model(dirs["fp8"], None, dtype, SDPA, weight_dtype="float8")
+        want = load_prefill_model(dirs["fp8"], None, dtype, SDPA, weight_dtype="dequantize")
         assert isinstance(got.model.layers[0].self_attn.kv_b_proj, Fp8Weight)
         assert isinstance(got.model.layers[1].mlp.experts.down_proj, Fp8Weight)
         a, b = got.prefill(ids, [len(ids)]), want.prefill(ids, [len(ids)])
         assert torch.equal(a.logits, b.logits)
         assert all(torch.equal(x, y) for x, y in zip(a.n, b.n, strict=True))
     # auto: dequantized at load on the CPU.
-    auto = load_prefill_model(dirs["fp8"], None, attention_backend="sdpa")
+    auto = load_prefill_model(dirs["fp8"], None, kernels=SDPA)
     assert not any(isinstance(m, Fp8Weight) for m in auto.modules())

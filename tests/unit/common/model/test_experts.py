@@ -12,10 +12,12 @@ from common.model.args import ModelConfig
 from common.model.experts import (
     grouped_experts,
     grouped_unsupported,
+    loop_reason,
     routed_experts,
-    select_routed_experts,
+    select_experts_kernel,
 )
-from common.model.moe import MoE
+from common.model.moe import MoE, use_experts_kernel
+from common.runtime.kernel_choice import KernelUnavailable
 
 E, D, I, K = 8, 32, 16, 2
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -83,10 +85,27 @@ def test_misaligned_or_unsupported_weights_fall_back_to_the_loop() -> None:
     _, _, _, gate_up, down = _case(1, torch.float32)
     odd_up, odd_down = torch.zeros(E, 2 * 3, D), torch.zeros(E, D, 3)  # 12-byte rows
     assert "16 bytes" in (grouped_unsupported(odd_up, odd_down) or "")
-    assert select_routed_experts(odd_up, odd_down) is routed_experts
+    assert "16 bytes" in (loop_reason("grouped", odd_up, odd_down) or "")
     assert grouped_unsupported(gate_up.double(), down.double()) is not None
     assert grouped_unsupported(gate_up.transpose(1, 2), down) is not None
-    assert select_routed_experts(gate_up, down) is grouped_experts
+    assert loop_reason("grouped", gate_up, down) is None
+    assert "loop was chosen" in (loop_reason("loop", gate_up, down) or "")
+
+
+def test_the_experts_kernel_is_chosen_by_the_rule() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert select_experts_kernel("auto", cpu, torch.float32).kernel == "grouped"
+    assert select_experts_kernel("loop", cpu, torch.float32).kernel == "loop"
+    auto = select_experts_kernel("auto", cpu, torch.float64)
+    assert auto.kernel == "loop" and [name for name, _ in auto.passed_over] == ["grouped"]
+    assert "grouped cannot run here: grouped_mm does not run torch.float64" in auto.describe()
+    with pytest.raises(KernelUnavailable, match=r"TPLA_EXPERTS_KERNEL=grouped: .*float64 on cpu"):
+        select_experts_kernel("grouped", cpu, torch.float64)
+    # A CUDA-only choice: grouped_mm runs bf16 there, asked for in fp32.
+    with pytest.raises(KernelUnavailable, match=r"TPLA_EXPERTS_KERNEL=grouped: .*CUDA runs bf16"):
+        select_experts_kernel("grouped", cuda, torch.float32)
+    with pytest.raises(ValueError, match="TPLA_EXPERTS_KERNEL=fast: not one of auto, grouped"):
+        select_experts_kernel("fast", cpu, torch.float32)
 
 
 CFG = ModelConfig(
@@ -118,6 +137,25 @@ def test_moe_picks_its_kernel_once_and_again_after_a_cast() -> None:
     moe.double()
     assert moe.kernel is routed_experts  # no float64 grouped_mm: the loop, picked anew
     torch.testing.assert_close(moe(x.double()).float(), out, atol=1e-5, rtol=1e-5)
+
+
+def test_the_model_runs_the_chosen_experts_kernel() -> None:
+    moe = torch.nn.ModuleDict({"layer": MoE(CFG)})
+    layer = moe["layer"]
+    torch.nn.init.normal_(layer.gate.weight)
+    for p in (layer.experts.gate_up_proj, layer.experts.down_proj):
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(4, D)
+    grouped = layer(x)
+    assert use_experts_kernel(moe, "loop") == {
+        "layer": "loop: the loop was chosen (TPLA_EXPERTS_KERNEL)"
+    }
+    assert layer.kernel is routed_experts
+    torch.testing.assert_close(layer(x), grouped, atol=1e-5, rtol=1e-5)
+    layer.float()  # a move keeps the choice
+    assert layer.kernel is routed_experts
+    assert use_experts_kernel(moe, "grouped") == {"layer": "grouped"}
+    assert layer.kernel is grouped_experts
 
 
 def test_a_moe_holding_some_experts_routes_the_rest_elsewhere() -> None:

@@ -16,11 +16,13 @@ from common.model import fp8_gemm
 from common.model.fp8 import Fp8Weight, dense, linear
 from common.model.fp8_gemm import (
     ScaledGemm,
-    choose_gemms,
+    assign_gemms,
     quantize_groups,
+    select_fp8_gemm,
     unsupported,
     weight_scales,
 )
+from common.runtime.kernel_choice import KernelUnavailable
 from tests.shard_checkpoints import FP8_CONFIG, quantize, random_state, save_checkpoint
 
 
@@ -153,29 +155,34 @@ def test_the_choice_per_weight_and_per_device(
             "straddles": src.linear("model.layers.0.mlp.down_proj.weight", cols=slice(160, 320)),
         }
     )
-    assert unsupported(torch.device("cpu")) is not None
-    chosen = choose_gemms(model, "auto")  # the CPU: every weight dequantizes, with the reason
-    assert all(v.startswith("dequantize: cpu device") for v in chosen.values()), chosen
+    cpu = torch.device("cpu")
+    assert unsupported(cpu) is not None
+    auto = select_fp8_gemm("auto", cpu)  # the CPU: dequantize, with the reason
+    assert auto.kernel == "dequantize"
+    assert [(name, why.split(":")[0]) for name, why in auto.passed_over] == [
+        ("scaled_mm", "cpu device")
+    ]
+    chosen = assign_gemms(model, auto.kernel)
+    assert set(chosen.values()) == {"dequantize: dequantize was chosen"}
     assert all(w.gemm is None for w in model.values())
-    with pytest.raises(ValueError, match="scaled_mm: cpu device"):
-        choose_gemms(model, "scaled_mm")
-    with pytest.raises(ValueError, match="not one of"):
-        choose_gemms(model, "fp8")
+    # Named where the device cannot run it: the start-up stops, naming the setting.
+    with pytest.raises(KernelUnavailable, match="TPLA_FP8_GEMM=scaled_mm: cpu device"):
+        select_fp8_gemm("scaled_mm", cpu)
+    with pytest.raises(ValueError, match="TPLA_FP8_GEMM=fp8: not one of"):
+        select_fp8_gemm("fp8", cpu)
     # A device that runs the recipe: each weight by its own slice.
     monkeypatch.setattr(fp8_gemm, "unsupported", lambda device: None)
-    chosen = choose_gemms(model, "auto")
+    assert select_fp8_gemm("auto", cpu).kernel == "scaled_mm"
+    chosen = assign_gemms(model, "scaled_mm")
     assert chosen["whole"] == "scaled_mm (128x128)"
     assert chosen["mid_rows"] == "scaled_mm (1x128)"
     assert chosen["straddles"].startswith("dequantize: columns from 32")
     assert isinstance(model["whole"].gemm, ScaledGemm) and model["straddles"].gemm is None
     # The derived scales stay out of the state dict (the checkpoint's names only).
     assert all("weight_scale" not in k for k in model.state_dict())
-    chosen = choose_gemms(model, "dequantize")
-    assert set(chosen.values()) == {"dequantize: TPLA_FP8_GEMM=dequantize"}
+    chosen = assign_gemms(model, "dequantize")
+    assert set(chosen.values()) == {"dequantize: dequantize was chosen"}
     assert all(w.gemm is None for w in model.values())
-    # The setting is read where no mode is given.
-    monkeypatch.setenv("TPLA_FP8_GEMM", "dequantize")
-    assert choose_gemms(model) == chosen
 
 
 def test_linear_applies_either_kind_of_weight(fp8_dir: Path) -> None:
@@ -229,7 +236,7 @@ def test_the_full_model_applies_each_chosen_weight_by_its_gemm(
     ids = torch.tensor([5, 17, 42, 7, 99, 3])
     with torch.inference_mode():
         want = model(ids, [len(ids)]).logits
-        chosen = choose_gemms(model, "auto")
+        chosen = assign_gemms(model, select_fp8_gemm("auto", torch.device("cpu")).kernel)
         got = model(ids, [len(ids)]).logits
     gemms = {id(w.gemm) for w in model.modules() if isinstance(w, Fp8Weight) and w.gemm}
     names = [n for n, how in chosen.items() if how.startswith("scaled_mm")]

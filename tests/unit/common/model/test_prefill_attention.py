@@ -15,9 +15,11 @@ from common.model.prefill_attention import (
     FlashPrefillAttention,
     NativePrefillAttention,
     SdpaPrefillAttention,
+    make_prefill_attention,
     select_prefill_attention,
 )
 from common.native import causal_attention
+from common.runtime.kernel_choice import KernelConfig, KernelUnavailable
 from tests.unit.common.native.test_causal_attention import _inputs, masked_softmax_reference
 
 needs_native = pytest.mark.skipif(
@@ -57,19 +59,27 @@ def flash_stand_in(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_auto_never_picks_flash_attn_for_fp32(flash_stand_in: None) -> None:
-    assert select_prefill_attention("auto", "cuda", torch.bfloat16).name == "flash-attn"
-    assert select_prefill_attention("auto", "cuda", torch.float16).name == "flash-attn"
-    for dtype in (torch.float32, None):  # None: the model's dtype is not known
-        assert select_prefill_attention("auto", "cuda", dtype).name == "sdpa"
-    with pytest.raises(ValueError, match="fp16 and bf16"):
+    assert select_prefill_attention("auto", "cuda", torch.bfloat16).kernel == "flash-attn"
+    assert select_prefill_attention("auto", "cuda", torch.float16).kernel == "flash-attn"
+    fp32 = select_prefill_attention("auto", "cuda", torch.float32)
+    assert fp32.kernel == "sdpa"
+    assert [name for name, _ in fp32.passed_over] == ["flash-attn", "native"]
+    assert "flash-attn cannot run here: flash-attn runs fp16 and bf16" in fp32.describe()
+    with pytest.raises(
+        KernelUnavailable, match=r"TPLA_ATTENTION_BACKEND=flash-attn: .*fp16 and bf16"
+    ):
         select_prefill_attention("flash-attn", "cuda", torch.float32)
+    # Installed, but asked for on the CPU: it runs on CUDA only.
+    with pytest.raises(KernelUnavailable, match=r"TPLA_ATTENTION_BACKEND=flash-attn: .*CUDA"):
+        select_prefill_attention("flash-attn", "cpu", torch.bfloat16)
 
 
 def test_flash_attn_takes_mla_head_dims(flash_stand_in: None) -> None:
     """MLA's v (128) is narrower than q and k (192): padded for flash-attn, sliced back."""
     q, k, v, cu = _inputs([9, 1, 14], 2, 192, 128)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    flash = select_prefill_attention("flash-attn", "cuda", torch.bfloat16)
+    choice = select_prefill_attention("flash-attn", "cuda", torch.bfloat16)
+    flash = make_prefill_attention(choice.kernel)
     assert isinstance(flash, FlashPrefillAttention)
     got = flash.causal(q, k, v, cu, 0.1)
     assert got.shape == v.shape
@@ -81,19 +91,27 @@ def test_flash_attn_takes_mla_head_dims(flash_stand_in: None) -> None:
 def test_a_forced_flash_attn_without_the_package_says_so() -> None:
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash_attn is installed here")
-    with pytest.raises(RuntimeError, match="flash_attn package is not installed"):
+    with pytest.raises(
+        KernelUnavailable,
+        match="TPLA_ATTENTION_BACKEND=flash-attn: the flash_attn package is not installed",
+    ):
         select_prefill_attention("flash-attn", "cuda", torch.bfloat16)
 
 
 @needs_native
 def test_backend_selection_and_fallback() -> None:
-    assert select_prefill_attention("auto", "cpu").name == "native"
-    assert (
-        select_prefill_attention("native").name == "native"
-        and select_prefill_attention("sdpa").name == "sdpa"
-    )
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        select_prefill_attention("fast")
+    fp32, bf16 = torch.float32, torch.bfloat16
+    auto = select_prefill_attention("auto", "cpu", fp32)
+    assert auto.kernel == "native" and [n for n, _ in auto.passed_over] == ["flash-attn"]
+    for name in ("native", "sdpa"):
+        choice = select_prefill_attention(name, "cpu", fp32)
+        assert choice.kernel == name and make_prefill_attention(name).name == name
+    # The kernel runs fp32 only: auto takes SDPA for a bf16 model, asking for it is an error.
+    assert select_prefill_attention("auto", "cpu", bf16).kernel == "sdpa"
+    with pytest.raises(KernelUnavailable, match=r"TPLA_ATTENTION_BACKEND=native: .*fp32"):
+        select_prefill_attention("native", "cpu", bf16)
+    with pytest.raises(ValueError, match="TPLA_ATTENTION_BACKEND=fast: not one of auto, sdpa"):
+        select_prefill_attention("fast", "cpu", fp32)
     backend = NativePrefillAttention()
     q, k, v, cu = _inputs([12, 7], 2, 16, 8)
     # fp64 is outside the kernel's domain: the backend hands it to SDPA.
@@ -112,8 +130,8 @@ def test_the_prefill_model_is_the_same_on_both_backends(tmp_path) -> None:
     from tests.tiny import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model", std=0.08)
-    native = load_prefill_model(model_dir, None, attention_backend="auto")
-    sdpa = load_prefill_model(model_dir, None, attention_backend="sdpa")
+    native = load_prefill_model(model_dir, None, kernels=KernelConfig())
+    sdpa = load_prefill_model(model_dir, None, kernels=KernelConfig(prefill_attention="sdpa"))
     assert native.prefill_attention.name == "native" and sdpa.prefill_attention.name == "sdpa"
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, native.config.vocab_size, (90,), generator=g)

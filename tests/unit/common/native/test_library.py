@@ -58,27 +58,29 @@ def test_an_unwritable_cache_is_reported_not_raised_as_oserror(tmp_path, monkeyp
         library.build("latent_attention")
 
 
-def test_engine_falls_back_to_the_torch_kernel(tmp_path, monkeypatch) -> None:
-    """A rank asked for the native kernel where it cannot run uses the torch kernel."""
+def test_the_native_kernel_only_where_it_runs(tmp_path, monkeypatch) -> None:
+    """A rank asked for the native kernel where it cannot run is a start-up error naming the
+    setting; `auto` runs the torch kernel there and says why."""
     from common.loading.loader import load_model
     from common.native import latent_attention
     from common.parallel import ParallelConfig
-    from services.decode.rank.backends import select_decode_backend
+    from common.runtime.kernel_choice import KernelUnavailable
+    from services.decode.rank.backends import decode_backend, select_decode_kernel
     from services.decode.rank.model import RankModel
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)
     full = load_model(tmp_path)
     cpu = torch.device("cpu")
-    model = RankModel(
-        full,
-        ParallelConfig(tp=2, latent_groups=2),
-        0,
-        backend=select_decode_backend("native", cpu, torch.float32),
-    )
     if latent_attention.available():
+        native = decode_backend(select_decode_kernel("native", cpu, torch.float32).kernel)
+        model = RankModel(full, ParallelConfig(tp=2, latent_groups=2), 0, backend=native)
         assert model.backend.name == "native"
-    assert model.use_backend(select_decode_backend("torch", cpu, torch.float32)).name == "torch"
+        torch_ = decode_backend(select_decode_kernel("torch", cpu, torch.float32).kernel)
+        assert model.use_backend(torch_).name == "torch"
     monkeypatch.setattr(latent_attention, "available", lambda: False)
-    assert select_decode_backend("native", cpu, torch.float32).name == "torch"
-    assert select_decode_backend("auto", cpu, torch.float32).name == "torch"
+    with pytest.raises(KernelUnavailable, match=r"TPLA_DECODE_KERNEL=native: .*latent_attention"):
+        select_decode_kernel("native", cpu, torch.float32)
+    auto = select_decode_kernel("auto", cpu, torch.float32)
+    assert auto.kernel == "torch" and [name for name, _ in auto.passed_over] == ["native"]
+    assert "native cannot run here" in auto.describe()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.parallel import ParallelConfig, ParallelMode
+from common.runtime.kernel_choice import KernelConfig
 from services.decode.config import EngineConfig
 from services.decode.group.step_plan import DecodePlan
 from services.decode.rank.runtime import RankRuntime
@@ -34,7 +35,7 @@ def _runtime(model_dir: Path, layout: str, kernel: str) -> RankRuntime:
         master_port=0,
         kv_budget_mb=1,
         block_size=BS,
-        decode_kernel=kernel,
+        kernels=KernelConfig(decode_attention=kernel),
     )
     runtime = RankRuntime(cfg, 0)
     usable = runtime.cache.usable_blocks * BS

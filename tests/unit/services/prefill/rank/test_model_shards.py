@@ -20,6 +20,7 @@ from common.loading.weights import WeightSource
 from common.model.fp8 import Fp8Weight
 from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.parallel import MoeParallel, ParallelConfig
+from common.runtime.kernel_choice import KernelConfig
 from common.tpla.convert import (
     apply_reparameterization,
     load_side_file,
@@ -39,6 +40,7 @@ from tests.shard_checkpoints import (
 )
 
 SIDE = "tpla_pca"
+SDPA = KernelConfig(prefill_attention="sdpa")
 LAYOUTS = {
     "tp1": ParallelConfig(),
     "tp2": ParallelConfig(tp=2),
@@ -161,7 +163,7 @@ def test_parameter_bytes_count_what_the_ranks_hold(dirs) -> None:
 
 def test_the_loader_reads_onto_the_device_with_its_backend(dirs) -> None:
     model = load_prefill_rank(
-        dirs["plain"], None, ParallelConfig(), 0, Comm(1), dtype="float32", attention_backend="sdpa"
+        dirs["plain"], None, ParallelConfig(), 0, Comm(1), dtype="float32", kernels=SDPA
     )
     assert model.prefill_attention.name == "sdpa" and model.device.type == "cpu"
     want = load_model(dirs["plain"]).prefill(IDS, LENS)
