@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from common.kv.slots import token_slots
-from services.decode.group.step_plan import WritePlan, send_plan
 from services.decode.leader.scheduler import SchedulerError, SeqState
+from services.decode.step_plan import WritePlan, send_plan
 
 if TYPE_CHECKING:
     from services.decode.engine import DecodeEngine

@@ -15,7 +15,7 @@ from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_hf
-from tools.cli.local import collect, submit
+from tools.local_driver import collect, submit
 
 pytestmark = [
     pytest.mark.gpu,

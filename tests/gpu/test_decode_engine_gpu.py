@@ -16,7 +16,7 @@ from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.server.records import STALLED_STEP_S
-from tools.cli.local import collect, submit
+from tools.local_driver import collect, submit
 
 pytestmark = [
     pytest.mark.gpu,

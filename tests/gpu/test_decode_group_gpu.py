@@ -31,7 +31,7 @@ from common.parallel import ParallelConfig
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from tools.cli.local import collect, submit
+from tools.local_driver import collect, submit
 
 def start(tp, device, timeout_s=120.0):
     cfg = EngineConfig(model=sys.argv[1], parallel=ParallelConfig(tp=tp, latent_groups=1),

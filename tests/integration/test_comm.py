@@ -19,7 +19,7 @@ from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
-from services.decode.group.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
+from services.decode.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
 from tests.rank_exit import leave_group
 
 WORLD = 2

@@ -26,7 +26,7 @@ from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.local_kv import write_kv
 from tests.tiny import save_hf
-from tools.cli.local import collect, submit, write_prompt
+from tools.local_driver import collect, submit, write_prompt
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -18,7 +18,7 @@ from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.shard_checkpoints import fp8_copy
 from tests.tiny import save_hf
-from tools.cli.local import collect, submit
+from tools.local_driver import collect, submit
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 LAYOUTS = {

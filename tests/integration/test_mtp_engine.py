@@ -18,7 +18,7 @@ from common.text.tokenizer import Tokenizer
 from services.decode.config import EngineConfig, SpecConfig
 from services.decode.engine import DecodeEngine
 from tests.shard_checkpoints import MTP_CONFIG, mtp_state, random_state, save_checkpoint
-from tools.cli.local import collect, submit
+from tools.local_driver import collect, submit
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 LAYOUTS = {

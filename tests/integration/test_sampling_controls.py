@@ -22,7 +22,7 @@ from common.text.tokenizer import Tokenizer
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
-from tools.cli.local import collect, submit
+from tools.local_driver import collect, submit
 
 LAYOUTS = {
     "tpla": {"tp": 2, "latent_groups": 2},

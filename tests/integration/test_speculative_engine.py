@@ -24,7 +24,7 @@ from common.text.tokenizer import Tokenizer
 from services.decode.config import EngineConfig, SpecConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
-from tools.cli.local import collect, submit, write_prompt
+from tools.local_driver import collect, submit, write_prompt
 
 LAYOUTS = {
     "tpla": {"tp": 2, "latent_groups": 2},

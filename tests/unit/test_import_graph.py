@@ -249,7 +249,7 @@ def test_a_tie_is_caught() -> None:
         "common.parallel": {"common.model.args"},
         "common.model.tpla": {"common.parallel"},
         "services.decode.group.start": {"services.decode.rank.runtime"},
-        "services.decode.rank.graphs": {"services.decode.group.step_plan"},
+        "services.decode.rank.graphs": {"services.decode.group.spec"},
         "services.decode": {"services.decode.config"},
         "services.decode.config": {"services.decode.leader.drafts"},
     }

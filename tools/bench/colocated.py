@@ -29,7 +29,7 @@ from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.prefill.batch.threads import PrefillThreads
 from tools.bench.stats import RequestTiming, gaps
-from tools.cli.local import write_prompt
+from tools.local_driver import write_prompt
 
 
 class ColocatedServer:

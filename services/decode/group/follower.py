@@ -18,8 +18,8 @@ from common.group.follower import run_follower
 from common.group.join import FollowerGroup
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
-from services.decode.group.step_plan import CopyPlan, DecodePlan, PingPlan, recv_plan
 from services.decode.rank.runtime import RankRuntime
+from services.decode.step_plan import CopyPlan, DecodePlan, PingPlan, recv_plan
 
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
@@ -36,7 +36,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> No
 
     def start(group: FollowerGroup) -> RankRuntime:
         nonlocal receiver
-        runtime = RankRuntime(cfg, rank)
+        runtime = RankRuntime(cfg, rank, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
         group.publish(list(cfg.kv_addresses(rank) if receiver else ("", "")))
         runtime.comm.barrier()  # the leader waits until every rank has loaded its share

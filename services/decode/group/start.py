@@ -61,7 +61,7 @@ def start_group(cfg: EngineConfig) -> RunningGroup:
     try:
         processes.start()
         init_group(spec, 0, processes.store)
-        runtime = RankRuntime(cfg, 0)
+        runtime = RankRuntime(cfg, 0, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
         runtime.comm.barrier()
         # Where each rank receives its KV shards: its own receiver, wherever it runs.

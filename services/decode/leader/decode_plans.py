@@ -17,9 +17,9 @@ import torch
 
 from services.decode.config import EngineConfig
 from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
-from services.decode.group.step_plan import CopyPlan, DecodePlan, MtpPlan
 from services.decode.leader.scheduler import DecodeSequence, Scheduler
 from services.decode.leader.verify import StepRows
+from services.decode.step_plan import CopyPlan, DecodePlan, MtpPlan
 
 
 class DecodePlans:

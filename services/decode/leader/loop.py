@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from common.runtime.device import use_device
 from services.decode.group.start import RunningGroup
-from services.decode.group.step_plan import PingPlan, send_plan
 from services.decode.leader.scheduler import DecodeSequence, Scheduler, SchedulerError
 from services.decode.leader.step import DecodeStep
+from services.decode.step_plan import PingPlan, send_plan
 from services.decode.stream import EngineError
 
 _IDLE_WAIT_S = 0.05

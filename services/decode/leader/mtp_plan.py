@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from services.decode.group.step_plan import MtpPlan, read_token_rows, token_row_count
 from services.decode.leader.drafts import SEED, MtpDrafts, Proposer
 from services.decode.leader.verify import StepRows
+from services.decode.step_plan import MtpPlan, read_token_rows, token_row_count
 
 
 def mtp_plan(proposers: Sequence[Proposer | None], rows: StepRows, hidden: int) -> MtpPlan | None:

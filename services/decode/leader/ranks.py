@@ -13,7 +13,7 @@ from torch import Tensor
 
 from common.runtime.transfers import to_device
 from services.decode.group.start import RunningGroup
-from services.decode.group.step_plan import CopyPlan, DecodePlan, Plan, send_plan
+from services.decode.step_plan import CopyPlan, DecodePlan, Plan, send_plan
 
 
 class Ranks:

@@ -18,12 +18,12 @@ from common.runtime.host_syncs import host_side
 from common.runtime.transfers import to_host
 from common.sampling.sampler import SampledToken
 from services.decode.config import SpecConfig
-from services.decode.group.step_plan import MtpPlan
 from services.decode.leader.drafts import MtpDrafts, Proposer, proposer
 from services.decode.leader.mtp_plan import fed_drafts, fed_rows, mtp_plan, start_copy
 from services.decode.leader.probe import Acceptance
 from services.decode.leader.scheduler import DecodeSequence
 from services.decode.leader.verify import StepRows, draft_room, kept_tokens
+from services.decode.step_plan import MtpPlan
 
 
 class Speculation:

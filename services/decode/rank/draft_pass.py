@@ -23,8 +23,8 @@ from torch import Tensor
 from common.group.comm import Comm
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.runtime.host_syncs import host_side
-from services.decode.group.step_plan import MtpPlan
 from services.decode.rank.model import RankModel
+from services.decode.step_plan import MtpPlan
 
 # Rows' positions and block tables -> where their latents go on this rank, what they read.
 Address = Callable[[Tensor, Tensor], tuple[Tensor, CacheReads]]

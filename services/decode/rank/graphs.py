@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from common.model.moe import MoE
-from services.decode.group.step_plan import DecodePlan
+from services.decode.step_plan import DecodePlan
 
 Forward = Callable[[DecodePlan], Tensor]
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.group.setup import open_comm
+from common.group.spec import GroupSpec
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
@@ -28,13 +29,12 @@ from common.runtime.device import rank_device, use_device
 from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
-from services.decode.group.spec import group_spec
-from services.decode.group.step_plan import CopyPlan, DecodePlan, WritePlan, token_rows
 from services.decode.rank.backends import decode_backend, select_decode_kernel
 from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
 from services.decode.rank.model import RankModel
 from services.decode.rank.step_inputs import StepInputs
+from services.decode.step_plan import CopyPlan, DecodePlan, WritePlan, token_rows
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 class RankRuntime:
     """One rank's model share and KV pool on its device; `step` runs a decode plan."""
 
-    def __init__(self, cfg: EngineConfig, rank: int) -> None:
+    def __init__(self, cfg: EngineConfig, rank: int, group: GroupSpec) -> None:
+        """`group`: the group this rank is one of (services/decode/group/spec.py forms it)."""
         self.cfg, self.rank = cfg, rank
         self.device = rank_device(cfg.device, cfg.local_index(rank))
         torch.set_num_threads(cfg.torch_threads)
@@ -65,7 +66,7 @@ class RankRuntime:
         self.layout = self.model.cache_layout(cfg.block_size, dtype)
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
-        self.comm = open_comm(group_spec(cfg), rank, self.device)
+        self.comm = open_comm(group, rank, self.device)
         self.inputs = StepInputs(self.device)
         # The last step's hidden states [B, D] before the final norm: the draft pass reads
         # them (rank/draft_pass.py). Kept on the device.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from services.decode.group.step_plan import DecodePlan
+from services.decode.step_plan import DecodePlan
 
 
 class StepInputs:

@@ -10,8 +10,9 @@ import torch
 from common.parallel import ParallelConfig, ParallelMode
 from common.runtime.kernel_choice import KernelConfig
 from services.decode.config import EngineConfig
-from services.decode.group.step_plan import DecodePlan
+from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
+from services.decode.step_plan import DecodePlan
 from tests.tiny import save_hf
 
 BS = 4
@@ -37,7 +38,7 @@ def _runtime(model_dir: Path, layout: str, kernel: str) -> RankRuntime:
         block_size=BS,
         kernels=KernelConfig(decode_attention=kernel),
     )
-    runtime = RankRuntime(cfg, 0)
+    runtime = RankRuntime(cfg, 0, group_spec(cfg))
     usable = runtime.cache.usable_blocks * BS
     runtime.cache.kv[:, :usable].normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
     return runtime
