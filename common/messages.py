@@ -4,7 +4,7 @@ A reservation travels from the decode group's Reserve through the router to the 
 worker as one `Reservation` (a `KvTargetInfo` per rank); the prefill worker cuts one
 `common.kv.transfer.Shard` per target, and its outcome is a `PrefillResult`. The decode group
 streams `TokenEvent`s (a migrated n > 1 request's choices resume as `ResumedChoice`s) and
-reports its `DecodeLoad`. common/rpc/convert.py maps each to and from its protobuf message.
+reports its `DecodeLoad`. common/rpc/proto_mapping.py maps each to and from its protobuf message.
 """
 
 from __future__ import annotations

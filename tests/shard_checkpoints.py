@@ -17,7 +17,7 @@ from torch import Tensor
 
 from common.group.comm import Collectives, Comm, ReduceOp
 from common.model.args import ModelConfig
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
 from common.tpla.convert import LayerReparameterization, Reparameterization
 from common.tpla.transforms import Method

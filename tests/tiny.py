@@ -14,7 +14,7 @@ import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 if TYPE_CHECKING:
-    from common.model.model import DeepseekForCausalLM
+    from common.model.causal_lm import DeepseekForCausalLM
     from common.tpla.calibration import LatentStatistics
 
 BASE: dict[str, Any] = dict(

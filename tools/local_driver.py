@@ -17,7 +17,7 @@ import torch
 
 from common.kv.transfer import cut_shard
 from common.messages import Reservation, TokenEvent
-from common.model.model import DeepseekForCausalLM, PrefillOutput
+from common.model.causal_lm import DeepseekForCausalLM, PrefillOutput
 from common.model.mtp import MTPLayer, prompt_own_next_ids, whole_prefill_with_mtp
 from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for

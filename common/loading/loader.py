@@ -15,7 +15,7 @@ import torch
 
 from common.loading.checkpoint import CheckpointError, UnsupportedQuantization, checkpoint_files
 from common.loading.weights import CheckpointWeights, build_model
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 
 __all__ = [
     "DTYPES",

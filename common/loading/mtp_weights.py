@@ -22,8 +22,8 @@ from common.loading.checkpoint import CheckpointError
 from common.loading.loader import serving_dtype
 from common.loading.rank_slices import place_linear, rank_norm
 from common.loading.weights import CheckpointWeights, WeightSource, fill_module
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, Weight, share_workspace
-from common.model.model import DeepseekForCausalLM
 from common.model.mtp import SHARED_WITH_MAIN, MTPLayer, mtp_layer_index
 from common.parallel import ParallelConfig
 

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from common.loading.weights import WeightSource
+from common.model.causal_lm import DecoderLayer
 from common.model.fp8 import Fp8Weight, Weight, held
 from common.model.mla import MLAttention, RMSNorm
-from common.model.model import DecoderLayer
 from common.model.moe import MLP, MoE
 from common.parallel import ParallelConfig, span
 

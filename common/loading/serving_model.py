@@ -23,7 +23,7 @@ from common.loading.loader import serving_dtype
 from common.loading.mtp_weights import build_mtp_layer
 from common.loading.serving_kernels import PrefillKernels
 from common.loading.weights import CheckpointWeights, build_model
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
 from common.runtime.kernel_choice import KernelConfig
 

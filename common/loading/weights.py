@@ -28,8 +28,8 @@ from torch import Tensor
 
 from common.loading.checkpoint import CheckpointError, CheckpointReader
 from common.model.args import ModelConfig
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, RowRun, Weight, cat_rows, share_workspace, stack
-from common.model.model import DeepseekForCausalLM
 from common.model.mtp import SHARED_WITH_MAIN, MTPLayer
 
 ALL = slice(None)

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from common.model.model import PastLatents, PrefillOutput
+from common.model.causal_lm import PastLatents, PrefillOutput
 
 
 class Prefill(Protocol):

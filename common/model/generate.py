@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.model import ContiguousLatentCache, DeepseekForCausalLM
+from common.model.causal_lm import ContiguousLatentCache, DeepseekForCausalLM
 from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, request_seed, sample

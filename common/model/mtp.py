@@ -31,8 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from common.model.args import ModelConfig
-from common.model.mla import RMSNorm
-from common.model.model import (
+from common.model.causal_lm import (
     DecoderLayer,
     DeepseekForCausalLM,
     LatentKV,
@@ -43,6 +42,7 @@ from common.model.model import (
     packed_positions,
     packed_prefill,
 )
+from common.model.mla import RMSNorm
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding
 

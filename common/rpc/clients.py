@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from common.messages import DecodeLoad, PrefillResult, Reservation, ResumedChoice, TokenEvent
-from common.rpc.convert import (
+from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from common.rpc.proto_mapping import (
     event_from_pb,
     load_from_pb,
     params_to_pb,
@@ -22,7 +23,6 @@ from common.rpc.convert import (
     resumed_to_pb,
     token_to_pb,
 )
-from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from common.runtime.errors import from_grpc
 from common.runtime.spans import Metadata
 from common.sampling.params import SamplingParams

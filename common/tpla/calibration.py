@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer, mtp_prefill
 from common.tpla import corpus
 

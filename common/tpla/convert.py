@@ -31,8 +31,8 @@ from torch import Tensor
 from common.loading.checkpoint import Quantization, checkpoint_files
 from common.loading.weights import rotate_kv_a, rotate_kv_b
 from common.model.args import ModelConfig
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mla import MLAttention
-from common.model.model import DeepseekForCausalLM
 from common.tpla.calibration import LatentStatistics
 from common.tpla.transforms import Method, rotated_spectrum, rotation
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.loading.loader import load_model
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.parallel import RmsNormMode
 from common.text.tokenizer import Tokenizer
 from common.tpla import corpus

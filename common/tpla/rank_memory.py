@@ -2,7 +2,7 @@
 bytes per token; a prefill rank's weights.
 
 Pure arithmetic over `ModelConfig` (no torch, no I/O). The weights mirror how
-`services.decode.rank.model.RankModel` shards a model (a test holds them equal to
+`services.decode.rank.rank_model.RankModel` shards a model (a test holds them equal to
 `RankModel.parameter_bytes()` for every rank); the cache follows DESIGN §1. `tpla plan`
 (plan.py) turns these into the context that fits a card.
 """

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.generate import Generation
 from common.model.mla import MLAttention
-from common.model.model import DeepseekForCausalLM
 from common.model.tpla import (
     LatentShard,
     head_output,

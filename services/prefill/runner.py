@@ -18,7 +18,7 @@ from torch import Tensor
 
 from common.kv.transfer import KvSender
 from common.model.args import ModelConfig
-from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.model.causal_lm import DeepseekForCausalLM, PastLatents, PrefillOutput
 from common.model.mtp import MTPLayer, whole_prefill_with_mtp
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.shipping import Send, Shipper

@@ -34,7 +34,7 @@ from common.runtime.ports import check_ports, prefill_worker_ports
 from common.runtime.tracing import setup_tracing
 from services.prefill.config import PrefillConfig
 from services.prefill.group.follower import follower_main
-from services.prefill.group.rank_model import load_group_rank
+from services.prefill.group.rank_loader import load_group_rank
 from services.prefill.server.records import worker_record
 from services.prefill.server.servicer import PrefillServicer
 from services.prefill.server.start import start_worker

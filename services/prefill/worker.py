@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from common.messages import PrefillResult
-from common.model.model import PrefillOutput
+from common.model.causal_lm import PrefillOutput
 from common.runtime.device import use_device
 from common.runtime.errors import Unavailable
 from common.runtime.metrics import PrefillMetrics

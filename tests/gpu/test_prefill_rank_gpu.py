@@ -19,7 +19,7 @@ from common.group.vocab import gather_vocab
 from common.loading.serving_model import load_prefill_model
 from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
-from services.prefill.rank.model import load_prefill_rank
+from services.prefill.rank.prefill_rank_model import load_prefill_rank
 from tests.rank_exit import leave_group
 
 pytestmark = [

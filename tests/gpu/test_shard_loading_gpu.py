@@ -11,7 +11,7 @@ import torch
 
 from common.loading.serving_model import open_serving_weights
 from common.parallel import ParallelConfig
-from services.decode.rank.model import RankModel
+from services.decode.rank.rank_model import RankModel
 from tests.shard_checkpoints import (
     FP8_CONFIG,
     quantize,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.tpla.plan import GIB
+from common.tpla.capacity_plan import GIB
 from tests.cli import run_tpla
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"

@@ -15,8 +15,8 @@ from common.group.comm import ShmCollectives
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
 from common.messages import FailureScope, ResumedChoice
+from common.model.causal_lm import ContiguousLatentCache
 from common.model.generate import generate
-from common.model.model import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.kernel_choice import KernelConfig
 from common.sampling.params import SamplingParams

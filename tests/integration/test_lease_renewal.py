@@ -16,8 +16,8 @@ import torch
 from common.kv.transfer import make_sender
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
+from common.model.causal_lm import PrefillOutput
 from common.model.generate import generate
-from common.model.model import PrefillOutput
 from common.parallel import ParallelConfig
 from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams

@@ -18,7 +18,7 @@ from common.sampling.params import SamplingParams
 from services.prefill.batch.job import PrefillJob
 from services.prefill.config import PrefillGroupConfig, prefix_cache
 from services.prefill.group.leader import GroupRunner
-from services.prefill.group.rank_model import load_group_rank
+from services.prefill.group.rank_loader import load_group_rank
 from services.prefill.runner import LocalRunner
 from services.prefill.worker import PrefillWorker
 from tests.recording_kv import Receivers, targets

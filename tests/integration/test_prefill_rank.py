@@ -22,7 +22,7 @@ from common.loading.loader import load_model
 from common.parallel import ParallelConfig
 from common.runtime.kernel_choice import KernelConfig
 from common.runtime.ports import free_port
-from services.prefill.rank.model import load_prefill_rank
+from services.prefill.rank.prefill_rank_model import load_prefill_rank
 from tests.rank_exit import leave_group
 from tests.tiny import save_hf
 

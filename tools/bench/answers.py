@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tools.bench.output import table_stream
 
 if TYPE_CHECKING:
-    from common.model.model import DeepseekForCausalLM
+    from common.model.causal_lm import DeepseekForCausalLM
     from common.sampling.params import SamplingParams
 
 PROMPTS: tuple[str, ...] = (
@@ -114,7 +114,7 @@ def generate_batch(
     prompts[b] under params[b], with keyed draws as `generate` makes them."""
     import torch
 
-    from common.model.model import ContiguousLatentCache
+    from common.model.causal_lm import ContiguousLatentCache
     from common.sampling.keyed import DrawKey
     from common.sampling.logits import context_for
     from common.sampling.sampler import request_seed, sample_batch

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from common.loading.serving_model import load_prefill_model
-from common.model.model import PrefillOutput
+from common.model.causal_lm import PrefillOutput
 from common.parallel import ParallelConfig
 from common.runtime.kernel_choice import kernel_config
 from common.runtime.settings import load_settings

@@ -79,7 +79,7 @@ def write_checkpoint(
     from safetensors.torch import save_file
 
     from common.model.args import ModelConfig
-    from common.model.model import DeepseekForCausalLM
+    from common.model.causal_lm import DeepseekForCausalLM
 
     config = {**(config or WIDE_CONFIG), "num_hidden_layers": layers, "torch_dtype": dtype}
     if fp8_block:
@@ -164,7 +164,7 @@ def prefill_child(model_dir: str, dtype: str, rank: int, port: int) -> dict[str,
     from common.model.prefill_attention import make_prefill_attention, select_prefill_attention
     from common.parallel import ParallelConfig
     from services.prefill.batch.progress import default_chunk_tokens
-    from services.prefill.rank.model import PrefillRankModel
+    from services.prefill.rank.prefill_rank_model import PrefillRankModel
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -236,7 +236,7 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     from common.loading.loader import load_model
     from common.loading.serving_model import open_serving_weights
     from common.parallel import ParallelConfig
-    from services.decode.rank.model import RankModel
+    from services.decode.rank.rank_model import RankModel
 
     torch.set_num_threads(1)
     start = time.perf_counter()

@@ -14,8 +14,8 @@ from common.runtime.settings import Settings, load_settings, placed
 from tools.cli.tpla import METHODS
 
 if TYPE_CHECKING:  # heavy imports stay lazy: `tpla --help` must not import torch
+    from common.model.causal_lm import DeepseekForCausalLM
     from common.model.generate import Generation
-    from common.model.model import DeepseekForCausalLM
     from common.sampling.params import SamplingParams
     from common.text.tokenizer import Tokenizer
 

@@ -1,6 +1,6 @@
-"""`tpla plan`: the capacity plan of a decode group and a prefill group (common/tpla/plan.py)
-for a checkpoint's config.json on given cards, as a table and, with --json, its contract
-line."""
+"""`tpla plan`: the capacity plan of a decode group and a prefill group
+(common/tpla/capacity_plan.py) for a checkpoint's config.json on given cards, as a table
+and, with --json, its contract line."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from common.parallel import MOE_MODES, RMSNORM_MODES
 from tools.cli.tpla import DTYPES
 
 if TYPE_CHECKING:
-    from common.tpla.plan import Checkpoint, Plan
+    from common.tpla.capacity_plan import Checkpoint, Plan
 
 
 def _read_checkpoint(args: argparse.Namespace) -> tuple[Path, Checkpoint]:
-    from common.tpla.plan import checkpoint_from_hf_dict
+    from common.tpla.capacity_plan import checkpoint_from_hf_dict
 
     path = Path(args.config) if args.config else Path(args.model) / "config.json"
     if not path.is_file():
@@ -35,7 +35,7 @@ def _read_checkpoint(args: argparse.Namespace) -> tuple[Path, Checkpoint]:
 def cmd_plan(args: argparse.Namespace) -> int:
     """`tpla plan`: the table on stdout; with --json, the plan as the last stdout line."""
     from common.parallel import RmsNormMode, parse_moe
-    from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan
+    from common.tpla.capacity_plan import GIB, Hardware, PlanRequest, build_plan
 
     path, ckpt = _read_checkpoint(args)
     if args.speculative == "mtp" and not ckpt.mtp_layers:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.model.model import ContiguousLatentCache, DeepseekForCausalLM
+from common.model.causal_lm import ContiguousLatentCache, DeepseekForCausalLM
 from common.model.mtp import MTPLayer, mtp_prefill
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from common.model.args import ModelConfig
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.moe import MoE
 from common.tpla import corpus
 from tools.demo.chat_data import chat_documents

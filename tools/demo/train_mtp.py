@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from common.loading.loader import load_model
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer, mtp_prefill
 from common.tpla import corpus
 from tools.demo.mtp_acceptance import measure_acceptance, text_agreement

@@ -23,7 +23,7 @@ from torch import Tensor
 from common.group.comm import Comm
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.runtime.host_syncs import host_side
-from services.decode.rank.model import RankModel
+from services.decode.rank.rank_model import RankModel
 from services.decode.step_plan import MtpPlan
 
 # Rows' positions and block tables -> where their latents go on this rank, what they read.

@@ -7,7 +7,7 @@ the query projection and columns of o_proj, the layer's norms, and the slice of 
 held as an `Fp8Weight` (common/model/fp8.py), applied by scaled_mm or dequantized on use
 (fp8_gemm.py). The math around the attention kernel lives here (`attend_reference`, the
 unfused path); which kernel runs it is the rank's backend (services/decode/rank/backends),
-called from the step (rank/model.py).
+called from the step (rank/rank_model.py).
 """
 
 from __future__ import annotations

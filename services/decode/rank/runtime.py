@@ -32,7 +32,7 @@ from services.decode.config import EngineConfig
 from services.decode.rank.backends import decode_backend, select_decode_kernel
 from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
-from services.decode.rank.model import RankModel
+from services.decode.rank.rank_model import RankModel
 from services.decode.rank.step_inputs import StepInputs
 from services.decode.step_plan import CopyPlan, DecodePlan, WritePlan, token_rows
 

@@ -17,7 +17,8 @@ from opentelemetry.trace import SpanKind
 from common.kv.block_pool import OutOfBlocks
 from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
-from common.rpc.convert import (
+from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
+from common.rpc.proto_mapping import (
     event_to_pb,
     load_to_pb,
     params_from_pb,
@@ -25,7 +26,6 @@ from common.rpc.convert import (
     resumed_from_pb,
     token_from_pb,
 )
-from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
 from common.runtime.errors import InvalidRequest, Overloaded, TplaError, Unavailable
 from common.runtime.spans import Parent, Spans, end
 from common.sampling.params import SamplingError

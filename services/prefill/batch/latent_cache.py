@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from common.kv.prefix_cache import block_hashes
-from common.model.model import PastLatents
+from common.model.causal_lm import PastLatents
 
 
 class LatentPrefixCache:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.model.model import PrefillOutput
+from common.model.causal_lm import PrefillOutput
 from common.sampling.sampler import SampledToken
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from common.model.model import PastLatents, PrefillOutput
+from common.model.causal_lm import PastLatents, PrefillOutput
 from common.runtime.heap import trim_heap
 from common.sampling.sampler import SampledToken
 from services.prefill.batch.latent_cache import LatentPrefixCache

@@ -33,16 +33,16 @@ from common.group.join import FollowerGroup
 from common.group.setup import open_comm
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
-from common.model.model import PrefillOutput
+from common.model.causal_lm import PrefillOutput
 from common.runtime.device import rank_device
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan, recv_plan
 from services.prefill.batch.progress import PromptProgress
 from services.prefill.batch.threads import PrefillThreads
 from services.prefill.config import PrefillGroupConfig, prefix_cache
-from services.prefill.group.rank_model import RankModelLoader
+from services.prefill.group.rank_loader import RankModelLoader
 from services.prefill.group.reports import report_held, report_when_sent
 from services.prefill.group.spec import group_spec
-from services.prefill.rank.model import PrefillRankModel
+from services.prefill.rank.prefill_rank_model import PrefillRankModel
 from services.prefill.shipping import Shipper, ships
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ if __name__ == "__main__":
     # python -m services.prefill.group.follower RANK LEADER_PID
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    from services.prefill.group.rank_model import load_group_rank
+    from services.prefill.group.rank_loader import load_group_rank
 
     follower_main(
         PrefillGroupConfig.from_json(os.environ.pop(CONFIG_ENV)),

@@ -30,7 +30,7 @@ from common.group.processes import GroupProcesses
 from common.group.setup import create_shm_group, init_group, open_comm
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
-from common.model.model import PastLatents, PrefillOutput
+from common.model.causal_lm import PastLatents, PrefillOutput
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.errors import Unavailable
@@ -38,10 +38,10 @@ from common.runtime.ports import free_port
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan, send_plan
 from services.prefill.config import PrefillGroupConfig
 from services.prefill.group.follower import CONFIG_ENV, FOLLOWER_MODULE
-from services.prefill.group.rank_model import RankModelLoader
+from services.prefill.group.rank_loader import RankModelLoader
 from services.prefill.group.reports import Reports
 from services.prefill.group.spec import group_spec
-from services.prefill.rank.model import PrefillRankModel
+from services.prefill.rank.prefill_rank_model import PrefillRankModel
 from services.prefill.runner import PrefillRunner
 from services.prefill.shipping import Send, Shipper, ships
 

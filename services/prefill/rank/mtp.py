@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from common.loading.mtp_weights import RankMTPParts
 from common.loading.rank_slices import head_layer
 from common.loading.weights import WeightSource
-from common.model.model import DecoderLayer
+from common.model.causal_lm import DecoderLayer
 from common.model.mtp import fuse, mtp_layer_index
 from common.model.rope import RotaryEmbedding
 from common.parallel import ParallelConfig

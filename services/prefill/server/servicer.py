@@ -16,9 +16,9 @@ from opentelemetry.trace import SpanKind
 from common.kv.transfer import TransferError
 from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
-from common.rpc.convert import params_from_pb, reservation_from_pb, result_to_pb
 from common.rpc.drain import DrainGate
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
+from common.rpc.proto_mapping import params_from_pb, reservation_from_pb, result_to_pb
 from common.runtime.errors import (
     DeadlineExceeded,
     InvalidRequest,

@@ -11,7 +11,7 @@ from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import GrammarCompiler
 from services.prefill.config import PrefillConfig, PrefillGroupConfig, prefix_cache
 from services.prefill.group.leader import GroupRunner
-from services.prefill.group.rank_model import load_group_rank
+from services.prefill.group.rank_loader import load_group_rank
 from services.prefill.runner import LocalRunner, PrefillRunner
 from services.prefill.worker import PrefillWorker
 

@@ -278,7 +278,7 @@ def test_check_refuses_what_a_rank_could_not_slice() -> None:
 def test_the_layout_and_the_planner_import_no_torch() -> None:
     code = (
         "import sys\n"
-        "import common.parallel, common.tpla.plan, common.tpla.rank_memory\n"
+        "import common.parallel, common.tpla.capacity_plan, common.tpla.rank_memory\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     done = subprocess.run(

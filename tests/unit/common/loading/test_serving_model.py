@@ -20,8 +20,8 @@ from common.kv.paged_cache import PagedLatentCache
 from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model, open_serving_weights
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight
-from common.model.model import DeepseekForCausalLM
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.kernel_choice import KernelConfig
 from common.tpla.convert import (
@@ -29,7 +29,7 @@ from common.tpla.convert import (
     model_fingerprint,
     save_side_file,
 )
-from services.decode.rank.model import RankModel
+from services.decode.rank.rank_model import RankModel
 from tests.shard_checkpoints import (
     CONFIG,
     FP8_CONFIG,

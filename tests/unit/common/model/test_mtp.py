@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common.model.args import ModelConfig
-from common.model.model import ContiguousLatentCache, DeepseekForCausalLM, PastLatents
+from common.model.causal_lm import ContiguousLatentCache, DeepseekForCausalLM, PastLatents
 from common.model.mtp import (
     MTPLayer,
     MTPStack,

@@ -16,7 +16,7 @@ from common.native import decode_layer
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from services.decode.rank.backends import TorchBackend
 from services.decode.rank.backends.native_backend import NativeBackend
-from services.decode.rank.model import RankModel
+from services.decode.rank.rank_model import RankModel
 from tests.tiny import VARIANTS, save_hf
 
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="native library not built")

@@ -66,7 +66,7 @@ def test_the_native_kernel_only_where_it_runs(tmp_path, monkeypatch) -> None:
     from common.parallel import ParallelConfig
     from common.runtime.kernel_choice import KernelUnavailable
     from services.decode.rank.backends import decode_backend, select_decode_kernel
-    from services.decode.rank.model import RankModel
+    from services.decode.rank.rank_model import RankModel
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)

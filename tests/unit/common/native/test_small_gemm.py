@@ -104,7 +104,7 @@ def test_a_ranks_ffn_slices_run_natively_as_their_modules_do(tmp_path) -> None:
     from common.model.moe import MoE
     from common.parallel import ParallelConfig
     from services.decode.rank.backends.native_backend import NativeBackend
-    from services.decode.rank.model import RankModel
+    from services.decode.rank.rank_model import RankModel
     from tests.tiny import save_hf
 
     save_hf("v2-greedy", tmp_path, std=0.05)

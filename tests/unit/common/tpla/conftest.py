@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from common.loading.loader import load_model
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 
 
 @pytest.fixture()

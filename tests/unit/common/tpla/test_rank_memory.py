@@ -20,7 +20,7 @@ from common.loading.weights import CheckpointWeights
 from common.model.fp8 import Fp8Weight
 from common.model.tpla import latent_shard
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
-from common.tpla.plan import GIB, Hardware, PlanError, PlanRequest, build_plan
+from common.tpla.capacity_plan import GIB, Hardware, PlanError, PlanRequest, build_plan
 from common.tpla.rank_memory import kv_bytes_per_stored_token, mtp_tensors, weight_bytes
 from services.decode.rank.layers import RankAttention, RankLayer
 from tests.shard_checkpoints import (

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig, RmsNormMode
 from common.tpla.convert import apply_reparameterization, build_reparameterization

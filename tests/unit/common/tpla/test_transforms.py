@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.model import DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig
 from common.tpla.convert import build_reparameterization

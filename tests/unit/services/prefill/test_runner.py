@@ -11,7 +11,7 @@ import torch
 
 from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model, load_prefill_mtp
-from common.model.model import PastLatents
+from common.model.causal_lm import PastLatents
 from common.model.mtp import mtp_prefill
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.runner import LocalRunner

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.messages import FailureScope, TokenEvent
-from common.rpc.convert import event_from_pb, event_to_pb
+from common.rpc.proto_mapping import event_from_pb, event_to_pb
 from common.runtime.errors import (
     DeadlineExceeded,
     InvalidRequest,

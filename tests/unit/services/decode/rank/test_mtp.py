@@ -19,8 +19,8 @@ from common.loading.weights import CheckpointWeights
 from common.model.mtp import mtp_prefill
 from common.parallel import ParallelConfig
 from common.tpla.rank_memory import kv_bytes_per_stored_token, mtp_tensors, weight_bytes
-from services.decode.rank.model import RankModel
 from services.decode.rank.mtp import global_argmax
+from services.decode.rank.rank_model import RankModel
 from tests.shard_checkpoints import MTP_CONFIG, mtp_state, random_state, save_checkpoint
 
 

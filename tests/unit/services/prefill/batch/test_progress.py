@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from common.model.model import PastLatents
+from common.model.causal_lm import PastLatents
 from services.prefill.batch.progress import PromptProgress
 
 

@@ -23,12 +23,12 @@ from common.loading.serving_model import (
     load_prefill_mtp,
     open_serving_weights,
 )
+from common.model.causal_lm import PastLatents, PrefillOutput
 from common.model.fp8 import Fp8Weight
-from common.model.model import PastLatents, PrefillOutput
 from common.model.mtp import mtp_prefill, prompt_own_next_ids
 from common.parallel import MoeParallel, ParallelConfig
 from common.tpla.rank_memory import prefill_rank_tensors, weight_bytes
-from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
+from services.prefill.rank.prefill_rank_model import PrefillRankModel, load_prefill_rank
 from tests.shard_checkpoints import (
     CONFIG,
     FP8_CONFIG,

@@ -11,8 +11,8 @@ import grpc
 from common.kv.transfer import make_sender
 from common.loading.serving_model import load_prefill_model
 from common.messages import KvTargetInfo, Reservation
-from common.rpc.convert import params_to_pb, reservation_to_pb
 from common.rpc.gen import prefill_pb2
+from common.rpc.proto_mapping import params_to_pb, reservation_to_pb
 from common.sampling.params import SamplingParams
 from services.prefill.runner import LocalRunner
 from services.prefill.server.servicer import PrefillServicer

@@ -29,14 +29,14 @@ from common.loading.rank_slices import head_layer, rank_norm
 from common.loading.serving_kernels import PrefillKernels
 from common.loading.serving_model import open_serving_weights, require_mtp
 from common.loading.weights import ModelWeights, WeightSource
-from common.model.fp8 import share_workspace
-from common.model.model import (
+from common.model.causal_lm import (
     DecoderLayer,
     DeepseekForCausalLM,
     PastLatents,
     PrefillOutput,
     packed_prefill,
 )
+from common.model.fp8 import share_workspace
 from common.model.mtp import prefill_with_mtp, prompt_own_next_ids
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding

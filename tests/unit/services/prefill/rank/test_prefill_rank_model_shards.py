@@ -17,8 +17,8 @@ from common.loading.checkpoint import CheckpointReader
 from common.loading.loader import load_model
 from common.loading.serving_model import open_serving_weights
 from common.loading.weights import WeightSource
+from common.model.causal_lm import DeepseekForCausalLM, PrefillOutput
 from common.model.fp8 import Fp8Weight
-from common.model.model import DeepseekForCausalLM, PrefillOutput
 from common.parallel import MoeParallel, ParallelConfig
 from common.runtime.kernel_choice import KernelConfig
 from common.tpla.convert import (
@@ -27,7 +27,7 @@ from common.tpla.convert import (
     model_fingerprint,
     save_side_file,
 )
-from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
+from services.prefill.rank.prefill_rank_model import PrefillRankModel, load_prefill_rank
 from tests.shard_checkpoints import (
     FP8_CONFIG,
     ThreadCollectives,

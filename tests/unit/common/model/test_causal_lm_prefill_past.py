@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.loading.loader import load_model
-from common.model.model import PastLatents
+from common.model.causal_lm import PastLatents
 from tests.tiny import save_hf
 
 

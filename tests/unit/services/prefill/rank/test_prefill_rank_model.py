@@ -14,9 +14,9 @@ import torch
 from common.group.comm import Comm
 from common.group.vocab import gather_vocab
 from common.loading.loader import load_model
-from common.model.model import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.model.causal_lm import DeepseekForCausalLM, PastLatents, PrefillOutput
 from common.parallel import MoeParallel, ParallelConfig, ParallelError, ParallelMode
-from services.prefill.rank.model import PrefillRankModel
+from services.prefill.rank.prefill_rank_model import PrefillRankModel
 from tests.shard_checkpoints import run_group
 from tests.tiny import save_hf
 

@@ -1,7 +1,8 @@
 """How a prefill group's rank gets its model: a `RankModelLoader` (the group's modules take
-one), and `load_group_rank`, the one serving uses: services/prefill/rank/model.py's share,
-whose prefill gives the whole latents (equal on every rank) and this rank's vocabulary shard
-of the logits, which `gather_vocab` joins on the leader."""
+one), and `load_group_rank`, the one serving uses: the share of
+services/prefill/rank/prefill_rank_model.py, whose prefill gives the whole latents (equal on
+every rank) and this rank's vocabulary shard of the logits, which `gather_vocab` joins on the
+leader."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from common.group.comm import Comm
 from services.prefill.config import PrefillGroupConfig, rank_layout
-from services.prefill.rank.model import PrefillRankModel, load_prefill_rank
+from services.prefill.rank.prefill_rank_model import PrefillRankModel, load_prefill_rank
 
 # (the group's config, this rank, its Comm, its device) -> the rank's model share.
 RankModelLoader = Callable[[PrefillGroupConfig, int, Comm, torch.device], PrefillRankModel]

@@ -24,8 +24,8 @@ from common.group.comm import Comm
 from common.kv.paged_cache import CacheLayout, CacheReads, PagedLatentCache
 from common.loading.rank_slices import rank_ffn, rank_norm
 from common.loading.weights import ModelWeights, WeightSource
+from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, share_workspace
-from common.model.model import DeepseekForCausalLM
 from common.model.rope import RotaryEmbedding
 from common.model.tpla import latent_shard
 from common.parallel import ParallelConfig

@@ -16,15 +16,21 @@ from common.loading.loader import load_model
 from common.loading.serving_model import open_serving_weights
 from common.model.fp8 import Fp8Weight
 from common.parallel import MoeParallel, ParallelConfig, ParallelMode, RmsNormMode
-from common.tpla.plan import GIB, Hardware, PlanRequest, build_plan, checkpoint_from_hf_dict
+from common.tpla.capacity_plan import (
+    GIB,
+    Hardware,
+    PlanRequest,
+    build_plan,
+    checkpoint_from_hf_dict,
+)
 from common.tpla.rank_memory import (
     kv_bytes_per_stored_token,
     prefill_rank_tensors,
     rank_tensors,
     weight_bytes,
 )
-from services.decode.rank.model import RankModel
-from services.prefill.rank.model import PrefillRankModel
+from services.decode.rank.rank_model import RankModel
+from services.prefill.rank.prefill_rank_model import PrefillRankModel
 from tests.shard_checkpoints import ThreadCollectives, ThreadGroup, fp8_copy
 from tests.tiny import save_hf
 from tools.cli.main import main
