@@ -313,12 +313,9 @@ def paged_decode_attention(
     be 0; lengths past nb * block_size are clamped to it). `rope_width` is R; W = q.shape[-1]
     - R. num_splits: split-KV programs per sequence; None chooses from the table's width and
     the batch, 1 does not split. Returns u [B, H, W] in q's dtype (softmax-weighted sum of n)
-    and lse [B, H] fp32 (-inf where a sequence has no tokens, with u = 0).
-
-    Never waits for the device: shapes and dtypes are checked here, block ids in range are
-    the caller's contract (as for every paged kernel). Runs on CUDA tensors, or on CPU tensors
-    under TRITON_INTERPRET=1; anything else is an error, never a silent fallback.
-    """
+    and lse [B, H] fp32 (-inf where a sequence has no tokens, with u = 0). Never waits for the
+    device (block ids in range are the caller's contract, as for every paged kernel); runs on
+    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1, and is an error anywhere else."""
     _check(q, kv, block_ids, lengths, block_size, rope_width)
     _check_runnable(q, num_splits)
     batch, heads, cols = q.shape

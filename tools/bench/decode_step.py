@@ -101,31 +101,8 @@ def measure(
     results = []
     with DecodeEngine(cfg) as engine:
         cache = engine.runtime.layout
-        comm = engine.runtime.comm
         for batch in batches:
-            # Requests join one by one and leave as they started: only steps that run the
-            # whole batch are timed. Each request is long enough for `steps` of them plus
-            # warm-up, whatever the spread of joins.
-            params = SamplingParams(
-                max_tokens=steps + batch + WARMUP_STEPS + 2, temperature=0.0, ignore_eos=True
-            )
-            rids = [_reserve(engine, context, params, tp) for _ in range(batch)]
-            steps_seen: list[tuple[float, int, int]] = []  # (seconds, batch, comm bytes after)
-            before = comm.bytes
-
-            def record(seconds: float, size: int, seen: list = steps_seen) -> None:
-                seen.append((seconds, size, comm.bytes))
-
-            engine.probe.on_step = record
-            _run(engine, rids, params)
-            full = []
-            for seconds, size, after in steps_seen:
-                if size == batch:
-                    full.append((seconds, after - before))
-                before = after
-            if len(full) <= WARMUP_STEPS:
-                raise RuntimeError(f"batch {batch}: only {len(full)} steps ran the whole batch")
-            timed = full[WARMUP_STEPS:][:steps]
+            timed = _full_steps(engine, batch, context, steps, tp)
             syncs = _count_syncs(engine, batch, context, tp)
             per_seq = (
                 cache.bytes_per_token_per_layer
@@ -151,6 +128,36 @@ def measure(
                 )
             )
     return results
+
+
+def _full_steps(
+    engine: DecodeEngine, batch: int, context: int, steps: int, tp: int
+) -> list[tuple[float, int]]:
+    """(seconds, collective bytes) of `steps` steps that ran the whole batch, after warm-up.
+    Requests join one by one and leave as they started: only steps that run the whole batch
+    are timed. Each request is long enough for `steps` of them plus warm-up, whatever the
+    spread of joins."""
+    comm = engine.runtime.comm
+    params = SamplingParams(
+        max_tokens=steps + batch + WARMUP_STEPS + 2, temperature=0.0, ignore_eos=True
+    )
+    rids = [_reserve(engine, context, params, tp) for _ in range(batch)]
+    steps_seen: list[tuple[float, int, int]] = []  # (seconds, batch, comm bytes after)
+    before = comm.bytes
+
+    def record(seconds: float, size: int) -> None:
+        steps_seen.append((seconds, size, comm.bytes))
+
+    engine.probe.on_step = record
+    _run(engine, rids, params)
+    full = []
+    for seconds, size, after in steps_seen:
+        if size == batch:
+            full.append((seconds, after - before))
+        before = after
+    if len(full) <= WARMUP_STEPS:
+        raise RuntimeError(f"batch {batch}: only {len(full)} steps ran the whole batch")
+    return full[WARMUP_STEPS:][:steps]
 
 
 def _reserve(engine: DecodeEngine, context: int, params: SamplingParams, tp: int) -> str:
