@@ -1,4 +1,5 @@
-"""ModelConfig: the architecture of a DeepSeek-V2/V3 checkpoint, parsed from HF `config.json`.
+"""ModelConfig: the architecture of an MLA checkpoint, parsed from HF `config.json` through its
+family (common/model/families.py).
 
 Only what the math needs lives here. Both the hub layout (`rope_scaling`) and the
 transformers-5 layout (`rope_parameters`) are accepted; anything we cannot run exactly is
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+from common.model.families import UnknownFamily, family_of
+
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -92,10 +94,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-            )
+        try:
+            family_of(self.model_type)
+        except UnknownFamily as exc:
+            raise ConfigError(str(exc)) from None
         for name in (
             "vocab_size",
             "hidden_size",
@@ -154,10 +156,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Parse an HF `config.json` dict (hub or transformers-5 layout)."""
+        """Parse an HF `config.json` dict (hub or transformers-5 layout) of any family
+        (common/model/families.py), through its family's `normalize`."""
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        try:
+            raw = family_of(model_type).normalize(raw)
+        except UnknownFamily as exc:
+            raise ConfigError(str(exc)) from None
         # quantization_config says how the weights are stored, not what the model is: the
         # loader reads it (`common.loading.checkpoint.Quantization`).
         if raw.get("attention_bias") or raw.get("mlp_bias"):
@@ -191,10 +196,8 @@ class ModelConfig:
             n_shared_experts=raw.get("n_shared_experts") or 0,
             moe_intermediate_size=raw.get("moe_intermediate_size") or 0,
             num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
-            topk_method=raw.get("topk_method")
-            or ("noaux_tc" if model_type == "deepseek_v3" else "greedy"),
-            scoring_func=raw.get("scoring_func")
-            or ("sigmoid" if model_type == "deepseek_v3" else "softmax"),
+            topk_method=raw["topk_method"],
+            scoring_func=raw["scoring_func"],
             n_group=raw.get("n_group") or 1,
             topk_group=raw.get("topk_group") or 1,
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
