@@ -14,7 +14,7 @@ def test_each_model_type_has_one_family() -> None:
     for family in FAMILIES:
         for model_type in family.model_types:
             assert family_of(model_type) is family
-    with pytest.raises(UnknownFamily, match="'llama' is not one of .*deepseek_v3"):
+    with pytest.raises(UnknownFamily, match=r"'llama' is not one of .*deepseek_v3"):
         family_of("llama")
 
 
