@@ -17,6 +17,7 @@ from common.kv.prefix_cache import model_identity
 from common.parallel import MoeParallel, ParallelConfig
 from common.runtime.settings import Settings
 from common.sampling.grammar_limits import DEFAULT_LIMITS, GrammarLimits
+from common.tpla.side_file_choice import resolve_reparam
 from services.prefill.batch.latent_cache import LatentPrefixCache
 from services.prefill.batch.threads import PrefillThreads
 
@@ -43,6 +44,7 @@ class PrefillGroupConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free one (a spawned group)
     join_timeout_s: float = 300.0
+    load_timeout_s: float = 1800.0  # every rank has loaded its share by then
     collective_timeout_s: float = 120.0
     shm_path: str | None = None  # set by the leader
     host: str = "127.0.0.1"
@@ -96,7 +98,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         collectives = "shm" if spawned else "dist"
     return PrefillGroupConfig(
         model=s.model,
-        reparam=s.reparam or None,
+        reparam=resolve_reparam(s.model, s.reparam),
         tp=tp,
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
@@ -114,6 +116,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         master_addr=addr,
         master_port=port,
         join_timeout_s=s.group_join_timeout_s,
+        load_timeout_s=s.load_timeout_s,
         host=s.host,
         advertise_host=s.advertise_host,
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.kv.transfer import cut_shard
-from common.loading.serving_model import load_prefill_model, load_prefill_mtp, side_file_path
+from common.loading.serving_model import load_prefill_model, load_prefill_mtp
 from common.messages import Reservation, TokenEvent
 from common.model.generate import Generation
 from common.model.model import DeepseekForCausalLM, PrefillOutput
@@ -27,6 +27,7 @@ from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, first_tokens
+from common.tpla.side_file_choice import side_file_path
 from services.decode.engine import DecodeEngine
 from services.decode.stream import TokenStream
 
