@@ -98,9 +98,13 @@ def fingerprint(kv_a_weights: Iterable[Tensor]) -> str:
     """
     digest = hashlib.sha256()
     for w in kv_a_weights:
-        bits = w.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
-        digest.update(bits.tobytes())
+        digest.update(kv_a_bits(w))
     return digest.hexdigest()
+
+
+def kv_a_bits(w: Tensor) -> bytes:
+    """One layer's kv_a_proj_with_mqa weight as `fingerprint` hashes it (rounded to bf16)."""
+    return w.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
 
 
 def model_fingerprint(model: DeepseekForCausalLM) -> str:
@@ -142,9 +146,22 @@ def build_reparameterization(
     model: DeepseekForCausalLM, method: Method, stats: LatentStatistics, *, seed: int = 0
 ) -> Reparameterization:
     """R and rotated spectra for every layer of `model` (unrotated) from its latent statistics."""
-    d_c = model.config.kv_lora_rank
+    return reparameterization_from(model.config, model_fingerprint(model), method, stats, seed=seed)
+
+
+def reparameterization_from(
+    config: ModelConfig,
+    weights: str,
+    method: Method,
+    stats: LatentStatistics,
+    *,
+    seed: int = 0,
+) -> Reparameterization:
+    """R and rotated spectra for every layer of a model of `config` whose kv_a weights have
+    the fingerprint `weights` (unrotated), from its latent statistics."""
+    d_c = config.kv_lora_rank
     moments = stats.second_moments()
-    if len(moments) - stats.mtp_layers != model.config.num_hidden_layers:
+    if len(moments) - stats.mtp_layers != config.num_hidden_layers:
         raise SideFileError("calibration statistics do not match the model's layer count")
     layers = []
     for index, c in enumerate(moments):
@@ -160,7 +177,7 @@ def build_reparameterization(
         kv_lora_rank=d_c,
         layers=tuple(layers),
         rotation_applied=False,
-        fingerprint=model_fingerprint(model),
+        fingerprint=weights,
         calibration_tokens=stats.tokens,
         calibration_source=stats.source,
         mtp_layers=stats.mtp_layers,

@@ -17,6 +17,11 @@ reports each child's peak RSS (VmHWM, `peak_rss_bytes`) next to the bytes of par
 
 A rank read shard-wise should peak near overhead + its share. The checkpoint is deleted at
 the end.
+
+`--calibrate` measures `tpla convert`'s calibration instead (common/tpla/layer_calibration.py):
+one child reads the checkpoint layer by layer, pushing random token windows through each, and
+reports its peak RSS beside its footprint before the first layer (imports, headers) and the
+bytes of the largest layer, the embedding and LM head and the activations, in float32.
 """
 
 from __future__ import annotations
@@ -269,6 +274,94 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     }
 
 
+# `--calibrate`: random windows pushed through each layer (8 x 512 tokens by default).
+CALIBRATION_WINDOWS = 8
+CALIBRATION_WINDOW = 512
+
+
+def calibrate_child(model_dir: str, windows: int, window: int) -> dict[str, Any]:
+    """The layer-by-layer calibration of the checkpoint: its peak RSS and time, its footprint
+    before reading a layer, and the float32 bytes of what it may hold at once."""
+    import torch
+
+    from common.loading.weights import CheckpointWeights
+    from common.model.model import DecoderLayer
+    from common.tpla.layer_calibration import calibrate_checkpoint
+
+    torch.set_num_threads(1)
+    c = CheckpointWeights(model_dir, torch.float32).config  # config and headers only
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(2, c.vocab_size, (window,), generator=gen) for _ in range(windows)]
+    overhead = peak_rss_bytes()
+    start = time.perf_counter()
+    calibration = calibrate_checkpoint(model_dir, ids, progress=False)
+    seconds = time.perf_counter() - start
+    layers = []
+    for index in range(c.num_hidden_layers):
+        with torch.device("meta"):
+            layers.append(sum(p.numel() for p in DecoderLayer(c, index).state_dict().values()))
+    return {
+        "mode": "calibrate",
+        "layout": "-",
+        "rank": 0,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "overhead_bytes": overhead,
+        "parameter_bytes": 4 * max(layers),  # the largest layer
+        "embedding_head_bytes": 4 * 2 * c.vocab_size * c.hidden_size,
+        "activation_bytes": 4 * windows * window * c.hidden_size,
+        "whole_model_bytes": 4 * (sum(layers) + 2 * c.vocab_size * c.hidden_size),
+        "calibration_tokens": calibration.stats.tokens,
+        "load_seconds": round(seconds, 2),
+    }
+
+
+def _run_calibration(args: argparse.Namespace) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="tpla-calibration-", dir=args.tmp_dir))
+    out = table_stream(args.json)
+    try:
+        size = write_checkpoint(tmp, int(args.shard_gb * GIB), args.dtype, args.layers)
+        print(f"checkpoint: {size / GIB:.2f} GiB, {args.layers} layers", file=out)
+        cmd = [sys.executable, "-m", "tools.bench.loading", "calibrate", str(tmp)]
+        cmd += [str(CALIBRATION_WINDOWS), str(CALIBRATION_WINDOW)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    row["peak_minus_overhead_bytes"] = row["peak_rss_bytes"] - row["overhead_bytes"]
+    held = row["parameter_bytes"] + row["embedding_head_bytes"] + row["activation_bytes"]
+    row["peak_over_held"] = round(row["peak_minus_overhead_bytes"] / held, 3)
+    result = {
+        "checkpoint_bytes": size,
+        "dtype": args.dtype,
+        "config": {**WIDE_CONFIG, "num_hidden_layers": args.layers},
+        "machine": _machine(),
+        "rows": [row],
+    }
+    for key in (
+        "peak_rss_bytes",
+        "overhead_bytes",
+        "peak_minus_overhead_bytes",
+        "parameter_bytes",
+        "embedding_head_bytes",
+        "activation_bytes",
+        "whole_model_bytes",
+    ):
+        print(f"{key:27} {row[key] / GIB:8.2f} GiB", file=out)
+    print(
+        f"peak - overhead over (largest layer + embedding, head + activations): "
+        f"{row['peak_over_held']}; {row['load_seconds']} s",
+        file=out,
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM). Not `ru_maxrss`: Linux carries a parent's
     peak over fork and exec into it, so a child of a big parent would report the parent's."""
@@ -325,6 +418,8 @@ def planned_rank_bytes(
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _run_calibration(args)
     tmp = Path(tempfile.mkdtemp(prefix="tpla-loading-", dir=args.tmp_dir))
     out = table_stream(args.json)
     try:
@@ -390,11 +485,19 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--tmp-dir", default=None, help="where the checkpoint is written")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure `tpla convert`'s layer-by-layer calibration instead (use --layers 8)",
+    )
     p.set_defaults(func=_run)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "prefill-rank":
+    if sys.argv[1] == "calibrate":
+        model_dir, windows, window = sys.argv[2:5]
+        print(json.dumps(calibrate_child(model_dir, int(windows), int(window))))
+    elif sys.argv[1] == "prefill-rank":
         model_dir, dtype, port, rank = sys.argv[2:6]
         print(json.dumps(prefill_child(model_dir, dtype, int(rank), int(port))))
         from common.group.child import end_process
