@@ -35,7 +35,6 @@ from common.loading.mtp_weights import build_mtp_layer
 from common.loading.weights import CheckpointWeights, build_layer
 from common.model.args import ModelConfig
 from common.model.model import DecoderLayer, packed_prefill
-from common.model.mtp import MTPLayer
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding
 from common.tpla.calibration import CalibrationError, LatentStatistics, accumulate_latents
@@ -145,17 +144,13 @@ def calibrate_checkpoint(
             live = [live[j] for j in kept]
             hidden = [hidden[j][: len(w) - k - 1] for j, w in zip(kept, live, strict=True)]
             ids = [w[k + 1 :] for w in live]
-            sums.append(_calibrate_layer(module, rope, ids, hidden, _fused(module)))
+            sums.append(_calibrate_layer(module, rope, ids, hidden, module.fuse))
             mtp_tokens.append(sum(len(i) for i in ids))
             del module
             bar.update()
     tokens = sum(len(w) for w in windows)
     stats = LatentStatistics(tuple(sums), tokens, source, tuple(mtp_tokens))
     return CheckpointCalibration(c, stats, digest.hexdigest())
-
-
-def _fused(module: MTPLayer) -> Callable[[Tensor, Tensor], Tensor]:
-    return lambda ids, h: module.fuse(ids, h)
 
 
 def _calibrate_layer(

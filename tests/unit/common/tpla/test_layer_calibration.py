@@ -88,9 +88,7 @@ def test_a_random_v2(tmp_path: Path) -> None:
 def test_a_random_v3_in_fp8_with_an_mtp_layer(tmp_path: Path) -> None:
     main = random_state()
     fp8, _ = quantize({**main, **mtp_state(main, "equal")})
-    model_dir = save_checkpoint(
-        fp8, tmp_path / "fp8", **MTP_CONFIG, quantization_config=FP8_CONFIG
-    )
+    model_dir = save_checkpoint(fp8, tmp_path / "fp8", **MTP_CONFIG, quantization_config=FP8_CONFIG)
     wins = windows(300)
     streamed = streamed_side_files(model_dir, wins, tmp_path)
     assert streamed == whole_model_side_files(model_dir, wins, tmp_path)
