@@ -5,11 +5,9 @@ that did not arrive. Real processes over gloo."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import time
 from typing import NoReturn
 
-import pytest
 import torch
 
 from common.group.setup import init_group, open_comm, startup_barrier
@@ -21,6 +19,7 @@ from services.decode.group.spec import group_spec
 from services.prefill.config import prefill_config
 from services.prefill.group.spec import group_spec as prefill_group_spec
 from tests.rank_exit import leave_group
+from tests.spawned_ranks import run_ranks
 
 COLLECTIVE_TIMEOUT_S = 1.0
 SLOW_LOAD_S = 3.0
@@ -54,20 +53,10 @@ def _start(load_timeout_s: float) -> dict[int, object]:
         collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         load_timeout_s=load_timeout_s,
     )
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(cfg.to_json(), r, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return dict(out.get(timeout=60) for _ in range(1 if load_timeout_s < SLOW_LOAD_S else 2))
-    except queue.Empty:
-        pytest.fail("a rank did not finish")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    # Past the load timeout only the leader reports (the slow rank is left at the barrier).
+    expect = 1 if load_timeout_s < SLOW_LOAD_S else 2
+    items, _ = run_ranks(_rank, [(cfg.to_json(), r) for r in range(2)], expect)
+    return dict(items)
 
 
 def test_a_slow_rank_within_the_load_timeout_joins_the_group() -> None:

@@ -355,6 +355,11 @@ def _run_calibration(args: argparse.Namespace) -> int:
         f"{row['peak_over_held']}; {row['load_seconds']} s",
         file=out,
     )
+    return _write(result, args)
+
+
+def _write(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """The result to --out and, with --json, as the last stdout line."""
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
@@ -470,11 +475,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{r['load_seconds']:>7}",
             file=out,
         )
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return _write(result, args)
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
