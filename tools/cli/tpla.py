@@ -30,13 +30,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from common.model.args import ModelConfig
     from common.text.tokenizer import Tokenizer
     from common.tpla.calibration import DEFAULT_CALIB_CHARS, load_text, token_windows
-    from common.tpla.convert import (
-        convert_checkpoint,
-        reparameterization_from,
-        save_side_file,
-        side_file_name,
-    )
+    from common.tpla.convert import reparameterization_from, save_side_file, side_file_name
     from common.tpla.layer_calibration import calibrate_checkpoint
+    from common.tpla.rotated_checkpoint import convert_checkpoint
     from common.tpla.transforms import Method
 
     _threads(args.threads)

@@ -14,12 +14,12 @@ from common.tpla.convert import (
     SideFileError,
     apply_reparameterization,
     build_reparameterization,
-    convert_checkpoint,
     load_reparameterization,
     load_side_file,
     save_side_file,
     side_file_name,
 )
+from common.tpla.rotated_checkpoint import convert_checkpoint
 from common.tpla.transforms import Method
 from tests.tiny import calibrate, random_windows, save_hf
 
