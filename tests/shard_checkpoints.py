@@ -16,11 +16,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from common.group.comm import Collectives, Comm, ReduceOp
+from common.loading.side_file import LayerReparameterization, Method, Reparameterization
 from common.model.args import ModelConfig
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
-from common.tpla.convert import LayerReparameterization, Reparameterization
-from common.tpla.transforms import Method
 
 T = TypeVar("T")
 

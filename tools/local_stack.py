@@ -49,8 +49,9 @@ class LocalStack:
         return stack
 
     @classmethod
-    def launch(cls, model_dir: Path | str, **settings: str) -> LocalStack:
-        """`start` without waiting for /ready (tests of start-up failures)."""
+    def launch(cls, model_dir: Path | str, *args: str, **settings: str) -> LocalStack:
+        """`start` without waiting for /ready (tests of start-up failures); `args` go on
+        `tpla serve`'s command line (`--smoke`: one request, then it exits)."""
         # Room for what the services derive from each port (metrics on +1000, rank k's KV
         # receiver on base + k, torch stores on +100, a second group or worker on the
         # strides of services/stack/serve.py), none of it overlapping another service's.
@@ -77,7 +78,7 @@ class LocalStack:
         log_path = Path(tempfile.mkstemp(prefix="tpla-stack-", suffix=".log")[1])
         with log_path.open("w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tools.cli", "serve"],
+                [sys.executable, "-m", "tools.cli", "serve", *args],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

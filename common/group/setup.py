@@ -37,6 +37,14 @@ def init_group(spec: GroupSpec, rank: int, store: dist.Store | None = None) -> N
     dist.init_process_group("gloo", world_size=spec.size, rank=rank, timeout=timeout, **init)
 
 
+def startup_barrier(spec: GroupSpec) -> None:
+    """Every rank of the group has loaded its share: the one wait on other ranks' loading,
+    bounded by the group's load timeout, not the per-step collective timeout (the gloo
+    default group's). A rank that does not arrive is named (gloo's monitored barrier)."""
+    if spec.size > 1:
+        dist.monitored_barrier(timeout=timedelta(seconds=spec.load_timeout_s))
+
+
 # Each rank's slot in the group file; larger messages (a big batch's logits) go in rounds.
 SHM_SLOT_BYTES = 4 * 2**20
 

@@ -28,6 +28,8 @@ class GroupConfig(Protocol):
     @property
     def join_timeout_s(self) -> float: ...
     @property
+    def load_timeout_s(self) -> float: ...
+    @property
     def master_addr(self) -> str: ...
     @property
     def master_port(self) -> int: ...
@@ -49,6 +51,9 @@ class GroupSpec:
     collectives: str = "shm"
     collective_timeout_s: float = 120.0
     join_timeout_s: float = 300.0  # every follower joins (a follower: the leader answers) by then
+    # Every rank has loaded its share by then (the start-up barrier): reading a real
+    # checkpoint's share takes minutes, and ranks finish it minutes apart.
+    load_timeout_s: float = 1800.0
     spawned: bool = True  # followers are the leader's children; else each joins on its own
     addr: str = "127.0.0.1"  # the leader's rendezvous store (served on every interface)
     port: int = 0
@@ -82,6 +87,7 @@ class GroupSpec:
             collectives=cfg.collectives,
             collective_timeout_s=cfg.collective_timeout_s,
             join_timeout_s=cfg.join_timeout_s,
+            load_timeout_s=cfg.load_timeout_s,
             spawned=spawned,
             addr=cfg.master_addr,
             port=cfg.master_port,

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.loading.side_file_choice import resolve_reparam, side_file_path
+
 _DIGEST_BYTES = 8  # 64-bit hashes: compact to publish, collisions negligible at cache sizes
 # Block hashes a worker publishes for KV-aware routing, at most: its most recently used
 # prefixes. Bounded so its registry record stays small (17 bytes of hex each, ~70 KB) while
@@ -54,9 +56,9 @@ def model_identity(model_dir: str | Path, reparam: str | None) -> int:
     parts.append(config.read_bytes() if config.is_file() else str(root.resolve()).encode())
     for weights in sorted(root.glob("*.safetensors")):
         parts.append(f"{weights.name}:{weights.stat().st_size}")
-    if reparam:
-        name = reparam if reparam.endswith(".json") else f"{reparam}.json"
-        parts.append(b"side-file:" + (root / name).read_bytes())
+    name = resolve_reparam(root, reparam)  # TPLA_REPARAM's values, as the loader reads them
+    if name is not None:
+        parts.append(b"side-file:" + side_file_path(root, name).read_bytes())
     else:
         parts.append(b"side-file:none")
     return root_hash(*parts)

@@ -1,9 +1,9 @@
 """Load a model in the latent basis the serving stack uses (prefill and decode must agree).
 
-`reparam` names a TPLA side file in the model directory (`tpla_pca` -> `tpla_pca.json`). It
-folds gamma and rotates the latent exactly, and supplies per-layer spectra from which each
-decode rank derives its shard constants. Without one, TPLA uses the identity basis with
-e_i = 1/r.
+`reparam` names a TPLA side file in the model directory (`tpla_pca` -> `tpla_pca.json`; the
+values `auto` and `none` as common/loading/side_file_choice.py reads them). It folds gamma and
+rotates the latent exactly, and supplies per-layer spectra from which each decode rank derives
+its shard constants. Without one, TPLA uses the identity basis with e_i = 1/r.
 
 The weights are read from the checkpoint tensor by tensor (`CheckpointWeights`), rotated as
 they are read: a decode rank builds only its share from them, the prefill worker the whole
@@ -13,7 +13,6 @@ FP8 checkpoint's linear weights stay FP8 (`keeps_fp8`).
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -22,16 +21,11 @@ from torch import Tensor
 from common.loading.loader import serving_dtype
 from common.loading.mtp_weights import build_mtp_layer
 from common.loading.serving_kernels import PrefillKernels
+from common.loading.side_file_choice import resolve_reparam, side_file_path
 from common.loading.weights import CheckpointWeights, build_model
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
 from common.runtime.kernel_choice import KernelConfig
-
-
-def side_file_path(model_dir: str | Path, reparam: str) -> Path:
-    name = reparam if reparam.endswith(".json") else f"{reparam}.json"
-    return Path(model_dir) / name
-
 
 WEIGHT_DTYPES = ("auto", "float8", "dequantize")
 
@@ -63,20 +57,12 @@ def open_serving_weights(
     src = CheckpointWeights(model_dir, serving_dtype(dtype), device, keep_fp8=keep, mtp=mtp)
     layers = src.config.num_hidden_layers
     extra = src.mtp_layers if mtp else 0
-    if not reparam:
+    name = resolve_reparam(model_dir, reparam)
+    if name is None:
         return src, [None] * (layers + extra)
-    from common.tpla.convert import basis_rotations, load_side_file
+    from common.loading.side_file import basis_rotations, load_side_file
 
-    path = side_file_path(model_dir, reparam)
-    if not path.is_file():
-        # Serving still works, just with the paper's weakest basis: say so loudly.
-        warnings.warn(
-            f"TPLA side file {path} not found: using the identity basis with "
-            "e_i = 1/r (run `tpla convert` to calibrate)",
-            stacklevel=2,
-        )
-        return src, [None] * (layers + extra)
-    side = load_side_file(path)
+    side = load_side_file(side_file_path(model_dir, name))
     attn = "model.layers.{}.self_attn."
     rotations = basis_rotations(
         side,

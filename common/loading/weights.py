@@ -28,7 +28,7 @@ from torch import Tensor
 
 from common.loading.checkpoint import CheckpointError, CheckpointReader
 from common.model.args import ModelConfig
-from common.model.causal_lm import DeepseekForCausalLM
+from common.model.causal_lm import DecoderLayer, DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, RowRun, Weight, cat_rows, share_workspace, stack
 from common.model.mtp import SHARED_WITH_MAIN, MTPLayer
 
@@ -380,6 +380,15 @@ def build_model(src: WeightSource) -> DeepseekForCausalLM:
     fill_module(model, src)
     share_workspace(model)
     return model.eval()
+
+
+def build_layer(src: WeightSource, index: int) -> DecoderLayer:
+    """Decoder layer `index` alone, from `src`: the tensors `build_model` gives that layer."""
+    with torch.device("meta"):
+        layer = DecoderLayer(src.config, index)
+    fill_module(layer, src, f"model.layers.{index}.")
+    share_workspace(layer)
+    return layer.eval()
 
 
 def fill_module(

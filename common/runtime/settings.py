@@ -126,7 +126,12 @@ class Settings(BaseSettings):
         "ep (whole experts, E/tp per rank); shared experts are split by columns either way",
     )
     rmsnorm: str = Field("exact", description="TPLA RMSNorm for new tokens: exact | sliced")
-    reparam: str | None = Field("tpla_pca", description="side file in the model dir, or none")
+    reparam: str = Field(
+        "auto",
+        description="TPLA side file in the model dir: auto (tpla_pca.json when present, else "
+        "the identity basis with a warning) | none (the identity basis) | a side file's name, "
+        "required (tpla_hadamard, my_basis.json: a missing one is a start-up error)",
+    )
     block_size: int = Field(16, ge=1)
     kv_budget_mb: float = Field(256.0, gt=0, description="KV pool per decode rank")
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
@@ -166,6 +171,13 @@ class Settings(BaseSettings):
     )
     group_join_timeout_s: float = Field(
         300.0, gt=0, description="longest wait for every rank of a group to join (or its leader)"
+    )
+    load_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="longest wait at a group's start-up barrier for every rank to load its "
+        "share (a real checkpoint's share takes minutes, its ranks finish minutes apart); "
+        "each step's collectives keep their own, shorter timeout",
     )
     prefix_cache: bool = Field(
         True,

@@ -13,11 +13,11 @@ PCA basis and the per-shard energies are derived from these sums.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -115,6 +115,25 @@ def token_windows(ids: Sequence[int], window: int, min_len: int = 2) -> list[Ten
     return [w for w in out if len(w) >= min_len]
 
 
+@contextlib.contextmanager
+def accumulate_latents(norm: nn.Module, total: Tensor) -> Iterator[None]:
+    """While open, each input x of a layer's `kv_a_layernorm` (its latent before the norm)
+    adds sum n n^T over its rows (n = x / rms(x), float64, on the CPU) to `total` in place."""
+    eps = float(norm.eps)
+    d_c = total.shape[0]
+
+    def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        x = args[0].detach().to(torch.float64).reshape(-1, d_c)
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        total.add_((n.T @ n).cpu())
+
+    handle = norm.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def collect_latent_statistics(
     model: DeepseekForCausalLM,
     windows: Sequence[Tensor],
@@ -124,31 +143,20 @@ def collect_latent_statistics(
     mtp_layers: Sequence[MTPLayer] = (),
 ) -> LatentStatistics:
     """Run exact prefill over `windows` and accumulate sum n n^T per layer (float64), the
-    MTP modules' after the model's."""
+    MTP modules' after the model's: a loaded model's statistics (`tpla eval` calibrates the
+    model it evaluates). A checkpoint's, without loading it: common/tpla/layer_calibration.py,
+    which a test holds bit-equal to this."""
     if not windows:
         raise CalibrationError("no calibration windows (is the text shorter than 2 tokens?)")
     d_c = model.config.kv_lora_rank
     layers = [*model.model.layers, *mtp_layers]
     sums = [torch.zeros(d_c, d_c, dtype=torch.float64) for _ in layers]
-    handles = []
-
-    def make_hook(index: int, norm: nn.Module) -> Any:
-        eps = float(norm.eps)
-
-        def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
-            x = args[0].detach().to(torch.float64).reshape(-1, d_c)
-            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            sums[index] += (n.T @ n).cpu()
-
-        return hook
-
-    for i, layer in enumerate(layers):
-        norm = layer.self_attn.kv_a_layernorm
-        handles.append(norm.register_forward_pre_hook(make_hook(i, norm)))
     tokens = 0
     mtp_tokens = [0] * len(mtp_layers)
     device = model.lm_head.weight.device
-    try:
+    with contextlib.ExitStack() as hooks:
+        for layer, total in zip(layers, sums, strict=True):
+            hooks.enter_context(accumulate_latents(layer.self_attn.kv_a_layernorm, total))
         for window in tqdm(
             windows, desc="calibrate", unit="win", file=sys.stderr, disable=not progress
         ):
@@ -166,7 +174,4 @@ def collect_latent_statistics(
                     )
                 hidden = step.hidden
                 mtp_tokens[k] += rows
-    finally:
-        for handle in handles:
-            handle.remove()
     return LatentStatistics(tuple(sums), tokens, source, tuple(mtp_tokens))

@@ -5,102 +5,39 @@ Per layer, with an orthogonal R and the kv_a_layernorm weight gamma:
     W_kvb <- W_kvb diag(gamma) R,   gamma <- 1,   W_kva[:d_c] <- R^T W_kva[:d_c]
 
 rms is rotation invariant, so MLA's outputs are unchanged and the cached latent becomes
-`R^T x / rms(x)`. The result is either written as a new HF checkpoint (`convert_checkpoint`)
-or recorded in a small side file that `apply_reparameterization` replays at load time. A
-side file also carries each layer's calibration spectrum in the rotated basis, from which
-`common.model.tpla.latent_shard` derives each shard's constants for any TP degree.
+`R^T x / rms(x)`. The result is either written as a new HF checkpoint
+(common/tpla/rotated_checkpoint.py) or recorded in a small side file that
+`apply_reparameterization` replays at load time. A side file also carries each layer's
+calibration spectrum in the rotated basis, from which `common.model.tpla.latent_shard`
+derives the per-shard constants for any TP degree.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import logging
-import shutil
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
-from common.loading.checkpoint import Quantization, checkpoint_files
+from common.loading.side_file import (
+    LayerReparameterization,
+    Method,
+    Reparameterization,
+    SideFileError,
+    basis_rotations,
+    fingerprint,
+    load_side_file,
+    side_file_name,
+)
 from common.loading.weights import rotate_kv_a, rotate_kv_b
 from common.model.args import ModelConfig
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mla import MLAttention
 from common.tpla.calibration import LatentStatistics
-from common.tpla.transforms import Method, rotated_spectrum, rotation
+from common.tpla.transforms import rotated_spectrum, rotation
 
 log = logging.getLogger(__name__)
-
-SIDE_FILE_FORMAT = "tpla-reparameterization/1"
-_ATTN = "model.layers.{}.self_attn."
-
-
-class SideFileError(ValueError):
-    """A reparameterization side file is malformed or does not belong to this checkpoint."""
-
-
-@dataclass(frozen=True)
-class LayerReparameterization:
-    """One layer's rotation R (None: identity or already applied) and rotated spectrum."""
-
-    rotation: Tensor | None
-    spectrum: Tensor  # E[n_k^2] per rotated latent dimension, float64
-
-
-@dataclass(frozen=True)
-class Reparameterization:
-    """What a side file holds: method, seed, per-layer R and spectra, calibration note.
-
-    `rotation_applied` is true for the side file of a converted checkpoint, whose weights
-    already contain R (and folded gamma); `fingerprint` identifies the weights it applies to.
-    """
-
-    method: Method
-    seed: int
-    kv_lora_rank: int
-    layers: tuple[LayerReparameterization, ...]
-    rotation_applied: bool
-    fingerprint: str
-    calibration_tokens: int
-    calibration_source: str
-    # The last `mtp_layers` entries of `layers` are the model's MTP modules' (layers
-    # num_hidden_layers + k); the fingerprint covers the model's own layers only.
-    mtp_layers: int = 0
-
-    @property
-    def main_layers(self) -> int:
-        return len(self.layers) - self.mtp_layers
-
-    def spectra(self) -> list[Tensor]:
-        """The model's own layers' spectra (what the decode ranks' shards come from)."""
-        return [layer.spectrum for layer in self.layers[: self.main_layers]]
-
-    def mtp_spectra(self) -> list[Tensor]:
-        return [layer.spectrum for layer in self.layers[self.main_layers :]]
-
-
-def side_file_name(method: Method) -> str:
-    return f"tpla_{method.value}.json"
-
-
-def fingerprint(kv_a_weights: Iterable[Tensor]) -> str:
-    """sha256 of every layer's kv_a_proj_with_mqa weight rounded to bf16.
-
-    Rounding to bf16 makes the same checkpoint fingerprint identically whether it is stored
-    or loaded in bf16 or fp32.
-    """
-    digest = hashlib.sha256()
-    for w in kv_a_weights:
-        bits = w.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
-        digest.update(bits.tobytes())
-    return digest.hexdigest()
 
 
 def model_fingerprint(model: DeepseekForCausalLM) -> str:
@@ -142,9 +79,22 @@ def build_reparameterization(
     model: DeepseekForCausalLM, method: Method, stats: LatentStatistics, *, seed: int = 0
 ) -> Reparameterization:
     """R and rotated spectra for every layer of `model` (unrotated) from its latent statistics."""
-    d_c = model.config.kv_lora_rank
+    return reparameterization_from(model.config, model_fingerprint(model), method, stats, seed=seed)
+
+
+def reparameterization_from(
+    config: ModelConfig,
+    weights: str,
+    method: Method,
+    stats: LatentStatistics,
+    *,
+    seed: int = 0,
+) -> Reparameterization:
+    """R and rotated spectra for every layer of a model of `config` whose kv_a weights have
+    the fingerprint `weights` (unrotated), from its latent statistics."""
+    d_c = config.kv_lora_rank
     moments = stats.second_moments()
-    if len(moments) - stats.mtp_layers != model.config.num_hidden_layers:
+    if len(moments) - stats.mtp_layers != config.num_hidden_layers:
         raise SideFileError("calibration statistics do not match the model's layer count")
     layers = []
     for index, c in enumerate(moments):
@@ -160,49 +110,11 @@ def build_reparameterization(
         kv_lora_rank=d_c,
         layers=tuple(layers),
         rotation_applied=False,
-        fingerprint=model_fingerprint(model),
+        fingerprint=weights,
         calibration_tokens=stats.tokens,
         calibration_source=stats.source,
         mtp_layers=stats.mtp_layers,
     )
-
-
-def basis_rotations(
-    side: Reparameterization,
-    config: ModelConfig,
-    kv_a_weights: Iterable[Tensor],
-    gamma: Callable[[int], Tensor],
-) -> list[Tensor] | None:
-    """Check that `side` belongs to these weights; each layer's R to apply (identity where
-    the side file has none; the MTP modules' after the model's layers, when the side file
-    covers them), or None for a converted checkpoint's side file (R applied).
-
-    `kv_a_weights` yields each layer's kv_a_proj_with_mqa weight in the serving dtype (one at
-    a time is enough: only their fingerprint is kept); `gamma(i)` is layer i's kv_a_layernorm
-    weight. A fingerprint mismatch (other weights, or R applied twice) is an error.
-    """
-    c = config
-    mismatch = side.kv_lora_rank != c.kv_lora_rank or side.main_layers != c.num_hidden_layers
-    if mismatch or side.mtp_layers > c.num_nextn_predict_layers:
-        raise SideFileError(
-            f"side file is for d_c={side.kv_lora_rank} with {side.main_layers} layers and "
-            f"{side.mtp_layers} MTP layers; the model has d_c={c.kv_lora_rank} with "
-            f"{c.num_hidden_layers} layers and {c.num_nextn_predict_layers} MTP layers"
-        )
-    if fingerprint(kv_a_weights) != side.fingerprint:
-        raise SideFileError(
-            "the side file was made for different weights (retrained model, or the "
-            f"{side.method.value} rotation is already applied); regenerate it with `tpla convert`"
-        )
-    if side.rotation_applied:
-        for i in range(c.num_hidden_layers):
-            if not torch.all(gamma(i) == 1):
-                raise SideFileError("rotation_applied is set but kv_a_layernorm is not folded")
-        return None
-    return [
-        rep.rotation if rep.rotation is not None else torch.eye(c.kv_lora_rank)
-        for rep in side.layers
-    ]
 
 
 def apply_reparameterization(model: DeepseekForCausalLM, side: Reparameterization) -> list[Tensor]:
@@ -226,86 +138,6 @@ def apply_reparameterization(model: DeepseekForCausalLM, side: Reparameterizatio
 # -- side file I/O ----------------------------------------------------------------------------
 
 
-def _encode(t: Tensor) -> str:
-    return base64.b64encode(
-        t.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
-    ).decode()
-
-
-def _decode(text: str, d: int) -> Tensor:
-    try:
-        raw = np.frombuffer(base64.b64decode(text, validate=True), dtype="<f4")
-    except (ValueError, TypeError) as exc:
-        raise SideFileError(f"rotation is not valid base64 float32: {exc}") from exc
-    if raw.size != d * d:
-        raise SideFileError(f"rotation has {raw.size} entries, expected {d * d}")
-    r = torch.from_numpy(raw.astype(np.float64)).view(d, d)
-    # Stored in float32: snap back to the nearest orthogonal matrix (polar factor) in float64.
-    u, _, vh = torch.linalg.svd(r)
-    return u @ vh
-
-
-def save_side_file(path: str | Path, side: Reparameterization) -> None:
-    """Write `side` as JSON (rotations as base64 little-endian float32, row-major)."""
-    doc = {
-        "format": SIDE_FILE_FORMAT,
-        "method": side.method.value,
-        "seed": side.seed,
-        "kv_lora_rank": side.kv_lora_rank,
-        "num_layers": len(side.layers),
-        "mtp_layers": side.mtp_layers,
-        "rotation_applied": side.rotation_applied,
-        "fingerprint": side.fingerprint,
-        "calibration": {"tokens": side.calibration_tokens, "source": side.calibration_source},
-        "layers": [
-            {
-                "spectrum": [float(v) for v in layer.spectrum.tolist()],
-                "rotation": None if layer.rotation is None else _encode(layer.rotation),
-            }
-            for layer in side.layers
-        ],
-    }
-    Path(path).write_text(json.dumps(doc) + "\n")
-
-
-def load_side_file(path: str | Path) -> Reparameterization:
-    """Read a side file written by `save_side_file`, validating every field."""
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-        if doc.get("format") != SIDE_FILE_FORMAT:
-            raise SideFileError(f"{path}: format is {doc.get('format')!r}, not {SIDE_FILE_FORMAT}")
-        d = int(doc["kv_lora_rank"])
-        layers = []
-        for entry in doc["layers"]:
-            spectrum = torch.tensor(entry["spectrum"], dtype=torch.float64)
-            if spectrum.shape != (d,) or not bool((spectrum >= 0).all()):
-                raise SideFileError(f"{path}: a spectrum is not {d} non-negative numbers")
-            rot = entry["rotation"]
-            layers.append(
-                LayerReparameterization(None if rot is None else _decode(rot, d), spectrum)
-            )
-        if len(layers) != int(doc["num_layers"]):
-            raise SideFileError(f"{path}: num_layers does not match the layer entries")
-        return Reparameterization(
-            method=Method(doc["method"]),
-            seed=int(doc["seed"]),
-            kv_lora_rank=d,
-            layers=tuple(layers),
-            rotation_applied=bool(doc["rotation_applied"]),
-            fingerprint=str(doc["fingerprint"]),
-            calibration_tokens=int(doc["calibration"]["tokens"]),
-            calibration_source=str(doc["calibration"]["source"]),
-            mtp_layers=int(doc.get("mtp_layers", 0)),
-        )
-    except OSError as exc:
-        raise SideFileError(f"cannot read side file {path}: {exc}") from exc
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, SideFileError):
-            raise
-        raise SideFileError(f"{path} is not a valid TPLA side file: {exc!r}") from exc
-
-
 def load_reparameterization(
     model: DeepseekForCausalLM, model_dir: str | Path, method: Method
 ) -> list[Tensor | None]:
@@ -326,114 +158,3 @@ def load_reparameterization(
     )
     fold_gamma(model)
     return [None] * model.config.num_hidden_layers
-
-
-# -- checkpoint conversion ---------------------------------------------------------------------
-
-
-def convert_checkpoint(
-    model_dir: str | Path,
-    out_dir: str | Path,
-    side: Reparameterization,
-    *,
-    dtype: torch.dtype | None = None,
-) -> Reparameterization:
-    """Write a reparameterized copy of `model_dir` into `out_dir`; return its side file.
-
-    Tensor names, shard files and the expert layout are those of the source; only the three
-    latent tensors of each layer change (and every tensor's dtype when `dtype` is given).
-    Non-weight files (config, tokenizer, ...) are copied; stale TPLA side files are not.
-    """
-    src, out = Path(model_dir), Path(out_dir)
-    if src.resolve() == out.resolve():
-        raise SideFileError("--out must differ from --model (the source is read while writing)")
-    if side.rotation_applied:
-        raise SideFileError("this side file is already applied to its checkpoint")
-    if Quantization.from_dir(src).method is not None:
-        # Rotating block-quantized weights would need requantizing; the side file alone
-        # applies R at load time instead (after dequantizing).
-        raise SideFileError(
-            "cannot write a rotated copy of a quantized checkpoint; serve it with the side file"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    rotations = {
-        i: (layer.rotation if layer.rotation is not None else torch.eye(side.kv_lora_rank))
-        for i, layer in enumerate(side.layers)
-    }
-    kv_a_out: dict[int, Tensor] = {}
-    rounded = False
-    for file in checkpoint_files(src):
-        with safe_open(str(file), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        rounded |= _rotate_shard(tensors, rotations, dtype)
-        for i in rotations:
-            name = _ATTN.format(i) + "kv_a_proj_with_mqa.weight"
-            if name in tensors:
-                kv_a_out[i] = tensors[name]
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(out / file.name),
-            metadata={"format": "pt"},
-        )
-    if sorted(kv_a_out) != list(range(len(side.layers))):
-        raise SideFileError("the checkpoint lacks some layers' kv_a_proj_with_mqa weights")
-    if rounded:
-        log.warning(
-            "the rotated latent weights were rounded to the checkpoint's 16-bit dtype, so MLA "
-            "outputs change by that rounding; pass --dtype float32 for an exact conversion"
-        )
-    for item in src.iterdir():
-        if item.is_file() and item.suffix != ".safetensors" and not item.name.startswith("tpla_"):
-            shutil.copy2(item, out / item.name)
-    if dtype is not None:
-        _set_config_dtype(out / "config.json", dtype)
-    converted = Reparameterization(
-        method=side.method,
-        seed=side.seed,
-        kv_lora_rank=side.kv_lora_rank,
-        layers=tuple(LayerReparameterization(None, layer.spectrum) for layer in side.layers),
-        rotation_applied=True,
-        fingerprint=fingerprint([kv_a_out[i] for i in range(side.main_layers)]),
-        calibration_tokens=side.calibration_tokens,
-        calibration_source=side.calibration_source,
-        mtp_layers=side.mtp_layers,
-    )
-    save_side_file(out / side_file_name(side.method), converted)
-    return converted
-
-
-def _rotate_shard(
-    tensors: dict[str, Tensor], rotations: dict[int, Tensor], dtype: torch.dtype | None
-) -> bool:
-    """One shard file's tensors, in place: cast to `dtype` (when given) and each layer's three
-    latent tensors reparameterized by its rotation. Whether a rotated weight was rounded to a
-    16-bit dtype."""
-    if dtype is not None:
-        # Cast before rotating, so R is applied in float64 and rounded once, to `dtype`.
-        tensors.update({k: v.to(dtype) for k, v in tensors.items() if v.is_floating_point()})
-    rounded = False
-    for i, r in rotations.items():
-        names = [
-            _ATTN.format(i) + n
-            for n in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight")
-        ]
-        present = [n in tensors for n in names]
-        if not any(present):
-            continue
-        if not all(present):
-            raise SideFileError(f"layer {i}'s latent tensors are split across shard files")
-        a, g, b = reparameterized_weights(*(tensors[n] for n in names), r)
-        rounded |= a.dtype in (torch.bfloat16, torch.float16)
-        tensors.update(zip(names, (a, g, b), strict=True))
-    return rounded
-
-
-def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
-    if not path.is_file():
-        return
-    config = json.loads(path.read_text())
-    name = str(dtype).removeprefix("torch.")
-    for key in ("torch_dtype", "dtype"):
-        if key in config:
-            config[key] = name
-    path.write_text(json.dumps(config, indent=2) + "\n")

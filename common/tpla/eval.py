@@ -26,6 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.loading.loader import load_model
+from common.loading.side_file import Method, load_side_file, side_file_name
 from common.model.causal_lm import DeepseekForCausalLM
 from common.parallel import RmsNormMode
 from common.text.tokenizer import Tokenizer
@@ -37,14 +38,8 @@ from common.tpla.calibration import (
     load_text,
     token_windows,
 )
-from common.tpla.convert import (
-    apply_reparameterization,
-    build_reparameterization,
-    load_side_file,
-    side_file_name,
-)
+from common.tpla.convert import apply_reparameterization, build_reparameterization
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
-from common.tpla.transforms import Method
 
 DEFAULT_WINDOW = 1024
 # Code tokenizes to roughly 3-4 characters per token; read generously, then cut to the budget.

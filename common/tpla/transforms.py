@@ -13,27 +13,14 @@ over the contiguous shards that TPLA slices:
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import Tensor
+
+from common.loading.side_file import Method
 
 
 class TransformError(ValueError):
     """A transform cannot be built for this latent width or calibration data."""
-
-
-class Method(enum.Enum):
-    """The reparameterization methods, by their CLI / JSON name."""
-
-    IDENTITY = "identity"
-    HADAMARD = "hadamard"
-    PCA = "pca"
-
-    @property
-    def needs_calibration(self) -> bool:
-        """Only PCA's basis depends on data; every method's spectrum does."""
-        return self is Method.PCA
 
 
 def sylvester_hadamard(d: int) -> Tensor:

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from common.group.spec import parse_group_addr
+from common.loading.side_file_choice import resolve_reparam
 from common.parallel import ParallelConfig, RmsNormMode, parse_mode, parse_moe
 from common.runtime.kernel_choice import KernelConfig, kernel_config
 from common.runtime.ports import TORCH_PORT_OFFSET
@@ -70,7 +71,7 @@ class SpecConfig:
 class EngineConfig:
     model: str
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    reparam: str | None = None  # TPLA side file in the model dir, e.g. "tpla_pca"
+    reparam: str | None = None  # TPLA side file in the model dir, e.g. "tpla_pca"; None: none
     block_size: int = 16
     kv_budget_mb: float = 256.0  # per rank
     max_batch: int = 32
@@ -98,6 +99,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     join_timeout_s: float = 300.0  # every follower joins (a follower: the leader answers) by then
+    load_timeout_s: float = 1800.0  # every rank has loaded its share by then
     collective_timeout_s: float = 120.0
     record_logits: bool = False  # keep each step's logits on token events (tests, eval)
     # KV receivers: rank k serves KvReceiver on kv_port_base + k and, for the torch
@@ -175,7 +177,7 @@ def engine_config(s: Settings) -> EngineConfig:
             chunk_size=s.chunk_size,
             moe=moe,
         ),
-        reparam=s.reparam or None,
+        reparam=resolve_reparam(s.model, s.reparam),
         block_size=s.block_size,
         kv_budget_mb=s.kv_budget_mb,
         max_batch=s.max_batch,
@@ -191,6 +193,7 @@ def engine_config(s: Settings) -> EngineConfig:
         master_addr=master_addr,
         master_port=master_port,
         join_timeout_s=s.group_join_timeout_s,
+        load_timeout_s=s.load_timeout_s,
         host=s.host,
         advertise_host=s.advertise_host,
         kv_port_base=s.kv_port_base,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from common.group.spec import parse_group_addr
 from common.kv.prefix_cache import model_identity
+from common.loading.side_file_choice import resolve_reparam
 from common.parallel import MoeParallel, ParallelConfig
 from common.runtime.kernel_choice import KernelConfig, kernel_config
 from common.runtime.settings import Settings
@@ -46,6 +47,7 @@ class PrefillGroupConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free one (a spawned group)
     join_timeout_s: float = 300.0
+    load_timeout_s: float = 1800.0  # every rank has loaded its share by then
     collective_timeout_s: float = 120.0
     shm_path: str | None = None  # set by the leader
     host: str = "127.0.0.1"
@@ -100,7 +102,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         collectives = "shm" if spawned else "dist"
     return PrefillGroupConfig(
         model=s.model,
-        reparam=s.reparam or None,
+        reparam=resolve_reparam(s.model, s.reparam),
         tp=tp,
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
@@ -118,6 +120,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         master_addr=addr,
         master_port=port,
         join_timeout_s=s.group_join_timeout_s,
+        load_timeout_s=s.load_timeout_s,
         host=s.host,
         advertise_host=s.advertise_host,
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from common.loading.side_file_choice import NONE, resolve_reparam
 from common.rpc.server import stop_on_signals
 from common.runtime import group_files
 from common.runtime.ports import (
@@ -98,7 +99,7 @@ def _env(s: Settings, redis_url: str) -> dict[str, str]:
         "LATENT_GROUPS": s.latent_groups,
         "PARALLEL": s.parallel,
         "RMSNORM": s.rmsnorm,
-        "REPARAM": s.reparam or "",
+        "REPARAM": s.reparam,
         "TRANSPORT": s.transport,
         "ROUTER_PORT": s.router_port,
         "PREFILL_PORT": s.prefill_port,
@@ -237,6 +238,9 @@ def serve_stack(s: Settings, *, smoke: bool = False, devices: StackDevices | Non
     prints it) before anything starts if a port the stack binds is taken. `devices`: where
     each decode group and prefill worker runs (None: each resolves TPLA_DEVICE itself)."""
     check_ports(s.host, stack_port_uses(s))
+    # The side file is chosen here, once: a missing one is said once (or, named, fails here),
+    # and every service then reads the same choice.
+    s = s.model_copy(update={"reparam": resolve_reparam(s.model, s.reparam) or NONE})
     default_redis = not s.redis_url and s.router_port == 8000
     if default_redis:
         redis_use = PortUse(

@@ -35,6 +35,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from referencing import Registry, Resource
 
+from common.runtime.kernel_choice import SELECTORS
 from common.runtime.settings import Settings
 from services.autoscaler.profile import PerformanceProfile
 from services.autoscaler.service import DESIRED, ROLES
@@ -169,6 +170,16 @@ def config(docs: list[Doc]) -> dict[str, str]:
     return find(docs, "ConfigMap", "tpla-config")["data"]
 
 
+def settings_of(docs: list[Doc]) -> Settings:
+    return Settings.model_validate({k[5:].lower(): v for k, v in config(docs).items()})
+
+
+def loading_s(s: Settings) -> float:
+    """How long a group may take before its leader's port opens: its followers join (within
+    the join timeout), then the start-up barrier waits for the slowest rank's load."""
+    return s.group_join_timeout_s + s.load_timeout_s
+
+
 # -- images ----------------------------------------------------------------------------------
 
 
@@ -205,6 +216,23 @@ def test_images_install_torch_at_the_makefile_version() -> None:
         text = (ROOT / "docker" / dockerfile).read_text()
         assert f"ARG TORCH_VERSION={version.group(1)}\n" in text, dockerfile
         assert "USER 10001:10001" in text and "HEALTHCHECK" in text, dockerfile
+
+
+def test_images_wait_for_loading_and_the_cuda_image_runs_the_fp8_recipe() -> None:
+    """Each image's HEALTHCHECK gives a start as long as the groups may take (join and load
+    timeouts); the CUDA image's torch is built on CUDA 12.9 or later, whose cuBLASLt runs the
+    1x128 / 128x128 FP8 recipe the GPU overlay asks for (common/model/fp8_gemm.py)."""
+    s = Settings()
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (ROOT / "docker" / dockerfile).read_text()
+        start = re.search(r"--start-period=(\d+)s", text)
+        assert start is not None and int(start.group(1)) >= loading_s(s), dockerfile
+    text = (ROOT / "docker" / "Dockerfile.cuda").read_text()
+    variant = re.search(r"^ARG TORCH_VARIANT=cu(\d+)(\d)$", text, re.M)
+    index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)$", text, re.M)
+    assert variant is not None and index is not None
+    assert (int(variant.group(1)), int(variant.group(2))) >= (12, 9), variant.group(0)
+    assert index.group(1).endswith(f"/cu{variant.group(1)}{variant.group(2)}")
 
 
 # -- manifests: schema and lint ----------------------------------------------------------------
@@ -349,6 +377,40 @@ def test_probes_and_ports_match_the_services(
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_startup_probes_outlast_loading(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    """A prefill or decode pod's port opens once its group has joined and loaded: its startup
+    probe allows the ConfigMap's join and load timeouts, so the kubelet never restarts a pod
+    that is still loading within them."""
+    docs = docs_of(rendered[variant])
+    need = loading_s(settings_of(docs))
+    probed = 0
+    for role, doc, template, container in workloads(docs):
+        probe = container.get("startupProbe")
+        if role == "router" or probe is None:
+            continue
+        allowed = (
+            probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+        )
+        assert allowed >= need, (doc["metadata"]["name"], template, allowed, need)
+        probed += 1
+    assert probed >= 2
+
+
+def test_gpu_overlay_multiplies_fp8_weights_by_the_recipe(
+    rendered: dict[tuple[str, bool], str],
+) -> None:
+    """scaled_mm, not auto: a GPU or torch that cannot run DeepSeek's recipe stops the load
+    naming the setting instead of dequantizing every FP8 weight on use."""
+    for components in (False, True):
+        cfg = config(docs_of(rendered[("gpu", components)]))
+        assert cfg["TPLA_FP8_GEMM"] == "scaled_mm"
+        assert cfg["TPLA_FP8_GEMM"] in SELECTORS["fp8_gemm"][1]
+        assert "TPLA_FP8_GEMM" not in config(docs_of(rendered[("cpu-demo", components)]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_network_policies(variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]) -> None:
     docs = docs_of(rendered[variant])
     cfg = config(docs)
@@ -408,7 +470,7 @@ def test_settings_and_secrets_are_real(
     docs = docs_of(rendered[variant])
     fields = {f"TPLA_{name.upper()}" for name in Settings.model_fields}
     assert set(config(docs)) <= fields, set(config(docs)) - fields
-    Settings.model_validate({k[5:].lower(): v for k, v in config(docs).items()})
+    settings_of(docs)
     source = "\n".join(
         p.read_text() for d in ("common", "services") for p in (ROOT / d).rglob("*.py")
     )

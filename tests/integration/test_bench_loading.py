@@ -4,9 +4,16 @@ child process reports the rank's parameter bytes (equal to `tpla plan`'s) and it
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-from tools.bench.loading import WIDE_CONFIG, planned_rank_bytes, run_child, write_checkpoint
+from tools.bench.loading import (
+    WIDE_CONFIG,
+    planned_rank_bytes,
+    run_child,
+    write_checkpoint,
+)
 
 SMALL = {
     **WIDE_CONFIG,
@@ -41,3 +48,14 @@ def test_a_rank_keeping_an_fp8_checkpoint_fp8_holds_the_planned_float8_bytes(
     rank = run_child(tmp_path, "bfloat16", "rank-fp8", "tpla", 1)
     assert rank["parameter_bytes"] == planned_rank_bytes(tmp_path, "tpla", 1, "float8")
     assert rank["parameter_bytes"] < planned_rank_bytes(tmp_path, "tpla", 1, "bfloat16")
+
+
+def test_the_calibration_child_reports_its_peak_and_what_it_may_hold(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 1 << 20, "bfloat16", 2, SMALL)
+    cmd = [sys.executable, "-m", "tools.bench.calibration", str(tmp_path), "2", "16"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["calibration_tokens"] == 32 and row["activation_bytes"] == 4 * 32 * 256
+    assert row["peak_rss_bytes"] >= row["overhead_bytes"] > 50 << 20
+    assert row["embedding_head_bytes"] == 4 * 2 * 512 * 256
+    assert row["parameter_bytes"] < row["whole_model_bytes"]

@@ -13,12 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from common.loading.loader import load_model
+from common.loading.side_file import Method, load_side_file
 from common.model.generate import generate
 from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
-from common.tpla.convert import load_side_file
 from common.tpla.eval import EvalConfig, evaluate
-from common.tpla.transforms import Method
 from tests.cli import run_tpla
 from tests.tiny import CORPUS
 

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
-import queue
 from typing import NoReturn
 
 import pytest
@@ -21,6 +20,7 @@ from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
 from tests.rank_exit import leave_group
+from tests.spawned_ranks import run_ranks
 
 WORLD = 2
 
@@ -82,24 +82,14 @@ def test_comm_and_plans_between_two_ranks(collectives: str) -> None:
         collective_timeout_s=30,
     )
     cfg = dataclasses.replace(cfg, shm_path=create_shm_group(group_spec(cfg)))
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(cfg.to_json(), r, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
     try:
-        results = dict(out.get(timeout=60) for _ in procs)
-    except queue.Empty:
-        pytest.fail("a rank did not finish")
+        items, codes = run_ranks(_rank, [(cfg.to_json(), r) for r in range(WORLD)])
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
         if cfg.shm_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(cfg.shm_path)
-    assert [p.exitcode for p in procs] == [0, 0]
+    results = dict(items)
+    assert codes == [0, 0]
     for rank in range(WORLD):
         r = results[rank]
         assert r["shm"] == (collectives == "shm")

@@ -6,13 +6,11 @@ greedy first tokens."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -24,6 +22,7 @@ from common.runtime.kernel_choice import KernelConfig
 from common.runtime.ports import free_port
 from services.prefill.rank.prefill_rank_model import load_prefill_rank
 from tests.rank_exit import leave_group
+from tests.spawned_ranks import run_ranks
 from tests.tiny import save_hf
 
 WORLD = 2
@@ -64,22 +63,10 @@ def _rank(model_dir: str, port: int, rank: int, out: mp.Queue) -> NoReturn:
 
 def test_a_two_process_group_equals_the_whole_model(tmp_path: Path) -> None:
     save_hf("v2-greedy", tmp_path, std=0.08)
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(str(tmp_path), port, r, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = {r[0]: r[1:] for r in (out.get(timeout=120) for _ in procs)}
-    except queue.Empty:
-        pytest.fail("a rank did not finish")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    items, codes = run_ranks(_rank, [(str(tmp_path), port, r) for r in range(WORLD)], None, 120)
+    results = {r[0]: r[1:] for r in items}
+    assert codes == [0, 0]
     whole_model = load_model(tmp_path)
     want = whole_model.prefill(torch.tensor(IDS), LENS, all_logits=True)
     (n0, logits, bytes0), (n1, nothing, bytes1) = results[0], results[1]

@@ -17,6 +17,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.prefill",
     "tools.bench.capacity",
     "tools.bench.loading",
+    "tools.bench.calibration",
     "tools.bench.moe",
     "tools.bench.answers",
     "tools.bench.autoscale",

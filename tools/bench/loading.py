@@ -17,6 +17,9 @@ reports each child's peak RSS (VmHWM, `peak_rss_bytes`) next to the bytes of par
 
 A rank read shard-wise should peak near overhead + its share. The checkpoint is deleted at
 the end.
+
+`tpla bench calibration` (tools/bench/calibration.py) measures `tpla convert`'s calibration
+on the same kind of checkpoint.
 """
 
 from __future__ import annotations
@@ -269,6 +272,15 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     }
 
 
+def write_result(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """The result to --out and, with --json, as the last stdout line."""
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM). Not `ru_maxrss`: Linux carries a parent's
     peak over fork and exec into it, so a child of a big parent would report the parent's."""
@@ -296,7 +308,7 @@ def run_child(model_dir: Path, dtype: str, mode: str, layout: str = "-", rank: i
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -358,7 +370,7 @@ def _run(args: argparse.Namespace) -> int:
             "shards": files,
             "dtype": args.dtype,
             "config": {**WIDE_CONFIG, "num_hidden_layers": args.layers},
-            "machine": _machine(),
+            "machine": machine(),
             "rows": rows,
         }
     finally:
@@ -375,11 +387,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{r['load_seconds']:>7}",
             file=out,
         )
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return write_result(result, args)
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:

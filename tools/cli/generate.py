@@ -177,10 +177,10 @@ def generate_with_mode(
     args: argparse.Namespace,
 ) -> Generation:
     """`tpla generate --mode ...`: reparameterize from the side file, generate with the oracle."""
+    from common.loading.side_file import Method
     from common.parallel import RmsNormMode
     from common.tpla.convert import load_reparameterization
     from common.tpla.reference import AttentionSpec, ReferenceModel, Variant, generate
-    from common.tpla.transforms import Method
 
     variant = Variant(args.mode)
     groups = 1 if variant is Variant.MLA else args.latent_groups

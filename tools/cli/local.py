@@ -8,7 +8,8 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from common.loading.serving_model import load_prefill_model, load_prefill_mtp, side_file_path
+from common.loading.serving_model import load_prefill_model, load_prefill_mtp
+from common.loading.side_file_choice import side_file_path
 from common.model.generate import Generation
 from common.parallel import parse_mode
 from common.runtime.settings import Settings

@@ -38,8 +38,6 @@ def _settings(args: argparse.Namespace) -> Settings:
     over = {f: getattr(args, f, None) for f in fields}
     if getattr(args, "port", None) is not None:
         over[args.port_field] = args.port
-    if over.get("reparam") == "none":
-        over["reparam"] = ""
     return load_settings(**over)
 
 
@@ -109,7 +107,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="TPLA_REDIS_URL")
     p.add_argument("--host", help="interface to bind (TPLA_HOST, default 127.0.0.1)")
     p.add_argument("--torch-threads", type=int)
-    p.add_argument("--reparam", help="TPLA side file in the model dir (tpla_pca, ...) or none")
+    p.add_argument(
+        "--reparam", help="TPLA side file in the model dir: auto, none or a name (TPLA_REPARAM)"
+    )
 
 
 def _decode_args(p: argparse.ArgumentParser) -> None:

@@ -26,40 +26,29 @@ def _threads(count: int | None) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from common.loading.loader import load_model
-    from common.loading.mtp_weights import load_mtp_layers
+    from common.loading.side_file import Method, save_side_file, side_file_name
+    from common.model.args import ModelConfig
     from common.text.tokenizer import Tokenizer
-    from common.tpla.calibration import (
-        DEFAULT_CALIB_CHARS,
-        collect_latent_statistics,
-        load_text,
-        token_windows,
-    )
-    from common.tpla.convert import (
-        build_reparameterization,
-        convert_checkpoint,
-        save_side_file,
-        side_file_name,
-    )
-    from common.tpla.transforms import Method
+    from common.tpla.calibration import DEFAULT_CALIB_CHARS, load_text, token_windows
+    from common.tpla.convert import reparameterization_from
+    from common.tpla.layer_calibration import calibrate_checkpoint
+    from common.tpla.rotated_checkpoint import convert_checkpoint
 
     _threads(args.threads)
     model_dir = Path(load_settings(model=args.model).model)
     method = Method(args.method)
-    model = load_model(model_dir)
-    # The MTP layers' latents are cached too (speculation `mtp`): their basis comes along.
-    mtp = load_mtp_layers(model_dir, main=model)
     text = load_text(args.calib, args.calib_chars or DEFAULT_CALIB_CHARS)
     ids = Tokenizer.from_dir(model_dir).encode(text.text, add_bos=False)
-    window = min(args.window, model.config.max_position_embeddings)
-    stats = collect_latent_statistics(
-        model,
-        token_windows(ids, window),
-        source=text.source,
-        progress=not args.quiet,
-        mtp_layers=mtp,
+    window = min(args.window, ModelConfig.from_dir(model_dir).max_position_embeddings)
+    # Layer by layer, never the whole model; the MTP layers' latents are cached too
+    # (speculation `mtp`), so their basis comes along.
+    calibration = calibrate_checkpoint(
+        model_dir, token_windows(ids, window), source=text.source, progress=not args.quiet
     )
-    side = build_reparameterization(model, method, stats, seed=args.seed)
+    stats = calibration.stats
+    side = reparameterization_from(
+        calibration.config, calibration.fingerprint, method, stats, seed=args.seed
+    )
     if args.out:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         convert_checkpoint(model_dir, args.out, side, dtype=dtype.get(args.dtype or ""))

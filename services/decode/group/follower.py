@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from common.group.follower import run_follower
 from common.group.join import FollowerGroup
+from common.group.setup import startup_barrier
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
@@ -39,7 +40,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> No
         runtime = RankRuntime(cfg, rank, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
         group.publish(list(cfg.kv_addresses(rank) if receiver else ("", "")))
-        runtime.comm.barrier()  # the leader waits until every rank has loaded its share
+        startup_barrier(group.spec)  # the leader waits until every rank has loaded its share
         if leader is None:
             kv = cfg.kv_addresses(rank)[0] if receiver else "none"
             print(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from common.group.processes import GroupProcesses
-from common.group.setup import create_shm_group, init_group
+from common.group.setup import create_shm_group, init_group, startup_barrier
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.ports import free_port
@@ -63,7 +63,7 @@ def start_group(cfg: EngineConfig) -> RunningGroup:
         init_group(spec, 0, processes.store)
         runtime = RankRuntime(cfg, 0, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
-        runtime.comm.barrier()
+        startup_barrier(spec)
         # Where each rank receives its KV shards: its own receiver, wherever it runs.
         own = cfg.kv_addresses(0) if receiver is not None else ("", "")
         endpoints = [own, *((str(e[0]), str(e[1])) for e in processes.published())]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from common.group.comm import Comm
 from common.group.follower import run_follower
 from common.group.join import FollowerGroup
-from common.group.setup import open_comm
+from common.group.setup import open_comm, startup_barrier
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
 from common.model.causal_lm import PrefillOutput
@@ -164,7 +164,7 @@ def follower_main(
         device = rank_device(cfg.device, spec.local_index(rank))
         comm = open_comm(spec, rank, device)
         state = RankState(cfg, rank, comm, loader(cfg, rank, comm, device), group.store)
-        comm.barrier()  # the leader waits until every rank has loaded its share
+        startup_barrier(spec)  # the leader waits until every rank has loaded its share
         if leader is None:
             print(
                 f"prefill rank {rank} of {cfg.tp} joined the group at {group.address}", flush=True

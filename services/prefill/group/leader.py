@@ -27,7 +27,7 @@ from torch import Tensor
 from common.group.comm import Comm
 from common.group.errors import RankExited
 from common.group.processes import GroupProcesses
-from common.group.setup import create_shm_group, init_group, open_comm
+from common.group.setup import create_shm_group, init_group, open_comm, startup_barrier
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
 from common.model.causal_lm import PastLatents, PrefillOutput
@@ -89,7 +89,7 @@ class GroupRunner(PrefillRunner):
             init_group(spec, 0, processes.store)
             comm = open_comm(spec, 0, rank_device(cfg.device, 0))
             model = loader(cfg, 0, comm, rank_device(cfg.device, 0))
-            comm.barrier()
+            startup_barrier(spec)
         except BaseException as exc:
             processes.stop(grace_s=1.0)
             if dist.is_initialized():

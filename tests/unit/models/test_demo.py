@@ -52,7 +52,8 @@ def test_model_card_measures_against_baselines() -> None:
 
 def test_mtp_layer_in_v3_layout_with_a_measured_card(demo) -> None:
     from common.loading.mtp_weights import load_mtp_layers
-    from common.tpla.convert import load_side_file, model_fingerprint
+    from common.loading.side_file import load_side_file
+    from common.tpla.convert import model_fingerprint
 
     assert demo.config.num_nextn_predict_layers == 1
     (layer,) = load_mtp_layers(DEMO, main=demo)

@@ -20,15 +20,12 @@ from common.kv.paged_cache import PagedLatentCache
 from common.loading.checkpoint import CheckpointError, UnsupportedQuantization
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model, open_serving_weights
+from common.loading.side_file import save_side_file
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.kernel_choice import KernelConfig
-from common.tpla.convert import (
-    apply_reparameterization,
-    model_fingerprint,
-    save_side_file,
-)
+from common.tpla.convert import apply_reparameterization, model_fingerprint
 from services.decode.rank.rank_model import RankModel
 from tests.shard_checkpoints import (
     CONFIG,
@@ -78,7 +75,7 @@ def _whole_then_sliced(model_dir: Path, parallel: ParallelConfig, reparam: str |
     full = load_model(model_dir)
     spectra = [None] * full.config.num_hidden_layers
     if reparam:
-        from common.tpla.convert import load_side_file
+        from common.loading.side_file import load_side_file
 
         spectra = apply_reparameterization(full, load_side_file(model_dir / f"{reparam}.json"))
     return _ranks(full, parallel, spectra)

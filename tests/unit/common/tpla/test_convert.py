@@ -10,17 +10,19 @@ import pytest
 import torch
 
 from common.loading.loader import load_model
-from common.tpla.convert import (
+from common.loading.side_file import (
+    Method,
     SideFileError,
-    apply_reparameterization,
-    build_reparameterization,
-    convert_checkpoint,
-    load_reparameterization,
     load_side_file,
     save_side_file,
     side_file_name,
 )
-from common.tpla.transforms import Method
+from common.tpla.convert import (
+    apply_reparameterization,
+    build_reparameterization,
+    load_reparameterization,
+)
+from common.tpla.rotated_checkpoint import convert_checkpoint
 from tests.tiny import calibrate, random_windows, save_hf
 
 
@@ -126,10 +128,11 @@ def _mtp_checkpoint(path: Path) -> Path:
 
 def test_side_files_and_conversion_cover_the_mtp_layer(tmp_path: Path) -> None:
     from common.loading.mtp_weights import build_mtp_layer, load_mtp_layers
+    from common.loading.side_file import basis_rotations
     from common.loading.weights import CheckpointWeights
     from common.model.mtp import mtp_prefill
     from common.tpla.calibration import collect_latent_statistics
-    from common.tpla.convert import basis_rotations, model_fingerprint
+    from common.tpla.convert import model_fingerprint
 
     src_dir = _mtp_checkpoint(tmp_path / "src")
     model = load_model(src_dir, dtype=torch.float64)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from common.loading.side_file import Method
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig, RmsNormMode
 from common.tpla.convert import apply_reparameterization, build_reparameterization
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
-from common.tpla.transforms import Method
 from tests.tiny import calibrate, random_windows
 
 T, P = 40, 12

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.loading.side_file import Method
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig
 from common.tpla.convert import build_reparameterization
 from common.tpla.transforms import (
-    Method,
     TransformError,
     pca_basis,
     random_hadamard,

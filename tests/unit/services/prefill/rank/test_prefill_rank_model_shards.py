@@ -16,17 +16,13 @@ from common.group.comm import Comm
 from common.loading.checkpoint import CheckpointReader
 from common.loading.loader import load_model
 from common.loading.serving_model import open_serving_weights
+from common.loading.side_file import load_side_file, save_side_file
 from common.loading.weights import WeightSource
 from common.model.causal_lm import DeepseekForCausalLM, PrefillOutput
 from common.model.fp8 import Fp8Weight
 from common.parallel import MoeParallel, ParallelConfig
 from common.runtime.kernel_choice import KernelConfig
-from common.tpla.convert import (
-    apply_reparameterization,
-    load_side_file,
-    model_fingerprint,
-    save_side_file,
-)
+from common.tpla.convert import apply_reparameterization, model_fingerprint
 from services.prefill.rank.prefill_rank_model import PrefillRankModel, load_prefill_rank
 from tests.shard_checkpoints import (
     FP8_CONFIG,
