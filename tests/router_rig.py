@@ -2,7 +2,8 @@
 tokens, and the router on a real uvicorn socket, all on 127.0.0.1 in the test's event loop.
 
 The fake services are a deterministic token source, not models: prefill returns the script's
-first token, decode streams the rest. They record what the router sent them (request ids,
+first token, decode streams the rest; a migrated request (its earlier tokens sent along) goes
+on from the script's next token. They record what the router sent them (request ids,
 sampling params, aborts, the internal token) so tests can check the router's protocol use.
 """
 
@@ -130,7 +131,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         for i in sorted(set(range(len(firsts))) - live):
             yield _one(decode_pb2.GenerateEvent(finish_reason="stop", index=i))
         count, step = 1, []
-        for tok in self.script.ids[1:]:
+        for tok in self.script.ids[1 + len(request.output_ids) :]:
             if count >= params.max_tokens or not live:
                 break
             if not step:
@@ -186,7 +187,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         await asyncio.sleep(self.delay_s)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is down")
-        first = _token(self.script.ids[0], request.params.logprobs)
+        # A migrated request's next token is the script's after the ones it generated.
+        ids = self.script.ids
+        first = _token(ids[min(request.num_output_tokens, len(ids) - 1)], request.params.logprobs)
         prompt = [_token(t, request.prompt_logprobs) for t in request.prompt_ids[1:]]
         return prefill_pb2.PrefillResponse(
             first_token=first,
