@@ -286,6 +286,25 @@ async def run_stack(
         routing_policy=routing_policy,
         **overrides,
     )
+    try:
+        async with serve_router(settings, redis_url) as base:
+            client = httpx.AsyncClient(base_url=base, timeout=10.0)
+            try:
+                decode = decodes[0] if decodes else FakeDecode(script)
+                yield Stack(
+                    base, client, script, decode, prefills, registry, settings, servers, decodes
+                )
+            finally:
+                await client.aclose()
+    finally:
+        for s in servers:
+            await s.stop(grace=None)
+        registry.client.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_router(settings: Settings, redis_url: str) -> AsyncIterator[str]:
+    """The router app on a real socket of 127.0.0.1, in the test's event loop: its URL."""
     app = create_app(settings, redis_url=redis_url, refresh_s=0.1)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -297,19 +316,12 @@ async def run_stack(
         if server.started:
             break
         await asyncio.sleep(0.01)
-    base = f"http://127.0.0.1:{port}"
-    client = httpx.AsyncClient(base_url=base, timeout=10.0)
     try:
-        decode = decodes[0] if decodes else FakeDecode(script)
-        yield Stack(base, client, script, decode, prefills, registry, settings, servers, decodes)
+        yield f"http://127.0.0.1:{port}"
     finally:
-        await client.aclose()
         server.should_exit = True
         await asyncio.wait_for(task, timeout=10)
         sock.close()
-        for s in servers:
-            await s.stop(grace=None)
-        registry.client.close()
 
 
 UNUSED_REDIS = "redis://127.0.0.1:1/0"
