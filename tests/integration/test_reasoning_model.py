@@ -16,13 +16,10 @@ from typing import Any
 import openai
 import pytest
 
-from common.parallel import ParallelConfig
-from common.runtime.ports import free_port, kv_port_offsets
 from common.runtime.settings import Settings
 from common.text.tokenizer import Tokenizer
-from services.decode.config import EngineConfig
 from tests.router_rig import anyio_backend, redis_server, redis_url, serve_router
-from tests.stack import services_in_threads
+from tests.stack import one_rank_group, services_in_threads
 from tests.tiny import save_hf, save_reasoning_tokenizer
 
 __all__ = ["anyio_backend", "redis_server", "redis_url"]  # the rig's fixtures, used here
@@ -43,14 +40,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(model_dir: Path, redis_server: Any) -> Iterator[None]:
-    cfg = EngineConfig(
-        model=str(model_dir),
-        parallel=ParallelConfig(tp=1, latent_groups=1),
-        master_port=free_port(),
-        kv_budget_mb=2,
-        block_size=8,
-        kv_port_base=free_port(kv_port_offsets(1)),
-    )
+    cfg = one_rank_group(model_dir)
     with services_in_threads(cfg, redis_server.url, start_timeout_s=120, heartbeat_s=0.2):
         yield
 

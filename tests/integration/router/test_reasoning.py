@@ -18,7 +18,7 @@ import pytest
 from common.rpc.gen import decode_pb2
 from common.text.deepseek_v32 import dsml_calls
 from common.text.tokenizer import Tokenizer
-from tests.integration.router.test_tools import DEEPSEEK_MARKERS
+from tests.integration.router.test_tools import DEEPSEEK_MARKERS, deepseek_call
 from tests.router_rig import Script, chat, run_stack
 from tests.tiny import save_reasoning_tokenizer
 from tests.unit.services.router.test_tools import TOOLS
@@ -159,17 +159,7 @@ async def test_cut_off_in_the_reasoning_and_a_budget(
 async def test_tools_and_structured_outputs_after_the_thinking(
     reasoning_dir: Path, tok: Tokenizer, redis_url: str
 ) -> None:
-    begin, _end, call, call_end, sep = (tok.encode(m)[0] for m in DEEPSEEK_MARKERS)
-    markers = [
-        begin,
-        call,
-        *tok.encode("get_weather"),
-        sep,
-        *tok.encode('{"city": "Rome"}'),
-        call_end,
-        _end,
-    ]
-    ids = _ids(tok, "I should call it", markers)
+    ids = _ids(tok, "I should call it", deepseek_call(tok, "get_weather", '{"city": "Rome"}'))
     async with run_stack(reasoning_dir, redis_url, Script(ids)) as stack:
         body = chat(max_tokens=64, tools=TOOLS, **THINK)
         resp = await stack.client.post("/v1/chat/completions", json=body)
