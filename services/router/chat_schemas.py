@@ -150,8 +150,11 @@ class ChatCompletionRequest(SamplingRequest):
         description="vLLM extension: variables for the chat template, e.g. thinking or "
         "enable_thinking (a template without the switch ignores them)",
     )
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
-        None, description="passed to the chat template as reasoning_effort (where it reads it)"
+    # Any level a template may know (OpenAI's low / medium / high and newer ones).
+    reasoning_effort: Text | None = Field(
+        None,
+        max_length=32,
+        description="passed to the chat template as reasoning_effort (where it reads it)",
     )
     thinking_token_budget: int | None = Field(
         None,

@@ -251,3 +251,15 @@ async def test_deepseek_v32_dsml_calls_inside_and_after_the_thinking(
             for t in ch["delta"].get("tool_calls") or []
         ]
         assert streamed == calls
+
+
+async def test_template_variables_the_router_sets_itself_are_refused(client: Any) -> None:
+    body = chat(chat_template_kwargs={"messages": [], "thinking": True})
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "chat_template_kwargs"
+    resp = await client.post("/v1/chat/completions", json=chat(thinking_token_budget=-1))
+    assert resp.status_code == 400 and "thinking_token_budget" in resp.text
+    bad = {"role": "user", "content": "q", "reasoning_content": "r"}
+    resp = await client.post("/v1/chat/completions", json=chat(messages=[bad]))
+    assert resp.status_code == 400 and "reasoning_content" in resp.text
