@@ -192,16 +192,15 @@ class ChatText:
         markup = self.calling.markup
         if markup is CallMarkup.DEEPSEEK_V3:  # its begin marker is one token: never split
             before, begin, after = text.partition(markup.begin)
-            held = ""
-        else:
+            if not begin:
+                return text, []
+        else:  # DSML: hold back what may become its begin marker (and the blanks before)
             before, begin, after = (self.held + text).partition(markup.begin)
-            keep = 0 if begin else dsml.held_tail(before, markup.begin)
-            before, held = before[: len(before) - keep], before[len(before) - keep :]
-            if begin:
-                before = before.rstrip(dsml.WHITESPACE)
-        self.held = held
-        if not begin:
-            return (before if markup is CallMarkup.DEEPSEEK_V3 else before or None), []
+            if not begin:
+                keep = dsml.held_tail(before, markup.begin)
+                self.held = before[len(before) - keep :]
+                return before[: len(before) - keep] or None, []
+            self.held, before = "", before.rstrip(dsml.WHITESPACE)
         self.mode, self._block = _Stream.MARKERS, _Block(markup)
         return before or None, self._headers(self._block.feed(after))
 

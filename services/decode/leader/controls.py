@@ -136,11 +136,11 @@ class StepControls:
                     torch.ones(len(extra), dtype=counts.dtype, device=self.device),
                     accumulate=True,
                 )
-        if any(s.matcher is not None or s.thinking is not None for s in seqs):
+        if any(_masks(s) for s in seqs):
             mask = self._bitmask[: sum(sizes)]
             mask.fill_(-1)
             for s, start, d in zip(seqs, starts, drafts, strict=True):
-                if (s.matcher is not None or s.thinking is not None) and not s.failed:
+                if _masks(s) and not s.failed:
                     try:
                         _fill_rows(s, d, mask[start : start + 1 + len(d)])
                     except GrammarError as exc:  # its rows' samples are never sent
@@ -164,6 +164,12 @@ class StepControls:
                 continue
             if not s.matcher.accept(t):
                 s.failed = s.matcher.error or f"token {t} is not allowed by the grammar"
+
+
+def _masks(seq: SequenceControls) -> bool:
+    """Whether the sequence's rows may leave tokens out: it has a grammar, or it still
+    thinks under a budget (a budget-only sequence's rows are free once its thinking ended)."""
+    return seq.matcher is not None or (seq.thinking is not None and not seq.thinking.ended)
 
 
 def _fill_rows(seq: SequenceControls, drafts: Sequence[int], mask: Tensor) -> None:

@@ -76,3 +76,5 @@ def test_thinking_without_a_grammar_or_budget_is_not_tracked(tmp_path: Path) -> 
     budget = SamplingParams(think_end_ids=(END,), thinking_budget=0)
     seq = controls.start(budget, None, [3], [])
     assert _allowed(controls, seq) == {END}
+    controls.advance([seq], [END])
+    assert controls.context([seq], [1]).allowed is None  # its answer is free: no mask at all
