@@ -2,7 +2,8 @@
 tokens, and the router on a real uvicorn socket, all on 127.0.0.1 in the test's event loop.
 
 The fake services are a deterministic token source, not models: prefill returns the script's
-first token, decode streams the rest. They record what the router sent them (request ids,
+first token, decode streams the rest; a migrated request (its earlier tokens sent along) goes
+on from the script's next token. They record what the router sent them (request ids,
 sampling params, aborts, the internal token) so tests can check the router's protocol use.
 """
 
@@ -130,7 +131,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         for i in sorted(set(range(len(firsts))) - live):
             yield _one(decode_pb2.GenerateEvent(finish_reason="stop", index=i))
         count, step = 1, []
-        for tok in self.script.ids[1:]:
+        for tok in self.script.ids[1 + len(request.output_ids) :]:
             if count >= params.max_tokens or not live:
                 break
             if not step:
@@ -186,7 +187,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         await asyncio.sleep(self.delay_s)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is down")
-        first = _token(self.script.ids[0], request.params.logprobs)
+        # A migrated request's next token is the script's after the ones it generated.
+        ids = self.script.ids
+        first = _token(ids[min(request.num_output_tokens, len(ids) - 1)], request.params.logprobs)
         prompt = [_token(t, request.prompt_logprobs) for t in request.prompt_ids[1:]]
         return prefill_pb2.PrefillResponse(
             first_token=first,
@@ -283,6 +286,25 @@ async def run_stack(
         routing_policy=routing_policy,
         **overrides,
     )
+    try:
+        async with serve_router(settings, redis_url) as base:
+            client = httpx.AsyncClient(base_url=base, timeout=10.0)
+            try:
+                decode = decodes[0] if decodes else FakeDecode(script)
+                yield Stack(
+                    base, client, script, decode, prefills, registry, settings, servers, decodes
+                )
+            finally:
+                await client.aclose()
+    finally:
+        for s in servers:
+            await s.stop(grace=None)
+        registry.client.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_router(settings: Settings, redis_url: str) -> AsyncIterator[str]:
+    """The router app on a real socket of 127.0.0.1, in the test's event loop: its URL."""
     app = create_app(settings, redis_url=redis_url, refresh_s=0.1)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -294,19 +316,12 @@ async def run_stack(
         if server.started:
             break
         await asyncio.sleep(0.01)
-    base = f"http://127.0.0.1:{port}"
-    client = httpx.AsyncClient(base_url=base, timeout=10.0)
     try:
-        decode = decodes[0] if decodes else FakeDecode(script)
-        yield Stack(base, client, script, decode, prefills, registry, settings, servers, decodes)
+        yield f"http://127.0.0.1:{port}"
     finally:
-        await client.aclose()
         server.should_exit = True
         await asyncio.wait_for(task, timeout=10)
         sock.close()
-        for s in servers:
-            await s.stop(grace=None)
-        registry.client.close()
 
 
 UNUSED_REDIS = "redis://127.0.0.1:1/0"

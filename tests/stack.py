@@ -10,6 +10,7 @@ The router's rig (scripted gRPC services under a real router) is tests/router_ri
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import grpc
 
+from common.parallel import ParallelConfig
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
 from common.rpc.gen import common_pb2, prefill_pb2_grpc
 from common.rpc.server import Lifetime
-from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port
+from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets
 from services.decode.config import EngineConfig
 from services.decode.service import serve_decode
 from services.prefill.config import PrefillConfig, PrefillGroupConfig
@@ -66,6 +68,20 @@ def wait_for_prefill(address: str, token: str | None = None, timeout_s: float = 
             except grpc.RpcError:
                 time.sleep(0.1)
     raise AssertionError(f"prefill worker {address} did not start")
+
+
+def one_rank_group(model_dir: Path, **overrides: object) -> EngineConfig:
+    """A tp=1 decode group on `model_dir` for `services_in_threads`: a small pool, its KV
+    receiver on a free port."""
+    cfg = EngineConfig(
+        model=str(model_dir),
+        parallel=ParallelConfig(tp=1, latent_groups=1),
+        master_port=free_port(),
+        kv_budget_mb=2,
+        block_size=8,
+        kv_port_base=free_port(kv_port_offsets(1)),
+    )
+    return dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
 
 
 @contextmanager

@@ -102,6 +102,19 @@ CORPUS = [
 ] * 20
 
 
+# A DeepSeek-V3.1-style template (tests' own): `thinking` (or `enable_thinking`) opens <think>
+# after the generation prompt, else </think> closes it; an earlier answer's reasoning is not
+# shown.
+THINKING_TEMPLATE = (
+    "{% if thinking is not defined %}{% set thinking = enable_thinking is defined and "
+    "enable_thinking %}{% endif %}{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'assistant' %}</think>{% endif %}{{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% if thinking %}<think>{% else %}"
+    "</think>{% endif %}{% endif %}"
+)
+THINK_TOKENS = ("<think>", "</think>")
+
+
 def train_tokenizer(vocab_size: int, corpus: Sequence[str]) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -157,6 +170,29 @@ def save_tokenizer(out: Path, vocab_size: int = 320) -> Path:
     (out / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": TEMPLATE})
     )
+    return out
+
+
+def save_reasoning_tokenizer(
+    out: Path, vocab_size: int = 320, specials: Sequence[str] = (), model_type: str = "deepseek_v3"
+) -> Path:
+    """A reasoning model's tokenizer files (`vocab_size` ids in all): <think> and </think> as
+    added tokens that are not special (as DeepSeek's are), `specials` after them, the
+    V3.1-style template, and config.json's `model_type` (a 4096-token context when there is
+    no checkpoint). No template with a model_type of "deepseek_v32" (its format is code)."""
+    backend = train_tokenizer(vocab_size - len(THINK_TOKENS) - len(specials), CORPUS)
+    backend.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in THINK_TOKENS])
+    backend.add_special_tokens(list(specials))
+    assert backend.get_vocab_size() == vocab_size
+    backend.save(str(out / "tokenizer.json"))
+    config: dict[str, Any] = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    if model_type != "deepseek_v32":
+        config["chat_template"] = THINKING_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    model = {"max_position_embeddings": 4096}
+    if (out / "config.json").is_file():  # a checkpoint's: its own context and model_type
+        model = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**model, "model_type": model_type}))
     return out
 
 

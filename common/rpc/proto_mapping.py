@@ -39,11 +39,14 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         logit_bias=dict(p.logit_bias),
         min_tokens=p.min_tokens,
         min_p=p.min_p,
+        think_end_ids=list(p.think_end_ids),
     )
     if p.seed is not None:
         msg.seed = p.seed
     if p.grammar is not None:
         msg.grammar.CopyFrom(common_pb2.Grammar(kind=p.grammar.kind.value, spec=p.grammar.spec))
+    if p.thinking_budget is not None:
+        msg.thinking_budget = p.thinking_budget
     return msg
 
 
@@ -65,6 +68,8 @@ def params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_tokens=msg.min_tokens,
         min_p=msg.min_p,
         grammar=_grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
+        think_end_ids=tuple(msg.think_end_ids),
+        thinking_budget=msg.thinking_budget if msg.HasField("thinking_budget") else None,
     )
 
 

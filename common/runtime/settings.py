@@ -115,6 +115,22 @@ class Settings(BaseSettings):
         1_000_000, ge=1, description="llguidance: lexer work to build a grammar (~50k/ms)"
     )
 
+    # -- reasoning models (services/router/reasoning.py) ------------------------------------
+    reasoning_parser: str = Field(
+        "auto",
+        description="how a reasoning model's output is split into reasoning and content: auto "
+        "(by config.json's model_type and the chat template; off for a model that never writes "
+        "</think>, the demo's) | none | deepseek_r1 | deepseek_v3 (V3.1, V3.2) | glm45 | "
+        "kimi_k2 (vLLM's and SGLang's names, with _ or -)",
+    )
+    reasoning_fields: str = Field(
+        "both",
+        pattern="^(both|reasoning_content|reasoning)$",
+        description="the response fields the reasoning goes out in: both (reasoning_content, "
+        "SGLang's and DeepSeek's, and reasoning, vLLM's: a client reads the one it knows) | "
+        "reasoning_content | reasoning",
+    )
+
     # -- decode group -----------------------------------------------------------------------
     tp: int = Field(2, ge=1, description="decode ranks per group")
     latent_groups: int = Field(2, ge=1, description="TPLA latent groups r (1 = MLA-TP)")

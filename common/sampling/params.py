@@ -31,6 +31,11 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens are forbidden until this many tokens are generated
     min_p: float = 0.0  # 0 = off
     grammar: GrammarSpec | None = None  # structured output: what the text must match
+    # A reasoning request's thinking (common/sampling/thinking.py): set, the sequence thinks
+    # from its first token until it samples one of these; the grammar applies after it.
+    think_end_ids: tuple[int, ...] = ()
+    # At most this many thinking tokens, then a think-end token is forced (None: no limit).
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -60,6 +65,12 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(t < 0 for t in self.think_end_ids):
+            raise SamplingError("think_end_ids must be >= 0")
+        if self.thinking_budget is not None and (
+            self.thinking_budget < 0 or not self.think_end_ids
+        ):
+            raise SamplingError("thinking_budget must be >= 0 and needs think_end_ids")
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +87,18 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether any logits processing applies (see common.sampling.logits)."""
         return (
-            self.penalized or bool(self.logit_bias or self.min_tokens) or self.grammar is not None
+            self.penalized
+            or bool(self.logit_bias or self.min_tokens)
+            or self.grammar is not None
+            or self.thinking_budget is not None
+        )
+
+    @property
+    def tracks_thinking(self) -> bool:
+        """Whether sampling follows the sequence's thinking: it thinks, and a grammar waits
+        for its end or a budget ends it (plain thinking needs no state where it samples)."""
+        return bool(self.think_end_ids) and (
+            self.grammar is not None or self.thinking_budget is not None
         )
 
     def stop_ids(self, eos_ids: Collection[int]) -> frozenset[int]:

@@ -21,7 +21,12 @@ import jinja2.sandbox
 
 from common.runtime.errors import TokenizerError
 
-CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+# "developer": a prompt format may treat it apart from "system" (DeepSeek-V3.2's does).
+CHAT_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
+# What render() passes itself: a request's template variables may not replace them.
+RESERVED_VARIABLES: frozenset[str] = frozenset(
+    {"messages", "tools", "bos_token", "eos_token", "add_generation_prompt", "raise_exception"}
+)
 
 
 @dataclass(frozen=True)
@@ -39,10 +44,15 @@ class ChatMessage:
     # answer names its call in tool_call_id.
     tool_calls: tuple[tuple[str, str, str], ...] = ()
     tool_call_id: str | None = None
+    # An earlier assistant turn's reasoning, sent back by the client (templates that show it
+    # read `reasoning_content`; most drop it before the last user turn).
+    reasoning_content: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as HF chat templates read it."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
@@ -88,6 +98,13 @@ def chat_template_from_config(value: Any, source: Path) -> tuple[str | None, lis
         f"{source}: 'chat_template' must be a string or a list of named templates, "
         f"got {type(value).__name__}"
     )
+
+
+def check_variables(variables: Mapping[str, Any] | None) -> None:
+    """TokenizerError when a request's template variables name one render() passes itself."""
+    taken = sorted(RESERVED_VARIABLES.intersection(variables or {}))
+    if taken:
+        raise TokenizerError(f"chat_template_kwargs may not set {taken}")
 
 
 def _raise_template_exception(message: str) -> NoReturn:
@@ -157,9 +174,14 @@ class ChatTemplate:
         eos_token: str,
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text (special tokens appear as their text); TokenizerError if there is
-        no template, it does not compile or fails to render, or it rejects the messages."""
+        no template, it does not compile or fails to render, or it rejects the messages.
+        `variables`: more names the template may read (a request's chat_template_kwargs:
+        `thinking`, `enable_thinking`, `reasoning_effort`, ...); a template ignores those it
+        does not use."""
+        check_variables(variables)
         template = self._compile()
         for message in messages:
             if not isinstance(message, ChatMessage):
@@ -169,6 +191,7 @@ class ChatTemplate:
         try:
             extra = {} if tools is None else {"tools": list(tools)}
             return template.render(
+                **(variables or {}),
                 messages=[m.template_dict() for m in messages],
                 **extra,
                 bos_token=bos_token,

@@ -18,12 +18,16 @@ import tokenizers
 
 from common.runtime.errors import TokenizerError
 from common.text.chat_template import ChatMessage, ChatTemplate, chat_template_from_config
+from common.text.deepseek_v32 import DeepseekV32Encoding
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # transformers >= 4.43 may save the template here instead of inside tokenizer_config.json.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MODEL_CONFIG_FILE = "config.json"
+# Models whose prompt format is code, not a template they ship: config.json's model_type.
+_ENCODINGS = {"deepseek_v32": DeepseekV32Encoding}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -83,6 +87,7 @@ class Tokenizer:
         extra_eos_token_ids: Sequence[int] = (),
         source: str = "<in-memory tokenizer>",
         named_templates: Sequence[str] = (),
+        encoding: DeepseekV32Encoding | None = None,
     ) -> None:
         """Wrap ``backend``.
 
@@ -96,6 +101,8 @@ class Tokenizer:
             source: Where the tokenizer came from, used in error messages.
             named_templates: Names of named templates found when none is called
                 ``"default"``; only used to explain the missing template.
+            encoding: A prompt format in code that replaces the chat template (a model that
+                ships none, DeepSeek-V3.2's).
 
         Raises:
             TokenizerError: If a special token is not in the vocabulary, an eos id is out of
@@ -103,7 +110,7 @@ class Tokenizer:
         """
         self._backend = backend
         self._source = source
-        self._chat_template = ChatTemplate(
+        self._chat_template: ChatTemplate | DeepseekV32Encoding = encoding or ChatTemplate(
             chat_template, origin=source, other_names=named_templates
         )
         self._bos_token = bos_token
@@ -181,6 +188,12 @@ class Tokenizer:
                 f"{config_file}: 'add_bos_token' must be a boolean, got {add_bos_token!r}"
             )
 
+        encoding = None
+        model_file = directory / MODEL_CONFIG_FILE
+        if chat_template is None and model_file.is_file():
+            kind = _ENCODINGS.get(str(_read_json(model_file).get("model_type")))
+            encoding = kind() if kind is not None else None
+
         generation_file = directory / GENERATION_CONFIG_FILE
         generation = _read_json(generation_file) if generation_file.is_file() else {}
         extra_eos = _eos_ids_from_generation_config(generation.get("eos_token_id"), generation_file)
@@ -194,6 +207,7 @@ class Tokenizer:
             extra_eos_token_ids=extra_eos,
             source=str(directory),
             named_templates=other_templates,
+            encoding=encoding,
         )
 
     @property
@@ -241,6 +255,10 @@ class Tokenizer:
         """Whether the chat template formats tool calls and tool results (`tool_calls`)."""
         return self._chat_template.reads("tool_calls")
 
+    def template_reads(self, text: str) -> bool:
+        """Whether the chat template mentions `text` (a variable, a marker it writes)."""
+        return self._chat_template.reads(text)
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Encode ``text`` to token ids.
 
@@ -282,12 +300,16 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's chat template (common/text/chat_template.py).
+        """Render ``messages`` with the model's chat template (common/text/chat_template.py;
+        DeepSeek-V3.2's format in code, common/text/deepseek_v32.py).
 
         Args:
             messages: The conversation so far.
             add_generation_prompt: Append the prefix that starts an assistant turn.
+            tools: Tool definitions (OpenAI tool objects) for a template that renders them.
+            variables: More names the template may read (``thinking``, ...).
 
         Returns:
             The rendered prompt text (special tokens appear as their text).
@@ -302,6 +324,7 @@ class Tokenizer:
             eos_token=self._eos_token or "",
             add_generation_prompt=add_generation_prompt,
             tools=tools,
+            variables=variables,
         )
 
     def encode_chat(
@@ -310,6 +333,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Render ``messages`` with the chat template and encode the result.
 
@@ -320,7 +344,7 @@ class Tokenizer:
             TokenizerError: As for :meth:`apply_chat_template`.
         """
         text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, variables=variables
         )
         add_bos: bool | None = None
         if self._bos_token and text.startswith(self._bos_token):

@@ -33,9 +33,10 @@ from common.model.causal_lm import PrefillOutput
 from common.runtime.device import use_device
 from common.runtime.errors import Unavailable
 from common.runtime.metrics import PrefillMetrics
-from common.sampling.grammar import GrammarCompiler, GrammarError, allowed_now
+from common.sampling.grammar import GrammarCompiler, GrammarError
 from common.sampling.logits import LogitsContext, context_for
 from common.sampling.sampler import first_tokens
+from common.sampling.thinking import Thinking, allowed_first, answer
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.batch.job import PrefillJob
 from services.prefill.batch.latent_cache import LatentPrefixCache
@@ -110,9 +111,11 @@ class PrefillWorker:
         if job.params.grammar is not None:
             if self.grammars is None:
                 raise GrammarError("structured outputs need the model's tokenizer.json")
-            # Compiled here, on the caller's thread, not in the batcher's way.
+            # Compiled here, on the caller's thread, not in the batcher's way; it reads the
+            # request's earlier answer, not its thinking.
             outputs = job.prompt_ids[len(job.prompt_ids) - job.num_output_tokens :]
-            job = replace(job, matcher=self.grammars.matcher(job.params.grammar, outputs))
+            replay = answer(job.params, outputs)
+            job = replace(job, matcher=self.grammars.matcher(job.params.grammar, replay))
         fut: Future[PrefillResult] = Future()
         with self._lock:
             self.queued_tokens += len(job.prompt_ids)
@@ -314,13 +317,15 @@ class PrefillWorker:
     def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
         """The first tokens' logits processing, one row per choice: the same as every later
         token's at decode. The choices share the prompt and the history before their first
-        token, so their rows agree (the grammar's allowed tokens too: one matcher's)."""
+        token, so their rows agree (the allowed tokens too: one matcher's, after the thinking
+        the request did before, common/sampling/thinking.py)."""
         split = len(job.prompt_ids) - job.num_output_tokens
         prompt, outputs = job.prompt_ids[:split], job.prompt_ids[split:]
         eos, vocab = self.runner.config.eos_token_ids, self.runner.config.vocab_size
-        allowed = None
-        if job.matcher is not None:
-            allowed = allowed_now(job.matcher, vocab, device).expand(job.n, -1)
+        thinking = Thinking.start(job.params, outputs) if job.params.tracks_thinking else None
+        allowed = allowed_first(thinking, job.matcher, vocab, device)
+        if allowed is not None:
+            allowed = allowed.expand(job.n, -1)
         n = job.n
         return context_for(
             [job.params] * n, [prompt] * n, [outputs] * n, eos, vocab, device, allowed

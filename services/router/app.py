@@ -39,7 +39,7 @@ from common.sampling.grammar_limits import GrammarLimits
 from common.text.tokenizer import Tokenizer
 from services.router import batch, prepare, response_schemas
 from services.router.body_parts import DONE_LINE, sse_error
-from services.router.chat_format import ChatFormat
+from services.router.chat_format import REASONING_FIELDS, ChatFormat
 from services.router.chat_schemas import ChatCompletionRequest
 from services.router.completion_format import CompletionFormat
 from services.router.completion_schemas import CompletionRequest
@@ -177,6 +177,11 @@ def _sampling_defaults(info: prepare.ModelInfo) -> response_schemas.SamplingDefa
     )
 
 
+def reasoning_fields(setting: str) -> tuple[str, ...]:
+    """`TPLA_REASONING_FIELDS` (both, or one name) as the response fields to fill."""
+    return REASONING_FIELDS if setting == "both" else (setting,)
+
+
 def _routes() -> APIRouter:
     api = APIRouter()
 
@@ -191,6 +196,8 @@ def _routes() -> APIRouter:
             body.include_usage,
             n=req.n,
             calling=req.tools,
+            thinking=req.thinking,
+            reasoning_fields=reasoning_fields(st.settings.reasoning_fields),
         )
         return await _serve(request, [req], fmt)
 
@@ -279,6 +286,8 @@ def create_app(
         ),
         json_whitespace=JsonWhitespace(settings.json_whitespace),
         defaults=load_defaults(model_dir, settings.generation_config),
+        reasoning=prepare.model_reasoning(settings.reasoning_parser, model_dir, tokenizer),
+        call_markup=prepare.call_markup(tokenizer),
     )
     log.info("%s", info.defaults.describe())
     token = settings.internal_token.get_secret_value() if settings.internal_token else None

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from common.runtime.errors import TplaError
 from services.router.request import ChoiceEnd, Delta, Done, Output, Prompt
-from services.router.response_schemas import PromptTokensDetails, Usage
+from services.router.response_schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 from services.router.text import TokenLogprob
 
 DONE_LINE = "data: [DONE]\n\n"
@@ -34,12 +34,16 @@ def sse_error(error: TplaError) -> str:
 def total_usage(dones: Sequence[Done]) -> Usage:
     prompt = sum(d.prompt_tokens for d in dones)
     completion = sum(d.completion_tokens for d in dones)
+    thought = [d.reasoning_tokens for d in dones if d.reasoning_tokens is not None]
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(
             cached_tokens=sum(d.cached_tokens for d in dones)
+        ),
+        completion_tokens_details=(
+            CompletionTokensDetails(reasoning_tokens=sum(thought)) if thought else None
         ),
     )
 

@@ -7,7 +7,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from services.router.schemas import MAX_TOP_LOGPROBS, SamplingRequest, Text, unsupported
+from services.router.schemas import (
+    INT32_MAX,
+    MAX_TOP_LOGPROBS,
+    SamplingRequest,
+    Text,
+    unsupported,
+)
 
 
 class FunctionDef(BaseModel):
@@ -71,6 +77,10 @@ class ChatMessageIn(BaseModel):
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None
+    # An earlier answer's reasoning sent back (SGLang's and DeepSeek's name, vLLM's): the
+    # template decides whether it shows it (most drop it before the last user turn).
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
     # After the fields above: its validator reads them.
     content: Text | list[TextPart] | None = None
 
@@ -78,6 +88,8 @@ class ChatMessageIn(BaseModel):
     def _shape(self) -> ChatMessageIn:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.thought is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs tool_call_id")
         return self
@@ -112,6 +124,11 @@ class ChatMessageIn(BaseModel):
             return self.content or ""
         return "".join(p.text for p in self.content)
 
+    @property
+    def thought(self) -> str | None:
+        """The reasoning it carries, under either name."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
@@ -127,6 +144,24 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: list[Any] | None = unsupported('only ["text"] or null')
     prediction: Any = unsupported("only null")
     web_search_options: Any = unsupported("only null")
+    # Reasoning models (services/router/reasoning.py).
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM extension: variables for the chat template, e.g. thinking or "
+        "enable_thinking (a template without the switch ignores them)",
+    )
+    # Any level a template may know (OpenAI's low / medium / high and newer ones).
+    reasoning_effort: Text | None = Field(
+        None,
+        max_length=32,
+        description="passed to the chat template as reasoning_effort (where it reads it)",
+    )
+    thinking_token_budget: int | None = Field(
+        None,
+        ge=0,
+        le=INT32_MAX,
+        description="vLLM extension: at most this many reasoning tokens, then </think> is forced",
+    )
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

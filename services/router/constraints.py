@@ -24,8 +24,11 @@ from services.router.chat_schemas import ChatCompletionRequest
 from services.router.completion_schemas import CompletionRequest
 
 
-def tool_calling(body: ChatCompletionRequest) -> tools.ToolCalling | None:
-    """The request's tool settings; None when no tool may be called."""
+def tool_calling(
+    body: ChatCompletionRequest, markup: tools.CallMarkup = tools.CallMarkup.DEEPSEEK_V3
+) -> tools.ToolCalling | None:
+    """The request's tool settings (`markup`: the model's own call markup); None when no
+    tool may be called."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -43,16 +46,16 @@ def tool_calling(body: ChatCompletionRequest) -> tools.ToolCalling | None:
     )
     parallel = body.parallel_tool_calls is not False
     if choice is None or choice == "auto":
-        return tools.ToolCalling(tools.ToolMode.AUTO, defs, parallel=parallel)
+        return tools.ToolCalling(tools.ToolMode.AUTO, defs, parallel=parallel, markup=markup)
     if choice == "required":
-        return tools.ToolCalling(tools.ToolMode.REQUIRED, defs, parallel=parallel)
+        return tools.ToolCalling(tools.ToolMode.REQUIRED, defs, parallel=parallel, markup=markup)
     assert not isinstance(choice, str)
     if choice.function.name not in {t.name for t in defs}:
         raise InvalidRequest(
             f"tool_choice names function {choice.function.name!r}, which is not in tools",
             param="tool_choice",
         )
-    return tools.ToolCalling(tools.ToolMode.NAMED, defs, choice.function.name, parallel)
+    return tools.ToolCalling(tools.ToolMode.NAMED, defs, choice.function.name, parallel, markup)
 
 
 def tool_grammar(
@@ -82,7 +85,7 @@ def chat_messages(
     for m in body.messages:
         calls = tuple((c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
         if native_turns:
-            messages.append(ChatMessage(m.template_role, m.text, calls, m.tool_call_id))
+            messages.append(ChatMessage(m.template_role, m.text, calls, m.tool_call_id, m.thought))
         elif m.role == "tool":
             messages.append(ChatMessage("user", f"Tool result ({m.tool_call_id}): {m.text}"))
         elif calls:
@@ -95,7 +98,7 @@ def chat_messages(
                 ) from exc
             messages.append(ChatMessage("assistant", f"{m.text}\n{content}".lstrip()))
         else:
-            messages.append(ChatMessage(m.template_role, m.text))
+            messages.append(ChatMessage(m.template_role, m.text, reasoning_content=m.thought))
     if calling is None:
         return messages, None
     if tokenizer.template_renders_tools:

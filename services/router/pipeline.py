@@ -24,6 +24,7 @@ from common.runtime.errors import DeadlineExceeded, Overloaded, TplaError, Unava
 from common.runtime.redis_state import InvalidTransition, RequestLog, RequestState
 from common.runtime.spans import Parent, Spans, annotate, end, wall_ns
 from common.sampling.sampler import SampledToken
+from common.sampling.thinking import Thinking
 from common.text.tokenizer import Tokenizer
 from services.router.admission import Admission
 from services.router.config import PipelineConfig
@@ -187,6 +188,7 @@ class Pipeline:
             req.params.stop_token_ids,
             self._token_text if req.want_logprobs else None,
             skip_special_tokens=not req.keep_special_tokens,
+            thinking=Thinking.start(req.params) if req.thinking else None,
         )
 
     async def _choices(
@@ -246,7 +248,8 @@ class Pipeline:
         self._finish_metrics(req, count, Outcome.FINISHED)
         if self.config.log_prompts:
             log.info("request %s output: %r", req.request_id, [t.text for t in texts])
-        return Done(reasons, len(req.prompt_ids), count, cached)
+        thought = sum(t.reasoning_tokens for t in texts) if req.thinking else None
+        return Done(reasons, len(req.prompt_ids), count, cached, thought)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

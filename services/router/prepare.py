@@ -15,15 +15,19 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from common.runtime.errors import InvalidRequest, NotFound, TokenizerError
 from common.sampling.defaults import GenerationDefaults
 from common.sampling.grammar import GrammarCompiler, GrammarSpec, JsonWhitespace
 from common.sampling.params import SamplingError, SamplingParams
+from common.text.chat_template import check_variables
+from common.text.deepseek_v32 import DSML
 from common.text.tokenizer import Tokenizer
-from services.router import constraints, tools
+from services.router import constraints, reasoning, tools
 from services.router.chat_schemas import ChatCompletionRequest
 from services.router.completion_schemas import CompletionRequest
+from services.router.reasoning import ModelReasoning
 from services.router.request import GenerationRequest
 
 _FALLBACK_CONTEXT = 4096  # ModelConfig's default when config.json does not say
@@ -47,6 +51,30 @@ def context_limit(model_dir: str | Path) -> int:
     return limit
 
 
+def model_reasoning(
+    setting: str, model_dir: str | Path, tokenizer: Tokenizer
+) -> ModelReasoning | None:
+    """How the model reasons (`TPLA_REASONING_PARSER`, else its config.json model_type and
+    chat template); None when it does not. ValueError for a bad setting, or a family named
+    for a model whose vocabulary has no </think> token (the workers end thinking by it)."""
+    config = Path(model_dir) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
+    mentions = frozenset(m for m in reasoning.TEMPLATE_MARKS if tokenizer.template_reads(m))
+    family = reasoning.family(setting, str(model_type), mentions)
+    if family is None:
+        return None
+    ids = tokenizer.encode(reasoning.END, add_bos=False)
+    if len(ids) != 1:
+        if reasoning.parser_name(setting) == reasoning.AUTO:
+            return None
+        raise ValueError(
+            f"TPLA_REASONING_PARSER={setting}: {reasoning.END} is not one token of the model's "
+            "vocabulary"
+        )
+    special = tokenizer.decode(ids, skip_special_tokens=True) == ""
+    return ModelReasoning(family, ids[0], special)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     served_name: str
@@ -57,6 +85,13 @@ class ModelInfo:
     json_whitespace: JsonWhitespace = JsonWhitespace.COMPACT  # between a JSON output's tokens
     # What a request gets for the sampling fields it leaves out.
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    reasoning: ModelReasoning | None = None  # None: the model does not reason
+    call_markup: tools.CallMarkup = tools.CallMarkup.DEEPSEEK_V3  # its own tool-call markup
+
+
+def call_markup(tokenizer: Tokenizer) -> tools.CallMarkup:
+    """The markup the model writes tool calls in (DSML where its prompt format does)."""
+    return tools.CallMarkup.DSML if tokenizer.template_reads(DSML) else tools.CallMarkup.DEEPSEEK_V3
 
 
 def new_request_id(prefix: str) -> str:
@@ -65,14 +100,18 @@ def new_request_id(prefix: str) -> str:
 
 def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -> GenerationRequest:
     _check_model(body.model, info)
-    calling = constraints.tool_calling(body)
+    calling = constraints.tool_calling(body, info.call_markup)
     # Before the prompt is rendered: a bad parameters schema is the error to report.
     tool_grammar = constraints.tool_grammar(body, calling, info.grammars)
+    variables = _template_variables(body)
     try:
         messages, tool_defs = constraints.chat_messages(body, calling, info.tokenizer)
-        prompt_ids = info.tokenizer.encode_chat(messages, tools=tool_defs)
+        prompt_ids = info.tokenizer.encode_chat(messages, tools=tool_defs, variables=variables)
     except TokenizerError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
+    thinking = info.reasoning is not None and reasoning.thinks(
+        info.reasoning.family, info.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+    )
     top = body.top_logprobs or 0
     text = "\n".join(m.text for m in body.messages) if info.log_prompts else ""
     req = _build(
@@ -87,11 +126,35 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -
         text,
         tool_grammar,
     )
+    if thinking:
+        assert info.reasoning is not None
+        # The workers end its thinking at </think>: a grammar starts there, a budget forces it.
+        params = replace(
+            req.params,
+            think_end_ids=(info.reasoning.end_id,),
+            thinking_budget=body.thinking_token_budget,
+        )
+        # Its markers may be special tokens: the text must keep them to split it.
+        keep = info.reasoning.special
+        req = replace(req, params=params, thinking=True, keep_special_tokens=keep)
     if calling is None:
         return req
     # A model's own call markers are special tokens: the text must keep them to parse them.
     markers = len(info.tokenizer.encode(tools.DEEPSEEK_CALLS_BEGIN)) == 1
-    return replace(req, tools=calling, keep_special_tokens=markers)
+    return replace(req, tools=calling, keep_special_tokens=markers or req.keep_special_tokens)
+
+
+def _template_variables(body: ChatCompletionRequest) -> dict[str, Any]:
+    """What the chat template reads besides the messages and tools: the request's
+    chat_template_kwargs and its reasoning_effort."""
+    variables = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", body.reasoning_effort)
+    try:
+        check_variables(variables)
+    except TokenizerError as exc:
+        raise InvalidRequest(str(exc), param="chat_template_kwargs") from exc
+    return variables
 
 
 def prepare_completion(

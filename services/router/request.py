@@ -32,7 +32,10 @@ class GenerationRequest:
     # reservation still say 1 token, which is never decoded)
     score_only: bool = False
     tools: ToolCalling | None = None  # the output is parsed for tool calls
-    keep_special_tokens: bool = False  # in the text (a model's tool-call markers)
+    keep_special_tokens: bool = False  # in the text (a model's tool-call or think markers)
+    # A reasoning model's request that starts by thinking (reasoning.py): its output is
+    # reasoning until </think>; params.think_end_ids says the same to the workers.
+    thinking: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Done:
     # Prompt tokens not recomputed: the longest cached prefix the prefill worker or the
     # decode group held (whichever reused more).
     cached_tokens: int = 0
+    reasoning_tokens: int | None = None  # every choice's thinking (None: it did not think)
 
 
 Output = Started | Prompt | Delta | ChoiceEnd | Done

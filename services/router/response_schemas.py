@@ -14,11 +14,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # completion tokens spent thinking (before </think>)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    # Only for a reasoning request, as vLLM and SGLang send it.
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, exclude_if=lambda v: v is None
+    )
 
 
 class TopLogprobOut(BaseModel):
@@ -69,6 +77,11 @@ class ToolCallDelta(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A reasoning model's reasoning, under both names by default (TPLA_REASONING_FIELDS):
+    # SGLang and DeepSeek's API send reasoning_content, vLLM now sends reasoning. Left out
+    # when there is none.
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    reasoning: str | None = Field(None, exclude_if=lambda v: v is None)
     # Left out unless there are calls, as OpenAI does.
     tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=lambda v: v is None)
 
@@ -83,6 +96,8 @@ class ChatChoice(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    reasoning: str | None = Field(None, exclude_if=lambda v: v is None)
     tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda v: v is None)
 
 

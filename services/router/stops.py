@@ -41,7 +41,7 @@ class StopMatcher:
             self._held = ""
             self._stopped = True
             return buf[:cut], True
-        keep = self._partial_suffix(buf)
+        keep = partial_suffix(buf, self._stops)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
 
@@ -52,12 +52,14 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`:
+    what a stream holds back until the next delta decides whether the marker comes."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best

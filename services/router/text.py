@@ -1,9 +1,12 @@
 """Generated tokens -> the text and logprobs a client sees (pure logic over the tokenizer).
 
-Per token: count it, detokenize incrementally (never half a UTF-8 character), run the text
-through the stop-string matcher, and release logprobs together with the text they belong
-to. Stop token ids (EOS) count as generated tokens but never become text. After a stop
-string matches, further tokens are ignored; `finish()` releases whatever was held back.
+Per token: count it (and, for a thinking request, whether it was a thinking token: the
+rule of common/sampling/thinking.py), detokenize incrementally (never half a UTF-8
+character), run the text through the stop-string matcher (the whole output's text,
+reasoning included, as vLLM matches stop strings), and release logprobs together with the
+text they belong to. Stop token ids (EOS) count as generated tokens but never become text.
+After a stop string matches, further tokens are ignored; `finish()` releases whatever was
+held back.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.sampling.sampler import SampledToken
+from common.sampling.thinking import Thinking
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
 from services.router.stops import StopMatcher
@@ -34,8 +38,10 @@ class TextStream:
         token_text: Callable[[int], str] | None = None,
         *,
         skip_special_tokens: bool = True,
+        thinking: Thinking | None = None,
     ) -> None:
-        """`token_text` renders one token for logprobs; None means logprobs are off."""
+        """`token_text` renders one token for logprobs; None means logprobs are off.
+        `thinking`: a thinking request's state, to count its reasoning tokens."""
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens
         )
@@ -44,11 +50,16 @@ class TextStream:
         self._token_text = token_text
         self._pending: list[TokenLogprob] = []
         self._chunks: list[str] = []
+        self._thinking = thinking
         self.count = 0
 
     @property
     def stopped(self) -> bool:
         return self._matcher.stopped
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._thinking.spent if self._thinking is not None else 0
 
     @property
     def text(self) -> str:
@@ -69,6 +80,8 @@ class TextStream:
             )
         if token.token_id in self._stop_ids:
             return self._release("", final=False)
+        if self._thinking is not None:
+            self._thinking.take(token.token_id)
         emit, _ = self._matcher.push(self._detok.push(token.token_id))
         # A stop string ends the stream: its token's logprobs go out with the last text.
         return self._release(emit, final=self.stopped)

@@ -7,11 +7,13 @@ tool_choice:
                [{"name": NAME, "parameters": {...}}, ...], each valid for its function
     named      decoding is constrained to that function's arguments object
 Constrained decoding makes the arguments valid JSON for the function's parameters on any
-model, the demo's included. Output formats parsed under `auto`:
+model, the demo's included. Output formats parsed under `auto` (`CallMarkup`: the model's):
     DeepSeek-V3's own markers (checkpoints whose vocabulary has them):
         <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
         ```json\\nARGS\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
       (the later variant without "function" and the code fence is read too)
+    DeepSeek-V3.2's DSML (dsml.py), which may also stand inside its thinking
+      (`parse_reasoning`)
     the JSON array above, which a template that does not render tools itself is told to use
     through a system prompt (`system_prompt`).
 """
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.sampling.grammar import GrammarSpec
+from common.text.deepseek_v32 import CALLS_BEGIN, CALLS_END, INVOKE_END
+from services.router import dsml
 
 DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
@@ -34,6 +38,35 @@ _DEEPSEEK_CALL = re.compile(
     r"(?:\n```json\n|<｜tool▁sep｜>)(?P<args>.*?)(?:\n```)?<｜tool▁call▁end｜>",
     re.DOTALL,
 )
+
+
+class CallMarkup(enum.Enum):
+    """The markup a model writes its calls in under `auto` (besides the JSON call list)."""
+
+    DEEPSEEK_V3 = "deepseek_v3"  # special-token markers: each arrives whole, in one delta
+    DSML = "dsml"  # DeepSeek-V3.2's: plain text, a marker can be split between deltas
+
+    @property
+    def begin(self) -> str:
+        return DEEPSEEK_CALLS_BEGIN if self is CallMarkup.DEEPSEEK_V3 else CALLS_BEGIN
+
+    @property
+    def call_end(self) -> str:
+        """What ends one call (a stream sends each call once it has come)."""
+        return DEEPSEEK_CALL_END if self is CallMarkup.DEEPSEEK_V3 else INVOKE_END
+
+    def calls(self, text: str) -> list[tuple[str, str]]:
+        """(name, arguments JSON) of the complete calls in `text`, what follows `begin`."""
+        if self is CallMarkup.DSML:
+            return dsml.calls(text)
+        out = []
+        for m in _DEEPSEEK_CALL.finditer(text):
+            try:
+                args = json.loads(m.group("args"), object_pairs_hook=unique_keys)
+            except ValueError:
+                break
+            out.append((m.group("name").strip(), json.dumps(args)))
+        return out
 
 
 class ToolMode(enum.Enum):
@@ -61,6 +94,7 @@ class ToolCalling:
     tools: tuple[Tool, ...]
     named: str | None = None  # the function tool_choice names
     parallel: bool = True  # more than one call allowed (parallel_tool_calls)
+    markup: CallMarkup = CallMarkup.DEEPSEEK_V3  # the model's own, read under auto
 
     @property
     def function(self) -> Tool:
@@ -123,9 +157,10 @@ def parse(text: str, calling: ToolCalling) -> tuple[str, list[ToolCall]] | None:
 
     Calls are read up to the first one that is cut off or malformed and nothing after it
     counts, so a call found in some text is found in every longer text too: the streamed
-    calls (tool_stream.py) are never taken back. A call list opens at DeepSeek-V3's
-    begin marker, or (JSON) at an array whose first object is complete and valid or starts
-    with the name of a known tool."""
+    calls (tool_stream.py) are never taken back. A call list opens at the model's markup's
+    begin marker (the whitespace before a DSML block is the markup's), or (JSON) at an
+    array whose first object is complete and valid or starts with the name of a known
+    tool."""
     if calling.mode is ToolMode.NAMED:
         try:
             args = json.loads(text, object_pairs_hook=unique_keys)
@@ -133,21 +168,32 @@ def parse(text: str, calling: ToolCalling) -> tuple[str, list[ToolCall]] | None:
             return "", []
         call = ToolCall(new_call_id(), calling.function.name, json.dumps(args))
         return "", [call] if isinstance(args, dict) else []
-    if DEEPSEEK_CALLS_BEGIN in text:
-        content, _, rest = text.partition(DEEPSEEK_CALLS_BEGIN)
-        calls = []
-        for m in _DEEPSEEK_CALL.finditer(rest):
-            try:
-                args = json.loads(m.group("args"), object_pairs_hook=unique_keys)
-            except ValueError:
-                break
-            calls.append(ToolCall(new_call_id(), m.group("name").strip(), json.dumps(args)))
-        return content, calls
+    markup = calling.markup
+    if markup.begin in text:
+        content, _, rest = text.partition(markup.begin)
+        if markup is CallMarkup.DSML:
+            content = content.rstrip(dsml.WHITESPACE)
+        return content, [ToolCall(new_call_id(), n, a) for n, a in markup.calls(rest)]
     known = frozenset(t.name for t in calling.tools)
     calls = _json_calls(text, known)
     if calls or calling.mode is ToolMode.REQUIRED or _named_first(text, known):
         return "", calls
     return None
+
+
+def parse_reasoning(text: str, calling: ToolCalling) -> tuple[str, list[ToolCall]]:
+    """DSML calls inside a whole reasoning text (DeepSeek-V3.2 may call tools while it
+    thinks): the reasoning without its call blocks (and the whitespace before each), and
+    every complete call of each block, in order."""
+    if calling.mode is not ToolMode.AUTO or calling.markup is not CallMarkup.DSML:
+        return text, []
+    kept, calls = [], []
+    while CALLS_BEGIN in text:
+        before, _, rest = text.partition(CALLS_BEGIN)
+        block, _, text = rest.partition(CALLS_END)
+        kept.append(before.rstrip(dsml.WHITESPACE))
+        calls += [ToolCall(new_call_id(), n, a) for n, a in dsml.calls(block)]
+    return "".join(kept) + text, calls
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

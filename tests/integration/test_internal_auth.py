@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 import pytest
 
-from common.parallel import ParallelConfig
 from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, DecodeClient, PrefillClient
 from common.rpc.gen import (
     common_pb2,
@@ -28,10 +27,8 @@ from common.rpc.gen import (
     prefill_pb2_grpc,
 )
 from common.runtime.errors import Unauthorized
-from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig
-from tests.stack import services_in_threads
+from tests.stack import one_rank_group, services_in_threads
 from tests.tiny import save_hf
 
 TOKEN = "s3cret-internal-token"
@@ -43,15 +40,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     """A tp=1 decode leader (+ its KV receiver) and a prefill worker, both with TOKEN."""
     model_dir: Path = tmp_path_factory.mktemp("auth-model")
     save_hf("v2-group-yarn", model_dir, std=0.08)
-    cfg = EngineConfig(
-        model=str(model_dir),
-        parallel=ParallelConfig(tp=1, latent_groups=1),
-        master_port=free_port(),
-        kv_budget_mb=2,
-        block_size=8,
-        kv_port_base=free_port(kv_port_offsets(1)),
-        internal_token=TOKEN,
-    )
+    cfg = one_rank_group(model_dir, internal_token=TOKEN)
     with services_in_threads(cfg, None, token=TOKEN, start_timeout_s=120) as svc:
         yield {"decode": svc.decode, "prefill": svc.prefill["grpc"], "kv": cfg.kv_addresses(0)[0]}
 

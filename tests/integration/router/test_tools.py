@@ -28,6 +28,12 @@ DEEPSEEK_TEMPLATE = (
 )
 
 
+def deepseek_call(tok: Tokenizer, head: str, body: str) -> list[int]:
+    """One call in DeepSeek-V3's markers, as the model writes its tokens: head<sep>body."""
+    begin, end, call, call_end, sep = (tok.encode(m)[0] for m in DEEPSEEK_MARKERS)
+    return [begin, call, *tok.encode(head), sep, *tok.encode(body), call_end, end]
+
+
 @pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("deepseek-like")
@@ -47,18 +53,8 @@ async def test_deepseek_markers_from_the_model_become_tool_calls(
     """The workers generate DeepSeek-V3's call markers (special tokens): the router keeps them
     in the text, parses them under `auto`, and answers with tool_calls, streamed or not."""
     tok = Tokenizer.from_dir(deepseek_dir)
-    begin, end, call, call_end, sep = (tok.encode(m)[0] for m in DEEPSEEK_MARKERS)
-    ids = [
-        *tok.encode("Sure."),
-        begin,
-        call,
-        *tok.encode("function"),
-        sep,
-        *tok.encode('get_weather\n```json\n{"city": "Rome"}\n```'),
-        call_end,
-        end,
-        *tok.eos_token_ids,
-    ]
+    call = deepseek_call(tok, "function", 'get_weather\n```json\n{"city": "Rome"}\n```')
+    ids = [*tok.encode("Sure."), *call, *tok.eos_token_ids]
     async with run_stack(deepseek_dir, redis_url, Script(ids)) as stack:
         body = chat(tools=TOOLS, max_tokens=len(ids) + 4)
         resp = await stack.client.post("/v1/chat/completions", json=body)

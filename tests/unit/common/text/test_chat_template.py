@@ -113,3 +113,20 @@ def test_chat_message_roles() -> None:
         assert ChatMessage(role, "x").role == role
     with pytest.raises(TokenizerError, match="invalid chat role"):
         ChatMessage("robot", "x")
+
+
+def test_template_variables_and_earlier_reasoning(
+    tmp_path: Path, backend: tokenizers.Tokenizer
+) -> None:
+    template = (
+        "{% for m in messages %}{{ m.get('reasoning_content', '-') }}|{% endfor %}"
+        "{{ reasoning_effort | default('none') }}|{{ thinking is defined and thinking }}"
+    )
+    config = default_config(chat_template=template)
+    t = Tokenizer.from_dir(write_model_dir(tmp_path, backend, config))
+    messages = [ChatMessage("user", "q"), ChatMessage("assistant", "a", reasoning_content="r")]
+    assert t.apply_chat_template(messages) == "-|r|none|False"
+    variables = {"reasoning_effort": "high", "thinking": True}
+    assert t.apply_chat_template(messages, variables=variables) == "-|r|high|True"
+    with pytest.raises(TokenizerError, match="may not set"):
+        t.apply_chat_template(messages, variables={"messages": []})

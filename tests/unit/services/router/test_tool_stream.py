@@ -95,12 +95,11 @@ def _stream(calling: tools.ToolCalling, text: str, pieces: list[str], reason: st
     content, calls = "", {}
     for piece in [*pieces, None]:
         if piece is None:
-            text_out, reason = out.finish(reason)
-            deltas = []
+            routed, reason = out.finish(reason)
         else:
-            text_out, deltas = out.route(piece)
-        content += text_out or ""
-        for d in deltas:
+            routed = out.route(piece)
+        content += routed.content or ""
+        for d in routed.calls:
             if d.index not in calls:
                 assert d.id and d.type == "function" and d.function.name, d  # the first delta
                 calls[d.index] = {"name": d.function.name, "arguments": ""}
