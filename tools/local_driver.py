@@ -19,10 +19,10 @@ from common.kv.transfer import cut_shard
 from common.messages import Reservation, TokenEvent
 from common.model.causal_lm import DeepseekForCausalLM, PrefillOutput
 from common.model.mtp import MTPLayer, prompt_own_next_ids, whole_prefill_with_mtp
-from common.sampling.grammar import allowed_now
 from common.sampling.logits import context_for
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, first_tokens
+from common.sampling.thinking import Thinking, allowed_first
 from services.decode.engine import DecodeEngine
 from services.decode.local_kv import write_kv
 from services.decode.stream import TokenStream
@@ -56,7 +56,8 @@ def submit(
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         eos, vocab = engine.eos_token_ids, prefill.config.vocab_size
         matcher = engine.controls.matcher(p, [])
-        allowed = None if matcher is None else allowed_now(matcher, vocab, device)
+        # The prefill worker's rule for a first token: thinking first, then the grammar.
+        allowed = allowed_first(Thinking.start(p), matcher, vocab, device)
         context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
         [first] = first_tokens(out.logits[row], p, 1, context, position=len(prompt))
         firsts.append(first)

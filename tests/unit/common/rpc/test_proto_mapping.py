@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.rpc.convert import params_from_pb, params_to_pb
+from common.rpc.proto_mapping import params_from_pb, params_to_pb
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.params import SamplingParams
 
