@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from common.loading.checkpoint import CheckpointError, CheckpointReader
+from common.loading.text_names import served_name
 from common.model.args import ModelConfig
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, RowRun, Weight, cat_rows, share_workspace, stack
@@ -139,16 +140,17 @@ class CheckpointWeights:
         self._rotations: list[Tensor] | None = None
         self._plain: dict[str, str] = {}
         self._experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
-        for name in self.reader.tensors:
+        for stored in self.reader.tensors:
+            name = served_name(stored, self.config)
+            if name is None or name.endswith("rotary_emb.inv_freq") or self.reader.is_scale(stored):
+                continue  # not served / derived from the config / read with their weights
             layer = _LAYER.match(name)
-            if name.endswith("rotary_emb.inv_freq") or self.reader.is_scale(name):
-                continue  # derived from the config / read with their weights
             if layer and int(layer.group(1)) >= layers:
                 continue  # MTP layers unless asked for (and beyond num_nextn_predict_layers)
             if expert := _EXPERT.match(name):
-                self._experts[expert.group(1)][int(expert.group(2))][expert.group(3)] = name
+                self._experts[expert.group(1)][int(expert.group(2))][expert.group(3)] = stored
             else:
-                self._plain[name] = name
+                self._plain[name] = stored
         if self.config.tie_word_embeddings and "lm_head.weight" not in self._plain:
             self._plain["lm_head.weight"] = "model.embed_tokens.weight"
         self._validate()
@@ -184,19 +186,19 @@ class CheckpointWeights:
 
     def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Weight:
         fused = f"{prefix}.gate_up_proj"
-        role = _role(fused)
-        if fused in self._plain and self._keeps(fused):
-            inter = self.reader.tensors[fused].shape[1] // 2
+        role, stored = _role(fused), self._plain.get(fused, fused)
+        if fused in self._plain and self._keeps(stored):
+            inter = self.reader.tensors[stored].shape[1] // 2
             start, stop, _ = cols.indices(inter)
-            gate = self._quantized(fused, (experts, slice(start, stop)), role)
-            up = self._quantized(fused, (experts, slice(inter + start, inter + stop)), role)
+            gate = self._quantized(stored, (experts, slice(start, stop)), role)
+            up = self._quantized(stored, (experts, slice(inter + start, inter + stop)), role)
             return cat_rows(
                 [gate, up], (*gate.shape[:-2], 2 * (stop - start), gate.shape[-1]), role
             )
         if fused in self._plain:
             if cols == ALL:
                 return self._read(fused, experts)
-            inter = self.reader.tensors[fused].shape[1] // 2
+            inter = self.reader.tensors[stored].shape[1] // 2
             start, stop, _ = cols.indices(inter)
             gate = self._read(fused, experts, slice(start, stop))
             up = self._read(fused, experts, slice(inter + start, inter + stop))
@@ -223,8 +225,8 @@ class CheckpointWeights:
         fused = f"{prefix}.down_proj"
         role = _role(fused)
         if fused in self._plain:
-            if self._keeps(fused):
-                return self._quantized(fused, (experts, ALL, cols), role)
+            if self._keeps(self._plain[fused]):
+                return self._quantized(self._plain[fused], (experts, ALL, cols), role)
             return self._read(fused, experts, ALL, cols)
         held = range(*experts.indices(len(self._experts[prefix])))
         names = [self._experts[prefix][e] for e in held]
