@@ -7,6 +7,7 @@ with its MoE output norm at the layer level (its dense layers' too) and no route
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -182,4 +183,74 @@ def save_family(variant: str, out: Path, **kwargs: Any) -> torch.nn.Module:
         raw = layout(json.loads((out / "config.json").read_text()), weights)
         save_file(weights, str(path), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(raw, indent=1))
+    return model
+
+
+def pack_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors' symmetric pack-quantized INT4 of w [R, C]: the words [R, C / 8]
+    (value + 8, value j of a word in bits 4j..4j+3), the bf16 group scales [R, C / group] and
+    the dequantized weight in float32 (what the checkpoint means)."""
+    rows, cols = w.shape
+    g = w.float().view(rows, cols // group, group)
+    scale = (g.abs().amax(-1, keepdim=True) / 7).clamp(min=1e-8).to(torch.bfloat16)
+    q = (g / scale.float()).round().clamp(-8, 7).to(torch.int32)
+    codes = (q.view(rows, cols) + 8).view(rows, cols // 8, 8)
+    words = (codes << torch.arange(0, 32, 4, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    return words, scale[..., 0], (q.float() * scale.float()).view(rows, cols)
+
+
+INT4_GROUP = 16  # Kimi's is 32; 16 lets the tiny experts' columns split over tp = 2
+
+
+def save_kimi_int4(out: Path, **kwargs: Any) -> torch.nn.Module:
+    """A tiny Kimi-K2.6-shaped checkpoint: `kimi_k25`'s wrapper, the routed experts stored
+    one by one as pack-quantized INT4 with bf16 group scales (compressed-tensors), the rest
+    in float32. The HF model returned holds the dequantized experts: the exact reference."""
+    model = save_family("kimi-k25", out, **kwargs)
+    path = out / "model.safetensors"
+    weights = load_file(str(path))
+    expert = re.compile(
+        r"^language_model\.(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+    )
+    for name in list(weights):
+        if not (m := expert.match(name)):
+            continue
+        words, scale, dq = pack_int4(weights.pop(name), INT4_GROUP)
+        base = name.removesuffix("weight")
+        weights[base + "weight_packed"], weights[base + "weight_scale"] = words, scale
+        weights[base + "weight_shape"] = torch.tensor(dq.shape, dtype=torch.int32)
+        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        with torch.no_grad():  # the HF model's fused experts take the dequantized values
+            if proj == "down_proj":
+                model.get_parameter(prefix + ".down_proj")[e] = dq
+            else:
+                fused = model.get_parameter(prefix + ".gate_up_proj")[e]
+                half = fused.shape[0] // 2
+                (fused[:half] if proj == "gate_proj" else fused[half:]).copy_(dq)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": INT4_GROUP,
+                },
+                "input_activations": None,
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|down)_proj.*",
+        ],
+    }
+    (out / "config.json").write_text(json.dumps(raw, indent=1))
     return model

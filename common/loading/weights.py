@@ -30,7 +30,16 @@ from common.loading.checkpoint import CheckpointError, CheckpointReader
 from common.loading.text_names import served_name
 from common.model.args import ModelConfig
 from common.model.causal_lm import DeepseekForCausalLM
-from common.model.fp8 import Fp8Weight, RowRun, Weight, cat_rows, share_workspace, stack
+from common.model.fp8 import (
+    DequantizedOnUse,
+    Fp8Weight,
+    RowRun,
+    Weight,
+    cat_rows,
+    share_workspace,
+    stack,
+)
+from common.model.int4 import Int4Weight, cat_int4_rows, stack_int4
 from common.model.mtp import SHARED_WITH_MAIN, MTPLayer
 
 ALL = slice(None)
@@ -207,6 +216,15 @@ class CheckpointWeights:
         names = [self._experts[prefix][e] for e in held]
         first = self.reader.tensors[names[0]["gate_proj"]].shape
         width = len(range(*cols.indices(first[0])))
+        if self._keeps_int4(names[0]["gate_proj"]):
+            return stack_int4(
+                lambda k: cat_int4_rows(
+                    [self._int4(names[k][p], (cols,), role) for p in ("gate_proj", "up_proj")],
+                    role,
+                ),
+                len(names),
+                role,
+            )
         if self._keeps(names[0]["gate_proj"]):
 
             def expert(k: int) -> Fp8Weight:
@@ -230,6 +248,10 @@ class CheckpointWeights:
             return self._read(fused, experts, ALL, cols)
         held = range(*experts.indices(len(self._experts[prefix])))
         names = [self._experts[prefix][e] for e in held]
+        if self._keeps_int4(names[0]["down_proj"]):
+            return stack_int4(
+                lambda k: self._int4(names[k]["down_proj"], (ALL, cols), role), len(names), role
+            )
         if self._keeps(names[0]["down_proj"]):
             return stack(
                 lambda k: self._quantized(names[k]["down_proj"], (ALL, cols), role),
@@ -261,6 +283,15 @@ class CheckpointWeights:
     def _keeps(self, stored: str) -> bool:
         """Whether stored tensor `stored` stays FP8 (e5m2 checkpoints are dequantized)."""
         return self.keep_fp8 and self.reader.tensors[stored].dtype == torch.float8_e4m3fn
+
+    def _keeps_int4(self, stored: str) -> bool:
+        """Whether routed expert tensor `stored` stays INT4 (where the source keeps its
+        quantized weights; any other INT4 tensor is dequantized at load)."""
+        return self.keep_fp8 and stored in self.reader.int4
+
+    def _int4(self, stored: str, index: Sequence[slice], role: str) -> Int4Weight:
+        q = self.reader.read_int4(stored, index, device=self.device)
+        return Int4Weight(q.packed, q.scale, self.reader.quant.group, self.dtype, role)
 
     def _quantized(self, stored: str, index: Sequence[slice], role: str) -> Fp8Weight:
         q = self.reader.read_quantized(stored, index, device=self.device)
@@ -404,7 +435,7 @@ def fill_module(
             value = src.linear(full)
         else:
             value = src.tensor(full, dtype=torch.float32 if is_router(full) else None)
-        if isinstance(value, Fp8Weight):
+        if isinstance(value, DequantizedOnUse):
             path, _, leaf = name.rpartition(".")
             if leaf == "weight":  # an nn.Linear: the FP8 weight takes the module's place
                 path, _, leaf = path.rpartition(".")
