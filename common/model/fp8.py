@@ -81,6 +81,15 @@ class DequantizedOnUse(nn.Module):
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds on its device (values and scales)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers(recurse=False))
+
+    @property
+    def weight(self) -> Tensor:
+        return self.dequantize()
+
 
 class Fp8Weight(DequantizedOnUse):
     """A weight of logical `shape` kept in FP8 with its block scales; computes in `dtype`.
@@ -119,10 +128,6 @@ class Fp8Weight(DequantizedOnUse):
     values: Tensor
     scale: Tensor
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.values, self.scale))
-
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         """The weight in `dtype` and `shape`, written into `out` (default: the workspace's
         buffer for this role, overwritten by the next weight of the same role)."""
@@ -139,10 +144,6 @@ class Fp8Weight(DequantizedOnUse):
             cols = ws.col_blocks(self.col_offset, v.shape[-1], self.block[1], v.device)
             out.mul_(s.index_select(-1, cols))
         return out.view(self.shape)
-
-    @property
-    def weight(self) -> Tensor:
-        return self.dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gemm is not None:

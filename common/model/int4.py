@@ -62,20 +62,12 @@ class Int4Weight(DequantizedOnUse):
     packed: Tensor
     scale: Tensor
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale))
-
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         """The weight in `dtype`, written into `out` (default: the workspace's buffer for this
         role, overwritten by the next weight of the same role)."""
         if out is None:
             out = self.workspace.buffer(self.role, self.shape, self.dtype, self.packed.device)
         return dequantize_int4(self.packed, self.scale, self.group, out.view(self.shape))
-
-    @property
-    def weight(self) -> Tensor:
-        return self.dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.dequantize())
