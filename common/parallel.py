@@ -367,4 +367,13 @@ class ParallelConfig:
             splits.append(("shared experts' intermediate size", shared, self.tp))
         for what, total, parts in splits:
             if total % parts:
-                raise ParallelError(f"{self.label}: {what} ({total}) is not divisible by {parts}")
+                hint = ""
+                if what == "num_attention_heads":
+                    groups = [d for d in range(1, total + 1) if total % d == 0]
+                    hint = (
+                        f"; head groups that split {total} heads: {groups} "
+                        f"(tp = latent groups x head groups)"
+                    )
+                raise ParallelError(
+                    f"{self.label}: {what} ({total}) is not divisible by {parts}{hint}"
+                )

@@ -16,6 +16,11 @@ it overlaps (a slice may start mid-block): `w * scale` in float32, then cast to 
 dtype, which is exactly what dequantizing the whole file beforehand and casting gives. Or a
 slice is read as stored (`read_quantized`): its e4m3 values and the scales of the blocks it
 overlaps, for weights kept in FP8 (common/model/fp8.py).
+
+compressed-tensors' pack-quantized INT4 (Kimi's routed experts: `X.weight_packed`,
+`X.weight_scale`, `X.weight_shape`) is listed as `X.weight` with its logical shape; a read
+dequantizes its slice with `dequantize_int4` (common/model/int4.py), or `read_int4` gives the
+words and group scales as stored, for weights kept in INT4.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from common.model.int4 import INT4_PACK, dequantize_int4
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
+INT4_PACKED = "weight_packed"
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -60,21 +68,28 @@ class UnsupportedQuantization(CheckpointError):
 
 @dataclass(frozen=True)
 class Quantization:
-    """How the checkpoint stores its linear weights: plain (method None) or block FP8."""
+    """How the checkpoint stores its linear weights: plain (method None), block FP8, or
+    compressed-tensors' pack-quantized INT4 with group scales (`group`: its group size)."""
 
     method: str | None = None
     block: tuple[int, int] = (128, 128)
+    group: int = 0
 
     @classmethod
     def from_config(cls, raw: dict[str, Any]) -> Quantization:
-        quant = raw.get("quantization_config")
+        quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
+            "quantization_config"
+        )
         if not quant:
             return cls()
         method = quant.get("quant_method")
+        if method == "compressed-tensors":
+            return cls(method, group=int4_group(quant))
         if method != "fp8":
             raise UnsupportedQuantization(
-                f"quantization_config.quant_method {method!r} is not supported: only DeepSeek's "
-                "block-wise 'fp8' (weight_block_size) is; dequantize the checkpoint first"
+                f"quantization_config.quant_method {method!r} is not supported: DeepSeek's "
+                "block-wise 'fp8' (weight_block_size) and compressed-tensors' pack-quantized "
+                "INT4 are; dequantize the checkpoint first"
             )
         block = quant.get("weight_block_size") or [128, 128]
         if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
@@ -87,6 +102,30 @@ class Quantization:
     def from_dir(cls, model_dir: Path) -> Quantization:
         path = model_dir / "config.json"
         return cls.from_config(json.loads(path.read_text())) if path.is_file() else cls()
+
+
+def int4_group(quant: dict[str, Any]) -> int:
+    """The group size of a compressed-tensors config the loader reads: pack-quantized,
+    every group's weights symmetric 4-bit integers with per-group scales, no activation
+    quantization (Kimi K2-Thinking / K2.5 / K2.6's experts)."""
+    fmt = quant.get("format")
+    groups = list((quant.get("config_groups") or {}).values())
+    sizes = set()
+    for group in groups:
+        w = group.get("weights") or {}
+        scheme = (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"))
+        if scheme != (4, "int", True, "group") or group.get("input_activations"):
+            raise UnsupportedQuantization(
+                f"compressed-tensors scheme {w} (activations {group.get('input_activations')}) "
+                "is not supported: only symmetric 4-bit integer weights with group scales are"
+            )
+        sizes.add(int(w.get("group_size") or 0))
+    if fmt != "pack-quantized" or len(sizes) != 1 or min(sizes) % INT4_PACK:
+        raise UnsupportedQuantization(
+            f"compressed-tensors format {fmt!r} with group sizes {sorted(sizes)} is not supported: "
+            f"pack-quantized with one group size, a multiple of {INT4_PACK}"
+        )
+    return sizes.pop()
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -114,6 +153,14 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class Int4Slice:
+    """A slice of a pack-quantized INT4 weight as stored: its int32 words and group scales."""
+
+    packed: Tensor  # int32 [..., rows, cols / 8]
+    scale: Tensor  # [..., rows, cols / group], the checkpoint's float dtype
+
+
+@dataclass(frozen=True)
 class QuantizedSlice:
     """A slice of an FP8 tensor as stored, with the scales of the blocks it overlaps."""
 
@@ -138,6 +185,22 @@ class CheckpointReader:
                     if dtype is None:
                         raise CheckpointError(f"{name}: unsupported dtype {part.get_dtype()}")
                     self.tensors[name] = TensorInfo(path, tuple(part.get_shape()), dtype)
+        # An INT4 weight `X.weight` is stored as X.weight_packed / _scale / _shape: it is
+        # listed under its own name, with its logical shape and its scales' dtype.
+        self.int4: dict[str, tuple[str, str]] = {}
+        self._int4_parts: set[str] = set()
+        for name in [n for n in self.tensors if n.endswith(INT4_PACKED)]:
+            base = name.removesuffix(INT4_PACKED) + "weight"
+            scale, packed = base + "_scale", self.tensors[name]
+            if self.quant.group == 0 or scale not in self.tensors:
+                raise CheckpointError(
+                    f"{name}: packed INT4 without a compressed-tensors quantization_config "
+                    f"or without its {scale}"
+                )
+            shape = (*packed.shape[:-1], packed.shape[-1] * INT4_PACK)
+            self.tensors[base] = TensorInfo(packed.file, shape, self.tensors[scale].dtype)
+            self.int4[base] = (name, scale)
+            self._int4_parts |= {name, scale, base + "_shape"}
         self._file: Path | None = None
         self._handle: Any = None  # safe_open of self._file
         self._touched = 0  # bytes of self._file spanned by reads since it was opened
@@ -172,6 +235,9 @@ class CheckpointReader:
         return (*shape[:-2], math.ceil(rows / b0), math.ceil(cols / b1))
 
     def is_scale(self, name: str) -> bool:
+        """A scale, or a part of an INT4 weight: read with its weight, never on its own."""
+        if name in self._int4_parts:
+            return True
         base = name.removesuffix(SCALE_SUFFIX)
         return base != name and base in self.tensors and self.tensors[base].dtype in FP8_DTYPES
 
@@ -196,6 +262,31 @@ class CheckpointReader:
         b0, b1 = self.quant.block
         return QuantizedSlice(values, scale, bounds[-2][0] % b0, bounds[-1][0] % b1)
 
+    def read_int4(
+        self, name: str, index: Index = (), *, device: torch.device | str = "cpu"
+    ) -> Int4Slice:
+        """INT4 weight `name`[index] as stored: its words and the scales of its groups (a
+        column slice starts and ends on a group's edge)."""
+        packed, scale = self.int4[name]
+        bounds = _bounds(name, index, self.tensors[name].shape)
+        (c0, c1), g = bounds[-1], self.quant.group
+        if c0 % g or (c1 % g and c1 != self.tensors[name].shape[-1]):
+            raise CheckpointError(f"{name}: columns [{c0}, {c1}) cut INT4 groups of {g}")
+        lead = [slice(a, b) for a, b in bounds[:-1]]
+        words = self.read(
+            packed,
+            [*lead, slice(c0 // INT4_PACK, -(-c1 // INT4_PACK))],
+            dtype=torch.int32,
+            device=device,
+        )
+        scales = self.read(
+            scale,
+            [*lead, slice(c0 // g, -(-c1 // g))],
+            dtype=self.tensors[scale].dtype,
+            device=device,
+        )
+        return Int4Slice(words, scales)
+
     def _scale_index(self, bounds: list[tuple[int, int]]) -> list[slice]:
         """The blocks a slice overlaps, as an index of its scale tensor."""
         lead, (r0, r1), (c0, c1) = bounds[:-2], bounds[-2], bounds[-1]
@@ -217,6 +308,15 @@ class CheckpointReader:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"missing: {name}")
+        if name in self.int4:
+            part = self.read_int4(name, index, device=device)
+            out = torch.empty(
+                *part.packed.shape[:-1],
+                part.packed.shape[-1] * INT4_PACK,
+                dtype=dtype,
+                device=device,
+            )
+            return dequantize_int4(part.packed, part.scale, self.quant.group, out)
         bounds = _bounds(name, index, info.shape)
         sizes = [b - a for a, b in bounds]
         # Whole stored rows, not the slice's: reading some columns of a row faults in its

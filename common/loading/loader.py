@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from common.loading.checkpoint import CheckpointError, UnsupportedQuantization, checkpoint_files
-from common.loading.weights import CheckpointWeights, build_model
+from common.loading.model_builder import build_model
+from common.loading.weights import CheckpointWeights
 from common.model.causal_lm import DeepseekForCausalLM
 
 __all__ = [

@@ -20,8 +20,9 @@ from torch import nn
 
 from common.loading.checkpoint import CheckpointError
 from common.loading.loader import serving_dtype
+from common.loading.model_builder import fill_module
 from common.loading.rank_slices import place_linear, rank_norm
-from common.loading.weights import CheckpointWeights, WeightSource, fill_module
+from common.loading.weights import CheckpointWeights, WeightSource
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, Weight, share_workspace
 from common.model.mtp import SHARED_WITH_MAIN, MTPLayer, mtp_layer_index

@@ -68,7 +68,7 @@ def rank_ffn(src: WeightSource, layer: int, parallel: ParallelConfig, rank: int)
     # The router runs in float32 whatever the serving dtype (its scores pick the experts), read
     # from the checkpoint's own values: bf16 rounding would move V3's correction bias.
     local.gate.weight = nn.Parameter(src.tensor(p + "gate.weight", dtype=torch.float32))
-    if c.topk_method == "noaux_tc":
+    if c.topk_method == "noaux_tc" and c.router_bias:
         bias = src.tensor(p + "gate.e_score_correction_bias", dtype=torch.float32)
         local.gate.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
     for name, w in (
@@ -123,4 +123,6 @@ def head_layer(src: WeightSource, layer: int, parallel: ParallelConfig, rank: in
         src, p + "post_attention_layernorm.weight", c.rms_norm_eps
     )
     local.mlp = rank_ffn(src, layer, parallel, rank)
+    if local.post_mlp_layernorm is not None:
+        local.post_mlp_layernorm = rank_norm(src, p + "post_mlp_layernorm.weight", c.rms_norm_eps)
     return local

@@ -19,10 +19,11 @@ import torch
 from torch import Tensor
 
 from common.loading.loader import serving_dtype
+from common.loading.model_builder import build_model
 from common.loading.mtp_weights import build_mtp_layer
 from common.loading.serving_kernels import PrefillKernels
 from common.loading.side_file_choice import resolve_reparam, side_file_path
-from common.loading.weights import CheckpointWeights, build_model
+from common.loading.weights import CheckpointWeights
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
 from common.runtime.kernel_choice import KernelConfig

@@ -27,9 +27,17 @@ import torch
 from torch import Tensor
 
 from common.loading.checkpoint import CheckpointError, CheckpointReader
+from common.loading.text_names import served_name
 from common.model.args import ModelConfig
-from common.model.causal_lm import DecoderLayer, DeepseekForCausalLM
-from common.model.fp8 import Fp8Weight, RowRun, Weight, cat_rows, share_workspace, stack
+from common.model.causal_lm import DeepseekForCausalLM
+from common.model.fp8 import (
+    Fp8Weight,
+    RowRun,
+    Weight,
+    cat_rows,
+    stack,
+)
+from common.model.int4 import Int4Weight, cat_int4_rows, stack_int4
 from common.model.mtp import SHARED_WITH_MAIN, MTPLayer
 
 ALL = slice(None)
@@ -139,16 +147,17 @@ class CheckpointWeights:
         self._rotations: list[Tensor] | None = None
         self._plain: dict[str, str] = {}
         self._experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
-        for name in self.reader.tensors:
+        for stored in self.reader.tensors:
+            name = served_name(stored, self.config)
+            if name is None or name.endswith("rotary_emb.inv_freq") or self.reader.is_scale(stored):
+                continue  # not served / derived from the config / read with their weights
             layer = _LAYER.match(name)
-            if name.endswith("rotary_emb.inv_freq") or self.reader.is_scale(name):
-                continue  # derived from the config / read with their weights
             if layer and int(layer.group(1)) >= layers:
                 continue  # MTP layers unless asked for (and beyond num_nextn_predict_layers)
             if expert := _EXPERT.match(name):
-                self._experts[expert.group(1)][int(expert.group(2))][expert.group(3)] = name
+                self._experts[expert.group(1)][int(expert.group(2))][expert.group(3)] = stored
             else:
-                self._plain[name] = name
+                self._plain[name] = stored
         if self.config.tie_word_embeddings and "lm_head.weight" not in self._plain:
             self._plain["lm_head.weight"] = "model.embed_tokens.weight"
         self._validate()
@@ -184,19 +193,19 @@ class CheckpointWeights:
 
     def gate_up(self, prefix: str, cols: slice = ALL, experts: slice = ALL) -> Weight:
         fused = f"{prefix}.gate_up_proj"
-        role = _role(fused)
-        if fused in self._plain and self._keeps(fused):
-            inter = self.reader.tensors[fused].shape[1] // 2
+        role, stored = _role(fused), self._plain.get(fused, fused)
+        if fused in self._plain and self._keeps(stored):
+            inter = self.reader.tensors[stored].shape[1] // 2
             start, stop, _ = cols.indices(inter)
-            gate = self._quantized(fused, (experts, slice(start, stop)), role)
-            up = self._quantized(fused, (experts, slice(inter + start, inter + stop)), role)
+            gate = self._quantized(stored, (experts, slice(start, stop)), role)
+            up = self._quantized(stored, (experts, slice(inter + start, inter + stop)), role)
             return cat_rows(
                 [gate, up], (*gate.shape[:-2], 2 * (stop - start), gate.shape[-1]), role
             )
         if fused in self._plain:
             if cols == ALL:
                 return self._read(fused, experts)
-            inter = self.reader.tensors[fused].shape[1] // 2
+            inter = self.reader.tensors[stored].shape[1] // 2
             start, stop, _ = cols.indices(inter)
             gate = self._read(fused, experts, slice(start, stop))
             up = self._read(fused, experts, slice(inter + start, inter + stop))
@@ -205,6 +214,15 @@ class CheckpointWeights:
         names = [self._experts[prefix][e] for e in held]
         first = self.reader.tensors[names[0]["gate_proj"]].shape
         width = len(range(*cols.indices(first[0])))
+        if self._keeps_int4(names[0]["gate_proj"]):
+            return stack_int4(
+                lambda k: cat_int4_rows(
+                    [self._int4(names[k][p], (cols,), role) for p in ("gate_proj", "up_proj")],
+                    role,
+                ),
+                len(names),
+                role,
+            )
         if self._keeps(names[0]["gate_proj"]):
 
             def expert(k: int) -> Fp8Weight:
@@ -223,11 +241,15 @@ class CheckpointWeights:
         fused = f"{prefix}.down_proj"
         role = _role(fused)
         if fused in self._plain:
-            if self._keeps(fused):
-                return self._quantized(fused, (experts, ALL, cols), role)
+            if self._keeps(self._plain[fused]):
+                return self._quantized(self._plain[fused], (experts, ALL, cols), role)
             return self._read(fused, experts, ALL, cols)
         held = range(*experts.indices(len(self._experts[prefix])))
         names = [self._experts[prefix][e] for e in held]
+        if self._keeps_int4(names[0]["down_proj"]):
+            return stack_int4(
+                lambda k: self._int4(names[k]["down_proj"], (ALL, cols), role), len(names), role
+            )
         if self._keeps(names[0]["down_proj"]):
             return stack(
                 lambda k: self._quantized(names[k]["down_proj"], (ALL, cols), role),
@@ -259,6 +281,15 @@ class CheckpointWeights:
     def _keeps(self, stored: str) -> bool:
         """Whether stored tensor `stored` stays FP8 (e5m2 checkpoints are dequantized)."""
         return self.keep_fp8 and self.reader.tensors[stored].dtype == torch.float8_e4m3fn
+
+    def _keeps_int4(self, stored: str) -> bool:
+        """Whether routed expert tensor `stored` stays INT4 (where the source keeps its
+        quantized weights; any other INT4 tensor is dequantized at load)."""
+        return self.keep_fp8 and stored in self.reader.int4
+
+    def _int4(self, stored: str, index: Sequence[slice], role: str) -> Int4Weight:
+        q = self.reader.read_int4(stored, index, device=self.device)
+        return Int4Weight(q.packed, q.scale, self.reader.quant.group, self.dtype, role)
 
     def _quantized(self, stored: str, index: Sequence[slice], role: str) -> Fp8Weight:
         q = self.reader.read_quantized(stored, index, device=self.device)
@@ -370,56 +401,3 @@ class CheckpointWeights:
 def _role(name: str) -> str:
     """A weight's name without its layer: the workspace buffer it dequantizes into."""
     return _LAYER_PREFIX.sub("", name)
-
-
-def build_model(src: WeightSource) -> DeepseekForCausalLM:
-    """The full model from `src`, one tensor at a time (nothing is held twice). A weight the
-    source keeps in FP8 replaces its `nn.Linear` (or stacked expert parameter)."""
-    with torch.device("meta"):
-        model = DeepseekForCausalLM(src.config)
-    fill_module(model, src)
-    share_workspace(model)
-    return model.eval()
-
-
-def build_layer(src: WeightSource, index: int) -> DecoderLayer:
-    """Decoder layer `index` alone, from `src`: the tensors `build_model` gives that layer."""
-    with torch.device("meta"):
-        layer = DecoderLayer(src.config, index)
-    fill_module(layer, src, f"model.layers.{index}.")
-    share_workspace(layer)
-    return layer.eval()
-
-
-def fill_module(
-    module: torch.nn.Module, src: WeightSource, prefix: str = "", skip: frozenset[str] = frozenset()
-) -> None:
-    """Assign every tensor of `module` (built on the meta device) from `src`, named
-    `prefix + name` there; names in `skip` stay on the meta device for the caller."""
-    linears = {f"{k}.weight" for k, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
-    state: dict[str, Tensor] = {}
-    for name in module.state_dict():
-        if name in skip:
-            continue
-        value: Weight
-        full = prefix + name
-        if name.endswith("experts.gate_up_proj"):
-            value = src.gate_up(full.removesuffix(".gate_up_proj"))
-        elif name.endswith("experts.down_proj"):
-            value = src.down(full.removesuffix(".down_proj"))
-        elif name in linears:
-            value = src.linear(full)
-        else:
-            value = src.tensor(full, dtype=torch.float32 if is_router(full) else None)
-        if isinstance(value, Fp8Weight):
-            path, _, leaf = name.rpartition(".")
-            if leaf == "weight":  # an nn.Linear: the FP8 weight takes the module's place
-                path, _, leaf = path.rpartition(".")
-            parent = module.get_submodule(path)
-            delattr(parent, leaf)
-            setattr(parent, leaf, value)
-            key = f"{path}.{leaf}" if path else leaf
-            state.update({f"{key}.{k}": v for k, v in value.state_dict().items()})
-        else:
-            state[name] = value
-    module.load_state_dict(state, assign=True, strict=not skip)

@@ -92,6 +92,25 @@ class ModelConfig:
     # DeepSeek-V3's multi-token-prediction modules, stored as layers num_hidden_layers + k.
     num_nextn_predict_layers: int = 0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # What a family does differently (common/model/families.py sets these from its config):
+    # "dense" / "sparse" per layer where the family lists them (GLM-4.7-Flash, A.X-K1); else
+    # the first_k_dense_replace / moe_layer_freq rule.
+    mlp_layer_types: tuple[str, ...] = ()
+    # noaux_tc steers by a score correction bias the checkpoint stores; A.X-K1 has none.
+    router_bias: bool = True
+    # The router's logits and scores in the model dtype instead of float32 (Mistral 4).
+    router_in_model_dtype: bool = False
+    # Groups ranked by the sum of their two best experts, else by the best (noaux_tc always
+    # ranks by two: `ranks_groups_by_top2`); Mistral 4's softmax router does too.
+    group_top2: bool = False
+    # The kept weights normalized (norm_topk_prob) and then scaled, not normalized or scaled
+    # (DeepSeek-V2); noaux_tc always does both (`norm_and_scale`), and so does Mistral 4.
+    norm_then_scale: bool = False
+    # An RMSNorm over each MoE layer's whole output (A.X-K1's post_mlp_layernorm).
+    moe_output_norm: bool = False
+    # Queries at position p times 1 + beta ln(1 + floor(p / period)) (Mistral 4); 0: none.
+    query_scale_beta: float = 0.0
+    query_scale_period: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -112,6 +131,18 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_nextn_predict_layers < 0:
             raise ConfigError("num_nextn_predict_layers cannot be negative")
+        if self.mlp_layer_types and (
+            len(self.mlp_layer_types) != self.num_hidden_layers
+            or set(self.mlp_layer_types) - {"dense", "sparse"}
+        ):
+            raise ConfigError(
+                f"mlp_layer_types must name 'dense' or 'sparse' for each of the "
+                f"{self.num_hidden_layers} layers"
+            )
+        if "sparse" in self.mlp_layer_types and not self.n_routed_experts:
+            raise ConfigError("mlp_layer_types names a sparse layer but the model has no experts")
+        if self.query_scale_period <= 0:
+            raise ConfigError("the query scaling's original_max_position_embeddings must be > 0")
         if self.qk_rope_head_dim % 2:
             raise ConfigError("qk_rope_head_dim must be even (RoPE rotates pairs)")
         if self.n_routed_experts:
@@ -145,9 +176,20 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    @property
+    def ranks_groups_by_top2(self) -> bool:
+        return self.group_top2 or self.topk_method == "noaux_tc"
+
+    @property
+    def norm_and_scale(self) -> bool:
+        return self.norm_then_scale or self.topk_method == "noaux_tc"
+
     def is_moe_layer(self, layer: int) -> bool:
-        # Official DeepSeek rule. HF-native DeepseekV2 ignores moe_layer_freq; all released
-        # checkpoints use moe_layer_freq == 1, where the two agree.
+        if layer < len(self.mlp_layer_types):
+            return self.mlp_layer_types[layer] == "sparse"
+        # Official DeepSeek rule (an MTP layer's too, past the listed ones). HF-native
+        # DeepseekV2 ignores moe_layer_freq; all released checkpoints use moe_layer_freq == 1,
+        # where the two agree.
         return (
             self.n_routed_experts > 0
             and layer >= self.first_k_dense_replace
@@ -208,6 +250,14 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             eos_token_ids=eos_ids,
+            mlp_layer_types=tuple(raw.get("mlp_layer_types") or ()),
+            router_bias=bool(raw.get("router_bias", True)),
+            router_in_model_dtype=bool(raw.get("router_in_model_dtype", False)),
+            group_top2=bool(raw.get("group_top2", False)),
+            norm_then_scale=bool(raw.get("norm_then_scale", False)),
+            moe_output_norm=bool(raw.get("moe_output_norm", False)),
+            query_scale_beta=float(raw.get("query_scale_beta", 0.0)),
+            query_scale_period=int(raw.get("query_scale_period", 1)),
         )
 
     @classmethod

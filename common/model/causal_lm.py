@@ -22,7 +22,7 @@ from common.model.mla import MLAttention, RMSNorm
 from common.model.moe import MLP, MoE
 from common.model.past_attention import absorbed_over_past, expanded_over_past
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
-from common.model.rope import RotaryEmbedding
+from common.model.rope import RotaryEmbedding, scale_queries
 
 
 class LatentKV(Protocol):
@@ -70,9 +70,20 @@ class DecoderLayer(nn.Module):
             if config.is_moe_layer(layer)
             else MLP(config.hidden_size, config.intermediate_size)
         )
+        # Named as the checkpoint stores it (A.X-K1 also stores one for its dense layers,
+        # where it is not used, as in HF transformers).
+        self.post_mlp_layernorm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps)
+            if config.moe_output_norm and config.is_moe_layer(layer)
+            else None
+        )
+
+    def ffn_output(self, f: Tensor) -> Tensor:
+        """The FFN's whole output (summed over the ranks) as the residual takes it."""
+        return f if self.post_mlp_layernorm is None else self.post_mlp_layernorm(f)
 
     def feed_forward(self, h: Tensor) -> Tensor:
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.ffn_output(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Backbone(nn.Module):
@@ -171,7 +182,7 @@ def decode_layer(
     cos, sin = cos_sin
     attn = layer.self_attn
     x = layer.input_layernorm(h)
-    q_nope, q_pe = attn.queries(x, rope, cos, sin)
+    q_nope, q_pe = scale_queries(*attn.queries(x, rope, cos, sin), rope.query_scale(positions))
     n_new, k_pe_new = attn.latents(x, rope, cos, sin)
     kv.write(index, positions, n_new, k_pe_new)
     n, k_pe, valid = kv.read(index, positions)
@@ -238,12 +249,13 @@ def packed_prefill(
     cu, pasts, starts, positions = packed_positions(input_ids, seq_lens, past)
     rope, backend = stack.rope, stack.prefill_attention
     cos, sin = rope.cos_sin(positions)
+    q_scale = rope.query_scale(positions)
     h = stack.embed(input_ids)
     all_n, all_k_pe = [], []
     for index, layer in enumerate(stack.decoder_layers()):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q_nope, q_pe = attn.queries(x, rope, cos, sin)
+        q_nope, q_pe = scale_queries(*attn.queries(x, rope, cos, sin), q_scale)
         n, k_pe = attn.latents(x, rope, cos, sin)
         if any(starts):
             o = _over_past(attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, backend)
@@ -252,7 +264,7 @@ def packed_prefill(
         else:
             o = attn.expanded(q_nope, q_pe, n, k_pe, cu, backend)
         h = h + stack.reduce(attn.output(o))
-        h = h + stack.reduce(layer.mlp(layer.post_attention_layernorm(h)))
+        h = h + layer.ffn_output(stack.reduce(layer.mlp(layer.post_attention_layernorm(h))))
         all_n.append(n)
         all_k_pe.append(k_pe)
     last = h if all_logits else h[torch.tensor(cu[1:], device=h.device) - 1]

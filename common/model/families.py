@@ -35,6 +35,120 @@ def _present(raw: RawConfig) -> RawConfig:
     return {k: v for k, v in raw.items() if v is not None}
 
 
+def _text_model(raw: RawConfig) -> RawConfig:
+    """A multimodal wrapper's text model: its `text_config` (with the wrapper's
+    quantization_config, which covers the whole checkpoint), or `raw` itself. The wrapper's
+    own `model_type` stays the config's (ModelConfig reads it before normalizing)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    quant = (
+        {"quantization_config": raw["quantization_config"]} if "quantization_config" in raw else {}
+    )
+    return {**quant, **text}
+
+
+# HF DeepseekV3Config's defaults where they differ from ModelConfig's: the families built on
+# it take them for keys their config.json leaves out, as transformers does.
+_V3_DEFAULTS: RawConfig = {"norm_topk_prob": True, "routed_scaling_factor": 2.5}
+
+
+def _kimi(raw: RawConfig) -> RawConfig:
+    # K2 / K2-Thinking are DeepSeek-V3 (`kimi_k2`, remote code); K2.5 / K2.6 wrap the same
+    # text model with a vision tower (`kimi_k25`: text_config, weights under language_model.).
+    return _deepseek_v3({**_V3_DEFAULTS, **_present(_text_model(raw))})
+
+
+def _glm4_moe_lite(raw: RawConfig) -> RawConfig:
+    out = _deepseek_v3({**_V3_DEFAULTS, "routed_scaling_factor": 1.8, **_present(raw)})
+    # transformers' default: the first layer dense, MoE from the second on.
+    out.setdefault("mlp_layer_types", ["dense"] + ["sparse"] * (out["num_hidden_layers"] - 1))
+    return out
+
+
+# Mistral 4's rope when its config gives none (HF Mistral4Config's default).
+_MISTRAL4_ROPE: RawConfig = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 128.0,
+    "original_max_position_embeddings": 8192,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
+
+def _mistral4(raw: RawConfig) -> RawConfig:
+    text = _present(_text_model(raw))
+    if text.get("model_type") != "mistral4":
+        raise UnknownFamily(
+            f"model_type {raw.get('model_type')!r} wraps {text.get('model_type')!r}, not mistral4"
+        )
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or _MISTRAL4_ROPE)
+    rope.setdefault("rope_type", rope.get("type", "yarn"))
+    return {
+        # Softmax scores in the model dtype, groups ranked by their top two, the kept weights
+        # normalized and then scaled.
+        "topk_method": "group_limited_greedy",
+        "scoring_func": "softmax",
+        "router_in_model_dtype": True,
+        "group_top2": True,
+        "norm_then_scale": True,
+        "norm_topk_prob": True,
+        "n_shared_experts": 1,
+        "max_position_embeddings": 1048576,
+        **text,
+        "rope_parameters": rope,
+        # The query scaling is applied at every position (beta 0 is none).
+        "query_scale_beta": float(rope.get("llama_4_scaling_beta") or 0.0),
+        "query_scale_period": int(rope.get("original_max_position_embeddings") or 1),
+    }
+
+
+def _sarvam_mla(raw: RawConfig) -> RawConfig:
+    # The released config is written for its remote code; translated as HF's SarvamMLAConfig
+    # does: num_experts / num_shared_experts renamed, head_dim and q_head_dim derived, rope type
+    # deepseek_yarn is YaRN.
+    out = {"first_k_dense_replace": 1, **_V3_DEFAULTS, **_present(raw)}
+    for legacy, key in (
+        ("num_experts", "n_routed_experts"),
+        ("num_shared_experts", "n_shared_experts"),
+    ):
+        if legacy in out:
+            out.setdefault(key, out.pop(legacy))
+    out.pop("head_dim", None)
+    out.pop("q_head_dim", None)
+    rope = out.get("rope_scaling") or {}
+    if "deepseek_yarn" in (rope.get("type"), rope.get("rope_type")):
+        out.pop("rope_scaling")
+        yarn = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "yarn"}
+        out["rope_parameters"] = {**(out.get("rope_parameters") or {}), **yarn}
+    return _deepseek_v3(out)
+
+
+def _axk1(raw: RawConfig) -> RawConfig:
+    out = _deepseek_v3({**_V3_DEFAULTS, "n_group": 8, "topk_group": 4, **_present(raw)})
+    # Its router has no score correction bias (a zero one) and an RMSNorm closes each MoE
+    # layer; the dense layers come from the legacy keys when mlp_layer_types is not given.
+    out["router_bias"] = False
+    out["moe_output_norm"] = True
+    if "mlp_layer_types" not in out:
+        first, freq = out.get("first_k_dense_replace", 1), out.get("moe_layer_freq", 1)
+        out["mlp_layer_types"] = [
+            "sparse" if i >= first and i % freq == 0 else "dense"
+            for i in range(out["num_hidden_layers"])
+        ]
+    return out
+
+
+def _youtu(raw: RawConfig) -> RawConfig:
+    # Dense (its config keeps none of V3's MoE keys) with the LM head tied to the embedding.
+    out = {"tie_word_embeddings": True, **_present(raw), "n_routed_experts": 0}
+    return _deepseek_v3(out)
+
+
 @dataclass(frozen=True)
 class Family:
     """One family of MLA checkpoints."""
@@ -50,6 +164,14 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("DeepSeek-V2", ("deepseek_v2",), "transformers.models.deepseek_v2", _deepseek_v2),
     Family("DeepSeek-V3", ("deepseek_v3",), "transformers.models.deepseek_v3", _deepseek_v3),
+    Family("Kimi K2", ("kimi_k2", "kimi_k25"), "transformers.models.deepseek_v3", _kimi),
+    Family(
+        "GLM-4.7-Flash", ("glm4_moe_lite",), "transformers.models.glm4_moe_lite", _glm4_moe_lite
+    ),
+    Family("Mistral Small 4", ("mistral4", "mistral3"), "transformers.models.mistral4", _mistral4),
+    Family("Sarvam", ("sarvam_mla",), "transformers.models.sarvam_mla", _sarvam_mla),
+    Family("A.X-K1", ("axk1",), "transformers.models.axk1", _axk1),
+    Family("Youtu-LLM", ("youtu",), "transformers.models.youtu", _youtu),
 )
 
 

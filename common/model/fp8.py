@@ -70,7 +70,28 @@ class Fp8Workspace:
         return self._buffers[key]
 
 
-class Fp8Weight(nn.Module):
+class DequantizedOnUse(nn.Module):
+    """A weight kept quantized on its device and dequantized into a workspace buffer as it is
+    used: block FP8 (`Fp8Weight`) or INT4 (common/model/int4.py `Int4Weight`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workspace = Fp8Workspace()
+
+    def dequantize(self, out: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds on its device (values and scales)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers(recurse=False))
+
+    @property
+    def weight(self) -> Tensor:
+        return self.dequantize()
+
+
+class Fp8Weight(DequantizedOnUse):
     """A weight of logical `shape` kept in FP8 with its block scales; computes in `dtype`.
 
     It stands in for an `nn.Linear` (`weight`, `forward`) and for a stacked expert tensor.
@@ -100,17 +121,12 @@ class Fp8Weight(nn.Module):
         cols = values.shape[-1]
         # Whole column blocks (the usual case) broadcast their scale instead of expanding it.
         self.whole_col_blocks = col_offset == 0 and cols % block[1] == 0
-        self.workspace = Fp8Workspace()
         # x @ W^T without dequantizing W (common/model/fp8_gemm.py `ScaledGemm`, called with
         # x and the values), where `assign_gemms` gave this weight one at load; else None.
         self.gemm: nn.Module | None = None
 
     values: Tensor
     scale: Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.values, self.scale))
 
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         """The weight in `dtype` and `shape`, written into `out` (default: the workspace's
@@ -128,10 +144,6 @@ class Fp8Weight(nn.Module):
             cols = ws.col_blocks(self.col_offset, v.shape[-1], self.block[1], v.device)
             out.mul_(s.index_select(-1, cols))
         return out.view(self.shape)
-
-    @property
-    def weight(self) -> Tensor:
-        return self.dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gemm is not None:
@@ -167,27 +179,28 @@ class Fp8Weight(nn.Module):
 Weight = Tensor | Fp8Weight
 
 
-def dense(w: Weight) -> Tensor:
-    """`w` as a tensor in the compute dtype (an FP8 weight dequantized into its buffer)."""
-    return w.dequantize() if isinstance(w, Fp8Weight) else w
+def dense(w: Tensor | DequantizedOnUse) -> Tensor:
+    """`w` as a tensor in the compute dtype (an FP8 or INT4 weight dequantized into its
+    buffer)."""
+    return w.dequantize() if isinstance(w, DequantizedOnUse) else w
 
 
-def linear(x: Tensor, w: Weight) -> Tensor:
-    """x @ w^T: an FP8 weight by its own GEMM (scaled_mm, or dequantized on use)."""
-    return w(x) if isinstance(w, Fp8Weight) else F.linear(x, w)
+def linear(x: Tensor, w: Tensor | DequantizedOnUse) -> Tensor:
+    """x @ w^T: a quantized weight by its own GEMM (scaled_mm, or dequantized on use)."""
+    return w(x) if isinstance(w, DequantizedOnUse) else F.linear(x, w)
 
 
-def held(w: Weight) -> nn.Parameter | Fp8Weight:
-    """`w` as a module attribute: a tensor as a parameter, an FP8 weight as it is."""
-    return w if isinstance(w, Fp8Weight) else nn.Parameter(w)
+def held(w: Tensor | DequantizedOnUse) -> nn.Parameter | DequantizedOnUse:
+    """`w` as a module attribute: a tensor as a parameter, a quantized weight as it is."""
+    return w if isinstance(w, DequantizedOnUse) else nn.Parameter(w)
 
 
 def share_workspace(model: nn.Module) -> Fp8Workspace:
-    """Give every FP8 weight of `model` one workspace (a model's steps run one at a time;
-    two models, e.g. two ranks in one process, never share one)."""
+    """Give every FP8 or INT4 weight of `model` one workspace (a model's steps run one at a
+    time; two models, e.g. two ranks in one process, never share one)."""
     workspace = Fp8Workspace()
     for module in model.modules():
-        if isinstance(module, Fp8Weight):
+        if isinstance(module, DequantizedOnUse):
             module.workspace = workspace
     return workspace
 

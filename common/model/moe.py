@@ -43,7 +43,7 @@ class Gate(nn.Module):
         super().__init__()
         self.c = config
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
-        if config.topk_method == "noaux_tc":
+        if config.topk_method == "noaux_tc" and config.router_bias:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(config.n_routed_experts), requires_grad=False
             )
@@ -51,18 +51,21 @@ class Gate(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (weights [T, k] float32, expert ids [T, k])."""
         c = self.c
-        logits = F.linear(x.float(), self.weight.float())
+        if c.router_in_model_dtype:
+            logits = F.linear(x, self.weight.to(x.dtype))
+        else:
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if c.scoring_func == "softmax" else logits.sigmoid()
         k = c.num_experts_per_tok
         if c.topk_method == "greedy":
             weights, ids = scores.topk(k, dim=-1, sorted=False)
         else:
             choice = scores
-            if c.topk_method == "noaux_tc":
+            if c.topk_method == "noaux_tc" and c.router_bias:
                 # The bias steers selection only; weights come from the unbiased scores.
                 choice = scores + self.e_score_correction_bias.float()
             grouped = choice.view(x.shape[0], c.n_group, -1)
-            if c.topk_method == "noaux_tc":
+            if c.ranks_groups_by_top2:
                 group_scores = grouped.topk(2, dim=-1).values.sum(-1)
             else:
                 group_scores = grouped.amax(-1)
@@ -71,10 +74,10 @@ class Gate(nn.Module):
             masked = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
             ids = masked.topk(k, dim=-1, sorted=False).indices
             weights = scores.gather(1, ids)
-        if c.topk_method == "noaux_tc":
+        if c.norm_and_scale:
             if c.norm_topk_prob:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            return weights * c.routed_scaling_factor, ids
+            return (weights * c.routed_scaling_factor).float(), ids
         # DeepSeek-V2 rule: normalize *or* scale. HF-native DeepseekV2 always scales (ignores
         # norm_topk_prob); released V2 checkpoints set norm_topk_prob=false, where both agree.
         if k > 1 and c.norm_topk_prob:

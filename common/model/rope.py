@@ -63,6 +63,17 @@ class RotaryEmbedding:
             self.attention_factor = config.rope_scaling.rope_attention_factor
         self.inv_freq = inv_freq.to(device)
         self.interleaved = config.rope_interleave
+        self.query_beta, self.query_period = config.query_scale_beta, config.query_scale_period
+
+    def query_scale(self, positions: Tensor) -> Tensor | None:
+        """Each query's factor [*positions.shape] in float32 where the model scales its
+        queries by position (Mistral 4: 1 + beta ln(1 + floor(p / period))), else None.
+        Scaling a query is scaling its softmax scale, so every attention path and kernel
+        takes it through the queries (`scale_queries`)."""
+        if not self.query_beta:
+            return None
+        blocks = torch.floor(positions.to(torch.float32) / self.query_period)
+        return 1.0 + self.query_beta * torch.log1p(blocks)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin of shape [*positions.shape, d_r / 2], in float32."""
@@ -79,3 +90,12 @@ class RotaryEmbedding:
         x1f, x2f = x1.float(), x2.float()
         out = torch.cat((x1f * cos - x2f * sin, x2f * cos + x1f * sin), dim=-1)
         return out.to(x.dtype)
+
+
+def scale_queries(q_nope: Tensor, q_pe: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """q_nope [T, h, d_n] and rotated q_pe [T, h, d_r] times each row's query factor [T]
+    (`RotaryEmbedding.query_scale`; None: unchanged)."""
+    if scale is None:
+        return q_nope, q_pe
+    s = scale.to(q_nope.dtype)[:, None, None]
+    return q_nope * s, q_pe * s

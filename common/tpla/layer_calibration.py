@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from common.loading.model_builder import build_layer
 from common.loading.mtp_weights import build_mtp_layer
 from common.loading.side_file import kv_a_bits
-from common.loading.weights import CheckpointWeights, build_layer
+from common.loading.weights import CheckpointWeights
 from common.model.args import ModelConfig
 from common.model.causal_lm import DecoderLayer, packed_prefill
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention

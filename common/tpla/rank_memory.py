@@ -74,8 +74,10 @@ def _layer_tensors(
     e = span(layout.owned_experts(rank, c.n_routed_experts))
     inter = span(layout.expert_columns(rank, c.moe_intermediate_size))
     add("router", c.n_routed_experts, d, q=False)  # replicated: it scores every expert
-    if c.topk_method == "noaux_tc":
+    if c.topk_method == "noaux_tc" and c.router_bias:
         add("router", c.n_routed_experts, q=False)  # e_score_correction_bias
+    if c.moe_output_norm:
+        add("norms", d, q=False)  # post_mlp_layernorm
     add("routed_experts", 2 * inter, d, count=e)  # gate_up of every held expert
     add("routed_experts", d, inter, count=e)
     if c.n_shared_experts:

@@ -30,6 +30,7 @@ from torch import Tensor
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.generate import Generation
 from common.model.mla import MLAttention
+from common.model.rope import scale_queries
 from common.model.tpla import (
     LatentShard,
     head_output,
@@ -167,11 +168,12 @@ class ReferenceModel:
             )
         positions = torch.arange(start, start + len(ids), device=ids.device)
         cos, sin = m.rope.cos_sin(positions)
+        q_scale = m.rope.query_scale(positions)
         h = m.model.embed_tokens(ids)
         for i, layer in enumerate(m.model.layers):
             x = layer.input_layernorm(h)
             h = layer.feed_forward(
-                h + self._attention(i, layer.self_attn, x, cos, sin, state, exact)
+                h + self._attention(i, layer.self_attn, x, (cos, sin, q_scale), state, exact)
             )
         return m.logits(h)
 
@@ -180,14 +182,15 @@ class ReferenceModel:
         index: int,
         attn: MLAttention,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        angles: tuple[Tensor, Tensor, Tensor | None],
         state: SequenceState,
         exact: int,
     ) -> Tensor:
-        """Layer output [Q, D] for Q new tokens; the first `exact` of them are exact MLA."""
+        """Layer output [Q, D] for Q new tokens; the first `exact` of them are exact MLA.
+        `angles`: the rows' cos, sin and query factor (None: unscaled)."""
         rope = self.model.rope
-        q_nope, q_pe = attn.queries(x, rope, cos, sin)
+        cos, sin, q_scale = angles
+        q_nope, q_pe = scale_queries(*attn.queries(x, rope, cos, sin), q_scale)
         n, k_pe = attn.latents(x, rope, cos, sin)
         shards = self.shards[index]
         count = x.shape[0]

@@ -12,6 +12,8 @@ called from the step (rank/rank_model.py).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from torch import Tensor, nn
 
 from common.loading.rank_slices import rank_norm
@@ -21,6 +23,10 @@ from common.model.mla import Linear, RMSNorm, project_latent, project_queries
 from common.model.rope import RotaryEmbedding
 from common.model.tpla import LatentShard, latent_norm, latent_slice_attention
 from common.parallel import RmsNormMode
+
+
+class NormBackend(Protocol):
+    def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor: ...
 
 
 class RankAttention(nn.Module):
@@ -156,3 +162,14 @@ class RankLayer(nn.Module):
         self.attn = attn
         self.post_norm = rank_norm(src, p + "post_attention_layernorm.weight", eps)
         self.ffn = ffn
+        c = src.config
+        self.post_ffn_norm = (
+            rank_norm(src, p + "post_mlp_layernorm.weight", eps)
+            if c.moe_output_norm and c.is_moe_layer(layer)
+            else None
+        )
+
+    def ffn_output(self, backend: NormBackend, f: Tensor) -> Tensor:
+        """The FFN's output summed over the ranks, as the residual takes it (A.X-K1 normalizes
+        a MoE layer's)."""
+        return f if self.post_ffn_norm is None else backend.rms_norm(self.post_ffn_norm, f)

@@ -26,7 +26,7 @@ from common.loading.rank_slices import rank_ffn, rank_norm
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, share_workspace
-from common.model.rope import RotaryEmbedding
+from common.model.rope import RotaryEmbedding, scale_queries
 from common.model.tpla import latent_shard
 from common.parallel import ParallelConfig
 from services.decode.rank.backends import DecodeBackend, TorchBackend
@@ -152,33 +152,40 @@ class RankModel(nn.Module):
         """`decode_step` up to the last layer's output: the hidden state [B, D] before the
         final norm (what the MTP draft pass reads)."""
         self.split.check(reads)
-        cos, sin = self.rope.cos_sin(positions)
+        angles = self.angles(positions)
         h = self.embed(token_ids)
         for index, layer in enumerate(self.layers):
-            h = self.layer_step(index, layer, h, (cos, sin), write_slots, reads, cache, comm)
+            h = self.layer_step(index, layer, h, angles, write_slots, reads, cache, comm)
         return h
+
+    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The rows' rotary cos and sin and their query factor (None: unscaled)."""
+        cos, sin = self.rope.cos_sin(positions)
+        return cos, sin, self.rope.query_scale(positions)
 
     def layer_step(
         self,
         index: int,
         layer: RankLayer,
         h: Tensor,
-        cos_sin: tuple[Tensor, Tensor],
+        angles: tuple[Tensor, Tensor, Tensor | None],
         write_slots: Tensor,
         reads: CacheReads,
         cache: PagedLatentCache,
         comm: Comm,
     ) -> Tensor:
-        """One layer (cache layer `index`) over the rows' hidden state h [B, D]."""
+        """One layer (cache layer `index`) over the rows' hidden state h [B, D]; `angles`
+        as `angles` gives them."""
         be, rope = self.backend, self.rope
-        cos, sin = cos_sin
+        cos, sin, q_scale = angles
         q_nope, q_pe = be.attention_inputs(index, layer, rope, h, cos, sin, cache, write_slots)
+        q_nope, q_pe = scale_queries(q_nope, q_pe, q_scale)
         y = self.split.attend(layer.attn, q_nope, q_pe, cache, index, reads, comm, be)
         comm.sum_(y)
         h = h + y
         f = be.ffn(layer.ffn, be.rms_norm(layer.post_norm, h))
         comm.sum_(f)
-        return h + f
+        return h + layer.ffn_output(be, f)
 
     @torch.inference_mode()
     def mtp_rows(
@@ -202,8 +209,8 @@ class RankModel(nn.Module):
         fused = torch.cat((e, be.rms_norm(p.hnorm, hidden)), dim=-1)
         w = p.eh_proj if isinstance(p.eh_proj, Fp8Weight) else p.eh_proj.weight
         x = be.linear(fused, w)
-        cos_sin = self.rope.cos_sin(positions)
-        h = self.layer_step(mtp.cache_layer, mtp.layer, x, cos_sin, write_slots, reads, cache, comm)
+        angles = self.angles(positions)
+        h = self.layer_step(mtp.cache_layer, mtp.layer, x, angles, write_slots, reads, cache, comm)
         local = be.linear(be.rms_norm(p.norm, h), p.lm_head)
         return h, global_argmax(local, mtp.vocab_offset, comm)
 

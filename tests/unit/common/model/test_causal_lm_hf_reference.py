@@ -1,4 +1,5 @@
-"""Our model against HF transformers' DeepseekV2/V3ForCausalLM on tiny random checkpoints."""
+"""Our model against HF transformers on tiny random checkpoints: DeepseekV2/V3ForCausalLM, and
+every other family of the registry (tests/tiny_families.py, each in its released layout)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from common.loading.loader import load_model
 from common.model.generate import generate
 from common.sampling.params import SamplingParams
 from tests.tiny import VARIANTS, save_hf
+from tests.tiny_families import FAMILY_VARIANTS, save_family
 
 PROMPT_LEN = 37
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+@pytest.fixture(scope="module", params=sorted(VARIANTS) + sorted(FAMILY_VARIANTS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp(request.param)
-    hf = save_hf(request.param, path)
+    save = save_family if request.param in FAMILY_VARIANTS else save_hf
+    hf = save(request.param, path)
     return hf, load_model(path)
 
 

@@ -1,0 +1,98 @@
+"""INT4-resident weights: routed experts kept as compressed-tensors' pack-quantized INT4 (Kimi
+K2-Thinking, K2.5, K2.6), dequantized on use.
+
+The checkpoint stores a weight W [R, C] as `weight_packed` int32 [R, C / 8]: eight 4-bit
+values a word, value j in bits 4j..4j+3, each the signed value q in [-8, 7] plus 8; and
+`weight_scale` [R, C / G] in the checkpoint's float dtype, one per G columns of a row
+(symmetric, no zero point): W = q * s. `dequantize_int4` is the one dequantization: the
+reader's dequantize-at-load and an `Int4Weight`'s dequantize-on-use both call it, so they agree
+bit for bit. It writes into a buffer of the compute dtype one expert at a time (the unpacked
+words of one expert are the only temporary), and a model's INT4 weights share the FP8
+weights' workspace: one buffer per role and shape, reused by every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from common.model.fp8 import DequantizedOnUse
+
+INT4_PACK = 8  # 4-bit values per int32 word
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """int32 words [..., C / 8] -> their signed 4-bit values [..., C] as int8."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed[..., None] >> shifts) & 0xF
+    return (nibbles.to(torch.int8) - 8).flatten(-2)
+
+
+def dequantize_int4(packed: Tensor, scale: Tensor, group: int, out: Tensor) -> Tensor:
+    """q * s of packed [..., R, C / 8] and scale [..., R, C / G] into `out` [..., R, C]: the
+    values copied in exactly, times their group's scale in `out`'s dtype (one rounding)."""
+    lead = packed.shape[:-2]
+    flat_p, flat_s = packed.reshape(-1, *packed.shape[-2:]), scale.reshape(-1, *scale.shape[-2:])
+    flat_o = out.view(-1, *out.shape[-2:])
+    for e in range(flat_p.shape[0]):  # one matrix's unpacked words at a time
+        o = flat_o[e]
+        o.copy_(unpack_int4(flat_p[e]))
+        o.view(o.shape[0], -1, group).mul_(flat_s[e].to(out.dtype)[..., None])
+    return out.view(*lead, *out.shape[-2:])
+
+
+class Int4Weight(DequantizedOnUse):
+    """A weight of logical `shape` [..., R, C] kept as packed INT4 with its group scales;
+    computes in `dtype`. Stands in for a stacked expert tensor (or an `nn.Linear`)."""
+
+    def __init__(
+        self, packed: Tensor, scale: Tensor, group: int, dtype: torch.dtype, role: str
+    ) -> None:
+        super().__init__()
+        assert packed.dtype == torch.int32 and packed.shape[:-1] == scale.shape[:-1]
+        assert packed.shape[-1] * INT4_PACK == scale.shape[-1] * group
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.group, self.dtype, self.role = group, dtype, role
+        self.shape = (*packed.shape[:-1], packed.shape[-1] * INT4_PACK)
+
+    packed: Tensor
+    scale: Tensor
+
+    def dequantize(self, out: Tensor | None = None) -> Tensor:
+        """The weight in `dtype`, written into `out` (default: the workspace's buffer for this
+        role, overwritten by the next weight of the same role)."""
+        if out is None:
+            out = self.workspace.buffer(self.role, self.shape, self.dtype, self.packed.device)
+        return dequantize_int4(self.packed, self.scale, self.group, out.view(self.shape))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dequantize())
+
+
+def stack_int4(build: Callable[[int], Int4Weight], count: int, role: str) -> Int4Weight:
+    """`count` experts' weights of one shape, sliced alike, stacked [E, R, C]: `build(e)`
+    makes expert e's, copied in one at a time (the stack is never held twice)."""
+    first = build(0)
+    packed = first.packed.new_empty((count, *first.packed.shape))
+    scale = first.scale.new_empty((count, *first.scale.shape))
+    for e in range(count):
+        part = first if e == 0 else build(e)
+        packed[e], scale[e] = part.packed, part.scale
+        del part
+    return Int4Weight(packed, scale, first.group, first.dtype, role)
+
+
+def cat_int4_rows(parts: list[Int4Weight], role: str) -> Int4Weight:
+    """`parts` one after the other along their rows (gate rows, then up rows)."""
+    first = parts[0]
+    return Int4Weight(
+        torch.cat([p.packed for p in parts], dim=-2),
+        torch.cat([p.scale for p in parts], dim=-2),
+        first.group,
+        first.dtype,
+        role,
+    )
