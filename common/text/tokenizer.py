@@ -1,9 +1,9 @@
 """The tokenizer of a model directory: encode, decode, special tokens, its chat template.
 
-Wraps a HuggingFace ``tokenizers`` tokenizer loaded from a model directory
-(``tokenizer.json`` plus the optional ``tokenizer_config.json`` and
-``generation_config.json``) so the rest of the server never depends on
-``transformers``.
+Wraps the model's vocabulary (vocabulary.py: a HuggingFace ``tokenizers`` tokenizer.json, or a
+tiktoken model's, tiktoken_vocabulary.py) with the optional ``tokenizer_config.json`` and
+``generation_config.json``, so the rest of the server never depends on ``transformers`` nor
+runs a checkpoint's code.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import tokenizers
-
 from common.runtime.errors import TokenizerError
 from common.text.chat_template import ChatMessage, ChatTemplate, chat_template_from_config
 from common.text.deepseek_v32 import DeepseekV32Encoding
+from common.text.tiktoken_vocabulary import TIKTOKEN_FILE, TiktokenVocabulary
+from common.text.vocabulary import HfVocabulary, Vocabulary
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -68,8 +68,14 @@ def _eos_ids_from_generation_config(value: Any, source: Path) -> tuple[int, ...]
     )
 
 
+def _model_type(directory: Path) -> str | None:
+    """config.json's model_type, when the directory has one."""
+    model_file = directory / MODEL_CONFIG_FILE
+    return _read_json(model_file).get("model_type") if model_file.is_file() else None
+
+
 class Tokenizer:
-    """A ``tokenizers`` tokenizer plus the HF config needed to serve chat models.
+    """A model's vocabulary plus the HF config needed to serve chat models.
 
     Build it with :meth:`from_dir`. Its state is fixed after construction (the chat template
     is compiled on first use, which is idempotent), so one instance can be shared between
@@ -78,7 +84,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        backend: Vocabulary,
         *,
         chat_template: str | None = None,
         bos_token: str | None = None,
@@ -92,7 +98,7 @@ class Tokenizer:
         """Wrap ``backend``.
 
         Args:
-            backend: The loaded ``tokenizers.Tokenizer``.
+            backend: The model's vocabulary.
             chat_template: Jinja chat template source, or None if the model has none.
             bos_token: Text of the BOS token, or None.
             eos_token: Text of the EOS token, or None.
@@ -115,7 +121,7 @@ class Tokenizer:
         )
         self._bos_token = bos_token
         self._eos_token = eos_token
-        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._vocab_size = backend.size
 
         self._bos_token_id = self._require_id(bos_token, "bos_token")
         if add_bos_token and self._bos_token_id is None:
@@ -146,32 +152,29 @@ class Tokenizer:
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load a tokenizer from a HF model directory.
 
-        Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (optional: chat
+        Reads ``tokenizer.json`` (or a tiktoken model's ``tiktoken.model``: required),
+        ``tokenizer_config.json`` (optional: chat
         template, bos/eos tokens, ``add_bos_token``), ``chat_template.jinja`` (optional,
         takes precedence over the config's template, as in ``transformers``) and
         ``generation_config.json`` (optional: extra ``eos_token_id`` stop ids).
 
         Raises:
-            TokenizerError: If the directory or ``tokenizer.json`` is missing, or any file
+            TokenizerError: If the directory or the vocabulary file is missing, or any file
                 is malformed.
         """
         directory = Path(path)
         if not directory.is_dir():
             raise TokenizerError(f"tokenizer directory {directory} does not exist")
-        tokenizer_file = directory / TOKENIZER_FILE
-        if not tokenizer_file.is_file():
-            raise TokenizerError(f"no {TOKENIZER_FILE} in {directory}")
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # the Rust binding raises bare Exception on parse errors
-            raise TokenizerError(f"cannot load {tokenizer_file}: {exc}") from exc
-        # Some tokenizer.json files ship truncation/padding settings meant for training; in
-        # serving they would silently cut or pad prompts.
-        backend.no_truncation()
-        backend.no_padding()
-
         config_file = directory / TOKENIZER_CONFIG_FILE
         config = _read_json(config_file) if config_file.is_file() else {}
+        tokenizer_file = directory / TOKENIZER_FILE
+        backend: Vocabulary
+        if tokenizer_file.is_file():
+            backend = HfVocabulary.from_file(tokenizer_file)
+        elif (directory / TIKTOKEN_FILE).is_file():
+            backend = TiktokenVocabulary.from_dir(directory, config, _model_type(directory))
+        else:
+            raise TokenizerError(f"no {TOKENIZER_FILE} in {directory} (nor a {TIKTOKEN_FILE})")
         chat_template, other_templates = chat_template_from_config(
             config.get("chat_template"), config_file
         )
@@ -189,9 +192,8 @@ class Tokenizer:
             )
 
         encoding = None
-        model_file = directory / MODEL_CONFIG_FILE
-        if chat_template is None and model_file.is_file():
-            kind = _ENCODINGS.get(str(_read_json(model_file).get("model_type")))
+        if chat_template is None:
+            kind = _ENCODINGS.get(str(_model_type(directory)))
             encoding = kind() if kind is not None else None
 
         generation_file = directory / GENERATION_CONFIG_FILE
@@ -273,7 +275,7 @@ class Tokenizer:
             add_bos = self._add_bos_token
         # The backend's post-processor may add its own specials; we manage BOS ourselves so
         # it is never added twice.
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._backend.encode(text)
         if add_bos:
             if self._bos_token_id is None:
                 raise TokenizerError(f"{self._source}: add_bos requested but no bos_token is set")
@@ -290,7 +292,7 @@ class Tokenizer:
             TokenizerError: If an id is negative.
         """
         try:
-            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return self._backend.decode(ids, skip_special_tokens)
         except OverflowError as exc:
             raise TokenizerError(f"invalid token id in {list(ids)!r}: {exc}") from exc
 
