@@ -254,3 +254,146 @@ def save_kimi_int4(out: Path, **kwargs: Any) -> torch.nn.Module:
     }
     (out / "config.json").write_text(json.dumps(raw, indent=1))
     return model
+
+
+# --- the families' tokenizers: their special tokens and chat templates' shapes ------------------
+
+KIMI_MERGES = [b"he", b"ll", b"hell", b"hello", b"12", b"123", b"1234", b"it", b"'s", b"it's"]
+KIMI_BASE = 256 + len(KIMI_MERGES)
+# Kimi's names for its first special ids (its tokenizer_config.json's added_tokens_decoder).
+KIMI_SPECIALS = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
+KIMI_ADDED = {KIMI_BASE + k: token for k, token in enumerate(KIMI_SPECIALS)}
+# Kimi K2's template's shape (the tests' own): role markers, the role's name, <|im_middle|>,
+# the text, <|im_end|>; tools declared in a system turn; earlier calls in Kimi's section.
+KIMI_TEMPLATE = (
+    "{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|im_user|>user"
+    "{% elif m['role'] == 'assistant' %}<|im_assistant|>assistant{% else %}<|im_system|>"
+    "{{ m['role'] }}{% endif %}<|im_middle|>{{ m['content'] }}"
+    "{% if m.get('tool_calls') %}<|tool_calls_section_begin|>{% for c in m['tool_calls'] %}"
+    "<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>"
+    "{{ c['function']['arguments'] }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>"
+    "{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+
+def save_kimi_tokenizer(out: Path, model_type: str | None = None) -> Path:
+    """Kimi K2's tokenizer files over a tiny tiktoken BPE (the 256 bytes and KIMI_MERGES):
+    tiktoken.model, a tokenizer_config.json naming tokenization_kimi.py with the added tokens
+    and the template, and that .py file, which must never run."""
+    import base64
+
+    ranks = [bytes([b]) for b in range(256)] + KIMI_MERGES
+    lines = [f"{base64.b64encode(t).decode()} {rank}" for rank, t in enumerate(ranks)]
+    (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    config = {
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "tokenizer_class": "TikTokenTokenizer",
+        "bos_token": "[BOS]",
+        "eos_token": "<|im_end|>",
+        "added_tokens_decoder": {
+            str(i): {"content": c, "special": True} for i, c in KIMI_ADDED.items()
+        },
+        "chat_template": KIMI_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "tokenization_kimi.py").write_text("raise SystemExit('checkpoint code ran')\n")
+    if model_type is not None:
+        _set_model_type(out, model_type)
+    return out
+
+
+GLM_SPECIALS = [
+    "[gMASK]",
+    "<sop>",
+    "<|endoftext|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
+]
+# GLM-4.7's template's shape: earlier calls as <tool_call>NAME<arg_key>..., each value a
+# string as itself, JSON otherwise (it iterates the arguments' items).
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}{% endif %}{% for m in messages %}{% if m['role'] == 'tool' %}<|observation|>"
+    "<tool_response>{{ m['content'] }}</tool_response>{% else %}<|{{ m['role'] }}|>"
+    "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}{% set f = c['function'] %}"
+    "<tool_call>{{ f['name'] }}{% for k, v in f['arguments'].items() %}<arg_key>{{ k }}"
+    "</arg_key><arg_value>{{ v | tojson if v is not string else v }}</arg_value>{% endfor %}"
+    "</tool_call>{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+    "{% endif %}"
+)
+MISTRAL_SPECIALS = [
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+]
+# Mistral's v11 template's shape: tools before the last user turn, calls as
+# [TOOL_CALLS]NAME[ARGS]JSON.
+MISTRAL_TEMPLATE = (
+    "<s>{% for m in messages %}{% if m['role'] == 'user' %}{% if tools and loop.last %}"
+    "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m['content'] }}"
+    "[/INST]{% elif m['role'] == 'assistant' %}{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]"
+    "{{ c['function']['arguments'] }}{% endfor %}</s>{% elif m['role'] == 'tool' %}"
+    "[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]{% else %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+)
+# config.json model_type -> (special tokens, template, bos, eos)
+FAMILY_TOKENIZERS = {
+    "glm4_moe_lite": (GLM_SPECIALS, GLM_TEMPLATE, None, "<|endoftext|>"),
+    "mistral3": (MISTRAL_SPECIALS, MISTRAL_TEMPLATE, "<s>", "</s>"),
+}
+
+
+def save_family_tokenizer(out: Path, model_type: str, vocab_size: int = 400) -> Path:
+    """A byte-level BPE trained here with the family's special tokens and its template's
+    shape, and config.json's model_type (the checkpoint's config kept if there is one)."""
+    from tests.tiny import CORPUS, train_tokenizer
+
+    specials, template, bos, eos = FAMILY_TOKENIZERS[model_type]
+    backend = train_tokenizer(vocab_size, CORPUS)
+    backend.add_special_tokens(specials)
+    backend.save(str(out / "tokenizer.json"))
+    config = {"bos_token": bos, "eos_token": eos, "chat_template": template}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    _set_model_type(out, model_type)
+    return out
+
+
+def _set_model_type(out: Path, model_type: str) -> None:
+    model = {"max_position_embeddings": 4096}
+    if (out / "config.json").is_file():  # a checkpoint's: its own context and model_type
+        model = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({"model_type": model_type, **model}))

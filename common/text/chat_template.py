@@ -29,6 +29,28 @@ RESERVED_VARIABLES: frozenset[str] = frozenset(
 )
 
 
+class ToolArguments(str):
+    """An earlier call's arguments as chat templates read them: the JSON text (a string to
+    `is string`, printed as it is by DeepSeek's and Kimi's templates) that is also the object's
+    mapping (GLM's template iterates `arguments.items()`)."""
+
+    def _mapping(self) -> dict[str, Any]:
+        try:
+            value = json.loads(self)
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def items(self) -> Any:
+        return self._mapping().items()
+
+    def keys(self) -> Any:
+        return self._mapping().keys()
+
+    def values(self) -> Any:
+        return self._mapping().values()
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     """One chat turn passed to a chat template.
@@ -55,7 +77,11 @@ class ChatMessage:
             out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [
-                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                {
+                    "id": i,
+                    "type": "function",
+                    "function": {"name": n, "arguments": ToolArguments(a)},
+                }
                 for i, n, a in self.tool_calls
             ]
         if self.tool_call_id is not None:

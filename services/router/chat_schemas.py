@@ -111,7 +111,11 @@ class ChatMessageIn(BaseModel):
                 if isinstance(part, dict) and part.get("type") != "text":
                     kind = part.get("type")
                     shown = repr(kind) if isinstance(kind, str) and kind.isprintable() else "?"
-                    raise ValueError(f"content part type {shown} is not supported; only 'text'")
+                    raise ValueError(
+                        f"content part type {shown} is not supported: the server serves a "
+                        "model's text (a multimodal checkpoint's language model), so only "
+                        "'text' parts"
+                    )
         return v
 
     @property

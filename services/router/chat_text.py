@@ -55,8 +55,8 @@ class _Block:
         self.text = ""
         self._sent = 0  # its calls already sent
 
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        """The calls `text` completes (name, arguments JSON), once each."""
+    def feed(self, text: str) -> list[tuple[str, str, str | None]]:
+        """The calls `text` completes (name, arguments JSON, the model's id), once each."""
         seen = max(len(self.text) - len(self.markup.call_end) + 1, 0)
         self.text += text
         if self.text.find(self.markup.call_end, seen) < 0:
@@ -190,11 +190,11 @@ class ChatText:
         """Content under auto, until the model's call markup begins."""
         assert self.calling is not None
         markup = self.calling.markup
-        if markup is CallMarkup.DEEPSEEK_V3:  # its begin marker is one token: never split
+        if not markup.plain_text:  # its begin marker is one token: never split
             before, begin, after = text.partition(markup.begin)
             if not begin:
                 return text, []
-        else:  # DSML: hold back what may become its begin marker (and the blanks before)
+        else:  # hold back what may become its begin marker (and the blanks before)
             before, begin, after = (self.held + text).partition(markup.begin)
             if not begin:
                 keep = dsml.held_tail(before, markup.begin)
@@ -230,11 +230,11 @@ class ChatText:
                 self._sent[k] = len(call.arguments)
         return deltas
 
-    def _headers(self, calls: list[tuple[str, str]]) -> list[ToolCallDelta]:
-        """Whole calls (a markup's), each the next index."""
+    def _headers(self, calls: list[tuple[str, str, str | None]]) -> list[ToolCallDelta]:
+        """Whole calls (a markup's), each the next index (with the model's id if it gave one)."""
         deltas = []
-        for name, arguments in calls:
-            self._ids.append(new_call_id())
+        for name, arguments, call_id in calls:
+            self._ids.append(call_id or new_call_id())
             deltas.append(_header(len(self._ids) - 1, self._ids[-1], name, arguments))
         return deltas
 

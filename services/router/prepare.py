@@ -90,8 +90,18 @@ class ModelInfo:
 
 
 def call_markup(tokenizer: Tokenizer) -> tools.CallMarkup:
-    """The markup the model writes tool calls in (DSML where its prompt format does)."""
-    return tools.CallMarkup.DSML if tokenizer.template_reads(DSML) else tools.CallMarkup.DEEPSEEK_V3
+    """The markup the model writes tool calls in: the one its prompt format writes earlier
+    calls in (DeepSeek-V3's markers when it names none of the others)."""
+    for markup in (
+        tools.CallMarkup.DSML,
+        tools.CallMarkup.KIMI_K2,
+        tools.CallMarkup.GLM45,
+        tools.CallMarkup.MISTRAL,
+    ):
+        marker = DSML if markup is tools.CallMarkup.DSML else markup.begin
+        if tokenizer.template_reads(marker):
+            return markup
+    return tools.CallMarkup.DEEPSEEK_V3
 
 
 def new_request_id(prefix: str) -> str:
@@ -140,7 +150,8 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo, arrival: float) -
     if calling is None:
         return req
     # A model's own call markers are special tokens: the text must keep them to parse them.
-    markers = len(info.tokenizer.encode(tools.DEEPSEEK_CALLS_BEGIN)) == 1
+    begins = {tools.DEEPSEEK_CALLS_BEGIN, calling.markup.begin}
+    markers = any(len(info.tokenizer.encode(m)) == 1 for m in begins)
     return replace(req, tools=calling, keep_special_tokens=markers or req.keep_special_tokens)
 
 

@@ -14,6 +14,7 @@ model, the demo's included. Output formats parsed under `auto` (`CallMarkup`: th
       (the later variant without "function" and the code fence is read too)
     DeepSeek-V3.2's DSML (dsml.py), which may also stand inside its thinking
       (`parse_reasoning`)
+    Kimi K2's (kimi_calls.py), GLM-4.5 / 4.7's (glm_calls.py), Mistral's (mistral_calls.py)
     the JSON array above, which a template that does not render tools itself is told to use
     through a system prompt (`system_prompt`).
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 from common.sampling.grammar import GrammarSpec
 from common.text.deepseek_v32 import CALLS_BEGIN, CALLS_END, INVOKE_END
-from services.router import dsml
+from services.router import dsml, glm_calls, kimi_calls, mistral_calls
 
 DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
@@ -41,32 +42,66 @@ _DEEPSEEK_CALL = re.compile(
 
 
 class CallMarkup(enum.Enum):
-    """The markup a model writes its calls in under `auto` (besides the JSON call list)."""
+    """The markup a model writes its calls in under `auto` (besides the JSON call list),
+    chosen by its chat template (prepare.call_markup)."""
 
     DEEPSEEK_V3 = "deepseek_v3"  # special-token markers: each arrives whole, in one delta
     DSML = "dsml"  # DeepSeek-V3.2's: plain text, a marker can be split between deltas
+    KIMI_K2 = "kimi_k2"  # special-token markers
+    GLM45 = "glm45"  # its markers may be plain text, split between deltas
+    MISTRAL = "mistral"  # special-token markers; no end marker (a call ends with its JSON)
 
     @property
     def begin(self) -> str:
-        return DEEPSEEK_CALLS_BEGIN if self is CallMarkup.DEEPSEEK_V3 else CALLS_BEGIN
+        """What opens the calls (the content before it is the answer's)."""
+        return _BEGIN[self]
 
     @property
     def call_end(self) -> str:
         """What ends one call (a stream sends each call once it has come)."""
-        return DEEPSEEK_CALL_END if self is CallMarkup.DEEPSEEK_V3 else INVOKE_END
+        return _CALL_END[self]
 
-    def calls(self, text: str) -> list[tuple[str, str]]:
-        """(name, arguments JSON) of the complete calls in `text`, what follows `begin`."""
+    @property
+    def plain_text(self) -> bool:
+        """Whether its markers may come in pieces (a stream holds back a text's end that may
+        still become the begin marker, and the blanks before it belong to the markup)."""
+        return self in (CallMarkup.DSML, CallMarkup.GLM45)
+
+    def calls(self, text: str) -> list[tuple[str, str, str | None]]:
+        """(name, arguments JSON, the id the model gave it or None) of the complete calls in
+        `text`, what follows `begin`."""
         if self is CallMarkup.DSML:
-            return dsml.calls(text)
-        out = []
+            return [(n, a, None) for n, a in dsml.calls(text)]
+        if self is CallMarkup.KIMI_K2:
+            return kimi_calls.calls(text)
+        if self is CallMarkup.GLM45:
+            return glm_calls.calls(text)
+        if self is CallMarkup.MISTRAL:
+            return mistral_calls.calls(text)
+        out: list[tuple[str, str, str | None]] = []
         for m in _DEEPSEEK_CALL.finditer(text):
             try:
                 args = json.loads(m.group("args"), object_pairs_hook=unique_keys)
             except ValueError:
                 break
-            out.append((m.group("name").strip(), json.dumps(args)))
+            out.append((m.group("name").strip(), json.dumps(args), None))
         return out
+
+
+_BEGIN = {
+    CallMarkup.DEEPSEEK_V3: DEEPSEEK_CALLS_BEGIN,
+    CallMarkup.DSML: CALLS_BEGIN,
+    CallMarkup.KIMI_K2: kimi_calls.SECTION_BEGIN,
+    CallMarkup.GLM45: glm_calls.CALL_BEGIN,
+    CallMarkup.MISTRAL: mistral_calls.CALLS_BEGIN,
+}
+_CALL_END = {
+    CallMarkup.DEEPSEEK_V3: DEEPSEEK_CALL_END,
+    CallMarkup.DSML: INVOKE_END,
+    CallMarkup.KIMI_K2: kimi_calls.CALL_END,
+    CallMarkup.GLM45: glm_calls.CALL_END,
+    CallMarkup.MISTRAL: mistral_calls.ARGS_END,
+}
 
 
 class ToolMode(enum.Enum):
@@ -171,9 +206,9 @@ def parse(text: str, calling: ToolCalling) -> tuple[str, list[ToolCall]] | None:
     markup = calling.markup
     if markup.begin in text:
         content, _, rest = text.partition(markup.begin)
-        if markup is CallMarkup.DSML:
+        if markup.plain_text:
             content = content.rstrip(dsml.WHITESPACE)
-        return content, [ToolCall(new_call_id(), n, a) for n, a in markup.calls(rest)]
+        return content, [ToolCall(i or new_call_id(), n, a) for n, a, i in markup.calls(rest)]
     known = frozenset(t.name for t in calling.tools)
     calls = _json_calls(text, known)
     if calls or calling.mode is ToolMode.REQUIRED or _named_first(text, known):

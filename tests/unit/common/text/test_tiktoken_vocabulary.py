@@ -4,7 +4,6 @@ naming tokenization_kimi.py with its added tokens, and that .py file, which must
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -19,44 +18,7 @@ from common.text.tiktoken_vocabulary import (
     split_pattern,
 )
 from common.text.tokenizer import Tokenizer
-
-MERGES = [b"he", b"ll", b"hell", b"hello", b"12", b"123", b"1234", b"it", b"'s", b"it's"]
-BASE = 256 + len(MERGES)
-# Kimi's own names for its first special ids (its tokenizer_config.json's added_tokens_decoder).
-ADDED = {
-    BASE: "[BOS]",
-    BASE + 1: "[EOS]",
-    BASE + 2: "<|im_end|>",
-    BASE + 3: "<|im_user|>",
-    BASE + 4: "<|im_assistant|>",
-    BASE + 5: "<|im_system|>",
-    BASE + 6: "<|im_middle|>",
-}
-# Kimi K2's template's shape: role markers, the role's name, <|im_middle|>, the text, <|im_end|>.
-KIMI_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}<|im_user|>user"
-    "{% elif m['role'] == 'assistant' %}<|im_assistant|>assistant{% else %}<|im_system|>system"
-    "{% endif %}<|im_middle|>{{ m['content'] }}<|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
-)
-
-
-def save_kimi_tokenizer(out: Path) -> Path:
-    """Kimi K2's tokenizer files over the tiny BPE."""
-    ranks = [bytes([b]) for b in range(256)] + MERGES
-    lines = [f"{base64.b64encode(t).decode()} {rank}" for rank, t in enumerate(ranks)]
-    (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
-    config = {
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-        "tokenizer_class": "TikTokenTokenizer",
-        "bos_token": "[BOS]",
-        "eos_token": "<|im_end|>",
-        "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in ADDED.items()},
-        "chat_template": KIMI_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    (out / "tokenization_kimi.py").write_text("raise SystemExit('checkpoint code ran')\n")
-    return out
+from tests.tiny_families import KIMI_BASE, KIMI_MERGES, save_kimi_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +33,18 @@ def vocab(kimi_dir: Path) -> TiktokenVocabulary:
 
 
 def test_ranks_and_specials_as_kimis_code_numbers_them(vocab: TiktokenVocabulary) -> None:
-    assert vocab.size == BASE + KIMI_RESERVED_SPECIALS + 2
-    assert vocab.token_to_id("[BOS]") == BASE and vocab.token_to_id("<|im_end|>") == BASE + 2
-    last = BASE + KIMI_RESERVED_SPECIALS + 1
+    assert vocab.size == KIMI_BASE + KIMI_RESERVED_SPECIALS + 2
+    assert (
+        vocab.token_to_id("[BOS]") == KIMI_BASE and vocab.token_to_id("<|im_end|>") == KIMI_BASE + 2
+    )
+    last = KIMI_BASE + KIMI_RESERVED_SPECIALS + 1
     assert vocab.token_to_id(f"<|reserved_token_{last}|>") == last
-    assert vocab.token_to_id("hello") == 256 + MERGES.index(b"hello")
+    assert vocab.token_to_id("hello") == 256 + KIMI_MERGES.index(b"hello")
     assert vocab.token_to_id("nope") is None
 
 
 def test_the_split_pattern_is_kimis(vocab: TiktokenVocabulary) -> None:
-    rank = {t: 256 + k for k, t in enumerate(MERGES)}
+    rank = {t: 256 + k for k, t in enumerate(KIMI_MERGES)}
     # Digits go in threes: 1234 is never one token although the BPE has it.
     assert vocab.encode("1234") == [rank[b"123"], ord("4")]
     # A word keeps its contraction.
@@ -99,7 +63,7 @@ def test_special_strings_encode_to_their_ids_and_skip_on_decode(
     vocab: TiktokenVocabulary,
 ) -> None:
     ids = vocab.encode("<|im_user|>hello<|im_end|>")
-    assert ids == [BASE + 3, 256 + MERGES.index(b"hello"), BASE + 2]
+    assert ids == [KIMI_BASE + 3, 256 + KIMI_MERGES.index(b"hello"), KIMI_BASE + 2]
     assert vocab.decode(ids, skip_special_tokens=False) == "<|im_user|>hello<|im_end|>"
     assert vocab.decode(ids, skip_special_tokens=True) == "hello"
     assert vocab.decode([*ids, vocab.size + 5], skip_special_tokens=True) == "hello"
@@ -109,9 +73,9 @@ def test_special_strings_encode_to_their_ids_and_skip_on_decode(
 
 def test_a_kimi_directory_serves_its_template_without_running_its_code(kimi_dir: Path) -> None:
     tok = Tokenizer.from_dir(kimi_dir)
-    assert tok.bos_token_id == BASE and tok.eos_token_ids == frozenset({BASE + 2})
+    assert tok.bos_token_id == KIMI_BASE and tok.eos_token_ids == frozenset({KIMI_BASE + 2})
     ids = tok.encode_chat([ChatMessage("user", "hello")])
-    assert ids[:3] == [BASE + 3, *tok.encode("user")][:3]
+    assert ids[:3] == [KIMI_BASE + 3, *tok.encode("user")][:3]
     assert tok.decode(ids, skip_special_tokens=False) == (
         "<|im_user|>user<|im_middle|>hello<|im_end|><|im_assistant|>assistant<|im_middle|>"
     )
