@@ -28,7 +28,8 @@ from common.model.causal_lm import DeepseekForCausalLM
 from common.model.mtp import MTPLayer
 from common.runtime.kernel_choice import KernelConfig
 
-WEIGHT_DTYPES = ("auto", "float8", "dequantize")
+# `quantized` keeps a checkpoint's FP8 or INT4 weights as stored; `float8` is its older name.
+WEIGHT_DTYPES = ("auto", "quantized", "float8", "dequantize")
 
 
 def keeps_fp8(weight_dtype: str, device: str | torch.device) -> bool:
@@ -38,7 +39,7 @@ def keeps_fp8(weight_dtype: str, device: str | torch.device) -> bool:
         raise ValueError(f"weight dtype {weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
     if weight_dtype == "auto":
         return torch.device(device).type == "cuda"
-    return weight_dtype == "float8"
+    return weight_dtype in ("quantized", "float8")
 
 
 def open_serving_weights(

@@ -23,10 +23,12 @@ class Settings(BaseSettings):
     )
     weight_dtype: str = Field(
         "auto",
-        pattern="^(auto|float8|dequantize)$",
-        description="an FP8 block checkpoint's linear weights: float8 (kept FP8, dequantized "
-        "as each is used) | dequantize (to TPLA_DTYPE at load) | auto (float8 on CUDA, "
-        "dequantize on the CPU, where the per-use dequantization costs more than it saves)",
+        pattern="^(auto|quantized|float8|dequantize)$",
+        description="a quantized checkpoint's weights (DeepSeek's block FP8 linears, "
+        "compressed-tensors' INT4 experts): quantized (kept as stored, dequantized as each is "
+        "used; float8 is its older name) | dequantize (to TPLA_DTYPE at load) | auto "
+        "(quantized on CUDA, dequantize on the CPU, where the per-use dequantization costs "
+        "more than it saves)",
     )
     fp8_gemm: str = Field(
         "auto",

@@ -28,6 +28,7 @@ from common.tpla.rank_memory import (
     DTYPE_BYTES,
     WEIGHT_DTYPES,
     PlanError,
+    RankTensor,
     kv_bytes_per_stored_token,
     prefill_rank_tensors,
     rank_tensors,
@@ -51,13 +52,18 @@ class Checkpoint:
     quant_method: str | None  # "fp8" for DeepSeek-V3's published checkpoint
     fp8_block: tuple[int, int]  # its weight_block_size
     mtp_layers: int  # num_nextn_predict_layers: loaded only when speculation is `mtp`
+    # compressed-tensors' INT4 routed experts (Kimi K2-Thinking / K2.5 / K2.6): their group
+    # size; None for any other checkpoint.
+    int4_group: int | None = None
 
 
 def checkpoint_from_hf_dict(raw: dict[str, Any]) -> Checkpoint:
     """Parse a config dict, quantized or not (planning needs no weights; `--weight-dtype`
-    decides the bytes: the loader dequantizes FP8 checkpoints to the serving dtype)."""
+    decides the bytes: the loader dequantizes FP8 checkpoints to the serving dtype). A
+    multimodal wrapper's quantization_config may stand in its text_config."""
     raw = dict(raw)
-    quant = raw.pop("quantization_config", None) or {}
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    quant = raw.pop("quantization_config", None) or text.get("quantization_config") or {}
     block = quant.get("weight_block_size") or [128, 128]
     if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
         raise PlanError(f"quantization_config.weight_block_size {block!r} is not [rows, cols]")
@@ -66,7 +72,20 @@ def checkpoint_from_hf_dict(raw: dict[str, Any]) -> Checkpoint:
         quant_method=quant.get("quant_method"),
         fp8_block=(block[0], block[1]),
         mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        int4_group=_int4_group(quant),
     )
+
+
+def _int4_group(quant: dict[str, Any]) -> int | None:
+    """The group size of a compressed-tensors checkpoint's 4-bit weights (the loader checks
+    the rest of the scheme), or None."""
+    if quant.get("quant_method") != "compressed-tensors":
+        return None
+    for group in (quant.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("num_bits") == 4 and weights.get("group_size"):
+            return int(weights["group_size"])
+    return None
 
 
 def default_reserve_bytes(gpu_mem_bytes: int) -> int:
@@ -105,6 +124,7 @@ class PlanRequest:
     block_size: int = 16
     chunk_size: int = 256
     fp8_block: tuple[int, int] = (128, 128)
+    int4_group: int | None = None  # the checkpoint's INT4 experts' group size (Checkpoint's)
     moe: MoeParallel = MoeParallel.TP  # routed experts: a slice of each, or whole ones (ep)
     prefill_gpus: int = 1  # ranks of one prefill group (TPLA_PREFILL_TP), on the same cards
     mtp_layers: int = 0  # MTP modules loaded (speculation `mtp`): weights and cache counted
@@ -126,6 +146,10 @@ class PlanRequest:
             raise PlanError(
                 f"unknown weight dtype {self.weight_dtype!r}; choose one of {WEIGHT_DTYPES}"
             )
+
+    def weight_bytes(self, tensors: list[RankTensor]) -> int:
+        """Bytes of `tensors` in the request's weight dtype and the checkpoint's format."""
+        return weight_bytes(tensors, self.weight_dtype, self.fp8_block, self.int4_group)
 
     def layouts(self) -> list[tuple[str, ParallelConfig]]:
         """(row name, layout): every layout `ParallelConfig.compared` sets side by side, the
@@ -165,8 +189,7 @@ class LayoutPlan:
 def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelConfig) -> LayoutPlan:
     hw, bs = req.hardware, req.block_size
     weights = max(
-        weight_bytes(rank_tensors(c, layout, rank, req.mtp_layers), req.weight_dtype, req.fp8_block)
-        for rank in range(layout.tp)
+        req.weight_bytes(rank_tensors(c, layout, rank, req.mtp_layers)) for rank in range(layout.tp)
     )
     stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype, req.mtp_layers)
     budget = hw.gpu_mem_bytes - weights - hw.reserve
@@ -291,7 +314,7 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
     chosen = rank_tensors(c, layouts[1][1], 0, req.mtp_layers)
     parts: dict[str, int] = {}
     for t in chosen:
-        parts[t.part] = parts.get(t.part, 0) + weight_bytes([t], req.weight_dtype, req.fp8_block)
+        parts[t.part] = parts.get(t.part, 0) + req.weight_bytes([t])
     # load_model keeps the router in float32 too (common.loading.weights.is_router).
     full = rank_tensors(c, ParallelConfig(), 0, req.mtp_layers)
     prefill = req.prefill_layout()
@@ -301,13 +324,9 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
         request=req,
         layouts=tuple(plan_layout(c, req, name, layout) for name, layout in layouts),
         breakdown=tuple(parts.items()),
-        full_model_bytes=weight_bytes(full, req.weight_dtype, req.fp8_block),
+        full_model_bytes=req.weight_bytes(full),
         prefill_weights_bytes=max(
-            weight_bytes(
-                prefill_rank_tensors(c, prefill, rank, req.mtp_layers),
-                req.weight_dtype,
-                req.fp8_block,
-            )
+            req.weight_bytes(prefill_rank_tensors(c, prefill, rank, req.mtp_layers))
             for rank in range(prefill.tp)
         ),
     )

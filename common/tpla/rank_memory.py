@@ -16,8 +16,13 @@ from common.model.args import ModelConfig
 from common.parallel import ParallelConfig, RmsNormMode, span
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FP8 = "float8"  # weights only: DeepSeek's block-quantized e4m3 with one fp32 scale per block
-WEIGHT_DTYPES = (*DTYPE_BYTES, FP8)
+# Weights only: kept as the checkpoint stores them (DeepSeek's block-quantized e4m3 with one
+# fp32 scale per block, or compressed-tensors' INT4 routed experts); `float8` is its older name.
+QUANTIZED = "quantized"
+FP8 = "float8"
+WEIGHT_DTYPES = (*DTYPE_BYTES, QUANTIZED, FP8)
+# The tensors an INT4 checkpoint (Kimi K2-Thinking / K2.5 / K2.6) stores in INT4.
+INT4_PARTS = frozenset({"routed_experts"})
 
 
 class PlanError(ValueError):
@@ -154,13 +159,18 @@ def prefill_rank_tensors(
 
 
 def weight_bytes(
-    tensors: list[RankTensor], weight_dtype: str, fp8_block: tuple[int, int] = (128, 128)
+    tensors: list[RankTensor],
+    weight_dtype: str,
+    fp8_block: tuple[int, int] = (128, 128),
+    int4_group: int | None = None,
 ) -> int:
     """Bytes of `tensors` in `weight_dtype` (the router stays float32, as in the engine).
 
-    FP8 counts DeepSeek's checkpoint layout: quantized linears at 1 byte plus an fp32 scale
-    per block (counted on the rank's own slice of each matrix), norms, embedding and lm_head
-    in bf16.
+    Quantized weights count the checkpoint's layout (on the rank's own slice of each matrix):
+    with `int4_group` (compressed-tensors' INT4 experts), the routed experts at 4 bits a value
+    plus a bf16 scale per group of a row and every other weight in bf16; else DeepSeek's FP8,
+    quantized linears at 1 byte plus an fp32 scale per block, norms, embedding and lm_head in
+    bf16.
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise PlanError(f"unknown weight dtype {weight_dtype!r}; choose one of {WEIGHT_DTYPES}")
@@ -170,7 +180,10 @@ def weight_bytes(
             total += 4 * t.numel
         elif weight_dtype in DTYPE_BYTES:
             total += DTYPE_BYTES[weight_dtype] * t.numel
-        elif t.quantized:
+        elif int4_group is not None and t.part in INT4_PARTS:
+            rows, cols = t.shape
+            total += t.count * rows * (cols // 2 + 2 * math.ceil(cols / int4_group))
+        elif t.quantized and int4_group is None:
             rows, cols = t.shape
             blocks = math.ceil(rows / fp8_block[0]) * math.ceil(cols / fp8_block[1])
             total += t.numel + 4 * t.count * blocks

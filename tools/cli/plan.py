@@ -59,6 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         chunk_size=args.chunk_size,
         fp8_block=ckpt.fp8_block,
+        int4_group=ckpt.int4_group,
         moe=parse_moe(args.moe_parallel),
         prefill_gpus=args.prefill_gpus,
         mtp_layers=mtp_loaded,
@@ -87,7 +88,7 @@ def _gib(n: float) -> str:
 def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
     """The human-readable plan: one row per layout, then what the numbers mean."""
     from common.parallel import span
-    from common.tpla.rank_memory import FP8
+    from common.tpla.rank_memory import FP8, QUANTIZED
 
     c, req = plan.config, plan.request
     hw, ctx = req.hardware, req.context
@@ -135,10 +136,18 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
         f"fits: {'yes' if plan.prefill_fits else 'NO'} (weights + reserve < GPU memory; "
         "activations of a prefill chunk come out of the reserve)",
     ]
-    if req.weight_dtype == FP8:
+    if req.weight_dtype in (QUANTIZED, FP8) and req.int4_group is not None:
         lines.append(
-            "float8 weights: what a rank holds with TPLA_WEIGHT_DTYPE=float8 (auto on CUDA); "
-            "with the weights dequantized at load, plan --weight-dtype bfloat16."
+            f"{req.weight_dtype} weights: the checkpoint's INT4 routed experts at 4 bits a "
+            f"value plus a bf16 scale per {req.int4_group}, its other weights in bf16, as a "
+            f"rank holds them with TPLA_WEIGHT_DTYPE={req.weight_dtype} (auto on CUDA); with "
+            "the weights dequantized at load, plan --weight-dtype bfloat16."
+        )
+    elif req.weight_dtype in (QUANTIZED, FP8):
+        lines.append(
+            f"{req.weight_dtype} weights: what a rank holds with TPLA_WEIGHT_DTYPE="
+            f"{req.weight_dtype} (auto on CUDA); with the weights dequantized at load, plan "
+            "--weight-dtype bfloat16."
         )
     return "\n".join(lines)
 
@@ -170,8 +179,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="KV cache dtype")
     p.add_argument(
         "--weight-dtype",
-        choices=[*sorted(DTYPES), "float8"],
-        help="weights' dtype (default: --dtype); float8 = DeepSeek's block-FP8 format",
+        choices=[*sorted(DTYPES), "quantized", "float8"],
+        help="weights' dtype (default: --dtype); quantized (or float8) = as the checkpoint "
+        "stores them: DeepSeek's block FP8, or compressed-tensors' INT4 experts",
     )
     p.add_argument(
         "--reserve-gib",
