@@ -1,8 +1,9 @@
 """`tpla convert`'s calibration, layer by layer (common/tpla/layer_calibration.py), writes the
 side file the whole-model calibration writes, byte for byte: on the demo (V2, an MTP layer in
 its own shard), a random V2 (grouped gating, YaRN), a random V3 in block FP8 with an MTP layer
-(dequantized block by block as read), for every method. A V3 config that names an MTP layer its
-checkpoint does not store calibrates the model's layers, as serving reads it."""
+(dequantized block by block as read), for every method, and every other family's tiny
+checkpoint in its released layout. A V3 config that names an MTP layer its checkpoint does not
+store calibrates the model's layers, as serving reads it."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tests.shard_checkpoints import (
     save_checkpoint,
 )
 from tests.tiny import save_hf
+from tests.tiny_families import FAMILY_VARIANTS, save_family, save_kimi_int4
 
 DEMO = Path(__file__).resolve().parents[4] / "models" / "demo"
 SOURCE = "test windows"
@@ -99,3 +101,18 @@ def test_an_mtp_layer_the_checkpoint_lacks_is_left_out(tmp_path: Path) -> None:
     streamed = streamed_side_files(model_dir, wins, tmp_path)
     assert streamed == whole_model_side_files(model_dir, wins, tmp_path, mtp=False)
     assert b'"mtp_layers": 0' in streamed[Method.PCA]
+
+
+@pytest.mark.parametrize("family", [*sorted(FAMILY_VARIANTS), "kimi-k2.6-int4"])
+def test_every_family(tmp_path: Path, family: str) -> None:
+    """`tpla convert`'s bases for each family's tiny checkpoint, in its released layout (a
+    wrapper's text names, Mistral's query scaling, A.X-K1's MoE output norm, Kimi's INT4
+    experts dequantized as read) equal the whole model's."""
+    model_dir = tmp_path / family
+    if family == "kimi-k2.6-int4":
+        save_kimi_int4(model_dir)
+    else:
+        save_family(family, model_dir)
+    wins = windows(160, (29, 7, 2))
+    streamed = streamed_side_files(model_dir, wins, tmp_path)
+    assert streamed == whole_model_side_files(model_dir, wins, tmp_path, mtp=False)
