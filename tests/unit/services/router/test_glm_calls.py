@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from services.router.glm_calls import calls
+from tests.unit.services.router.markup_prefixes import assert_prefixes_read_prefixes
 
 # After the first <tool_call>.
 COMPACT = (
@@ -30,11 +31,7 @@ def test_both_layouts_read_back() -> None:
         ("get_weather", {"city": "Rome"}),
     ]
     for text in (COMPACT, NEWLINES):
-        complete = 0
-        for end in range(len(text) + 1):
-            got = calls(text[:end])
-            assert got == calls(text)[: len(got)] and len(got) >= complete
-            complete = len(got)
+        assert_prefixes_read_prefixes(calls, text)
 
 
 def test_malformed_calls_end_the_reading() -> None:

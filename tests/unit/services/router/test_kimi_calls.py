@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from services.router.kimi_calls import calls
+from tests.unit.services.router.markup_prefixes import assert_prefixes_read_prefixes
 
 SECTION = (
     "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
@@ -21,11 +22,7 @@ def test_a_section_reads_back_with_the_models_ids() -> None:
         ("get_weather", {"city": "Rome"}, "functions.get_weather:0"),
         ("get_time", {}, "functions.get_time:1"),
     ]
-    complete = 0
-    for end in range(len(SECTION) + 1):
-        got = calls(SECTION[:end])
-        assert got == calls(SECTION)[: len(got)] and len(got) >= complete
-        complete = len(got)
+    assert_prefixes_read_prefixes(calls, SECTION)
 
 
 def test_malformed_calls_end_the_reading() -> None:

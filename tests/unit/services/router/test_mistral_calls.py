@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from services.router.mistral_calls import calls
+from tests.unit.services.router.markup_prefixes import assert_prefixes_read_prefixes
 
 # After the first [TOOL_CALLS].
 TEXT = (
@@ -20,11 +21,7 @@ def test_calls_read_back_each_complete_with_its_arguments() -> None:
         ("get_weather", {"city": "Rome", "opts": {"days": 3}}, None),
         ("get_time", {}, "abc123XYZ"),
     ]
-    complete = 0
-    for end in range(len(TEXT) + 1):
-        got = calls(TEXT[:end])
-        assert got == calls(TEXT)[: len(got)] and len(got) >= complete
-        complete = len(got)
+    assert_prefixes_read_prefixes(calls, TEXT)
 
 
 def test_malformed_calls_end_the_reading() -> None:
