@@ -205,9 +205,9 @@ def run(sweep: SweepConfig) -> dict:
     }
 
 
-def _find(rows: list[dict], config: str, mix: str, level: float) -> dict | None:
+def _find(rows: list[dict], config: str, mix: str, at: float) -> dict | None:
     for r in rows:
-        if (r["config"], r["mix"], level(r)) == (config, mix, level):
+        if (r["config"], r["mix"], level(r)) == (config, mix, at):
             return r
     return None
 
