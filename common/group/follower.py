@@ -4,7 +4,10 @@ leader, build the rank's share, run the leader's plans until its end, then end t
 Until the start-up barrier a spawned group's file has a name: a follower that fails to
 start, or sees its leader gone, removes it, since the group cannot start. A start-up error
 of its configuration (a port in use, a config that differs from the leader's) is one line
-on stderr, reported to the leader through the group's store, and START_ERROR_EXIT.
+on stderr, reported to the leader through the group's store, and START_ERROR_EXIT. While the
+group runs, a follower waits for each plan in a collective bounded by the collective
+timeout; an idle leader pings well inside it, so a wait that times out means the leader
+hangs: the follower says so in one line and exits 1 (`next_plan`).
 """
 
 from __future__ import annotations
@@ -17,12 +20,26 @@ from typing import NoReturn, TypeVar
 import torch.distributed as dist
 
 from common.group.child import START_ERROR_EXIT, end_process, exit_with_parent
+from common.group.errors import LeaderSilent
 from common.group.join import FollowerGroup
 from common.group.setup import init_group
 from common.group.spec import GroupSpec
 from common.runtime import group_files
 
 Rank = TypeVar("Rank")
+Plan = TypeVar("Plan")
+
+
+def next_plan(spec: GroupSpec, rank: int, receive: Callable[[], Plan]) -> Plan:
+    """The leader's next plan (or ping) as `receive` reads it; LeaderSilent when its wait
+    broke (`run_follower` tells a leader that hangs from one that is gone)."""
+    try:
+        return receive()
+    except RuntimeError as exc:  # gloo's timeout or closed connection, CollectiveError
+        raise LeaderSilent(
+            f"{spec.role} rank {rank}: neither a plan nor a ping from the group's leader within "
+            f"{spec.collective_timeout_s:g} s (the collective timeout): {exc}"
+        ) from exc
 
 
 def run_follower(
@@ -59,9 +76,13 @@ def run_follower(
         raise
     try:
         serve(state)
-    except RuntimeError:  # a collective broke (gloo's closed connection, CollectiveError)
+    except RuntimeError as exc:  # a collective broke (gloo's closed connection, CollectiveError)
         if group.leader_alive():
-            raise  # this rank's own failure: its traceback
+            if not isinstance(exc, LeaderSilent):
+                raise  # this rank's own failure: its traceback
+            group.end()
+            print(f"{exc}; exiting", file=sys.stderr, flush=True)
+            end_process(1)
         group.end()
         group.leader_gone()
         end_process(1)

@@ -14,9 +14,10 @@ import signal
 import sys
 from typing import NoReturn
 
-from common.group.follower import run_follower
+from common.group.follower import next_plan, run_follower
 from common.group.join import FollowerGroup
 from common.group.setup import startup_barrier
+from common.group.spec import GroupSpec
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
@@ -54,13 +55,16 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> No
         if receiver is not None:
             receiver.stop(grace=1)
 
-    return run_follower(group_spec(cfg), rank, cfg.shm_path, leader, start, run_plans, close)
+    spec = group_spec(cfg)
+    return run_follower(
+        spec, rank, cfg.shm_path, leader, start, lambda rt: run_plans(spec, rank, rt), close
+    )
 
 
-def run_plans(runtime: RankRuntime) -> None:
+def run_plans(spec: GroupSpec, rank: int, runtime: RankRuntime) -> None:
     """Execute the leader's plans until its shutdown plan."""
     while True:
-        plan = recv_plan(runtime.comm)
+        plan = next_plan(spec, rank, lambda: recv_plan(runtime.comm))
         if plan is None:
             return
         if isinstance(plan, DecodePlan):

@@ -10,7 +10,8 @@ diverged: the rank fails), prefill its share of every prompt's next piece over t
 past, hand its logits shard to the leader's gather, keep each chunked prompt's latents and
 store the new blocks in the replica as the leader's worker does (`PromptProgress`), and ship
 its decode ranks' shards (j, j + N, ...) of the rows each piece finished, reporting each
-piece's outcome through the group's store; a prompt is forgotten after its last piece. A
+piece's outcome through the group's store; a prompt is forgotten after its last piece. An
+idle leader's pings keep the wait for the next plan inside the collective timeout. A
 spawned rank ignores SIGINT / SIGTERM: its leader ends it.
 """
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from common.group.comm import Comm
-from common.group.follower import run_follower
+from common.group.follower import next_plan, run_follower
 from common.group.join import FollowerGroup
 from common.group.setup import open_comm, startup_barrier
 from common.group.vocab import gather_vocab
@@ -172,8 +173,9 @@ def follower_main(
         return state
 
     def serve(state: RankState) -> None:
-        while (plan := recv_plan(state.comm)) is not None:
-            state.run(plan)
+        while (plan := next_plan(spec, rank, lambda: recv_plan(state.comm))) is not None:
+            if isinstance(plan, BatchPlan):
+                state.run(plan)
 
     return run_follower(
         spec, rank, cfg.shm_path, leader, start, serve, lambda state: state.shipper.close()
