@@ -13,7 +13,9 @@ hangs: the follower says so in one line and exits 1 (`next_plan`).
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from common.group.child import START_ERROR_EXIT, end_process, exit_with_parent
 from common.group.errors import LeaderSilent
 from common.group.join import FollowerGroup
+from common.group.local_ranks import LocalRanks
 from common.group.setup import init_group
 from common.group.spec import GroupSpec
 from common.runtime import group_files
@@ -50,17 +53,25 @@ def run_follower(
     start: Callable[[FollowerGroup], Rank],
     serve: Callable[[Rank], None],
     close: Callable[[Rank], None],
+    local: LocalRanks | None = None,
 ) -> NoReturn:
     """Follower `rank` of the group `spec` describes, to the end of its process. `leader`: the
     pid of the leader that spawned this process (None: started on its own). `start` builds
     the rank once the process group is up and returns after the group's start-up barrier;
     `serve` runs the leader's plans until its shutdown plan; `close` frees what `start`
-    opened. Exit code: 0 when the leader ended the group, START_ERROR_EXIT after a start-up
-    error it printed, 1 when the leader died under a collective; this rank's own failure
-    raises (its traceback)."""
+    opened. `local`: the ranks this process spawns beside itself, the first of its host (one
+    pod per node): started before the join, and a rank of them that fails ends this process
+    too (its host's share of the group is gone). Exit code: 0 when the leader ended the
+    group, START_ERROR_EXIT after a start-up error it printed, 1 when the leader died under
+    a collective or a rank it spawned failed; this rank's own failure raises (its
+    traceback)."""
     remove_file = functools.partial(group_files.remove, shm_path)
     if leader is not None:
         exit_with_parent(leader, remove_file)
+    ended = threading.Event()
+    if local is not None:
+        local.start()
+        _watch(local, f"{spec.role} rank {rank}", ended)
     group: FollowerGroup | None = None
     try:
         group = FollowerGroup.join(spec, rank, remove_file)
@@ -87,6 +98,26 @@ def run_follower(
         group.leader_gone()
         end_process(1)
     group.end()
+    ended.set()
     close(state)
+    if local is not None:
+        local.stop(grace_s=10.0)
     dist.destroy_process_group()
     end_process(0)
+
+
+def _watch(local: LocalRanks, name: str, ended: threading.Event) -> None:
+    """End this process when a rank it spawned fails, until the group's orderly end."""
+
+    def watch() -> None:
+        while not ended.wait(0.5):
+            if (failed := local.failed()) is not None:
+                rank, code = failed
+                print(
+                    f"{name}: rank {rank}, spawned beside it, exited with code {code}; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    threading.Thread(target=watch, name="local-ranks-watch", daemon=True).start()

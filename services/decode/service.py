@@ -28,7 +28,7 @@ from common.rpc.server import Lifetime, Service, serve
 from common.runtime.kernel_choice import log_choices, summary
 from common.runtime.ports import PortUse, check_ports, decode_group_ports
 from common.runtime.tracing import setup_tracing
-from services.decode.config import EngineConfig, Launch
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.group.follower import follower_main
 from services.decode.server.metrics import serve_decode_metrics
@@ -53,7 +53,7 @@ def serve_decode(
     (a ValueError) if a port of the group is taken: checked before the group starts, so
     nothing is loaded or spawned."""
     # Ranks that join from elsewhere bind their own ports; the rendezvous is the group's.
-    local_ranks = cfg.parallel.tp if cfg.launch is Launch.SPAWN else 1
+    local_ranks = cfg.per_host
     ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, local_ranks)
     if local_ranks < cfg.parallel.tp:
         ports.append(PortUse(cfg.master_port, "decode rendezvous", "TPLA_GROUP_ADDR"))

@@ -3,7 +3,9 @@ until it ends.
 
 One the leader spawned runs `python -m services.prefill.group.follower RANK LEADER_PID`
 with the leader's config as JSON in TPLA_PREFILL_CONFIG; a rank started on its own
-(`tpla prefill --rank K`) builds its config from its settings and calls `follower_main`.
+(`tpla prefill --rank K`, or the first rank of a host, `tpla prefill --node K`) builds its
+config from its settings and calls `follower_main`, which spawns the rest of its host's
+ranks the same way.
 Each plan: forget the prompts the leader dropped, look up each new prompt's cached prefix in
 this rank's replica of the prefix cache (the same hit as the leader's, or the replicas have
 diverged: the rank fails), prefill its share of every prompt's next piece over the prompt's
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from common.group.comm import Comm
 from common.group.follower import next_plan, run_follower
 from common.group.join import FollowerGroup
+from common.group.local_ranks import LocalRanks
 from common.group.setup import open_comm, startup_barrier
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
@@ -177,9 +180,15 @@ def follower_main(
             if isinstance(plan, BatchPlan):
                 state.run(plan)
 
+    local = spawned_ranks(cfg, rank) if leader is None else None
     return run_follower(
-        spec, rank, cfg.shm_path, leader, start, serve, lambda state: state.shipper.close()
+        spec, rank, cfg.shm_path, leader, start, serve, lambda state: state.shipper.close(), local
     )
+
+
+def spawned_ranks(cfg: PrefillGroupConfig, first: int) -> LocalRanks:
+    """The ranks the process running rank `first` spawns beside it: the rest of its host's."""
+    return LocalRanks(group_spec(cfg), first, ["-m", FOLLOWER_MODULE], {CONFIG_ENV: cfg.to_json()})
 
 
 if __name__ == "__main__":

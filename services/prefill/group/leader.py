@@ -41,7 +41,7 @@ from common.runtime.errors import Unavailable
 from common.runtime.ports import free_port
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan, send_ping, send_plan
 from services.prefill.config import PrefillGroupConfig
-from services.prefill.group.follower import CONFIG_ENV, FOLLOWER_MODULE
+from services.prefill.group.follower import spawned_ranks
 from services.prefill.group.rank_loader import RankModelLoader
 from services.prefill.group.reports import Reports
 from services.prefill.group.spec import group_spec
@@ -89,14 +89,14 @@ class GroupRunner(PrefillRunner):
     def start(cls, cfg: PrefillGroupConfig, loader: RankModelLoader) -> GroupRunner:
         """Start the group `cfg` describes with this process as rank 0; blocks until every
         rank has loaded its share (or raises why the group cannot start)."""
-        if cfg.spawned:  # every rank's device here exists (one GPU per rank)
-            rank_device(cfg.device, cfg.tp - 1)
+        # Every device of this host's ranks exists (one GPU per rank).
+        rank_device(cfg.device, group_spec(cfg).per_host - 1)
         if cfg.master_port == 0:
             cfg = replace(cfg, master_port=free_port())
         shm_path = create_shm_group(group_spec(cfg)) if cfg.spawned else None
         cfg = replace(cfg, shm_path=shm_path)
         spec = group_spec(cfg)
-        processes = GroupProcesses(spec, ["-m", FOLLOWER_MODULE], {CONFIG_ENV: cfg.to_json()})
+        processes = GroupProcesses(spec, spawned_ranks(cfg, 0))
         try:
             processes.start()
             init_group(spec, 0, processes.store)
