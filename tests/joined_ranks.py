@@ -48,8 +48,8 @@ def rank_starter(
 
     def start(rank: int, rendezvous: int, **settings: str) -> Rank:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TPLA_MODEL": str(model_dir)}
+        env.pop("TPLA_REDIS_URL", None)  # no registry unless the test names one
         env.update({f"TPLA_{k}": v for k, v in {**base, **settings}.items()})
-        env.pop("TPLA_REDIS_URL", None)
         log = tmp_path / f"rank{rank}-{len(started)}.log"
         argv = [sys.executable, "-m", "tools.cli", role]
         if nodes:

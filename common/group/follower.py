@@ -28,6 +28,7 @@ from common.group.local_ranks import LocalRanks
 from common.group.setup import init_group
 from common.group.spec import GroupSpec
 from common.runtime import group_files
+from common.runtime.load_meter import metering
 
 Rank = TypeVar("Rank")
 Plan = TypeVar("Plan")
@@ -76,7 +77,8 @@ def run_follower(
     try:
         group = FollowerGroup.join(spec, rank, remove_file)
         init_group(spec, rank, group.store)
-        state = start(group)
+        with metering(group.loading):  # its reads, published by its beat
+            state = start(group)
     except BaseException as exc:
         remove_file()
         if isinstance(exc, ValueError | FileNotFoundError):  # as tools/cli/main.py main

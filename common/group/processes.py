@@ -20,6 +20,7 @@ from common.group.errors import RankStartError
 from common.group.join import LeaderGroup
 from common.group.local_ranks import LocalRanks
 from common.group.spec import GroupSpec
+from common.runtime.load_meter import RankLoad
 from common.runtime.ports import PortUse, check_ports
 
 
@@ -60,6 +61,16 @@ class GroupProcesses:
         return [
             b and self._local.running(k) for k, b in zip(self.group.followers, beats, strict=True)
         ]
+
+    def loading(self) -> list[RankLoad]:
+        """Each follower's loading as it last published it (its beat), from when `start`
+        opened the rendezvous (followers not joined yet say so)."""
+        if self.group is None:
+            return [RankLoad(k, joined=False) for k in range(1, self.spec.size)]
+        try:
+            return self.group.loading()
+        except dist.DistError:  # the store went with a failed start
+            return []
 
     @property
     def pids(self) -> list[int]:

@@ -21,6 +21,7 @@ from common.group.local_ranks import LocalRanks
 from common.group.setup import startup_barrier
 from common.group.spec import GroupSpec
 from services.decode.config import EngineConfig
+from services.decode.group.share import expect_share
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
 from services.decode.step_plan import CopyPlan, DecodePlan, PingPlan, recv_plan
@@ -40,6 +41,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> No
 
     def start(group: FollowerGroup) -> RankRuntime:
         nonlocal receiver
+        expect_share(cfg, rank)
         runtime = RankRuntime(cfg, rank, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
         group.publish(list(cfg.kv_addresses(rank) if receiver else ("", "")))

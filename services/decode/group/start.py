@@ -18,9 +18,11 @@ from common.group.processes import GroupProcesses
 from common.group.setup import create_shm_group, init_group, startup_barrier
 from common.runtime import group_files
 from common.runtime.device import rank_device
+from common.runtime.load_meter import current_meter
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig, Launch
 from services.decode.group.follower import spawned_ranks
+from services.decode.group.share import expect_share
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
 
@@ -60,8 +62,11 @@ def start_group(cfg: EngineConfig) -> RunningGroup:
     processes = GroupProcesses(spec, spawned_ranks(cfg, 0))
     receiver: grpc.Server | None = None
     try:
+        if (meter := current_meter()) is not None:  # the service's: the group's progress
+            meter.follow(processes.loading)
         processes.start()
         init_group(spec, 0, processes.store)
+        expect_share(cfg, 0)
         runtime = RankRuntime(cfg, 0, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
         startup_barrier(spec)

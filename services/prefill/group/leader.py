@@ -38,6 +38,7 @@ from common.model.causal_lm import PastLatents, PrefillOutput
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.errors import Unavailable
+from common.runtime.load_meter import current_meter
 from common.runtime.ports import free_port
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan, send_ping, send_plan
 from services.prefill.config import PrefillGroupConfig
@@ -98,6 +99,8 @@ class GroupRunner(PrefillRunner):
         spec = group_spec(cfg)
         processes = GroupProcesses(spec, spawned_ranks(cfg, 0))
         try:
+            if (meter := current_meter()) is not None:  # the service's: the group's progress
+                meter.follow(processes.loading)
             processes.start()
             init_group(spec, 0, processes.store)
             comm = open_comm(spec, 0, rank_device(cfg.device, 0))
