@@ -160,10 +160,11 @@ def settle_stream(stream: torch.cuda.Stream | None, deadline: float) -> None:
 
 def _nccl_group(store: dist.Store, rank: int, device: torch.device) -> dist.ProcessGroup:
     """A 2-rank NCCL group with its communicator connected now (both ends connect as they
-    build their end: the pair's rendezvous), in the device's launch order."""
+    build their end: the pair's rendezvous). Outside the device's launch order: the connect
+    waits for the peer, and the data group's launches must not wait with it."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = NCCL_WATCHDOG
-    with torch.cuda.device(device), launch_order(device):
+    with torch.cuda.device(device):
         group = dist.ProcessGroupNCCL(store, rank, 2, options)
         group.eager_connect_single_device(device)
     return group

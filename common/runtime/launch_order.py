@@ -5,9 +5,10 @@ at start by every rank alike; the step's all-reduces and gathers) and the KV pai
 prefill rank that ships to it, created when the pair connects; common/kv/pair.py). NCCL asks
 that operations of different communicators on one device be launched in one order, never
 interleaved by two threads at once. So every launch of either kind (a data-group collective
-through `Comm`, a pair's send or receive, a pair's creation) is made holding this device's
+through `Comm`, a pair's send or receive) is made holding this device's
 lock: the host launch order is total per device. The lock is held only while launching,
-never while waiting (waits poll events; docs/design.md §5).
+never while waiting (waits poll events; a pair's creation, which waits for its peer, is
+ordered by its one thread instead; docs/design.md §5).
 """
 
 from __future__ import annotations
