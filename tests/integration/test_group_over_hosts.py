@@ -7,6 +7,9 @@ and ports by their index on it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from tests.joined_ranks import rank_starter
 from tests.tiny import save_hf
 from tools.local_driver import collect, submit
 
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(3, 40)), [5, 9, 2, 7, 11, 4, 8, 30, 31, 6, 12]]
 # The engine's settings, as a host started on its own reads them.
@@ -90,10 +94,15 @@ def test_two_hosts_of_two_serve_what_a_spawned_group_of_four_does(
         1,
         [3],
     )
-    other = start_host(1, rendezvous, KV_PORT_BASE=str(free_port(kv_port_offsets(2))))
+    kv_base = free_port(kv_port_offsets(2))
+    other = start_host(1, rendezvous, KV_PORT_BASE=str(kv_base))
     with DecodeEngine(cfg) as engine:
         got = _serve(engine, model_dir)
         other.wait_for("decode rank 2 of 4 joined the group")
+        # The pod's Docker HEALTHCHECK: a host of the group is a follower, its KV receiver up.
+        check = [sys.executable, str(ROOT / "docker" / "healthcheck.py"), "decode", "--node", "1"]
+        env = {**os.environ, "TPLA_KV_PORT_BASE": str(kv_base)}
+        assert subprocess.run(check, env=env, timeout=30).returncode == 0
     assert other.wait(30) == 0, other.text()
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     for (_, want), (_, have) in zip(expected, got, strict=True):
