@@ -5,9 +5,11 @@ The role is the sub-command PID 1 runs (`tpla router|serve|prefill|decode`), rea
 GET /health; a prefill worker and a decode leader must answer their service's GetLoad on the
 gRPC port they open once their model is loaded (a decode leader answers it from its loop
 thread, so a group whose loop hangs fails the check, where an accepted connection would not
-tell); a decode follower started on its own (`decode --rank K`, K > 0) must accept
-connections on its KV receiver port, opened once it has joined its group and loaded its
-share. Ports, host and the internal token come from the TPLA_ settings.
+tell); a decode follower started on its own (`decode --rank K` or a host of a group over
+hosts, `decode --node K`, K > 0) must accept connections on its (first rank's) KV receiver
+port, opened once it has joined its group and loaded its share; a prefill follower serves no
+port (it is healthy while it runs). Ports, host and the internal token come from the TPLA_
+settings.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ def role(args: list[str]) -> str:
 
 
 def follower_rank(args: list[str]) -> bool:
-    """A decode rank other than the leader: `--rank K` (or TPLA_RANK) with K > 0."""
-    rank = os.environ.get("TPLA_RANK", "0")
+    """A rank other than the leader: `--rank K` or `--node K` (or TPLA_RANK, TPLA_NODE) with
+    K > 0."""
+    place = {"--rank": os.environ.get("TPLA_RANK", "0"), "--node": os.environ.get("TPLA_NODE", "0")}
     for flag, value in itertools.pairwise(args):
-        if flag == "--rank":
-            rank = value
-    return rank.isdigit() and int(rank) > 0
+        if flag in place:
+            place[flag] = value
+    return any(v.isdigit() and int(v) > 0 for v in place.values())
 
 
 def target_host() -> str:
@@ -58,7 +61,9 @@ def main() -> int:
         port = int(os.environ.get("TPLA_ROUTER_PORT", "8000"))
         with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=TIMEOUT_S) as resp:
             return 0 if resp.status == 200 else 1
-    if which == "decode" and follower_rank(args):
+    if which in ("decode", "prefill") and follower_rank(args):
+        if which == "prefill":
+            return 0
         port = int(os.environ.get("TPLA_KV_PORT_BASE", "50071"))
         with socket.create_connection((host, port), timeout=TIMEOUT_S):
             return 0

@@ -10,7 +10,8 @@ share a host and the native library is built (~4 us a collective, where gloo's T
 took ~1 ms, most of a small model's step), else torch.distributed's gloo. On GPUs the data
 group is NCCL and the control group stays on the CPU (shared memory or gloo), so a plan
 never waits behind a device queue. Every point-to-point and collective of the engine goes
-through `Comm`.
+through `Comm`; its launches on a GPU hold the device's launch order
+(common/runtime/launch_order.py), which the KV pairs' launches share.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.native.shm_group import ShmGroup
+from common.runtime.launch_order import launch_order
 
 
 class ReduceOp(enum.Enum):
@@ -171,7 +173,8 @@ class Comm:
         if self.tp == 1:
             return
         self.bytes += t.numel() * t.element_size()
-        self._data.all_reduce_(t, op)
+        with launch_order(t.device):
+            self._data.all_reduce_(t, op)
 
     def broadcast_plan_(self, t: Tensor) -> None:
         """The leader's plan words (CPU int64) to every rank, in place."""
@@ -183,7 +186,8 @@ class Comm:
         if self.tp == 1:
             return t[None]
         self.bytes += t.numel() * t.element_size()
-        return self._data.all_gather(t)
+        with launch_order(t.device):
+            return self._data.all_gather(t)
 
     def gather(self, t: Tensor) -> Tensor | None:
         """[tp, *t.shape] on rank 0 (the leader), None on the others: the step's logits,
@@ -191,7 +195,8 @@ class Comm:
         if self.tp == 1:
             return t[None]
         self.bytes += t.numel() * t.element_size()
-        return self._data.gather(t, 0)
+        with launch_order(t.device):
+            return self._data.gather(t, 0)
 
     def gather_heads(self, t: Tensor) -> Tensor:
         """Concatenate every rank's head group along dim 1 (rank order = head order)."""
@@ -201,10 +206,12 @@ class Comm:
 
     def send(self, t: Tensor, dst: int) -> None:
         """A device tensor to one rank (a KV shard the leader received for it)."""
-        self._data.send(t, dst)
+        with launch_order(t.device):
+            self._data.send(t, dst)
 
     def recv(self, t: Tensor, src: int) -> None:
-        self._data.recv(t, src)
+        with launch_order(t.device):
+            self._data.recv(t, src)
 
     def barrier(self) -> None:
         if self.tp > 1:

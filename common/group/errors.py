@@ -15,3 +15,8 @@ class RankStartError(GroupError):
 
 class RankExited(RuntimeError):
     """A follower the leader spawned has exited while the group runs."""
+
+
+class LeaderSilent(RuntimeError):
+    """A follower waited a whole collective timeout for the leader's next plan and got
+    neither a plan nor a ping: the leader hangs (an idle leader pings about every second)."""

@@ -5,9 +5,10 @@ Lifecycle: the leader (rank 0) serves a TCPStore on its rendezvous port and publ
 group's identity (model, layout, ...) -> each follower connects (within the join timeout),
 checks that identity against its own and claims its rank -> once every rank has claimed,
 all form torch.distributed over the same store (common/group/setup.py) -> each follower
-loads its share and publishes what the leader must know of it (`publish`) -> the start-up
-barrier -> while the group lives, each follower beats (a counter in the store); a follower
-whose beat fails (the leader's store is gone) exits.
+loads its share, its beat publishing its loading progress (`loading`, which the leader reads
+for its log, metrics and /ready), and publishes what the leader must know of it (`publish`)
+-> the start-up barrier -> while the group lives, each follower beats (a counter in the
+store); a follower whose beat fails (the leader's store is gone) exits.
 
 A follower the leader spawned goes through exactly this on 127.0.0.1; a rank started on its
 own (`tpla decode|prefill --rank K --group-addr HOST:PORT`, a LeaderWorkerSet worker pod)
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from common.group.errors import GroupError, RankStartError
 from common.group.spec import GroupSpec
+from common.runtime.load_meter import LoadMeter, RankLoad
 
 _PREFIX = "tpla/group"
 _POLL_S = 0.05
@@ -128,6 +130,18 @@ class LeaderGroup:
         receiver addresses) before the start-up barrier, so read after it."""
         return [json.loads(self.store.get(_key(k, "published"))) for k in self.followers]
 
+    def loading(self) -> list[RankLoad]:
+        """Each follower's loading as it last published it: not joined yet, joined with
+        nothing read yet, or its last report."""
+        out = []
+        for k in self.followers:
+            key = _key(k, "loading")
+            if self.store.check([key]):
+                out.append(RankLoad.from_json(self.store.get(key)))
+            else:
+                out.append(RankLoad(k, joined=self.store.check([_key(k, "hello")])))
+        return out
+
     def alive(self) -> list[bool]:
         """Per follower: has its beat moved within BEAT_STALE_S."""
         now, out = time.monotonic(), []
@@ -148,6 +162,8 @@ class FollowerGroup:
         self.spec, self.rank, self.store = spec, rank, store
         self.address = spec.address
         self._ended = threading.Event()
+        # This rank's loading, which its beat publishes as it changes (and at once when done).
+        self.loading = LoadMeter(rank, self._publish_loading)
 
     @classmethod
     def join(
@@ -188,6 +204,9 @@ class FollowerGroup:
         """What the leader must know of this rank (JSON), before the start-up barrier."""
         self.store.set(_key(self.rank, "published"), json.dumps(value))
 
+    def _publish_loading(self, load: RankLoad) -> None:
+        self.store.set(_key(self.rank, "loading"), load.to_json())
+
     def report(self, reason: str) -> None:
         """Tell the leader why this rank cannot start (best effort: it may be gone)."""
         with contextlib.suppress(dist.DistError):
@@ -223,8 +242,12 @@ class FollowerGroup:
                     is_master=False,
                     timeout=timedelta(seconds=BEAT_TIMEOUT_S),
                 )
+                published = None
                 while not self._ended.wait(BEAT_S):
                     store.add(_key(self.rank, "beat"), 1)
+                    if (now := self.loading.own()) != published:
+                        store.set(_key(self.rank, "loading"), now.to_json())
+                        published = now
             except dist.DistError:
                 if self._ended.wait(_END_GRACE_S):
                     return

@@ -1,52 +1,44 @@
 """The leader's hold on its group's other ranks as processes.
 
 Start-up: open the group's rendezvous store (common/group/join.py) on the configured port,
-spawn ranks 1..N-1 here (`GroupSpec.spawned`) or let them join from elsewhere, and wait
-(bounded) until each has claimed its rank. While the group runs: whether each follower is
-alive (its beat through the store, and a spawned one's exit status). On a failed start or
-at shutdown: stop the spawned followers, and name a follower's own start-up error as the
-cause. A group of one rank has no followers and every call here is a no-op.
+spawn the rest of this host's ranks here (common/group/local_ranks.py: ranks 1..N-1 of a
+spawned group), let the other hosts' ranks join from elsewhere, and wait (bounded) until each
+has claimed its rank. While the group runs: whether each follower is alive (its beat through
+the store, and a spawned one's exit status). On a failed start or at shutdown: stop the
+spawned followers, and name a follower's own start-up error as the cause. A group of one
+rank has no followers and every call here is a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 from typing import Any
 
 import torch.distributed as dist
 
-from common.group.child import START_ERROR_EXIT
-from common.group.errors import RankExited, RankStartError
+from common.group.errors import RankStartError
 from common.group.join import LeaderGroup
+from common.group.local_ranks import LocalRanks
 from common.group.spec import GroupSpec
+from common.runtime.load_meter import RankLoad
 from common.runtime.ports import PortUse, check_ports
 
 
 class GroupProcesses:
-    """`follower`: the command that runs one spawned rank (its rank and this process's pid are
-    appended); `env`: what it adds to this process's environment (the rank's config)."""
+    """`local`: the rest of this host's ranks (rank 0's), which `start` spawns."""
 
-    def __init__(
-        self, spec: GroupSpec, follower: list[str] | None = None, env: dict[str, str] | None = None
-    ) -> None:
-        self.spec = spec
-        self._follower_cmd = follower or []
-        self._env = env or {}
+    def __init__(self, spec: GroupSpec, local: LocalRanks) -> None:
+        self.spec, self._local = spec, local
         self.group: LeaderGroup | None = None
-        self._followers: list[subprocess.Popen] = []
 
     def start(self) -> None:
-        """Open the rendezvous, spawn the followers (if this process launches them) and
-        wait for every rank to join."""
+        """Open the rendezvous, spawn this host's other ranks and wait for every rank to
+        join."""
         if self.spec.size <= 1:
             return
         self.group = self._open_group()
-        if self.spec.spawned:
-            self._spawn_followers()
-        self.group.wait_for_followers(self._follower_exit_code)
+        self._local.start()
+        self.group.wait_for_followers(self._local.exit_code)
 
     @property
     def store(self) -> dist.Store | None:
@@ -66,8 +58,19 @@ class GroupProcesses:
             beats = self.group.alive()
         except dist.DistError:  # the store went with a shut-down group
             beats = [False] * len(self.group.followers)
-        spawned = [p.poll() is None for p in self._followers] or [True] * len(beats)
-        return [b and s for b, s in zip(beats, spawned, strict=True)]
+        return [
+            b and self._local.running(k) for k, b in zip(self.group.followers, beats, strict=True)
+        ]
+
+    def loading(self) -> list[RankLoad]:
+        """Each follower's loading as it last published it (its beat), from when `start`
+        opened the rendezvous (followers not joined yet say so)."""
+        if self.group is None:
+            return [RankLoad(k, joined=False) for k in range(1, self.spec.size)]
+        try:
+            return self.group.loading()
+        except dist.DistError:  # the store went with a failed start
+            return []
 
     @property
     def pids(self) -> list[int]:
@@ -77,10 +80,7 @@ class GroupProcesses:
     def check(self) -> None:
         """A spawned follower that died fails the group now, not at the next collective:
         an idle group would otherwise accept reservations it can never serve."""
-        for rank, proc in enumerate(self._followers, start=1):
-            code = proc.poll()
-            if code is not None:
-                raise RankExited(f"{self.spec.role} rank {rank} exited with code {code}")
+        self._local.check()
 
     def raise_start_error(self, exc: BaseException) -> None:
         """After a failed start (the followers stopped): raise RankStartError if a follower
@@ -91,21 +91,15 @@ class GroupProcesses:
         if self.group is not None:
             with contextlib.suppress(dist.DistError):
                 self.group.raise_reported()
-        for rank, proc in enumerate(self._followers, start=1):
-            if proc.returncode == START_ERROR_EXIT:
-                raise RankStartError(
-                    f"{self.spec.role} rank {rank} could not start (its error is above)"
-                )
+        if (rank := self._local.failed_to_start()) is not None:
+            raise RankStartError(
+                f"{self.spec.role} rank {rank} could not start (its error is above)"
+            )
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Wait up to `grace_s` for each spawned follower to end (the group's last plan ends
         it), then kill it."""
-        for proc in self._followers:
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        self._local.stop(grace_s)
 
     def _open_group(self) -> LeaderGroup:
         """The group's store on the rendezvous port (PortInUse if taken, named with its
@@ -118,14 +112,3 @@ class GroupProcesses:
         except dist.DistNetworkError:
             check_ports(self.spec.host, [use])
             raise
-
-    def _spawn_followers(self) -> None:
-        """Ranks 1..N-1 as children, on this host: each joins the group as a rank started
-        on its own would, with this process's config."""
-        env = {**os.environ, **self._env}
-        for rank in range(1, self.spec.size):
-            argv = [sys.executable, *self._follower_cmd, str(rank), str(os.getpid())]
-            self._followers.append(subprocess.Popen(argv, env=env))
-
-    def _follower_exit_code(self, rank: int) -> int | None:
-        return self._followers[rank - 1].poll() if self._followers else None

@@ -16,6 +16,7 @@ from common.native import shm_group
 from common.native.shm_group import CollectiveError, ShmGroup
 from common.runtime import group_files
 from common.runtime.device import rank_device, use_device
+from common.runtime.load_meter import current_meter
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,10 @@ def init_group(spec: GroupSpec, rank: int, store: dist.Store | None = None) -> N
 def startup_barrier(spec: GroupSpec) -> None:
     """Every rank of the group has loaded its share: the one wait on other ranks' loading,
     bounded by the group's load timeout, not the per-step collective timeout (the gloo
-    default group's). A rank that does not arrive is named (gloo's monitored barrier)."""
+    default group's). A rank that does not arrive is named (gloo's monitored barrier). This
+    rank's loading meter, if it is metered, says it has loaded."""
+    if (meter := current_meter()) is not None:
+        meter.finish()
     if spec.size > 1:
         dist.monitored_barrier(timeout=timedelta(seconds=spec.load_timeout_s))
 

@@ -1,5 +1,11 @@
-"""What a rank group is, for the machinery that forms it: its size, rendezvous, device kind,
-collectives, timeouts and the identity every rank must share.
+"""What a rank group is, for the machinery that forms it: its size, how its ranks sit on
+hosts, rendezvous, device kind, collectives, timeouts and the identity every rank must share.
+
+Ranks sit on hosts in runs of `local_size`: host h runs ranks h x local_size ..
+(h + 1) x local_size - 1, the first of them spawning the others beside itself (one device
+each: NCCL then joins them over NVLink and shared memory). A spawned group is one host
+(`local_size` = size); a group whose hosts join the leader over the network has size /
+local_size of them, one pod per node in Kubernetes.
 
 Decode groups and prefill groups each build theirs from their own config (`GroupSpec.from_config`
 reads what both configs name alike, `GroupConfig`); everything in common/group (process-group
@@ -39,6 +45,8 @@ class GroupConfig(Protocol):
     def host(self) -> str: ...
     @property
     def advertise_host(self) -> str: ...  # "": the host
+    @property
+    def local_ranks(self) -> int: ...  # ranks per host of a joined group
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,10 @@ class GroupSpec:
     # Every rank has loaded its share by then (the start-up barrier): reading a real
     # checkpoint's share takes minutes, and ranks finish it minutes apart.
     load_timeout_s: float = 1800.0
-    spawned: bool = True  # followers are the leader's children; else each joins on its own
+    spawned: bool = True  # every rank is the leader's child; else hosts join on their own
+    # Ranks per host, each host's first spawning the rest (None: every rank when spawned,
+    # else one); the size is a multiple of it.
+    local_size: int | None = None
     addr: str = "127.0.0.1"  # the leader's rendezvous store (served on every interface)
     port: int = 0
     port_setting: str = "TPLA_DIST_PORT"  # the setting that moves `port` (spawned groups)
@@ -89,6 +100,7 @@ class GroupSpec:
             join_timeout_s=cfg.join_timeout_s,
             load_timeout_s=cfg.load_timeout_s,
             spawned=spawned,
+            local_size=None if spawned else cfg.local_ranks,
             addr=cfg.master_addr,
             port=cfg.master_port,
             port_setting=port_setting,
@@ -104,15 +116,35 @@ class GroupSpec:
             raise ValueError(f"a group has at least one rank, not {self.size}")
         if self.collectives not in ("shm", "dist"):
             raise ValueError(f"collectives {self.collectives!r} is not shm or dist")
+        if self.local_size is None:
+            object.__setattr__(self, "local_size", self.size if self.spawned else 1)
+        if not (self.local_size and self.size % self.local_size == 0):
+            raise ValueError(f"a group of {self.size} ranks cannot sit {self.local_size} to a host")
 
     @property
     def address(self) -> str:
         return f"{self.addr}:{self.port}"
 
+    @property
+    def per_host(self) -> int:
+        """Ranks on each host (`local_size`, filled in)."""
+        assert self.local_size is not None  # __post_init__
+        return self.local_size
+
+    @property
+    def hosts(self) -> int:
+        return self.size // self.per_host
+
     def local_index(self, rank: int) -> int:
-        """Rank `rank`'s index on its host (the offset of its GPU): spawned ranks share the
-        leader's host; a rank started on its own is the first of its process."""
-        return rank if self.spawned else 0
+        """Rank `rank`'s index on its host (the offset of its GPU and its ports)."""
+        return rank % self.per_host
+
+    def host_ranks(self, rank: int) -> range:
+        """The ranks that rank `rank` spawns beside itself: the rest of its host's when it is
+        the host's first, else none."""
+        if self.local_index(rank):
+            return range(0)
+        return range(rank + 1, rank + self.per_host)
 
     def setting(self, key: str) -> str:
         """The setting that changes identity field `key`."""
@@ -120,7 +152,9 @@ class GroupSpec:
 
     @property
     def join_command(self) -> str:
-        """How an operator starts one missing rank."""
+        """How an operator starts one missing rank (a host's ranks, when it runs several)."""
+        if self.per_host > 1 and not self.spawned:
+            return f"tpla {self.role} --node K --nodes {self.hosts} --group-addr {self.address}"
         return f"tpla {self.role} --rank K --group-size {self.size} --group-addr {self.address}"
 
 

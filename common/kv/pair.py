@@ -16,12 +16,21 @@ there; an NCCL wait only orders the caller's CUDA stream after the transfer, and
 (or `settle_stream`, for the writes queued behind the receives) polls for completion against
 the transfer's deadline, so a dead peer costs a deadline, never a
 hung thread. A pair whose transfer failed midway is aborted and rebuilt, never reused.
+
+An NCCL pair shares its GPU with the rank's data group (docs/design.md §5, "NCCL
+communicators on one GPU"): every NCCL pair of a process is created by one thread, its
+`PairMaker`, with its communicator connected there and then (not lazily by a shard's first
+send on whichever thread carries it); its sends and receives are launched in the device's
+launch order (common/runtime/launch_order.py), which the data group's collectives share, on
+streams of their own, never the step's.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from enum import StrEnum
 
@@ -30,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.wire import TransferError
+from common.runtime.launch_order import launch_order
 
 # Past the transfer deadlines (which fail a transfer first, by polling): NCCL's own watchdog
 # must never be what notices a dead peer, since by default it tears the process down.
@@ -89,12 +99,14 @@ class Pair:
             self.group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
 
     def send(self, buf: Tensor, tag: int) -> dist.Work:
-        return self.group.send([buf], self.peer, tag)
+        with launch_order(self.device):
+            return self.group.send([buf], self.peer, tag)
 
     def recv(self, buf: Tensor, tag: int) -> dist.Work:
         """Post a receive. NCCL ignores tags and matches in posting order, which the pair's
         lock keeps equal at both ends."""
-        return self.group.recv([buf], self.peer, tag)
+        with launch_order(self.device):
+            return self.group.recv([buf], self.peer, tag)
 
     def wait(self, work: dist.Work, deadline: float) -> None:
         """Gloo: block until `work` is done (at most until `deadline`, monotonic). NCCL: order
@@ -147,9 +159,51 @@ def settle_stream(stream: torch.cuda.Stream | None, deadline: float) -> None:
 
 
 def _nccl_group(store: dist.Store, rank: int, device: torch.device) -> dist.ProcessGroup:
-    """A 2-rank NCCL group; its communicator is created by the pair's first send / receive,
-    which both ends post for the first shard."""
+    """A 2-rank NCCL group with its communicator connected now (both ends connect as they
+    build their end: the pair's rendezvous). Outside the device's launch order: the connect
+    waits for the peer, and the data group's launches must not wait with it."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = NCCL_WATCHDOG
     with torch.cuda.device(device):
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
+        group = dist.ProcessGroupNCCL(store, rank, 2, options)
+        group.eager_connect_single_device(device)
+    return group
+
+
+class PairMaker:
+    """The one thread that builds an owner's NCCL pairs, in the order they are asked for: so
+    communicators are never created by two threads at once, nor by a thread that carries a
+    shard (docs/design.md §5). A gloo pair has no device to order and is built on the
+    caller's thread (its rendezvous blocks there, as before). A pair whose building outlives
+    the caller's deadline fails the caller; the thread goes on to the next pair when that
+    one's rendezvous ends, and aborts it."""
+
+    def __init__(self) -> None:
+        self._thread: ThreadPoolExecutor | None = None  # made with the first NCCL pair
+
+    def make(
+        self,
+        store: dist.Store,
+        name: str,
+        rank: int,
+        backend: PairBackend,
+        device: torch.device,
+        timeout: timedelta,
+        deadline: float,
+    ) -> Pair:
+        """`Pair(...)`, an NCCL one built on the maker's thread; TransferError past
+        `deadline`."""
+        if backend is not PairBackend.NCCL:
+            return Pair(store, name, rank, backend, device, timeout)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pairs")
+        built = self._thread.submit(Pair, store, name, rank, backend, device, timeout)
+        try:
+            return built.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except FutureTimeout:
+            built.add_done_callback(lambda f: f.exception() is None and f.result().fail())
+            raise TransferError(f"pair {name} was not built by the deadline") from None
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)

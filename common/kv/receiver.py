@@ -34,7 +34,14 @@ from torch import Tensor
 
 from common.kv.framing import ROWS_FIELD, parse_chunk
 from common.kv.paged_cache import PagedLatentCache
-from common.kv.pair import Pair, PairBackend, backend_key, choose_backend, settle_stream
+from common.kv.pair import (
+    Pair,
+    PairBackend,
+    PairMaker,
+    backend_key,
+    choose_backend,
+    settle_stream,
+)
 from common.kv.wire import (
     ShardWriter,
     StagingPool,
@@ -200,6 +207,7 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self._pairs: dict[str, Pair] = {}
+        self._maker = PairMaker()  # NCCL pairs: built on one thread (docs/design.md §5)
         self._locks: dict[str, threading.Lock] = {}
         self._pool = StagingPool()
         self.bytes_received = 0
@@ -267,11 +275,21 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
             backend = choose_backend(offer, request.device_uuid, self.device)
             # The sender reads the choice before it builds its end of the group.
             self.store.set(backend_key(request.peer), backend.value)
-            # Gloo blocks here until the prefill worker joins as rank 1 of the pair.
+            # The rendezvous blocks until the prefill worker joins as rank 1 of the pair.
+            try:
+                pair = self._maker.make(
+                    self.store,
+                    request.peer,
+                    0,
+                    backend,
+                    self.device,
+                    self.timeout,
+                    self._deadline(context),
+                )
+            except TransferError as exc:
+                return kv_pb2.KvAck(ok=False, error=str(exc))
             self._locks[request.peer] = threading.Lock()
-            self._pairs[request.peer] = Pair(
-                self.store, request.peer, 0, backend, self.device, self.timeout
-            )
+            self._pairs[request.peer] = pair
         return kv_pb2.KvAck(ok=True)
 
     def ExpectTorch(self, request: kv_pb2.KvHeader, context: grpc.ServicerContext) -> kv_pb2.KvAck:

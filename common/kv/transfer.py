@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.kv.framing import CHUNK_BYTES, encode_chunks
-from common.kv.pair import Pair, PairBackend, backend_key, device_uuid, poll_until
+from common.kv.pair import Pair, PairBackend, PairMaker, backend_key, device_uuid, poll_until
 
 # DTYPES and TransferError are part of this module's interface; they are defined in wire,
 # whose header checks need them, so that wire does not import this module.
@@ -303,6 +303,7 @@ class TorchKvSender(KvSender):
         self._pair_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # guards the lock table
         self._streams: dict[str, torch.cuda.Stream] = {}  # per decode rank
+        self._maker = PairMaker()  # NCCL pairs: built on one thread (docs/design.md §5)
 
     def prepare(self, shards: list[Shard]) -> list[Shard]:
         # Where the pair is NCCL the shards leave from the device; a gloo pair stages each
@@ -336,7 +337,7 @@ class TorchKvSender(KvSender):
         if not store.check([key]):
             _refused(connect.result(), torch_address)
         backend = PairBackend(store.get(key).decode())
-        pair = Pair(store, name, 1, backend, device, self.timeout)
+        pair = self._maker.make(store, name, 1, backend, device, self.timeout, deadline)
         _refused(connect.result(), torch_address)
         self._pairs[torch_address] = pair
         return pair
@@ -406,6 +407,7 @@ class TorchKvSender(KvSender):
     def close(self) -> None:
         self._ch.close()
         self._pairs.clear()
+        self._maker.close()
 
 
 def _refused(ack: kv_pb2.KvAck, torch_address: str) -> None:

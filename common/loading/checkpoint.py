@@ -37,6 +37,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from common.model.int4 import INT4_PACK, dequantize_int4
+from common.runtime.load_meter import current_meter
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
@@ -204,6 +205,9 @@ class CheckpointReader:
         self._file: Path | None = None
         self._handle: Any = None  # safe_open of self._file
         self._touched = 0  # bytes of self._file spanned by reads since it was opened
+        # Where the stored bytes of each slice read are counted: the loading rank's progress
+        # (common/runtime/load_meter.py), when it is metered.
+        self._meter = current_meter()
         self._check_quantized()
 
     def _check_quantized(self) -> None:
@@ -374,7 +378,10 @@ class CheckpointReader:
 
     def _account(self, info: TensorInfo, bounds: list[tuple[int, int]]) -> None:
         """Count the stored bytes a read spanned (whole rows, see `read`); past the budget
-        the file is closed, unmapping the pages the reads made resident."""
+        the file is closed, unmapping the pages the reads made resident. The slice's own
+        stored bytes go to the meter."""
+        if self._meter is not None:
+            self._meter.add(math.prod(b - a for a, b in bounds) * info.dtype.itemsize)
         rows = bounds[0][1] - bounds[0][0] if bounds else 1
         self._touched += rows * math.prod(info.shape[1:]) * info.dtype.itemsize
         if self._touched >= READ_CHUNK_BYTES:

@@ -1,29 +1,38 @@
-"""A service process's serving life: its servers (gRPC, metrics) up on checked ports, its
-records published, down on a signal (drained first on SIGTERM where the service drains).
+"""A service's serving life: its HTTP status port open before it loads, its gRPC server up
+once loaded, its records published, down on a signal (drained first on SIGTERM where the
+service drains).
 
-Lifecycle (`serve`): bind and start the servers -> publish the registry records with
-heartbeats -> serve until SIGINT / SIGTERM, `stop`, a failure of the core (exit code 1: its
-supervisor restarts it) or `drain` -> on a drain: report itself draining, admit nothing new,
-wait for the admitted work for at most the drain grace -> stop the servers, deregister, close
-the core. The decode leader and the prefill worker both live this way; each hands `serve` its
-core as a `Service`.
+Lifecycle: open the status port (common/rpc/status.py: /metrics, /ready) -> load the core
+(`loading`: each rank's progress in the log every LOG_EVERY_S, on /ready and the metrics, and
+a registry record that says so) -> `serve`: bind and start the gRPC server -> publish the
+registry records with heartbeats -> serve until SIGINT / SIGTERM, `stop`, a failure of the
+core (exit code 1: its supervisor restarts it) or `drain` -> on a drain: report itself
+draining, admit nothing new, wait for the admitted work for at most the drain grace -> stop
+the servers, deregister, close the core. The decode leader and the prefill worker both live
+this way; each hands `serve` its core as a `Service`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
 import redis
 
 from common.rpc.drain import wait_drained
-from common.runtime.ports import PortUse, bind_grpc, check_ports
+from common.rpc.status import Status
+from common.runtime.load_meter import metering
+from common.runtime.ports import PortUse, bind_grpc
 from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry
 from common.runtime.settings import Settings
+
+# While a service loads, its log gets each rank's progress this often.
+LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,8 @@ class Service:
     work: str  # what its admitted work is called in them: "live requests", "prefills ..."
     server: grpc.Server
     host: str
-    ports: tuple[PortUse, PortUse]  # gRPC, metrics
-    serve_metrics: Callable[[int], None]  # the metrics endpoint on a port (a thread)
+    grpc_port: PortUse
+    status: Status  # its HTTP port, open since before it loaded
     records: Callable[[], Iterable[WorkerRecord]]  # what each heartbeat publishes
     failure: Callable[[], BaseException | None]  # why it can serve no more; checked each poll
     close_admission: Callable[[], object]  # a drain begins: nothing new is admitted
@@ -60,28 +69,49 @@ class Service:
     poll_s: float = 0.1  # how often the loop looks at the core
 
 
-def start_serving(
-    server: grpc.Server,
-    host: str,
-    grpc_use: PortUse,
-    metrics_use: PortUse,
-    serve_metrics: Callable[[int], None],
-) -> None:
-    """Bind and start `server`, then its metrics endpoint (`serve_metrics(port)`). If either
-    fails the server is stopped and the error raised: a taken port as PortInUse, named with
-    the setting that moves it."""
+def start_serving(server: grpc.Server, host: str, grpc_use: PortUse) -> None:
+    """Bind and start `server`; if that fails it is stopped and the error raised: a taken port
+    as PortInUse, named with the setting that moves it."""
     try:
         bind_grpc(server, host, grpc_use)
         server.start()
-        try:
-            serve_metrics(metrics_use.port)
-        except OSError:
-            check_ports(host, [metrics_use])
-            raise
     except BaseException:
         # stop() only starts the shutdown: wait for it, so the port is free when this raises.
         server.stop(grace=0).wait(timeout=5)
         raise
+
+
+@contextlib.contextmanager
+def loading(
+    status: Status, life: Lifetime, records: Callable[[], Iterable[WorkerRecord]]
+) -> Iterator[None]:
+    """While the block loads the service's core (on this thread, its reads metered by the
+    status's meter): every LOG_EVERY_S a line of each rank's progress, and `records` (the
+    service saying it loads, unhealthy) published with heartbeats; they go when it ends."""
+    heartbeat = None
+    if life.redis_url:
+        registry = WorkerRegistry(redis.Redis.from_url(life.redis_url), ttl_s=life.worker_ttl_s)
+        heartbeat = Heartbeat(registry, records, life.heartbeat_s)
+        with contextlib.suppress(redis.RedisError, OSError):  # Redis down: load anyway
+            heartbeat.start()
+    done = threading.Event()
+
+    def log() -> None:
+        while not done.wait(LOG_EVERY_S):
+            if (reason := status.not_ready_reason()) is not None:
+                print(reason, flush=True)
+
+    threading.Thread(target=log, name="loading-log", daemon=True).start()
+    try:
+        with metering(status.meter):
+            yield
+        status.meter.finish()  # a group's leader did at its barrier; a worker of one here
+        print(f"{status.name} loaded: {status.meter.summary()}", flush=True)
+    finally:
+        done.set()
+        if heartbeat is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                heartbeat.stop()
 
 
 def stop_on_signals(stop: threading.Event, drain: threading.Event | None = None) -> None:
@@ -115,12 +145,13 @@ def serve(
     """Run `service` until SIGINT/SIGTERM (or `stop`, or `drain` and its drain); blocks. Prints
     `banner` once serving, then sets `ready`. The exit code: 0 after a requested stop or a
     drain, 1 when the core failed. A taken port raises PortInUse, the core closed."""
-    grpc_use, metrics_use = service.ports
     try:
-        start_serving(service.server, service.host, grpc_use, metrics_use, service.serve_metrics)
+        start_serving(service.server, service.host, service.grpc_port)
     except BaseException:
         service.close()
+        service.status.stop()
         raise
+    service.status.serving()
     stop = stop or threading.Event()
     drain = drain or threading.Event()
     heartbeat = None
@@ -138,6 +169,7 @@ def serve(
             heartbeat.stop()
         service.server.stop(grace=2)
         service.close()
+        service.status.stop()
 
 
 def _serve_until_told(

@@ -62,6 +62,8 @@ class WorkerRecord:
     healthy: bool = True
     # Told to go (SIGTERM): finishing its live requests, taking no new ones.
     draining: bool = False
+    # Still loading its model (not healthy): each rank's progress (common/runtime/load_meter.py).
+    loading: str = ""
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_cached: int = 0  # decode: cached prefix blocks no live request holds

@@ -184,6 +184,12 @@ class Settings(BaseSettings):
         0, ge=0, description="ranks of a joined group (= tp); 0: the leader spawns its followers"
     )
     group_addr: str = Field("", description="HOST:PORT of a joined group's leader rendezvous")
+    # Or a group over hosts that each run several ranks (one pod per node): `--node K --nodes
+    # M`, host K running ranks K x L .. K x L + L - 1 of the service's tp, L = tp / M.
+    node: int = Field(0, ge=0, description="this host's index in a group over hosts (0: leader)")
+    nodes: int = Field(
+        0, ge=0, description="hosts of a group over hosts, each spawning tp / nodes ranks; 0: none"
+    )
     advertise_host: str = Field(
         "", description="host the leader and prefill workers reach this rank at (default: host)"
     )

@@ -13,7 +13,7 @@ import enum
 import json
 from dataclasses import dataclass, field
 
-from common.group.spec import parse_group_addr
+from common.group.membership import joined, membership
 from common.loading.side_file_choice import resolve_reparam
 from common.parallel import ParallelConfig, RmsNormMode, parse_mode, parse_moe
 from common.runtime.kernel_choice import KernelConfig, kernel_config
@@ -27,7 +27,9 @@ class Launch(enum.Enum):
     the same way)."""
 
     SPAWN = "spawn"  # children of the leader, on its host (`tpla decode`, `tpla serve`)
-    JOIN = "join"  # each on its own (`tpla decode --rank K`), over the network, maybe other hosts
+    # Hosts join over the network (`tpla decode --rank K`, one rank a host, or `--node K`,
+    # `local_ranks` a host, the first spawning the rest).
+    JOIN = "join"
 
 
 # Draft proposers (services/decode/leader/drafts.py); "mtp" needs the model's MTP layer
@@ -94,6 +96,7 @@ class EngineConfig:
     collectives: str = "shm"
     shm_path: str | None = None  # set by the leader: the group file its ranks map
     launch: Launch = Launch.SPAWN
+    local_ranks: int = 1  # JOIN: ranks per host (a spawned group is one host)
     # The leader's rendezvous store (a TCPStore it serves on master_port, every interface):
     # where the followers join the group.
     master_addr: str = "127.0.0.1"
@@ -118,14 +121,20 @@ class EngineConfig:
         if self.launch is Launch.JOIN and self.collectives == "shm":
             raise ValueError(
                 "TPLA_COLLECTIVES=shm: shared memory cannot reach ranks started on their own "
-                "(--rank / --group-addr), which may run on other hosts; use dist or auto"
+                "(--rank / --node / --group-addr), which may run on other hosts; use dist or auto"
             )
+        if self.local_ranks < 1 or self.parallel.tp % self.local_ranks:
+            raise ValueError(f"{self.local_ranks} ranks a host do not divide tp={self.parallel.tp}")
+
+    @property
+    def per_host(self) -> int:
+        """Ranks on each host: the whole group when spawned."""
+        return self.parallel.tp if self.launch is Launch.SPAWN else self.local_ranks
 
     def local_index(self, rank: int) -> int:
         """Rank `rank`'s index on its host: the offset of its GPU (`rank_device`) and of its
-        KV ports. Spawned ranks share the leader's host; a rank started on its own is the
-        first of its process (its own TPLA_DEVICE and TPLA_KV_PORT_BASE)."""
-        return rank if self.launch is Launch.SPAWN else 0
+        KV ports (its host's TPLA_DEVICE and TPLA_KV_PORT_BASE)."""
+        return rank % self.per_host
 
     def kv_addresses(self, rank: int) -> tuple[str, str]:
         """(gRPC receiver, torch TCPStore) addresses of rank `rank`'s KV endpoints, when this
@@ -160,9 +169,10 @@ def engine_config(s: Settings) -> EngineConfig:
         raise ValueError(f"cuda_graphs {s.cuda_graphs!r} is not auto or 0")
     if s.collectives not in ("auto", "shm", "dist"):
         raise ValueError(f"collectives {s.collectives!r} is not auto, shm or dist")
-    tp, launch, master_addr, master_port = s.tp, Launch.SPAWN, "127.0.0.1", s.dist_port
-    if s.group_size or s.group_addr or s.rank:
-        tp, master_addr, master_port = joined_group(s)
+    tp, launch, master_addr, master_port, local = s.tp, Launch.SPAWN, "127.0.0.1", s.dist_port, 1
+    if joined(s):
+        place = membership(s, s.tp, "TPLA_TP")
+        tp, master_addr, master_port, local = place.size, place.addr, place.port, place.local_ranks
         launch = Launch.JOIN
     collectives = s.collectives
     if collectives == "auto":
@@ -190,6 +200,7 @@ def engine_config(s: Settings) -> EngineConfig:
         cuda_graphs=s.cuda_graphs == "auto",
         collectives=collectives,
         launch=launch,
+        local_ranks=local,
         master_addr=master_addr,
         master_port=master_port,
         join_timeout_s=s.group_join_timeout_s,
@@ -206,22 +217,3 @@ def engine_config(s: Settings) -> EngineConfig:
         ),
         grammar_limits=GrammarLimits.from_settings(s),
     )
-
-
-def joined_group(s: Settings) -> tuple[int, str, int]:
-    """(tp, leader host, rendezvous port) of a group whose ranks are started on their own
-    (`--rank K --group-size N --group-addr HOST:PORT`); ValueError naming what is wrong."""
-    if not s.group_size:
-        raise ValueError("--rank and --group-addr need --group-size (TPLA_GROUP_SIZE)")
-    if not s.group_addr:
-        raise ValueError("--group-size needs --group-addr HOST:PORT (TPLA_GROUP_ADDR)")
-    if s.rank >= s.group_size:
-        raise ValueError(f"--rank {s.rank} is outside a group of {s.group_size} ranks (0..N-1)")
-    host, port = parse_group_addr(s.group_addr)
-    # A rank is one tensor-parallel shard: the group size is tp (TPLA_TP may be left unset).
-    if "tp" in s.model_fields_set and s.tp != s.group_size:
-        raise ValueError(
-            f"--group-size {s.group_size} but TPLA_TP={s.tp}: a group has one rank per "
-            "tensor-parallel shard"
-        )
-    return s.group_size, host, port

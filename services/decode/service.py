@@ -1,8 +1,10 @@
 """`tpla decode`: the decode group's leader process, serving the Decode gRPC API, or (with
 --rank K > 0) one follower rank of a group whose ranks are started on their own.
 
-Leader lifecycle: start the rank group (followers are child processes, or ranks that join
-over the network) -> serve Reserve / Generate / Abort / GetLoad and its KV receiver ->
+Leader lifecycle: open its metrics port (/metrics, /ready: each rank's loading progress) ->
+start the rank group (followers are child processes, or ranks that join over the network),
+its progress logged and published as a record that says it loads -> serve Reserve /
+Generate / Abort / GetLoad and its KV receiver ->
 publish one registry record per rank with heartbeats -> on SIGTERM drain: report itself
 draining (routers place nothing new here), refuse Reserve (a router tries another group),
 let the admitted requests run to their end, for at most TPLA_DRAIN_GRACE_S -> stop
@@ -21,18 +23,22 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import decode_pb2_grpc
-from common.rpc.server import Lifetime, Service, serve
+from common.rpc.server import Lifetime, Service, loading, serve
+from common.rpc.status import Status
 from common.runtime.kernel_choice import log_choices, summary
+from common.runtime.load_meter import LoadMeter
 from common.runtime.ports import PortUse, check_ports, decode_group_ports
+from common.runtime.redis_state import WorkerRecord
 from common.runtime.tracing import setup_tracing
-from services.decode.config import EngineConfig, Launch
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.group.follower import follower_main
-from services.decode.server.metrics import serve_decode_metrics
-from services.decode.server.records import rank_records
+from services.decode.server.metrics import register_decode_metrics
+from services.decode.server.records import loading_record, rank_records
 from services.decode.server.servicer import DecodeServicer
 from services.decode.server.signals import FOLLOWER_SHUTDOWN_S, signals_end_at_once
 from services.decode.stream import EngineError
@@ -53,22 +59,33 @@ def serve_decode(
     (a ValueError) if a port of the group is taken: checked before the group starts, so
     nothing is loaded or spawned."""
     # Ranks that join from elsewhere bind their own ports; the rendezvous is the group's.
-    local_ranks = cfg.parallel.tp if cfg.launch is Launch.SPAWN else 1
+    local_ranks = cfg.per_host
     ports = decode_group_ports(port, cfg.kv_port_base, cfg.master_port, local_ranks)
     if local_ranks < cfg.parallel.tp:
         ports.append(PortUse(cfg.master_port, "decode rendezvous", "TPLA_GROUP_ADDR"))
     check_ports(cfg.host, ports)
     spans = setup_tracing("tpla-decode")  # the leader's alone: the other ranks add nothing
-    with signals_end_at_once():
-        engine = DecodeEngine(cfg)
+    address = f"{cfg.advertise_host or cfg.host}:{port}"
+    group_id = f"decode-{uuid.uuid4().hex[:8]}"
+    registry = CollectorRegistry()
+    status = Status.open(cfg.host, ports[1], registry, LoadMeter(), "decode leader")
+
+    def loading_records() -> list[WorkerRecord]:
+        return [loading_record(cfg, address, group_id, status.meter.summary())]
+
+    try:
+        with signals_end_at_once(), loading(status, life, loading_records):
+            engine = DecodeEngine(cfg)
+    except BaseException:
+        status.stop()
+        raise
+    register_decode_metrics(engine, registry)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_batch * 2 + 16), options=CHANNEL_OPTIONS
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(
         DecodeServicer(engine, cfg.internal_token, spans), server
     )
-    address = f"{cfg.advertise_host or cfg.host}:{port}"
-    group_id = f"decode-{uuid.uuid4().hex[:8]}"
 
     def live() -> int | None:
         try:
@@ -81,8 +98,8 @@ def serve_decode(
         work="live requests",
         server=server,
         host=cfg.host,
-        ports=(ports[0], ports[1]),
-        serve_metrics=lambda metrics_port: serve_decode_metrics(engine, cfg.host, metrics_port),
+        grpc_port=ports[0],
+        status=status,
         records=lambda: rank_records(engine, address, group_id, cfg.model),
         failure=lambda: engine.failed,
         close_admission=engine.drain,

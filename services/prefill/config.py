@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from common.group.spec import parse_group_addr
+from common.group.membership import joined, membership
 from common.kv.prefix_cache import model_identity
 from common.loading.side_file_choice import resolve_reparam
 from common.parallel import MoeParallel, ParallelConfig
@@ -43,7 +43,8 @@ class PrefillGroupConfig:
     prefill_threads: int = 1  # a large batch's threads (services/prefill/batch/threads.py)
     collectives: str = "shm"
     mtp: bool = False  # TPLA_SPECULATIVE=mtp: every rank runs its share of the MTP layer
-    spawned: bool = True  # the leader spawns its ranks; else each joins (`--rank K`)
+    spawned: bool = True  # the leader spawns its ranks; else hosts join (`--rank K`, `--node K`)
+    local_ranks: int = 1  # joined: ranks per host, the first spawning the rest
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free one (a spawned group)
     join_timeout_s: float = 300.0
@@ -59,8 +60,10 @@ class PrefillGroupConfig:
         if not self.spawned and self.collectives == "shm":
             raise ValueError(
                 "TPLA_COLLECTIVES=shm: shared memory cannot reach ranks started on their own "
-                "(--rank / --group-addr), which may run on other hosts; use dist or auto"
+                "(--rank / --node / --group-addr), which may run on other hosts; use dist or auto"
             )
+        if self.local_ranks < 1 or self.tp % self.local_ranks:
+            raise ValueError(f"{self.local_ranks} ranks a host do not divide a group of {self.tp}")
 
     @property
     def in_process(self) -> bool:
@@ -84,19 +87,16 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         raise ValueError(f"collectives {s.collectives!r} is not auto, shm or dist")
     if s.moe_parallel not in ("tp", "ep"):
         raise ValueError(f"MoE parallel mode {s.moe_parallel!r} is not tp or ep")
-    tp, spawned, addr, port = s.prefill_tp, True, "127.0.0.1", s.prefill_dist_port
-    if s.group_size or s.group_addr or s.rank:
-        if not s.group_size or not s.group_addr:
-            raise ValueError("a joined prefill group needs --group-size N and --group-addr")
-        if s.rank >= s.group_size:
-            raise ValueError(f"--rank {s.rank} is outside a group of {s.group_size} ranks")
-        if "prefill_tp" in s.model_fields_set and s.prefill_tp != s.group_size:
-            raise ValueError(
-                f"--group-size {s.group_size} but TPLA_PREFILL_TP={s.prefill_tp}: a prefill "
-                "group has one rank per shard"
-            )
-        tp, spawned = s.group_size, False
-        addr, port = parse_group_addr(s.group_addr)
+    tp, spawned, addr, port, local = s.prefill_tp, True, "127.0.0.1", s.prefill_dist_port, 1
+    if joined(s):
+        place = membership(s, s.prefill_tp, "TPLA_PREFILL_TP")
+        tp, spawned, addr, port, local = (
+            place.size,
+            False,
+            place.addr,
+            place.port,
+            place.local_ranks,
+        )
     collectives = s.collectives
     if collectives == "auto":
         collectives = "shm" if spawned else "dist"
@@ -117,6 +117,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         collectives=collectives,
         mtp=s.speculative == "mtp",
         spawned=spawned,
+        local_ranks=local,
         master_addr=addr,
         master_port=port,
         join_timeout_s=s.group_join_timeout_s,

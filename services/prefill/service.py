@@ -1,11 +1,13 @@
 """`tpla prefill`: a prefill worker serving the Prefill gRPC API, or (with --rank K > 0) one
 follower rank of a prefill group whose ranks are started on their own.
 
-Lifecycle: load the model in the decode group's latent basis (or start the prefill group it
-leads) -> serve Prefill / GetLoad -> publish a registry record (queued tokens) with
-heartbeats -> on SIGTERM drain: report itself draining (routers send nothing new here),
-refuse new prefills (a router tries another worker), finish the queued and running ones with
-their KV pushes, for at most TPLA_DRAIN_GRACE_S -> stop. SIGINT, or a second SIGTERM, skips
+Lifecycle: open its metrics port (/metrics, /ready: each rank's loading progress) -> load
+the model in the decode group's latent basis (or start the prefill group it leads), its
+progress logged and published as a record that says it loads -> serve Prefill / GetLoad ->
+publish a registry record (queued tokens) with heartbeats -> on SIGTERM drain: report itself
+draining (routers send nothing new here), refuse new prefills (a router tries another
+worker), finish the queued and running ones with their KV pushes, for at most
+TPLA_DRAIN_GRACE_S -> stop. SIGINT, or a second SIGTERM, skips
 the drain; a failed group ends it with exit code 1. A port in use stops it before the model
 loads, named with its setting. The parts live in services/prefill/server/; the serving loop
 is common/rpc/server.py's.
@@ -26,16 +28,19 @@ from common.loading.serving_kernels import PrefillKernels
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.drain import DrainGate
 from common.rpc.gen import prefill_pb2_grpc
-from common.rpc.server import Lifetime, Service, serve
+from common.rpc.server import Lifetime, Service, loading, serve
+from common.rpc.status import Status
 from common.runtime.device import rank_device
 from common.runtime.kernel_choice import log_choices, summary
-from common.runtime.metrics import PrefillMetrics, kernel_info, serve_metrics
+from common.runtime.load_meter import LoadMeter
+from common.runtime.metrics import PrefillMetrics, kernel_info
 from common.runtime.ports import check_ports, prefill_worker_ports
+from common.runtime.redis_state import WorkerRecord
 from common.runtime.tracing import setup_tracing
 from services.prefill.config import PrefillConfig
 from services.prefill.group.follower import follower_main
 from services.prefill.group.rank_loader import load_group_rank
-from services.prefill.server.records import worker_record
+from services.prefill.server.records import loading_record, worker_record
 from services.prefill.server.servicer import PrefillServicer
 from services.prefill.server.start import start_worker
 from services.prefill.worker import PrefillWorker
@@ -67,20 +72,30 @@ def serve_prefill(
     )
     registry = CollectorRegistry()
     kernel_info(registry, kernels.choices)
-    worker = start_worker(cfg, PrefillMetrics(registry))
+    address = f"{host}:{port}"
+    status = Status.open(host, metrics_use, registry, LoadMeter(), "prefill worker")
+
+    def loading_records() -> list[WorkerRecord]:
+        return [loading_record(group, address, status.meter.summary())]
+
+    try:
+        with loading(status, life, loading_records):
+            worker = start_worker(cfg, PrefillMetrics(registry))
+    except BaseException:
+        status.stop()
+        raise
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     gate = DrainGate(f"prefill worker {worker_id}")
     prefill_pb2_grpc.add_PrefillServicer_to_server(
         PrefillServicer(worker, cfg.group.token, spans, gate), server
     )
-    address = f"{host}:{port}"
     service = Service(
         name="prefill worker",
         work="prefills queued or running",
         server=server,
         host=host,
-        ports=(grpc_use, metrics_use),
-        serve_metrics=lambda metrics_port: serve_metrics(registry, host, metrics_port),
+        grpc_port=grpc_use,
+        status=status,
         records=lambda: [worker_record(worker, cfg.group, address, gate.closed)],
         failure=lambda: _failure(worker),
         close_admission=gate.close,

@@ -92,10 +92,19 @@ class WorkerSnapshot:
     def not_ready_reason(self) -> str | None:
         """Why no request could be served right now, or None when it could."""
         if not self.healthy_prefill():
-            return "no healthy prefill worker is registered"
+            return "no healthy prefill worker is registered" + self._loading(WorkerRole.PREFILL)
         if not self.healthy_groups():
-            return "no healthy decode group is registered"
+            return "no healthy decode group is registered" + self._loading(WorkerRole.DECODE)
         return None
+
+    def _loading(self, role: WorkerRole) -> str:
+        """The workers of `role` still loading, with their ranks' progress, in brackets."""
+        loading = [
+            f"{r.group_id or r.worker_id} loading: {r.loading}"
+            for r in self.records
+            if r.role is role and r.loading
+        ]
+        return f" ({'; '.join(loading)})" if loading else ""
 
 
 class RoutingPolicy(abc.ABC):

@@ -8,10 +8,13 @@ kubernetes-validate has no schema for: they are validated here against k8s/schem
 (leaderworkerset-v1.json, scaledobject-v1alpha1.json), which reference the same strict
 Kubernetes 1.30 definitions for pod templates and metadata.
 
-Groups (decode everywhere, prefill in the GPU overlay) run as LeaderWorkerSets, one pod per
-rank: each pod's arguments parse with `tpla`'s own parser and join the leader's rendezvous on
-the group's port, the group's size is its setting, its pods find the leader through a headless
-Service and reach each other through the NetworkPolicies.
+Groups (decode everywhere, prefill in the GPU overlays) run as LeaderWorkerSets, one pod per
+host (a node in the GPU overlays, holding the node's GPUs the group uses, a rank on each):
+each pod's arguments parse with `tpla`'s own parser and join the leader's rendezvous on the
+group's port, the pods times their ranks are the group's size setting, a GPU pod is what
+`tpla plan` suggests (common/tpla/pod_layout.py: a tp = 8 group on 8-GPU nodes is one pod of
+8 GPUs with a 32 GiB /dev/shm), its pods find the leader through a headless Service and reach
+each other through the NetworkPolicies.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from referencing import Registry, Resource
 
+from common.group.membership import membership
 from common.runtime.kernel_choice import SELECTORS
 from common.runtime.settings import Settings
+from common.tpla.pod_layout import pod_layout
 from services.autoscaler.profile import PerformanceProfile
 from services.autoscaler.service import DESIRED, ROLES
 from tools.cli.autoscaler import add_autoscaler_parser
@@ -52,13 +57,22 @@ CUSTOM_SCHEMAS = {
     "LeaderWorkerSet": LWS_SCHEMA,
     "ScaledObject": K8S / "schemas" / "scaledobject-v1alpha1.json",
 }
-OVERLAYS = ("cpu-demo", "gpu")
+OVERLAYS = ("cpu-demo", "gpu", "deepseek-v3")
+GPU_OVERLAYS = ("gpu", "deepseek-v3")
+# The nodes the GPU overlays are sized for.
+GPUS_PER_NODE = 8
 COMPONENTS = ("decode-statefulset", "external-redis")
+# Overlays that take the components (the DeepSeek-V3 one runs LeaderWorkerSets only).
+WITH_COMPONENTS = ("cpu-demo", "gpu")
 # (overlay, with the StatefulSet + external-Redis components)
-VARIANTS = [(o, False) for o in OVERLAYS] + [(o, True) for o in OVERLAYS]
+VARIANTS = [(o, False) for o in OVERLAYS] + [(o, True) for o in WITH_COMPONENTS]
 TPLA_ROLES = ("router", "prefill", "decode")
 # Roles KEDA scales in each overlay (on `tpla autoscaler`'s decisions); the others are fixed.
-SCALED_ROLES = {"cpu-demo": {"prefill"}, "gpu": {"prefill", "decode"}}
+SCALED_ROLES = {
+    "cpu-demo": {"prefill"},
+    "gpu": {"prefill", "decode"},
+    "deepseek-v3": {"prefill", "decode"},
+}
 AUTOSCALER_PORT = 9100
 # The HPA skips a change within 10 % of the current count (its default tolerance): from 10
 # replicas on, a step of one would never be applied.
@@ -145,18 +159,33 @@ def workloads(docs: list[Doc]) -> Iterator[tuple[str, Doc, str, Doc]]:
                 yield role, doc, template, container
 
 
-def joined_rank_args(role: str, cfg: dict[str, str]) -> list[str]:
-    """What every pod of a LeaderWorkerSet runs: its rank of the group, joining the leader
-    pod's rendezvous on the group's port (LWS sets the variables)."""
+def joined_host_args(role: str, cfg: dict[str, str]) -> list[str]:
+    """What every pod of a LeaderWorkerSet runs: its host of the group (its ranks), joining
+    the leader pod's rendezvous on the group's port (LWS sets the variables)."""
     return [
         role,
-        "--rank",
+        "--node",
         "$(LWS_WORKER_INDEX)",
-        "--group-size",
+        "--nodes",
         "$(LWS_GROUP_SIZE)",
         "--group-addr",
         f"$(LWS_LEADER_ADDRESS):{cfg[GROUP_PORT[role]]}",
     ]
+
+
+def pod_gpus(container: Doc) -> int:
+    return int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
+
+
+def ranks_per_pod(role: str, doc: Doc, container: Doc, cfg: dict[str, str]) -> int:
+    """The ranks a pod of the workload runs: its group's tp / the LeaderWorkerSet's size (a
+    GPU pod's GPUs), a whole decode group in the StatefulSet's pod, else one."""
+    if doc["kind"] == "LeaderWorkerSet":
+        size = doc["spec"]["leaderWorkerTemplate"]["size"]
+        tp = int(cfg[GROUP_SIZE[role]])
+        assert tp % size == 0, (role, tp, size)
+        return tp // size
+    return int(cfg["TPLA_TP"]) if (role, doc["kind"]) == ("decode", "StatefulSet") else 1
 
 
 def groups(docs: list[Doc]) -> Iterator[tuple[str, Doc]]:
@@ -337,16 +366,18 @@ def test_probes_and_ports_match_the_services(
     cfg = config(docs)
     grpc_port = {"prefill": int(cfg["TPLA_PREFILL_PORT"]), "decode": int(cfg["TPLA_DECODE_PORT"])}
     roles = set()
-    for role, _, template, container in workloads(docs):
+    for role, doc, template, container in workloads(docs):
         roles.add(role)
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
         probes = {k: container[k] for k in PROBES if k in container}
+        local = ranks_per_pod(role, doc, container, cfg)
         if role == "router":
             assert ports["http"] == int(cfg["TPLA_ROUTER_PORT"])
             assert probes["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
             assert probes["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        elif (role, template) == ("decode", "worker"):  # a follower: only its KV receiver
-            assert set(ports) == {"kv0", "torch-kv0"} and set(probes) == set(PROBES)
+        elif (role, template) == ("decode", "worker"):  # followers: only their KV receivers
+            kv = {f"{name}{k}" for k in range(local) for name in ("kv", "torch-kv")}
+            assert set(ports) == kv and set(probes) == set(PROBES)
             for probe in probes.values():
                 assert probe["tcpSocket"] == {"port": "kv0"}
         elif template == "worker":  # a prefill follower listens on no port of its own
@@ -359,9 +390,8 @@ def test_probes_and_ports_match_the_services(
         if template == "leader":  # serves its group's rendezvous
             assert ports["dist"] == int(cfg[GROUP_PORT[role]])
         if role == "decode":
-            base, tp = int(cfg["TPLA_KV_PORT_BASE"]), int(cfg["TPLA_TP"])
-            # A pod runs every rank (one port pair each) or one rank (on the base).
-            local = tp if template == "pod" else 1
+            base = int(cfg["TPLA_KV_PORT_BASE"])
+            # Each rank of the pod on the base + its index in the pod.
             for rank in range(local):
                 assert ports[f"kv{rank}"] == base + rank
                 assert ports[f"torch-kv{rank}"] == base + 100 + rank
@@ -370,8 +400,8 @@ def test_probes_and_ports_match_the_services(
             assert set(ports) == {"grpc", "metrics", "dist"}
         if template == "pod":  # one pod per worker, or a whole decode group spawned in it
             assert container["args"] == [role]
-        else:  # a pod of a LeaderWorkerSet: one rank of the group
-            assert container["args"] == joined_rank_args(role, cfg)
+        else:  # a pod of a LeaderWorkerSet: one host of the group
+            assert container["args"] == joined_host_args(role, cfg)
         assert container["resources"]["requests"] and container["resources"]["limits"]
     assert roles == set(TPLA_ROLES)
 
@@ -511,7 +541,7 @@ def without(spec: Doc, *fields: str) -> Doc:
 def test_decode_statefulset_runs_the_lws_leaders_pod(rendered: dict[tuple[str, bool], str]) -> None:
     """The StatefulSet alternative is the LWS leader's pod running the whole group in it:
     the same image, settings, volumes and security; its own command, ports and sizes."""
-    for overlay in OVERLAYS:
+    for overlay in WITH_COMPONENTS:
         docs = docs_of(rendered[(overlay, False)])
         lws = find(docs, "LeaderWorkerSet", "tpla-decode")
         sts = find(docs_of(rendered[(overlay, True)]), "StatefulSet", "tpla-decode")
@@ -522,46 +552,71 @@ def test_decode_statefulset_runs_the_lws_leaders_pod(rendered: dict[tuple[str, b
             pod_spec(lws, "leader"), *differ
         )
         assert sts["spec"]["serviceName"] == "tpla-decode-group"
-        # One pod per rank: LWS_GROUP_SIZE is the group's tp (tpla decode checks it too).
-        assert lws["spec"]["leaderWorkerTemplate"]["size"] == int(config(docs)["TPLA_TP"])
 
 
-def test_gpu_overlay_gives_each_decode_rank_a_gpu(rendered: dict[tuple[str, bool], str]) -> None:
-    for with_components in (False, True):
-        docs = docs_of(rendered[("gpu", with_components)])
-        tp = int(config(docs)["TPLA_TP"])
-        for role, doc, template, container in workloads(docs):
-            if role == "router":
-                continue
-            # A pod of the LeaderWorkerSet runs one rank; the StatefulSet's pod all of them.
-            want = str(tp) if (role, template) == ("decode", "pod") else "1"
-            assert container["resources"]["limits"]["nvidia.com/gpu"] == want, role
-            assert container["image"].startswith("tpla-serve-cuda:")
-            mounts = {m["mountPath"] for m in container["volumeMounts"]}
-            assert {"/dev/shm", "/models"} <= mounts, role
-            shm = next(v for v in pod_spec(doc, template)["volumes"] if v["name"] == "shm")
-            assert shm["emptyDir"]["medium"] == "Memory"
-            assert any(e["name"].startswith("NCCL_") for e in container["env"])
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v[0] in GPU_OVERLAYS], ids=variant_id)
+def test_gpu_groups_run_one_pod_per_node(
+    variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
+) -> None:
+    """Every rank has a GPU of its pod; a group's pods are whole nodes' (one pod when the
+    group fits a node: a tp = 8 group on 8-GPU nodes is one pod of 8 GPUs) with a memory-backed
+    /dev/shm sized for its GPUs, as `tpla plan` suggests (common/tpla/pod_layout.py)."""
+    docs = docs_of(rendered[variant])
+    cfg = config(docs)
+    for role, doc, template, container in workloads(docs):
+        if role == "router":
+            continue
+        gpus = pod_gpus(container)
+        assert gpus == ranks_per_pod(role, doc, container, cfg), (role, template)
+        if doc["kind"] == "LeaderWorkerSet":
+            layout = pod_layout(int(cfg[GROUP_SIZE[role]]), GPUS_PER_NODE)
+            size = doc["spec"]["leaderWorkerTemplate"]["size"]
+            assert (size, gpus) == (layout.pods, layout.gpus_per_pod), (role, template)
+        assert container["image"].startswith("tpla-serve-cuda:")
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/dev/shm", "/models"} <= mounts, role
+        shm = next(v for v in pod_spec(doc, template)["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{4 * gpus}Gi"}, role
+        assert shm["emptyDir"]["sizeLimit"] == f"{pod_layout(gpus, gpus).shm_gib}Gi"
+        assert any(e["name"].startswith("NCCL_") for e in container["env"])
+
+
+def test_the_deepseek_v3_overlay_is_its_plan(rendered: dict[tuple[str, bool], str]) -> None:
+    """The V3 recipe (docs/deploy.md) renders a tp = 8 decode group and a tp = 8 prefill
+    group each as one pod of a whole 8-GPU node, with the plan's settings."""
+    docs = docs_of(rendered[("deepseek-v3", False)])
+    cfg = config(docs)
+    assert (cfg["TPLA_TP"], cfg["TPLA_PREFILL_TP"], cfg["TPLA_WEIGHT_DTYPE"]) == (
+        "8",
+        "8",
+        "float8",
+    )
+    for role, lws in groups(docs):
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 1, role
+        for template in ("leader", "worker"):
+            container = pod_spec(lws, template)["containers"][0]
+            assert pod_gpus(container) == 8, (role, template)
 
 
 def test_gpu_prefill_groups_run_like_decode_groups(rendered: dict[tuple[str, bool], str]) -> None:
-    """The GPU overlay's prefill LeaderWorkerSet replaces the prefill Deployment, and its pods
-    carry the decode LeaderWorkerSet's GPU settings (image, GPU, tolerations, NCCL env,
+    """The GPU overlays' prefill LeaderWorkerSet replaces the prefill Deployment, and its pods
+    carry the decode LeaderWorkerSet's GPU settings (image, GPUs, tolerations, NCCL env,
     /dev/shm, model volume, security, grace period for the drain); only the command, ports,
     probes and container name differ."""
-    docs = docs_of(rendered[("gpu", False)])
-    assert not [
-        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tpla-prefill"
-    ]
-    prefill = find(docs, "LeaderWorkerSet", "tpla-prefill")
-    decode = find(docs, "LeaderWorkerSet", "tpla-decode")
-    differ = ("name", "args", "ports", *PROBES)
-    for template in ("leader", "worker"):
-        assert without(pod_spec(prefill, template), *differ) == without(
-            pod_spec(decode, template), *differ
-        ), template
-    for key in ("startupPolicy", "rolloutStrategy"):
-        assert prefill["spec"][key] == decode["spec"][key], key
+    for overlay in GPU_OVERLAYS:
+        docs = docs_of(rendered[(overlay, False)])
+        assert not [
+            d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tpla-prefill"
+        ]
+        prefill = find(docs, "LeaderWorkerSet", "tpla-prefill")
+        decode = find(docs, "LeaderWorkerSet", "tpla-decode")
+        differ = ("name", "args", "ports", *PROBES)
+        for template in ("leader", "worker"):
+            assert without(pod_spec(prefill, template), *differ) == without(
+                pod_spec(decode, template), *differ
+            ), (overlay, template)
+        for key in ("startupPolicy", "rolloutStrategy"):
+            assert prefill["spec"][key] == decode["spec"][key], key
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
@@ -577,7 +632,9 @@ def test_groups_meet_through_a_headless_service(
     cfg = config(docs)
     for role, lws in groups(docs):
         templates = lws["spec"]["leaderWorkerTemplate"]
-        assert templates["size"] == int(cfg[GROUP_SIZE[role]]), role
+        leader = pod_spec(lws, "leader")["containers"][0]
+        per_pod = ranks_per_pod(role, lws, leader, cfg)
+        assert templates["size"] * per_pod == int(cfg[GROUP_SIZE[role]]), role
         assert templates["restartPolicy"] == "RecreateGroupOnPodRestart"
         name = lws["metadata"]["name"]
         for service in (d for d in docs if d["kind"] == "Service"):
@@ -593,7 +650,7 @@ def test_groups_meet_through_a_headless_service(
 
 
 def tpla_args(args: list[str]) -> argparse.Namespace:
-    """A pod's arguments as `tpla` parses them, with LWS's variables set as for rank 1."""
+    """A pod's arguments as `tpla` parses them, with LWS's variables set as for pod 1."""
     parser = argparse.ArgumentParser(prog="tpla")
     add_service_parsers(parser.add_subparsers(dest="command", required=True))
     lws = {"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "leader"}
@@ -609,8 +666,9 @@ def test_pods_run_real_tpla_flags(
     variant: tuple[str, bool], rendered: dict[tuple[str, bool], str]
 ) -> None:
     """Each router, prefill and decode container runs a `tpla` command its own parser
-    (tools/cli/services.py) accepts; a group's pod says which rank it is, the group's size
-    and where its leader's rendezvous is."""
+    (tools/cli/services.py) accepts; a group's pod says which host it is, the group's hosts
+    and where its leader's rendezvous is, and with the ConfigMap's group size that places its
+    ranks (as `tpla` does: common/group/membership.py)."""
     docs = docs_of(rendered[variant])
     cfg = config(docs)
     for role, doc, _, container in workloads(docs):
@@ -618,7 +676,14 @@ def test_pods_run_real_tpla_flags(
         assert args.command == role
         if doc["kind"] == "LeaderWorkerSet":
             addr = f"leader:{cfg[GROUP_PORT[role]]}"
-            assert (args.rank, args.group_size, args.group_addr) == (1, 2, addr), role
+            assert (args.node, args.nodes, args.group_addr) == (1, 2, addr), role
+            size = doc["spec"]["leaderWorkerTemplate"]["size"]
+            s = settings_of(docs).model_copy(
+                update={"node": 0, "nodes": size, "group_addr": "leader:1"}
+            )
+            tp = int(cfg[GROUP_SIZE[role]])
+            place = membership(s, tp, GROUP_SIZE[role])
+            assert place.local_ranks == ranks_per_pod(role, doc, container, cfg), role
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)

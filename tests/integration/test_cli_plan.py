@@ -75,6 +75,15 @@ def test_v3_in_its_native_fp8_fits_h200_and_tpla_caches_more() -> None:
     assert seqs["mla-tp"] == tokens["mla-tp"] // 32768
     assert seqs["tpla"] > 1.7 * seqs["mla-tp"]  # 1.8x per token, less the larger q_b / o_proj
     assert seqs["sp"] >= 8 * seqs["mla-tp"]
+    # The GPU overlay's values: one pod per node of 8 GPUs holding the whole group.
+    budget = next(p for p in out["layouts"] if p["layout"] == "tpla")["kv_budget_bytes_per_rank"]
+    assert out["manifest"]["TPLA_KV_BUDGET_MB"] == str(budget // 2**20)
+    assert out["manifest"]["decode"] == {"size": 1, "nvidia.com/gpu": 8, "shm_size_limit": "32Gi"}
+    two_nodes = _plan(
+        f"--config {V3} --gpu-mem-gib 141 --gpus-per-group 16 --context 32768 "
+        "--weight-dtype float8 --gpus-per-node 8"
+    )
+    assert two_nodes["manifest"]["decode"]["size"] == 2
     # On an H100 the fp8 weights (~81 GiB) alone exceed the card.
     h100 = _plan(
         f"--config {V3} --gpu-mem-gib 80 --gpus-per-group 8 --context 32768 --weight-dtype float8"

@@ -65,7 +65,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mtp_layers=mtp_loaded,
     )
     plan = build_plan(ckpt.config, request)
+    manifest = _manifest(plan, args.gpus_per_node)
     print(format_plan(plan, path, ckpt))
+    print(format_manifest(manifest, args.gpus_per_node))
     if args.json:
         print(
             json.dumps(
@@ -75,10 +77,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "mtp_layers_not_loaded": ckpt.mtp_layers - mtp_loaded,
                     "speculative": args.speculative,
                     **plan.to_json(),
+                    "manifest": manifest,
                 }
             )
         )
     return 0
+
+
+def _manifest(plan: Plan, gpus_per_node: int) -> dict[str, object] | str:
+    """The GPU overlay's values for the plan's groups (common/tpla/pod_layout.py), or why the
+    groups fill no whole nodes."""
+    from common.tpla.pod_layout import PodLayoutError, manifest_values
+
+    req, chosen = plan.request, plan.chosen
+    try:
+        return manifest_values(
+            req.hardware.gpus_per_group,
+            chosen.layout.latent_groups,
+            chosen.kv_budget_bytes,
+            req.prefill_gpus,
+            gpus_per_node,
+        )
+    except PodLayoutError as exc:
+        return str(exc)
+
+
+def format_manifest(manifest: dict[str, object] | str, gpus_per_node: int) -> str:
+    """The manifest lines under the table: one pod per node (docs/deploy.md)."""
+    head = f"\nmanifests (k8s/overlays/gpu: one pod per node of {gpus_per_node} GPUs):"
+    if isinstance(manifest, str):
+        return f"{head} none: {manifest}"
+    settings = " ".join(f"{k}={v}" for k, v in manifest.items() if k.startswith("TPLA_"))
+    lines = [head, f"  tpla-config: {settings}"]
+    for role in ("decode", "prefill"):
+        pods = manifest[role]
+        assert isinstance(pods, dict)
+        lines.append(
+            f"  tpla-{role} LeaderWorkerSet: size {pods['size']}; a pod: nvidia.com/gpu "
+            f"{pods['nvidia.com/gpu']}, /dev/shm sizeLimit {pods['shm_size_limit']}"
+        )
+    return "\n".join(lines)
 
 
 def _gib(n: float) -> str:
@@ -210,6 +248,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default="none",
         help="mtp: the checkpoint's MTP layers are loaded, their weights and latent cache "
         "counted on every rank (ngram needs no weights)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs of a node: the suggested manifests run one pod per node (default 8)",
     )
     p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     p.set_defaults(func=cmd_plan)

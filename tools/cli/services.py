@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from common.group.membership import process_rank
 from common.parallel import LAYOUT_NAMES, RMSNORM_MODES
 from common.runtime.settings import Settings, load_settings, placed
 
@@ -31,6 +32,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         "rank",
         "group_size",
         "group_addr",
+        "node",
+        "nodes",
         "advertise_host",
         "prefill_tp",
         "prefill_dist_port",
@@ -50,10 +53,11 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
-    if s.rank > 0:  # a follower of a group whose ranks are started on their own
+    rank = process_rank(s, s.tp, "TPLA_TP")
+    if rank > 0:  # a follower (a host's first) of a group whose hosts join on their own
         from services.decode.service import serve_rank
 
-        return serve_rank(engine_config(s), s.rank, s.drain_grace_s)
+        return serve_rank(engine_config(s), rank, s.drain_grace_s)
     return serve_decode(engine_config(s), s.decode_port, Lifetime.from_settings(s))
 
 
@@ -66,10 +70,11 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
     s = placed(_settings(args))
     torch.set_num_threads(s.torch_threads)
-    if s.rank > 0:  # a follower of a prefill group whose ranks are started on their own
+    rank = process_rank(s, s.prefill_tp, "TPLA_PREFILL_TP")
+    if rank > 0:  # a follower (a host's first) of a prefill group whose hosts join on their own
         from services.prefill.service import serve_rank
 
-        return serve_rank(prefill_config(s), s.rank)
+        return serve_rank(prefill_config(s), rank)
     return serve_prefill(prefill_config(s), s.prefill_port, Lifetime.from_settings(s))
 
 
@@ -124,6 +129,17 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int)
 
 
+def _host_args(p: argparse.ArgumentParser, size: str) -> None:
+    """A group over hosts that each run several ranks (one pod per node, docs/deploy.md)."""
+    p.add_argument(
+        "--node",
+        type=int,
+        help=f"this host of a group over hosts: it runs ranks K x L .. K x L + L - 1, L = "
+        f"{size} / --nodes, spawning all but the first (TPLA_NODE; 0 leads)",
+    )
+    p.add_argument("--nodes", type=int, help="hosts of the group (TPLA_NODES)")
+
+
 def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     dec = sub.add_parser("decode", help="run a decode group (leader + ranks) serving gRPC")
     _common(dec)
@@ -133,6 +149,7 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     dec.add_argument("--rank", type=int, help="this rank of a joined group (TPLA_RANK)")
     dec.add_argument("--group-size", type=int, help="ranks of the group (TPLA_GROUP_SIZE)")
     dec.add_argument("--group-addr", help="leader's HOST:PORT rendezvous (TPLA_GROUP_ADDR)")
+    _host_args(dec, "TPLA_TP")
     dec.add_argument(
         "--advertise-host", help="host others reach this rank at (TPLA_ADVERTISE_HOST)"
     )
@@ -161,6 +178,7 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     pre.add_argument("--rank", type=int, help="this rank of a joined group (TPLA_RANK)")
     pre.add_argument("--group-size", type=int, help="ranks of the group (TPLA_GROUP_SIZE)")
     pre.add_argument("--group-addr", help="leader's HOST:PORT rendezvous (TPLA_GROUP_ADDR)")
+    _host_args(pre, "TPLA_PREFILL_TP")
     pre.add_argument(
         "--advertise-host", help="host others reach this rank at (TPLA_ADVERTISE_HOST)"
     )

@@ -2,8 +2,9 @@
 
 One the leader spawned runs `python -m services.decode.group.follower RANK LEADER_PID` with
 the leader's config as JSON in TPLA_ENGINE_CONFIG (nothing but JSON and tensors crosses a
-process boundary); a rank started on its own (`tpla decode --rank K`) builds its config from
-its settings and calls `follower_main`. Both join the group the same way
+process boundary); a rank started on its own (`tpla decode --rank K`, or the first rank of a
+host, `tpla decode --node K`) builds its config from its settings and calls `follower_main`,
+which spawns the rest of its host's ranks the same way. All join the group alike
 (common/group/join.py). A spawned one ignores SIGINT / SIGTERM: its leader ends it.
 """
 
@@ -14,10 +15,13 @@ import signal
 import sys
 from typing import NoReturn
 
-from common.group.follower import run_follower
+from common.group.follower import next_plan, run_follower
 from common.group.join import FollowerGroup
+from common.group.local_ranks import LocalRanks
 from common.group.setup import startup_barrier
+from common.group.spec import GroupSpec
 from services.decode.config import EngineConfig
+from services.decode.group.share import expect_share
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
 from services.decode.step_plan import CopyPlan, DecodePlan, PingPlan, recv_plan
@@ -37,6 +41,7 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> No
 
     def start(group: FollowerGroup) -> RankRuntime:
         nonlocal receiver
+        expect_share(cfg, rank)
         runtime = RankRuntime(cfg, rank, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
         group.publish(list(cfg.kv_addresses(rank) if receiver else ("", "")))
@@ -54,13 +59,22 @@ def follower_main(cfg: EngineConfig, rank: int, leader: int | None = None) -> No
         if receiver is not None:
             receiver.stop(grace=1)
 
-    return run_follower(group_spec(cfg), rank, cfg.shm_path, leader, start, run_plans, close)
+    spec = group_spec(cfg)
+    local = spawned_ranks(cfg, rank) if leader is None else None
+    return run_follower(
+        spec, rank, cfg.shm_path, leader, start, lambda rt: run_plans(spec, rank, rt), close, local
+    )
 
 
-def run_plans(runtime: RankRuntime) -> None:
+def spawned_ranks(cfg: EngineConfig, first: int) -> LocalRanks:
+    """The ranks the process running rank `first` spawns beside it: the rest of its host's."""
+    return LocalRanks(group_spec(cfg), first, ["-m", FOLLOWER_MODULE], {CONFIG_ENV: cfg.to_json()})
+
+
+def run_plans(spec: GroupSpec, rank: int, runtime: RankRuntime) -> None:
     """Execute the leader's plans until its shutdown plan."""
     while True:
-        plan = recv_plan(runtime.comm)
+        plan = next_plan(spec, rank, lambda: recv_plan(runtime.comm))
         if plan is None:
             return
         if isinstance(plan, DecodePlan):

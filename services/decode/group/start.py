@@ -18,9 +18,11 @@ from common.group.processes import GroupProcesses
 from common.group.setup import create_shm_group, init_group, startup_barrier
 from common.runtime import group_files
 from common.runtime.device import rank_device
+from common.runtime.load_meter import current_meter
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig, Launch
-from services.decode.group.follower import CONFIG_ENV, FOLLOWER_MODULE
+from services.decode.group.follower import spawned_ranks
+from services.decode.group.share import expect_share
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
 
@@ -48,19 +50,23 @@ class RunningGroup:
 def start_group(cfg: EngineConfig) -> RunningGroup:
     """Start the group `cfg` describes with this process as rank 0; blocks until every rank
     has loaded its share (or raises the reason the group cannot start)."""
-    # Every rank's device here exists (one GPU per rank), checked before anything starts.
+    # Every device of this host's ranks exists (one GPU per rank), checked before anything
+    # starts.
     spawn = cfg.launch is Launch.SPAWN
-    rank_device(cfg.device, cfg.parallel.tp - 1 if spawn else 0)
+    rank_device(cfg.device, cfg.per_host - 1)
     if cfg.parallel.tp > 1 and cfg.master_port == 0:
         cfg = replace(cfg, master_port=free_port())
     shm_path = create_shm_group(group_spec(cfg)) if spawn else None
     cfg = replace(cfg, shm_path=shm_path)
     spec = group_spec(cfg)
-    processes = GroupProcesses(spec, ["-m", FOLLOWER_MODULE], {CONFIG_ENV: cfg.to_json()})
+    processes = GroupProcesses(spec, spawned_ranks(cfg, 0))
     receiver: grpc.Server | None = None
     try:
+        if (meter := current_meter()) is not None:  # the service's: the group's progress
+            meter.follow(processes.loading)
         processes.start()
         init_group(spec, 0, processes.store)
+        expect_share(cfg, 0)
         runtime = RankRuntime(cfg, 0, group_spec(cfg))
         receiver = runtime.start_kv_receiver()
         startup_barrier(spec)

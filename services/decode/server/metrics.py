@@ -1,4 +1,5 @@
-"""The decode leader's Prometheus metrics (prefix `tpla:`), read from its engine."""
+"""The decode leader's Prometheus metrics (prefix `tpla:`), read from its engine, in the
+registry its status port (common/rpc/status.py) has served since before the group loaded."""
 
 from __future__ import annotations
 
@@ -11,16 +12,14 @@ from common.runtime.metrics import (
     DecodeMetrics,
     GaugeCallback,
     kernel_info,
-    serve_metrics,
 )
 from services.decode.engine import DecodeEngine
 
 
-def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
-    """Serve the group's metrics on `host:port` (a thread): the step-time and acceptance
-    histograms, the load as gauges, the prefix cache's and speculation's counters, the
-    leader rank's kernel choices."""
-    registry = CollectorRegistry()
+def register_decode_metrics(engine: DecodeEngine, registry: CollectorRegistry) -> None:
+    """The group's metrics in `registry`: the step-time and acceptance histograms, the load
+    as gauges, the prefix cache's and speculation's counters, the leader rank's kernel
+    choices."""
     metrics = DecodeMetrics(registry)
     kernel_info(registry, engine.runtime.kernels)
     histogram = metrics.step_seconds
@@ -69,4 +68,3 @@ def serve_decode_metrics(engine: DecodeEngine, host: str, port: int) -> None:
         }
 
     registry.register(CounterCallback(spec_counters, SPEC_HELP))
-    serve_metrics(registry, host, port)

@@ -1,4 +1,5 @@
-"""The decode group's registry records: one per rank process, published by the leader."""
+"""The decode group's registry records: one per rank process, published by the leader; while
+the group loads, one record of the leader saying so."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 from common.kv.prefix_cache import PUBLISHED_HASHES, format_hashes
 from common.runtime.redis_state import WorkerRecord, WorkerRole
+from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from services.decode.stream import EngineError
 
@@ -61,3 +63,22 @@ def rank_records(
         )
         for rank, (pid, ok) in enumerate(zip(pids, alive, strict=True))
     ]
+
+
+def loading_record(cfg: EngineConfig, address: str, group_id: str, loading: str) -> WorkerRecord:
+    """The leader's record while its group loads: not healthy (no router sends it work),
+    saying how far each rank is (`loading`); its first heartbeat serving replaces it."""
+    par = cfg.parallel
+    return WorkerRecord(
+        worker_id=f"{group_id}/rank0",
+        role=WorkerRole.DECODE,
+        address=address,
+        pid=os.getpid(),
+        group_id=group_id,
+        healthy=False,
+        loading=loading,
+        tp=par.tp,
+        latent_groups=par.latent_groups,
+        parallel=par.name,
+        model=cfg.model,
+    )

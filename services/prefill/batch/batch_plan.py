@@ -5,7 +5,8 @@ each prompt's ids, its cache lookup and hit (every rank holds an identical repli
 cache, so each finds the same past latents), whether every position's logits are wanted,
 the prompts dropped between their pieces, and where each prompt's KV goes (`ShipOrder`: each
 rank ships its own decode ranks' shards). It crosses to the other ranks over the group's
-control group as JSON bytes (`send_plan` / `recv_plan`); an empty plan ends the group.
+control group as JSON bytes (`send_plan` / `recv_plan`); an empty plan ends the group, and a
+`PING` (`send_ping`) is an idle leader's keep-alive.
 """
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ class BatchPlan:
         return cls(tuple(jobs), raw["all_logits"], tuple(raw["dropped"]))
 
 
+@dataclass(frozen=True)
+class PingPlan:
+    """Sent by an idle leader about every second (services/prefill/group/leader.py). A
+    follower waits for its next plan in a collective that times out
+    (`collective_timeout_s`): without pings an idle group's followers would fail after that
+    long, and a leader that hangs while idle shows as a ping that does not come."""
+
+
+# The size word of a ping: a plan's size is its JSON's length, 0 the group's end.
+_PING = -1
+
+
+def send_ping(comm: Comm) -> None:
+    """Leader: a `PingPlan` to every other rank."""
+    comm.broadcast_plan_(torch.tensor([_PING], dtype=torch.int64))
+
+
 def send_plan(plan: BatchPlan | None, comm: Comm) -> None:
     """Leader: the plan (None: the group's end) to every other rank."""
     data = plan.to_json().encode() if plan is not None else b""
@@ -99,10 +117,12 @@ def send_plan(plan: BatchPlan | None, comm: Comm) -> None:
         comm.broadcast_plan_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
-def recv_plan(comm: Comm) -> BatchPlan | None:
-    """A follower: the leader's next plan, or None when the group ends."""
+def recv_plan(comm: Comm) -> BatchPlan | PingPlan | None:
+    """A follower: the leader's next plan, a ping, or None when the group ends."""
     size = torch.zeros(1, dtype=torch.int64)
     comm.broadcast_plan_(size)
+    if int(size) == _PING:
+        return PingPlan()
     if not int(size):
         return None
     data = torch.empty(int(size), dtype=torch.uint8)

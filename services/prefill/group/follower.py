@@ -3,14 +3,17 @@ until it ends.
 
 One the leader spawned runs `python -m services.prefill.group.follower RANK LEADER_PID`
 with the leader's config as JSON in TPLA_PREFILL_CONFIG; a rank started on its own
-(`tpla prefill --rank K`) builds its config from its settings and calls `follower_main`.
+(`tpla prefill --rank K`, or the first rank of a host, `tpla prefill --node K`) builds its
+config from its settings and calls `follower_main`, which spawns the rest of its host's
+ranks the same way.
 Each plan: forget the prompts the leader dropped, look up each new prompt's cached prefix in
 this rank's replica of the prefix cache (the same hit as the leader's, or the replicas have
 diverged: the rank fails), prefill its share of every prompt's next piece over the prompt's
 past, hand its logits shard to the leader's gather, keep each chunked prompt's latents and
 store the new blocks in the replica as the leader's worker does (`PromptProgress`), and ship
 its decode ranks' shards (j, j + N, ...) of the rows each piece finished, reporting each
-piece's outcome through the group's store; a prompt is forgotten after its last piece. A
+piece's outcome through the group's store; a prompt is forgotten after its last piece. An
+idle leader's pings keep the wait for the next plan inside the collective timeout. A
 spawned rank ignores SIGINT / SIGTERM: its leader ends it.
 """
 
@@ -28,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from common.group.comm import Comm
-from common.group.follower import run_follower
+from common.group.follower import next_plan, run_follower
 from common.group.join import FollowerGroup
+from common.group.local_ranks import LocalRanks
 from common.group.setup import open_comm, startup_barrier
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
@@ -172,12 +176,19 @@ def follower_main(
         return state
 
     def serve(state: RankState) -> None:
-        while (plan := recv_plan(state.comm)) is not None:
-            state.run(plan)
+        while (plan := next_plan(spec, rank, lambda: recv_plan(state.comm))) is not None:
+            if isinstance(plan, BatchPlan):
+                state.run(plan)
 
+    local = spawned_ranks(cfg, rank) if leader is None else None
     return run_follower(
-        spec, rank, cfg.shm_path, leader, start, serve, lambda state: state.shipper.close()
+        spec, rank, cfg.shm_path, leader, start, serve, lambda state: state.shipper.close(), local
     )
+
+
+def spawned_ranks(cfg: PrefillGroupConfig, first: int) -> LocalRanks:
+    """The ranks the process running rank `first` spawns beside it: the rest of its host's."""
+    return LocalRanks(group_spec(cfg), first, ["-m", FOLLOWER_MODULE], {CONFIG_ENV: cfg.to_json()})
 
 
 if __name__ == "__main__":

@@ -8,15 +8,19 @@ shards of the logits gathered here, where the worker samples -> each rank ships 
 of its decode ranks (this one: 0, N, 2N, ...) and reports the others' outcomes through the
 store (services/prefill/group/reports.py). With the MTP layer, every rank's output holds
 its latents as one more layer, and the worker sends this rank's hidden state (whole on every
-rank) with the first tokens. A collective that fails (a rank died, or hung past the
-collective timeout) fails the batch and the group: `failed` is set, and the service reports
-itself unhealthy and exits.
+rank) with the first tokens. While no batch runs the leader pings its ranks about every
+second (`PingPlan`, as an idle decode leader does), keeping their wait for the next plan
+inside the collective timeout. A collective that fails (a rank died, or hung past the
+collective timeout) fails the batch, or the ping, and the group: `failed` is set, and the
+service reports itself unhealthy and exits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -34,10 +38,11 @@ from common.model.causal_lm import PastLatents, PrefillOutput
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.errors import Unavailable
+from common.runtime.load_meter import current_meter
 from common.runtime.ports import free_port
-from services.prefill.batch.batch_plan import BatchPlan, JobPlan, send_plan
+from services.prefill.batch.batch_plan import BatchPlan, JobPlan, send_ping, send_plan
 from services.prefill.config import PrefillGroupConfig
-from services.prefill.group.follower import CONFIG_ENV, FOLLOWER_MODULE
+from services.prefill.group.follower import spawned_ranks
 from services.prefill.group.rank_loader import RankModelLoader
 from services.prefill.group.reports import Reports
 from services.prefill.group.spec import group_spec
@@ -71,20 +76,31 @@ class GroupRunner(PrefillRunner):
         # on (a piece that ships nothing here, or whose job fails, is never shipped here, but
         # its ranks still report).
         self._reports: dict[int, list[Future[int]]] = {}
+        # The group's collectives run one at a time: a batch's (the batcher's thread) or a
+        # ping (the keep-alive thread), never both.
+        self._collectives = threading.Lock()
+        self._last_plan = time.monotonic()
+        self._closed = threading.Event()
+        # Idle keep-alive: well inside the followers' collective timeout.
+        self._ping_s = min(1.0, cfg.collective_timeout_s / 4)
+        self._pinger = threading.Thread(target=self._keep_alive, name="prefill-ping", daemon=True)
+        self._pinger.start()
 
     @classmethod
     def start(cls, cfg: PrefillGroupConfig, loader: RankModelLoader) -> GroupRunner:
         """Start the group `cfg` describes with this process as rank 0; blocks until every
         rank has loaded its share (or raises why the group cannot start)."""
-        if cfg.spawned:  # every rank's device here exists (one GPU per rank)
-            rank_device(cfg.device, cfg.tp - 1)
+        # Every device of this host's ranks exists (one GPU per rank).
+        rank_device(cfg.device, group_spec(cfg).per_host - 1)
         if cfg.master_port == 0:
             cfg = replace(cfg, master_port=free_port())
         shm_path = create_shm_group(group_spec(cfg)) if cfg.spawned else None
         cfg = replace(cfg, shm_path=shm_path)
         spec = group_spec(cfg)
-        processes = GroupProcesses(spec, ["-m", FOLLOWER_MODULE], {CONFIG_ENV: cfg.to_json()})
+        processes = GroupProcesses(spec, spawned_ranks(cfg, 0))
         try:
+            if (meter := current_meter()) is not None:  # the service's: the group's progress
+                meter.follow(processes.loading)
             processes.start()
             init_group(spec, 0, processes.store)
             comm = open_comm(spec, 0, rank_device(cfg.device, 0))
@@ -115,6 +131,13 @@ class GroupRunner(PrefillRunner):
             self._error = RankExited(f"prefill rank(s) {dead} stopped")
 
     def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
+        with self._collectives:
+            try:
+                return self._prefill(plan, past)
+            finally:
+                self._last_plan = time.monotonic()
+
+    def _prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
         if self._error is not None:
             raise Unavailable(f"the prefill worker's group has failed: {self._error}")
         try:
@@ -138,6 +161,22 @@ class GroupRunner(PrefillRunner):
             raise self._fail(exc) from exc
         assert logits is not None  # rank 0
         return PrefillOutput(logits, out.n, out.k_pe, out.hidden)
+
+    def _keep_alive(self) -> None:
+        """Ping the ranks once no plan went out for `_ping_s`, until the group closes or
+        fails. A ping that fails (a rank died, or hangs past the collective timeout) fails
+        the group, as a batch would."""
+        while not self._closed.wait(self._ping_s / 2):
+            with self._collectives:
+                idle = time.monotonic() - self._last_plan >= self._ping_s
+                if self._error is not None or self._closed.is_set() or not idle:
+                    continue
+                try:
+                    send_ping(self.comm)
+                except Exception as exc:
+                    self._fail(exc)
+                    return
+                self._last_plan = time.monotonic()
 
     def _fail(self, exc: Exception) -> Unavailable:
         """The group can run no more batches: a rank died or hung past the collective
@@ -166,6 +205,8 @@ class GroupRunner(PrefillRunner):
 
     def close(self) -> None:
         """The group's end: the last plan ends the followers."""
+        self._closed.set()
+        self._pinger.join(timeout=self.cfg.collective_timeout_s + 5)
         if self._error is None:
             with contextlib.suppress(Exception):
                 send_plan(None, self.comm)

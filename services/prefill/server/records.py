@@ -1,5 +1,5 @@
 """A prefill worker's registry record: what routers read of it (its load, its health, the
-prompts its latent prefix cache holds)."""
+prompts its latent prefix cache holds); while it loads, a record saying so."""
 
 from __future__ import annotations
 
@@ -41,3 +41,18 @@ def _published(cache: LatentPrefixCache | None) -> dict[str, Any]:
         "block_size": cache.block_size,
         "prefix_hashes": format_hashes(cache.recent(PUBLISHED_HASHES)),
     }
+
+
+def loading_record(cfg: PrefillGroupConfig, address: str, loading: str) -> WorkerRecord:
+    """The worker's record while it (its group) loads: not healthy (no router sends it
+    prompts), saying how far each rank is; its first heartbeat serving replaces it."""
+    return WorkerRecord(
+        worker_id=cfg.worker_id,
+        role=WorkerRole.PREFILL,
+        address=address,
+        pid=os.getpid(),
+        model=cfg.model,
+        healthy=False,
+        loading=loading,
+        tp=cfg.tp,
+    )

@@ -11,7 +11,7 @@ from common.runtime.metrics import PrefillMetrics
 from common.sampling.grammar import GrammarCompiler
 from services.prefill.config import PrefillConfig, PrefillGroupConfig, prefix_cache
 from services.prefill.group.leader import GroupRunner
-from services.prefill.group.rank_loader import load_group_rank
+from services.prefill.group.rank_loader import expect_share, load_group_rank
 from services.prefill.runner import LocalRunner, PrefillRunner
 from services.prefill.worker import PrefillWorker
 
@@ -24,6 +24,7 @@ def start_runner(cfg: PrefillGroupConfig) -> PrefillRunner:
     groups run MTP drafts) the MTP layer's prompt latents go with the others."""
     if not cfg.in_process:
         return GroupRunner.start(cfg, load_group_rank)
+    expect_share(cfg, 0)
     model = load_prefill_model(
         cfg.model, cfg.reparam, cfg.dtype, cfg.kernels, cfg.device, cfg.weight_dtype
     )

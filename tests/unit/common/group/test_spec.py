@@ -35,3 +35,19 @@ def test_spec_shape() -> None:
         GroupSpec("decode", 0)
     with pytest.raises(ValueError, match="not shm or dist"):
         GroupSpec("decode", 2, collectives="auto")
+
+
+def test_ranks_sit_on_hosts_in_runs() -> None:
+    """A group over hosts of 8 ranks each (one pod per node): host h's first rank spawns the
+    other seven, each rank takes its GPU by its index on its host."""
+    spec = GroupSpec("decode", 16, spawned=False, local_size=8, collectives="dist", port=29500)
+    assert (spec.per_host, spec.hosts) == (8, 2)
+    assert [spec.local_index(k) for k in (0, 7, 8, 15)] == [0, 7, 0, 7]
+    assert list(spec.host_ranks(8)) == list(range(9, 16)) and not spec.host_ranks(9)
+    assert "tpla decode --node K --nodes 2 --group-addr 127.0.0.1:29500" in spec.join_command
+    spawned = GroupSpec("prefill", 4)
+    assert (spawned.per_host, list(spawned.host_ranks(0))) == (4, [1, 2, 3])
+    one_each = GroupSpec("decode", 4, spawned=False, collectives="dist")
+    assert (one_each.per_host, list(one_each.host_ranks(2))) == (1, [])
+    with pytest.raises(ValueError, match="cannot sit 3 to a host"):
+        GroupSpec("decode", 16, spawned=False, local_size=3, collectives="dist")

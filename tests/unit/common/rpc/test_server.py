@@ -1,6 +1,6 @@
-"""A service's gRPC server and metrics endpoint start together or not at all; its serving
-loop (`serve`, both services') ends on a stop, a failure of its core or a drain, with the
-exit code each calls for, and always closes the core and frees its port."""
+"""A service's gRPC server starts on its port or names it; its loading is metered and logged;
+its serving loop (`serve`, both services') ends on a stop, a failure of its core or a drain,
+with the exit code each calls for, and always closes the core and frees its ports."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
-from common.rpc.server import Lifetime, Service, serve, start_serving, stop_on_signals
+from common.rpc.server import Lifetime, Service, loading, serve, start_serving, stop_on_signals
+from common.rpc.status import Status
+from common.runtime.load_meter import LoadMeter, current_meter
 from common.runtime.ports import PortInUse, PortUse, free_port, port_in_use
 from common.runtime.settings import load_settings
 
@@ -28,56 +31,48 @@ def _uses() -> tuple[PortUse, PortUse]:
     )
 
 
-def test_both_start() -> None:
-    grpc_use, metrics_use = _uses()
+def test_the_grpc_server_starts_on_its_port() -> None:
+    grpc_use, _ = _uses()
     server = grpc.server(ThreadPoolExecutor(max_workers=1))
-    served: list[int] = []
-    start_serving(server, HOST, grpc_use, metrics_use, served.append)
+    start_serving(server, HOST, grpc_use)
     try:
-        assert served == [metrics_use.port]
         assert port_in_use(HOST, grpc_use.port)
     finally:
         server.stop(grace=0).wait()
 
 
-def test_a_taken_metrics_port_stops_the_server_and_names_its_setting() -> None:
-    grpc_use, metrics_use = _uses()
-    holder = socket.socket()
-    holder.bind((HOST, metrics_use.port))
-    holder.listen()
-
-    def serve_metrics(port: int) -> None:
-        with socket.socket() as s:
-            s.bind((HOST, port))  # OSError: the port is held
-
-    server = grpc.server(ThreadPoolExecutor(max_workers=1))
-    try:
-        with pytest.raises(PortInUse, match="TPLA_TEST_METRICS_PORT"):
-            start_serving(server, HOST, grpc_use, metrics_use, serve_metrics)
-    finally:
-        holder.close()
-    # The gRPC server bound its port, then was stopped: nothing is left listening.
-    assert not port_in_use(HOST, grpc_use.port)
-
-
-def test_a_taken_grpc_port_serves_no_metrics() -> None:
-    grpc_use, metrics_use = _uses()
+def test_a_taken_grpc_port_is_named_and_nothing_is_left_listening() -> None:
+    grpc_use, _ = _uses()
     holder = socket.socket()
     holder.bind((HOST, grpc_use.port))
     holder.listen()
-    served: list[int] = []
     try:
         with pytest.raises(PortInUse, match="TPLA_TEST_PORT"):
-            start_serving(
-                grpc.server(ThreadPoolExecutor(max_workers=1)),
-                HOST,
-                grpc_use,
-                metrics_use,
-                served.append,
-            )
+            start_serving(grpc.server(ThreadPoolExecutor(max_workers=1)), HOST, grpc_use)
     finally:
         holder.close()
-    assert served == []
+    assert not port_in_use(HOST, grpc_use.port)
+
+
+def test_loading_meters_the_reads_logs_and_ends_loaded(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The block's reads count in the status's meter (the current one on this thread); at
+    its end the meter says loaded and the log has one line of it."""
+    status = Status.open(HOST, _uses()[1], CollectorRegistry(), LoadMeter(), "test service")
+    try:
+        with loading(status, Lifetime(), list):
+            meter = current_meter()
+            assert meter is status.meter
+            meter.expect(4 * 2**30)
+            meter.add(2**30)
+            assert status.not_ready_reason() == (
+                "test service loading: rank 0 1.00 GiB of ~4.00 GiB (25%)"
+            )
+        assert current_meter() is None and status.meter.done
+        assert "test service loaded: rank 0 loaded (1.00 GiB)" in capsys.readouterr().out
+    finally:
+        status.stop()
 
 
 def test_signals_are_left_alone_off_the_main_thread() -> None:
@@ -135,8 +130,8 @@ class Core:
             work="calls",
             server=grpc.server(ThreadPoolExecutor(max_workers=1)),
             host=HOST,
-            ports=uses,
-            serve_metrics=lambda _: None,
+            grpc_port=uses[0],
+            status=Status.open(HOST, uses[1], CollectorRegistry(), LoadMeter(), "test service"),
             records=list,
             failure=lambda: self.error,
             close_admission=self.close_admission,
