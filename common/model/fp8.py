@@ -118,16 +118,28 @@ class Fp8Weight(nn.Module):
         v = self.values
         if out is None:
             out = self.workspace.buffer(self.role, tuple(v.shape), self.dtype, v.device)
-        out = out.view(v.shape)
+        return self._dequantize_into(v, self.scale, out.view(v.shape)).view(self.shape)
+
+    def dequantize_experts(self, start: int, stop: int, capacity: int) -> Tensor:
+        """Experts [start, stop) of a stacked weight [E, R, C] in `dtype`, written into the
+        workspace's buffer of `capacity` experts for this role (so a layer's experts taken a
+        few at a time share one bounded buffer, overwritten by the next call)."""
+        v = self.values
+        assert v.dim() == 3 and 0 <= start < stop <= v.shape[0] and stop - start <= capacity
+        key = (capacity, *v.shape[1:])
+        out = self.workspace.buffer(self.role, key, self.dtype, v.device)[: stop - start]
+        return self._dequantize_into(v[start:stop], self.scale[start:stop], out)
+
+    def _dequantize_into(self, v: Tensor, scale: Tensor, out: Tensor) -> Tensor:
         out.copy_(v)
         ws = self.workspace
-        s = self.scale.index_select(-2, ws.row_blocks(self.rows, self.block[0], v.device))
+        s = scale.index_select(-2, ws.row_blocks(self.rows, self.block[0], v.device))
         if self.whole_col_blocks:
             out.view(*v.shape[:-1], -1, self.block[1]).mul_(s[..., None])
         else:
             cols = ws.col_blocks(self.col_offset, v.shape[-1], self.block[1], v.device)
             out.mul_(s.index_select(-1, cols))
-        return out.view(self.shape)
+        return out
 
     @property
     def weight(self) -> Tensor:
@@ -170,6 +182,14 @@ Weight = Tensor | Fp8Weight
 def dense(w: Weight) -> Tensor:
     """`w` as a tensor in the compute dtype (an FP8 weight dequantized into its buffer)."""
     return w.dequantize() if isinstance(w, Fp8Weight) else w
+
+
+def dense_experts(w: Weight, start: int, stop: int, capacity: int) -> Tensor:
+    """Experts [start, stop) of a stacked expert weight in the compute dtype: a view of a
+    tensor, an FP8 weight's dequantized into its bounded buffer (`dequantize_experts`)."""
+    if isinstance(w, Fp8Weight):
+        return w.dequantize_experts(start, stop, capacity)
+    return w[start:stop]
 
 
 def linear(x: Tensor, w: Weight) -> Tensor:

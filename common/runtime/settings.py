@@ -75,11 +75,15 @@ class Settings(BaseSettings):
     )
     experts_kernel: str = Field(
         "auto",
-        description="a MoE layer's routed experts: auto (grouped where this torch, device and "
-        "dtype run grouped_mm: bf16 on CUDA sm_80+, fp32 / bf16 on the CPU; else loop) | "
-        "grouped (two grouped GEMMs, routed on the device) | loop (the per-expert reference); "
-        "a layer whose sizes grouped_mm cannot take runs the loop either way, with the reason "
-        "logged; grouped where the device cannot run it stops the start-up",
+        description="a MoE layer's routed experts: auto (on CUDA triton_fp8 where it runs; "
+        "else grouped where this torch, device and dtype run grouped_mm: bf16 on CUDA sm_80+, "
+        "fp32 / bf16 on the CPU; else loop) | triton_fp8 (FP8 experts multiplied in FP8 by a "
+        "Triton block-scaled grouped GEMM, no dequantized copy: CUDA sm_89+, or the CPU under "
+        "TRITON_INTERPRET=1; a layer whose experts are not FP8 or whose column blocks it cannot "
+        "read runs grouped) | grouped (two grouped GEMMs, routed on the device) | loop (the "
+        "per-expert reference); FP8 experts without triton_fp8 are dequantized a few experts "
+        "at a time; a layer whose sizes grouped_mm cannot take runs the loop either way, with "
+        "the reason logged; a named kernel the device cannot run stops the start-up",
     )
     cuda_graphs: str = Field(
         "auto",

@@ -25,10 +25,9 @@ from common.triton_kernels.decode_attention import (
     MERGE_WARPS,
     choose_tiles,
     dot_precision,
-    interpreted_import,
     kernels,
-    triton_installed,
 )
+from common.triton_kernels.triton_mode import interpreted_import, triton_installed
 
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}

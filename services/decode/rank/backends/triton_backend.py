@@ -15,7 +15,7 @@ from torch import Tensor
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.tpla import absorbed_queries
-from common.triton_kernels import decode_attention
+from common.triton_kernels import decode_attention, triton_mode
 from services.decode.rank.backends.torch_backend import TorchBackend
 from services.decode.rank.layers import RankAttention
 
@@ -25,7 +25,7 @@ class TritonBackend(TorchBackend):
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
-        if not decode_attention.triton_installed():
+        if not triton_mode.triton_installed():
             return "triton is not installed (pip install triton)"
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             return "Triton kernels run on CUDA devices, or on the CPU under TRITON_INTERPRET=1"
