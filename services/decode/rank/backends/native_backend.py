@@ -4,8 +4,8 @@ Attention reads the paged cache in place (`latent_attention.cpp`); a layer's att
 are one call instead of ~45 torch ops (`decode_layer.cpp`); linears over a few rows, the MLP
 and a MoE layer's routed experts run in `small_gemm.cpp` (BLAS packs the weight for every
 skinny product). Each is tested equal to the torch backend. FP8-resident weights are
-dequantized just before their kernel; a layer whose attention inputs are FP8 computes them on
-the torch path.
+dequantized just before their kernel, FP8 experts a bounded group at a time by `MoE.routed`;
+a layer whose attention inputs are FP8 computes them on the torch path.
 """
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ class NativeBackend(TorchBackend):
             weights, ids = module.gate(x)
             experts = module.experts
             # The kernel runs every slot it is given; under expert parallelism most slots
-            # are other ranks', which `routed` skips.
+            # are other ranks', which `routed` skips. It takes a rank's experts whole: FP8
+            # ones run `routed`, which dequantizes a bounded group of them at a time.
             out = None
-            if module.holds_all:
-                out = small_gemm.moe_experts(
-                    x, ids, weights, dense(experts.gate_up_proj), dense(experts.down_proj)
-                )
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            if module.holds_all and not isinstance(gate_up, Fp8Weight):
+                assert not isinstance(down, Fp8Weight)  # the loader keeps both FP8, or neither
+                out = small_gemm.moe_experts(x, ids, weights, gate_up, down)
             if out is None:
                 out = module.routed(x, ids, weights)
             if module.shared_experts is not None:
