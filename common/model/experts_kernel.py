@@ -27,9 +27,9 @@ from common.model.experts import (
     routed_experts,
 )
 from common.model.fp8 import Fp8Weight, Weight
-from common.model.fp8_experts import Fp8GroupedExperts, block_fp8, kernel_unsupported
+from common.model.fp8_experts import Fp8GroupedExperts
 from common.runtime.kernel_choice import KernelChoice, choose_kernel, setting_of
-from common.triton_kernels.fp8_grouped_gemm import BlockFp8
+from common.triton_kernels.fp8_grouped_gemm import BlockFp8, unsupported
 
 EXPERTS_KERNELS = ("triton_fp8", "grouped", "loop")
 NOT_FP8 = "the experts are not FP8"
@@ -39,7 +39,7 @@ def select_experts_kernel(asked: str, device: torch.device, dtype: torch.dtype) 
     """The routed experts' kernel for weights on `device` computing in `dtype`
     (TPLA_EXPERTS_KERNEL: auto | triton_fp8 | grouped | loop), by the kernel-choice rule."""
     checks = {
-        "triton_fp8": lambda: kernel_unsupported(device),
+        "triton_fp8": lambda: unsupported(device),
         "grouped": lambda: grouped_unsupported_on(device, dtype),
         "loop": lambda: None,
     }
@@ -51,7 +51,9 @@ def _fp8_blocks(gate_up: Weight, down: Weight) -> tuple[BlockFp8, BlockFp8] | st
     """Both weights as the Triton FP8 kernel reads them, or why it cannot."""
     if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)):
         return NOT_FP8
-    gate_up_blocks, down_blocks = block_fp8(gate_up), block_fp8(down)
+    if gate_up.values.dim() != 3 or down.values.dim() != 3:
+        return "not stacks of experts"
+    gate_up_blocks, down_blocks = gate_up.block_fp8(), down.block_fp8()
     if isinstance(gate_up_blocks, str):
         return gate_up_blocks
     if isinstance(down_blocks, str):

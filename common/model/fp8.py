@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.triton_kernels.fp8_grouped_gemm import GROUP, BlockFp8
+
 
 @dataclass(frozen=True)
 class RowRun:
@@ -140,6 +142,26 @@ class Fp8Weight(nn.Module):
             cols = ws.col_blocks(self.col_offset, v.shape[-1], self.block[1], v.device)
             out.mul_(s.index_select(-1, cols))
         return out
+
+    def block_fp8(self) -> BlockFp8 | str:
+        """This weight as the Triton block-scaled GEMM reads it (a linear as one group of
+        [1, N, K], a stack of experts as is), or why it cannot: each 128-column activation
+        group must lie inside one stored column block."""
+        v = self.values
+        if not v.is_contiguous():
+            return "values not contiguous"
+        bc = self.block[1]
+        straddle = f"a {GROUP}-column activation group would straddle two weight scales"
+        if bc % GROUP:
+            return f"{bc}-column weight blocks: {straddle}"
+        if self.col_offset % GROUP:
+            return f"columns from {self.col_offset} into a {bc}-wide block: {straddle}"
+        rows = self.workspace.row_blocks(self.rows, self.block[0], v.device).int()
+        groups = torch.arange(math.ceil(v.shape[-1] / GROUP), device=v.device)
+        cols = ((self.col_offset + GROUP * groups) // bc).int()
+        if v.dim() == 2:
+            return BlockFp8(v[None], self.scale[None], rows, cols)
+        return BlockFp8(v, self.scale, rows, cols)
 
     @property
     def weight(self) -> Tensor:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SELECTORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "decode_attention": ("TPLA_DECODE_KERNEL", ("torch", "native", "triton")),
     "prefill_attention": ("TPLA_ATTENTION_BACKEND", ("sdpa", "native", "flash-attn")),
-    "fp8_gemm": ("TPLA_FP8_GEMM", ("scaled_mm", "dequantize")),
+    "fp8_gemm": ("TPLA_FP8_GEMM", ("scaled_mm", "triton", "dequantize")),
     "experts": ("TPLA_EXPERTS_KERNEL", ("triton_fp8", "grouped", "loop")),
 }
 

@@ -30,12 +30,14 @@ class Settings(BaseSettings):
     )
     fp8_gemm: str = Field(
         "auto",
-        pattern="^(auto|scaled_mm|dequantize)$",
+        pattern="^(auto|scaled_mm|triton|dequantize)$",
         description="how an FP8-resident linear weight is applied: scaled_mm (the activation "
         "quantized per 1x128 group, torch's block-scaled scaled_mm; sm_90, CUDA 12.9+) | "
-        "dequantize (on use, any device) | auto (scaled_mm where the device runs it); a "
-        "weight whose slice the recipe cannot express dequantizes either way, with the reason "
-        "logged; scaled_mm where the device cannot run it stops the start-up",
+        "triton (the same recipe in the Triton block-scaled GEMM; CUDA sm_89+, or the CPU "
+        "under TRITON_INTERPRET=1) | dequantize (on use, any device) | auto (on CUDA scaled_mm "
+        "where the device runs it, else triton where it runs; else dequantize); a weight "
+        "whose slice the GEMM cannot read dequantizes either way, with the reason logged; a "
+        "named GEMM the device cannot run stops the start-up",
     )
     device: str = Field(
         "auto", description="auto (cuda when visible) | cpu | cuda | cuda:N (decode rank k: N + k)"

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.triton_kernels import triton_mode
 from common.triton_kernels.triton_mode import check_runnable, tl, wrap
 
 GROUP = 128  # activation columns per scale, and the K step: DeepSeek's 1 x 128 groups
@@ -47,6 +48,23 @@ BLOCK_N = 128  # output columns per program: one 128-row weight block
 MAX_M_SPLITS = 64  # bounds the grid's third dimension
 NUM_STAGES = 3  # pipelined K steps: 3 x (BLOCK_N x 128 weight + BLOCK_M x 128 activation) bytes
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# FP8 tensor-core products (mma on sm_89, wgmma on sm_90, and newer) as Triton compiles them.
+MIN_CAPABILITY = (8, 9)
+
+
+def unsupported(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device` in this process, or None where it can."""
+    if not triton_mode.triton_installed():
+        return "triton is not installed (pip install triton)"
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CAPABILITY:
+            major, minor = capability
+            return f"sm_{major}{minor}: FP8 tensor cores need sm_89 or newer"
+        return None
+    if device.type == "cpu" and triton_mode.interpreting():
+        return None
+    return "Triton kernels run on CUDA devices, or on the CPU under TRITON_INTERPRET=1"
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def test_each_layer_settles_what_runs_its_weights(monkeypatch: pytest.MonkeyPatc
     )
     # Columns from inside a block: the kernel's 128-column groups would straddle two scales.
     kernel, how = settle("triton_fp8", gate_up, fp8_stack((4, 256, 32), col_offset=32))
-    assert kernel is grouped_experts and "(triton_fp8: 128-column blocks from column 32" in how
+    assert kernel is grouped_experts and "(triton_fp8: columns from 32 into a 128-wide" in how
     assert loop_reason("triton_fp8", gate_up, down) is None
     kernel, how = settle("triton_fp8", gate_up, down)
     assert how == "triton_fp8" and type(kernel).__name__ == "Fp8GroupedExperts"

@@ -24,7 +24,7 @@ from common.model.expert_routing import Routing, combine, route
 from common.model.experts import grouped_experts
 from common.model.experts_kernel import settle
 from common.model.fp8 import Fp8Weight, share_workspace
-from common.model.fp8_experts import Fp8GroupedExperts, block_fp8, kernel_unsupported
+from common.model.fp8_experts import Fp8GroupedExperts
 from common.model.fp8_gemm import quantize_groups
 from common.triton_kernels.fp8_grouped_gemm import BlockFp8, dequantized
 from tests.shard_checkpoints import FP8_CONFIG, quantize, random_state, save_checkpoint
@@ -106,19 +106,12 @@ def test_fp8_experts_equal_dequantize_then_gemm(
 
 def test_the_blocks_it_reads_and_why_it_declines(checkpoint: CheckpointWeights) -> None:
     gate_up, down = experts(checkpoint, slice(96, 192), slice(0, 4))  # a tp = 2 rank 1
-    blocks = block_fp8(gate_up)
+    blocks = gate_up.block_fp8()
     assert isinstance(blocks, BlockFp8)
     # Gate rows 96..191 then up rows 96..191 of 192: their blocks are stored rows 0, 1, 0, 1.
     assert blocks.scale_rows.tolist() == [0] * 32 + [1] * 64 + [2] * 32 + [3] * 64
-    why = block_fp8(down)  # its columns start at 96, inside a 128-column block
+    why = down.block_fp8()  # its columns start at 96, inside a 128-column block
     assert isinstance(why, str) and "straddle" in why
     kernel, how = settle("triton_fp8", gate_up, down)
     assert kernel is grouped_experts
-    assert how.startswith("grouped, dequantized 4 experts at a time (triton_fp8: 128-column")
-
-
-def test_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.device("cpu")
-    assert kernel_unsupported(cpu) is None  # the interpreter, as these tests run it
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "TRITON_INTERPRET" in (kernel_unsupported(cpu) or "")
+    assert how.startswith("grouped, dequantized 4 experts at a time (triton_fp8: columns from 96")

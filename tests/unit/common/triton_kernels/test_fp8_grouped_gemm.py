@@ -10,7 +10,12 @@ output, the one rounding of each sum).
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +32,7 @@ from common.triton_kernels.fp8_grouped_gemm import (
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = Path(__file__).resolve().parents[4]
 # Relative to the output's largest magnitude: fp32 sums in another order; a 16-bit output
 # rounded once (bf16 keeps 8 bits).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
@@ -128,10 +134,75 @@ def test_bad_inputs_are_named() -> None:
 
 
 def test_the_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert fp8_grouped_gemm.unsupported(cpu) is None  # the interpreter, as these tests run it
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET" in (fp8_grouped_gemm.unsupported(cpu) or "")
     w = weights(1, 128, 128)
     a, a_scale = activations(2, 128)
     end = torch.tensor([2], dtype=torch.int32)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             fp8_grouped_mm(a, a_scale, end, w, torch.float32)
+
+
+# Runs in a subprocess without TRITON_INTERPRET (this session's triton is the interpreter's):
+# argv[1] is the JSON list of (n, k, rows, groups, out dtype, gather).
+_COMPILE = """
+import json, sys
+from dataclasses import asdict
+import torch
+try:
+    from triton.backends.nvidia.compiler import get_ptxas
+    get_ptxas(90).path
+except Exception as e:
+    print(json.dumps({"skip": f"triton's ptxas is not available: {e}"}))
+    sys.exit(0)
+from common.triton_kernels.compile import compile_fp8_grouped_gemm
+from common.triton_kernels.fp8_grouped_gemm import choose_tiles
+dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+rows = []
+for n, k, slots, groups, dtype, gather in json.loads(sys.argv[1]):
+    tiles = choose_tiles(slots, groups)
+    info = compile_fp8_grouped_gemm(90, n, k, tiles, dtypes[dtype], gather)
+    rows.append({"block_m": tiles.block_m, **asdict(info)})
+print(json.dumps({"rows": rows}))
+"""
+
+
+def test_the_kernel_compiles_for_sm90_at_v3_expert_shapes() -> None:
+    """DeepSeek-V3's experts (hidden 7168, intermediate 2048) as an ep = 8 rank holds them (32
+    whole experts) and as a tp = 8 rank does (256 experts, 256 columns each), both
+    projections, a decode step's rows (16- and 32-row tiles on mma.sync) and an 8K-token
+    prefill chunk's (64-row tiles on wgmma): every compile fits sm_90 without spilling."""
+    cells = [
+        # (N, K, rows, groups, output, gather): ep = 8 at decode batch 128 (gate_up, which
+        # gathers each row's token) and an 8K prefill chunk's held slots (down).
+        (4096, 7168, 128 * 8, 32, "bf16", True),
+        (7168, 2048, 8192, 32, "bf16", False),
+        # tp = 8 at decode batch 1 and 32, and an 8K prefill chunk in fp32.
+        (512, 7168, 8, 256, "bf16", True),
+        (7168, 256, 32 * 8, 256, "bf16", False),
+        (7168, 256, 8192 * 8, 256, "fp32", False),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(cells)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    lines = []
+    for cell, info in zip(cells, result["rows"], strict=True):
+        assert info["name"] == "_grouped_gemm_kernel" and info["arch"] == 90
+        assert 0 < info["registers"] <= 255 and info["spill_stores"] == 0
+        assert info["shared"] <= 227 * 1024  # an H100 / H200 block's most
+        assert info["tensor_cores"] == ("wgmma" if info["block_m"] == 64 else "mma.sync")
+        lines.append(f"{cell} block_m={info['block_m']} {info}")
+    print("\n" + "\n".join(lines))
