@@ -10,9 +10,15 @@ row's block is.
 `dequantize` writes `values * scale` into a buffer of the compute dtype: the e4m3 values are
 copied in exactly (every serving dtype holds them), then multiplied by their float32 block
 scale and rounded once, which is exactly what the reader's dequantize-at-load gives. A model's
-weights share one `Fp8Workspace`: a buffer per weight role and shape, reused by every layer, so
-the model holds one layer's dequantized weights at most, and only while a step runs. Where the
-device runs it, a weight applied as a linear multiplies in FP8 instead (common/model/fp8_gemm.py).
+weights share one `Fp8Workspace` of reused buffers, each bounded:
+- a weight read as a tensor (`dense`, `weight`: W_UK / W_UV, a kv projection the model
+  splits) gets a buffer per role and shape, reused by every layer;
+- a weight applied as a linear (`forward`) without an FP8 GEMM is dequantized
+  LINEAR_CHUNK_BYTES of rows at a time into one buffer shared by every linear;
+- a stack of experts is dequantized a bounded group of experts at a time
+  (`dequantize_experts`, common/model/experts.py), where no FP8 kernel reads it as it is.
+Where the device runs one, an FP8 GEMM reads the values and scales as loaded instead
+(`block_fp8`; common/model/fp8_gemm.py for linears, fp8_experts.py for the experts).
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.triton_kernels.fp8_grouped_gemm import GROUP, BlockFp8
+
+# A linear's dequantized rows at a time, at most (`Fp8Weight.forward`): every linear of a
+# model takes its rows through one buffer of this size, whatever its role.
+LINEAR_CHUNK_BYTES = 16 << 20
+LINEAR_ROLE = "linear rows"
 
 
 @dataclass(frozen=True)
@@ -132,10 +143,13 @@ class Fp8Weight(nn.Module):
         out = self.workspace.buffer(self.role, key, self.dtype, v.device)[: stop - start]
         return self._dequantize_into(v[start:stop], self.scale[start:stop], out)
 
-    def _dequantize_into(self, v: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+    def _dequantize_into(
+        self, v: Tensor, scale: Tensor, out: Tensor, rows: slice = slice(None)
+    ) -> Tensor:
+        """`v` (this weight's values, or `rows` of them) times their block scales, in `out`."""
         out.copy_(v)
         ws = self.workspace
-        s = scale.index_select(-2, ws.row_blocks(self.rows, self.block[0], v.device))
+        s = scale.index_select(-2, ws.row_blocks(self.rows, self.block[0], v.device)[rows])
         if self.whole_col_blocks:
             out.view(*v.shape[:-1], -1, self.block[1]).mul_(s[..., None])
         else:
@@ -168,9 +182,25 @@ class Fp8Weight(nn.Module):
         return self.dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
+        """x @ W^T: by the weight's GEMM, else dequantized LINEAR_CHUNK_BYTES of rows at a
+        time into the workspace's one buffer for every linear (used only during the call),
+        each chunk's output columns computed from it."""
         if self.gemm is not None:
             return self.gemm(x, self.values)
-        return F.linear(x, self.dequantize())
+        v = self.values
+        n, c = v.shape
+        size = torch.empty((), dtype=self.dtype).element_size()
+        step = max(1, LINEAR_CHUNK_BYTES // (c * size))
+        key = (max(LINEAR_CHUNK_BYTES // size, c),)
+        flat = self.workspace.buffer(LINEAR_ROLE, key, self.dtype, v.device)
+        if step >= n:
+            return F.linear(x, self._dequantize_into(v, self.scale, flat[: n * c].view(n, c)))
+        out = x.new_empty(*x.shape[:-1], n)
+        for start in range(0, n, step):
+            rows = slice(start, min(n, start + step))
+            part = flat[: (rows.stop - start) * c].view(-1, c)
+            out[..., rows] = F.linear(x, self._dequantize_into(v[rows], self.scale, part, rows))
+        return out
 
     def take_rows(
         self, runs: list[tuple[int, int]], shape: tuple[int, ...], role: str

@@ -3,9 +3,9 @@
 Attention reads the paged cache in place (`latent_attention.cpp`); a layer's attention inputs
 are one call instead of ~45 torch ops (`decode_layer.cpp`); linears over a few rows, the MLP
 and a MoE layer's routed experts run in `small_gemm.cpp` (BLAS packs the weight for every
-skinny product). Each is tested equal to the torch backend. FP8-resident weights are
-dequantized just before their kernel, FP8 experts a bounded group at a time by `MoE.routed`;
-a layer whose attention inputs are FP8 computes them on the torch path.
+skinny product). Each is tested equal to the torch backend. FP8-resident weights run on the
+torch path, dequantized a bounded part at a time (a linear's rows, a group of experts: see
+common/model/fp8.py); a layer whose attention inputs are FP8 computes them there too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
-from common.model.fp8 import Fp8Weight, Weight, dense
+from common.model.fp8 import Fp8Weight, Weight, linear
 from common.model.mla import RMSNorm
 from common.model.moe import MoE
 from common.model.rope import RotaryEmbedding
@@ -52,7 +52,8 @@ class NativeBackend(TorchBackend):
         ]
 
     def linear(self, x: Tensor, w: Weight) -> Tensor:
-        return small_gemm.linear(x, dense(w))
+        # An FP8 weight dequantizes a bounded run of rows at a time (`Fp8Weight.forward`).
+        return linear(x, w) if isinstance(w, Fp8Weight) else small_gemm.linear(x, w)
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
         return decode_layer.rms_norm(x, norm.weight, norm.eps)
@@ -74,6 +75,8 @@ class NativeBackend(TorchBackend):
             if module.shared_experts is not None:
                 out = out + self.ffn(module.shared_experts, x)
             return out
+        if isinstance(module.gate_proj, Fp8Weight):
+            return module(x)  # its FP8 linears, each a bounded run of rows at a time
         return small_gemm.mlp(
             x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
         )
