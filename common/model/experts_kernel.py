@@ -29,7 +29,7 @@ from common.model.experts import (
 from common.model.fp8 import Fp8Weight, Weight
 from common.model.fp8_experts import Fp8GroupedExperts
 from common.runtime.kernel_choice import KernelChoice, choose_kernel, setting_of
-from common.triton_kernels.fp8_grouped_gemm import BlockFp8, unsupported
+from common.triton_kernels.fp8_blocks import BlockFp8, unsupported
 
 EXPERTS_KERNELS = ("triton_fp8", "grouped", "loop")
 NOT_FP8 = "the experts are not FP8"

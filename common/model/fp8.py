@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.triton_kernels.fp8_grouped_gemm import GROUP, BlockFp8
+from common.triton_kernels.fp8_blocks import GROUP, BlockFp8
 
 # A linear's dequantized rows at a time, at most (`Fp8Weight.forward`): every linear of a
 # model takes its rows through one buffer of this size, whatever its role.

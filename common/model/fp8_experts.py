@@ -21,7 +21,7 @@ from torch import Tensor
 from common.model.expert_routing import Routing, combine
 from common.model.fp8 import Weight
 from common.model.fp8_gemm import quantize_groups
-from common.triton_kernels.fp8_grouped_gemm import BlockFp8, fp8_grouped_mm
+from common.triton_kernels.fp8_blocks import BlockFp8
 
 
 class Fp8GroupedExperts:
@@ -29,14 +29,17 @@ class Fp8GroupedExperts:
     when the layer settles its kernel (a `RoutedExperts`, common/model/experts.py)."""
 
     def __init__(self, gate_up: BlockFp8, down: BlockFp8) -> None:
-        self.gate_up, self.down = gate_up, down
+        # Imported once the kernel is chosen: triton loads only where it runs.
+        from common.triton_kernels.fp8_grouped_gemm import fp8_grouped_mm
+
+        self.gate_up, self.down, self.mm = gate_up, down, fp8_grouped_mm
 
     def __call__(self, x: Tensor, r: Routing, gate_up: Weight, down: Weight) -> Tensor:
         two_i = self.gate_up.values.shape[1]
         a, a_scale = quantize_groups(x)
-        gu = fp8_grouped_mm(a, a_scale, r.ends, self.gate_up, x.dtype, r.token.int())
+        gu = self.mm(a, a_scale, r.ends, self.gate_up, x.dtype, r.token.int())
         gate, up = gu.split(two_i // 2, dim=-1)
         h = F.silu(gate) * up * r.weight[:, None]
         # Rows past the last group are uninitialized: quantized as anything, never kept.
         b, b_scale = quantize_groups(h)
-        return combine(r, fp8_grouped_mm(b, b_scale, r.ends, self.down, x.dtype))
+        return combine(r, self.mm(b, b_scale, r.ends, self.down, x.dtype))

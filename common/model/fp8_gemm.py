@@ -31,8 +31,8 @@ from torch import Tensor, nn
 
 from common.model.fp8 import Fp8Weight
 from common.runtime.kernel_choice import KernelChoice, choose_kernel
-from common.triton_kernels import fp8_grouped_gemm
-from common.triton_kernels.fp8_grouped_gemm import BlockFp8, fp8_grouped_mm
+from common.triton_kernels import fp8_blocks
+from common.triton_kernels.fp8_blocks import BlockFp8
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,10 @@ class TritonGemm(nn.Module):
         self.register_buffer("scale_rows", blocks.scale_rows, persistent=False)
         self.register_buffer("scale_cols", blocks.scale_cols, persistent=False)
         self.dtype = dtype
+        # Imported once the kernel is chosen: triton loads only where it runs.
+        from common.triton_kernels.fp8_grouped_gemm import fp8_grouped_mm
+
+        self.mm = fp8_grouped_mm
 
     weight_scale: Tensor
     scale_rows: Tensor
@@ -163,7 +167,7 @@ class TritonGemm(nn.Module):
         a, a_scale = quantize_groups(flat)
         ends = torch.full((1,), flat.shape[0], dtype=torch.int32, device=x.device)
         w = BlockFp8(values[None], self.weight_scale, self.scale_rows, self.scale_cols)
-        return fp8_grouped_mm(a, a_scale, ends, w, self.dtype).view(*x.shape[:-1], n)
+        return self.mm(a, a_scale, ends, w, self.dtype).view(*x.shape[:-1], n)
 
 
 def select_fp8_gemm(asked: str, device: torch.device) -> KernelChoice:
@@ -172,7 +176,7 @@ def select_fp8_gemm(asked: str, device: torch.device) -> KernelChoice:
     runs under Triton's interpreter, named)."""
     checks = {
         "scaled_mm": lambda: unsupported(device),
-        "triton": lambda: fp8_grouped_gemm.unsupported(device),
+        "triton": lambda: fp8_blocks.unsupported(device),
         "dequantize": lambda: None,
     }
     auto = (

@@ -29,7 +29,8 @@ from common.triton_kernels.decode_attention import (
     dot_precision,
     kernels,
 )
-from common.triton_kernels.fp8_grouped_gemm import BLOCK_N, GROUP, NUM_STAGES, Tiles
+from common.triton_kernels.fp8_blocks import GROUP
+from common.triton_kernels.fp8_grouped_gemm import BLOCK_N, NUM_STAGES, Tiles
 from common.triton_kernels.fp8_grouped_gemm import kernels as fp8_kernels
 from common.triton_kernels.triton_mode import interpreted_import, triton_installed
 

@@ -33,7 +33,12 @@ import torch
 from torch import Tensor
 
 from common.kv.slots import token_slots
-from common.triton_kernels.triton_mode import check_runnable, tl, wrap
+from common.triton_kernels.triton_mode import check_runnable, wrap
+
+try:  # A CPU deployment without triton imports this module and never launches a kernel.
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    tl = None
 
 # A split shorter than this saves less than its merge costs (flash-decoding practice).
 MIN_SPLIT_TOKENS = 256

@@ -40,50 +40,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from common.triton_kernels import triton_mode
-from common.triton_kernels.triton_mode import check_runnable, tl, wrap
+from common.triton_kernels.fp8_blocks import GROUP, BlockFp8
+from common.triton_kernels.triton_mode import check_runnable, wrap
 
-GROUP = 128  # activation columns per scale, and the K step: DeepSeek's 1 x 128 groups
+try:  # A CPU deployment without triton imports this module and never launches a kernel.
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    tl = None
+
 BLOCK_N = 128  # output columns per program: one 128-row weight block
 MAX_M_SPLITS = 64  # bounds the grid's third dimension
 NUM_STAGES = 3  # pipelined K steps: 3 x (BLOCK_N x 128 weight + BLOCK_M x 128 activation) bytes
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# FP8 tensor-core products (mma on sm_89, wgmma on sm_90, and newer) as Triton compiles them.
-MIN_CAPABILITY = (8, 9)
-
-
-def unsupported(device: torch.device) -> str | None:
-    """Why the kernel cannot run on `device` in this process, or None where it can."""
-    if not triton_mode.triton_installed():
-        return "triton is not installed (pip install triton)"
-    if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_CAPABILITY:
-            major, minor = capability
-            return f"sm_{major}{minor}: FP8 tensor cores need sm_89 or newer"
-        return None
-    if device.type == "cpu" and triton_mode.interpreting():
-        return None
-    return "Triton kernels run on CUDA devices, or on the CPU under TRITON_INTERPRET=1"
-
-
-@dataclass(frozen=True)
-class BlockFp8:
-    """Stacked FP8 weights as the kernel reads them: `values` [E, N, K] float8_e4m3fn (each
-    row contiguous), `scale` [E, SR, SC] fp32 (the stored blocks the values overlap),
-    `scale_rows` [N] int32 (the scale row of each value row) and `scale_cols`
-    [ceil(K / 128)] int32 (the scale column of each 128-column group)."""
-
-    values: Tensor
-    scale: Tensor
-    scale_rows: Tensor
-    scale_cols: Tensor
-
-    def __post_init__(self) -> None:
-        e, n, k = self.values.shape
-        assert self.values.dtype == torch.float8_e4m3fn and self.values.stride(-1) == 1
-        assert self.scale.dim() == 3 and self.scale.shape[0] == e
-        assert self.scale_rows.shape == (n,) and self.scale_cols.shape == (math.ceil(k / GROUP),)
 
 
 def _fp8_block_step(

@@ -4,26 +4,26 @@ Triton's interpreter (CPU tensors), and whether it can at all.
 Triton builds its own library functions (tl.max, tl.sum, tl.cdiv, ...) for one mode when it
 is first imported: a process runs Triton kernels interpreted or compiled, never both. The
 kernels of this package are plain functions, wrapped when first launched in the mode that
-triton was imported in (`wrap`), so importing them never needs triton or a GPU.
+triton was imported in (`wrap`). Nothing here imports triton until asked to, so a process
+checks where a kernel could run (`unsupported`) without loading it; a kernel's own module
+imports triton, and is imported only where its kernel runs.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-try:  # A CPU deployment without triton imports this module and never launches a kernel.
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    tl = None
 
-
+@functools.cache
 def triton_installed() -> bool:
-    """Whether triton can be imported here (says nothing about a GPU)."""
-    return tl is not None
+    """Whether triton can be imported here (says nothing about a GPU); imports nothing."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -37,7 +37,9 @@ def available() -> bool:
 
 
 def interpreted_import() -> bool:
-    """Whether triton was first imported under TRITON_INTERPRET=1 in this process."""
+    """Whether triton was (or, imported now, is) first imported under TRITON_INTERPRET=1 in
+    this process."""
+    import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(tl.cdiv, InterpretedFunction)
@@ -51,6 +53,26 @@ def wrap(fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> Any
 
     kind = InterpretedFunction if interpreted_import() else JITFunction
     return kind(fn, do_not_specialize=do_not_specialize)
+
+
+def unsupported(
+    device: torch.device, min_capability: tuple[int, int] = (0, 0), needs: str = ""
+) -> str | None:
+    """Why a Triton kernel cannot run on `device` here (`needs`: what a GPU below
+    `min_capability` lacks), or None where it can; imports no triton."""
+    if not triton_installed():
+        return "triton is not installed (pip install triton)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device here"
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < min_capability:
+            want = "".join(map(str, min_capability))
+            return f"sm_{major}{minor}: {needs} need sm_{want} or newer"
+        return None
+    if device.type == "cpu" and interpreting():
+        return None
+    return "Triton kernels run on CUDA devices, or on the CPU under TRITON_INTERPRET=1"
 
 
 def check_runnable(device: torch.device, what: str) -> None:

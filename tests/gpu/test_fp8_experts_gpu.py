@@ -15,11 +15,8 @@ from common.model.experts import grouped_experts
 from common.model.experts_kernel import select_experts_kernel, settle
 from common.model.fp8 import dense, share_workspace
 from common.model.fp8_gemm import assign_gemms
-from common.triton_kernels.fp8_grouped_gemm import (
-    fp8_grouped_mm,
-    fp8_grouped_mm_reference,
-    unsupported,
-)
+from common.triton_kernels.fp8_blocks import unsupported
+from common.triton_kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_reference
 from tools.bench.moe_fp8_gpu import fp8_stack
 
 

@@ -26,7 +26,8 @@ from common.model.experts_kernel import settle
 from common.model.fp8 import Fp8Weight, share_workspace
 from common.model.fp8_experts import Fp8GroupedExperts
 from common.model.fp8_gemm import quantize_groups
-from common.triton_kernels.fp8_grouped_gemm import BlockFp8, dequantized
+from common.triton_kernels.fp8_blocks import BlockFp8
+from common.triton_kernels.fp8_grouped_gemm import dequantized
 from tests.shard_checkpoints import FP8_CONFIG, quantize, random_state, save_checkpoint
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

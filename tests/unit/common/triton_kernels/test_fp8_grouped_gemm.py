@@ -23,9 +23,9 @@ import torch
 pytest.importorskip("triton.language")
 
 from common.model.fp8_gemm import quantize_groups
-from common.triton_kernels import fp8_grouped_gemm
+from common.triton_kernels import fp8_blocks, fp8_grouped_gemm
+from common.triton_kernels.fp8_blocks import BlockFp8
 from common.triton_kernels.fp8_grouped_gemm import (
-    BlockFp8,
     choose_tiles,
     fp8_grouped_mm,
     fp8_grouped_mm_reference,
@@ -135,9 +135,9 @@ def test_bad_inputs_are_named() -> None:
 
 def test_the_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert fp8_grouped_gemm.unsupported(cpu) is None  # the interpreter, as these tests run it
+    assert fp8_blocks.unsupported(cpu) is None  # the interpreter, as these tests run it
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "TRITON_INTERPRET" in (fp8_grouped_gemm.unsupported(cpu) or "")
+    assert "TRITON_INTERPRET" in (fp8_blocks.unsupported(cpu) or "")
     w = weights(1, 128, 128)
     a, a_scale = activations(2, 128)
     end = torch.tensor([2], dtype=torch.int32)
