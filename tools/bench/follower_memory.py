@@ -88,7 +88,8 @@ def steps_child(model_dir: str) -> dict[str, Any]:
     )
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 32768, (n,), generator=gen).tolist() for n in PROMPT_TOKENS]
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in PROMPT_TOKENS]
     start = time.perf_counter()
     with DecodeEngine(cfg) as engine:
         load_s = time.perf_counter() - start
