@@ -92,14 +92,15 @@ def grouped_experts(x: Tensor, r: Routing, gate_up: Weight, down: Weight) -> Ten
     position = torch.arange(r.rows, device=x.device)
     for first in range(0, held, per_group):
         last = min(first + per_group, held)
+        if r.bounds is not None and r.bounds[first] == r.bounds[last]:
+            continue  # sized: no row is this group's, known on the host
         w_gate_up = dense_experts(gate_up, first, last, per_group)
         w_down = dense_experts(down, first, last, per_group)
-        if r.bounds is not None:  # sized: the group's rows are a slice known on the host
+        if r.bounds is not None:  # sized: the group's rows are a slice
             start, stop = r.bounds[first], r.bounds[last]
-            if start < stop:
-                ends = r.ends[first:last] - start
-                part = r.weight[start:stop]
-                y[start:stop] = expert_ffn(x[r.token[start:stop]], w_gate_up, w_down, ends, part)
+            ends = r.ends[first:last] - start
+            part = r.weight[start:stop]
+            y[start:stop] = expert_ffn(x[r.token[start:stop]], w_gate_up, w_down, ends, part)
             continue
         # Static: the sorted rows rotated on the device so that the group's come first; the
         # rows past its last are other groups' (or held elsewhere) and add zero.
