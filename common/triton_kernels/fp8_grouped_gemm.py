@@ -10,8 +10,9 @@ is rows [ends[e-1], ends[e]) (ends[-1] = 0). For a row s of group e:
 kb (`quantize_groups`, common/model/fp8_gemm.py); r = rows[s], its row for output row s (a
 routed slot's token: a token is quantized once, however many of its slots run here), or s.
 `w` is the group's e4m3 values [N, K] as stored and `sw` its fp32 block scales, the block of
-row n being scale row rb(n) and that of group kb scale column cb(kb) (`BlockFp8`: any row
-blocks, slices and runs; column blocks of 128 x m that a slice's groups do not straddle).
+row n being scale row rb(n) and that of group kb scale column cb(kb) (`BlockFp8`,
+fp8_blocks.py: any row blocks, slices and runs; column blocks of 128 x m that a slice's
+groups do not straddle).
 The products of e4m3 values are exact in fp32; each 128-column block's sum is scaled and
 added to an fp32 accumulator (the promotion every 128 columns of DeepGEMM), and the result
 is rounded once to the output's dtype. Rows past the last group are not written.
