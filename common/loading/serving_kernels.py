@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from common.model.experts import select_experts_kernel
+from common.model.experts_kernel import select_experts_kernel
 from common.model.fp8_gemm import assign_gemms, select_fp8_gemm
 from common.model.moe import use_experts_kernel
 from common.model.prefill_attention import (

@@ -10,9 +10,15 @@ row's block is.
 `dequantize` writes `values * scale` into a buffer of the compute dtype: the e4m3 values are
 copied in exactly (every serving dtype holds them), then multiplied by their float32 block
 scale and rounded once, which is exactly what the reader's dequantize-at-load gives. A model's
-weights share one `Fp8Workspace`: a buffer per weight role and shape, reused by every layer, so
-the model holds one layer's dequantized weights at most, and only while a step runs. Where the
-device runs it, a weight applied as a linear multiplies in FP8 instead (common/model/fp8_gemm.py).
+weights share one `Fp8Workspace` of reused buffers, each bounded:
+- a weight read as a tensor (`dense`, `weight`: W_UK / W_UV, a kv projection the model
+  splits) gets a buffer per role and shape, reused by every layer;
+- a weight applied as a linear (`forward`) without an FP8 GEMM is dequantized
+  LINEAR_CHUNK_BYTES of rows at a time into one buffer shared by every linear;
+- a stack of experts is dequantized a bounded group of experts at a time
+  (`dequantize_experts`, common/model/experts.py), where no FP8 kernel reads it as it is.
+Where the device runs one, an FP8 GEMM reads the values and scales as loaded instead
+(`block_fp8`; common/model/fp8_gemm.py for linears, fp8_experts.py for the experts).
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from common.triton_kernels.fp8_blocks import GROUP, BlockFp8
+
+# A linear's dequantized rows at a time, at most (`Fp8Weight.forward`): every linear of a
+# model takes its rows through one buffer of this size, whatever its role.
+LINEAR_CHUNK_BYTES = 16 << 20
+LINEAR_ROLE = "linear rows"
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,17 @@ class DequantizedOnUse(nn.Module):
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
+    def dequantize_experts(self, start: int, stop: int, capacity: int) -> Tensor:
+        """Experts [start, stop) of a stacked weight [E, R, C] in the compute dtype, written
+        into the workspace's buffer of `capacity` experts for this weight's role (a layer's
+        experts taken a few at a time share one bounded buffer, overwritten by the next
+        call)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers(recurse=False)).device
+
     @property
     def nbytes(self) -> int:
         """The bytes it holds on its device (values and scales)."""
@@ -134,21 +158,69 @@ class Fp8Weight(DequantizedOnUse):
         v = self.values
         if out is None:
             out = self.workspace.buffer(self.role, tuple(v.shape), self.dtype, v.device)
-        out = out.view(v.shape)
+        return self._dequantize_into(v, self.scale, out.view(v.shape)).view(self.shape)
+
+    def dequantize_experts(self, start: int, stop: int, capacity: int) -> Tensor:
+        v = self.values
+        assert v.dim() == 3 and 0 <= start < stop <= v.shape[0] and stop - start <= capacity
+        key = (capacity, *v.shape[1:])
+        out = self.workspace.buffer(self.role, key, self.dtype, v.device)[: stop - start]
+        return self._dequantize_into(v[start:stop], self.scale[start:stop], out)
+
+    def _dequantize_into(
+        self, v: Tensor, scale: Tensor, out: Tensor, rows: slice = slice(None)
+    ) -> Tensor:
+        """`v` (this weight's values, or `rows` of them) times their block scales, in `out`."""
         out.copy_(v)
         ws = self.workspace
-        s = self.scale.index_select(-2, ws.row_blocks(self.rows, self.block[0], v.device))
+        s = scale.index_select(-2, ws.row_blocks(self.rows, self.block[0], v.device)[rows])
         if self.whole_col_blocks:
             out.view(*v.shape[:-1], -1, self.block[1]).mul_(s[..., None])
         else:
             cols = ws.col_blocks(self.col_offset, v.shape[-1], self.block[1], v.device)
             out.mul_(s.index_select(-1, cols))
-        return out.view(self.shape)
+        return out
+
+    def block_fp8(self) -> BlockFp8 | str:
+        """This weight as the Triton block-scaled GEMM reads it (a linear as one group of
+        [1, N, K], a stack of experts as is), or why it cannot: each 128-column activation
+        group must lie inside one stored column block."""
+        v = self.values
+        if not v.is_contiguous():
+            return "values not contiguous"
+        bc = self.block[1]
+        straddle = f"a {GROUP}-column activation group would straddle two weight scales"
+        if bc % GROUP:
+            return f"{bc}-column weight blocks: {straddle}"
+        if self.col_offset % GROUP:
+            return f"columns from {self.col_offset} into a {bc}-wide block: {straddle}"
+        rows = self.workspace.row_blocks(self.rows, self.block[0], v.device).int()
+        groups = torch.arange(math.ceil(v.shape[-1] / GROUP), device=v.device)
+        cols = ((self.col_offset + GROUP * groups) // bc).int()
+        if v.dim() == 2:
+            return BlockFp8(v[None], self.scale[None], rows, cols)
+        return BlockFp8(v, self.scale, rows, cols)
 
     def forward(self, x: Tensor) -> Tensor:
+        """x @ W^T: by the weight's GEMM, else dequantized LINEAR_CHUNK_BYTES of rows at a
+        time into the workspace's one buffer for every linear (used only during the call),
+        each chunk's output columns computed from it."""
         if self.gemm is not None:
             return self.gemm(x, self.values)
-        return F.linear(x, self.dequantize())
+        v = self.values
+        n, c = v.shape
+        size = torch.empty((), dtype=self.dtype).element_size()
+        step = max(1, LINEAR_CHUNK_BYTES // (c * size))
+        key = (max(LINEAR_CHUNK_BYTES // size, c),)
+        flat = self.workspace.buffer(LINEAR_ROLE, key, self.dtype, v.device)
+        if step >= n:
+            return F.linear(x, self._dequantize_into(v, self.scale, flat[: n * c].view(n, c)))
+        out = x.new_empty(*x.shape[:-1], n)
+        for start in range(0, n, step):
+            rows = slice(start, min(n, start + step))
+            part = flat[: (rows.stop - start) * c].view(-1, c)
+            out[..., rows] = F.linear(x, self._dequantize_into(v[rows], self.scale, part, rows))
+        return out
 
     def take_rows(
         self, runs: list[tuple[int, int]], shape: tuple[int, ...], role: str
@@ -176,21 +248,29 @@ class Fp8Weight(DequantizedOnUse):
         )
 
 
-Weight = Tensor | Fp8Weight
+Weight = Tensor | DequantizedOnUse
 
 
-def dense(w: Tensor | DequantizedOnUse) -> Tensor:
+def dense(w: Weight) -> Tensor:
     """`w` as a tensor in the compute dtype (an FP8 or INT4 weight dequantized into its
     buffer)."""
     return w.dequantize() if isinstance(w, DequantizedOnUse) else w
 
 
-def linear(x: Tensor, w: Tensor | DequantizedOnUse) -> Tensor:
+def dense_experts(w: Weight, start: int, stop: int, capacity: int) -> Tensor:
+    """Experts [start, stop) of a stacked expert weight in the compute dtype: a view of a
+    tensor, a quantized weight's dequantized into its bounded buffer (`dequantize_experts`)."""
+    if isinstance(w, DequantizedOnUse):
+        return w.dequantize_experts(start, stop, capacity)
+    return w[start:stop]
+
+
+def linear(x: Tensor, w: Weight) -> Tensor:
     """x @ w^T: a quantized weight by its own GEMM (scaled_mm, or dequantized on use)."""
     return w(x) if isinstance(w, DequantizedOnUse) else F.linear(x, w)
 
 
-def held(w: Tensor | DequantizedOnUse) -> nn.Parameter | DequantizedOnUse:
+def held(w: Weight) -> nn.Parameter | DequantizedOnUse:
     """`w` as a module attribute: a tensor as a parameter, a quantized weight as it is."""
     return w if isinstance(w, DequantizedOnUse) else nn.Parameter(w)
 

@@ -1,18 +1,22 @@
-"""FP8 weights multiplied in FP8: torch's block-scaled `scaled_mm` with DeepSeek's recipe.
+"""FP8 weights multiplied in FP8, DeepSeek's recipe: torch's block-scaled `scaled_mm`, or the
+Triton block-scaled GEMM where torch cannot run the recipe.
 
 The weight W [N, K] keeps its e4m3 values and block scales; the activation is quantized on the
 device per 1 x 128 group of its columns (`quantize_groups`: no host sync, so a CUDA graph
-captures it), and cuBLAS multiplies the two e4m3 operands with fp32 accumulation, applying
-both scales. torch runs this recipe on sm_90 only, with cuBLASLt 12.9 or later (`unsupported`).
+captures it), and the GEMM multiplies the two e4m3 operands with fp32 accumulation, applying
+both scales: cuBLAS's `scaled_mm` (`ScaledGemm`), which torch runs on sm_90 only with
+cuBLASLt 12.9 or later (`unsupported`), or the Triton kernel of the routed experts with one
+group of rows (`TritonGemm`, common/triton_kernels/fp8_grouped_gemm.py: sm_89 and newer).
 
 `select_fp8_gemm` is the selector (TPLA_FP8_GEMM, by the rule of
-common/runtime/kernel_choice.py): `scaled_mm` where the device runs it, else `dequantize`.
-`assign_gemms` then applies the choice once per weight, at load: under `scaled_mm` a weight
-whose slice the recipe can express gets a `ScaledGemm`, which its `Fp8Weight.forward` then
-calls; any other (columns that start inside a block so that a 128-column group straddles two
-weight scales, sides that are not multiples of 16, stacked experts, per-head W_UK / W_UV)
-keeps dequantize-on-use, with the reason logged. The routed experts' grouped GEMM dequantizes
-on use.
+common/runtime/kernel_choice.py): `scaled_mm` where the device runs it, else `triton` where it
+runs (CUDA only under auto), else `dequantize`. `assign_gemms` then applies the choice once
+per weight, at load: a weight whose slice the chosen GEMM can read gets its module, which
+its `Fp8Weight.forward` then calls; any other keeps dequantize-on-use, with the reason
+logged: for scaled_mm columns that start inside a block so that a 128-column group straddles
+two weight scales, or sides that are not multiples of 16; for triton the straddling columns;
+for both stacked experts (their own kernel: common/model/experts_kernel.py) and per-head
+W_UK / W_UV.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from torch import Tensor, nn
 
 from common.model.fp8 import Fp8Weight
 from common.runtime.kernel_choice import KernelChoice, choose_kernel
+from common.triton_kernels import fp8_blocks
+from common.triton_kernels.fp8_blocks import BlockFp8
 
 log = logging.getLogger(__name__)
 
@@ -134,19 +140,72 @@ def weight_scales(w: Fp8Weight) -> tuple[Tensor, str] | str:
     return per_row.t().contiguous().t(), "1x128"
 
 
+class TritonGemm(nn.Module):
+    """x @ W^T for an FP8 weight W [N, K] by the Triton block-scaled GEMM, its rows one
+    group: W's scales as stored, the scale row of each row and the scale column of each
+    128-column group (`Fp8Weight.block_fp8`)."""
+
+    def __init__(self, blocks: BlockFp8, dtype: torch.dtype) -> None:
+        super().__init__()
+        # Not in the state dict: views of the weight's own scales, and indices derived at load.
+        self.register_buffer("weight_scale", blocks.scale, persistent=False)
+        self.register_buffer("scale_rows", blocks.scale_rows, persistent=False)
+        self.register_buffer("scale_cols", blocks.scale_cols, persistent=False)
+        self.dtype = dtype
+        # Imported once the kernel is chosen: triton loads only where it runs.
+        from common.triton_kernels.fp8_grouped_gemm import fp8_grouped_mm
+
+        self.mm = fp8_grouped_mm
+
+    weight_scale: Tensor
+    scale_rows: Tensor
+    scale_cols: Tensor
+
+    def forward(self, x: Tensor, values: Tensor) -> Tensor:
+        n, k = values.shape
+        flat = x.reshape(-1, k)
+        a, a_scale = quantize_groups(flat)
+        ends = torch.full((1,), flat.shape[0], dtype=torch.int32, device=x.device)
+        w = BlockFp8(values[None], self.weight_scale, self.scale_rows, self.scale_cols)
+        return self.mm(a, a_scale, ends, w, self.dtype).view(*x.shape[:-1], n)
+
+
 def select_fp8_gemm(asked: str, device: torch.device) -> KernelChoice:
-    """How FP8 weights on `device` are applied (TPLA_FP8_GEMM: auto | scaled_mm |
-    dequantize), by the kernel-choice rule."""
-    checks = {"scaled_mm": lambda: unsupported(device), "dequantize": lambda: None}
-    return choose_kernel("fp8_gemm", asked, checks, ("scaled_mm", "dequantize"))
+    """How FP8 weights on `device` are applied (TPLA_FP8_GEMM: auto | scaled_mm | triton |
+    dequantize), by the kernel-choice rule; auto tries triton on CUDA only (on the CPU it
+    runs under Triton's interpreter, named)."""
+    checks = {
+        "scaled_mm": lambda: unsupported(device),
+        "triton": lambda: fp8_blocks.unsupported(device),
+        "dequantize": lambda: None,
+    }
+    auto = (
+        ("scaled_mm", "triton", "dequantize")
+        if device.type == "cuda"
+        else ("scaled_mm", "dequantize")
+    )
+    return choose_kernel("fp8_gemm", asked, checks, auto)
+
+
+def _gemm_for(w: Fp8Weight, gemm: str) -> tuple[nn.Module, str] | str:
+    """The module applying `w` under the chosen `gemm` and how it reads, or why none can."""
+    if w.values.dim() != 2 or len(w.shape) != 2:
+        return "not applied as one linear (stacked experts, per-head W_UK / W_UV)"
+    if gemm == "triton":
+        blocks = w.block_fp8()
+        return blocks if isinstance(blocks, str) else (TritonGemm(blocks, w.dtype), "triton")
+    layout = weight_scales(w)
+    if isinstance(layout, str):
+        return layout
+    return ScaledGemm(*layout, w.dtype), f"scaled_mm ({layout[1]})"
 
 
 def assign_gemms(model: nn.Module, gemm: str) -> dict[str, str]:
-    """Apply the chosen FP8 GEMM (`select_fp8_gemm`: scaled_mm | dequantize) to each FP8
-    weight of `model`, placed on its device: under scaled_mm a weight gets a `ScaledGemm`
-    where its slice allows; the others dequantize on use, as do the weights a module names in
-    its `dense_weights` (those it reads as tensors, never applies). Returns, per weight,
-    "scaled_mm (recipe)" or "dequantize: why"."""
+    """Apply the chosen FP8 GEMM (`select_fp8_gemm`: scaled_mm | triton | dequantize) to
+    each FP8 weight of `model`, placed on its device: a weight gets the GEMM's module where
+    its slice allows; the others dequantize on use, as do the weights a module names in its
+    `dense_weights` (those it reads as tensors, never applies). Returns, per weight,
+    "scaled_mm (recipe)", "triton" or "dequantize: why"."""
     chosen: dict[str, str] = {}
     for prefix, parent in model.named_modules():
         dense_weights = getattr(parent, "dense_weights", ())
@@ -158,12 +217,11 @@ def assign_gemms(model: nn.Module, gemm: str) -> dict[str, str]:
             why = "dequantize was chosen" if gemm == "dequantize" else None
             if why is None and leaf in dense_weights:
                 why = f"{type(parent).__name__} reads it as a tensor"
-            layout = weight_scales(w) if why is None else why
-            if isinstance(layout, str):
-                chosen[name] = f"dequantize: {layout}"
+            found = _gemm_for(w, gemm) if why is None else why
+            if isinstance(found, str):
+                chosen[name] = f"dequantize: {found}"
             else:
-                w.gemm = ScaledGemm(*layout, w.dtype)
-                chosen[name] = f"scaled_mm ({layout[1]})"
+                w.gemm, chosen[name] = found
     if chosen:
         counts = Counter(chosen.values())
         log.info("FP8 weights: %s", "; ".join(f"{c} x {how}" for how, c in counts.items()))

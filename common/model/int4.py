@@ -69,6 +69,13 @@ class Int4Weight(DequantizedOnUse):
             out = self.workspace.buffer(self.role, self.shape, self.dtype, self.packed.device)
         return dequantize_int4(self.packed, self.scale, self.group, out.view(self.shape))
 
+    def dequantize_experts(self, start: int, stop: int, capacity: int) -> Tensor:
+        p = self.packed
+        assert p.dim() == 3 and 0 <= start < stop <= p.shape[0] and stop - start <= capacity
+        key = (capacity, *self.shape[1:])
+        out = self.workspace.buffer(self.role, key, self.dtype, p.device)[: stop - start]
+        return dequantize_int4(p[start:stop], self.scale[start:stop], self.group, out)
+
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.dequantize())
 

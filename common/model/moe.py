@@ -3,8 +3,10 @@
 Routed experts are stored fused, as transformers 5 does: `gate_up_proj` [E, 2I, D] (gate
 rows first) and `down_proj` [E, D, I]. The loader stacks per-expert hub checkpoints into it.
 Under expert parallelism a rank's MoE holds a contiguous run of whole experts. Either stacked
-tensor may be an `Fp8Weight` (common/model/fp8.py), dequantized just before the grouped GEMMs.
-The kernels over the routed tokens live in common/model/experts.py.
+tensor may be an `Fp8Weight` (common/model/fp8.py), multiplied in FP8 or dequantized a few
+experts at a time. The slots are sorted by expert in common/model/expert_routing.py, the
+kernels over them live in common/model/experts.py and fp8_experts.py, and which one a layer
+runs is settled in experts_kernel.py.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.args import ModelConfig
-from common.model.experts import RoutedExperts, grouped_experts, loop_reason, routed_experts
-from common.model.fp8 import dense
+from common.model.expert_routing import route
+from common.model.experts import RoutedExperts
+from common.model.experts_kernel import loop_reason, settle
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +91,11 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Routed experts (all of them, or the run `experts` a rank holds under expert
     parallelism) plus the shared experts. The routed kernel follows the model's choice
-    (`experts_kernel`, given by `use_experts_kernel`; grouped until then): grouped GEMMs where
-    they run on these weights (`loop_reason`), else the reference loop. It is settled once
-    for the weights as they are placed, on the first call after a load or a move, never per
-    call."""
+    (`experts_kernel`, given by `use_experts_kernel`; grouped until then), settled for the
+    weights as they are placed (`settle`), on the first call after a load or a move, never
+    per call. `sized`: the routed rows are only the held slots, at one host read per call
+    (a prefill model under expert parallelism: `size_to_held`); else every slot has a row
+    and nothing is read back (a decode step's graph holds it)."""
 
     def __init__(self, config: ModelConfig, experts: slice | None = None) -> None:
         super().__init__()
@@ -105,7 +109,9 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(d, i * config.n_shared_experts) if config.n_shared_experts else None
         )
-        self.experts_kernel = "grouped"  # the choice (common/model/experts.py): grouped | loop
+        # The choice (common/model/experts_kernel.py): triton_fp8 | grouped | loop.
+        self.experts_kernel = "grouped"
+        self.sized = False
         self._kernel: RoutedExperts | None = None
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> MoE:
@@ -114,17 +120,16 @@ class MoE(nn.Module):
         return super()._apply(fn, recurse)
 
     def loop_reason(self) -> str | None:
-        """Why the held experts run the per-expert loop, or None: the grouped GEMMs."""
+        """Why the held experts run the per-expert loop, or None: grouped GEMMs."""
         e = self.experts
-        return loop_reason(self.experts_kernel, dense(e.gate_up_proj), dense(e.down_proj))
+        return loop_reason(self.experts_kernel, e.gate_up_proj, e.down_proj)
 
-    def use_kernel(self, kernel: str) -> str | None:
-        """Run the routed experts on `kernel` (grouped | loop), settled now for the weights
-        as placed; why they run the loop, or None."""
+    def use_kernel(self, kernel: str) -> str:
+        """Run the routed experts on `kernel` (triton_fp8 | grouped | loop), settled now for
+        the weights as placed; says what runs ("grouped", "loop: why", ...)."""
         self.experts_kernel = kernel
-        why = self.loop_reason()
-        self._kernel = routed_experts if why else grouped_experts
-        return why
+        self._kernel, how = settle(kernel, self.experts.gate_up_proj, self.experts.down_proj)
+        return how
 
     @property
     def kernel(self) -> RoutedExperts:
@@ -136,7 +141,8 @@ class MoE(nn.Module):
     def routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """The held experts' share of the routed output for x [T, D], ids / weights [T, k]."""
         e, kernel = self.experts, self.kernel
-        return kernel(x, ids, weights, dense(e.gate_up_proj), dense(e.down_proj), self.first_expert)
+        r = route(ids, weights, e.gate_up_proj.shape[0], self.first_expert, self.sized)
+        return kernel(x, r, e.gate_up_proj, e.down_proj)
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
@@ -148,14 +154,23 @@ class MoE(nn.Module):
 
 def use_experts_kernel(model: nn.Module, kernel: str) -> dict[str, str]:
     """Give every MoE layer of `model` (placed on its device) the routed experts' kernel the
-    model was given (`select_experts_kernel`: grouped | loop), settled now; logs how many
-    layers run each and why. Returns, per layer, "grouped" or "loop: why"."""
+    model was given (`select_experts_kernel`: triton_fp8 | grouped | loop), settled now;
+    logs how many layers run each and how. Returns, per layer, what runs ("triton_fp8",
+    "grouped", "loop: why", ...)."""
     chosen: dict[str, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, MoE):
-            why = module.use_kernel(kernel)
-            chosen[name] = "grouped" if why is None else f"loop: {why}"
+            chosen[name] = module.use_kernel(kernel)
     if chosen:
         counts = Counter(chosen.values())
         log.info("MoE experts: %s", "; ".join(f"{c} x {how}" for how, c in counts.items()))
     return chosen
+
+
+def size_to_held(model: nn.Module) -> None:
+    """Size the routed rows of `model`'s MoE layers that hold some experts only (expert
+    parallelism) to the slots they hold: a prefill model's, where a host read per layer
+    costs nothing next to the chunk and T * k rows on every rank would cost memory."""
+    for module in model.modules():
+        if isinstance(module, MoE) and not module.holds_all:
+            module.sized = True

@@ -32,12 +32,14 @@ class Settings(BaseSettings):
     )
     fp8_gemm: str = Field(
         "auto",
-        pattern="^(auto|scaled_mm|dequantize)$",
+        pattern="^(auto|scaled_mm|triton|dequantize)$",
         description="how an FP8-resident linear weight is applied: scaled_mm (the activation "
         "quantized per 1x128 group, torch's block-scaled scaled_mm; sm_90, CUDA 12.9+) | "
-        "dequantize (on use, any device) | auto (scaled_mm where the device runs it); a "
-        "weight whose slice the recipe cannot express dequantizes either way, with the reason "
-        "logged; scaled_mm where the device cannot run it stops the start-up",
+        "triton (the same recipe in the Triton block-scaled GEMM; CUDA sm_89+, or the CPU "
+        "under TRITON_INTERPRET=1) | dequantize (on use, any device) | auto (on CUDA scaled_mm "
+        "where the device runs it, else triton where it runs; else dequantize); a weight "
+        "whose slice the GEMM cannot read dequantizes either way, with the reason logged; a "
+        "named GEMM the device cannot run stops the start-up",
     )
     device: str = Field(
         "auto", description="auto (cuda when visible) | cpu | cuda | cuda:N (decode rank k: N + k)"
@@ -77,11 +79,15 @@ class Settings(BaseSettings):
     )
     experts_kernel: str = Field(
         "auto",
-        description="a MoE layer's routed experts: auto (grouped where this torch, device and "
-        "dtype run grouped_mm: bf16 on CUDA sm_80+, fp32 / bf16 on the CPU; else loop) | "
-        "grouped (two grouped GEMMs, routed on the device) | loop (the per-expert reference); "
-        "a layer whose sizes grouped_mm cannot take runs the loop either way, with the reason "
-        "logged; grouped where the device cannot run it stops the start-up",
+        description="a MoE layer's routed experts: auto (on CUDA triton_fp8 where it runs; "
+        "else grouped where this torch, device and dtype run grouped_mm: bf16 on CUDA sm_80+, "
+        "fp32 / bf16 on the CPU; else loop) | triton_fp8 (FP8 experts multiplied in FP8 by a "
+        "Triton block-scaled grouped GEMM, no dequantized copy: CUDA sm_89+, or the CPU under "
+        "TRITON_INTERPRET=1; a layer whose experts are not FP8 or whose column blocks it cannot "
+        "read runs grouped) | grouped (two grouped GEMMs, routed on the device) | loop (the "
+        "per-expert reference); FP8 experts without triton_fp8 are dequantized a few experts "
+        "at a time; a layer whose sizes grouped_mm cannot take runs the loop either way, with "
+        "the reason logged; a named kernel the device cannot run stops the start-up",
     )
     cuda_graphs: str = Field(
         "auto",

@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation of the decode-attention kernels for a CUDA target, on any machine.
+"""Ahead-of-time compilation of the Triton kernels for a CUDA target, on any machine: the
+decode-attention kernels (`compile_for`) and the FP8 grouped GEMM (`compile_fp8_grouped_gemm`).
 
 `triton.compile` lowers a kernel to PTX and runs the ptxas that the triton wheel ships, so
 the Triton -> PTX -> cubin path for sm_80 / sm_90 is checked on a CPU-only machine. Register
@@ -11,6 +12,7 @@ reserves). Written against triton 3.9's `ASTSource` / `compile` API.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import subprocess
 import tempfile
@@ -25,10 +27,12 @@ from common.triton_kernels.decode_attention import (
     MERGE_WARPS,
     choose_tiles,
     dot_precision,
-    interpreted_import,
     kernels,
-    triton_installed,
 )
+from common.triton_kernels.fp8_blocks import GROUP
+from common.triton_kernels.fp8_grouped_gemm import BLOCK_N, NUM_STAGES, Tiles
+from common.triton_kernels.fp8_grouped_gemm import kernels as fp8_kernels
+from common.triton_kernels.triton_mode import interpreted_import, triton_installed
 
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
@@ -104,8 +108,9 @@ def _ptxas_resources(ptx: str, arch: int) -> dict[str, int]:
 
 
 def _tensor_cores(ptx: str) -> str:
-    """What tl.dot became: Hopper's wgmma needs 64-row tiles (BLOCK_H >= 64 heads), smaller
-    tiles use mma.sync, fp32 "ieee" dots (and the merge, which has none) use plain FMAs."""
+    """What tl.dot became: Hopper's wgmma needs 64-row tiles (BLOCK_H >= 64 heads, BLOCK_M
+    = 64 rows), smaller tiles use mma.sync, fp32 "ieee" dots (and the merge, which has none)
+    use plain FMAs."""
     if "wgmma.mma_async" in ptx:
         return "wgmma"
     return "mma.sync" if "mma.sync" in ptx else "none"
@@ -142,12 +147,7 @@ def compile_for(
     and `index_dtype` block tables would, without a GPU. Raises on a failed compile."""
     if dtype not in TYPE_NAMES or index_dtype not in INDEX_NAMES:
         raise ValueError(f"unsupported dtypes {dtype}, {index_dtype}")
-    if not triton_installed():
-        raise RuntimeError("compiling the Triton kernels needs triton (pip install triton)")
-    if interpreted_import():
-        raise RuntimeError(
-            "triton was imported under TRITON_INTERPRET=1: compile in a process without it"
-        )
+    _check_compilable()
     split_kv, merge = kernels()
     tiles = choose_tiles(heads, latent_width, rope_width, dtype)
     t, ix = f"*{TYPE_NAMES[dtype]}", f"*{INDEX_NAMES[index_dtype]}"
@@ -192,3 +192,60 @@ def compile_for(
         _compile(stage1, target_arch, tiles.num_warps, tiles.num_stages),
         _compile(stage2, target_arch, MERGE_WARPS, MERGE_STAGES),
     ]
+
+
+def _check_compilable() -> None:
+    if not triton_installed():
+        raise RuntimeError("compiling the Triton kernels needs triton (pip install triton)")
+    if interpreted_import():
+        raise RuntimeError(
+            "triton was imported under TRITON_INTERPRET=1: compile in a process without it"
+        )
+
+
+def compile_fp8_grouped_gemm(
+    target_arch: int, n: int, k: int, tiles: Tiles, out_dtype: torch.dtype, gather: bool
+) -> CompiledKernelInfo:
+    """Compile `fp8_grouped_mm`'s kernel for sm_`target_arch` as a launch over groups of
+    [n, k] weights with `tiles` (`choose_tiles`), an `out_dtype` output and, with `gather`,
+    each row's activation row read from `rows` would, without a GPU. Raises on a failed
+    compile."""
+    if out_dtype not in TYPE_NAMES:
+        raise ValueError(f"unsupported output dtype {out_dtype}")
+    _check_compilable()
+    loop, step = fp8_kernels()
+    groups = math.ceil(k / GROUP)
+    src = _source(
+        loop,
+        [
+            ("A", "*fp8e4nv"),
+            ("AScale", "*fp32"),
+            ("Rows", "*i32"),
+            ("W", "*fp8e4nv"),
+            ("WScale", "*fp32"),
+            ("WScaleRows", "*i32"),
+            ("WScaleCols", "*i32"),
+            ("Ends", "*i32"),
+            ("Out", f"*{TYPE_NAMES[out_dtype]}"),
+            ("N", n),
+            ("K", k),
+            ("stride_a", k),
+            ("stride_as_m", 1),  # quantize_groups' scales are column-major
+            ("stride_as_k", GENERIC_INT),
+            ("stride_we", n * k),
+            ("stride_wn", k),
+            ("stride_se", GENERIC_INT),
+            ("stride_sr", groups),
+            ("stride_sc", 1),
+            ("stride_out", n),
+        ],
+        {
+            "GATHER": gather,
+            "STEP": step,
+            "BLOCK_M": tiles.block_m,
+            "BLOCK_N": BLOCK_N,
+            "BLOCK_K": GROUP,
+            "FP8_AS_FP32": False,
+        },
+    )
+    return _compile(src, target_arch, tiles.num_warps, NUM_STAGES)

@@ -15,8 +15,9 @@ A split (or a sequence) with no valid token writes lse = -inf and weighs nothing
 
 `paged_decode_attention_reference` (gather + einsum, fp32) is the reference the tests hold
 the kernel to. The kernels are plain functions, wrapped when first launched in the mode that
-triton was imported in: compiled for CUDA tensors, or run by Triton's interpreter on CPU
-tensors when TRITON_INTERPRET=1 was set before triton's first import (the tests' way).
+triton was imported in (common/triton_kernels/triton_mode.py): compiled for CUDA tensors, or
+run by Triton's interpreter on CPU tensors when TRITON_INTERPRET=1 was set before triton's
+first import (the tests' way).
 `compile.py` compiles them ahead of time for sm_80 / sm_90 without a GPU.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from common.kv.slots import token_slots
+from common.triton_kernels.triton_mode import check_runnable, wrap
 
 try:  # A CPU deployment without triton imports this module and never launches a kernel.
     import triton.language as tl
@@ -50,21 +51,6 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MERGE_WARPS = 4  # stage 2: one program per (sequence, head), a short loop over splits
 MERGE_STAGES = 1
 MAX_GRID_Z = 65535  # CUDA's limit on the third grid dimension (the splits)
-
-
-def triton_installed() -> bool:
-    """Whether triton can be imported here (says nothing about a GPU)."""
-    return tl is not None
-
-
-def interpreting() -> bool:
-    """Whether Triton's interpreter is switched on (TRITON_INTERPRET, read at every call)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def available() -> bool:
-    """Whether the kernel can run here: triton importable, and CUDA or the interpreter."""
-    return triton_installed() and (torch.cuda.is_available() or interpreting())
 
 
 @dataclass(frozen=True)
@@ -227,25 +213,9 @@ def _merge_splits_kernel(
     tl.store(Lse + row, tl.where(total > 0.0, shift + tl.log(safe_total), float("-inf")))
 
 
-def interpreted_import() -> bool:
-    """Whether triton was first imported under TRITON_INTERPRET=1 in this process.
-
-    Triton builds its own library functions (tl.max, tl.sum, tl.cdiv, ...) for one mode when
-    it is first imported: a process runs Triton kernels interpreted or compiled, never both.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.cdiv, InterpretedFunction)
-
-
 @functools.cache
 def kernels() -> tuple[Any, Any]:
-    """(stage 1, stage 2) wrapped in this process's mode: `InterpretedFunction`s (CPU tensors)
-    if triton was imported under TRITON_INTERPRET=1, else `JITFunction`s (CUDA, AOT)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    wrap = InterpretedFunction if interpreted_import() else JITFunction
+    """(stage 1, stage 2) wrapped in this process's mode (`triton_mode.wrap`)."""
     # The table's width, its row stride and the split count change with the step's bucket;
     # specialized (== 1, a multiple of 16) each would be another compiled variant.
     return (
@@ -382,25 +352,11 @@ def _num_splits(q: Tensor, head_tiles: int, width_tokens: int) -> int:
 
 
 def _check_runnable(q: Tensor, num_splits: int | None) -> None:
-    """The kernel can run on q's device in this process (compiled on CUDA, or interpreted on
-    the CPU) with `num_splits`, else the error that says why."""
+    """The kernel can run on q's device in this process with `num_splits`, else the error
+    that says why."""
     if num_splits is not None and not 1 <= num_splits <= MAX_GRID_Z:
         raise ValueError(f"num_splits must lie in [1, {MAX_GRID_Z}], got {num_splits}")
-    if not triton_installed():
-        raise RuntimeError("the Triton decode kernel needs triton (pip install triton)")
-    if not q.is_cuda and not interpreting():
-        raise ValueError(
-            f"the Triton decode kernel runs on CUDA tensors, not {q.device} "
-            "(set TRITON_INTERPRET=1 to run Triton's interpreter on the CPU)"
-        )
-    if q.is_cuda == interpreted_import():
-        raise RuntimeError(
-            "triton was imported under TRITON_INTERPRET=1, so this process cannot run compiled "
-            "kernels on CUDA tensors"
-            if q.is_cuda
-            else "Triton's interpreter needs TRITON_INTERPRET=1 set before triton is first "
-            "imported in the process"
-        )
+    check_runnable(q.device, "the Triton decode kernel")
 
 
 def paged_decode_attention_reference(

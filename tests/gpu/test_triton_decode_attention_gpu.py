@@ -9,12 +9,12 @@ import pytest
 import torch
 
 # tests/conftest.py has imported triton in this machine's mode (compiled with CUDA).
-from common.triton_kernels import decode_attention
+from common.triton_kernels import decode_attention, triton_mode
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not decode_attention.triton_installed(), reason="needs triton"),
+    pytest.mark.skipif(not triton_mode.triton_installed(), reason="needs triton"),
 ]
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}

@@ -1,5 +1,6 @@
 """`tpla bench loading`'s pieces on a small checkpoint: the generated shards load, and a
-child process reports the rank's parameter bytes (equal to `tpla plan`'s) and its peak RSS."""
+child process reports the rank's parameter bytes (equal to `tpla plan`'s) and its peak RSS;
+a decode follower's peak after serving."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.bench.follower_memory import FP8_STEPS_CONFIG, MAX_TOKENS, run_steps
 from tools.bench.loading import (
     WIDE_CONFIG,
     planned_rank_bytes,
@@ -59,3 +61,16 @@ def test_the_calibration_child_reports_its_peak_and_what_it_may_hold(tmp_path: P
     assert row["peak_rss_bytes"] >= row["overhead_bytes"] > 50 << 20
     assert row["embedding_head_bytes"] == 4 * 2 * 512 * 256
     assert row["parameter_bytes"] < row["whole_model_bytes"]
+
+
+def test_a_decode_follower_reports_its_peak_after_serving(tmp_path: Path) -> None:
+    """The fp8-steps row on a small V3-shaped FP8 checkpoint: a tp = 2 group serves two
+    requests and its follower's peak after them is at least its peak after loading."""
+    config = {**FP8_STEPS_CONFIG, **SMALL}  # V3's routing and attention, small and 8 experts
+    write_checkpoint(tmp_path, 1 << 20, "bfloat16", 2, config, fp8_block=16)
+    row = run_steps(tmp_path)
+    assert row["mode"] == "decode-fp8-steps" and row["rank"] == 1
+    assert row["generated_tokens"] == [MAX_TOKENS, MAX_TOKENS]
+    assert row["peak_rss_bytes"] >= row["peak_after_load_bytes"] > row["parameter_bytes"] > 0
+    # fp32 compute keeps the bf16 norms, embedding and head in fp32: above the planned share.
+    assert row["parameter_bytes"] > planned_rank_bytes(tmp_path, "tpla", 1, "float8")

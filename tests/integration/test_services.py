@@ -9,7 +9,7 @@ import redis
 import torch
 
 from common.loading.loader import load_model
-from common.model.experts import select_experts_kernel
+from common.model.experts_kernel import select_experts_kernel
 from common.model.generate import generate
 from common.model.prefill_attention import select_prefill_attention
 from common.parallel import ParallelConfig, ParallelMode

@@ -19,14 +19,14 @@ from common.loading.weights import ModelWeights
 from common.model.sp import merge_partials
 from common.model.tpla import latent_shards
 from common.parallel import ParallelConfig, RmsNormMode
-from common.triton_kernels import decode_attention
+from common.triton_kernels import triton_mode
 from services.decode.rank.backends import TorchBackend, decode_backend, select_decode_kernel
 from services.decode.rank.layers import RankAttention
 from tests.cli import generate_ids
 from tests.tiny import save_hf
 
 pytestmark = pytest.mark.skipif(
-    not decode_attention.triton_installed(), reason="triton is not installed"
+    not triton_mode.triton_installed(), reason="triton is not installed"
 )
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"

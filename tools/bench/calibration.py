@@ -27,9 +27,8 @@ from tools.bench.loading import (
     machine,
     peak_rss_bytes,
     write_checkpoint,
-    write_result,
 )
-from tools.bench.output import table_stream
+from tools.bench.output import table_stream, write_result
 
 # `--calibrate`: random windows pushed through each layer (8 x 512 tokens by default).
 CALIBRATION_WINDOWS = 8

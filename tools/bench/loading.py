@@ -13,7 +13,13 @@ reports each child's peak RSS (VmHWM, `peak_rss_bytes`) next to the bytes of par
 - `prefill-rank`: both ranks of a tp = 2 prefill group (two processes over gloo), each
   reading its share shard-wise, then prefilling a 2,048-token prompt together in the
   device's default chunks (as a group's worker does): the peak covers loading and the
-  prefill's activations.
+  prefill's activations;
+- `decode-fp8-steps`: the follower of a tp = 2 decode group serving a V3-shaped FP8
+  checkpoint kept FP8 in fp32 compute, after loading and after two requests
+  (tools/bench/follower_memory.py): the peak covers the steps' buffers.
+
+`--parts` runs some of the three checkpoints' rows: `plain` (the wide config in `--dtype`:
+every row through prefill-rank), `fp8` (rank-fp8) and `fp8-steps`.
 
 A rank read shard-wise should peak near overhead + its share. The checkpoint is deleted at
 the end.
@@ -38,9 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from common.parallel import BASELINE, ParallelMode
-from tools.bench.output import table_stream
+from tools.bench.follower_memory import FP8_STEPS_CONFIG, run_steps
+from tools.bench.output import table_stream, write_result
 
 GIB = 2**30
+PARTS = ("plain", "fp8", "fp8-steps")
 # ~2.8 GB in float32: a 4096-wide model with a dense layer and a MoE layer, 32k vocabulary.
 WIDE_CONFIG: dict[str, Any] = {
     "model_type": "deepseek_v3",
@@ -272,15 +280,6 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
     }
 
 
-def write_result(result: dict[str, Any], args: argparse.Namespace) -> int:
-    """The result to --out and, with --json, as the last stdout line."""
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    if args.json:
-        print(json.dumps(result))
-    return 0
-
-
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM). Not `ru_maxrss`: Linux carries a parent's
     peak over fork and exec into it, so a child of a big parent would report the parent's."""
@@ -336,55 +335,80 @@ def planned_rank_bytes(
     return weight_bytes(tensors, dtype, Quantization.from_dir(model_dir).block)
 
 
+def _plain_rows(tmp: Path, args: argparse.Namespace) -> list[dict]:
+    rows = [run_child(tmp, args.dtype, "overhead"), run_child(tmp, args.dtype, "whole")]
+    for layout in (ParallelMode.TPLA.value, BASELINE.value):
+        rows += [run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
+    rows.append(run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
+    rows += run_prefill_group(tmp, args.dtype)
+    for r in rows:
+        if r["mode"] in ("rank", "whole-then-slice", "prefill-rank"):
+            r["planned_bytes"] = planned_rank_bytes(
+                tmp, r["layout"], r["rank"], args.dtype, prefill=r["mode"] == "prefill-rank"
+            )
+    return rows
+
+
 def _run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tpla-loading-", dir=args.tmp_dir))
     out = table_stream(args.json)
+    shard = int(args.shard_gb * GIB)
+    rows: list[dict] = []
+    checkpoints: dict[str, int] = {}
     try:
-        t0 = time.perf_counter()
-        size = write_checkpoint(tmp, int(args.shard_gb * GIB), args.dtype, args.layers)
-        files = len(list(tmp.glob("*.safetensors")))
-        took = time.perf_counter() - t0
-        print(f"checkpoint: {size / GIB:.2f} GiB in {files} shards ({took:.0f} s)", file=out)
-        rows = [run_child(tmp, args.dtype, "overhead"), run_child(tmp, args.dtype, "whole")]
-        for layout in (ParallelMode.TPLA.value, BASELINE.value):
-            rows += [run_child(tmp, args.dtype, "rank", layout, r) for r in (0, 1)]
-        rows.append(run_child(tmp, args.dtype, "whole-then-slice", "tpla", 1))
-        rows += run_prefill_group(tmp, args.dtype)
-        overhead = rows[0]["peak_rss_bytes"]
-        for r in rows:
-            if r["mode"] in ("rank", "whole-then-slice", "prefill-rank"):
-                r["planned_bytes"] = planned_rank_bytes(
-                    tmp, r["layout"], r["rank"], args.dtype, prefill=r["mode"] == "prefill-rank"
-                )
-        shutil.rmtree(tmp, ignore_errors=True)
-        # The same model as a block-FP8 checkpoint, a rank keeping it FP8 (the rest bf16).
-        write_checkpoint(tmp, int(args.shard_gb * GIB), "bfloat16", args.layers, fp8_block=128)
-        for rank in (0, 1):
-            row = run_child(tmp, "bfloat16", "rank-fp8", "tpla", rank)
-            row["planned_bytes"] = planned_rank_bytes(tmp, "tpla", rank, "float8")
+        if "plain" in args.parts:
+            t0 = time.perf_counter()
+            size = write_checkpoint(tmp, shard, args.dtype, args.layers)
+            files = len(list(tmp.glob("*.safetensors")))
+            took = time.perf_counter() - t0
+            print(f"checkpoint: {size / GIB:.2f} GiB in {files} shards ({took:.0f} s)", file=out)
+            checkpoints["plain"] = size
+            rows += _plain_rows(tmp, args)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if "fp8" in args.parts:
+            # The same model as a block-FP8 checkpoint, a rank keeping it FP8 (the rest bf16).
+            size = write_checkpoint(tmp, shard, "bfloat16", args.layers, fp8_block=128)
+            checkpoints["fp8"] = size
+            for rank in (0, 1):
+                row = run_child(tmp, "bfloat16", "rank-fp8", "tpla", rank)
+                row["planned_bytes"] = planned_rank_bytes(tmp, "tpla", rank, "float8")
+                rows.append(row)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if "fp8-steps" in args.parts:
+            layers = FP8_STEPS_CONFIG["num_hidden_layers"]
+            size = write_checkpoint(tmp, shard, "bfloat16", layers, FP8_STEPS_CONFIG, fp8_block=128)
+            print(f"V3-shaped FP8 checkpoint: {size / GIB:.2f} GiB", file=out)
+            checkpoints["fp8-steps"] = size
+            row = run_steps(tmp)
+            row["planned_bytes"] = planned_rank_bytes(tmp, "tpla", 1, "float8")
             rows.append(row)
+        overhead = rows[0]["peak_rss_bytes"] if rows[0]["mode"] == "overhead" else None
         for r in rows:
-            r["peak_minus_overhead_bytes"] = r["peak_rss_bytes"] - overhead
+            if overhead is not None:
+                r["peak_minus_overhead_bytes"] = r["peak_rss_bytes"] - overhead
+            if "planned_bytes" in r:
+                r["peak_minus_planned_bytes"] = r["peak_rss_bytes"] - r["planned_bytes"]
         result = {
-            "checkpoint_bytes": size,
-            "shards": files,
+            "checkpoint_bytes": checkpoints,
             "dtype": args.dtype,
             "config": {**WIDE_CONFIG, "num_hidden_layers": args.layers},
+            "fp8_steps_config": FP8_STEPS_CONFIG,
             "machine": machine(),
             "rows": rows,
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
-        f"{'mode':18} {'layout':7} {'rank':>4} {'peak RSS':>10} {'- overhead':>11} "
+        f"{'mode':18} {'layout':7} {'rank':>4} {'peak RSS':>10} {'- plan':>9} "
         f"{'kept':>10} {'load s':>7}",
         file=out,
     )
     for r in rows:
+        over = r.get("peak_minus_planned_bytes")
         print(
             f"{r['mode']:18} {r['layout']:7} {r['rank']:>4} {r['peak_rss_bytes'] / GIB:>8.2f} G "
-            f"{r['peak_minus_overhead_bytes'] / GIB:>9.2f} G {r['parameter_bytes'] / GIB:>8.2f} G "
-            f"{r['load_seconds']:>7}",
+            f"{'-' if over is None else f'{over / GIB:.2f} G':>9} "
+            f"{r['parameter_bytes'] / GIB:>8.2f} G {r['load_seconds']:>7}",
             file=out,
         )
     return write_result(result, args)
@@ -398,6 +422,13 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--tmp-dir", default=None, help="where the checkpoint is written")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which checkpoints' rows to run (default: all)",
+    )
     p.set_defaults(func=_run)
 
 

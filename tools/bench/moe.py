@@ -1,4 +1,5 @@
-"""`tpla bench moe`: one MoE layer's routed experts, the reference loop against grouped GEMMs.
+"""`tpla bench moe`: one MoE layer's routed experts, the reference loop against grouped GEMMs
+(`--fp8`: FP8 experts on CUDA, tools/bench/moe_fp8_gpu.py).
 
 Times what `MoE.routed` runs for T tokens (batch 1, 16, 64 by default) with k experts each:
 `loop` is the per-expert reference (common/model/experts.py `routed_experts`), `grouped` the
@@ -30,8 +31,13 @@ from typing import Any
 
 import torch
 
+from common.model.expert_routing import route
 from common.model.experts import grouped_experts, grouped_unsupported, routed_experts
 from common.native import small_gemm
+from tools.bench.moe_fp8_gpu import DEFAULT_OUT, run_fp8
+
+BATCHES = (1, 16, 64)
+FP8_BATCHES = (1, 32, 128, 4096)  # decode batches, and a prefill chunk's tokens
 
 
 @dataclass(frozen=True)
@@ -83,11 +89,12 @@ def kernels(
     holds_all: bool,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The kernels that run on these inputs, by name."""
+    held = gate_up.shape[0]
     out: dict[str, Callable[[], torch.Tensor]] = {
-        "loop": lambda: routed_experts(x, ids, weights, gate_up, down)
+        "loop": lambda: routed_experts(x, route(ids, weights, held), gate_up, down)
     }
     if grouped_unsupported(gate_up, down) is None:
-        out["grouped"] = lambda: grouped_experts(x, ids, weights, gate_up, down)
+        out["grouped"] = lambda: grouped_experts(x, route(ids, weights, held), gate_up, down)
     # The native backend runs its kernel only where a rank holds every expert (tp).
     if holds_all and small_gemm.moe_experts(x, ids, weights, gate_up, down) is not None:
         native = small_gemm.moe_experts
@@ -169,11 +176,28 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = bsub.add_parser("moe", help="a MoE layer's routed experts: reference loop vs grouped")
+    p = bsub.add_parser(
+        "moe", help="a MoE layer's routed experts: reference loop vs grouped (--fp8: on CUDA)"
+    )
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--batch", nargs="+", type=int, default=None, help=f"default {BATCHES}")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", action="store_true", help="stdout: only the JSON result")
-    p.set_defaults(func=_run)
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 experts on CUDA at V3's shapes: the Triton FP8 grouped GEMM against "
+        f"dequantize-then-GEMM (tools/bench/moe_fp8_gpu.py; batches {FP8_BATCHES})",
+    )
+    p.add_argument("--out", default=None, help=f"--fp8: the JSON file (default {DEFAULT_OUT})")
+    p.set_defaults(func=_dispatch)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.fp8:
+        args.batch = args.batch or list(FP8_BATCHES)
+        return run_fp8(args)
+    args.batch = args.batch or list(BATCHES)
+    return _run(args)

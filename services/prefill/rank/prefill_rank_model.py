@@ -5,9 +5,11 @@ whole latent projection of every layer (kv_a and its norm, so every rank compute
 latent n, k_pe of each token), its head group's query rows, kv_b rows and o_proj columns, a
 1/N slice of every FFN (`rank_ffn`: dense columns, the routed experts by `TPLA_MOE_PARALLEL`,
 the shared experts by columns, the router replicated) and 1/N of the vocabulary, for the
-embedding and the LM head. It runs `packed_prefill`, the whole model's loop: the embedding
-(a masked lookup), each layer's attention output and FFN output are summed over the group
-(`Comm.sum_`), and the logits are this rank's vocabulary shard (`gather_vocab` joins them).
+embedding and the LM head. Under `ep` its MoE layers size their routed rows to the slots
+their experts take (`size_to_held`: about T * k / N rows, not T * k on every rank). It runs
+`packed_prefill`, the whole model's loop: the embedding (a masked lookup), each layer's
+attention output and FFN output are summed over the group (`Comm.sum_`), and the logits are
+this rank's vocabulary shard (`gather_vocab` joins them).
 With `mtp` (the decode groups run MTP drafts) it holds its share of the MTP layer too
 (services/prefill/rank/mtp.py), whose latents over the prompts are one more layer of its
 output, as the tp = 1 worker's are.
@@ -37,6 +39,7 @@ from common.model.causal_lm import (
     packed_prefill,
 )
 from common.model.fp8 import share_workspace
+from common.model.moe import size_to_held
 from common.model.mtp import prefill_with_mtp, prompt_own_next_ids
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding
@@ -84,6 +87,7 @@ class PrefillRankModel(nn.Module):
         self.rope = RotaryEmbedding(c, self.lm_head.device)
         self.prefill_attention: PrefillAttention = attention or SdpaPrefillAttention()
         share_workspace(self)
+        size_to_held(self)
 
     @property
     def device(self) -> torch.device:

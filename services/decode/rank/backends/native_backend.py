@@ -3,9 +3,9 @@
 Attention reads the paged cache in place (`latent_attention.cpp`); a layer's attention inputs
 are one call instead of ~45 torch ops (`decode_layer.cpp`); linears over a few rows, the MLP
 and a MoE layer's routed experts run in `small_gemm.cpp` (BLAS packs the weight for every
-skinny product). Each is tested equal to the torch backend. FP8-resident weights are
-dequantized just before their kernel; a layer whose attention inputs are FP8 computes them on
-the torch path.
+skinny product). Each is tested equal to the torch backend. FP8-resident weights run on the
+torch path, dequantized a bounded part at a time (a linear's rows, a group of experts: see
+common/model/fp8.py); a layer whose attention inputs are FP8 computes them there too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
-from common.model.fp8 import Fp8Weight, Weight, dense
+from common.model.fp8 import Fp8Weight, Weight, linear
 from common.model.mla import RMSNorm
 from common.model.moe import MoE
 from common.model.rope import RotaryEmbedding
@@ -52,7 +52,8 @@ class NativeBackend(TorchBackend):
         ]
 
     def linear(self, x: Tensor, w: Weight) -> Tensor:
-        return small_gemm.linear(x, dense(w))
+        # An FP8 weight dequantizes a bounded run of rows at a time (`Fp8Weight.forward`).
+        return linear(x, w) if isinstance(w, Fp8Weight) else small_gemm.linear(x, w)
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
         return decode_layer.rms_norm(x, norm.weight, norm.eps)
@@ -62,17 +63,20 @@ class NativeBackend(TorchBackend):
             weights, ids = module.gate(x)
             experts = module.experts
             # The kernel runs every slot it is given; under expert parallelism most slots
-            # are other ranks', which `routed` skips.
+            # are other ranks', which `routed` skips. It takes a rank's experts whole: FP8
+            # ones run `routed`, which dequantizes a bounded group of them at a time.
             out = None
-            if module.holds_all:
-                out = small_gemm.moe_experts(
-                    x, ids, weights, dense(experts.gate_up_proj), dense(experts.down_proj)
-                )
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            if module.holds_all and not isinstance(gate_up, Fp8Weight):
+                assert not isinstance(down, Fp8Weight)  # the loader keeps both FP8, or neither
+                out = small_gemm.moe_experts(x, ids, weights, gate_up, down)
             if out is None:
                 out = module.routed(x, ids, weights)
             if module.shared_experts is not None:
                 out = out + self.ffn(module.shared_experts, x)
             return out
+        if isinstance(module.gate_proj, Fp8Weight):
+            return module(x)  # its FP8 linears, each a bounded run of rows at a time
         return small_gemm.mlp(
             x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
         )

@@ -8,14 +8,12 @@ the CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the test
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.model.tpla import absorbed_queries
-from common.triton_kernels import decode_attention
+from common.triton_kernels import decode_attention, triton_mode
 from services.decode.rank.backends.torch_backend import TorchBackend
 from services.decode.rank.layers import RankAttention
 
@@ -25,12 +23,9 @@ class TritonBackend(TorchBackend):
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
-        if not decode_attention.triton_installed():
-            return "triton is not installed (pip install triton)"
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            return "Triton kernels run on CUDA devices, or on the CPU under TRITON_INTERPRET=1"
-        if device.type not in ("cpu", "cuda"):
-            return f"Triton kernels do not run on {device}"
+        why = triton_mode.unsupported(device)
+        if why is not None:
+            return why
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"the Triton kernel takes fp32 / bf16 / fp16, not {dtype}"
         return None

@@ -11,6 +11,7 @@ import torch
 
 from common.loading.checkpoint import CheckpointReader
 from common.loading.weights import ALL, CheckpointWeights
+from common.model import fp8
 from common.model.fp8 import Fp8Weight, RowRun, dense, share_workspace
 from tests.shard_checkpoints import CONFIG, FP8_CONFIG, quantize, random_state, save_checkpoint
 
@@ -74,3 +75,31 @@ def test_only_e4m3_linear_weights_stay_fp8(fp8_dir: Path) -> None:
     embed = src.linear("model.embed_tokens.weight")  # stored unquantized
     assert isinstance(embed, torch.Tensor) and embed.dtype == torch.bfloat16
     assert CONFIG["hidden_size"] == 192
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 128, 1000])
+def test_a_linear_dequantizes_a_bounded_run_of_rows_at_a_time(
+    fp8_dir: Path, monkeypatch: pytest.MonkeyPatch, chunk_rows: int
+) -> None:
+    """`forward` without an FP8 GEMM: the rows through one buffer of LINEAR_CHUNK_BYTES shared
+    by every linear (rows from inside a block, gate then up rows), equal to the linear of the
+    weight dequantized whole."""
+    src = CheckpointWeights(fp8_dir, torch.float32, keep_fp8=True)
+    plain = CheckpointWeights(fp8_dir, torch.float32)
+    gate = "model.layers.0.mlp.gate_proj.weight"  # [320, 192]
+    down = "model.layers.0.mlp.down_proj.weight"  # [192, 320]
+    model = torch.nn.ModuleDict(
+        {"gate": src.linear(gate, slice(40, 300)), "down": src.linear(down, cols=slice(100, 320))}
+    )
+    workspace = share_workspace(model)
+    monkeypatch.setattr(fp8, "LINEAR_CHUNK_BYTES", chunk_rows * 220 * 4)  # rows of `down`
+    x = torch.randn(3, 192)
+    got_gate = model["gate"](x)
+    want_gate = torch.nn.functional.linear(x, plain.tensor(gate, slice(40, 300)))
+    torch.testing.assert_close(got_gate, want_gate, atol=1e-6, rtol=1e-6)
+    y = torch.randn(2, 5, 220)
+    want_down = torch.nn.functional.linear(y, plain.tensor(down, cols=slice(100, 320)))
+    torch.testing.assert_close(model["down"](y), want_down, atol=1e-6, rtol=1e-6)
+    # One buffer for both linears' rows, bounded; no role's whole weight.
+    keys = [k for k in workspace._buffers if k[0] not in ("rows", "cols")]
+    assert keys == [(fp8.LINEAR_ROLE, (max(chunk_rows * 220, 192),), torch.float32, x.device)]

@@ -245,3 +245,39 @@ def test_the_full_model_applies_each_chosen_weight_by_its_gemm(
     assert kv_b == "dequantize: MLAttention reads it as a tensor"
     assert used == gemms
     assert (got - want).norm() <= 0.1 * want.norm()
+
+
+@pytest.mark.usefixtures("triton_interpret")
+def test_the_triton_gemm_applies_each_weight_it_can_read(fp8_dir: Path) -> None:
+    """TPLA_FP8_GEMM=triton (Triton's interpreter here): rows from anywhere, columns from a
+    block edge; within 5% of dequantize-on-use (one activation quantized to e4m3) and equal
+    to the same quantized activation times the dequantized weight in fp32."""
+    pytest.importorskip("triton.language")
+    src = CheckpointWeights(fp8_dir, torch.float32, keep_fp8=True)
+    model = torch.nn.ModuleDict(
+        {
+            "whole": src.linear("model.layers.0.mlp.gate_proj.weight"),
+            "mid_rows": src.linear("model.layers.0.mlp.up_proj.weight", slice(100, 320)),
+            "narrow": src.linear("model.layers.0.mlp.gate_proj.weight", slice(0, 40), ALL),
+            "straddles": src.linear("model.layers.0.mlp.down_proj.weight", cols=slice(160, 320)),
+        }
+    )
+    cpu = torch.device("cpu")
+    assert select_fp8_gemm("triton", cpu).kernel == "triton"
+    assert select_fp8_gemm("auto", cpu).kernel == "dequantize"  # never the interpreter
+    chosen = assign_gemms(model, "triton")
+    assert chosen["whole"] == chosen["mid_rows"] == chosen["narrow"] == "triton"
+    assert chosen["straddles"].startswith("dequantize: columns from 32 into a 128-wide block")
+    g = torch.Generator().manual_seed(4)
+    for name in ("whole", "mid_rows", "narrow"):
+        w = model[name]
+        x = torch.randn(2, 3, w.shape[1], generator=g)
+        got = w(x)
+        want = torch.nn.functional.linear(x, dense(w).clone())
+        assert got.shape == want.shape
+        assert (got - want).norm() <= 0.05 * want.norm()
+        q, s = quantize_groups(x.reshape(6, -1))
+        k = x.shape[-1]
+        xq = q.float() * s.repeat_interleave(128, dim=1)[:, :k]
+        exact = (xq @ dense(w).T).view_as(want)
+        assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()

@@ -1,4 +1,6 @@
-"""Gating rules checked against a direct computation, including where HF-native V2 differs."""
+"""Gating rules checked against a direct computation, including where HF-native V2 differs;
+a MoE layer settles its routed experts' kernel once per placement, and a layer holding some
+experts (sized to its slots or not) gives its share of the whole layer."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import dataclasses
 import torch
 
 from common.model.args import ModelConfig
-from common.model.moe import Gate
+from common.model.experts import grouped_experts, routed_experts
+from common.model.moe import Gate, MoE, size_to_held, use_experts_kernel
 
 CFG = ModelConfig(
     model_type="deepseek_v2",
@@ -70,3 +73,66 @@ def test_noaux_bias_steers_choice_not_weights() -> None:
     weights, ids = gate(x)
     assert all(set(r) == {5, 6, 7} for r in ids.tolist())
     torch.testing.assert_close(weights, (x @ gate.weight.T).sigmoid().gather(1, ids))
+
+
+EXPERTS = dataclasses.replace(
+    CFG, hidden_size=32, moe_intermediate_size=16, num_experts_per_tok=2, n_shared_experts=1
+)
+
+
+def _moe(config: ModelConfig = EXPERTS, held: slice | None = None) -> MoE:
+    moe = MoE(config, held)
+    g = torch.Generator().manual_seed(0)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1, generator=g)
+    return moe
+
+
+def test_moe_picks_its_kernel_once_and_again_after_a_cast() -> None:
+    moe = _moe()
+    x = torch.randn(4, 32)
+    out = moe(x)
+    assert moe.kernel is grouped_experts
+    moe.double()
+    assert moe.kernel is routed_experts  # no float64 grouped_mm: the loop, picked anew
+    torch.testing.assert_close(moe(x.double()).float(), out, atol=1e-5, rtol=1e-5)
+
+
+def test_the_model_runs_the_chosen_experts_kernel() -> None:
+    model = torch.nn.ModuleDict({"layer": _moe()})
+    layer = model["layer"]
+    x = torch.randn(4, 32)
+    grouped = layer(x)
+    assert use_experts_kernel(model, "loop") == {
+        "layer": "loop: the loop was chosen (TPLA_EXPERTS_KERNEL)"
+    }
+    assert layer.kernel is routed_experts
+    torch.testing.assert_close(layer(x), grouped, atol=1e-5, rtol=1e-5)
+    layer.float()  # a move keeps the choice
+    assert layer.kernel is routed_experts
+    assert use_experts_kernel(model, "grouped") == {"layer": "grouped"}
+    assert layer.kernel is grouped_experts
+    # Weights that are not FP8 run grouped under triton_fp8, without a word about it.
+    assert use_experts_kernel(model, "triton_fp8") == {"layer": "grouped"}
+    assert layer.kernel is grouped_experts and layer.loop_reason() is None
+
+
+def test_a_moe_holding_some_experts_routes_the_rest_elsewhere() -> None:
+    whole = _moe()
+    x = torch.randn(6, 32)
+    weights, ids = whole.gate(x)
+    want = whole.routed(x, ids, weights)
+    for sized in (False, True):
+        halves = []
+        for held in (slice(0, 3), slice(3, 8)):
+            part = MoE(dataclasses.replace(EXPERTS, n_shared_experts=0), held)
+            part.experts.gate_up_proj.data = whole.experts.gate_up_proj.data[held]
+            part.experts.down_proj.data = whole.experts.down_proj.data[held]
+            assert not part.holds_all and part.first_expert == held.start
+            if sized:
+                size_to_held(part)
+            assert part.sized == sized
+            halves.append(part.routed(x, ids, weights))
+        torch.testing.assert_close(halves[0] + halves[1], want)
+    size_to_held(whole)  # a layer holding every expert has no slot to leave out
+    assert not whole.sized

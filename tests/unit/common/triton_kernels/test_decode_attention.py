@@ -27,7 +27,7 @@ pytest.importorskip("triton.language")
 
 from common.model.tpla import absorbed_queries, latent_shards, latent_slice_attention  # noqa: E402
 from common.parallel import ParallelConfig  # noqa: E402
-from common.triton_kernels import decode_attention  # noqa: E402
+from common.triton_kernels import decode_attention, triton_mode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[4]
 # Kernel vs fp32 reference on the same (rounded) inputs: fp32 multiplies exactly in both; the
@@ -234,14 +234,14 @@ def test_bad_split_count_and_cpu_without_interpreter(monkeypatch: pytest.MonkeyP
             **_bad(case), num_splits=decode_attention.MAX_GRID_Z + 1
         )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert decode_attention.available() == torch.cuda.is_available()
+    assert triton_mode.available() == torch.cuda.is_available()
     with pytest.raises(ValueError, match="CUDA"):
         decode_attention.paged_decode_attention(**_bad(case.to(torch.device("cpu"))))
 
 
 def test_available_here() -> None:
-    assert decode_attention.triton_installed() and decode_attention.available()
-    assert decode_attention.interpreted_import() == (DEVICE.type == "cpu")
+    assert triton_mode.triton_installed() and triton_mode.available()
+    assert triton_mode.interpreted_import() == (DEVICE.type == "cpu")
 
 
 def test_choose_num_splits() -> None:
@@ -267,8 +267,8 @@ def test_imports_and_reference_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from common.triton_kernels import decode_attention\n"
-        "assert not decode_attention.triton_installed() and not decode_attention.available()\n"
+        "from common.triton_kernels import decode_attention, triton_mode\n"
+        "assert not triton_mode.triton_installed() and not triton_mode.available()\n"
         "q, kv = torch.randn(1, 2, 48), torch.randn(32, 48)\n"
         "ids, lengths = torch.tensor([[1, 0]]), torch.tensor([20])\n"
         "u, lse = decode_attention.paged_decode_attention_reference(\n"

@@ -15,6 +15,7 @@ from common.group.comm import Comm
 from common.group.vocab import gather_vocab
 from common.loading.loader import load_model
 from common.model.causal_lm import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.model.moe import MoE
 from common.parallel import MoeParallel, ParallelConfig, ParallelError, ParallelMode
 from services.prefill.rank.prefill_rank_model import PrefillRankModel
 from tests.shard_checkpoints import run_group
@@ -126,9 +127,33 @@ def test_a_rank_holds_its_share(models) -> None:
         assert attn.num_heads == c.num_attention_heads // 2
         assert torch.equal(attn.kv_a_proj_with_mqa.weight, whole.kv_a_proj_with_mqa.weight)
         assert share.layers[1].mlp.experts.gate_up_proj.shape[0] == c.n_routed_experts // 2
+        assert share.layers[1].mlp.sized  # its routed rows: the slots its experts take
         assert torch.equal(share.embed_rows, model.model.embed_tokens.weight[share.vocab])
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert shares[0].parameter_bytes() < 0.7 * whole_bytes
+
+
+def test_ep_ranks_sized_to_their_slots_answer_as_with_every_slot(models) -> None:
+    """Under ep a rank's routed rows are only the slots its experts take; its answers are
+    those of the same rank giving every slot a row (the decode step's static way)."""
+    model = models["v3-noaux-yarn"]
+    batch = _batch(model, with_past=False)
+    parallel = ParallelConfig(tp=2, moe=MoeParallel.EP)
+
+    def rank(r: int, comm: Comm, sized: bool) -> PrefillOutput:
+        share = PrefillRankModel(model, parallel, r, comm)
+        for module in share.modules():
+            if isinstance(module, MoE):
+                assert module.sized
+                module.sized = sized
+        return share.prefill(batch.ids, batch.lens, all_logits=True)
+
+    sized = run_group(2, lambda r, comm: rank(r, comm, True))
+    every = run_group(2, lambda r, comm: rank(r, comm, False))
+    for a, b in zip(sized, every, strict=True):
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-6, rtol=1e-6)
+        for x, y in zip(a.n, b.n, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
 
 def test_a_prefill_group_splits_by_heads_only(models) -> None:
