@@ -119,6 +119,11 @@ class EngineConfig:
                 "(--rank / --group-addr), which may run on other hosts; use dist or auto"
             )
 
+    def context_limit(self, model_positions: int) -> int:
+        """The longest sequence (prompt + output) the group holds: `max_model_len`
+        (TPLA_MAX_MODEL_LEN), else the model's context, `model_positions`."""
+        return self.max_model_len or model_positions
+
     def local_index(self, rank: int) -> int:
         """Rank `rank`'s index on its host: the offset of its GPU (`rank_device`) and of its
         KV ports. Spawned ranks share the leader's host; a rank started on its own is the

@@ -59,7 +59,7 @@ class DecodeEngine:
         model_cfg = self.runtime.model.config
         eos = model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = frozenset(eos)
-        max_len = cfg.max_model_len or model_cfg.max_position_embeddings
+        max_len = cfg.context_limit(model_cfg.max_position_embeddings)
         self.pool = RankPools(
             self.runtime.cache.usable_blocks,
             cfg.block_size,

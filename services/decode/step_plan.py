@@ -1,16 +1,22 @@
 """The leader -> ranks step plan, as int64 tensors over the group's broadcast (no pickle).
 
 Every plan is a fixed 8-word header, then an op-specific int64 payload:
-    DECODE    tokens [B], positions [B], block_tables [R, B, W] (-1 padded; R = 1 when
-              every rank shares the tables, R = tp in SP mode). B and W are the step's
-              bucket (services/decode/group/buckets.py): the leader pads the batch with
-              rows whose table is all -1 (their write goes to the trash slot, their logits
-              are dropped), so every rank runs the same static shapes. Header word 6 set:
-              each rank counts its step's host waits (`tpla bench decode-step`). Header
-              word 7 set: an MTP draft pass follows (`MtpPlan`): 4 words (M, S, E, D),
-              then rows [4, M], drafts [3, S] and seeds [E, D] as fp32 bits
+    DECODE    tokens [B], positions [B], slots [B] (each row's table row on the ranks), then
+              the table edits (`TableEdits`: cleared [C], runs [4, E], blocks [N]). Every
+              rank keeps its block tables as one persistent tensor, a row per running
+              sequence (services/decode/rank/block_tables.py); a step sends only what
+              changed since the last (services/decode/leader/table_rows.py), so a plan is
+              O(batch + new blocks), whatever the context. B and W (the columns the step
+              reads) are the step's bucket (services/decode/group/buckets.py): the leader
+              pads the batch with rows on the all -1 padding row (their write goes to the
+              trash slot, their logits are dropped), so every rank runs the same static
+              shapes. Header word 6 set: each rank counts its step's host waits (`tpla
+              bench decode-step`). Header word 7 set: an MTP draft pass follows
+              (`MtpPlan`): 4 words (M, S, E, D), then rows [4, M], drafts [3, S] and seeds
+              [E, D] as fp32 bits
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
-    COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 or tp as above):
+    COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 when every rank
+              shares the tables, R = tp in SP mode):
               every rank copies its pairs' slots, all layers (a forked sequence's own copy
               of the prompt's partly filled last block)
     PING      nothing: an idle leader's keep-alive (see `PingPlan`)
@@ -20,7 +26,7 @@ Every plan is a fixed 8-word header, then an op-specific int64 payload:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,10 +85,44 @@ class MtpPlan:
 
 
 @dataclass(frozen=True)
+class TableEdits:
+    """What changed in the ranks' block tables since the last step, applied before it
+    (services/decode/rank/block_tables.py): the `cleared` rows are all -1 again (their
+    sequence left), then each run e writes its blocks into pool runs[0, e]'s table, row
+    runs[1, e], from column runs[2, e] on, runs[3, e] of them, taken in order from `blocks`.
+    A pool is a rank's own under SP (each rank applies its own runs), else the one every
+    rank shares (pool 0)."""
+
+    cleared: Tensor  # [C] int64
+    runs: Tensor  # [4, E] int64: (pool, row, first column, blocks)
+    blocks: Tensor  # [N] int64
+
+    @staticmethod
+    def none() -> TableEdits:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return TableEdits(empty, empty.view(4, 0), empty)
+
+    @staticmethod
+    def whole(tables: Tensor) -> TableEdits:
+        """Rows written whole: tables [R, B, W] (-1 padded) into rows 0..B-1 of pools
+        0..R-1 (a rank's tests, from explicit tables)."""
+        r, b, w = tables.shape
+        runs = [(k, row, 0, w) for k in range(r) for row in range(b)]
+        cleared = torch.zeros(0, dtype=torch.int64)
+        return TableEdits(cleared, torch.tensor(runs).view(-1, 4).T.contiguous(), tables.flatten())
+
+    @property
+    def words(self) -> int:
+        return self.cleared.numel() + self.runs.numel() + self.blocks.numel()
+
+
+@dataclass(frozen=True)
 class DecodePlan:
     tokens: Tensor  # [B] int64
     positions: Tensor  # [B] int64
-    block_tables: Tensor  # [R, B, W] int64
+    slots: Tensor  # [B] int64: each row's table row on the ranks (padding rows: the all -1 one)
+    width: int  # table columns the step reads: blocks under its longest row, or its bucket's
+    edits: TableEdits = field(default_factory=TableEdits.none)
     # Each rank counts its step's host waits and returns the count as one extra logits row
     # (services/decode/rank/runtime.py).
     count_syncs: bool = False
@@ -93,8 +133,7 @@ class DecodePlan:
     @property
     def bucket(self) -> tuple[int, int]:
         """(batch, table width): the step's static shape."""
-        _, b, w = self.block_tables.shape
-        return b, w
+        return len(self.tokens), self.width
 
 
 @dataclass(frozen=True)
@@ -132,12 +171,29 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         comm.broadcast_plan_(header)
         return
     if isinstance(plan, DecodePlan):
-        r, b, m = plan.block_tables.shape
-        header[:4] = torch.tensor([Op.DECODE, b, m, 0])
-        header[5] = r
+        edits = plan.edits
+        header[:6] = torch.tensor(
+            [
+                Op.DECODE,
+                len(plan.tokens),
+                plan.width,
+                len(edits.cleared),
+                edits.runs.shape[1],
+                len(edits.blocks),
+            ]
+        )
         header[6] = int(plan.count_syncs)
         header[7] = int(plan.mtp is not None)
-        payload = torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()])
+        payload = torch.cat(
+            [
+                plan.tokens,
+                plan.positions,
+                plan.slots,
+                edits.cleared,
+                edits.runs.flatten(),
+                edits.blocks,
+            ]
+        )
     elif isinstance(plan, CopyPlan):
         r, p, _ = plan.pairs.shape
         header[:3] = torch.tensor([Op.COPY, r, p])
@@ -164,12 +220,14 @@ def recv_plan(comm: Comm) -> Plan:
     if op is Op.PING:
         return PingPlan()
     if op is Op.DECODE:
-        b, m, r, count = int(header[1]), int(header[2]), int(header[5]), bool(header[6])
-        payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
+        b, width, c, e, n = (int(v) for v in header[1:6])
+        payload = torch.empty(3 * b + c + 4 * e + n, dtype=torch.int64)
         comm.broadcast_plan_(payload)
-        tables = payload[2 * b :].view(r, b, m)
+        rows = payload[: 3 * b].view(3, b)
+        cleared, runs = payload[3 * b : 3 * b + c], payload[3 * b + c : 3 * b + c + 4 * e]
+        edits = TableEdits(cleared, runs.view(4, e), payload[3 * b + c + 4 * e :])
         mtp = MtpPlan.read(comm) if header[7] else None
-        return DecodePlan(payload[:b], payload[b : 2 * b], tables, count, mtp)
+        return DecodePlan(rows[0], rows[1], rows[2], width, edits, bool(header[6]), mtp)
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
         payload = torch.empty(r * p * 2, dtype=torch.int64)

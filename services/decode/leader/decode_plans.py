@@ -1,12 +1,13 @@
 """The plans a leader's step sends its ranks, built from the scheduler's host lists.
 
 A batch's `DecodePlan` has a row per fed token (a sequence's last token, then its drafts at
-the positions after it, each row with the sequence's tables), every table cut to the blocks
-under every row's position (padded with -1 for shorter rows). Where the ranks replay
-captured steps (`bucketed`), it is padded to its bucket (services/decode/group/buckets.py):
-rows of token 0 at position 0 with an all -1 table (each rank writes them to its trash slot;
-their logits are dropped), tables to the bucket's width. A request's forks copy their own
-blocks from the prompt's with one `CopyPlan`.
+the positions after it, each row on the sequence's table row), the tables' edits since the
+last step (leader/table_rows.py: the ranks keep the tables) and the width the step reads:
+the blocks under every row's position. Where the ranks replay captured steps (`bucketed`),
+it is padded to its bucket (services/decode/group/buckets.py): rows of token 0 at position 0
+on the all -1 padding row (each rank writes them to its trash slot; their logits are
+dropped), the width to the bucket's. A request's forks copy their own blocks from the
+prompt's with one `CopyPlan`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from services.decode.config import EngineConfig
 from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
 from services.decode.leader.scheduler import DecodeSequence, Scheduler
+from services.decode.leader.table_rows import TableRows
 from services.decode.leader.verify import StepRows
 from services.decode.step_plan import CopyPlan, DecodePlan, MtpPlan
 
@@ -28,10 +30,13 @@ class DecodePlans:
     def __init__(self, scheduler: Scheduler, cfg: EngineConfig, bucketed: bool) -> None:
         self.scheduler = scheduler
         self.block_size = cfg.block_size
+        self.parallel = cfg.parallel
         # Under SP each rank holds its own tables; otherwise one table serves every rank.
         self.ranks = cfg.parallel.token_ranks
         # A CPU step is not padded: a padding row or block is work for nothing there.
         self.bucketed = bucketed
+        # Which table row each running sequence has on the ranks, and what they hold of it.
+        self.tables = TableRows(scheduler.pool, scheduler.max_batch)
 
     def step(
         self,
@@ -42,46 +47,36 @@ class DecodePlans:
     ) -> DecodePlan:
         """The batch's plan (see above), `rows` its rows; `count_syncs`: each rank counts its
         host waits; `mtp`: its draft pass."""
-        pool, scheduler, bs = self.scheduler.pool, self.scheduler, self.block_size
-        per_seq = [pool.tables(s.seq_id) for s in batch]
+        scheduler, bs = self.scheduler, self.block_size
+        table_rows, edits = self.tables.edits(batch)
         sizes = rows.sizes
-        blocks = max(
-            -(-pool.local_tokens(k, s.next_position + n) // bs)
-            for s, n in zip(batch, sizes, strict=True)
-            for k in range(self.ranks)
-        )
+        # Tokens under the longest row: a rank's share of them only grows with it.
+        longest = max(s.next_position + n for s, n in zip(batch, sizes, strict=True))
+        blocks = max(-(-self.parallel.local_length(longest, k) // bs) for k in range(self.ranks))
         width, size = max(blocks, 1), rows.total
         if self.bucketed:
-            width = width_bucket(width, -(-scheduler.max_model_len // bs))
+            width = width_bucket(width, self.max_blocks)
             size = batch_bucket(size, max(scheduler.max_batch, size))
-        pad_row = [-1] * width
-        tables = [
-            [
-                [*tables[k][:width], *pad_row[: max(width - len(tables[k]), 0)]]
-                for tables, n in zip(per_seq, sizes, strict=True)
-                for _ in range(n)
-            ]
-            + [pad_row] * (size - rows.total)
-            for k in range(self.ranks)
-        ]
         pad = [0] * (size - rows.total)
-        tokens = [t for s, d in zip(batch, rows.drafts, strict=True) for t in (s.last_token, *d)]
-        positions = [
-            s.next_position + j for s, n in zip(batch, sizes, strict=True) for j in range(n)
+        words = [
+            [t for s, d in zip(batch, rows.drafts, strict=True) for t in (s.last_token, *d)] + pad,
+            [s.next_position + j for s, n in zip(batch, sizes, strict=True) for j in range(n)]
+            + pad,
+            [r for r, n in zip(table_rows, sizes, strict=True) for _ in range(n)]
+            + [self.tables.padding] * len(pad),
         ]
-        return DecodePlan(
-            torch.tensor(tokens + pad),
-            torch.tensor(positions + pad),
-            torch.tensor(tables, dtype=torch.int64),
-            count_syncs,
-            mtp,
-        )
+        tokens, positions, slots = torch.tensor(words, dtype=torch.int64)
+        return DecodePlan(tokens, positions, slots, width, edits, count_syncs, mtp)
+
+    @property
+    def max_blocks(self) -> int:
+        """The most blocks a sequence's table holds (its context limit's)."""
+        return -(-self.scheduler.max_model_len // self.block_size)
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (batch, table width) a step can be padded to, largest first."""
-        max_blocks = -(-self.scheduler.max_model_len // self.block_size)
         sizes = batch_buckets(self.scheduler.max_batch)
-        return sorted(((b, w) for b in sizes for w in width_buckets(max_blocks)), reverse=True)
+        return sorted(((b, w) for b in sizes for w in width_buckets(self.max_blocks)), reverse=True)
 
     def padding(self) -> Iterator[DecodePlan]:
         """A plan of padding rows at every bucket, largest first: run once before the group
@@ -90,7 +85,7 @@ class DecodePlans:
         write only the trash slot."""
         for size, width in self.buckets():
             zeros = torch.zeros(size, dtype=torch.int64)
-            yield DecodePlan(zeros, zeros, torch.full((self.ranks, size, width), -1))
+            yield DecodePlan(zeros, zeros, torch.full((size,), self.tables.padding), width)
 
     def copies(self, seqs: list[DecodeSequence]) -> CopyPlan | None:
         """The copies of the forks' own blocks from the prompt's, on every rank, before

@@ -63,8 +63,8 @@ class StepGraphs:
         return captured.output
 
     def _capture(self, plan: DecodePlan) -> _Captured:
-        tokens, positions, tables = (t.clone() for t in _tensors(plan))
-        inputs = DecodePlan(tokens, positions, tables)
+        tokens, positions, slots = (t.clone() for t in _tensors(plan))
+        inputs = DecodePlan(tokens, positions, slots, plan.width)
         # One eager run first, on a side stream as capture requires: it compiles the Triton
         # variants and grows the workspaces that the graph then records at their final size.
         # Running the plan's step twice is harmless: it writes the same cache slots again.
@@ -80,7 +80,7 @@ class StepGraphs:
 
 
 def _tensors(plan: DecodePlan) -> tuple[Tensor, Tensor, Tensor]:
-    return plan.tokens, plan.positions, plan.block_tables
+    return plan.tokens, plan.positions, plan.slots
 
 
 def uncapturable(model: nn.Module) -> str | None:

@@ -30,6 +30,7 @@ from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
 from services.decode.config import EngineConfig
 from services.decode.rank.backends import decode_backend, select_decode_kernel
+from services.decode.rank.block_tables import RankTables
 from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
 from services.decode.rank.rank_model import RankModel
@@ -68,6 +69,11 @@ class RankRuntime:
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
         self.comm = open_comm(group, rank, self.device)
         self.inputs = StepInputs(self.device)
+        # Every running sequence's block table, kept here; each plan brings its edits.
+        positions = cfg.context_limit(weights.config.max_position_embeddings)
+        pool = rank if cfg.parallel.token_ranks > 1 else 0
+        max_blocks = -(-positions // cfg.block_size)
+        self.tables = RankTables(cfg.max_batch, max_blocks, pool, self.device)
         # The last step's hidden states [B, D] before the final norm: the draft pass reads
         # them (rank/draft_pass.py). Kept on the device.
         self.hidden: Tensor | None = None
@@ -91,6 +97,7 @@ class RankRuntime:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]. A plan
         that asks for it (`count_syncs`) gets one more row: this rank's host waits in the
         step, in column 0."""
+        self.tables.apply(plan.edits)
         if not plan.count_syncs:
             inputs = self.inputs.load(plan)
             return self.decode(inputs) if self.graphs is None else self.graphs.run(inputs)
@@ -108,7 +115,7 @@ class RankRuntime:
         ones this rank must not store (padding rows, SP tokens another rank owns) into the
         cache's trash slot."""
         positions = plan.positions
-        tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
+        tables = self.tables.rows(plan.slots, plan.width)
         tokens, cache, comm = plan.tokens, self.cache, self.comm
         if plan.mtp is not None:
             previous = self.hidden

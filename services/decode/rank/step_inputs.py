@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -28,7 +30,7 @@ class StepInputs:
         if self.device.type == "cpu":
             return plan
         b = len(plan.tokens)
-        words = 2 * b + plan.block_tables.numel()
+        words = 3 * b
         if self._device_words.numel() < words:
             size = max(words, 2 * self._device_words.numel())
             self._host = [torch.empty(size, dtype=torch.int64).pin_memory() for _ in range(2)]
@@ -39,11 +41,10 @@ class StepInputs:
         if (done := self._done[turn]) is not None:
             done.synchronize()
         host = self._host[turn][:words]
-        torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()], out=host)
+        torch.cat([plan.tokens, plan.positions, plan.slots], out=host)
         dev = self._device_words[:words]
         dev.copy_(host, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._done[turn] = event
-        tables = dev[2 * b :].view(plan.block_tables.shape)
-        return DecodePlan(dev[:b], dev[b : 2 * b], tables, plan.count_syncs, plan.mtp)
+        return replace(plan, tokens=dev[:b], positions=dev[b : 2 * b], slots=dev[2 * b :])
