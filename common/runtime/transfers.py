@@ -1,10 +1,10 @@
 """Small host <-> device copies that never make a GPU's host wait more than once a step.
 
 `to_device` moves a host list (per-row sampling parameters, indices), `to_device_tensor` a
-host tensor (a plan's words), through pinned memory with a non-blocking copy: from pageable memory the copy would wait for the device's queue.
-`to_host` is a step's one awaited transfer: its results, copied into pinned memory and
-awaited on an event (counted by `common.runtime.host_syncs`). On the CPU both are plain
-tensors.
+host tensor (a plan's words), through pinned memory with a non-blocking copy: from pageable
+memory the copy would wait for the device's queue. `to_host` is a step's one awaited
+transfer: its results, copied into pinned memory and awaited on an event (counted by
+`common.runtime.host_syncs`). On the CPU both are plain tensors.
 """
 
 from __future__ import annotations

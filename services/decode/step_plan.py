@@ -1,6 +1,7 @@
 """The leader -> ranks step plan, as int64 tensors over the group's broadcast (no pickle).
 
-Every plan is a fixed 8-word header, then an op-specific int64 payload:
+Every plan is a fixed 8-word header, then an op-specific int64 payload (inline in the same
+message up to `INLINE_WORDS`, else in a second broadcast):
     DECODE    tokens [B], positions [B], slots [B] (each row's table row on the ranks), then
               the table edits (`TableEdits`: cleared [C], runs [4, E], blocks [N]). Every
               rank keeps its block tables as one persistent tensor, a row per running
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
     from common.group.comm import Comm
 
 HEADER_WORDS = 8
+# A plan is one broadcast where its payload fits after the header (a step's rows at batch
+# 256 and its usual edits do): each collective costs a round of wake-ups on every rank,
+# whatever its size. A larger payload follows in a second broadcast.
+INLINE_WORDS = 1024
+MESSAGE_WORDS = HEADER_WORDS + INLINE_WORDS
 
 
 class Op(enum.IntEnum):
@@ -165,10 +171,11 @@ Plan = DecodePlan | WritePlan | CopyPlan | PingPlan | None  # None = shutdown
 
 def send_plan(plan: Plan, comm: Comm) -> None:
     """Leader side: broadcast a plan from rank 0."""
-    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    message = torch.zeros(MESSAGE_WORDS, dtype=torch.int64)
+    header = message[:HEADER_WORDS]
     if plan is None or isinstance(plan, PingPlan):
         header[0] = Op.SHUTDOWN if plan is None else Op.PING
-        comm.broadcast_plan_(header)
+        comm.broadcast_plan_(message)
         return
     if isinstance(plan, DecodePlan):
         edits = plan.edits
@@ -202,8 +209,12 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
         payload = plan.slots
-    comm.broadcast_plan_(header)
-    comm.broadcast_plan_(payload.to(torch.int64).contiguous())
+    if len(payload) <= INLINE_WORDS:
+        message[HEADER_WORDS : HEADER_WORDS + len(payload)] = payload
+        comm.broadcast_plan_(message)
+    else:
+        comm.broadcast_plan_(message)
+        comm.broadcast_plan_(payload.to(torch.int64).contiguous())
     if isinstance(plan, DecodePlan) and plan.mtp is not None:
         words = plan.mtp.words()
         comm.broadcast_plan_(words[:4].clone())
@@ -212,8 +223,9 @@ def send_plan(plan: Plan, comm: Comm) -> None:
 
 def recv_plan(comm: Comm) -> Plan:
     """Rank side: receive the next plan from rank 0."""
-    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-    comm.broadcast_plan_(header)
+    message = torch.zeros(MESSAGE_WORDS, dtype=torch.int64)
+    comm.broadcast_plan_(message)
+    header = message[:HEADER_WORDS]
     op = Op(int(header[0]))
     if op is Op.SHUTDOWN:
         return None
@@ -221,8 +233,7 @@ def recv_plan(comm: Comm) -> Plan:
         return PingPlan()
     if op is Op.DECODE:
         b, width, c, e, n = (int(v) for v in header[1:6])
-        payload = torch.empty(3 * b + c + 4 * e + n, dtype=torch.int64)
-        comm.broadcast_plan_(payload)
+        payload = _payload(message, 3 * b + c + 4 * e + n, comm)
         rows = payload[: 3 * b].view(3, b)
         cleared, runs = payload[3 * b : 3 * b + c], payload[3 * b + c : 3 * b + c + 4 * e]
         edits = TableEdits(cleared, runs.view(4, e), payload[3 * b + c + 4 * e :])
@@ -230,13 +241,23 @@ def recv_plan(comm: Comm) -> Plan:
         return DecodePlan(rows[0], rows[1], rows[2], width, edits, bool(header[6]), mtp)
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
-        payload = torch.empty(r * p * 2, dtype=torch.int64)
-        comm.broadcast_plan_(payload)
-        return CopyPlan(payload.view(r, p, 2))
-    n = int(header[3])
-    payload = torch.empty(n, dtype=torch.int64)
+        return CopyPlan(_payload(message, r * p * 2, comm).view(r, p, 2))
+    return WritePlan(int(header[4]), _payload(message, int(header[3]), comm))
+
+
+def _payload(message: Tensor, words: int, comm: Comm) -> Tensor:
+    """A plan's payload: inline in its message, or the broadcast after it."""
+    if words <= INLINE_WORDS:
+        return message[HEADER_WORDS : HEADER_WORDS + words]
+    payload = torch.empty(words, dtype=torch.int64)
     comm.broadcast_plan_(payload)
-    return WritePlan(int(header[4]), payload)
+    return payload
+
+
+def plan_bytes(plan: DecodePlan) -> int:
+    """What sending `plan` puts on the group (its MTP pass aside)."""
+    words = 3 * len(plan.tokens) + plan.edits.words
+    return 8 * (MESSAGE_WORDS + (words if words > INLINE_WORDS else 0))
 
 
 # Token ids cross the logits gather as base-256 digits: every digit below 256 is exact in

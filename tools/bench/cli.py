@@ -10,6 +10,7 @@ import importlib
 
 BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.decode_step",
+    "tools.bench.leader_step",
     "tools.bench.kv_transfer",
     "tools.bench.serve",
     "tools.bench.roofline",

@@ -47,26 +47,21 @@ class DecodePlans:
     ) -> DecodePlan:
         """The batch's plan (see above), `rows` its rows; `count_syncs`: each rank counts its
         host waits; `mtp`: its draft pass."""
-        scheduler, bs = self.scheduler, self.block_size
         table_rows, edits = self.tables.edits(batch)
-        sizes = rows.sizes
+        firsts = [s.prompt_len + len(s.generated) - 1 for s in batch]  # next_position
+        tokens, positions, slots = _rows(batch, rows.drafts, firsts, table_rows)
         # Tokens under the longest row: a rank's share of them only grows with it.
-        longest = max(s.next_position + n for s, n in zip(batch, sizes, strict=True))
+        longest = max(p + 1 for p in positions)
+        bs = self.block_size
         blocks = max(-(-self.parallel.local_length(longest, k) // bs) for k in range(self.ranks))
-        width, size = max(blocks, 1), rows.total
+        width, size = max(blocks, 1), len(tokens)
         if self.bucketed:
             width = width_bucket(width, self.max_blocks)
-            size = batch_bucket(size, max(scheduler.max_batch, size))
-        pad = [0] * (size - rows.total)
-        words = [
-            [t for s, d in zip(batch, rows.drafts, strict=True) for t in (s.last_token, *d)] + pad,
-            [s.next_position + j for s, n in zip(batch, sizes, strict=True) for j in range(n)]
-            + pad,
-            [r for r, n in zip(table_rows, sizes, strict=True) for _ in range(n)]
-            + [self.tables.padding] * len(pad),
-        ]
-        tokens, positions, slots = torch.tensor(words, dtype=torch.int64)
-        return DecodePlan(tokens, positions, slots, width, edits, count_syncs, mtp)
+            size = batch_bucket(size, max(self.scheduler.max_batch, size))
+        pad = size - len(tokens)
+        flat = [*tokens, *[0] * pad, *positions, *[0] * pad, *slots, *[self.tables.padding] * pad]
+        tokens_t, positions_t, slots_t = torch.tensor(flat, dtype=torch.int64).view(3, size)
+        return DecodePlan(tokens_t, positions_t, slots_t, width, edits, count_syncs, mtp)
 
     @property
     def max_blocks(self) -> int:
@@ -103,3 +98,18 @@ class DecodePlans:
             if pool_pairs:
                 pairs[k, : len(pool_pairs)] = torch.tensor(pool_pairs, dtype=torch.int64)
         return CopyPlan(pairs)
+
+
+def _rows(
+    batch: list[DecodeSequence], drafts: list[list[int]], firsts: list[int], table_rows: list[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """The step's rows: each sequence's last token at its next position, then its drafts at
+    the positions after it, all on its table row."""
+    if not any(drafts):
+        return [s.generated[-1] for s in batch], firsts, table_rows
+    tokens, positions, slots = [], [], []
+    for seq, d, first, row in zip(batch, drafts, firsts, table_rows, strict=True):
+        tokens += (seq.generated[-1], *d)
+        positions += range(first, first + 1 + len(d))
+        slots += [row] * (1 + len(d))
+    return tokens, positions, slots

@@ -21,12 +21,15 @@ from common.kv.block_pool import RankPools
 from services.decode.leader.scheduler import DecodeSequence
 from services.decode.step_plan import TableEdits
 
+_NO_EDITS = TableEdits.none()  # a steady step's (plans only read it)
+
 
 @dataclass
 class _Held:
     seq: DecodeSequence
     row: int
-    sent: list[int]  # blocks of each pool's table the ranks hold
+    tables: list[list[int]]  # its table in each pool (the pool's own list, grown in place)
+    sent: list[int]  # blocks of each table the ranks hold
 
 
 class TableRows:
@@ -36,6 +39,7 @@ class TableRows:
         self.pool, self.padding = pool, rows
         self._free = list(range(rows - 1, -1, -1))  # popped from the end: lowest first
         self._held: dict[str, _Held] = {}
+        self._growths = -1  # the pools' growth count when the tables were last looked at
 
     def edits(self, batch: Sequence[DecodeSequence]) -> tuple[list[int], TableEdits]:
         """Each sequence's table row, and the edits that bring the ranks' tables to the
@@ -47,24 +51,36 @@ class TableRows:
         runs: list[int] = []
         blocks: list[int] = []
         rows = []
-        pools = self.pool.pools
+        every = self._held
+        growths = sum(pool.growths for pool in self.pool.pools)
+        # No table grew since the last step: only the new sequences' tables are looked at.
+        grown, self._growths = growths != self._growths, growths
         for sid, seq in current.items():
-            held = self._held.get(sid)
+            held = every.get(sid)
             if held is None:
-                held = self._held[sid] = _Held(seq, self._free.pop(), [0] * len(pools))
-            for k, pool in enumerate(pools):
-                table = pool.table(sid).blocks
-                if len(table) > held.sent[k]:
-                    runs += (k, held.row, held.sent[k], len(table) - held.sent[k])
-                    blocks += table[held.sent[k] :]
+                held = every[sid] = self._take(sid, seq)
+            elif not grown:
+                rows.append(held.row)
+                continue
+            for k, table in enumerate(held.tables):
+                sent = held.sent[k]
+                if len(table) > sent:
+                    runs += (k, held.row, sent, len(table) - sent)
+                    blocks += table[sent:]
                     held.sent[k] = len(table)
             rows.append(held.row)
+        if not (cleared or runs):
+            return rows, _NO_EDITS
         edits = TableEdits(
             torch.tensor(cleared, dtype=torch.int64),
             torch.tensor(runs, dtype=torch.int64).view(-1, 4).T,
             torch.tensor(blocks, dtype=torch.int64),
         )
         return rows, edits
+
+    def _take(self, sid: str, seq: DecodeSequence) -> _Held:
+        tables = [pool.table(sid).blocks for pool in self.pool.pools]
+        return _Held(seq, self._free.pop(), tables, [0] * len(tables))
 
     def _release(self, sid: str) -> int:
         row = self._held.pop(sid).row

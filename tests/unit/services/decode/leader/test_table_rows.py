@@ -4,6 +4,7 @@ rank's table (under SP, each rank's own) equals one rebuilt from scratch from th
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -58,7 +59,7 @@ def test_every_rank_table_equals_a_rebuild_after_every_step(layout: str, seed: i
     rng = random.Random(seed)
     prompts = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     held_out: set[str] = set()
-    seen = {"fork": 0, "hit": 0, "abort": 0, "finish": 0, "preempt": 0}
+    seen = {"fork": 0, "hit": 0, "abort": 0, "finish": 0, "preempt": 0, "grow": 0}
     for step in range(120):
         # Admit: a prompt (a shared one gives prefix hits), sometimes with forks (n > 1).
         if rng.random() < 0.5:
@@ -78,6 +79,15 @@ def test_every_rank_table_equals_a_rebuild_after_every_step(layout: str, seed: i
         if sched.requests and rng.random() < 0.1:
             sched.abort(rng.choice(list(sched.requests)))
             seen["abort"] += 1
+        if sched.running and rng.random() < 0.15:
+            # A running sequence gains a block (the scheduler reserves up front, but the
+            # ranks' tables follow whatever the pools hold).
+            pool = rng.choice(pools.pools)
+            sid = rng.choice(sched.running)
+            if len(pool.table(sid).blocks) < width:  # within the context limit
+                with contextlib.suppress(OutOfBlocks):
+                    pool.grow(sid, pool.table(sid).num_tokens + BS)
+                    seen["grow"] += 1
         before = len(held_out)
         batch = _step(sched, rng, held_out)
         seen["preempt"] += len(held_out) > before
