@@ -25,7 +25,9 @@ def to_device(
 
 
 def to_device_tensor(host: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on `device` without waiting for the device's queue."""
+    """A host tensor on `device` without waiting for the device's queue (on the CPU: itself)."""
+    if device.type == "cpu":
+        return host
     if device.type != "cuda":
         return host.to(device)
     # The caching host allocator keeps the pinned block until the copy that reads it is done.

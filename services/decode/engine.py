@@ -40,6 +40,7 @@ from common.messages import DecodeLoad, Reservation, ResumedChoice
 from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig, SpecConfig
+from services.decode.group.buckets import StepShape
 from services.decode.group.start import start_group
 from services.decode.leader.drafts import check_proposer
 from services.decode.leader.kv_targets import reservation
@@ -93,9 +94,11 @@ class DecodeEngine:
         self._loop.call(self._step.warm_up)
 
     @property
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every (batch, block-table width) a step is padded to (DecodePlans.step)."""
-        return self._step.plans.buckets()
+    def shapes(self) -> list[StepShape]:
+        """Every shape a step is padded to, as this group speculates (DecodePlans.shapes):
+        one CUDA graph each where the ranks capture them."""
+        spec, mtp = self._step.speculation.spec, self.runtime.model.mtp is not None
+        return self._step.plans.shapes(spec, mtp)
 
     def reserve(
         self,

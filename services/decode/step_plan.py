@@ -13,8 +13,8 @@ message up to `INLINE_WORDS`, else in a second broadcast):
               trash slot, their logits are dropped), so every rank runs the same static
               shapes. Header word 6 set: each rank counts its step's host waits (`tpla
               bench decode-step`). Header word 7 set: an MTP draft pass follows
-              (`MtpPlan`): 4 words (M, S, E, D), then rows [4, M], drafts [3, S] and seeds
-              [E, D] as fp32 bits
+              (`MtpPlan`): 5 words (M, S, E, D, chain), then rows [4, M], drafts [3, S]
+              and seeds [E, D] as fp32 bits
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
     COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 when every rank
               shares the tables, R = tp in SP mode):
@@ -42,6 +42,7 @@ HEADER_WORDS = 8
 # whatever its size. A larger payload follows in a second broadcast.
 INLINE_WORDS = 1024
 MESSAGE_WORDS = HEADER_WORDS + INLINE_WORDS
+MTP_SIZES = 5  # an MTP pass's sizes: rows, drafting sequences, seeds, seed width, chain
 
 
 class Op(enum.IntEnum):
@@ -61,33 +62,60 @@ class MtpPlan:
     seed -1 - rows[0, m] (< 0: a prefill's last hidden state); its latents go where the step
     row rows[3, m] (the same sequence's) says. Drafting sequence s takes its first draft from
     pass row drafts[0, s] into step row drafts[1, s] and chains drafts[2, s] drafts in all,
-    into the rows after it."""
+    into the rows after it. The ranks run `chain` chained drafts after the first for every
+    drafting sequence (those that take fewer write theirs nowhere): the pass's shape is
+    then its rows' and the step's, whatever each sequence drafts. A padded pass (`padded`)
+    has as many rows and drafting sequences as its step has rows; a padding row's step row
+    and a padding draft's are the step's size (one past its rows: nowhere)."""
 
     rows: Tensor  # [4, M] int64
     drafts: Tensor  # [3, S] int64
     seeds: Tensor  # [E, D] float32
+    chain: int = 0
 
     def words(self) -> Tensor:
         e, d = self.seeds.shape
         bits = self.seeds.contiguous().flatten()
         if bits.numel() % 2:
             bits = torch.cat((bits, bits.new_zeros(1)))
-        sizes = torch.tensor([self.rows.shape[1], self.drafts.shape[1], e, d])
+        sizes = torch.tensor([self.rows.shape[1], self.drafts.shape[1], e, d, self.chain])
         return torch.cat(
             (sizes, self.rows.flatten(), self.drafts.flatten(), bits.view(torch.int64))
         )
 
     @staticmethod
     def read(comm: Comm) -> MtpPlan:
-        sizes = torch.zeros(4, dtype=torch.int64)
+        sizes = torch.zeros(MTP_SIZES, dtype=torch.int64)
         comm.broadcast_plan_(sizes)
-        m, s, e, d = (int(v) for v in sizes)
+        m, s, e, d, chain = (int(v) for v in sizes)
         payload = torch.empty(4 * m + 3 * s + -(-e * d // 2), dtype=torch.int64)
         comm.broadcast_plan_(payload)
         seeds = payload[4 * m + 3 * s :].view(torch.float32)[: e * d].view(e, d)
+        rows, drafts = payload[: 4 * m].view(4, m), payload[4 * m : 4 * m + 3 * s].view(3, s)
+        return MtpPlan(rows, drafts, seeds, chain)
+
+    def padded(self, size: int) -> MtpPlan:
+        """The pass with `size` rows and drafting sequences (a step of `size` rows)."""
+        m, s = self.rows.shape[1], self.drafts.shape[1]
+        rows = torch.tensor([[0], [0], [0], [size]]).expand(4, size - m)
+        drafts = torch.tensor([[0], [size], [0]]).expand(3, size - s)
         return MtpPlan(
-            payload[: 4 * m].view(4, m), payload[4 * m : 4 * m + 3 * s].view(3, s), seeds
+            torch.cat((self.rows, rows), 1),
+            torch.cat((self.drafts, drafts), 1),
+            self.seeds,
+            self.chain,
         )
+
+    @staticmethod
+    def padding(size: int, chain: int, hidden: int) -> MtpPlan:
+        """A pass of padding rows only, for a step of `size` padding rows (warm-up)."""
+        empty = MtpPlan(
+            torch.zeros(4, 0, dtype=torch.int64),
+            torch.zeros(3, 0, dtype=torch.int64),
+            torch.zeros(0, hidden),
+            chain,
+        )
+        return empty.padded(size)
 
 
 @dataclass(frozen=True)
@@ -137,9 +165,10 @@ class DecodePlan:
     mtp: MtpPlan | None = None
 
     @property
-    def bucket(self) -> tuple[int, int]:
-        """(batch, table width): the step's static shape."""
-        return len(self.tokens), self.width
+    def shape(self) -> tuple[int, int, int]:
+        """(batch, table width, chained drafts or -1 without a draft pass): what a step's
+        static shapes follow (one CUDA graph each)."""
+        return len(self.tokens), self.width, -1 if self.mtp is None else self.mtp.chain
 
 
 @dataclass(frozen=True)
@@ -217,8 +246,8 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         comm.broadcast_plan_(payload.to(torch.int64).contiguous())
     if isinstance(plan, DecodePlan) and plan.mtp is not None:
         words = plan.mtp.words()
-        comm.broadcast_plan_(words[:4].clone())
-        comm.broadcast_plan_(words[4:].clone())
+        comm.broadcast_plan_(words[:MTP_SIZES].clone())
+        comm.broadcast_plan_(words[MTP_SIZES:].clone())
 
 
 def recv_plan(comm: Comm) -> Plan:

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
-from services.decode.config import EngineConfig
-from services.decode.group.buckets import batch_bucket, batch_buckets, width_bucket, width_buckets
+from services.decode.config import EngineConfig, SpecConfig
+from services.decode.group.buckets import StepShape, batch_bucket, step_shapes, width_bucket
 from services.decode.leader.scheduler import DecodeSequence, Scheduler
 from services.decode.leader.table_rows import TableRows
 from services.decode.leader.verify import StepRows
@@ -54,10 +54,13 @@ class DecodePlans:
         longest = max(p + 1 for p in positions)
         bs = self.block_size
         blocks = max(-(-self.parallel.local_length(longest, k) // bs) for k in range(self.ranks))
-        width, size = max(blocks, 1), len(tokens)
+        # A draft pass may run more rows than its step (the last step's kept runs).
+        passes = 0 if mtp is None else mtp.rows.shape[1]
+        width, size = max(blocks, 1), max(len(tokens), passes)
         if self.bucketed:
-            width = width_bucket(width, self.max_blocks)
+            width = width_bucket(width, self.max_blocks, bs)
             size = batch_bucket(size, max(self.scheduler.max_batch, size))
+            mtp = None if mtp is None else mtp.padded(size)
         pad = size - len(tokens)
         flat = [*tokens, *[0] * pad, *positions, *[0] * pad, *slots, *[self.tables.padding] * pad]
         tokens_t, positions_t, slots_t = torch.tensor(flat, dtype=torch.int64).view(3, size)
@@ -68,19 +71,24 @@ class DecodePlans:
         """The most blocks a sequence's table holds (its context limit's)."""
         return -(-self.scheduler.max_model_len // self.block_size)
 
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every (batch, table width) a step can be padded to, largest first."""
-        sizes = batch_buckets(self.scheduler.max_batch)
-        return sorted(((b, w) for b in sizes for w in width_buckets(self.max_blocks)), reverse=True)
+    def shapes(self, spec: SpecConfig, mtp: bool) -> list[StepShape]:
+        """Every shape a step can be padded to, largest first; `mtp`: the group holds the
+        MTP module, whose draft pass runs in the steps that speculate (`spec`)."""
+        drafting = spec.method == "mtp" and mtp
+        rows = spec.max_batch * (spec.tokens + 1) if drafting else 0
+        return step_shapes(self.scheduler.max_batch, self.max_blocks, self.block_size, rows)
 
-    def padding(self) -> Iterator[DecodePlan]:
-        """A plan of padding rows at every bucket, largest first: run once before the group
-        serves, they compile each kernel variant and capture each bucket's CUDA graph
-        (rank/graphs.py), the first growing the workspaces to their final size. Padding rows
-        write only the trash slot."""
-        for size, width in self.buckets():
+    def padding(self, spec: SpecConfig, mtp: bool, hidden: int) -> Iterator[DecodePlan]:
+        """A plan of padding rows at every shape (`shapes`), largest first: run once before
+        the group serves, they compile each kernel variant and capture each shape's CUDA
+        graph (rank/graphs.py), the first growing the workspaces to their final size.
+        Padding rows write only the trash slot. `hidden`: the model's (a seed's width)."""
+        for shape in self.shapes(spec, mtp):
+            size = shape.batch
             zeros = torch.zeros(size, dtype=torch.int64)
-            yield DecodePlan(zeros, zeros, torch.full((size,), self.tables.padding), width)
+            slots = torch.full((size,), self.tables.padding)
+            draft = MtpPlan.padding(size, spec.tokens - 1, hidden) if shape.drafts else None
+            yield DecodePlan(zeros, zeros, slots, shape.width, mtp=draft)
 
     def copies(self, seqs: list[DecodeSequence]) -> CopyPlan | None:
         """The copies of the forks' own blocks from the prompt's, on every rank, before

@@ -28,6 +28,7 @@ from common.rpc.gen import kv_pb2
 from common.runtime.device import rank_device, use_device
 from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
+from common.runtime.transfers import to_device_tensor
 from services.decode.config import EngineConfig
 from services.decode.rank.backends import decode_backend, select_decode_kernel
 from services.decode.rank.block_tables import RankTables
@@ -74,9 +75,14 @@ class RankRuntime:
         pool = rank if cfg.parallel.token_ranks > 1 else 0
         max_blocks = -(-positions // cfg.block_size)
         self.tables = RankTables(cfg.max_batch, max_blocks, pool, self.device)
-        # The last step's hidden states [B, D] before the final norm: the draft pass reads
-        # them (rank/draft_pass.py). Kept on the device.
-        self.hidden: Tensor | None = None
+        # With the MTP module, the draft pass's inputs (rank/draft_pass.py), on the device:
+        # the last step's hidden states before the final norm (rows [0, R)) and the plan's
+        # prefill seeds (rows [R, 2R)), R = max_batch. One buffer that never moves: a
+        # captured step reads and writes it in place.
+        self.known: Tensor | None = None
+        if self.model.mtp is not None:
+            d = self.model.config.hidden_size
+            self.known = torch.zeros(2 * cfg.max_batch, d, dtype=dtype, device=self.device)
         # Each bucket's step captured once and replayed (CUDA only: a CPU step has no
         # launches to save), where every kernel of the step can be.
         self.graphs: StepGraphs | None = None
@@ -85,11 +91,9 @@ class RankRuntime:
         self.landed: Callable[[str], None] | None = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             blocked = uncapturable(self.model)
-            if self.model.mtp is not None:
-                # A draft pass's shapes follow the batch's accepted runs, not a bucket.
-                blocked = "the MTP draft pass is not captured"
             if blocked is None:
-                self.graphs = StepGraphs(self.device, self.decode)
+                state = () if self.known is None else (self.known,)
+                self.graphs = StepGraphs(self.device, self.decode, state)
             else:
                 log.warning("rank %d: decode steps run without CUDA graphs: %s", rank, blocked)
 
@@ -98,6 +102,9 @@ class RankRuntime:
         that asks for it (`count_syncs`) gets one more row: this rank's host waits in the
         step, in column 0."""
         self.tables.apply(plan.edits)
+        if plan.mtp is not None and len(plan.mtp.seeds) and self.known is not None:
+            seeds = to_device_tensor(plan.mtp.seeds, self.device)
+            self.known[self.cfg.max_batch :][: len(seeds)].copy_(seeds)
         if not plan.count_syncs:
             inputs = self.inputs.load(plan)
             return self.decode(inputs) if self.graphs is None else self.graphs.run(inputs)
@@ -114,19 +121,29 @@ class RankRuntime:
         Reads span the tables' whole (bucketed) width; every row writes its new token, the
         ones this rank must not store (padding rows, SP tokens another rank owns) into the
         cache's trash slot."""
-        positions = plan.positions
-        tables = self.tables.rows(plan.slots, plan.width)
+        positions, width = plan.positions, plan.width
+        tables = self.tables.rows(plan.slots, width)
         tokens, cache, comm = plan.tokens, self.cache, self.comm
         if plan.mtp is not None:
-            previous = self.hidden
+            assert self.known is not None  # a group started with the MTP module
+            padding = plan.slots.new_full((1,), self.tables.padding)
             tokens = draft_pass(
-                self.model, plan.mtp, tokens, tables, previous, self.address, cache, comm
+                self.model,
+                plan.mtp,
+                tokens,
+                torch.cat((plan.slots, padding)),
+                lambda rows: self.tables.rows(rows, width),
+                self.known,
+                self.address,
+                cache,
+                comm,
             )
         write_slots, reads = self.address(positions, tables)
-        if self.model.mtp is None:
+        if self.known is None:
             return self.model.decode_step(tokens, positions, write_slots, reads, cache, comm)
-        self.hidden = self.model.decode_hidden(tokens, positions, write_slots, reads, cache, comm)
-        logits = self.model.logits(self.hidden)
+        hidden = self.model.decode_hidden(tokens, positions, write_slots, reads, cache, comm)
+        self.known[: hidden.shape[0]].copy_(hidden)
+        logits = self.model.logits(hidden)
         if plan.mtp is None:
             return logits
         # The leader learns the drafts with the logits: the tokens the rows were fed.
