@@ -39,8 +39,8 @@ from common.kv.prefix_cache import block_hashes, model_identity
 from common.messages import DecodeLoad, Reservation, ResumedChoice
 from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
+from common.step_shapes import StepShape
 from services.decode.config import EngineConfig, SpecConfig
-from services.decode.group.buckets import StepShape
 from services.decode.group.start import start_group
 from services.decode.leader.drafts import check_proposer
 from services.decode.leader.kv_targets import reservation

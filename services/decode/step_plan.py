@@ -8,7 +8,7 @@ message up to `INLINE_WORDS`, else in a second broadcast):
               sequence (services/decode/rank/block_tables.py); a step sends only what
               changed since the last (services/decode/leader/table_rows.py), so a plan is
               O(batch + new blocks), whatever the context. B and W (the columns the step
-              reads) are the step's bucket (services/decode/group/buckets.py): the leader
+              reads) are the step's bucket (common/step_shapes.py): the leader
               pads the batch with rows on the all -1 padding row (their write goes to the
               trash slot, their logits are dropped), so every rank runs the same static
               shapes. Header word 6 set: each rank counts its step's host waits (`tpla

@@ -21,10 +21,10 @@ from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.kernel_choice import KernelConfig
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
+from common.step_shapes import StepShape
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from services.decode.group.buckets import StepShape
 from services.decode.local_kv import write_kv
 from tests.tiny import save_hf
 from tools.local_driver import collect, submit, write_prompt

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.parallel import MOE_MODES, RMSNORM_MODES
+from services.decode.config import DEFAULT_SPEC_TOKENS
 from tools.cli.tpla import DTYPES
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         moe=parse_moe(args.moe_parallel),
         prefill_gpus=args.prefill_gpus,
         mtp_layers=mtp_loaded,
+        max_batch=args.max_batch,
+        max_model_len=args.max_model_len,
+        # A drafting step: up to TPLA_SPEC_MAX_BATCH sequences of 1 + k rows each.
+        draft_rows=args.spec_max_batch * (1 + DEFAULT_SPEC_TOKENS["mtp"]) if mtp_loaded else 0,
     )
     plan = build_plan(ckpt.config, request)
     print(format_plan(plan, path, ckpt))
@@ -120,7 +125,13 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
             f"{p.max_sequences:>7,}  {'yes' if p.fits else 'NO'}"
         )
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.breakdown)
+    chosen = plan.chosen
     lines += [
+        "",
+        f"CUDA graphs: {chosen.graphs} per rank (batch limit {req.max_batch}, context limit "
+        f"{req.max_model_len or c.max_position_embeddings}); in the reserve (estimates): their "
+        f"pool {_gib(chosen.graph_pool_bytes)} GiB, NCCL {_gib(chosen.nccl_bytes)} GiB"
+        + (" (within --reserve-gib)" if hw.reserve_bytes is not None else " (on top of it)"),
         "",
         f"{plan.chosen.label} rank weights (GiB): {parts}",
         "* SP: a rank caches whole-width tokens of its round-robin chunks only, about 1/tp "
@@ -176,7 +187,25 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--reserve-gib",
         type=float,
-        help="per-GPU memory kept off weights and KV (default: max(2 GiB, 10%% of the GPU))",
+        help="per-GPU memory kept off weights and KV (default: max(2 GiB, 10%% of the GPU), "
+        "and on top a decode rank's CUDA graphs' pool and NCCL's buffers, estimated)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=32,
+        help="decode batch limit (TPLA_MAX_BATCH): the CUDA graphs and their pool",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context limit (TPLA_MAX_MODEL_LEN; default: the model's): the graphs' widths",
+    )
+    p.add_argument(
+        "--spec-max-batch",
+        type=int,
+        default=4,
+        help="with --speculative mtp: sequences a drafting step runs (TPLA_SPEC_MAX_BATCH)",
     )
     p.add_argument("--rmsnorm", choices=RMSNORM_MODES, default="exact")
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")

@@ -4,7 +4,7 @@ A batch's `DecodePlan` has a row per fed token (a sequence's last token, then it
 the positions after it, each row on the sequence's table row), the tables' edits since the
 last step (leader/table_rows.py: the ranks keep the tables) and the width the step reads:
 the blocks under every row's position. Where the ranks replay captured steps (`bucketed`),
-it is padded to its bucket (services/decode/group/buckets.py): rows of token 0 at position 0
+it is padded to its bucket (common/step_shapes.py): rows of token 0 at position 0
 on the all -1 padding row (each rank writes them to its trash slot; their logits are
 dropped), the width to the bucket's. A request's forks copy their own blocks from the
 prompt's with one `CopyPlan`.
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from common.step_shapes import StepShape, batch_bucket, step_shapes, width_bucket
 from services.decode.config import EngineConfig, SpecConfig
-from services.decode.group.buckets import StepShape, batch_bucket, step_shapes, width_bucket
 from services.decode.leader.scheduler import DecodeSequence, Scheduler
 from services.decode.leader.table_rows import TableRows
 from services.decode.leader.verify import StepRows

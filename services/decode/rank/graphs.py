@@ -2,7 +2,7 @@
 
 A decode step of a small batch is hundreds of small kernels; launched one by one from Python
 the GPU waits on the host between them. The leader pads every plan to a bucket (its batch
-and its block tables' width: services/decode/group/buckets.py), so a bucket's step always has
+and its block tables' width: common/step_shapes.py), so a bucket's step always has
 the same shapes, and its kernels can be recorded once into a CUDA graph and replayed with one
 launch. The graph reads its inputs from static device buffers: each step copies its plan into
 the bucket's buffers, then replays. The block tables are not among them: the rank keeps them

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.decode.group.buckets import (
+from common.step_shapes import (
     StepShape,
     batch_bucket,
     batch_buckets,
