@@ -121,8 +121,8 @@ class EngineConfig:
 
     def context_limit(self, model_positions: int) -> int:
         """The longest sequence (prompt + output) the group holds: `max_model_len`
-        (TPLA_MAX_MODEL_LEN), else the model's context, `model_positions`."""
-        return self.max_model_len or model_positions
+        (TPLA_MAX_MODEL_LEN) within the model's context, `model_positions`."""
+        return min(self.max_model_len or model_positions, model_positions)
 
     def local_index(self, rank: int) -> int:
         """Rank `rank`'s index on its host: the offset of its GPU (`rank_device`) and of its
@@ -184,6 +184,7 @@ def engine_config(s: Settings) -> EngineConfig:
         block_size=s.block_size,
         kv_budget_mb=s.kv_budget_mb,
         max_batch=s.max_batch,
+        max_model_len=s.max_model_len or None,
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
         device=s.device,

@@ -20,6 +20,9 @@ message up to `INLINE_WORDS`, else in a second broadcast):
               shares the tables, R = tp in SP mode):
               every rank copies its pairs' slots, all layers (a forked sequence's own copy
               of the prompt's partly filled last block)
+    EPOCH     epoch, then blocks [R, N] (-1 padded; R as for COPY): a reservation's blocks
+              are its epoch's from now on (common/kv/epochs.py): late pushes of the
+              reservations they served before are dropped
     PING      nothing: an idle leader's keep-alive (see `PingPlan`)
     SHUTDOWN  nothing
 """
@@ -51,6 +54,7 @@ class Op(enum.IntEnum):
     SHUTDOWN = 3
     PING = 4
     COPY = 5
+    EPOCH = 6
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,19 @@ class CopyPlan:
 
 
 @dataclass(frozen=True)
+class EpochPlan:
+    """A new reservation's blocks, per pool, and its epoch (sent before its targets leave)."""
+
+    epoch: int
+    blocks: Tensor  # [R, N] int64, -1 padded
+
+    def rank_blocks(self, rank: int) -> Tensor:
+        """This rank's blocks [N'], padding dropped (host words: no device to wait for)."""
+        blocks = self.blocks[rank if self.blocks.shape[0] > 1 else 0]
+        return blocks[: int((blocks >= 0).sum())]
+
+
+@dataclass(frozen=True)
 class PingPlan:
     """Sent by an idle leader every second or so. Followers wait for plans in a collective,
     which times out (`collective_timeout_s`): without it an idle group's followers would
@@ -195,7 +212,7 @@ class PingPlan:
     then blocks like a stuck step, and the group reports itself stalled."""
 
 
-Plan = DecodePlan | WritePlan | CopyPlan | PingPlan | None  # None = shutdown
+Plan = DecodePlan | WritePlan | CopyPlan | EpochPlan | PingPlan | None  # None = shutdown
 
 
 def send_plan(plan: Plan, comm: Comm) -> None:
@@ -234,6 +251,10 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         r, p, _ = plan.pairs.shape
         header[:3] = torch.tensor([Op.COPY, r, p])
         payload = plan.pairs.flatten()
+    elif isinstance(plan, EpochPlan):
+        r, n = plan.blocks.shape
+        header[:4] = torch.tensor([Op.EPOCH, r, n, plan.epoch])
+        payload = plan.blocks.flatten()
     else:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
@@ -271,6 +292,9 @@ def recv_plan(comm: Comm) -> Plan:
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
         return CopyPlan(_payload(message, r * p * 2, comm).view(r, p, 2))
+    if op is Op.EPOCH:
+        r, n = int(header[1]), int(header[2])
+        return EpochPlan(int(header[3]), _payload(message, r * n, comm).view(r, n))
     return WritePlan(int(header[4]), _payload(message, int(header[3]), comm))
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from common.group.setup import open_comm
 from common.group.spec import GroupSpec
+from common.kv.epochs import BlockEpochs, StaleEpoch
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
@@ -36,7 +37,7 @@ from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
 from services.decode.rank.rank_model import RankModel
 from services.decode.rank.step_inputs import StepInputs
-from services.decode.step_plan import CopyPlan, DecodePlan, WritePlan, token_rows
+from services.decode.step_plan import CopyPlan, DecodePlan, EpochPlan, WritePlan, token_rows
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class RankRuntime:
         self.layout = self.model.cache_layout(cfg.block_size, dtype)
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
+        # Which reservation may still push into each block (a late push's rows never land).
+        self.epochs = BlockEpochs(num_blocks)
         self.comm = open_comm(group, rank, self.device)
         self.inputs = StepInputs(self.device)
         # Every running sequence's block table, kept here; each plan brings its edits.
@@ -89,7 +92,11 @@ class RankRuntime:
         # Called with a shard's request id once its rows are in this rank's cache: the
         # leader renews the reservation's lease by it (a follower has no scheduler).
         self.landed: Callable[[str], None] | None = None
-        if cfg.cuda_graphs and self.device.type == "cuda":
+        # Steps run eager where the group replays graphs (a kernel that cannot be captured):
+        # `tpla:decode_eager_steps_total`, which a GPU deployment keeps at 0.
+        self.eager_steps = 0
+        self._replays = cfg.cuda_graphs and self.device.type == "cuda"
+        if self._replays:
             blocked = uncapturable(self.model)
             if blocked is None:
                 state = () if self.known is None else (self.known,)
@@ -107,7 +114,10 @@ class RankRuntime:
             self.known[self.cfg.max_batch :][: len(seeds)].copy_(seeds)
         if not plan.count_syncs:
             inputs = self.inputs.load(plan)
-            return self.decode(inputs) if self.graphs is None else self.graphs.run(inputs)
+            if self.graphs is not None:
+                return self.graphs.run(inputs)
+            self.eager_steps += self._replays
+            return self.decode(inputs)
         with HostSyncCounter() as counter:
             logits = self.decode(self.inputs.load(plan))
         row = torch.zeros(1, logits.shape[1], dtype=logits.dtype, device=logits.device)
@@ -158,7 +168,9 @@ class RankRuntime:
 
     def shard_target(self, header: kv_pb2.KvHeader) -> ShardTarget:
         """KV receiver sink: validate a transferred shard's header; the receiver then writes
-        the shard into its blocks as it arrives.
+        the shard into its blocks as it arrives, each segment only while the shard's epoch is
+        its blocks' (`epochs`): a push of a reservation whose blocks were given out again is
+        refused here or cut short there (StaleEpoch), and counted.
 
         Safe beside the step loop: the blocks belong to a reservation that is not running.
         The shard's landing is reported to `landed`, when set.
@@ -181,10 +193,16 @@ class RankRuntime:
         slots = shard_slots(header)
         if len(slots) and int(slots.max()) >= self.cache.trash_slot:
             raise TransferError("shard addresses blocks outside this rank's pool")
+        blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
+        if not self.epochs.live(blocks, header.epoch):
+            self.epochs.count_drop()
+            raise StaleEpoch(
+                f"request {header.request_id}: epoch {header.epoch} is no longer its blocks' "
+                "(the reservation ended and its blocks were given out again)"
+            )
         landed, request_id = self.landed, header.request_id
-        if landed is None:
-            return ShardTarget(self.cache, slots)
-        return ShardTarget(self.cache, slots, lambda _seconds: landed(request_id))
+        written = None if landed is None else lambda _seconds: landed(request_id)
+        return ShardTarget(self.cache, slots, written, self.epochs)
 
     def start_kv_receiver(self) -> grpc.Server | None:
         """Serve KvReceiver (and a TCPStore for the torch transport) for this rank."""
@@ -217,6 +235,10 @@ class RankRuntime:
         server.start()
         self._store = store  # keep the TCPStore server alive with the receiver
         return server
+
+    def give_blocks(self, plan: EpochPlan) -> None:
+        """A new reservation's blocks on this rank are its epoch's from now on."""
+        self.epochs.give(plan.rank_blocks(self.rank), plan.epoch)
 
     def copy_blocks(self, plan: CopyPlan) -> None:
         """This rank's part of a block copy (forks of a prompt: see Scheduler)."""
