@@ -64,6 +64,8 @@ class StepResult:
     cuda_graphs: bool  # each bucket's step replayed as a CUDA graph (CUDA only)
     sampling: str = "greedy"  # SAMPLINGS
     speculative: str = "none"  # the draft proposer (services/decode/config.py PROPOSERS)
+    # Timed steps rank 0 ran without a graph where graphs were asked for (CUDA): 0 expected.
+    eager_steps: int = 0
 
 
 # `sampled`: requests take turns at a seeded top-p draw, penalties, a JSON grammar and greedy,
@@ -115,7 +117,9 @@ def measure(
     with DecodeEngine(cfg) as engine:
         cache = engine.runtime.layout
         for batch in batches:
+            eager = engine.runtime.eager_steps
             timed = _full_steps(engine, batch, context, steps, tp, sampling)
+            eager = engine.runtime.eager_steps - eager
             syncs = _count_syncs(engine, batch, context, tp, sampling)
             per_seq = (
                 cache.bytes_per_token_per_layer
@@ -140,6 +144,7 @@ def measure(
                     engine.runtime.graphs is not None,
                     sampling,
                     speculative,
+                    eager,
                 )
             )
     return results

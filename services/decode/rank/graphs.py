@@ -65,7 +65,7 @@ class StepGraphs:
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(plan)
-        for static, value in zip(_tensors(captured.inputs), _tensors(plan), strict=True):
+        for static, value in zip(graph_inputs(captured.inputs), graph_inputs(plan), strict=True):
             static.copy_(value, non_blocking=True)
         captured.graph.replay()
         return captured.output
@@ -90,7 +90,7 @@ class StepGraphs:
         return _Captured(graph, inputs, output)
 
 
-def _tensors(plan: DecodePlan) -> tuple[Tensor, ...]:
+def graph_inputs(plan: DecodePlan) -> tuple[Tensor, ...]:
     """What a step's graph reads from its plan (the tables are the rank's own buffer)."""
     plain = (plan.tokens, plan.positions, plan.slots)
     return plain if plan.mtp is None else (*plain, plan.mtp.rows, plan.mtp.drafts)
@@ -101,7 +101,7 @@ def _static(plan: DecodePlan) -> DecodePlan:
     mtp = plan.mtp
     if mtp is not None:
         mtp = replace(mtp, rows=mtp.rows.clone(), drafts=mtp.drafts.clone(), seeds=mtp.seeds[:0])
-    tokens, positions, slots = (t.clone() for t in _tensors(plan)[:3])
+    tokens, positions, slots = (t.clone() for t in graph_inputs(plan)[:3])
     return DecodePlan(tokens, positions, slots, plan.width, mtp=mtp)
 
 
