@@ -30,6 +30,9 @@ class KvTargetInfo:
     latent_width: int
     block_ids: tuple[int, ...]
     token_ranges: tuple[int, ...] = ()
+    # The reservation's epoch: its pushes carry it; a rank drops one whose blocks were given
+    # out again since (common/kv/epochs.py). 0: unfenced (a shard sent outside a reservation).
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ class Reservation:
     lease_seconds: float
     targets: tuple[KvTargetInfo, ...]
     cached_tokens: int = 0  # leading prompt tokens the group holds already: not shipped
+
+    @property
+    def epoch(self) -> int:
+        """The reservation's epoch, which each target's pushes carry."""
+        return self.targets[0].epoch if self.targets else 0
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, BlockTable] = {}
         self.prefix = prefix  # None: released blocks are simply free
+        # Counts the times a table gained blocks: a reader of the tables that sees it
+        # unchanged knows that none grew (the decode leader's table edits).
+        self.growths = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -112,6 +115,7 @@ class BlockPool:
         need = self.blocks_for(num_tokens) - len(table.blocks)
         if need > self.num_free:
             raise OutOfBlocks(f"need {need} blocks, {self.num_free} free")
+        self.growths += need > 0
         for _ in range(max(need, 0)):
             block = self._take()
             self._refcount[block] = 1

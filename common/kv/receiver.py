@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.kv.epochs import BlockEpochs, StaleEpoch
 from common.kv.framing import ROWS_FIELD, parse_chunk
 from common.kv.paged_cache import PagedLatentCache
 from common.kv.pair import (
@@ -65,6 +66,9 @@ class ShardTarget:
     slots: Tensor
     # Called once the shard is in the cache, with the seconds spent writing it (metrics).
     written: Callable[[float], None] | None = None
+    # The rank's block epochs: each segment lands only while the shard's epoch is its
+    # blocks' live one (common/kv/epochs.py); None: unfenced.
+    epochs: BlockEpochs | None = None
 
 
 # Validates a shard's header against the rank (raising TransferError) and says where its rows
@@ -90,8 +94,13 @@ class _Landing:
         pool: StagingPool,
         recv_device: torch.device,
         whole: bool,
+        fenced_in_place: bool = True,
     ) -> None:
+        """`fenced_in_place`: the transport's in-place receives can be fenced (gRPC copies
+        them here, under the fence); else a fenced shard stages every segment."""
         self.header, self.target, self.pool = header, target, pool
+        self.blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
+        self.stale = False  # a segment was dropped: its epoch was no longer its blocks' own
         self.total = payload_bytes(header)
         cache_device = target.cache.kv.device
         # A GPU cache's writes go on a stream of their own: the decode step's stream must
@@ -105,8 +114,9 @@ class _Landing:
         self.sizes = [self.writer.nbytes(seg) for seg in self.segments]
         self._offsets: list[int | None] = []  # staging offset per segment; None: in place
         offset = 0
+        in_place = fenced_in_place or target.epochs is None
         for seg, size in zip(self.segments, self.sizes, strict=True):
-            if self.writer.in_place(seg):
+            if in_place and self.writer.in_place(seg):
                 self._offsets.append(None)
                 continue
             self._offsets.append(offset if whole else 0)
@@ -126,17 +136,38 @@ class _Landing:
         assert self._staging is not None
         return self._staging[offset : offset + self.sizes[index]]
 
+    def in_place(self, index: int) -> bool:
+        return self._offsets[index] is None
+
+    @contextlib.contextmanager
+    def fence(self) -> Iterator[bool]:
+        """Whether the shard may write its blocks now, kept so inside the block."""
+        epochs = self.target.epochs
+        if epochs is None:
+            yield True
+            return
+        with epochs.hold(self.blocks, self.header.epoch) as live:
+            self.stale |= not live
+            yield live
+
     def filled(self, index: int, buf: Tensor) -> None:
-        """Segment `index` is complete in `buf`: write it, unless it landed in place."""
-        if self._offsets[index] is not None:
-            with self.on_stream():
+        """Segment `index` is complete in `buf`: write it, unless it landed in place (or
+        its epoch is no longer its blocks' own)."""
+        if self._offsets[index] is None:
+            return
+        with self.fence() as live, self.on_stream():
+            if live:
                 self.writer.write(self.segments[index], buf)
+                if self.stream is not None and self.target.epochs is not None:
+                    self.target.epochs.queued(self.stream)
 
     def close(self, complete: bool, deadline: float) -> None:
         """Wait for a complete shard's device work (once), release the staging buffer.
 
-        An incomplete shard is abandoned: its reservation expires by lease."""
+        An incomplete shard is abandoned: its reservation expires by lease. A stale one
+        (its blocks given out again meanwhile) is counted and refused: StaleEpoch."""
         staging, self._staging = self._staging, None
+        complete = complete and not self.stale
         try:
             if complete:
                 settle_stream(self.stream, deadline)
@@ -153,6 +184,12 @@ class _Landing:
                 # (pinned host staging is dropped: torch frees it after its pending copies)
         if complete and self.target.written is not None:
             self.target.written(self.writer.seconds)
+        if self.stale and self.target.epochs is not None:
+            self.target.epochs.count_drop()
+            raise StaleEpoch(
+                f"request {self.header.request_id}: epoch {self.header.epoch} is no longer "
+                "its blocks' (the reservation ended and its blocks were given out again)"
+            )
 
 
 class _ByteFeed:
@@ -175,7 +212,12 @@ class _ByteFeed:
                 self._tensor = self.landing.buffer(self._index)
                 self._view, self._filled = memoryview(self._tensor.numpy()), 0
             take = min(len(data) - pos, len(self._view) - self._filled)
-            self._view[self._filled : self._filled + take] = data[pos : pos + take]
+            if not self.landing.in_place(self._index):
+                self._view[self._filled : self._filled + take] = data[pos : pos + take]
+            else:  # straight into the cache: only while the blocks are the shard's own
+                with self.landing.fence() as live:
+                    if live:
+                        self._view[self._filled : self._filled + take] = data[pos : pos + take]
             pos += take
             self._filled += take
             if self._filled == len(self._view):
@@ -219,9 +261,11 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
         left = context.time_remaining() if context is not None else None
         return time.monotonic() + (self.timeout.total_seconds() if left is None else left)
 
-    def _land(self, header: kv_pb2.KvHeader, recv_device: torch.device, whole: bool) -> _Landing:
+    def _land(
+        self, header: kv_pb2.KvHeader, recv_device: torch.device, whole: bool, grpc: bool
+    ) -> _Landing:
         check_dtype(header)
-        return _Landing(header, self.sink(header), self._pool, recv_device, whole)
+        return _Landing(header, self.sink(header), self._pool, recv_device, whole, grpc)
 
     def Push(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
@@ -244,7 +288,8 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
                 if landing is None:
                     if head is None:
                         raise TransferError("first chunk carries no header")
-                    landing = self._land(kv_pb2.KvHeader.FromString(head), _CPU, whole=False)
+                    header = kv_pb2.KvHeader.FromString(head)
+                    landing = self._land(header, _CPU, whole=False, grpc=True)
                     feed = _ByteFeed(landing)
                 if len(data) and field_no != ROWS_FIELD:
                     raise TransferError(
@@ -310,7 +355,7 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
 
     def _expect(self, pair: Pair, header: kv_pb2.KvHeader, deadline: float) -> int:
         try:
-            landing = self._land(header, pair.device, whole=True)
+            landing = self._land(header, pair.device, whole=True, grpc=False)
         except TransferError:  # refused: drained, the pair stays matched and in use
             try:
                 _drain(pair, header, deadline)
@@ -325,6 +370,8 @@ class KvReceiverServicer(kv_pb2_grpc.KvReceiverServicer):
                 complete = True
             finally:
                 landing.close(complete, deadline)
+        except StaleEpoch:
+            raise  # every segment was received: the pair stays matched
         except BaseException:
             self._drop(pair)
             raise

@@ -57,6 +57,7 @@ class Shard:
     # event alone, not for whatever the producing stream queued since (the next prefill).
     ready: torch.cuda.Event | None = None
     block_offset: int = 0  # token 0's slot in block_ids[0] (a chunk may start inside one)
+    epoch: int = 0  # the reservation's (KvTargetInfo.epoch)
 
     @property
     def n(self) -> Tensor:
@@ -95,6 +96,7 @@ class Shard:
             block_ids=list(self.block_ids),
             peer=peer,
             block_offset=self.block_offset,
+            epoch=self.epoch,
         )
 
 
@@ -134,7 +136,9 @@ def cut_shard(
     if kv.is_cuda:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(kv.device))
-    return Shard(request_id, target.rank, kv, w, block_size, target.block_ids, ready=ready)
+    return Shard(
+        request_id, target.rank, kv, w, block_size, target.block_ids, ready, epoch=target.epoch
+    )
 
 
 def cut_chunk(

@@ -144,6 +144,7 @@ def target_to_pb(t: KvTargetInfo) -> common_pb2.KvTarget:
         latent_width=t.latent_width,
         block_ids=list(t.block_ids),
         token_ranges=list(t.token_ranges),
+        epoch=t.epoch,
     )
 
 
@@ -156,6 +157,7 @@ def target_from_pb(msg: common_pb2.KvTarget) -> KvTargetInfo:
         msg.latent_width,
         tuple(msg.block_ids),
         tuple(msg.token_ranges),
+        msg.epoch,
     )
 
 

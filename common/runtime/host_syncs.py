@@ -1,12 +1,26 @@
-"""Counting the host waits of a stretch of code: every read of a tensor's value on the host.
+"""Counting the host waits of a stretch of code: every op that makes the host wait for the
+device.
 
-On a GPU such a read (`.item()`, `.tolist()`, `int(t)`, `bool(t)`, a `nonzero` whose size the
-host must learn) blocks the CPU until the device has caught up, which stalls the launch queue
-and rules out capturing the step in a CUDA graph. On the CPU nothing waits, so the same code
-paths are counted instead: `HostSyncCounter` sees `aten._local_scalar_dense` (`aten.item`
-under inference mode), `aten.nonzero`, `aten.is_nonzero` and the ops whose result size a mask's
-values decide (`masked_select`, indexing by a boolean mask) through a `TorchDispatchMode`, plus
-`Tensor.tolist` and `Tensor.item` (wrapped: `tolist` reads values without dispatching an op).
+On a GPU such an op blocks the CPU until the device has caught up, which stalls the launch
+queue and rules out capturing the step in a CUDA graph. On the CPU nothing waits, so the same
+code paths are counted instead. `HostSyncCounter` counts, inside it:
+
+- at the dispatcher (a `TorchDispatchMode`), every op that reads a value on the host or
+  sizes its result by the values of its input (`SYNC_OPS`): `item` / `_local_scalar_dense`
+  (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if t:`), `is_nonzero`, `nonzero`
+  (`torch.where(c)`, `argwhere`, as inference mode dispatches them too), `masked_select`,
+  `equal`, `allclose`, `unique` (all its forms), `bincount`; `index` and `index_put_` by a
+  boolean mask (`t[mask]`, `t[mask] = v`); `repeat_interleave` without `output_size`;
+  `masked_fill` with a tensor value on the tensor's device (read on the host);
+- by wrapping, what reads without dispatching an op: `Tensor.tolist`, `Tensor.numpy`,
+  `Tensor.item` (once, not again for the op it dispatches), and device -> host copies:
+  `Tensor.cpu()` and a blocking `Tensor.to` onto the CPU. `.to("cpu")` of a CPU tensor
+  dispatches nothing, so the rule is what the same call does on a GPU: a blocking copy to the
+  host waits; a `non_blocking=True` one (into pinned memory, read after an awaited event)
+  does not. So a host tensor is put on the step's device by `common.runtime.transfers`
+  (which leaves it as it is on the CPU), never by `.to(device)`, which on the CPU would read
+  as a copy to the host. A `copy_` between CPU tensors is device work: on a GPU it is a copy
+  on the device (the step's device -> host copies go through `common.runtime.transfers`).
 
 What runs inside a counter is taken to be device work. Host-side bookkeeping that stays on the
 host on a GPU (a plan built from Python lists, the sampled results once their one awaited copy
@@ -24,18 +38,32 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# `item` is what inference mode dispatches where `_local_scalar_dense` appears otherwise;
-# `masked_select` and indexing with a boolean mask size their result from the mask's values.
-_SYNC_OPS = frozenset(
+aten = torch.ops.aten
+# `item` is what inference mode dispatches where `_local_scalar_dense` appears otherwise.
+SYNC_OPS = frozenset(
     {
-        torch.ops.aten._local_scalar_dense.default,
-        torch.ops.aten.item.default,
-        torch.ops.aten.nonzero.default,
-        torch.ops.aten.is_nonzero.default,
-        torch.ops.aten.masked_select.default,
+        aten._local_scalar_dense.default,
+        aten.item.default,
+        aten.is_nonzero.default,
+        aten.nonzero.default,
+        aten.nonzero_numpy.default,
+        aten.argwhere.default,
+        aten.where.default,  # where(condition): the nonzero of its condition
+        aten.masked_select.default,
+        aten.equal.default,
+        aten.allclose.default,
+        aten._unique.default,
+        aten._unique2.default,
+        aten.unique_dim.default,
+        aten.unique_consecutive.default,
+        aten.bincount.default,
     }
 )
-_INDEX = torch.ops.aten.index.Tensor
+# Synchronizing only for some arguments: a boolean mask, no output size, a tensor value.
+_MASK_INDEXED = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default})
+_REPEAT = frozenset({aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor})
+_FILL = aten.masked_fill.Tensor
+_CPU = torch.device("cpu")
 
 _state = threading.local()  # .counters: the active counters; .quiet: counting suspended
 _install_lock = threading.Lock()
@@ -66,14 +94,48 @@ def _wrap(method: Callable[..., Any]) -> Callable[..., Any]:
     return counted
 
 
+def _wrap_to(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`Tensor.to`, counted where it is a blocking copy onto the host."""
+    counted = _wrap(method)
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _to_host(self, args, kwargs):
+            return counted(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    to.__name__, to.__doc__ = method.__name__, method.__doc__
+    return to
+
+
+def _to_host(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `t.to(*args, **kwargs)` is a blocking copy onto the CPU (see above)."""
+    if not _counters() or _state.quiet:
+        return False
+    device = kwargs.get("device")
+    for arg in args:
+        if isinstance(arg, str | torch.device):
+            device = arg
+        elif isinstance(arg, torch.Tensor):
+            device = arg.device
+    if device is None or torch.device(device) != _CPU:
+        return False
+    blocking_args = [a for a in args if isinstance(a, bool)]
+    non_blocking = kwargs.get("non_blocking", blocking_args[0] if blocking_args else False)
+    return not non_blocking
+
+
 def _install() -> None:
-    """Wrap `Tensor.tolist` / `Tensor.item` once per process (a wrapper that counts only
-    inside a counter, on the thread that opened it)."""
+    """Wrap the methods that read or copy to the host without an op of their own, once per
+    process (a wrapper that counts only inside a counter, on the thread that opened it)."""
     global _installed
     with _install_lock:
         if not _installed:
-            torch.Tensor.tolist = _wrap(torch.Tensor.tolist)  # type: ignore[method-assign]
-            torch.Tensor.item = _wrap(torch.Tensor.item)  # type: ignore[method-assign]
+            tensor = torch.Tensor
+            tensor.tolist = _wrap(tensor.tolist)  # type: ignore[method-assign]
+            tensor.item = _wrap(tensor.item)  # type: ignore[method-assign]
+            tensor.numpy = _wrap(tensor.numpy)  # type: ignore[method-assign]
+            tensor.cpu = _wrap(tensor.cpu)  # type: ignore[method-assign]
+            tensor.to = _wrap_to(tensor.to)  # type: ignore[method-assign]
             _installed = True
 
 
@@ -85,16 +147,26 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        if not _state.quiet and (func in _SYNC_OPS or (func is _INDEX and _by_mask(args))):
+        kwargs = kwargs or {}
+        if not _state.quiet and _synchronizes(func, args, kwargs):
             self.counter.count += 1
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
-def _by_mask(args: tuple[Any, ...]) -> bool:
-    indices = args[1] if len(args) > 1 else ()
-    return any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
-    )
+def _synchronizes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if func in SYNC_OPS:
+        return True
+    if func in _MASK_INDEXED:
+        indices = args[1] if len(args) > 1 else ()
+        return any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+        )
+    if func in _REPEAT:
+        return kwargs.get("output_size") is None
+    if func is _FILL:
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        return isinstance(value, torch.Tensor) and value.device == args[0].device
+    return False
 
 
 class HostSyncCounter:

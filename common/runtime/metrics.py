@@ -114,6 +114,11 @@ SPEC_HELP = {
     "tpla:spec_draft_tokens": "draft tokens speculative steps fed",
     "tpla:spec_accepted_tokens": "draft tokens speculative steps kept",
 }
+# A decode group's leader rank (rank 0).
+RANK_HELP = {
+    "tpla:decode_eager_steps": "decode steps run without a CUDA graph on a group that replays them",
+    "tpla:kv_stale_pushes": "KV pushes dropped: their reservation's blocks were given to another",
+}
 
 
 def kernel_info(registry: CollectorRegistry, choices: Iterable[KernelChoice]) -> None:

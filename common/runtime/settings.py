@@ -159,6 +159,13 @@ class Settings(BaseSettings):
     block_size: int = Field(16, ge=1)
     kv_budget_mb: float = Field(256.0, gt=0, description="KV pool per decode rank")
     max_batch: int = Field(32, ge=1, description="decode batch limit per group")
+    max_model_len: int = Field(
+        0,
+        ge=0,
+        description="the longest sequence (prompt + max_tokens) served, at most the model's "
+        "context (0: the model's): the router refuses longer requests, and a decode group's "
+        "block tables and CUDA graphs are sized by it",
+    )
     speculative: str = Field(
         "none",
         description="speculative decoding drafts: none | ngram (prompt lookup on the leader) | "

@@ -1,10 +1,10 @@
 """Small host <-> device copies that never make a GPU's host wait more than once a step.
 
-`to_device` moves a host list (per-row sampling parameters, indices) through pinned memory
-with a non-blocking copy: from pageable memory the copy would wait for the device's queue.
-`to_host` is a step's one awaited transfer: its results, copied into pinned memory and
-awaited on an event (counted by `common.runtime.host_syncs`). On the CPU both are plain
-tensors.
+`to_device` moves a host list (per-row sampling parameters, indices), `to_device_tensor` a
+host tensor (a plan's words), through pinned memory with a non-blocking copy: from pageable
+memory the copy would wait for the device's queue. `to_host` is a step's one awaited
+transfer: its results, copied into pinned memory and awaited on an event (counted by
+`common.runtime.host_syncs`). On the CPU both are plain tensors.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ def to_device(
     values: Sequence[float] | Sequence[int], device: torch.device, dtype: torch.dtype | None = None
 ) -> Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)` without waiting for the device."""
-    host = torch.tensor(values, dtype=dtype)
+    return to_device_tensor(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device_tensor(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without waiting for the device's queue (on the CPU: itself)."""
+    if device.type == "cpu":
+        return host
     if device.type != "cuda":
         return host.to(device)
     # The caching host allocator keeps the pinned block until the copy that reads it is done.

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.model.args import ModelConfig
-from common.parallel import MoeParallel, ParallelConfig, RmsNormMode, layout_label
+from common.parallel import MoeParallel, ParallelConfig, RmsNormMode, layout_label, span
+from common.step_shapes import step_shapes
 from common.tpla.rank_memory import (
     DTYPE_BYTES,
     WEIGHT_DTYPES,
@@ -36,11 +37,19 @@ from common.tpla.rank_memory import (
 )
 
 GIB = 2**30
-# Like vLLM's default gpu_memory_utilization=0.9: activations of a decode batch, logits,
-# NCCL and allocator slack grow with the card; the floor covers the CUDA context (~0.5-1 GiB)
-# plus NCCL buffers on small cards.
+# Like vLLM's default gpu_memory_utilization=0.9: what a step allocates outside its graphs,
+# prefill chunks' activations and allocator slack grow with the card; the floor covers the
+# CUDA context (~0.5-1 GiB) on small cards. A decode rank's CUDA graphs and NCCL buffers are
+# counted on top (`graph_reserve`).
 RESERVE_FRACTION = 0.10
 RESERVE_FLOOR_BYTES = 2 * GIB
+# Estimates, not measurements (no GPU here measured them): NCCL keeps per communicator
+# NCCL_BUFFSIZE (4 MiB) per protocol (Simple, LL128; LL is small) for each of its ring's two
+# peers on up to 32 channels of an NVLink node: 4 MiB x 2 x 2 x 32 = 512 MiB a rank. A graph's
+# own device memory (its kernel nodes' parameters) is small; 2 MiB each is an allowance.
+NCCL_BYTES = 512 * 2**20
+GRAPH_BYTES = 2 * 2**20
+SPLITS = 32  # the decode kernel's most split-KV partials (decode_attention.MAX_SPLITS)
 
 
 @dataclass(frozen=True)
@@ -128,10 +137,18 @@ class PlanRequest:
     moe: MoeParallel = MoeParallel.TP  # routed experts: a slice of each, or whole ones (ep)
     prefill_gpus: int = 1  # ranks of one prefill group (TPLA_PREFILL_TP), on the same cards
     mtp_layers: int = 0  # MTP modules loaded (speculation `mtp`): weights and cache counted
+    # The decode step's CUDA graphs (common/step_shapes.py): one per shape, sized by the batch
+    # limit and the context limit (TPLA_MAX_BATCH, TPLA_MAX_MODEL_LEN: None = the model's),
+    # with `draft_rows` the most rows of a step with an MTP draft pass (0: none).
+    max_batch: int = 32
+    max_model_len: int | None = None
+    draft_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.prefill_gpus < 1:
             raise PlanError("a prefill group needs at least one GPU")
+        if self.max_batch < 1 or self.draft_rows < 0:
+            raise PlanError("the batch limit must be positive and the draft rows not negative")
         if self.mtp_layers < 0:
             raise PlanError("the MTP layer count cannot be negative")
         if not self.latent_groups:
@@ -180,6 +197,9 @@ class LayoutPlan:
     blocks_per_sequence: int  # on the busiest rank, at the requested context
     max_sequences: int  # per group, at the requested context
     fits: bool  # weights + reserve < GPU memory
+    graphs: int = 0  # CUDA graphs a rank captures
+    graph_pool_bytes: int = 0  # their shared pool (an estimate), in the reserve
+    nccl_bytes: int = 0  # NCCL's buffers (an estimate), in the reserve
 
     @property
     def label(self) -> str:
@@ -192,7 +212,11 @@ def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelCon
         req.weight_bytes(rank_tensors(c, layout, rank, req.mtp_layers)) for rank in range(layout.tp)
     )
     stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype, req.mtp_layers)
-    budget = hw.gpu_mem_bytes - weights - hw.reserve
+    graphs, pool = graph_reserve(c, req, layout)
+    nccl = NCCL_BYTES if layout.tp > 1 else 0
+    # A reserve given explicitly is all of it; the default one has them on top.
+    reserve = hw.reserve + (0 if hw.reserve_bytes is not None else pool + nccl)
+    budget = hw.gpu_mem_bytes - weights - reserve
     # As CacheLayout.blocks_for_budget, less the cache's trash block (never handed out).
     blocks = max(max(budget, 0) // (stored * bs) - 1, 0)
     # Rank 0 caches the most of a sequence: in SP it owns the first of its chunks.
@@ -210,8 +234,37 @@ def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelCon
         max_tokens=blocks * bs * ranks,
         blocks_per_sequence=per_seq,
         max_sequences=blocks // per_seq,
-        fits=weights + hw.reserve < hw.gpu_mem_bytes,
+        fits=weights + reserve < hw.gpu_mem_bytes,
+        graphs=graphs,
+        graph_pool_bytes=pool,
+        nccl_bytes=nccl,
     )
+
+
+def graph_reserve(c: ModelConfig, req: PlanRequest, layout: ParallelConfig) -> tuple[int, int]:
+    """(CUDA graphs a decode rank captures, the bytes of their one shared pool): every
+    graph records the largest step's transient tensors into the same pool, estimated at the
+    largest shape, batch max_batch over the context limit's table, from what the step makes:
+    its logits (and rank 0's gather of every rank's), the decode kernel's split-KV partials
+    (fp32), the gathered tables and the reads' copy of them (SP: per-token slots and a mask
+    too), the routed slots' expert activations and a layer's hidden states."""
+    bs, b, item = req.block_size, req.max_batch, DTYPE_BYTES[req.kv_dtype]
+    blocks = -(-(req.max_model_len or c.max_position_embeddings) // bs)
+    shapes = step_shapes(b, blocks, bs, req.draft_rows)
+    vocab = span(layout.vocab_rows(0, c.vocab_size))
+    heads, latent = span(layout.heads(0, c.num_attention_heads)), c.kv_lora_rank
+    if layout.caches_every_token:
+        latent = span(layout.latent_columns(0, c.kv_lora_rank))
+    logits = b * vocab * item * (1 + layout.tp)
+    partials = b * heads * SPLITS * (latent + 1) * 4
+    tables = 2 * b * blocks * 8
+    if not layout.caches_every_token:
+        tables += b * blocks * bs * (8 + 8 + 1)
+    expert = span(layout.expert_columns(0, c.moe_intermediate_size)) if c.n_routed_experts else 0
+    experts = b * c.num_experts_per_tok * (2 * expert + c.hidden_size) * item
+    hidden = 8 * b * c.hidden_size * item
+    pool = logits + partials + tables + experts + hidden
+    return len(shapes), pool + len(shapes) * GRAPH_BYTES
 
 
 @dataclass(frozen=True)
@@ -294,6 +347,9 @@ def _layout_json(p: LayoutPlan) -> dict[str, Any]:
         "blocks_per_sequence": p.blocks_per_sequence,
         "max_sequences_per_group": p.max_sequences,
         "fits": p.fits,
+        "cuda_graphs_per_rank": p.graphs,
+        "graph_pool_bytes_per_rank": p.graph_pool_bytes,
+        "nccl_bytes_per_rank": p.nccl_bytes,
     }
 
 
@@ -304,6 +360,8 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
             f"context {req.context} exceeds the model's max_position_embeddings "
             f"({c.max_position_embeddings})"
         )
+    if req.max_model_len is not None and not req.context <= req.max_model_len:
+        raise PlanError(f"context {req.context} exceeds the context limit {req.max_model_len}")
     layouts = req.layouts()
     for _, layout in layouts:
         layout.check(c)

@@ -131,6 +131,11 @@ class EngineConfig:
         """Ranks on each host: the whole group when spawned."""
         return self.parallel.tp if self.launch is Launch.SPAWN else self.local_ranks
 
+    def context_limit(self, model_positions: int) -> int:
+        """The longest sequence (prompt + output) the group holds: `max_model_len`
+        (TPLA_MAX_MODEL_LEN) within the model's context, `model_positions`."""
+        return min(self.max_model_len or model_positions, model_positions)
+
     def local_index(self, rank: int) -> int:
         """Rank `rank`'s index on its host: the offset of its GPU (`rank_device`) and of its
         KV ports (its host's TPLA_DEVICE and TPLA_KV_PORT_BASE)."""
@@ -191,6 +196,7 @@ def engine_config(s: Settings) -> EngineConfig:
         block_size=s.block_size,
         kv_budget_mb=s.kv_budget_mb,
         max_batch=s.max_batch,
+        max_model_len=s.max_model_len or None,
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
         device=s.device,

@@ -27,6 +27,7 @@ tokens it generated on the group it left, then samples on.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,10 +40,11 @@ from common.kv.prefix_cache import block_hashes, model_identity
 from common.messages import DecodeLoad, Reservation, ResumedChoice
 from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
+from common.step_shapes import StepShape
 from services.decode.config import EngineConfig, SpecConfig
 from services.decode.group.start import start_group
 from services.decode.leader.drafts import check_proposer
-from services.decode.leader.kv_targets import reservation
+from services.decode.leader.kv_targets import epoch_plan, reservation
 from services.decode.leader.loop import LeaderLoop
 from services.decode.leader.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.leader.step import DecodeStep
@@ -59,7 +61,7 @@ class DecodeEngine:
         model_cfg = self.runtime.model.config
         eos = model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = frozenset(eos)
-        max_len = cfg.max_model_len or model_cfg.max_position_embeddings
+        max_len = cfg.context_limit(model_cfg.max_position_embeddings)
         self.pool = RankPools(
             self.runtime.cache.usable_blocks,
             cfg.block_size,
@@ -78,6 +80,7 @@ class DecodeEngine:
         self.last_load: DecodeLoad | None = None
         # Told to go: reserves nothing more, while what it admitted runs to its end.
         self.draining = False
+        self._epochs = itertools.count(1)  # each reservation's (common/kv/epochs.py)
         if self.runtime.device.type == "cuda":
             # Compiles every kernel variant and captures every bucket's graph before the
             # group serves: a first request's step that compiled would run for seconds.
@@ -93,9 +96,11 @@ class DecodeEngine:
         self._loop.call(self._step.warm_up)
 
     @property
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every (batch, block-table width) a step is padded to (DecodePlans.step)."""
-        return self._step.plans.buckets()
+    def shapes(self) -> list[StepShape]:
+        """Every shape a step is padded to, as this group speculates (DecodePlans.shapes):
+        one CUDA graph each where the ranks capture them."""
+        spec, mtp = self._step.speculation.spec, self.runtime.model.mtp is not None
+        return self._step.plans.shapes(spec, mtp)
 
     def reserve(
         self,
@@ -122,7 +127,12 @@ class DecodeEngine:
                 request_id, prompt_len, max_tokens, deadline, hashes, n, tuple(prompt_ids)
             )
             cached = self.scheduler.seqs[request_id].cached_tokens
-            return reservation(self.group, self.pool, request_id, tables, prompt_len, cached)
+            # The blocks are this reservation's before its targets leave: a late push of the
+            # one they served before is dropped from now on, on every rank.
+            epoch = next(self._epochs)
+            forks = [seq.seq_id for seq in self.scheduler.forks(request_id)]
+            self._step.ranks.give_blocks(epoch_plan(self.pool, forks, epoch))
+            return reservation(self.group, self.pool, request_id, tables, prompt_len, cached, epoch)
 
         return self._loop.call(run)
 

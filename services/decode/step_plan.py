@@ -1,18 +1,28 @@
 """The leader -> ranks step plan, as int64 tensors over the group's broadcast (no pickle).
 
-Every plan is a fixed 8-word header, then an op-specific int64 payload:
-    DECODE    tokens [B], positions [B], block_tables [R, B, W] (-1 padded; R = 1 when
-              every rank shares the tables, R = tp in SP mode). B and W are the step's
-              bucket (services/decode/group/buckets.py): the leader pads the batch with
-              rows whose table is all -1 (their write goes to the trash slot, their logits
-              are dropped), so every rank runs the same static shapes. Header word 6 set:
-              each rank counts its step's host waits (`tpla bench decode-step`). Header
-              word 7 set: an MTP draft pass follows (`MtpPlan`): 4 words (M, S, E, D),
-              then rows [4, M], drafts [3, S] and seeds [E, D] as fp32 bits
+Every plan is a fixed 8-word header, then an op-specific int64 payload (inline in the same
+message up to `INLINE_WORDS`, else in a second broadcast):
+    DECODE    tokens [B], positions [B], slots [B] (each row's table row on the ranks), then
+              the table edits (`TableEdits`: cleared [C], runs [4, E], blocks [N]). Every
+              rank keeps its block tables as one persistent tensor, a row per running
+              sequence (services/decode/rank/block_tables.py); a step sends only what
+              changed since the last (services/decode/leader/table_rows.py), so a plan is
+              O(batch + new blocks), whatever the context. B and W (the columns the step
+              reads) are the step's bucket (common/step_shapes.py): the leader
+              pads the batch with rows on the all -1 padding row (their write goes to the
+              trash slot, their logits are dropped), so every rank runs the same static
+              shapes. Header word 6 set: each rank counts its step's host waits (`tpla
+              bench decode-step`). Header word 7 set: an MTP draft pass follows
+              (`MtpPlan`): 5 words (M, S, E, D, chain), then rows [4, M], drafts [3, S]
+              and seeds [E, D] as fp32 bits
     WRITE_KV  slots [N]; then the leader sends n [L, N, w] and k_pe [L, N, d_r] to `target`
-    COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 or tp as above):
+    COPY      block pairs [R, P, 2] (source, destination; -1 padded; R = 1 when every rank
+              shares the tables, R = tp in SP mode):
               every rank copies its pairs' slots, all layers (a forked sequence's own copy
               of the prompt's partly filled last block)
+    EPOCH     epoch, then blocks [R, N] (-1 padded; R as for COPY): a reservation's blocks
+              are its epoch's from now on (common/kv/epochs.py): late pushes of the
+              reservations they served before are dropped
     PING      nothing: an idle leader's keep-alive (see `PingPlan`)
     SHUTDOWN  nothing
 """
@@ -20,7 +30,7 @@ Every plan is a fixed 8-word header, then an op-specific int64 payload:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +40,12 @@ if TYPE_CHECKING:
     from common.group.comm import Comm
 
 HEADER_WORDS = 8
+# A plan is one broadcast where its payload fits after the header (a step's rows at batch
+# 256 and its usual edits do): each collective costs a round of wake-ups on every rank,
+# whatever its size. A larger payload follows in a second broadcast.
+INLINE_WORDS = 1024
+MESSAGE_WORDS = HEADER_WORDS + INLINE_WORDS
+MTP_SIZES = 5  # an MTP pass's sizes: rows, drafting sequences, seeds, seed width, chain
 
 
 class Op(enum.IntEnum):
@@ -38,6 +54,7 @@ class Op(enum.IntEnum):
     SHUTDOWN = 3
     PING = 4
     COPY = 5
+    EPOCH = 6
 
 
 @dataclass(frozen=True)
@@ -49,40 +66,101 @@ class MtpPlan:
     seed -1 - rows[0, m] (< 0: a prefill's last hidden state); its latents go where the step
     row rows[3, m] (the same sequence's) says. Drafting sequence s takes its first draft from
     pass row drafts[0, s] into step row drafts[1, s] and chains drafts[2, s] drafts in all,
-    into the rows after it."""
+    into the rows after it. The ranks run `chain` chained drafts after the first for every
+    drafting sequence (those that take fewer write theirs nowhere): the pass's shape is
+    then its rows' and the step's, whatever each sequence drafts. A padded pass (`padded`)
+    has as many rows and drafting sequences as its step has rows; a padding row's step row
+    and a padding draft's are the step's size (one past its rows: nowhere)."""
 
     rows: Tensor  # [4, M] int64
     drafts: Tensor  # [3, S] int64
     seeds: Tensor  # [E, D] float32
+    chain: int = 0
 
     def words(self) -> Tensor:
         e, d = self.seeds.shape
         bits = self.seeds.contiguous().flatten()
         if bits.numel() % 2:
             bits = torch.cat((bits, bits.new_zeros(1)))
-        sizes = torch.tensor([self.rows.shape[1], self.drafts.shape[1], e, d])
+        sizes = torch.tensor([self.rows.shape[1], self.drafts.shape[1], e, d, self.chain])
         return torch.cat(
             (sizes, self.rows.flatten(), self.drafts.flatten(), bits.view(torch.int64))
         )
 
     @staticmethod
     def read(comm: Comm) -> MtpPlan:
-        sizes = torch.zeros(4, dtype=torch.int64)
+        sizes = torch.zeros(MTP_SIZES, dtype=torch.int64)
         comm.broadcast_plan_(sizes)
-        m, s, e, d = (int(v) for v in sizes)
+        m, s, e, d, chain = (int(v) for v in sizes)
         payload = torch.empty(4 * m + 3 * s + -(-e * d // 2), dtype=torch.int64)
         comm.broadcast_plan_(payload)
         seeds = payload[4 * m + 3 * s :].view(torch.float32)[: e * d].view(e, d)
+        rows, drafts = payload[: 4 * m].view(4, m), payload[4 * m : 4 * m + 3 * s].view(3, s)
+        return MtpPlan(rows, drafts, seeds, chain)
+
+    def padded(self, size: int) -> MtpPlan:
+        """The pass with `size` rows and drafting sequences (a step of `size` rows)."""
+        m, s = self.rows.shape[1], self.drafts.shape[1]
+        rows = torch.tensor([[0], [0], [0], [size]]).expand(4, size - m)
+        drafts = torch.tensor([[0], [size], [0]]).expand(3, size - s)
         return MtpPlan(
-            payload[: 4 * m].view(4, m), payload[4 * m : 4 * m + 3 * s].view(3, s), seeds
+            torch.cat((self.rows, rows), 1),
+            torch.cat((self.drafts, drafts), 1),
+            self.seeds,
+            self.chain,
         )
+
+    @staticmethod
+    def padding(size: int, chain: int, hidden: int) -> MtpPlan:
+        """A pass of padding rows only, for a step of `size` padding rows (warm-up)."""
+        empty = MtpPlan(
+            torch.zeros(4, 0, dtype=torch.int64),
+            torch.zeros(3, 0, dtype=torch.int64),
+            torch.zeros(0, hidden),
+            chain,
+        )
+        return empty.padded(size)
+
+
+@dataclass(frozen=True)
+class TableEdits:
+    """What changed in the ranks' block tables since the last step, applied before it
+    (services/decode/rank/block_tables.py): the `cleared` rows are all -1 again (their
+    sequence left), then each run e writes its blocks into pool runs[0, e]'s table, row
+    runs[1, e], from column runs[2, e] on, runs[3, e] of them, taken in order from `blocks`.
+    A pool is a rank's own under SP (each rank applies its own runs), else the one every
+    rank shares (pool 0)."""
+
+    cleared: Tensor  # [C] int64
+    runs: Tensor  # [4, E] int64: (pool, row, first column, blocks)
+    blocks: Tensor  # [N] int64
+
+    @staticmethod
+    def none() -> TableEdits:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return TableEdits(empty, empty.view(4, 0), empty)
+
+    @staticmethod
+    def whole(tables: Tensor) -> TableEdits:
+        """Rows written whole: tables [R, B, W] (-1 padded) into rows 0..B-1 of pools
+        0..R-1 (a rank's tests, from explicit tables)."""
+        r, b, w = tables.shape
+        runs = [(k, row, 0, w) for k in range(r) for row in range(b)]
+        cleared = torch.zeros(0, dtype=torch.int64)
+        return TableEdits(cleared, torch.tensor(runs).view(-1, 4).T.contiguous(), tables.flatten())
+
+    @property
+    def words(self) -> int:
+        return self.cleared.numel() + self.runs.numel() + self.blocks.numel()
 
 
 @dataclass(frozen=True)
 class DecodePlan:
     tokens: Tensor  # [B] int64
     positions: Tensor  # [B] int64
-    block_tables: Tensor  # [R, B, W] int64
+    slots: Tensor  # [B] int64: each row's table row on the ranks (padding rows: the all -1 one)
+    width: int  # table columns the step reads: blocks under its longest row, or its bucket's
+    edits: TableEdits = field(default_factory=TableEdits.none)
     # Each rank counts its step's host waits and returns the count as one extra logits row
     # (services/decode/rank/runtime.py).
     count_syncs: bool = False
@@ -91,10 +169,10 @@ class DecodePlan:
     mtp: MtpPlan | None = None
 
     @property
-    def bucket(self) -> tuple[int, int]:
-        """(batch, table width): the step's static shape."""
-        _, b, w = self.block_tables.shape
-        return b, w
+    def shape(self) -> tuple[int, int, int]:
+        """(batch, table width, chained drafts or -1 without a draft pass): what a step's
+        static shapes follow (one CUDA graph each)."""
+        return len(self.tokens), self.width, -1 if self.mtp is None else self.mtp.chain
 
 
 @dataclass(frozen=True)
@@ -114,6 +192,19 @@ class CopyPlan:
 
 
 @dataclass(frozen=True)
+class EpochPlan:
+    """A new reservation's blocks, per pool, and its epoch (sent before its targets leave)."""
+
+    epoch: int
+    blocks: Tensor  # [R, N] int64, -1 padded
+
+    def rank_blocks(self, rank: int) -> Tensor:
+        """This rank's blocks [N'], padding dropped (host words: no device to wait for)."""
+        blocks = self.blocks[rank if self.blocks.shape[0] > 1 else 0]
+        return blocks[: int((blocks >= 0).sum())]
+
+
+@dataclass(frozen=True)
 class PingPlan:
     """Sent by an idle leader every second or so. Followers wait for plans in a collective,
     which times out (`collective_timeout_s`): without it an idle group's followers would
@@ -121,64 +212,105 @@ class PingPlan:
     then blocks like a stuck step, and the group reports itself stalled."""
 
 
-Plan = DecodePlan | WritePlan | CopyPlan | PingPlan | None  # None = shutdown
+Plan = DecodePlan | WritePlan | CopyPlan | EpochPlan | PingPlan | None  # None = shutdown
 
 
 def send_plan(plan: Plan, comm: Comm) -> None:
     """Leader side: broadcast a plan from rank 0."""
-    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    message = torch.zeros(MESSAGE_WORDS, dtype=torch.int64)
+    header = message[:HEADER_WORDS]
     if plan is None or isinstance(plan, PingPlan):
         header[0] = Op.SHUTDOWN if plan is None else Op.PING
-        comm.broadcast_plan_(header)
+        comm.broadcast_plan_(message)
         return
     if isinstance(plan, DecodePlan):
-        r, b, m = plan.block_tables.shape
-        header[:4] = torch.tensor([Op.DECODE, b, m, 0])
-        header[5] = r
+        edits = plan.edits
+        header[:6] = torch.tensor(
+            [
+                Op.DECODE,
+                len(plan.tokens),
+                plan.width,
+                len(edits.cleared),
+                edits.runs.shape[1],
+                len(edits.blocks),
+            ]
+        )
         header[6] = int(plan.count_syncs)
         header[7] = int(plan.mtp is not None)
-        payload = torch.cat([plan.tokens, plan.positions, plan.block_tables.flatten()])
+        payload = torch.cat(
+            [
+                plan.tokens,
+                plan.positions,
+                plan.slots,
+                edits.cleared,
+                edits.runs.flatten(),
+                edits.blocks,
+            ]
+        )
     elif isinstance(plan, CopyPlan):
         r, p, _ = plan.pairs.shape
         header[:3] = torch.tensor([Op.COPY, r, p])
         payload = plan.pairs.flatten()
+    elif isinstance(plan, EpochPlan):
+        r, n = plan.blocks.shape
+        header[:4] = torch.tensor([Op.EPOCH, r, n, plan.epoch])
+        payload = plan.blocks.flatten()
     else:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
         payload = plan.slots
-    comm.broadcast_plan_(header)
-    comm.broadcast_plan_(payload.to(torch.int64).contiguous())
+    if len(payload) <= INLINE_WORDS:
+        message[HEADER_WORDS : HEADER_WORDS + len(payload)] = payload
+        comm.broadcast_plan_(message)
+    else:
+        comm.broadcast_plan_(message)
+        comm.broadcast_plan_(payload.to(torch.int64).contiguous())
     if isinstance(plan, DecodePlan) and plan.mtp is not None:
         words = plan.mtp.words()
-        comm.broadcast_plan_(words[:4].clone())
-        comm.broadcast_plan_(words[4:].clone())
+        comm.broadcast_plan_(words[:MTP_SIZES].clone())
+        comm.broadcast_plan_(words[MTP_SIZES:].clone())
 
 
 def recv_plan(comm: Comm) -> Plan:
     """Rank side: receive the next plan from rank 0."""
-    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-    comm.broadcast_plan_(header)
+    message = torch.zeros(MESSAGE_WORDS, dtype=torch.int64)
+    comm.broadcast_plan_(message)
+    header = message[:HEADER_WORDS]
     op = Op(int(header[0]))
     if op is Op.SHUTDOWN:
         return None
     if op is Op.PING:
         return PingPlan()
     if op is Op.DECODE:
-        b, m, r, count = int(header[1]), int(header[2]), int(header[5]), bool(header[6])
-        payload = torch.empty(b * (2 + r * m), dtype=torch.int64)
-        comm.broadcast_plan_(payload)
-        tables = payload[2 * b :].view(r, b, m)
+        b, width, c, e, n = (int(v) for v in header[1:6])
+        payload = _payload(message, 3 * b + c + 4 * e + n, comm)
+        rows = payload[: 3 * b].view(3, b)
+        cleared, runs = payload[3 * b : 3 * b + c], payload[3 * b + c : 3 * b + c + 4 * e]
+        edits = TableEdits(cleared, runs.view(4, e), payload[3 * b + c + 4 * e :])
         mtp = MtpPlan.read(comm) if header[7] else None
-        return DecodePlan(payload[:b], payload[b : 2 * b], tables, count, mtp)
+        return DecodePlan(rows[0], rows[1], rows[2], width, edits, bool(header[6]), mtp)
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
-        payload = torch.empty(r * p * 2, dtype=torch.int64)
-        comm.broadcast_plan_(payload)
-        return CopyPlan(payload.view(r, p, 2))
-    n = int(header[3])
-    payload = torch.empty(n, dtype=torch.int64)
+        return CopyPlan(_payload(message, r * p * 2, comm).view(r, p, 2))
+    if op is Op.EPOCH:
+        r, n = int(header[1]), int(header[2])
+        return EpochPlan(int(header[3]), _payload(message, r * n, comm).view(r, n))
+    return WritePlan(int(header[4]), _payload(message, int(header[3]), comm))
+
+
+def _payload(message: Tensor, words: int, comm: Comm) -> Tensor:
+    """A plan's payload: inline in its message, or the broadcast after it."""
+    if words <= INLINE_WORDS:
+        return message[HEADER_WORDS : HEADER_WORDS + words]
+    payload = torch.empty(words, dtype=torch.int64)
     comm.broadcast_plan_(payload)
-    return WritePlan(int(header[4]), payload)
+    return payload
+
+
+def plan_bytes(plan: DecodePlan) -> int:
+    """What sending `plan` puts on the group (its MTP pass aside)."""
+    words = 3 * len(plan.tokens) + plan.edits.words
+    return 8 * (MESSAGE_WORDS + (words if words > INLINE_WORDS else 0))
 
 
 # Token ids cross the logits gather as base-256 digits: every digit below 256 is exact in

@@ -276,7 +276,7 @@ def create_app(
     info = prepare.ModelInfo(
         served_name=settings.served_model_name,
         tokenizer=tokenizer,
-        max_model_len=prepare.context_limit(model_dir),
+        max_model_len=prepare.context_limit(model_dir, settings.max_model_len),
         log_prompts=settings.log_prompts,
         grammars=GrammarCompiler.from_model_dir(
             model_dir,

@@ -34,9 +34,10 @@ _FALLBACK_CONTEXT = 4096  # ModelConfig's default when config.json does not say
 MAX_ECHOED_NAME = 128  # an error message need not repeat a megabyte of model name
 
 
-def context_limit(model_dir: str | Path) -> int:
+def context_limit(model_dir: str | Path, max_model_len: int = 0) -> int:
     """The model's context length: config.json's max_position_embeddings, further capped by
-    tokenizer_config.json's model_max_length when that is a real (not sentinel) value."""
+    tokenizer_config.json's model_max_length when that is a real (not sentinel) value, and by
+    `max_model_len` (TPLA_MAX_MODEL_LEN) when set."""
     directory = Path(model_dir)
     limit = _FALLBACK_CONTEXT
     config = directory / "config.json"
@@ -48,7 +49,7 @@ def context_limit(model_dir: str | Path) -> int:
         # HF writes ~1e30 when the tokenizer has no limit of its own.
         if isinstance(cap, int) and 0 < cap < 10**9:
             limit = min(limit, cap)
-    return limit
+    return min(limit, max_model_len) if max_model_len else limit
 
 
 def model_reasoning(

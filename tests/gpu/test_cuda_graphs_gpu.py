@@ -75,7 +75,7 @@ def test_graph_replays_give_the_eager_steps_tokens(dense_model: Path, kernel: st
         graphs = engine.runtime.graphs
         assert graphs is not None
         captured = len(graphs)
-        assert captured == len(engine.buckets), "every bucket is captured at start-up"
+        assert captured == len(engine.shapes), "every shape is captured at start-up"
         replayed = _decode(engine)
         assert len(graphs) == captured, "nothing is captured while serving"
     assert replayed == eager

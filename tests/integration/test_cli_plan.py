@@ -29,6 +29,8 @@ def _expected_tokens(out: dict, layout: str, tp: int) -> int:
     budget = out["gpu_mem_bytes"] - out["reserve_bytes"]
     entry = next(p for p in out["layouts"] if p["layout"] == layout)
     budget -= entry["weights_bytes_per_rank"]
+    # The default reserve has the CUDA graphs' pool and NCCL's buffers on top.
+    budget -= entry["graph_pool_bytes_per_rank"] + entry["nccl_bytes_per_rank"]
     # Less the rank cache's trash block, which no sequence gets.
     blocks = max(max(budget, 0) // (entry["kv_bytes_per_stored_token"] * out["block_size"]) - 1, 0)
     return blocks * out["block_size"] * (tp if layout == "sp" else 1)

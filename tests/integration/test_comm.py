@@ -18,7 +18,14 @@ from common.parallel import ParallelConfig
 from common.runtime.ports import free_port
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
-from services.decode.step_plan import DecodePlan, PingPlan, WritePlan, recv_plan, send_plan
+from services.decode.step_plan import (
+    DecodePlan,
+    PingPlan,
+    TableEdits,
+    WritePlan,
+    recv_plan,
+    send_plan,
+)
 from tests.rank_exit import leave_group
 from tests.spawned_ranks import run_ranks
 
@@ -46,7 +53,13 @@ def _rank(cfg_json: str, rank: int, out: mp.Queue) -> NoReturn:
         send_plan(WritePlan(1, torch.tensor([3, 9, 4])), comm)
         comm.send(torch.arange(12, dtype=torch.float32).view(3, 4), 1)
         plans = [
-            DecodePlan(torch.tensor([5, 6]), torch.tensor([10, 0]), torch.arange(6).view(1, 2, 3)),
+            DecodePlan(
+                torch.tensor([5, 6]),
+                torch.tensor([10, 0]),
+                torch.tensor([1, 0]),
+                3,
+                TableEdits.whole(torch.arange(6).view(1, 2, 3)),
+            ),
             PingPlan(),
             None,
         ]
@@ -61,7 +74,8 @@ def _rank(cfg_json: str, rank: int, out: mp.Queue) -> NoReturn:
         decode = recv_plan(comm)
         assert isinstance(decode, DecodePlan)
         results["decode"] = [decode.tokens.tolist(), decode.positions.tolist()]
-        results["tables"] = decode.block_tables.tolist()
+        results["tables"] = [decode.slots.tolist(), decode.width, decode.edits.blocks.tolist()]
+        results["runs"] = decode.edits.runs.tolist()
         results["ping"] = isinstance(recv_plan(comm), PingPlan)
         results["shutdown"] = recv_plan(comm) is None
     comm.barrier()
@@ -103,7 +117,8 @@ def test_comm_and_plans_between_two_ranks(collectives: str) -> None:
     assert results[1]["gather"] is None
     assert results[1]["write"] == (1, [3, 9, 4], [float(i) for i in range(12)])
     assert results[1]["decode"] == [[5, 6], [10, 0]]
-    assert results[1]["tables"] == [[[0, 1, 2], [3, 4, 5]]]
+    assert results[1]["tables"] == [[1, 0], 3, [0, 1, 2, 3, 4, 5]]
+    assert results[1]["runs"] == [[0, 0], [0, 1], [0, 0], [3, 3]]
     assert results[1]["ping"] and results[1]["shutdown"]
 
 

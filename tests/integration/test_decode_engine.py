@@ -21,6 +21,7 @@ from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.kernel_choice import KernelConfig
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
+from common.step_shapes import StepShape
 from common.tpla.reference import AttentionSpec, ReferenceModel, Variant
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
@@ -370,7 +371,7 @@ def test_warm_up_steps_every_bucket_and_leave_no_trace(model_dir: Path, layout: 
     prompts = [_prompt(n, 30 + n) for n in (5, 14, 9)]
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3
     with DecodeEngine(cfg) as engine:
-        assert engine.buckets[0] == (4, 12) and engine.buckets[-1] == (1, 1)
+        assert engine.shapes[0] == StepShape(4, 12) and engine.shapes[-1] == StepShape(1, 12)
         prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
         before = [collect(*s).token_ids for s in submit(engine, prefill, prompts, params)]
         engine.warm_up()

@@ -10,6 +10,8 @@ import importlib
 
 BENCH_MODULES: tuple[str, ...] = (
     "tools.bench.decode_step",
+    "tools.bench.leader_step",
+    "tools.bench.gpu_check",
     "tools.bench.kv_transfer",
     "tools.bench.serve",
     "tools.bench.roofline",

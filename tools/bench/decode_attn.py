@@ -308,6 +308,12 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--demo", default="models/demo", help="demo model dir for its shapes")
     p.add_argument("--shapes", nargs="+", help="subset of deepseek-v3 deepseek-v2-lite demo")
+    p.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        help="--kernel triton: these contexts at batch 1 and 4 instead of the grid",
+    )
     p.add_argument("--plot", help="write a Figure-3-style PNG here (CPU kernels)")
     p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
     p.set_defaults(func=_run)

@@ -128,9 +128,14 @@ def time_gpu(runs: dict[str, Callable[[int], torch.Tensor]], rounds: int) -> dic
 
 
 def run_triton_bench(
-    quick: bool, demo_dir: str, names: list[str] | None, rounds: int
+    quick: bool,
+    demo_dir: str,
+    names: list[str] | None,
+    rounds: int,
+    contexts: list[int] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Time the Triton kernel at every (shape, context, batch, mode) on cuda:0, bf16."""
+    """Time the Triton kernel at every (shape, context, batch, mode) on cuda:0, bf16
+    (`contexts`: those, at batch 1 and 4, instead of the grid's)."""
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16
     gpu, source, copy_bw = gpu_peak(device)
@@ -138,7 +143,8 @@ def run_triton_bench(
     for shape in shapes(demo_dir):
         if names and shape.name not in names:
             continue
-        for context, batch in grid(quick):
+        pairs = grid(quick) if contexts is None else [(c, b) for c in contexts for b in (1, 4)]
+        for context, batch in pairs:
             works = {m: device_work(shape, m, batch, context) for m in MODES}
             runs = {m: prepare_triton(w, device, dtype) for m, w in works.items()}
             pair: dict[str, dict[str, Any]] = {}
@@ -192,7 +198,9 @@ def run_triton(args: argparse.Namespace) -> int:
         print(NO_GPU, file=out)
         summary.update({"rows": [], "skipped": NO_GPU})
     else:
-        rows, device_info = run_triton_bench(args.quick, args.demo, args.shapes, args.rounds)
+        rows, device_info = run_triton_bench(
+            args.quick, args.demo, args.shapes, args.rounds, args.contexts
+        )
         summary.update({"rows": rows, "quick": args.quick, "rounds": args.rounds, **device_info})
         print(_gpu_table(rows), file=out)
         print(

@@ -28,14 +28,15 @@ import statistics
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
 from common.parallel import BASELINE, COMPARED, ParallelConfig, parse_mode
 from common.runtime.kernel_choice import KernelConfig
+from common.sampling.grammar import GrammarSpec, allowed_now
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig
+from services.decode.config import DEFAULT_SPEC_TOKENS, PROPOSERS, EngineConfig, SpecConfig
 from services.decode.local_kv import write_kv
 
 if TYPE_CHECKING:
@@ -61,6 +62,16 @@ class StepResult:
     parameter_bytes_rank0: int
     host_syncs_per_step: int  # the most on any rank in a full-batch step
     cuda_graphs: bool  # each bucket's step replayed as a CUDA graph (CUDA only)
+    sampling: str = "greedy"  # SAMPLINGS
+    speculative: str = "none"  # the draft proposer (services/decode/config.py PROPOSERS)
+    # Timed steps rank 0 ran without a graph where graphs were asked for (CUDA): 0 expected.
+    eager_steps: int = 0
+
+
+# `sampled`: requests take turns at a seeded top-p draw, penalties, a JSON grammar and greedy,
+# so every logits processor and the grammar run in the counted steps.
+SAMPLINGS = ("greedy", "sampled")
+GRAMMAR = {"type": "string"}  # a long output fits it: the grammar never ends the request
 
 
 def measure(
@@ -79,8 +90,11 @@ def measure(
     device: str = "cpu",
     dtype: str = "float32",
     cuda_graphs: bool = False,
+    sampling: str = "greedy",
+    speculative: str = "none",
 ) -> list[StepResult]:
-    """Median step time per batch size for one layout, with its cache and comm footprint."""
+    """Median step time per batch size for one layout, with its cache and comm footprint.
+    `speculative`: the group drafts so (k = its default) at every batch measured."""
     from services.decode.engine import DecodeEngine  # not imported by `tpla --help`
 
     par = ParallelConfig.parse(layout, tp, r, chunk_size=chunk_size)
@@ -97,13 +111,16 @@ def measure(
         device=device,
         dtype=dtype,
         cuda_graphs=cuda_graphs,
+        speculative=SpecConfig(speculative, DEFAULT_SPEC_TOKENS.get(speculative, 1), max(batches)),
     )
     results = []
     with DecodeEngine(cfg) as engine:
         cache = engine.runtime.layout
         for batch in batches:
-            timed = _full_steps(engine, batch, context, steps, tp)
-            syncs = _count_syncs(engine, batch, context, tp)
+            eager = engine.runtime.eager_steps
+            timed = _full_steps(engine, batch, context, steps, tp, sampling)
+            eager = engine.runtime.eager_steps - eager
+            syncs = _count_syncs(engine, batch, context, tp, sampling)
             per_seq = (
                 cache.bytes_per_token_per_layer
                 * cache.num_layers
@@ -125,23 +142,52 @@ def measure(
                     engine.runtime.model.parameter_bytes(),
                     syncs,
                     engine.runtime.graphs is not None,
+                    sampling,
+                    speculative,
+                    eager,
                 )
             )
     return results
 
 
+def _params(sampling: str, max_tokens: int, count: int) -> list[SamplingParams]:
+    """`count` requests' params: all greedy, or taking turns at each kind of draw."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if sampling == "greedy":
+        return [greedy] * count
+    kinds = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=3,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.1,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.9,
+            seed=5,
+            grammar=GrammarSpec.json_schema(GRAMMAR),
+            ignore_eos=True,
+        ),
+        greedy,
+    ]
+    return [kinds[i % len(kinds)] for i in range(count)]
+
+
 def _full_steps(
-    engine: DecodeEngine, batch: int, context: int, steps: int, tp: int
+    engine: DecodeEngine, batch: int, context: int, steps: int, tp: int, sampling: str
 ) -> list[tuple[float, int]]:
     """(seconds, collective bytes) of `steps` steps that ran the whole batch, after warm-up.
     Requests join one by one and leave as they started: only steps that run the whole batch
     are timed. Each request is long enough for `steps` of them plus warm-up, whatever the
     spread of joins."""
     comm = engine.runtime.comm
-    params = SamplingParams(
-        max_tokens=steps + batch + WARMUP_STEPS + 2, temperature=0.0, ignore_eos=True
-    )
-    rids = [_reserve(engine, context, params, tp) for _ in range(batch)]
+    params = _params(sampling, steps + batch + WARMUP_STEPS + 2, batch)
+    rids = [_reserve(engine, context, p, tp) for p in params]
     steps_seen: list[tuple[float, int, int]] = []  # (seconds, batch, comm bytes after)
     before = comm.bytes
 
@@ -173,20 +219,30 @@ def _reserve(engine: DecodeEngine, context: int, params: SamplingParams, tp: int
     return rid
 
 
-def _run(engine: DecodeEngine, rids: list[str], params: SamplingParams) -> None:
+def _run(engine: DecodeEngine, rids: list[str], params: list[SamplingParams]) -> None:
     """Decode every request to its end (they join one by one)."""
-    running = [engine.generate(rid, 1, params) for rid in rids]
+    running = [
+        engine.generate(rid, _first_token(engine, p), p)
+        for rid, p in zip(rids, params, strict=True)
+    ]
     for stream in running:
         for _ in stream:
             pass
 
 
-def _count_syncs(engine: DecodeEngine, batch: int, context: int, tp: int) -> int:
+def _first_token(engine: DecodeEngine, params: SamplingParams) -> int:
+    """A request's first token: 1, or where a grammar constrains it, the first it allows."""
+    matcher = engine.controls.matcher(params, [])
+    if matcher is None:
+        return 1
+    vocab = engine.runtime.model.config.vocab_size
+    return int(allowed_now(matcher, vocab, "cpu")[0].nonzero()[0, 0])
+
+
+def _count_syncs(engine: DecodeEngine, batch: int, context: int, tp: int, sampling: str) -> int:
     """The most host waits on any rank in a full-batch step (a short run, counted)."""
-    params = SamplingParams(
-        max_tokens=batch + WARMUP_STEPS + COUNTED_STEPS, temperature=0.0, ignore_eos=True
-    )
-    rids = [_reserve(engine, context, params, tp) for _ in range(batch)]
+    params = _params(sampling, batch + WARMUP_STEPS + COUNTED_STEPS, batch)
+    rids = [_reserve(engine, context, p, tp) for p in params]
     counts: list[int] = []
 
     def record(seconds: float, size: int) -> None:
@@ -213,8 +269,8 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
     # A CPU step has no launches to capture: graphs are a CUDA setting.
     graph_modes = [mode == "on" for mode in args.cuda_graphs] if device != "cpu" else [False]
     rows = []
-    for collectives, graphs, layout in itertools.product(
-        args.collectives, graph_modes, args.layouts
+    for collectives, graphs, speculative, layout in itertools.product(
+        args.collectives, graph_modes, args.speculative, args.layouts
     ):
         r = parse_mode(layout).latent_groups(args.tp)
         rows += measure(
@@ -233,23 +289,32 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
             device,
             dtype,
             graphs,
+            args.sampling,
+            speculative,
         )
-    # Speedups are against MLA-TP with the same collectives and graphs setting, from this run.
-    base = {
-        (row.collectives, row.cuda_graphs, row.batch): row
-        for row in rows
-        if row.layout == BASELINE.value
-    }
-    table = sys.stderr if args.json else sys.stdout
+    out = _report(rows, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({"rows": out}))
+    return 0
+
+
+def _report(rows: list[StepResult], table: TextIO) -> list[dict[str, object]]:
+    """The table (speedups against MLA-TP with the same collectives, graphs, sampling and
+    speculation, from this run) and the JSON rows."""
+
+    def key(row: StepResult) -> tuple[object, ...]:
+        return row.collectives, row.cuda_graphs, row.sampling, row.speculative, row.batch
+
+    base = {key(row): row for row in rows if row.layout == BASELINE.value}
     print(
         f"{'coll':>5} {'layout':>7} {'tp':>3} {'r':>3} {'batch':>6} {'context':>8} {'step ms':>9} "
         f"{'speedup':>8} {'cache KiB/seq':>14} {'vs MLA-TP':>10} {'comm KiB/step':>14} "
-        f"{'rank0 MB':>9} {'syncs':>6} {'graphs':>6}",
+        f"{'rank0 MB':>9} {'syncs':>6} {'graphs':>6} {'sampling':>8} {'spec':>6}",
         file=table,
     )
     out = []
     for row in rows:
-        ref = base.get((row.collectives, row.cuda_graphs, row.batch))
+        ref = base.get(key(row))
         speed = ref.median_ms / row.median_ms if ref else float("nan")
         mem = ref.cache_bytes_per_sequence / row.cache_bytes_per_sequence if ref else float("nan")
         print(
@@ -257,13 +322,12 @@ def cmd_decode_step(args: argparse.Namespace) -> int:
             f"{row.batch:>6} {row.context:>8} {row.median_ms:>9.2f} {speed:>7.2f}x "
             f"{row.cache_bytes_per_sequence / 1024:>14.1f} {mem:>9.2f}x "
             f"{row.comm_bytes_per_step / 1024:>14.1f} {row.parameter_bytes_rank0 / 2**20:>9.1f} "
-            f"{row.host_syncs_per_step:>6} {'on' if row.cuda_graphs else 'off':>6}",
+            f"{row.host_syncs_per_step:>6} {'on' if row.cuda_graphs else 'off':>6} "
+            f"{row.sampling:>8} {row.speculative:>6}",
             file=table,
         )
         out.append({**row.__dict__, "speedup_vs_mla_tp": speed, "cache_saving_vs_mla_tp": mem})
-    if args.json:
-        print(json.dumps({"rows": out}))
-    return 0
+    return out
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -305,6 +369,20 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         default=["on"],
         help="replay each bucket's step as a CUDA graph, or not (both: side by side); "
         "ignored on the CPU",
+    )
+    ds.add_argument(
+        "--sampling",
+        choices=SAMPLINGS,
+        default="greedy",
+        help="greedy requests, or requests taking turns at seeded top-p, penalties, a JSON "
+        "grammar and greedy",
+    )
+    ds.add_argument(
+        "--speculative",
+        nargs="+",
+        choices=PROPOSERS,
+        default=["none"],
+        help="draft proposers (mtp needs a model with an MTP layer); drafts at every batch",
     )
     ds.add_argument("--json", action="store_true")
     ds.set_defaults(func=cmd_decode_step)

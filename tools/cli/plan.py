@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.parallel import MOE_MODES, RMSNORM_MODES
+from services.decode.config import DEFAULT_SPEC_TOKENS
 from tools.cli.tpla import DTYPES
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         moe=parse_moe(args.moe_parallel),
         prefill_gpus=args.prefill_gpus,
         mtp_layers=mtp_loaded,
+        max_batch=args.max_batch,
+        max_model_len=args.max_model_len,
+        # A drafting step: up to TPLA_SPEC_MAX_BATCH sequences of 1 + k rows each.
+        draft_rows=args.spec_max_batch * (1 + DEFAULT_SPEC_TOKENS["mtp"]) if mtp_loaded else 0,
     )
     plan = build_plan(ckpt.config, request)
     manifest = _manifest(plan, args.gpus_per_node)
@@ -159,7 +164,13 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
             f"{p.max_sequences:>7,}  {'yes' if p.fits else 'NO'}"
         )
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.breakdown)
+    chosen = plan.chosen
     lines += [
+        "",
+        f"CUDA graphs: {chosen.graphs} per rank (batch limit {req.max_batch}, context limit "
+        f"{req.max_model_len or c.max_position_embeddings}); in the reserve (estimates): their "
+        f"pool {_gib(chosen.graph_pool_bytes)} GiB, NCCL {_gib(chosen.nccl_bytes)} GiB"
+        + (" (within --reserve-gib)" if hw.reserve_bytes is not None else " (on top of it)"),
         "",
         f"{plan.chosen.label} rank weights (GiB): {parts}",
         "* SP: a rank caches whole-width tokens of its round-robin chunks only, about 1/tp "
@@ -224,7 +235,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--reserve-gib",
         type=float,
-        help="per-GPU memory kept off weights and KV (default: max(2 GiB, 10%% of the GPU))",
+        help="per-GPU memory kept off weights and KV (default: max(2 GiB, 10%% of the GPU), "
+        "and on top a decode rank's CUDA graphs' pool and NCCL's buffers, estimated)",
     )
     p.add_argument("--rmsnorm", choices=RMSNORM_MODES, default="exact")
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
@@ -243,17 +255,39 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "rank's weights and whether they fit",
     )
     p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs of a node: the suggested manifests run one pod per node (default 8)",
+    )
+    _add_step_args(p)
+    p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_step_args(p: argparse.ArgumentParser) -> None:
+    """What a decode step's shapes follow: the CUDA graphs a rank captures, and MTP's weights."""
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=32,
+        help="decode batch limit (TPLA_MAX_BATCH): the CUDA graphs and their pool",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context limit (TPLA_MAX_MODEL_LEN; default: the model's): the graphs' widths",
+    )
+    p.add_argument(
+        "--spec-max-batch",
+        type=int,
+        default=4,
+        help="with --speculative mtp: sequences a drafting step runs (TPLA_SPEC_MAX_BATCH)",
+    )
+    p.add_argument(
         "--speculative",
         choices=("none", "ngram", "mtp"),
         default="none",
         help="mtp: the checkpoint's MTP layers are loaded, their weights and latent cache "
         "counted on every rank (ngram needs no weights)",
     )
-    p.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=8,
-        help="GPUs of a node: the suggested manifests run one pod per node (default 8)",
-    )
-    p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
-    p.set_defaults(func=cmd_plan)

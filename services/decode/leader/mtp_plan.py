@@ -19,9 +19,12 @@ from services.decode.leader.verify import StepRows
 from services.decode.step_plan import MtpPlan, read_token_rows, token_row_count
 
 
-def mtp_plan(proposers: Sequence[Proposer | None], rows: StepRows, hidden: int) -> MtpPlan | None:
+def mtp_plan(
+    proposers: Sequence[Proposer | None], rows: StepRows, hidden: int, chain: int
+) -> MtpPlan | None:
     """The pass of a step whose rows are `rows` (sequence s's from rows.starts[s]): every
-    MTP sequence's pending rows, then each drafting one's chain; None when there is none.
+    MTP sequence's pending rows, then each drafting one's chain (`chain` drafts after the
+    first, for every drafting sequence: the pass's shape); None when there is none.
     `hidden`: the model's hidden size (the seeds' width)."""
     passes: list[tuple[int, int, int, int]] = []
     drafts: list[tuple[int, int, int]] = []
@@ -43,6 +46,7 @@ def mtp_plan(proposers: Sequence[Proposer | None], rows: StepRows, hidden: int) 
         torch.tensor(passes, dtype=torch.int64).T.contiguous(),
         torch.tensor(drafts, dtype=torch.int64).reshape(-1, 3).T.contiguous(),
         torch.stack(seeds) if seeds else torch.zeros(0, hidden),
+        chain,
     )
 
 
@@ -54,6 +58,8 @@ def fed_rows(parts: Tensor, size: int) -> Tensor:
 def start_copy(rows: Tensor) -> Tensor:
     """`fed_rows` on their way to the host (pinned memory, queued behind the step on a GPU):
     read them once a later awaited transfer has landed."""
+    if rows.device.type == "cpu":
+        return rows  # read within the step, before the next gather replaces it
     if rows.device.type != "cuda":
         return rows.to("cpu")
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from common.runtime.transfers import to_device
 from services.decode.group.start import RunningGroup
-from services.decode.step_plan import CopyPlan, DecodePlan, Plan, send_plan
+from services.decode.step_plan import CopyPlan, DecodePlan, EpochPlan, Plan, send_plan
 
 
 class Ranks:
@@ -49,6 +49,11 @@ class Ranks:
         """Every rank copies `plan`'s blocks."""
         self.send(plan)
         self.runtime.copy_blocks(plan)
+
+    def give_blocks(self, plan: EpochPlan) -> None:
+        """Every rank gives a new reservation's blocks to its epoch."""
+        self.send(plan)
+        self.runtime.give_blocks(plan)
 
     def logits(self, parts: Tensor, n: int) -> Tensor:
         """The step's `n` rows of logits [n, V], from every rank's output."""

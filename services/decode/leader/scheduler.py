@@ -60,10 +60,11 @@ class DecodeSequence:
     block_hashes: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     prompt_ids: tuple[int, ...] = ()  # when reserved with them (draft proposers read them)
+    # Its key in the scheduler and the pools (`fork_id`); set once: every step reads it.
+    seq_id: str = field(init=False)
 
-    @property
-    def seq_id(self) -> str:
-        return fork_id(self.request_id, self.choice)
+    def __post_init__(self) -> None:
+        self.seq_id = fork_id(self.request_id, self.choice)
 
     @property
     def next_position(self) -> int:

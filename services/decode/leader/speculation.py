@@ -66,7 +66,7 @@ class Speculation:
         # A step that does not speculate leaves the MTP cache at its positions unwritten:
         # later drafts read stale latents there, which costs acceptance, never a token.
         if self.spec.method == "mtp" and self.spec.speculates(len(batch)):
-            mtp = mtp_plan(proposers, rows, self.hidden_size)
+            mtp = mtp_plan(proposers, rows, self.hidden_size, self.spec.tokens - 1)
         positions = [seq.next_position for seq in batch]
         return SpeculativeStep(rows, mtp, list(proposers), positions, self.acceptance)
 

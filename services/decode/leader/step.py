@@ -272,9 +272,11 @@ class DecodeStep:
         self.live.clear()
 
     def warm_up(self) -> None:
-        """A step of padding rows at every bucket, on every rank (`DecodePlans.padding`),
+        """A step of padding rows at every shape, on every rank (`DecodePlans.padding`),
         before the group serves: no request's step pays for a compile or a capture."""
-        for plan in self.plans.padding():
+        model = self.group.runtime.model
+        mtp, hidden = model.mtp is not None, model.config.hidden_size
+        for plan in self.plans.padding(self.speculation.spec, mtp, hidden):
             self.ranks.run(plan)
 
 

@@ -11,6 +11,10 @@ after it, and writing its latents into its own cache layer: row t's latent is fi
 tokens t and t + 1 are. The last row's greedy pick is draft 1. Draft j > 1 runs the module
 at the next position on draft j - 1 and its own output hidden state (V3's chaining); those
 latents are provisional, overwritten by the next step's pass from the kept tokens.
+
+Its shapes are its plan's (padded to the step's bucket by the leader) and the chain's length
+(every drafting sequence runs it, those with fewer drafts write theirs nowhere): no count
+decides a shape on the host, so a captured CUDA graph replays the pass with its step.
 """
 
 from __future__ import annotations
@@ -22,61 +26,51 @@ from torch import Tensor
 
 from common.group.comm import Comm
 from common.kv.paged_cache import CacheReads, PagedLatentCache
-from common.runtime.host_syncs import host_side
 from services.decode.rank.rank_model import RankModel
 from services.decode.step_plan import MtpPlan
 
 # Rows' positions and block tables -> where their latents go on this rank, what they read.
 Address = Callable[[Tensor, Tensor], tuple[Tensor, CacheReads]]
-
-
-def _on(t: Tensor, device: torch.device) -> Tensor:
-    """A plan tensor (host) on the device without waiting for the device's queue."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+# Table rows [R] -> their block tables [R, W] (the step's width).
+Tables = Callable[[Tensor], Tensor]
 
 
 def draft_pass(
     model: RankModel,
     plan: MtpPlan,
     tokens: Tensor,
-    tables: Tensor,
-    previous: Tensor | None,
+    table_rows: Tensor,
+    tables: Tables,
+    known: Tensor,
     address: Address,
     cache: PagedLatentCache,
     comm: Comm,
 ) -> Tensor:
-    """The step's tokens [B] with each drafting sequence's draft rows filled in. `tables`:
-    this rank's step tables [B, W]; `previous`: the last step's hidden states [B', D]."""
-    device = tokens.device
-    # The plan's words are host tensors on every device: reading them waits for nothing.
-    with host_side():
-        src, ids, pos, table_rows = plan.rows
-        first, dest, count = plan.drafts
-        have = 0 if previous is None else previous.shape[0]
-        hidden_rows = torch.where(src >= 0, src, have - 1 - src)
-        chain = [
-            (j, torch.nonzero(count > j)[:, 0]) for j in range(1, max(count.tolist(), default=0))
-        ]
-    seeds = _on(plan.seeds, device).to(model.lm_head.dtype)
-    known = seeds if previous is None else torch.cat((previous, seeds))
-    hidden = known[_on(hidden_rows, device)]
-    pos_d, table_rows_d = _on(pos, device), _on(table_rows, device)
-    slots, reads = address(pos_d, tables[table_rows_d])
-    h, drafts = model.mtp_rows(_on(ids, device), hidden, pos_d, slots, reads, cache, comm)
+    """The step's tokens [B] with each drafting sequence's draft rows filled in.
+
+    `table_rows` [B + 1]: each step row's table row, then the padding row's (all -1: what a
+    padding pass row or an idle chained draft writes to, the trash slot); `known` [2R, D]:
+    the last step's hidden states in rows [0, R), the plan's seeds in rows [R, 2R). Device
+    work only, its shapes the plan's: a captured step runs it."""
+    b = tokens.shape[0]
+    src, ids, pos, step_rows = plan.rows
+    first, dest, count = plan.drafts
+    seed_base = known.shape[0] // 2
+    hidden = known[torch.where(src >= 0, src, seed_base - 1 - src)]
+    slots, reads = address(pos, tables(table_rows[step_rows]))
+    h, drafts = model.mtp_rows(ids, hidden, pos, slots, reads, cache, comm)
     if plan.drafts.shape[1] == 0:
         return tokens
-    first_d, dest_d = _on(first, device), _on(dest, device)
-    out = tokens.clone()
-    draft, h, at, rows = drafts[first_d], h[first_d], pos_d[first_d], table_rows_d[first_d]
-    out[dest_d] = draft
-    for j, active in chain:
-        act = _on(active, device)
-        p = at[act] + j
-        slots, reads = address(p, tables[rows[act]])
-        h_j, d_j = model.mtp_rows(draft[act], h[act], p, slots, reads, cache, comm)
-        out[dest_d[act] + j] = d_j
-        draft = draft.index_copy(0, act, d_j)
-        h = h.index_copy(0, act, h_j)
-    return out
+    # Row b of `out` is nowhere: a padding draft's, an idle chained draft's.
+    out = torch.cat((tokens, tokens.new_zeros(1)))
+    draft, h, at, rows = drafts[first], h[first], pos[first], step_rows[first]
+    out[dest] = draft
+    for j in range(1, plan.chain + 1):
+        active = count > j
+        p = torch.where(active, at + j, 0)
+        slots, reads = address(p, tables(table_rows[torch.where(active, rows, b)]))
+        h_j, d_j = model.mtp_rows(draft, h, p, slots, reads, cache, comm)
+        out[torch.where(active, dest + j, b)] = d_j
+        draft = torch.where(active, d_j, draft)
+        h = torch.where(active[:, None], h_j, h)
+    return out[:b]

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from common.group.setup import open_comm
 from common.group.spec import GroupSpec
+from common.kv.epochs import BlockEpochs, StaleEpoch
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
@@ -28,13 +29,15 @@ from common.rpc.gen import kv_pb2
 from common.runtime.device import rank_device, use_device
 from common.runtime.host_syncs import HostSyncCounter
 from common.runtime.ports import bind_grpc, check_ports, kv_receiver_ports
+from common.runtime.transfers import to_device_tensor
 from services.decode.config import EngineConfig
 from services.decode.rank.backends import decode_backend, select_decode_kernel
+from services.decode.rank.block_tables import RankTables
 from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
 from services.decode.rank.rank_model import RankModel
 from services.decode.rank.step_inputs import StepInputs
-from services.decode.step_plan import CopyPlan, DecodePlan, WritePlan, token_rows
+from services.decode.step_plan import CopyPlan, DecodePlan, EpochPlan, WritePlan, token_rows
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +69,38 @@ class RankRuntime:
         self.layout = self.model.cache_layout(cfg.block_size, dtype)
         num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
+        # Which reservation may still push into each block (a late push's rows never land).
+        self.epochs = BlockEpochs(num_blocks)
         self.comm = open_comm(group, rank, self.device)
         self.inputs = StepInputs(self.device)
-        # The last step's hidden states [B, D] before the final norm: the draft pass reads
-        # them (rank/draft_pass.py). Kept on the device.
-        self.hidden: Tensor | None = None
+        # Every running sequence's block table, kept here; each plan brings its edits.
+        positions = cfg.context_limit(weights.config.max_position_embeddings)
+        pool = rank if cfg.parallel.token_ranks > 1 else 0
+        max_blocks = -(-positions // cfg.block_size)
+        self.tables = RankTables(cfg.max_batch, max_blocks, pool, self.device)
+        # With the MTP module, the draft pass's inputs (rank/draft_pass.py), on the device:
+        # the last step's hidden states before the final norm (rows [0, R)) and the plan's
+        # prefill seeds (rows [R, 2R)), R = max_batch. One buffer that never moves: a
+        # captured step reads and writes it in place.
+        self.known: Tensor | None = None
+        if self.model.mtp is not None:
+            d = self.model.config.hidden_size
+            self.known = torch.zeros(2 * cfg.max_batch, d, dtype=dtype, device=self.device)
         # Each bucket's step captured once and replayed (CUDA only: a CPU step has no
         # launches to save), where every kernel of the step can be.
         self.graphs: StepGraphs | None = None
         # Called with a shard's request id once its rows are in this rank's cache: the
         # leader renews the reservation's lease by it (a follower has no scheduler).
         self.landed: Callable[[str], None] | None = None
-        if cfg.cuda_graphs and self.device.type == "cuda":
+        # Steps run eager where the group replays graphs (a kernel that cannot be captured):
+        # `tpla:decode_eager_steps_total`, which a GPU deployment keeps at 0.
+        self.eager_steps = 0
+        self._replays = cfg.cuda_graphs and self.device.type == "cuda"
+        if self._replays:
             blocked = uncapturable(self.model)
-            if self.model.mtp is not None:
-                # A draft pass's shapes follow the batch's accepted runs, not a bucket.
-                blocked = "the MTP draft pass is not captured"
             if blocked is None:
-                self.graphs = StepGraphs(self.device, self.decode)
+                state = () if self.known is None else (self.known,)
+                self.graphs = StepGraphs(self.device, self.decode, state)
             else:
                 log.warning("rank %d: decode steps run without CUDA graphs: %s", rank, blocked)
 
@@ -91,9 +108,16 @@ class RankRuntime:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]. A plan
         that asks for it (`count_syncs`) gets one more row: this rank's host waits in the
         step, in column 0."""
+        self.tables.apply(plan.edits)
+        if plan.mtp is not None and len(plan.mtp.seeds) and self.known is not None:
+            seeds = to_device_tensor(plan.mtp.seeds, self.device)
+            self.known[self.cfg.max_batch :][: len(seeds)].copy_(seeds)
         if not plan.count_syncs:
             inputs = self.inputs.load(plan)
-            return self.decode(inputs) if self.graphs is None else self.graphs.run(inputs)
+            if self.graphs is not None:
+                return self.graphs.run(inputs)
+            self.eager_steps += self._replays
+            return self.decode(inputs)
         with HostSyncCounter() as counter:
             logits = self.decode(self.inputs.load(plan))
         row = torch.zeros(1, logits.shape[1], dtype=logits.dtype, device=logits.device)
@@ -107,19 +131,29 @@ class RankRuntime:
         Reads span the tables' whole (bucketed) width; every row writes its new token, the
         ones this rank must not store (padding rows, SP tokens another rank owns) into the
         cache's trash slot."""
-        positions = plan.positions
-        tables = plan.block_tables[self.rank if plan.block_tables.shape[0] > 1 else 0]
+        positions, width = plan.positions, plan.width
+        tables = self.tables.rows(plan.slots, width)
         tokens, cache, comm = plan.tokens, self.cache, self.comm
         if plan.mtp is not None:
-            previous = self.hidden
+            assert self.known is not None  # a group started with the MTP module
+            padding = plan.slots.new_full((1,), self.tables.padding)
             tokens = draft_pass(
-                self.model, plan.mtp, tokens, tables, previous, self.address, cache, comm
+                self.model,
+                plan.mtp,
+                tokens,
+                torch.cat((plan.slots, padding)),
+                lambda rows: self.tables.rows(rows, width),
+                self.known,
+                self.address,
+                cache,
+                comm,
             )
         write_slots, reads = self.address(positions, tables)
-        if self.model.mtp is None:
+        if self.known is None:
             return self.model.decode_step(tokens, positions, write_slots, reads, cache, comm)
-        self.hidden = self.model.decode_hidden(tokens, positions, write_slots, reads, cache, comm)
-        logits = self.model.logits(self.hidden)
+        hidden = self.model.decode_hidden(tokens, positions, write_slots, reads, cache, comm)
+        self.known[: hidden.shape[0]].copy_(hidden)
+        logits = self.model.logits(hidden)
         if plan.mtp is None:
             return logits
         # The leader learns the drafts with the logits: the tokens the rows were fed.
@@ -134,7 +168,9 @@ class RankRuntime:
 
     def shard_target(self, header: kv_pb2.KvHeader) -> ShardTarget:
         """KV receiver sink: validate a transferred shard's header; the receiver then writes
-        the shard into its blocks as it arrives.
+        the shard into its blocks as it arrives, each segment only while the shard's epoch is
+        its blocks' (`epochs`): a push of a reservation whose blocks were given out again is
+        refused here or cut short there (StaleEpoch), and counted.
 
         Safe beside the step loop: the blocks belong to a reservation that is not running.
         The shard's landing is reported to `landed`, when set.
@@ -157,10 +193,16 @@ class RankRuntime:
         slots = shard_slots(header)
         if len(slots) and int(slots.max()) >= self.cache.trash_slot:
             raise TransferError("shard addresses blocks outside this rank's pool")
+        blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
+        if not self.epochs.live(blocks, header.epoch):
+            self.epochs.count_drop()
+            raise StaleEpoch(
+                f"request {header.request_id}: epoch {header.epoch} is no longer its blocks' "
+                "(the reservation ended and its blocks were given out again)"
+            )
         landed, request_id = self.landed, header.request_id
-        if landed is None:
-            return ShardTarget(self.cache, slots)
-        return ShardTarget(self.cache, slots, lambda _seconds: landed(request_id))
+        written = None if landed is None else lambda _seconds: landed(request_id)
+        return ShardTarget(self.cache, slots, written, self.epochs)
 
     def start_kv_receiver(self) -> grpc.Server | None:
         """Serve KvReceiver (and a TCPStore for the torch transport) for this rank."""
@@ -193,6 +235,10 @@ class RankRuntime:
         server.start()
         self._store = store  # keep the TCPStore server alive with the receiver
         return server
+
+    def give_blocks(self, plan: EpochPlan) -> None:
+        """A new reservation's blocks on this rank are its epoch's from now on."""
+        self.epochs.give(plan.rank_blocks(self.rank), plan.epoch)
 
     def copy_blocks(self, plan: CopyPlan) -> None:
         """This rank's part of a block copy (forks of a prompt: see Scheduler)."""

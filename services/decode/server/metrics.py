@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from common.runtime.metrics import (
     PREFIX_CACHE_HELP,
+    RANK_HELP,
     SPEC_HELP,
     CounterCallback,
     DecodeMetrics,
@@ -68,3 +69,12 @@ def register_decode_metrics(engine: DecodeEngine, registry: CollectorRegistry) -
         }
 
     registry.register(CounterCallback(spec_counters, SPEC_HELP))
+
+    def rank_counters() -> dict[str, float]:
+        runtime = engine.runtime  # rank 0's; a follower counts its own (its log says so)
+        return {
+            "tpla:decode_eager_steps": runtime.eager_steps,
+            "tpla:kv_stale_pushes": runtime.epochs.dropped,
+        }
+
+    registry.register(CounterCallback(rank_counters, RANK_HELP))

@@ -1,4 +1,4 @@
-"""SamplingParams over the wire (common/rpc/convert.py): every field comes back as it went,
+"""SamplingParams over the wire (common/rpc/proto_mapping.py): every field comes back as it went,
 the thinking fields (think-end tokens, an optional budget, 0 included) among them."""
 
 from __future__ import annotations

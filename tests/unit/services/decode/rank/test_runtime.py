@@ -12,7 +12,7 @@ from common.runtime.kernel_choice import KernelConfig
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
-from services.decode.step_plan import DecodePlan
+from services.decode.step_plan import DecodePlan, TableEdits
 from tests.tiny import save_hf
 
 BS = 4
@@ -54,12 +54,17 @@ def test_the_padded_step_equals_the_unpadded_one(model_dir: Path, layout: str, k
     for row, t in enumerate(tables):
         exact[0, row, : len(t)] = torch.tensor(t)
     tokens = torch.tensor([5, 9, 17])
-    plain = DecodePlan(tokens, torch.tensor(positions), exact)
-    # The bucket: 4 rows (one of padding: token 0, position 0, an all -1 table), 8 blocks.
-    padded_tables = torch.full((1, 4, 8), -1, dtype=torch.int64)
-    padded_tables[0, :3, :width] = exact[0]
-    padded = DecodePlan(torch.tensor([5, 9, 17, 0]), torch.tensor([*positions, 0]), padded_tables)
+    rows = torch.arange(3)
+    plain = DecodePlan(tokens, torch.tensor(positions), rows, width, TableEdits.whole(exact))
     one, two = _runtime(model_dir, layout, kernel), _runtime(model_dir, layout, kernel)
+    # The bucket: 4 rows (one of padding: token 0, position 0, the all -1 row), 8 blocks.
+    padded = DecodePlan(
+        torch.tensor([5, 9, 17, 0]),
+        torch.tensor([*positions, 0]),
+        torch.tensor([0, 1, 2, two.tables.padding]),
+        8,
+        TableEdits.whole(exact),
+    )
     want = one.step(plain)
     got = two.step(padded)
     assert got.shape[0] == 4
@@ -78,8 +83,10 @@ def test_a_counted_step_returns_a_count_that_no_layer_adds_to(tmp_path: Path, la
         path = tmp_path / f"dense-{layers}"
         save_hf("v2-greedy", path, num_hidden_layers=layers, first_k_dense_replace=layers)
         runtime = _runtime(path, layout, "torch")
-        tables = torch.tensor([[[0, 1, -1, -1], [2, -1, -1, -1]]])
-        plan = DecodePlan(torch.tensor([3, 4]), torch.tensor([5, 2]), tables, count_syncs=True)
+        tables = TableEdits.whole(torch.tensor([[[0, 1, -1, -1], [2, -1, -1, -1]]]))
+        plan = DecodePlan(
+            torch.tensor([3, 4]), torch.tensor([5, 2]), torch.arange(2), 4, tables, True
+        )
         out = runtime.step(plan)
         assert out.shape[0] == 3
         counts.append(int(out[2, 0]))
