@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test test-unit test-integration test-e2e test-fault test-deploy test-quick test-gpu \
+.PHONY: install test test-unit test-integration test-e2e test-fault test-deploy test-quick test-gpu gpu-check \
 	serve loadtest soak lint format clean
 
 $(BIN)/python:
@@ -47,6 +47,11 @@ test-quick: install
 # each skips with its reason where no CUDA device is visible, as it does in `make test`.
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu -rs tests
+
+# The one call to make when a GPU is lent: the gpu tests and the GPU benches that matter, each
+# part in a child with its own time limit, results under benchmarks/ (tools/bench/gpu_check.py).
+gpu-check: install
+	$(BIN)/tpla bench gpu
 
 # The whole stack on the embedded defaults: demo model, embedded Redis, CPU, decode tp=2 r=2.
 serve: install

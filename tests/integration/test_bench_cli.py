@@ -1,4 +1,4 @@
-"""`tpla bench roofline | decode-attn | prefill | capacity | decode-step` as real processes:
+"""`tpla bench roofline | decode-attn | prefill | capacity | decode-step | gpu` as real processes:
 JSON contracts and the counting formulas, never timing thresholds (timings on a shared CPU are
 noise)."""
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli import run_bench
+from tests.cli import run_bench, tpla_json
 from tools.bench.attn_work import shapes
+from tools.bench.gpu_check import NO_GPU
 from tools.bench.prefill import prefill_work
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,3 +124,19 @@ def test_decode_attn_triton_needs_cuda() -> None:
     result = run_bench("decode-attn", "--kernel", "triton", "--json")
     assert result["kernel"] == "triton" and result["rows"] == []
     assert "need a CUDA GPU" in result["skipped"]
+
+
+def test_gpu_check_without_a_gpu_skips_each_gpu_part_and_runs_the_leader_step(
+    tmp_path: Path,
+) -> None:
+    """`make gpu-check` on a machine without CUDA: every GPU part says why it skipped, the
+    leader-step part runs on the CPU, and the summary is written."""
+    parts = ["gpu-tests", "decode-attn", "decode-step", "fp8-experts", "leader-step"]
+    argv = ["bench", "gpu", "--parts", *parts, "--quick", "--out-dir", str(tmp_path), "--json"]
+    summary = tpla_json(*argv, env={"CUDA_VISIBLE_DEVICES": ""})
+    status = {p["name"]: (p["status"], p["detail"]) for p in summary["parts"]}
+    assert summary["device"] == "none"
+    assert all(status[name] == ("skipped", NO_GPU) for name in parts[:4]), status
+    assert status["leader-step"][0] == "ok", status
+    assert (tmp_path / "gpu_check.json").exists()
+    assert (tmp_path / "leader_step_check.json").exists()

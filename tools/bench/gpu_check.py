@@ -12,8 +12,8 @@ Parts, each a child process with its own time limit:
   rank of a tp = 8 V3 group holds of a layer's experts, 1.4 billion FP8 values, and of the
   head), written first to a temporary directory; it reports the steps that ran eager, which
   must be 0;
-- `fp8-gemm`: the FP8 grouped GEMM against dequantize-then-GEMM (`tpla bench fp8-gemm`),
-  where this tree has that bench;
+- `fp8-experts`: V3's FP8 routed experts on the Triton FP8 grouped GEMM against
+  dequantize-then-GEMM (`tpla bench moe --fp8`);
 - `leader-step`: the decode leader's plan per step (`tpla bench leader-step`), on the lent
   machine's CPU.
 
@@ -108,16 +108,6 @@ def _run(part: Part, argv: list[str], timeout: float, out: Path | None) -> str |
     return done.stdout
 
 
-def _has_bench(name: str) -> bool:
-    """Whether this tree's `tpla bench` has the subcommand `name`."""
-    from tools.bench.cli import add_bench_commands
-
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="bench")
-    add_bench_commands(sub)
-    return name in sub.choices
-
-
 def gpu_tests(part: Part, out_dir: Path, gpu: bool) -> None:
     if not gpu:
         part.status, part.detail = "skipped", NO_GPU
@@ -175,15 +165,13 @@ def decode_step(part: Part, out_dir: Path, gpu: bool) -> None:
             part.highlights[f"batch {row['batch']} eager steps"] = row["eager_steps"]
 
 
-def fp8_gemm(part: Part, out_dir: Path, gpu: bool) -> None:
-    if not _has_bench("fp8-gemm"):
-        part.status, part.detail = "skipped", "this tree has no `tpla bench fp8-gemm`"
-        return
+def fp8_experts(part: Part, out_dir: Path, gpu: bool) -> None:
     if not gpu:
         part.status, part.detail = "skipped", NO_GPU
         return
-    out = out_dir / "fp8_gemm_cuda.json"
-    _run(part, _tpla("bench", "fp8-gemm", "--device", "cuda", "--json"), 45, out)
+    out = out_dir / "moe_fp8_cuda.json"
+    argv = _tpla("bench", "moe", "--fp8", "--repeats", "5", "--out", str(out), "--json")
+    _run(part, argv, 90, out)
 
 
 def leader_step(part: Part, out_dir: Path, gpu: bool, quick: bool = False) -> None:
@@ -204,7 +192,7 @@ PARTS: dict[str, Callable[[Part, Path, bool], None]] = {
     "gpu-tests": gpu_tests,
     "decode-attn": decode_attn,
     "decode-step": decode_step,
-    "fp8-gemm": fp8_gemm,
+    "fp8-experts": fp8_experts,
     "leader-step": leader_step,
 }
 
