@@ -15,6 +15,8 @@ Every plan is a fixed 8-word header, then an op-specific int64 payload:
               of the prompt's partly filled last block)
     PING      nothing: an idle leader's keep-alive (see `PingPlan`)
     SHUTDOWN  nothing
+    PREFILL   lens [S], starts [S], tokens [T], block_tables [R, S, W] (as DECODE's R): a
+              piece of S prompts the group prefills itself (`PrefillPlan`)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Op(enum.IntEnum):
     SHUTDOWN = 3
     PING = 4
     COPY = 5
+    PREFILL = 6
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,23 @@ class PingPlan:
     then blocks like a stuck step, and the group reports itself stalled."""
 
 
-Plan = DecodePlan | WritePlan | CopyPlan | PingPlan | None  # None = shutdown
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A piece of each of S prompts the group prefills itself (rank/prefill_pass.py): prompt
+    s's tokens at positions starts[s] .. starts[s] + lens[s] - 1 (packed in `tokens`), after
+    the tokens before them already in its blocks (`block_tables`, one table per prompt).
+    `logits`: the ranks return the logits of each prompt's last row, or with `every_row` of
+    every row, for the leader's gather; neither (a prompt's earlier chunks): nothing."""
+
+    lens: Tensor  # [S] int64
+    starts: Tensor  # [S] int64
+    tokens: Tensor  # [T] int64
+    block_tables: Tensor  # [R, S, W] int64
+    logits: bool = False
+    every_row: bool = False
+
+
+Plan = DecodePlan | WritePlan | CopyPlan | PrefillPlan | PingPlan | None  # None = shutdown
 
 
 def send_plan(plan: Plan, comm: Comm) -> None:
@@ -142,6 +161,13 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         r, p, _ = plan.pairs.shape
         header[:3] = torch.tensor([Op.COPY, r, p])
         payload = plan.pairs.flatten()
+    elif isinstance(plan, PrefillPlan):
+        r, s, w = plan.block_tables.shape
+        header[:7] = torch.tensor(
+            [Op.PREFILL, s, len(plan.tokens), w, r, plan.logits, plan.every_row]
+        )
+        parts = (plan.lens, plan.starts, plan.tokens, plan.block_tables.flatten())
+        payload = torch.cat(parts)
     else:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
@@ -170,6 +196,13 @@ def recv_plan(comm: Comm) -> Plan:
         tables = payload[2 * b :].view(r, b, m)
         mtp = MtpPlan.read(comm) if header[7] else None
         return DecodePlan(payload[:b], payload[b : 2 * b], tables, count, mtp)
+    if op is Op.PREFILL:
+        s, t, w, r = (int(v) for v in header[1:5])
+        payload = torch.empty(2 * s + t + r * s * w, dtype=torch.int64)
+        comm.broadcast_plan_(payload)
+        lens, starts, tokens = payload[:s], payload[s : 2 * s], payload[2 * s : 2 * s + t]
+        tables = payload[2 * s + t :].view(r, s, w)
+        return PrefillPlan(lens, starts, tokens, tables, bool(header[5]), bool(header[6]))
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
         payload = torch.empty(r * p * 2, dtype=torch.int64)

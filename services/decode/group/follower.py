@@ -20,7 +20,7 @@ from common.group.setup import startup_barrier
 from services.decode.config import EngineConfig
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
-from services.decode.step_plan import CopyPlan, DecodePlan, PingPlan, recv_plan
+from services.decode.step_plan import CopyPlan, DecodePlan, PingPlan, PrefillPlan, recv_plan
 
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
@@ -69,6 +69,9 @@ def run_plans(runtime: RankRuntime) -> None:
             continue
         elif isinstance(plan, CopyPlan):
             runtime.copy_blocks(plan)
+        elif isinstance(plan, PrefillPlan):
+            if (logits := runtime.prefill(plan)) is not None:
+                runtime.comm.gather(logits)
         else:
             runtime.receive_write(plan)
 

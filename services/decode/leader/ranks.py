@@ -13,7 +13,7 @@ from torch import Tensor
 
 from common.runtime.transfers import to_device
 from services.decode.group.start import RunningGroup
-from services.decode.step_plan import CopyPlan, DecodePlan, Plan, send_plan
+from services.decode.step_plan import CopyPlan, DecodePlan, Plan, PrefillPlan, send_plan
 
 
 class Ranks:
@@ -44,6 +44,17 @@ class Ranks:
         parts = self.runtime.comm.gather(self.runtime.step(plan))
         assert parts is not None  # rank 0
         return parts
+
+    def prefill(self, plan: PrefillPlan) -> Tensor | None:
+        """A piece of prompts every rank prefills (rank/prefill_pass.py): the logits it asks
+        for [rows, V], gathered here, else None."""
+        self.send(plan)
+        out = self.runtime.prefill(plan)
+        if out is None:
+            return None
+        parts = self.runtime.comm.gather(out)
+        assert parts is not None  # rank 0
+        return self.logits(parts, parts.shape[1])
 
     def copy_blocks(self, plan: CopyPlan) -> None:
         """Every rank copies `plan`'s blocks."""
