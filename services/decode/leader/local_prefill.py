@@ -121,7 +121,7 @@ class LocalPrefills:
             return
         t0 = time.perf_counter()
         plan = self._plan(batch)
-        logits = self.ranks.prefill(plan)
+        logits, hidden = self.ranks.prefill(plan)
         seconds = time.perf_counter() - t0
         row = 0
         for s, (job, size) in enumerate(batch):
@@ -135,7 +135,8 @@ class LocalPrefills:
                 if not job.left:
                     self.queue.remove(job)
                     assert logits is not None
-                    self._finish(job, logits[row + size - 1 if job.whole else s])
+                    last = None if hidden is None else hidden[s]
+                    self._finish(job, logits[row + size - 1 if job.whole else s], last)
                 else:
                     self._renew(job)
             except Exception as exc:  # this prompt's own error (its grammar): the rest go on
@@ -181,9 +182,11 @@ class LocalPrefills:
             for k in range(self.token_ranks)
         ]
         tokens = [t for job, size in batch for t in job.prompt_ids[job.done : job.done + size]]
+        after = [job.prompt_ids[job.done + size] if size < job.left else -1 for job, size in batch]
         return PrefillPlan(
             torch.tensor([size for _, size in batch]),
             torch.tensor([job.done for job, _ in batch]),
+            torch.tensor(after),
             torch.tensor(tokens),
             torch.tensor(padded, dtype=torch.int64),
             # Logits where a prompt ends (its first tokens), or every row for logprobs.
@@ -198,9 +201,11 @@ class LocalPrefills:
         ids = list(job.prompt_ids[before : last + 1])
         job.logprobs += prompt_logprobs(logits[: last - before], ids, job.prompt_logprobs)
 
-    def _finish(self, job: LocalPrefill, last: torch.Tensor) -> None:
+    def _finish(self, job: LocalPrefill, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Its first tokens from its last position's `logits`; `hidden`: that position's
+        hidden state, where the group drafts with MTP (its first step drafts from it)."""
         tokens = sample_first(
-            last,
+            logits,
             job.params,
             job.prompt_ids,
             job.num_output_tokens,
@@ -216,6 +221,7 @@ class LocalPrefills:
             job.cached,
             tokens if len(tokens) > 1 else (),
             tuple(job.logprobs),
+            hidden=() if hidden is None else tuple(hidden.float().tolist()),
         )
         if not job.future.done():
             job.future.set_result(result)

@@ -45,16 +45,18 @@ class Ranks:
         assert parts is not None  # rank 0
         return parts
 
-    def prefill(self, plan: PrefillPlan) -> Tensor | None:
+    def prefill(self, plan: PrefillPlan) -> tuple[Tensor | None, Tensor | None]:
         """A piece of prompts every rank prefills (rank/prefill_pass.py): the logits it asks
-        for [rows, V], gathered here, else None."""
+        for [rows, V], gathered here, else None; and, where the group drafts with MTP, each
+        prompt's last hidden state [S, D] (whole on every rank: rank 0's)."""
         self.send(plan)
         out = self.runtime.prefill(plan)
+        hidden = self.runtime.prefilled_hidden()
         if out is None:
-            return None
+            return None, hidden
         parts = self.runtime.comm.gather(out)
         assert parts is not None  # rank 0
-        return self.logits(parts, parts.shape[1])
+        return self.logits(parts, parts.shape[1]), hidden
 
     def copy_blocks(self, plan: CopyPlan) -> None:
         """Every rank copies `plan`'s blocks."""

@@ -10,7 +10,9 @@ piece's attention is exact in every layout, as the prefill worker's. Each rank t
 its part of the piece's latents (its latent columns, or its own tokens in SP) where its
 layout puts them (`CacheSplit.write_slots`), as a shipped shard would be: the decode steps
 after it read the same cache either way. The plan's logits come back for the leader's
-gather (its last rows, or every row for prompt logprobs).
+gather (its last rows, or every row for prompt logprobs). A rank holding the MTP module
+computes the piece's MTP latents too, one more cache layer, as the prefill worker does
+(`prefill_with_mtp`), and keeps each prompt's last hidden state for the leader.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 from common.group.comm import Comm
 from common.kv.paged_cache import PagedLatentCache
 from common.model.causal_lm import PastLatents, PrefillOutput, packed_prefill
+from common.model.mtp import prefill_with_mtp, prompt_own_next_ids
 from common.parallel import ParallelConfig
 from services.decode.rank.cache_split import CacheSplit
 from services.decode.rank.prefill_stack import RankPrefillStack
@@ -43,6 +46,8 @@ class PrefillPass:
         self.rank = model.rank
         # The latent columns this rank caches (all of them but in TPLA at r > 1).
         self.columns = parallel.latent_columns(model.rank, model.config.kv_lora_rank)
+        # The last piece's last hidden state of each prompt [S, D], with the MTP module.
+        self.last_hidden: Tensor | None = None
 
     @torch.inference_mode()
     def run(self, plan: PrefillPlan) -> Tensor | None:
@@ -53,13 +58,29 @@ class PrefillPass:
         tables = tables.to(device)
         lens, starts = plan.lens.tolist(), plan.starts.tolist()
         pasts = [self.past(tables[s], start) for s, start in enumerate(starts)]
-        out = packed_prefill(
-            self.stack,
-            plan.tokens.to(device),
-            lens,
-            all_logits=plan.every_row,
-            past=pasts if any(starts) else None,
-        )
+        ids = plan.tokens.to(device)
+        past = pasts if any(starts) else None
+        mtp = self.stack.mtp
+        if mtp is None:
+            out = packed_prefill(self.stack, ids, lens, all_logits=plan.every_row, past=past)
+        else:
+            # Each row reads its next token: the prompt's own, after the piece the plan's.
+            next_ids = prompt_own_next_ids(ids, lens)
+            ends = torch.tensor(lens, device=device).cumsum(0) - 1
+            after = plan.after.to(device)
+            next_ids[ends] = torch.where(after >= 0, after, next_ids[ends])
+            rope = self.stack.rope
+            out = prefill_with_mtp(
+                self.stack,
+                lambda hidden: mtp.over(hidden, rope),
+                ids,
+                lens,
+                next_ids,
+                all_logits=plan.every_row,
+                past=past,
+            )
+            assert out.hidden is not None
+            self.last_hidden = out.hidden[ends]
         self.store(out, tables, starts, lens)
         return out.logits if plan.logits else None
 

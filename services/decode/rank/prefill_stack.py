@@ -12,7 +12,10 @@ every latent column. Where it holds a slice of them (TPLA, r > 1) those rows are
 the checkpoint, and in sliced-RMSNorm mode the whole kv_a too: the weights a local prefill
 adds to a rank. Weights held elsewhere are joined when read (`JoinedRows`), never copied to
 stay. The embedding is the rank's (replicated), the logits its vocabulary rows padded to the
-group's width, and `reduce` its group's all-reduce.
+group's width, and `reduce` its group's all-reduce. A rank holding the MTP module prefills its
+latents too (`RankPrefillMTP`: `mtp_latents` reads the layer's input norm and latent
+projection, the fused input of the rank's replicated embedding and the main model's hidden
+state).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from common.loading.weights import WeightSource
 from common.model.causal_lm import DecoderLayer
 from common.model.fp8 import DequantizedOnUse, Weight, dense
 from common.model.mla import MLAttention, RMSNorm
+from common.model.mtp import fuse
 from common.model.prefill_attention import PrefillAttention
 from common.model.rope import RotaryEmbedding
 from common.parallel import ParallelConfig, span
 from services.decode.rank.layers import RankAttention, RankLayer
+from services.decode.rank.mtp import RankMTP
 from services.decode.rank.rank_model import RankModel
 
 
@@ -113,6 +118,33 @@ def prefill_layer(src: WeightSource, index: int, layer: RankLayer, heads: slice)
     return local
 
 
+class RankPrefillMTP:
+    """The rank's MTP module 0 as a prefill reads it: its decoder layer as `prefill_layer`
+    builds it and the parts around it (the rank's own)."""
+
+    def __init__(self, src: WeightSource, mtp: RankMTP, heads: slice) -> None:
+        self.layer = prefill_layer(src, mtp.cache_layer, mtp.layer, heads)
+        self.parts = mtp.parts
+
+    def over(self, hidden: Tensor, rope: RotaryEmbedding) -> MtpInput:
+        """The layer over a piece whose main model's hidden state is `hidden` [T, D]."""
+        return MtpInput(self, hidden, rope)
+
+
+class MtpInput:
+    """What `mtp_latents` reads (common/model/mtp.py `MTPInput`) on this rank."""
+
+    def __init__(self, mtp: RankPrefillMTP, hidden: Tensor, rope: RotaryEmbedding) -> None:
+        self.mtp, self.hidden, self.rope = mtp, hidden, rope
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        return [self.mtp.layer]
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        parts = self.mtp.parts
+        return fuse(parts, parts.embed(input_ids), self.hidden)
+
+
 class RankPrefillStack:
     """The rank's `LayerStack` (see above), built once beside its `RankModel`."""
 
@@ -127,6 +159,7 @@ class RankPrefillStack:
         c = model.config
         heads = parallel.prefill_heads(model.rank, c.num_attention_heads)
         self.layers = [prefill_layer(src, n, layer, heads) for n, layer in enumerate(model.layers)]
+        self.mtp = None if model.mtp is None else RankPrefillMTP(src, model.mtp, heads)
         self.model, self.comm = model, comm
         self.prefill_attention = attention
         # A quantized weight read for the prefill (its heads' rows of a quantized q_b, say)
@@ -134,7 +167,8 @@ class RankPrefillStack:
         workspace = next(
             (m.workspace for m in model.modules() if isinstance(m, DequantizedOnUse)), None
         )
-        for layer in self.layers:
+        mtp = [] if self.mtp is None else [self.mtp.layer]
+        for layer in [*self.layers, *mtp]:
             for module in layer.self_attn.modules():
                 if workspace is not None and isinstance(module, DequantizedOnUse):
                     module.workspace = workspace

@@ -148,6 +148,11 @@ class RankRuntime:
             raise RuntimeError("this decode group was started without local prefill")
         return self.prefills.run(plan)
 
+    def prefilled_hidden(self) -> Tensor | None:
+        """The last prefill piece's last hidden state of each prompt [S, D], where the rank
+        holds the MTP module (its drafts start from it); else None."""
+        return None if self.prefills is None else self.prefills.last_hidden
+
     def address(self, positions: Tensor, tables: Tensor) -> tuple[Tensor, CacheReads]:
         """Rows at `positions` with block tables [B, W] -> where each row's latent goes on
         this rank (the trash slot where it must not be stored) and what the rows read: as its
