@@ -12,38 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-import torch
 from torch import Tensor
 
 from common.sampling.grammar import GrammarMatcher
-from common.sampling.logits import LogitsContext, context_for
+from common.sampling.logits import context_for
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, first_tokens
 from common.sampling.thinking import Thinking, allowed_first
-
-
-def first_context(
-    params: SamplingParams,
-    prompt_ids: Sequence[int],
-    num_output_tokens: int,
-    matcher: GrammarMatcher | None,
-    n: int,
-    eos_token_ids: Collection[int],
-    vocab: int,
-    device: torch.device,
-) -> LogitsContext | None:
-    """The n first tokens' logits processing (None: none). The last `num_output_tokens` of
-    `prompt_ids` are the request's own earlier output (a migrated request); `matcher` is its
-    grammar past the answer in them."""
-    split = len(prompt_ids) - num_output_tokens
-    prompt, outputs = prompt_ids[:split], prompt_ids[split:]
-    thinking = Thinking.start(params, outputs) if params.tracks_thinking else None
-    allowed = allowed_first(thinking, matcher, vocab, device)
-    if allowed is not None:
-        allowed = allowed.expand(n, -1)
-    return context_for(
-        [params] * n, [prompt] * n, [outputs] * n, eos_token_ids, vocab, device, allowed
-    )
 
 
 def sample_first(
@@ -55,15 +30,17 @@ def sample_first(
     n: int,
     eos_token_ids: Collection[int],
 ) -> tuple[SampledToken, ...]:
-    """Each of n choices' first token from the prompt's last position's logits [V]."""
-    context = first_context(
-        params,
-        prompt_ids,
-        num_output_tokens,
-        matcher,
-        n,
-        eos_token_ids,
-        logits.shape[-1],
-        logits.device,
+    """Each of n choices' first token from the prompt's last position's logits [V]. The last
+    `num_output_tokens` of `prompt_ids` are the request's own earlier output (a migrated
+    request); `matcher` is its grammar past the answer in them."""
+    vocab, device = logits.shape[-1], logits.device
+    split = len(prompt_ids) - num_output_tokens
+    prompt, outputs = prompt_ids[:split], prompt_ids[split:]
+    thinking = Thinking.start(params, outputs) if params.tracks_thinking else None
+    allowed = allowed_first(thinking, matcher, vocab, device)
+    if allowed is not None:
+        allowed = allowed.expand(n, -1)
+    context = context_for(
+        [params] * n, [prompt] * n, [outputs] * n, eos_token_ids, vocab, device, allowed
     )
     return first_tokens(logits, params, n, context, position=len(prompt_ids))

@@ -90,12 +90,14 @@ class WorkerSnapshot:
         ]
 
     def not_ready_reason(self) -> str | None:
-        """Why no request could be served right now, or None when it could."""
+        """Why no request could be served right now, or None when it could: a decode group
+        serves requests without a prefill worker too, prefilling them itself (degraded,
+        services/router/degraded_mode.py)."""
+        if self.healthy_groups():
+            return None
         if not self.healthy_prefill():
-            return "no healthy prefill worker is registered"
-        if not self.healthy_groups():
-            return "no healthy decode group is registered"
-        return None
+            return "no healthy decode group or prefill worker is registered"
+        return "no healthy decode group is registered"
 
 
 class RoutingPolicy(abc.ABC):

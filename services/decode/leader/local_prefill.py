@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.messages import PrefillResult
+from common.runtime.errors import LocalPrefillOff
 from common.sampling.first_token import sample_first
 from common.sampling.grammar import GrammarMatcher
 from common.sampling.params import SamplingParams
@@ -97,9 +98,9 @@ class LocalPrefills:
 
     def submit(self, job: LocalPrefill) -> None:
         """Queue a reserved request's prompt; SchedulerError where it has no open reservation
-        for this prompt, EngineError where the group does not prefill."""
+        for this prompt, LocalPrefillOff where the group does not prefill."""
         if self.chunk_tokens <= 0:
-            raise EngineError("this decode group does not prefill prompts itself")
+            raise LocalPrefillOff("this decode group does not prefill prompts itself")
         seq = self.scheduler.seqs.get(job.request_id)
         if seq is None or seq.state is not SeqState.RESERVED:
             raise SchedulerError(f"request {job.request_id!r} has no open reservation")

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from common.kv.block_pool import RankPools
 from common.parallel import ParallelConfig, ParallelMode
+from common.runtime.errors import LocalPrefillOff
 from common.sampling.params import SamplingParams
 from services.decode.leader.local_prefill import LocalPrefill, LocalPrefills
 from services.decode.leader.scheduler import Scheduler, SchedulerError
@@ -117,5 +118,5 @@ def test_drops_and_failures() -> None:
     with pytest.raises(EngineError, match="rank 1 died"):
         kept.future.result()
     off, _ = _queue(chunk=0)
-    with pytest.raises(EngineError, match="does not prefill"):
+    with pytest.raises(LocalPrefillOff, match="does not prefill"):
         _submit(off, "x", [1])
