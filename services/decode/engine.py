@@ -152,6 +152,11 @@ class DecodeEngine:
         answers, its KV in place for `generate`. The last `num_output_tokens` of `prompt_ids`
         are the request's own earlier output (a migrated request); `prompt_logprobs`: the
         prompt's logprobs with this many alternatives. Cancel the future to drop it."""
+        vocab = self.runtime.model.config.vocab_size
+        if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise SchedulerError(f"prompt token ids must be non-empty and in [0, {vocab})")
+        if not 0 <= num_output_tokens < len(prompt_ids):
+            raise SchedulerError("num_output_tokens must be smaller than the prompt")
         history = prompt_ids[len(prompt_ids) - num_output_tokens :]
         # Compiled here, off the loop thread, as `generate` compiles its own.
         matcher = self.controls.matcher(params, history)

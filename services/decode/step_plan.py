@@ -15,8 +15,9 @@ Every plan is a fixed 8-word header, then an op-specific int64 payload:
               of the prompt's partly filled last block)
     PING      nothing: an idle leader's keep-alive (see `PingPlan`)
     SHUTDOWN  nothing
-    PREFILL   lens [S], starts [S], after [S], tokens [T], block_tables [R, S, W] (as
-              DECODE's R): a piece of S prompts the group prefills itself (`PrefillPlan`)
+    PREFILL   lens [S], starts [S], stored_from [S], after [S], tokens [T], block_tables
+              [R, S, W] (as DECODE's R): a piece of S prompts the group prefills itself
+              (`PrefillPlan`)
 """
 
 from __future__ import annotations
@@ -129,13 +130,16 @@ class PrefillPlan:
     """A piece of each of S prompts the group prefills itself (rank/prefill_pass.py): prompt
     s's tokens at positions starts[s] .. starts[s] + lens[s] - 1 (packed in `tokens`), after
     the tokens before them already in its blocks (`block_tables`, one table per prompt).
-    `after[s]`: the prompt's token after its piece, -1 where the piece ends the prompt (the
-    MTP layer's last row reads it). `logits`: the ranks return the logits of each prompt's
-    last row, or with `every_row` of every row, for the leader's gather; neither (a prompt's
-    earlier chunks): nothing."""
+    Only positions from `stored_from[s]` on are stored: those before it are in the prompt's
+    cached blocks already, which other prompts share (a piece recomputes them for their
+    logits alone). `after[s]`: the prompt's token after its piece, -1 where the piece ends
+    the prompt (the MTP layer's last row reads it). `logits`: the ranks return the logits of
+    each prompt's last row, or with `every_row` of every row, for the leader's gather;
+    neither (a prompt's earlier chunks): nothing."""
 
     lens: Tensor  # [S] int64
     starts: Tensor  # [S] int64
+    stored_from: Tensor  # [S] int64
     after: Tensor  # [S] int64
     tokens: Tensor  # [T] int64
     block_tables: Tensor  # [R, S, W] int64
@@ -169,7 +173,14 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         header[:7] = torch.tensor(
             [Op.PREFILL, s, len(plan.tokens), w, r, plan.logits, plan.every_row]
         )
-        parts = (plan.lens, plan.starts, plan.after, plan.tokens, plan.block_tables.flatten())
+        parts = (
+            plan.lens,
+            plan.starts,
+            plan.stored_from,
+            plan.after,
+            plan.tokens,
+            plan.block_tables.flatten(),
+        )
         payload = torch.cat(parts)
     else:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
@@ -201,11 +212,12 @@ def recv_plan(comm: Comm) -> Plan:
         return DecodePlan(payload[:b], payload[b : 2 * b], tables, count, mtp)
     if op is Op.PREFILL:
         s, t, w, r = (int(v) for v in header[1:5])
-        payload = torch.empty(3 * s + t + r * s * w, dtype=torch.int64)
+        payload = torch.empty(4 * s + t + r * s * w, dtype=torch.int64)
         comm.broadcast_plan_(payload)
-        lens, starts, after = payload[:s], payload[s : 2 * s], payload[2 * s : 3 * s]
-        tokens, tables = payload[3 * s : 3 * s + t], payload[3 * s + t :].view(r, s, w)
-        return PrefillPlan(lens, starts, after, tokens, tables, bool(header[5]), bool(header[6]))
+        lens, starts, stored, after = payload[: 4 * s].view(4, s)
+        tokens, tables = payload[4 * s : 4 * s + t], payload[4 * s + t :].view(r, s, w)
+        every = bool(header[6])
+        return PrefillPlan(lens, starts, stored, after, tokens, tables, bool(header[5]), every)
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
         payload = torch.empty(r * p * 2, dtype=torch.int64)

@@ -4,7 +4,7 @@ of 7 tokens: the latents it writes are the prefill worker's (rank 0's cache agai
 whole model's prefill, within fp32 rounding), with and without a prefix-cache hit, and every
 request (greedy, seeded n > 1, structured, speculative, scored) samples the tokens the
 remote path samples: the prefill model's prompt KV written in process, its first tokens
-by the same rule. With MTP drafts, the MTP layer's latents and the first drafts too."""
+by the same rule. With MTP drafts: test_local_prefill_mtp.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from common.loading.serving_model import load_prefill_model, load_prefill_mtp
+from common.loading.serving_model import load_prefill_model
 from common.model.causal_lm import DeepseekForCausalLM
-from common.model.mtp import prompt_own_next_ids, whole_prefill_with_mtp
 from common.parallel import ParallelConfig, ParallelMode
 from common.sampling.first_token import sample_first
 from common.sampling.grammar import GrammarSpec
@@ -25,9 +24,8 @@ from common.sampling.params import SamplingParams
 from common.sampling.prompt_logprobs import prompt_logprobs
 from services.decode.config import EngineConfig, SpecConfig
 from services.decode.engine import DecodeEngine
-from tests.shard_checkpoints import MTP_CONFIG, mtp_state, random_state, save_checkpoint
 from tests.tiny import save_tiny_chat_model
-from tools.local_driver import collect, submit, write_prompt
+from tools.local_driver import write_prompt
 
 LAYOUTS = {
     "tpla": {"tp": 2, "latent_groups": 2},
@@ -105,7 +103,7 @@ def _local(
     return _stream(engine, rid, [t.token_id for t in result.first_tokens], p)
 
 
-def _rank0_rows(engine: DecodeEngine, rid: str, start: int, end: int) -> tuple[Tensor, Tensor]:
+def rank0_rows(engine: DecodeEngine, rid: str, start: int, end: int) -> tuple[Tensor, Tensor]:
     """The positions in [start, end) that rank 0 caches, and their rows there [L, N, w + d_r]."""
     runtime, bs = engine.runtime, engine.cfg.block_size
     table = torch.tensor(engine.pool.tables(rid)[0])
@@ -120,7 +118,7 @@ def _assert_prefill_workers_latents(
     engine: DecodeEngine, prefill: DeepseekForCausalLM, rid: str, prompt: list[int], cached: int
 ) -> None:
     out = prefill.prefill(torch.tensor(prompt), [len(prompt)])
-    positions, rows = _rank0_rows(engine, rid, cached, len(prompt))
+    positions, rows = rank0_rows(engine, rid, cached, len(prompt))
     assert len(positions) > 0
     cols = engine.cfg.parallel.latent_columns(0, prefill.config.kv_lora_rank)
     n = torch.stack(out.n)[:, positions][..., cols]
@@ -150,6 +148,15 @@ def test_latents_and_tokens_equal_the_prefill_workers(
     assert _stream(engine, "hit", [hit.first_token.token_id], GREEDY) == _remote(
         engine, prefill, other, GREEDY
     )
+    # Held whole (16 tokens: four cached blocks): its last token is computed again for its
+    # logits, and the shared blocks keep their latents.
+    held = prompt[:16]
+    engine.reserve("held", 16, GREEDY.max_tokens, prompt_ids=held)
+    _, before = rank0_rows(engine, "held", 0, 16)
+    again = engine.prefill("held", held, GREEDY).result(60)
+    assert again.cached_tokens == 16 and torch.equal(rank0_rows(engine, "held", 0, 16)[1], before)
+    local = _stream(engine, "held", [again.first_token.token_id], GREEDY)
+    assert local == _remote(engine, prefill, held, GREEDY)
     load = engine.load()
     assert (load.running, load.reserved, load.blocks_used) == (0, 0, 0)
 
@@ -194,52 +201,7 @@ def test_dropped_when_its_reservation_ends(engine: DecodeEngine) -> None:
     engine.reserve("short", len(prompt), 4, prompt_ids=prompt)
     with pytest.raises(ValueError, match="reserved 40 prompt tokens"):
         engine.prefill("short", prompt[:-1], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.prefill("short", [*prompt[:-1], 10**6], GREEDY)
     engine.abort("short")
     assert engine.load().blocks_used == 0
-
-
-@pytest.fixture(scope="module")
-def mtp_engine(tmp_path_factory: pytest.TempPathFactory):
-    main = random_state()
-    path = save_checkpoint(
-        {**main, **mtp_state(main, "equal")}, tmp_path_factory.mktemp("mtp"), **MTP_CONFIG
-    )
-    cfg = EngineConfig(
-        model=str(path),
-        parallel=ParallelConfig(**LAYOUTS["tpla"]),
-        master_port=0,
-        kv_budget_mb=4,
-        block_size=4,
-        speculative=SpecConfig("mtp", tokens=2, max_batch=4),
-        local_prefill_chunk_tokens=CHUNK,
-    )
-    with DecodeEngine(cfg, eos_token_ids=(1,)) as eng:
-        yield eng
-
-
-def test_mtp_latents_and_first_drafts(mtp_engine: DecodeEngine) -> None:
-    """The MTP layer's latents come with the prompt's (its chunks' last rows read the next
-    prompt token), and the first step drafts from the prefill's last hidden state: tokens,
-    drafts fed and kept are the remote path's."""
-    engine = mtp_engine
-    prefill = load_prefill_model(engine.cfg.model, engine.cfg.reparam)
-    mtp = load_prefill_mtp(engine.cfg.model, engine.cfg.reparam, prefill)
-    prompt = list(range(40, 60))
-    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    [(first, stream)] = submit(engine, prefill, [prompt], [p], mtp)
-    remote = collect(first, stream)
-    engine.reserve("mtp", len(prompt), p.max_tokens, prompt_ids=prompt)
-    result = engine.prefill("mtp", prompt, p).result(60)
-    ids = torch.tensor(prompt)
-    out = whole_prefill_with_mtp(prefill, mtp, ids, [len(prompt)], prompt_own_next_ids(ids, [20]))
-    positions, rows = _rank0_rows(engine, "mtp", 0, len(prompt))
-    cols = engine.cfg.parallel.latent_columns(0, prefill.config.kv_lora_rank)
-    expected = torch.cat((torch.stack(out.n)[..., cols], torch.stack(out.k_pe)), dim=-1)
-    torch.testing.assert_close(rows, expected[:, positions], atol=2e-5, rtol=0)
-    assert len(result.hidden) == prefill.config.hidden_size
-    stream = engine.generate("mtp", result.first_token.token_id, p, hidden=result.hidden)
-    local = collect(result.first_token, stream)
-    assert local.token_ids == remote.token_ids
-    drafts = [(e.drafted, e.accepted) for e in local.events]
-    assert drafts == [(e.drafted, e.accepted) for e in remote.events]
-    assert sum(d for d, _ in drafts) > 0

@@ -14,9 +14,11 @@ policy says so (services/router/disagg_policy.py). Lifecycle of a local prefill:
                caller's future resolves with a `PrefillResult`; its `Generate` follows as after
                a remote prefill
 A prompt whose reservation ended (aborted, expired) or whose caller left is dropped between
-its pieces. A prompt that asks for its logprobs runs whole in one piece (every position's
-logits, its cached prefix's included, as the prefill worker computes them), writing only
-what the group does not hold. Runs on the leader's loop thread only.
+its pieces. A prompt the group holds whole (every token in cached blocks) computes its last
+token again for its logits; one that asks for its logprobs runs whole in one piece (every
+position's logits, its cached prefix's included, as the prefill worker computes them); both
+store only what the group does not hold, never into the cached blocks other prompts share.
+Runs on the leader's loop thread only.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class LocalPrefill:
     matcher: GrammarMatcher | None = None
     future: Future[PrefillResult] = field(default_factory=Future)
     cached: int = 0  # leading tokens the group held at its reservation
-    done: int = 0  # leading tokens in the group's blocks (or computed, with logprobs)
+    done: int = 0  # leading tokens computed (or in the group's blocks: its cached ones)
     seconds: float = 0.0  # its pieces' compute
     logprobs: list[SampledToken] = field(default_factory=list)
 
@@ -84,7 +86,6 @@ class LocalPrefills:
         self.chunk_tokens = chunk_tokens
         self.eos_token_ids = eos_token_ids
         self.lease_seconds = lease_seconds
-        self.block_size = scheduler.pool.block_size
         self.token_ranks = scheduler.pool.parallel.token_ranks
         self.queue: deque[LocalPrefill] = deque()
 
@@ -110,7 +111,8 @@ class LocalPrefills:
                 f"got {len(job.prompt_ids)} to prefill"
             )
         job.cached = seq.cached_tokens
-        job.done = 0 if job.whole else job.cached
+        # At least its last token is computed: its logits give the first tokens.
+        job.done = 0 if job.whole else min(job.cached, len(job.prompt_ids) - 1)
         self._renew(job)
         self.queue.append(job)
 
@@ -167,16 +169,10 @@ class LocalPrefills:
         return batch
 
     def _plan(self, batch: list[tuple[LocalPrefill, int]]) -> PrefillPlan:
-        """Every rank's plan of the piece: each prompt's tokens, first position and tables
-        (the blocks a prompt asking for its logprobs holds already, -1: not written again)."""
-        pool, bs = self.scheduler.pool, self.block_size
-        tables = []
-        for job, _ in batch:
-            per_rank = pool.tables(job.request_id)[: self.token_ranks]
-            if job.whole:
-                held = [pool.local_tokens(k, job.cached) // bs for k in range(self.token_ranks)]
-                per_rank = [[-1] * h + t[h:] for h, t in zip(held, per_rank, strict=True)]
-            tables.append(per_rank)
+        """Every rank's plan of the piece: each prompt's tokens, first position, tables and
+        the position it stores from (after its cached tokens)."""
+        pool = self.scheduler.pool
+        tables = [pool.tables(job.request_id)[: self.token_ranks] for job, _ in batch]
         width = max(len(t) for per_rank in tables for t in per_rank)
         padded = [
             [[*tables[s][k], *[-1] * (width - len(tables[s][k]))] for s in range(len(batch))]
@@ -187,6 +183,7 @@ class LocalPrefills:
         return PrefillPlan(
             torch.tensor([size for _, size in batch]),
             torch.tensor([job.done for job, _ in batch]),
+            torch.tensor([job.cached for job, _ in batch]),
             torch.tensor(after),
             torch.tensor(tokens),
             torch.tensor(padded, dtype=torch.int64),

@@ -81,7 +81,7 @@ class PrefillPass:
             )
             assert out.hidden is not None
             self.last_hidden = out.hidden[ends]
-        self.store(out, tables, starts, lens)
+        self.store(out, tables, plan)
         return out.logits if plan.logits else None
 
     def past(self, table: Tensor, length: int) -> PastLatents | None:
@@ -91,15 +91,20 @@ class PrefillPass:
         n, k_pe = self.split.past(self.cache, table, length, self.comm)
         return PastLatents(list(n), list(k_pe))
 
-    def store(self, out: PrefillOutput, tables: Tensor, starts: list[int], lens: list[int]) -> None:
-        """This rank's part of the piece's latents, into the prompts' blocks."""
+    def store(self, out: PrefillOutput, tables: Tensor, plan: PrefillPlan) -> None:
+        """This rank's part of the piece's latents, into the prompts' blocks (from each
+        prompt's `stored_from` on)."""
         device = tables.device
+        lens, starts = plan.lens.tolist(), plan.starts.tolist()
         positions = torch.cat(
             [torch.arange(s, s + n, device=device) for s, n in zip(starts, lens, strict=True)]
         )
-        rows = tables.repeat_interleave(torch.tensor(lens, device=device), dim=0)
+        per_row = torch.tensor(lens, device=device)
+        rows = tables.repeat_interleave(per_row, dim=0)
+        stored = plan.stored_from.to(device).repeat_interleave(per_row)
         cache = self.cache
         block_size, trash = cache.layout.block_size, cache.trash_slot
         slots = self.split.write_slots(positions, rows, block_size, trash)
+        slots = torch.where(positions >= stored, slots, trash)
         for layer, (n, k_pe) in enumerate(zip(out.n, out.k_pe, strict=True)):
             cache.write(layer, slots, n[:, self.columns], k_pe)

@@ -94,10 +94,25 @@ def test_a_scored_prompt_runs_whole_alone_and_leaves_its_cached_blocks() -> None
     queue.run()
     plan = ranks.plans[0]
     assert plan.lens.tolist() == [9] and plan.every_row  # whole, over the budget, alone
-    assert plan.block_tables[0, 0, :2].tolist() == [-1, -1]  # the cached blocks: not written
+    assert plan.stored_from.tolist() == [8]  # the cached blocks are not written again
     assert len(scored.future.result().prompt_logprobs) == 8
     queue.run()
     assert other.future.result().first_token.token_id == 5
+
+
+def test_a_prompt_held_whole_computes_its_last_token_again() -> None:
+    queue, ranks = _queue(chunk=4)
+    queue.scheduler.reserve("first", 8, 4, 1e9, [11, 22])
+    queue.scheduler.start("first", 1)
+    queue.scheduler.finish("first")
+    queue.scheduler.reserve("again", 8, 4, 1e9, [11, 22])
+    again = LocalPrefill("again", tuple(range(1, 9)), GREEDY)
+    queue.submit(again)
+    assert again.cached == 8 and again.done == 7
+    queue.run()
+    plan = ranks.plans[0]
+    assert (plan.starts.tolist(), plan.lens.tolist(), plan.stored_from.tolist()) == ([7], [1], [8])
+    assert again.future.result().first_token.token_id == 9
 
 
 def test_drops_and_failures() -> None:

@@ -76,6 +76,7 @@ def test_a_prompt_in_pieces_stores_the_whole_prefills_latents(model_dir: Path, m
         plan = PrefillPlan(
             torch.tensor([end - start]),
             torch.tensor([start]),
+            torch.tensor([0]),
             torch.tensor([after]),
             ids[start:end],
             table,
