@@ -264,7 +264,7 @@ class Settings(BaseSettings):
         512, ge=0, description="auto: the largest uncached prompt part a decode group prefills"
     )
     local_prefill_queue_tokens: int = Field(
-        2048,
+        256,
         ge=0,
         description="auto: a decode group prefills locally only while this router's local "
         "prefill tokens in flight there stay within this many",

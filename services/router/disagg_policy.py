@@ -72,7 +72,7 @@ class DisaggConfig:
 
     policy: DisaggPolicy = DisaggPolicy.ALWAYS
     local_max_tokens: int = 512  # the largest uncached part a group prefills (auto)
-    local_queue_tokens: int = 2048  # this router's local tokens in flight on a group (auto)
+    local_queue_tokens: int = 256  # this router's local tokens in flight on a group (auto)
 
     @classmethod
     def parse(cls, policy: str, local_max_tokens: int, local_queue_tokens: int) -> DisaggConfig:

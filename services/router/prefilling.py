@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from common.messages import PrefillResult
 from common.runtime.errors import LocalPrefillOff, TransferFailed, Unavailable
-from common.runtime.redis_state import RequestState
+from common.runtime.redis_state import RequestState, WorkerRecord
 from common.runtime.spans import annotate, event, metadata
 from common.sampling.params import SamplingParams
 from services.router.config import PipelineConfig
@@ -244,7 +244,9 @@ class Prefilling:
         finally:
             self.circuit.ended()
 
-    def _another_worker(self, tried: list[str], prompt_ids: tuple[int, ...], exc: Unavailable):
+    def _another_worker(
+        self, tried: list[str], prompt_ids: tuple[int, ...], exc: Unavailable
+    ) -> WorkerRecord:
         """The next worker to try after `tried` failed, or `exc` when none is left to."""
         if len(tried) > 1 or self.circuit.is_open():
             raise exc

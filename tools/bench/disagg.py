@@ -9,7 +9,8 @@ noise does to it. The mixes (`MIXES`, defined here):
 * chat  - a chat turn whose history its decode group (and the prefill worker) holds from
           the turn before (sent first, untimed, as the history alone), plus a new message;
 * long  - long prompts, nothing cached;
-each at 1, 4 and 16 closed-loop streams, exactly `max_tokens` outputs per request (greedy,
+each at 1, 4 and 16 closed-loop streams (2 waves, at least 8 requests a level), exactly
+`max_tokens` outputs per request (greedy,
 ignore_eos), prompts windows of Python source (tools/bench/prompts.py), new ones every round.
 Per (policy, mix, streams) it reports TTFT p50 / p99 and TPOT p99, each as the median over
 the rounds and their spread (min, max), where the stack's router says the prompts went
@@ -64,7 +65,8 @@ class DisaggSweep:
     mixes: tuple[DisaggMix, ...] = MIXES
     streams: tuple[int, ...] = STREAMS
     rounds: int = 3
-    waves: int = 2  # requests per level = waves x streams
+    waves: int = 2  # requests per level = waves x streams, at least `least`
+    least: int = 8  # a p50 over fewer requests is one request's luck
     reparam: str = "tpla_pca"
 
     def __post_init__(self) -> None:
@@ -75,7 +77,7 @@ class DisaggSweep:
             raise ValueError("rounds and waves must be >= 1")
 
     def requests(self, streams: int) -> int:
-        return max(self.waves * streams, 2)
+        return max(self.waves * streams, self.least)
 
 
 def prompts(sweep: DisaggSweep) -> dict[tuple[int, str, int], list[list[int]]]:
@@ -123,8 +125,9 @@ def run(sweep: DisaggSweep) -> dict:
         for policy in sweep.policies:
             cfg = StackConfig(f"disagg-{policy}", 2, sweep.reparam, disagg_policy=policy)
             urls[policy] = stacks.enter_context(running_stack(cfg, sweep.model))
+        first = batches[(0, sweep.mixes[0].name, sweep.streams[0])][0]
         for url in urls.values():  # connections, process groups, first-call paths
-            drive_http(url, "bench", [batches[(0, sweep.mixes[0].name, 1)][0]], 2, Load.closed(1))
+            drive_http(url, "bench", [first], 2, Load.closed(1))
         for r in range(sweep.rounds):
             order = (
                 sweep.policies[r % len(sweep.policies) :]
