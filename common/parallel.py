@@ -223,6 +223,23 @@ class ParallelConfig:
         _, j = self.coords(rank)
         return split_range(num_heads, self.head_groups, j, "num_attention_heads")
 
+    def prefill_heads(self, rank: int, num_heads: int) -> slice:
+        """The heads whose whole-latent attention the rank computes when its group prefills a
+        prompt itself: part i of its head group j's heads cut into r parts, so the tp ranks'
+        parts are disjoint and cover every head (its heads where r = 1). Every rank then
+        holds the prompt's whole latent, as a prefill rank does (MLA-TP), and the layer's
+        all-reduce sums the parts."""
+        i, _ = self.coords(rank)
+        group = self.heads(rank, num_heads)
+        size = span(group)
+        if size % self.latent_groups:
+            raise ParallelError(
+                f"{self.label}: a head group's {size} heads do not split over "
+                f"{self.latent_groups} latent groups for a local prefill"
+            )
+        part = size // self.latent_groups
+        return slice(group.start + i * part, group.start + (i + 1) * part)
+
     def latent_columns(self, rank: int, d_c: int) -> slice:
         """The latent columns the rank caches: slice S_i of its latent group i (the leader
         cuts a prompt's KV by them, the rank's attention reads them)."""

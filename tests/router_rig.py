@@ -1,10 +1,11 @@
 """Router test rig: a real redis-server, real grpc.aio Decode/Prefill servers with scripted
 tokens, and the router on a real uvicorn socket, all on 127.0.0.1 in the test's event loop.
 
-The fake services are a deterministic token source, not models: prefill returns the script's
-first token, decode streams the rest; a migrated request (its earlier tokens sent along) goes
-on from the script's next token. They record what the router sent them (request ids,
-sampling params, aborts, the internal token) so tests can check the router's protocol use.
+The fake services are a deterministic token source, not models: prefill (a prefill worker's,
+or a decode group's own) returns the script's first token, decode streams the rest; a
+migrated request (its earlier tokens sent along) goes on from the script's next token. They
+record what the router sent them (request ids, sampling params, aborts, the internal token)
+so tests can check the router's protocol use.
 """
 
 from __future__ import annotations
@@ -99,6 +100,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.tokens_seen: list[str | None] = []
         self.full_reserves = 0  # answer this many Reserves with "KV cache full" first
         self.abort_delay_s = 0.0  # how long an Abort takes (a leader whose loop is stuck)
+        self.prefilled: list[decode_pb2.LocalPrefillRequest] = []  # prompts it prefilled itself
+        # Its own prefills: "ok", "unavailable" (the group fails them), "off" (it does not).
+        self.local = "ok"
+        self.local_delay_s = 0.0  # how long its own prefill takes
+        self.cached_tokens = 0  # what Reserve says it holds of every prompt already
 
     def _note_token(self, context: grpc.aio.ServicerContext) -> None:
         md = dict(context.invocation_metadata() or ())
@@ -119,7 +125,18 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             dtype="float32",
             lease_seconds=30.0,
             targets=[target],
+            cached_tokens=min(self.cached_tokens, request.prompt_len - 1),
         )
+
+    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._note_token(context)
+        if self.local == "off":
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no local prefill")
+        self.prefilled.append(request)
+        await asyncio.sleep(self.local_delay_s)
+        if self.local == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode group failed its prefill")
+        return scripted_prefill(self.script, request)
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Every choice follows the script, the choices' events interleaved token by token."""
@@ -187,18 +204,23 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         await asyncio.sleep(self.delay_s)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is down")
-        # A migrated request's next token is the script's after the ones it generated.
-        ids = self.script.ids
-        first = _token(ids[min(request.num_output_tokens, len(ids) - 1)], request.params.logprobs)
-        prompt = [_token(t, request.prompt_logprobs) for t in request.prompt_ids[1:]]
-        return prefill_pb2.PrefillResponse(
-            first_token=first,
-            first_tokens=[first] * max(request.n, 1),
-            prompt_logprobs=prompt if request.HasField("prompt_logprobs") else [],
-            prefill_seconds=0.01,
-            transfer_seconds=0.002,
-            transfer_bytes=4096,
-        )
+        return scripted_prefill(self.script, request, transfer_bytes=4096)
+
+
+def scripted_prefill(script: Script, request: Any, transfer_bytes: int = 0) -> Any:
+    """A prefill's answer: the script's first token (a migrated request's next one is the
+    script's after the ones it generated)."""
+    ids = script.ids
+    first = _token(ids[min(request.num_output_tokens, len(ids) - 1)], request.params.logprobs)
+    prompt = [_token(t, request.prompt_logprobs) for t in request.prompt_ids[1:]]
+    return common_pb2.PrefillResponse(
+        first_token=first,
+        first_tokens=[first] * max(request.n, 1),
+        prompt_logprobs=prompt if request.HasField("prompt_logprobs") else [],
+        prefill_seconds=0.01,
+        transfer_seconds=0.002 if transfer_bytes else 0.0,
+        transfer_bytes=transfer_bytes,
+    )
 
 
 @dataclass

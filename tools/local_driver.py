@@ -19,10 +19,9 @@ from common.kv.transfer import cut_shard
 from common.messages import Reservation, TokenEvent
 from common.model.causal_lm import DeepseekForCausalLM, PrefillOutput
 from common.model.mtp import MTPLayer, prompt_own_next_ids, whole_prefill_with_mtp
-from common.sampling.logits import context_for
+from common.sampling.first_token import sample_first
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import SampledToken, first_tokens
-from common.sampling.thinking import Thinking, allowed_first
+from common.sampling.sampler import SampledToken
 from services.decode.engine import DecodeEngine
 from services.decode.local_kv import write_kv
 from services.decode.stream import TokenStream
@@ -54,12 +53,9 @@ def submit(
         out = whole_prefill_with_mtp(prefill, mtp, ids, lens, prompt_own_next_ids(ids, lens))
     firsts = []
     for row, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        eos, vocab = engine.eos_token_ids, prefill.config.vocab_size
-        matcher = engine.controls.matcher(p, [])
         # The prefill worker's rule for a first token: thinking first, then the grammar.
-        allowed = allowed_first(Thinking.start(p), matcher, vocab, device)
-        context = context_for([p], [prompt], [[]], eos, vocab, device, allowed)
-        [first] = first_tokens(out.logits[row], p, 1, context, position=len(prompt))
+        matcher = engine.controls.matcher(p, [])
+        [first] = sample_first(out.logits[row], p, prompt, 0, matcher, 1, engine.eos_token_ids)
         firsts.append(first)
     started = []
     start = 0

@@ -82,6 +82,34 @@ class DecodeClient:
             raise from_grpc(exc) from exc
         return reservation_from_pb(msg)
 
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        timeout: float = 60.0,
+        num_output_tokens: int = 0,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
+        trace: Metadata = (),
+    ) -> PrefillResult:
+        """Prefill the reserved prompt on this group itself and sample its n first tokens, as
+        `PrefillClient.prefill` does on a prefill worker (its KV lands in the reservation)."""
+        req = decode_pb2.LocalPrefillRequest(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params_to_pb(params),
+            deadline_seconds=timeout,
+            num_output_tokens=num_output_tokens,
+            n=n,
+            prompt_logprobs=prompt_logprobs,
+        )
+        try:
+            m = await self._stub.Prefill(req, timeout=timeout, metadata=self._md + trace)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        return result_from_pb(m)
+
     async def generate(
         self,
         request_id: str,

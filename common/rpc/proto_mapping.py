@@ -18,7 +18,7 @@ from common.messages import (
     ResumedChoice,
     TokenEvent,
 )
-from common.rpc.gen import common_pb2, decode_pb2, prefill_pb2
+from common.rpc.gen import common_pb2, decode_pb2
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.params import SamplingError, SamplingParams
 from common.sampling.sampler import SampledToken
@@ -187,8 +187,8 @@ def reservation_to_pb(r: Reservation) -> decode_pb2.ReserveResponse:
     )
 
 
-def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
-    return prefill_pb2.PrefillResponse(
+def result_to_pb(r: PrefillResult) -> common_pb2.PrefillResponse:
+    return common_pb2.PrefillResponse(
         first_token=token_to_pb(r.first_token),
         prefill_seconds=r.prefill_seconds,
         transfer_seconds=r.transfer_seconds,
@@ -201,7 +201,7 @@ def result_to_pb(r: PrefillResult) -> prefill_pb2.PrefillResponse:
     )
 
 
-def result_from_pb(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
+def result_from_pb(msg: common_pb2.PrefillResponse) -> PrefillResult:
     return PrefillResult(
         token_from_pb(msg.first_token),
         msg.prefill_seconds,

@@ -105,6 +105,14 @@ class TransferFailed(Unavailable):
     grpc_code = grpc.StatusCode.ABORTED
 
 
+class LocalPrefillOff(Unavailable):
+    """A decode group asked to prefill a prompt itself was started without local prefill
+    (TPLA_LOCAL_PREFILL_CHUNK_TOKENS=0), or predates it: the prompt goes to a prefill worker,
+    and the group is not to blame."""
+
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class DeadlineExceeded(TplaError):
     http_status = 504
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -120,6 +128,7 @@ _BY_GRPC = {
         Overloaded,
         Unavailable,
         TransferFailed,
+        LocalPrefillOff,
         DeadlineExceeded,
     )
 }

@@ -65,6 +65,14 @@ class Settings(BaseSettings):
         description="a longer prompt is prefilled in chunks of this many tokens, one per "
         "batch (0: never; unset: 8192 on CUDA, 1024 on the CPU)",
     )
+    local_prefill_chunk_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="a decode group that prefills a prompt itself (TPLA_DISAGG_POLICY) runs "
+        "at most this many prompt tokens between two decode steps, so running streams keep "
+        "stepping (0: the group never prefills, its ranks hold no prefill weights; unset: "
+        "2048 on CUDA, 256 on the CPU)",
+    )
     attention_backend: str = Field(
         "auto",
         description="prefill attention: auto (flash-attn on CUDA in fp16 / bf16 where "
@@ -263,6 +271,31 @@ class Settings(BaseSettings):
     routing_policy: str = Field(
         "kv-aware",
         description="kv-aware (prefix overlap against load) | least-loaded | round-robin",
+    )
+    disagg_policy: str = Field(
+        "always",
+        pattern="^(always|auto|never)$",
+        description="where a prompt is prefilled: always (a prefill worker) | auto (the "
+        "decode group when its uncached part is at most TPLA_LOCAL_PREFILL_MAX_TOKENS and "
+        "the group's queue of local prefill tokens allows it, else a prefill worker) | never "
+        "(the decode group); with no healthy prefill worker, or its circuit open, the decode "
+        "group prefills whatever the policy",
+    )
+    local_prefill_max_tokens: int = Field(
+        512, ge=0, description="auto: the largest uncached prompt part a decode group prefills"
+    )
+    local_prefill_queue_tokens: int = Field(
+        256,
+        ge=0,
+        description="auto: a decode group prefills locally only while this router's local "
+        "prefill tokens in flight there stay within this many",
+    )
+    prefill_circuit_failures: int = Field(
+        3,
+        ge=1,
+        description="consecutive failed remote prefills that open the prefill circuit: the "
+        "decode groups then prefill every prompt for TPLA_WORKER_TTL_S, after which one "
+        "remote try closes it again or keeps it open",
     )
     request_timeout_s: float = Field(300.0, gt=0)
     # A stream that stalls this long (a hung rank, a stopped process) fails instead of hanging.

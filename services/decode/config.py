@@ -40,6 +40,9 @@ PROPOSERS = ("none", "ngram", "mtp")
 # (k = 4 beat k = 8); each chained MTP draft costs a pass of the MTP layer and is kept less
 # often than the first (k = 1 beat k = 4 at every load), as DeepSeek-V3 serves its one module.
 DEFAULT_SPEC_TOKENS = {"ngram": 4, "mtp": 1}
+# TPLA_LOCAL_PREFILL_CHUNK_TOKENS when unset, on the CPU and on CUDA: a chunk costs the running
+# streams about one step's time there (benchmarks/disagg.md).
+DEFAULT_LOCAL_PREFILL_CHUNK = {False: 256, True: 2048}
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ class EngineConfig:
     prefix_cache: bool = True
     speculative: SpecConfig = field(default_factory=SpecConfig)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # the leader's
+    # Prompt tokens the group prefills itself between two decode steps at most, when a router
+    # sends it a prompt to prefill (services/decode/leader/local_prefill.py); 0: it never
+    # does, and its ranks hold no prefill weights.
+    local_prefill_chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.launch is Launch.JOIN and self.collectives == "shm":
@@ -135,6 +142,11 @@ class EngineConfig:
         """The longest sequence (prompt + output) the group holds: `max_model_len`
         (TPLA_MAX_MODEL_LEN) within the model's context, `model_positions`."""
         return min(self.max_model_len or model_positions, model_positions)
+
+    @property
+    def local_prefill(self) -> bool:
+        """Whether the group prefills prompts itself when asked (its ranks hold the weights)."""
+        return self.local_prefill_chunk_tokens > 0
 
     def local_index(self, rank: int) -> int:
         """Rank `rank`'s index on its host: the offset of its GPU (`rank_device`) and of its
@@ -222,4 +234,9 @@ def engine_config(s: Settings) -> EngineConfig:
             s.spec_max_batch,
         ),
         grammar_limits=GrammarLimits.from_settings(s),
+        local_prefill_chunk_tokens=(
+            s.local_prefill_chunk_tokens
+            if s.local_prefill_chunk_tokens is not None
+            else DEFAULT_LOCAL_PREFILL_CHUNK[s.device.startswith("cuda")]
+        ),
     )

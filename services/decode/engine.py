@@ -5,6 +5,9 @@ API (thread-safe; the decode gRPC servicer is a thin shell over it):
         blocks on every rank, leased (the prompt once, max_tokens per choice; each shard
         landing on rank 0 renews the lease), reusing the longest cached prefix of
         prompt_ids; its targets: where each rank's shard goes
+    prefill(request_id, prompt_ids, params, n, ...) -> Future[PrefillResult]
+        the group prefills the reserved prompt itself, between its decode steps, and samples
+        every choice's first token (leader/local_prefill.py): what a prefill worker does
     generate(request_id, first_tokens, params, prompt_ids, output_ids, resumed) -> TokenStream
         streams every choice's tokens as sampled (a resumed choice's after its replay)
     abort(request_id, choices)   at any time; blocks are freed
@@ -30,6 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -37,7 +41,7 @@ from torch import Tensor
 
 from common.kv.block_pool import RankPools
 from common.kv.prefix_cache import block_hashes, model_identity
-from common.messages import DecodeLoad, Reservation, ResumedChoice
+from common.messages import DecodeLoad, PrefillResult, Reservation, ResumedChoice
 from common.runtime.errors import Unavailable
 from common.sampling.params import SamplingParams
 from common.step_shapes import StepShape
@@ -45,6 +49,7 @@ from services.decode.config import EngineConfig, SpecConfig
 from services.decode.group.start import start_group
 from services.decode.leader.drafts import check_proposer
 from services.decode.leader.kv_targets import epoch_plan, reservation
+from services.decode.leader.local_prefill import LocalPrefill, LocalPrefills
 from services.decode.leader.loop import LeaderLoop
 from services.decode.leader.scheduler import Scheduler, SchedulerError, SeqState
 from services.decode.leader.step import DecodeStep
@@ -73,7 +78,14 @@ class DecodeEngine:
         self.scheduler = Scheduler(self.pool, cfg.max_batch, max_len)
         self._step = DecodeStep(self.group, self.scheduler, self.eos_token_ids)
         self.controls, self.probe = self._step.controls, self._step.probe
-        self._loop = LeaderLoop(self.group, self.scheduler, self._step)
+        self.prefills = LocalPrefills(
+            self._step.ranks,
+            self.scheduler,
+            cfg.local_prefill_chunk_tokens,
+            self.eos_token_ids,
+            cfg.lease_seconds,
+        )
+        self._loop = LeaderLoop(self.group, self.scheduler, self._step, self.prefills)
         self.runtime.landed = self._renew
         # The last load the loop answered: what a heartbeat reports while a long step keeps
         # the loop from answering (see services/decode/server/records.py).
@@ -135,6 +147,40 @@ class DecodeEngine:
             return reservation(self.group, self.pool, request_id, tables, prompt_len, cached, epoch)
 
         return self._loop.call(run)
+
+    def prefill(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int = 1,
+        num_output_tokens: int = 0,
+        prompt_logprobs: int | None = None,
+    ) -> Future[PrefillResult]:
+        """Prefill the reserved request's prompt on this group, a piece between decode steps,
+        and sample each of its n choices' first token: a `PrefillResult` as a prefill worker
+        answers, its KV in place for `generate`. The last `num_output_tokens` of `prompt_ids`
+        are the request's own earlier output (a migrated request); `prompt_logprobs`: the
+        prompt's logprobs with this many alternatives. Cancel the future to drop it."""
+        vocab = self.runtime.model.config.vocab_size
+        if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise SchedulerError(f"prompt token ids must be non-empty and in [0, {vocab})")
+        if not 0 <= num_output_tokens < len(prompt_ids):
+            raise SchedulerError("num_output_tokens must be smaller than the prompt")
+        history = prompt_ids[len(prompt_ids) - num_output_tokens :]
+        # Compiled here, off the loop thread, as `generate` compiles its own.
+        matcher = self.controls.matcher(params, history)
+        job = LocalPrefill(
+            request_id,
+            tuple(prompt_ids),
+            params,
+            n,
+            num_output_tokens,
+            prompt_logprobs,
+            matcher,
+        )
+        self._loop.call(lambda: self.prefills.submit(job))
+        return job.future
 
     def generate(
         self,

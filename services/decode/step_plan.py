@@ -25,6 +25,9 @@ message up to `INLINE_WORDS`, else in a second broadcast):
               reservations they served before are dropped
     PING      nothing: an idle leader's keep-alive (see `PingPlan`)
     SHUTDOWN  nothing
+    PREFILL   lens [S], starts [S], stored_from [S], after [S], tokens [T], block_tables
+              [R, S, W] (as DECODE's R): a piece of S prompts the group prefills itself
+              (`PrefillPlan`)
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Op(enum.IntEnum):
     PING = 4
     COPY = 5
     EPOCH = 6
+    PREFILL = 7
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,31 @@ class PingPlan:
     then blocks like a stuck step, and the group reports itself stalled."""
 
 
-Plan = DecodePlan | WritePlan | CopyPlan | EpochPlan | PingPlan | None  # None = shutdown
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A piece of each of S prompts the group prefills itself (rank/prefill_pass.py): prompt
+    s's tokens at positions starts[s] .. starts[s] + lens[s] - 1 (packed in `tokens`), after
+    the tokens before them already in its blocks (`block_tables`, one table per prompt).
+    Only positions from `stored_from[s]` on are stored: those before it are in the prompt's
+    cached blocks already, which other prompts share (a piece recomputes them for their
+    logits alone). `after[s]`: the prompt's token after its piece, -1 where the piece ends
+    the prompt (the MTP layer's last row reads it). `logits`: the ranks return the logits of
+    each prompt's last row, or with `every_row` of every row, for the leader's gather;
+    neither (a prompt's earlier chunks): nothing."""
+
+    lens: Tensor  # [S] int64
+    starts: Tensor  # [S] int64
+    stored_from: Tensor  # [S] int64
+    after: Tensor  # [S] int64
+    tokens: Tensor  # [T] int64
+    block_tables: Tensor  # [R, S, W] int64
+    logits: bool = False
+    every_row: bool = False
+
+
+Plan = (
+    DecodePlan | WritePlan | CopyPlan | EpochPlan | PrefillPlan | PingPlan | None
+)  # None = shutdown
 
 
 def send_plan(plan: Plan, comm: Comm) -> None:
@@ -255,6 +283,20 @@ def send_plan(plan: Plan, comm: Comm) -> None:
         r, n = plan.blocks.shape
         header[:4] = torch.tensor([Op.EPOCH, r, n, plan.epoch])
         payload = plan.blocks.flatten()
+    elif isinstance(plan, PrefillPlan):
+        r, s, w = plan.block_tables.shape
+        header[:7] = torch.tensor(
+            [Op.PREFILL, s, len(plan.tokens), w, r, plan.logits, plan.every_row]
+        )
+        parts = (
+            plan.lens,
+            plan.starts,
+            plan.stored_from,
+            plan.after,
+            plan.tokens,
+            plan.block_tables.flatten(),
+        )
+        payload = torch.cat(parts)
     else:
         header[:4] = torch.tensor([Op.WRITE_KV, 0, 0, len(plan.slots)])
         header[4] = plan.target
@@ -289,6 +331,13 @@ def recv_plan(comm: Comm) -> Plan:
         edits = TableEdits(cleared, runs.view(4, e), payload[3 * b + c + 4 * e :])
         mtp = MtpPlan.read(comm) if header[7] else None
         return DecodePlan(rows[0], rows[1], rows[2], width, edits, bool(header[6]), mtp)
+    if op is Op.PREFILL:
+        s, t, w, r = (int(v) for v in header[1:5])
+        payload = _payload(message, 4 * s + t + r * s * w, comm)
+        lens, starts, stored, after = payload[: 4 * s].view(4, s)
+        tokens, tables = payload[4 * s : 4 * s + t], payload[4 * s + t :].view(r, s, w)
+        every = bool(header[6])
+        return PrefillPlan(lens, starts, stored, after, tokens, tables, bool(header[5]), every)
     if op is Op.COPY:
         r, p = int(header[1]), int(header[2])
         return CopyPlan(_payload(message, r * p * 2, comm).view(r, p, 2))

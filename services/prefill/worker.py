@@ -25,7 +25,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import replace
 
-import torch
 from torch import Tensor
 
 from common.messages import PrefillResult
@@ -33,14 +32,14 @@ from common.model.causal_lm import PrefillOutput
 from common.runtime.device import use_device
 from common.runtime.errors import Unavailable
 from common.runtime.metrics import PrefillMetrics
+from common.sampling.first_token import sample_first
 from common.sampling.grammar import GrammarCompiler, GrammarError
-from common.sampling.logits import LogitsContext, context_for
-from common.sampling.sampler import first_tokens
-from common.sampling.thinking import Thinking, allowed_first, answer
+from common.sampling.prompt_logprobs import prompt_logprobs
+from common.sampling.thinking import answer
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.batch.job import PrefillJob
 from services.prefill.batch.latent_cache import LatentPrefixCache
-from services.prefill.batch.outputs import FirstTokens, last_hidden, prompt_logprobs
+from services.prefill.batch.outputs import FirstTokens, last_hidden
 from services.prefill.batch.progress import PromptProgress, default_chunk_tokens
 from services.prefill.batch.threads import PrefillThreads
 from services.prefill.runner import PrefillRunner
@@ -277,14 +276,15 @@ class PrefillWorker:
         if progress.left:
             going.append(item)
             return
-        device = out.logits.device
         first = FirstTokens(
-            first_tokens(
+            sample_first(
                 out.logits[end - 1 if every else row],
                 job.params,
+                job.prompt_ids,
+                job.num_output_tokens,
+                job.matcher,
                 job.n,
-                self._context(job, device),
-                position=len(job.prompt_ids),
+                self.runner.config.eos_token_ids,
             ),
             progress.logprobs,
             last_hidden(out, end) if self.runner.sends_hidden else (),
@@ -313,23 +313,6 @@ class PrefillWorker:
         ids = tuple(job.prompt_ids[:end])
         after = job.prompt_ids[end] if end < len(job.prompt_ids) else None
         return JobPlan(next(self._seqs), ids, lookup, progress.done, order, after)
-
-    def _context(self, job: PrefillJob, device: torch.device) -> LogitsContext | None:
-        """The first tokens' logits processing, one row per choice: the same as every later
-        token's at decode. The choices share the prompt and the history before their first
-        token, so their rows agree (the allowed tokens too: one matcher's, after the thinking
-        the request did before, common/sampling/thinking.py)."""
-        split = len(job.prompt_ids) - job.num_output_tokens
-        prompt, outputs = job.prompt_ids[:split], job.prompt_ids[split:]
-        eos, vocab = self.runner.config.eos_token_ids, self.runner.config.vocab_size
-        thinking = Thinking.start(job.params, outputs) if job.params.tracks_thinking else None
-        allowed = allowed_first(thinking, job.matcher, vocab, device)
-        if allowed is not None:
-            allowed = allowed.expand(job.n, -1)
-        n = job.n
-        return context_for(
-            [job.params] * n, [prompt] * n, [outputs] * n, eos, vocab, device, allowed
-        )
 
     def _send(
         self,

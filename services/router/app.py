@@ -44,6 +44,7 @@ from services.router.chat_schemas import ChatCompletionRequest
 from services.router.completion_format import CompletionFormat
 from services.router.completion_schemas import CompletionRequest
 from services.router.config import PipelineConfig
+from services.router.disagg_policy import DisaggConfig
 from services.router.edge import (
     MAX_BODY_BYTES,
     GuardMiddleware,
@@ -182,6 +183,21 @@ def reasoning_fields(setting: str) -> tuple[str, ...]:
     return REASONING_FIELDS if setting == "both" else (setting,)
 
 
+def _readiness(state: RouterState) -> JSONResponse:
+    """Ready while a decode group can serve; without a prefill worker to use, its groups
+    prefill every prompt: ready, and `degraded` says why."""
+    directory = state.directory
+    reason = directory.snapshot.not_ready_reason()
+    if reason is None:
+        degraded = state.pipeline.prefilling.degraded.describe(directory.snapshot)
+        if degraded is not None:
+            return JSONResponse({"status": "ready", "degraded": degraded})
+        return JSONResponse({"status": "ready"})
+    if directory.last_error:
+        reason = f"{reason} ({directory.last_error})"
+    return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+
+
 def _routes() -> APIRouter:
     api = APIRouter()
 
@@ -229,13 +245,7 @@ def _routes() -> APIRouter:
 
     @api.get("/ready")
     async def ready(request: Request) -> JSONResponse:
-        directory = _state(request).directory
-        reason = directory.snapshot.not_ready_reason()
-        if reason is None:
-            return JSONResponse({"status": "ready"})
-        if directory.last_error:
-            reason = f"{reason} ({directory.last_error})"
-        return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+        return _readiness(_state(request))
 
     @api.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -300,25 +310,18 @@ def create_app(
     metrics = RouterMetrics(settings.served_model_name)
     metrics.registry.register(WorkerHealth(directory))
     pipeline = Pipeline(
-        PipelineConfig(
-            model=settings.served_model_name,
-            transport=settings.transport,
-            max_inflight=settings.max_inflight,
-            max_waiting=settings.max_waiting,
-            queue_timeout_s=settings.queue_timeout_s,
-            max_inflight_per_group=settings.max_inflight_per_group,
-            request_timeout_s=settings.request_timeout_s,
-            token_timeout_s=settings.token_timeout_s,
-            migrate=settings.migrate,
-            quarantine_s=settings.worker_ttl_s,
-            log_prompts=settings.log_prompts,
-        ),
+        pipeline_config(settings),
         info.tokenizer,
         directory,
         policy or make_policy(settings.routing_policy, settings.overlap_weight),
         requests,
         metrics,
         spans,
+        DisaggConfig.parse(
+            settings.disagg_policy,
+            settings.local_prefill_max_tokens,
+            settings.local_prefill_queue_tokens,
+        ),
     )
     state = RouterState(settings, info, pipeline, directory, requests, metrics, aredis, sync_redis)
 
@@ -341,6 +344,24 @@ def create_app(
     keys = tuple(k.strip().encode() for k in raw_keys.split(",") if k.strip())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body=MAX_BODY_BYTES)
     return app
+
+
+def pipeline_config(settings: Settings) -> PipelineConfig:
+    """The request pipeline's limits and timeouts from the settings."""
+    return PipelineConfig(
+        model=settings.served_model_name,
+        transport=settings.transport,
+        max_inflight=settings.max_inflight,
+        max_waiting=settings.max_waiting,
+        queue_timeout_s=settings.queue_timeout_s,
+        max_inflight_per_group=settings.max_inflight_per_group,
+        request_timeout_s=settings.request_timeout_s,
+        token_timeout_s=settings.token_timeout_s,
+        migrate=settings.migrate,
+        quarantine_s=settings.worker_ttl_s,
+        log_prompts=settings.log_prompts,
+        prefill_circuit_failures=settings.prefill_circuit_failures,
+    )
 
 
 def run_router(settings: Settings) -> None:

@@ -20,3 +20,6 @@ class PipelineConfig:
     # How long a failed worker or group is skipped: by then its registry record has expired.
     quarantine_s: float = 10.0
     log_prompts: bool = False
+    # Remote prefills failing in a row that open the prefill circuit (prefill_circuit.py),
+    # open for quarantine_s.
+    prefill_circuit_failures: int = 3

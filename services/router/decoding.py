@@ -30,6 +30,7 @@ from services.router.config import PipelineConfig
 from services.router.faults import GroupFailed, GroupFault, finished, group_failure
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, Record, Run
+from services.router.prefilling import Prefilling
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,13 @@ class Decoding:
         self,
         config: PipelineConfig,
         placement: Placement,
+        prefilling: Prefilling,
         metrics: RouterMetrics,
         record: Record,
     ) -> None:
         self.config = config
         self.placement = placement
+        self.prefilling = prefilling
         self.metrics = metrics
         self._record = record
 
@@ -264,7 +267,7 @@ class Decoding:
         params = _remaining(req.params, len(generated))
         try:
             await self.placement.place(run, context, params.max_tokens)
-            result = await self.placement.prefill_anywhere(run, context, params, len(generated))
+            result = await self.prefilling.prefill(run, context, params, len(generated))
         except TplaError as exc:
             raise cause from exc
         await self._arrived(run)
@@ -283,7 +286,7 @@ class Decoding:
         run.resumed = live
         try:
             await self.placement.place(run, req.prompt_ids, req.params.max_tokens)
-            await self.placement.prefill_anywhere(run, req.prompt_ids, req.params)
+            await self.prefilling.prefill(run, req.prompt_ids, req.params)
         except TplaError as exc:
             raise cause from exc
         await self._arrived(run)

@@ -23,6 +23,7 @@ class GroupFault(enum.Enum):
 
     RESERVE = "reserve_failed"  # Reserve did not answer, or failed
     TRANSFER = "transfer_failed"  # a prefill worker could not push the KV to it
+    LOCAL_PREFILL = "local_prefill_failed"  # its own prefill of a prompt failed
     UNREACHABLE = "unreachable"  # its Generate stream failed (connection lost, refused)
     STALLED = "stalled"  # its stream sent nothing for token_timeout_s
     CUT = "stream_cut"  # its stream ended before every choice had finished

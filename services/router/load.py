@@ -8,7 +8,9 @@
   newer snapshot's reports include them, and the count starts again);
 - prompt tokens in flight on each prefill worker: the policy weighs them against the
   worker's reported queue. A newer snapshot does not restart them: the report lags by up to
-  a heartbeat, and a burst of long prompts then piled onto whichever worker reported idle.
+  a heartbeat, and a burst of long prompts then piled onto whichever worker reported idle;
+- prompt tokens each decode group prefills itself for this router's requests: the
+  disaggregation policy bounds that queue (services/router/disagg_policy.py).
 
 Plain bookkeeping, no waiting and no I/O: `Admission` and `Placement` wait on it, the routing
 policy reads it. The request lifecycle it serves: DESIGN §2.
@@ -34,6 +36,7 @@ class RouterLoad:
         self._sent: Counter[str] = Counter()  # decode group id -> requests since `_sent_for`
         self._sent_for: WorkerSnapshot | None = None
         self._prefill: Counter[str] = Counter()  # prefill worker id -> prompt tokens
+        self._local: Counter[str] = Counter()  # decode group id -> prompt tokens it prefills
 
     # -- requests in the router --------------------------------------------------------------
 
@@ -113,3 +116,17 @@ class RouterLoad:
         self._prefill[worker_id] -= tokens
         if self._prefill[worker_id] <= 0:
             del self._prefill[worker_id]
+
+    # -- prompts a decode group prefills itself ----------------------------------------------
+
+    def local_prefill_tokens(self, group_id: str) -> int:
+        """Prompt tokens `group_id` prefills itself for this router's requests now."""
+        return self._local[group_id]
+
+    def start_local_prefill(self, group_id: str, tokens: int) -> None:
+        self._local[group_id] += tokens
+
+    def end_local_prefill(self, group_id: str, tokens: int) -> None:
+        self._local[group_id] -= tokens
+        if self._local[group_id] <= 0:
+            del self._local[group_id]

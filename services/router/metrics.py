@@ -8,6 +8,8 @@ import enum
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from services.router.disagg_policy import ROUTES
+
 # Latency buckets in seconds: sub-millisecond inter-token gaps up to multi-minute requests.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
@@ -81,10 +83,24 @@ class RouterMetrics:
             [*_LABELS, "error_type"],
             registry=self.registry,
         )
+        self.prefill_routes = Counter(
+            "tpla:prefill_route",
+            "Prompts by where they were prefilled (local: by their decode group; remote: by a "
+            "prefill worker) and why (services/router/disagg_policy.py).",
+            [*_LABELS, "route", "reason"],
+            registry=self.registry,
+        )
+        self.prefill_degraded = self._gauge(
+            "tpla:prefill_degraded",
+            "1 while no prefill worker can be used (none healthy, or the prefill circuit "
+            "open) and the decode groups prefill every prompt.",
+        )
         # Every series of the model exists from the start (errors come by type), so that
         # dashboards and the autoscaler see zeros instead of missing series on an idle router.
         for outcome in Outcome:
             self.requests.labels(model_name, outcome.value)
+        for route, reason in ROUTES:
+            self.prefill_routes.labels(model_name, route.value, reason.value)
 
     # The metrics labelled by the model alone, their series created with them.
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -133,6 +149,12 @@ class RouterMetrics:
     def set_load(self, running: int, waiting: int) -> None:
         self.running.labels(self._model).set(running)
         self.waiting.labels(self._model).set(waiting)
+
+    def prefill_routed(self, route: str, reason: str) -> None:
+        self.prefill_routes.labels(self._model, route, reason).inc()
+
+    def set_degraded(self, degraded: bool) -> None:
+        self.prefill_degraded.labels(self._model).set(int(degraded))
 
     def migrated(self) -> None:
         self.migrations.labels(self._model).inc()

@@ -40,7 +40,12 @@ def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
 
 _READY = {
     "type": "object",
-    "properties": {"status": {"type": "string"}, "reason": {"type": "string"}},
+    "properties": {
+        "status": {"type": "string"},
+        "reason": {"type": "string"},
+        # Ready without a prefill worker to use: the decode groups prefill every prompt.
+        "degraded": {"type": "string"},
+    },
     "required": ["status"],
 }
 
@@ -78,9 +83,13 @@ SUCCESS_DOCS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
         }
     },
     ("get", "/ready"): {
-        "200": {"description": "ready", "content": {"application/json": {"schema": _READY}}},
+        "200": {
+            "description": "ready (with `degraded`: no prefill worker can be used, the decode "
+            "groups prefill every prompt)",
+            "content": {"application/json": {"schema": _READY}},
+        },
         "503": {
-            "description": "no healthy prefill worker or decode group",
+            "description": "no healthy decode group",
             "content": {"application/json": {"schema": _READY}},
         },
     },

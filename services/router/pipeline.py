@@ -3,7 +3,8 @@ outputs; the lifecycle itself is written once, in DESIGN §2.
 
 `Pipeline.run` takes a router slot (admission.py), opens the request's Redis record and
 yields Started, (with echo) Prompt, each choice's Deltas and ChoiceEnd, then Done.
-placement.py places the request and decoding.py streams its tokens; here each choice's
+placement.py places the request, prefilling.py prefills it (on a prefill worker or on its
+decode group) and decoding.py streams its tokens; here each choice's
 tokens become text (detokenizer, stop strings) and the request ends: FINISHED or, on an
 error or when its consumer goes away, an Abort on its decode group and FAILED / ABORTED.
 """
@@ -29,10 +30,12 @@ from common.text.tokenizer import Tokenizer
 from services.router.admission import Admission
 from services.router.config import PipelineConfig
 from services.router.decoding import Decoding
+from services.router.disagg_policy import DisaggConfig
 from services.router.load import RouterLoad
 from services.router.metrics import Outcome, RouterMetrics
 from services.router.placement import Placement, Run, abort
 from services.router.policy import RoutingPolicy
+from services.router.prefilling import Prefilling
 from services.router.request import (
     ChoiceEnd,
     Delta,
@@ -60,6 +63,7 @@ class Pipeline:
         requests: RequestLog,
         metrics: RouterMetrics,
         spans: Spans | None = None,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -75,7 +79,10 @@ class Pipeline:
             self.load, config.queue_timeout_s, metrics.set_load, metrics.observe_queue
         )
         self.placement = Placement(config, directory, policy, self.load, self._record)
-        self.decoding = Decoding(config, self.placement, metrics, self._record)
+        self.prefilling = Prefilling(
+            config, disagg or DisaggConfig(), self.placement, metrics, self._record
+        )
+        self.decoding = Decoding(config, self.placement, self.prefilling, metrics, self._record)
 
     async def run(
         self, req: GenerationRequest, parent: Parent = None
@@ -131,7 +138,7 @@ class Pipeline:
             await self.placement.place(run, req.prompt_ids, req.params.max_tokens)
             yield Started(req.request_id)
 
-            first = await self.placement.prefill_anywhere(run, req.prompt_ids, req.params)
+            first = await self.prefilling.prefill(run, req.prompt_ids, req.params)
             if len(first.first_tokens) != req.n:
                 raise TplaError(
                     f"the prefill worker sampled {len(first.first_tokens)} first tokens "

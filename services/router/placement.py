@@ -1,13 +1,12 @@
-"""Where a request runs: a decode group with room, a prefill worker, and leaving the group.
+"""Where a request runs: a decode group with room, and leaving the group.
 
 `place` reserves KV on a decode group (waiting for room when every group is full),
-`prefill_anywhere` runs the prefill into that reservation (re-placing the request once when
-the KV push to the group fails), `leave_group` / `drop_group` end the request's stay on a
-group. A group is quarantined only for its own failure (services/router/faults.py), and never
-when it is the last healthy one: one request's failure must not take the fleet down. Each
-step's retries and waits, and how a request's lifecycle strings them together (a migration is
-a second place + prefill_anywhere), are in DESIGN §2. Every count of this router's load goes
-through `RouterLoad`.
+`leave_group` / `drop_group` end the request's stay on a group; its prefill into that
+reservation is prefilling.py's. A group is quarantined only for its own failure
+(services/router/faults.py), and never when it is the last healthy one: one request's
+failure must not take the fleet down. Each step's retries and waits, and how a request's
+lifecycle strings them together (a migration is a second place + prefill), are in DESIGN §2.
+Every count of this router's load goes through `RouterLoad`.
 """
 
 from __future__ import annotations
@@ -19,22 +18,20 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 import anyio
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
-from common.messages import PrefillResult, Reservation
+from common.messages import Reservation
 from common.rpc.clients import DecodeClient
 from common.runtime.errors import (
     DeadlineExceeded,
     Overloaded,
     TplaError,
-    TransferFailed,
     Unavailable,
 )
 from common.runtime.redis_state import RequestState
 from common.runtime.spans import Spans, annotate, event, metadata
-from common.sampling.params import SamplingParams
 from services.router.config import PipelineConfig
-from services.router.faults import GroupFailed, GroupFault, group_failure
+from services.router.faults import GroupFailed, GroupFault
 from services.router.load import RouterLoad
 from services.router.policy import DecodeGroup, RoutingPolicy
 from services.router.request import GenerationRequest
@@ -227,100 +224,6 @@ class Placement:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         self.leave_group(run)
-
-    async def prefill_anywhere(
-        self,
-        run: Run,
-        prompt_ids: tuple[int, ...],
-        params: SamplingParams,
-        num_output_tokens: int = 0,
-    ) -> PrefillResult:
-        """`_prefill_on_worker`; if the KV push to the request's decode group fails (that
-        group died or hangs, the prefill worker is fine), once more on another group. The last
-        `num_output_tokens` of `prompt_ids` are the request's own output (a migration)."""
-        try:
-            with run.spans.span("prefill", run.span, kind=SpanKind.CLIENT) as span:
-                return await self._prefill_on_worker(
-                    run, prompt_ids, params, num_output_tokens, span
-                )
-        except TransferFailed as exc:
-            self.drop_group(run, group_failure(exc, GroupFault.TRANSFER))
-            if not self.healthy_groups_exist(run.failed_groups):
-                raise
-            log.warning(
-                "request %s: KV push failed (%s); placing it on another decode group",
-                run.req.request_id,
-                exc.message,
-            )
-            await self._record(
-                run.req.request_id, RequestState.QUEUED, retry_reason=f"transfer: {exc.message}"
-            )
-            await self.place(run, prompt_ids, params.max_tokens)
-            with run.spans.span("prefill", run.span, kind=SpanKind.CLIENT) as span:
-                return await self._prefill_on_worker(
-                    run, prompt_ids, params, num_output_tokens, span
-                )
-
-    async def _prefill_on_worker(
-        self,
-        run: Run,
-        prompt_ids: tuple[int, ...],
-        params: SamplingParams,
-        num_output_tokens: int,
-        span: Span | None,
-    ) -> PrefillResult:
-        """Prefill into run's reservation on a chosen worker; if that worker is unavailable,
-        once more on another one (the new push overwrites whatever the first one wrote)."""
-        req, group, reservation = run.req, run.group, run.reservation
-        assert group is not None and reservation is not None
-        tried: set[str] = set()
-        inflight = self.load.prefill_tokens()
-        worker = self.policy.choose_prefill(self.directory.snapshot, inflight, prompt=prompt_ids)
-        remaining = req.arrival + self.config.request_timeout_s - time.monotonic()
-        while True:
-            # Counted before the first await: the other requests of a burst choose while
-            # this one records its state, and must see the tokens it is about to send.
-            sent_to = worker.worker_id
-            self.load.start_prefill(sent_to, len(prompt_ids))
-            event(span, "attempt", {"tpla.prefill_worker": sent_to, "tpla.group": group.group_id})
-            try:
-                await self._record(
-                    req.request_id,
-                    RequestState.PREFILLING,
-                    prefill_worker=worker.worker_id,
-                    decode_group=group.group_id,
-                    attempt=len(tried) + 1,
-                )
-                client = self.directory.prefill_client(worker.address)
-                return await client.prefill(
-                    req.request_id,
-                    list(prompt_ids),
-                    params,
-                    reservation,
-                    transport=self.config.transport,
-                    timeout=max(remaining, 1.0),
-                    num_output_tokens=num_output_tokens,
-                    n=run.forks,
-                    # Only the first prefill: a migration's context is not the prompt.
-                    prompt_logprobs=req.prompt_logprobs if run.migrations == 0 else None,
-                    trace=metadata(span),
-                )
-            except TransferFailed:
-                raise  # the decode group's fault: another prefill worker would fail the same
-            except Unavailable as exc:
-                tried.add(worker.worker_id)
-                if len(tried) > 1:
-                    raise
-                try:
-                    worker = self.policy.choose_prefill(
-                        self.directory.snapshot, inflight, frozenset(tried), prompt_ids
-                    )
-                except Unavailable:
-                    raise exc from None
-                log.warning("request %s: prefill failed (%s); retrying", req.request_id, exc)
-                await self._record(req.request_id, RequestState.QUEUED, retry_reason=exc.message)
-            finally:
-                self.load.end_prefill(sent_to, len(prompt_ids))
 
 
 # An Abort must end on its own gRPC deadline, well inside the pipeline's cleanup bound: a

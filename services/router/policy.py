@@ -90,12 +90,15 @@ class WorkerSnapshot:
         ]
 
     def not_ready_reason(self) -> str | None:
-        """Why no request could be served right now, or None when it could."""
+        """Why no request could be served right now, or None when it could: a decode group
+        serves requests without a prefill worker too, prefilling them itself (degraded,
+        services/router/degraded_mode.py)."""
+        if self.healthy_groups():
+            return None
         if not self.healthy_prefill():
-            return "no healthy prefill worker is registered" + self._loading(WorkerRole.PREFILL)
-        if not self.healthy_groups():
-            return "no healthy decode group is registered" + self._loading(WorkerRole.DECODE)
-        return None
+            roles = self._loading(WorkerRole.DECODE) + self._loading(WorkerRole.PREFILL)
+            return "no healthy decode group or prefill worker is registered" + roles
+        return "no healthy decode group is registered" + self._loading(WorkerRole.DECODE)
 
     def _loading(self, role: WorkerRole) -> str:
         """The workers of `role` still loading, with their ranks' progress, in brackets."""

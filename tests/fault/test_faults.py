@@ -552,6 +552,60 @@ def test_push_to_a_stalled_group_moves_the_request_to_another_group(stack: Local
     wait_recovered(stack)
 
 
+def _routes(url: str, request_id: str) -> list[tuple[str, str]]:
+    """Each prefill attempt of a request: (route, reason)."""
+    record = httpx.get(f"{url}/admin/requests/{request_id}", timeout=10).json()
+    return [
+        (h["prefill_route"], h["prefill_route_reason"])
+        for h in record["history"]
+        if h["state"] == "PREFILLING"
+    ]
+
+
+def test_kill_every_prefill_worker_under_load(stack: LocalStack, reference: dict[str, str]) -> None:
+    """Every prefill worker killed while long new prompts are in their remote prefill and
+    other requests stream: no request fails. The decode groups prefill the prompts whose
+    workers died and every prompt that comes while none is back (degraded), with the answers
+    of the undisturbed stack (MLA-TP: a local prefill is the worker's, exactly); once the
+    supervisor has restarted the workers, prompts go to them again."""
+    prefill = [w for w in workers(stack.url) if w["role"] == "prefill" and _running(w["pid"])]
+    before = {w["worker_id"]: _prefill_batches(w) for w in prefill}
+    stamp = time.time_ns()
+    long = [
+        Client(stack.url, f"{stamp} {i} long: " + "the quick brown fox. " * 12, max_tokens=8)
+        for i in range(3)
+    ]
+    streaming = [Client(stack.url, p) for p in PROMPTS]
+    pool, futures = run_clients([*streaming, *long])
+    deadline = time.monotonic() + CLIENT_TIMEOUT_S
+    while sum(_prefill_batches(w) - before[w["worker_id"]] for w in prefill) < 4:
+        assert time.monotonic() < deadline, "the prompts never reached a prefill worker"
+        time.sleep(0.01)
+    for w in prefill:
+        kill(w["pid"])
+    during = [Client(stack.url, p, max_tokens=16) for p in PROMPTS[:3]]
+    pool2, futures2 = run_clients(during)
+    results = finish(pool, futures) + finish(pool2, futures2)
+    for client, r in zip([*streaming, *long, *during], results, strict=True):
+        assert r.error is None, (client.prompt, r.error)
+        assert r.done and r.completion_tokens == client.max_tokens
+    for client in streaming:
+        assert client.result.text == reference[client.prompt]
+    # Those after the kill were prefilled by their groups, and so were those in remote
+    # prefill when it came (unless their prefill had ended).
+    after = [_routes(stack.url, c.result.request_id)[-1] for c in during]
+    degraded = {"remote_failed", "no_prefill_worker", "circuit_open"}
+    assert all(route == "local" and why in degraded for route, why in after), after
+    cut = [_routes(stack.url, c.result.request_id)[-1] for c in long]
+    assert ("local", "remote_failed") in cut, cut
+    wait_recovered(stack)
+    for client in long:
+        assert client.result.text == complete(stack.url, client.prompt, 8)
+    again = Client(stack.url, f"{time.time_ns()} back", max_tokens=4)
+    again.run()
+    assert _routes(stack.url, again.result.request_id) == [("remote", "policy")]
+
+
 def _prefill_batches(worker: dict) -> float:
     """Batches the worker has prefilled (its `tpla:prefill_seconds` count)."""
     host, port = worker["address"].rsplit(":", 1)

@@ -95,7 +95,8 @@ def test_a_prefill_group_shows_a_rank_that_has_not_joined_then_its_progress(
     assert not record.healthy and record.loading.endswith("rank 1 not joined yet")
     reason = WorkerSnapshot.from_records([record]).not_ready_reason()
     assert reason == (
-        f"no healthy prefill worker is registered ({record.worker_id} loading: {record.loading})"
+        "no healthy decode group or prefill worker is registered "
+        f"({record.worker_id} loading: {record.loading})"
     )
     follower = start_rank(1, rendezvous, REDIS_URL=redis_url)
     leader.wait_for("a group of 2 ranks")

@@ -139,3 +139,47 @@ def plot_serve(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_disagg(report: dict[str, Any], path: Path | str) -> None:
+    """`tpla bench serve --disagg`: TTFT p50 and TPOT p99 against streams, one column per mix,
+    one line per policy at its rounds' median, the bars its rounds' spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = report["summary"]
+    mixes = list(dict.fromkeys(e["mix"] for e in summary))
+    policies = list(dict.fromkeys(e["policy"] for e in summary))
+    metrics = (("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_p99_ms", "TPOT p99 (ms)"))
+    fig, axes = plt.subplots(
+        len(metrics), len(mixes), figsize=(4.6 * len(mixes), 7.6), squeeze=False
+    )
+    for col, mix in enumerate(mixes):
+        for row, (metric, label) in enumerate(metrics):
+            ax = axes[row][col]
+            for policy in policies:
+                es = sorted(
+                    (e for e in summary if (e["mix"], e["policy"]) == (mix, policy)),
+                    key=lambda e: e["streams"],
+                )
+                x = [e["streams"] for e in es]
+                y = [e[metric] for e in es]
+                low = [e[metric] - e[f"{metric}_spread"][0] for e in es]
+                high = [e[f"{metric}_spread"][1] - e[metric] for e in es]
+                ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=policy)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([e for e in report["sweep"]["streams"]])
+            ax.set_xticklabels([str(e) for e in report["sweep"]["streams"]])
+            ax.set_yscale("log")
+            ax.set_xlabel("streams")
+            ax.set_ylabel(label)
+            ax.set_title(f"{mix}: {label.split(' (')[0]}")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(title="TPLA_DISAGG_POLICY")
+    rounds = report["sweep"]["rounds"]
+    fig.suptitle(f"where prompts are prefilled: median of {rounds} rounds, bars their spread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

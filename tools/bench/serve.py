@@ -292,6 +292,10 @@ def _shared_prefix(args: argparse.Namespace) -> int:
 
 
 def cmd(args: argparse.Namespace) -> int:
+    if args.disagg:
+        from tools.bench import disagg
+
+        return disagg.cmd(args.disagg, args.model, args.rounds, args.out, args.plot)
     if args.mixes and "shared-prefix" in args.mixes:
         if len(args.mixes) > 1:
             raise SystemExit("--mixes shared-prefix is a run of its own: pass it alone")
@@ -355,6 +359,14 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
         help="the disaggregated stacks once per TPLA_SPECULATIVE method (none, ngram, mtp), "
         "with TPLA_SPEC_TOKENS=K when given (e.g. mtp:1)",
     )
+    p.add_argument(
+        "--disagg",
+        nargs="+",
+        choices=("always", "auto", "never"),
+        help="a run of its own: one stack per TPLA_DISAGG_POLICY over the short, chat (cached "
+        "history) and long mixes at 1, 4 and 16 streams (tools/bench/disagg.py)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="--disagg: alternated rounds")
     p.add_argument("--users", type=int, default=16, help="shared-prefix: conversations")
     p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns each")
     p.add_argument(

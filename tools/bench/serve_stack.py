@@ -35,6 +35,7 @@ class StackConfig:
     prefill_workers: int = 1
     speculative: str = "none"  # TPLA_SPECULATIVE of its decode group
     spec_tokens: int | None = None  # its TPLA_SPEC_TOKENS (None: the setting's default)
+    disagg_policy: str = "always"  # its router's TPLA_DISAGG_POLICY
 
     def settings(self) -> dict[str, str]:
         """TPLA_<KEY> values for the launcher."""
@@ -46,6 +47,7 @@ class StackConfig:
             "REPARAM": self.reparam,
             "TRANSPORT": self.transport,
             "SPECULATIVE": self.speculative,
+            "DISAGG_POLICY": self.disagg_policy,
             **({"SPEC_TOKENS": str(self.spec_tokens)} if self.spec_tokens else {}),
             "MAX_INFLIGHT": "256",
             # The bounded waits (30 s by default) fail requests queued behind more prefill

@@ -24,7 +24,14 @@ from services.decode.config import EngineConfig
 from services.decode.group.share import expect_share
 from services.decode.group.spec import group_spec
 from services.decode.rank.runtime import RankRuntime
-from services.decode.step_plan import CopyPlan, DecodePlan, EpochPlan, PingPlan, recv_plan
+from services.decode.step_plan import (
+    CopyPlan,
+    DecodePlan,
+    EpochPlan,
+    PingPlan,
+    PrefillPlan,
+    recv_plan,
+)
 
 # The leader hands a follower its config in the environment, not on the command line: the
 # config holds the internal token, and any local user can read a process's arguments.
@@ -85,6 +92,9 @@ def run_plans(spec: GroupSpec, rank: int, runtime: RankRuntime) -> None:
             runtime.copy_blocks(plan)
         elif isinstance(plan, EpochPlan):
             runtime.give_blocks(plan)
+        elif isinstance(plan, PrefillPlan):
+            if (logits := runtime.prefill(plan)) is not None:
+                runtime.comm.gather(logits)
         else:
             runtime.receive_write(plan)
 

@@ -24,6 +24,7 @@ SETTINGS = (
     ("kv_budget_mb", "TPLA_KV_BUDGET_MB"),
     ("device", "TPLA_DEVICE"),
     ("collectives", "TPLA_COLLECTIVES"),
+    ("local_prefill", "TPLA_LOCAL_PREFILL_CHUNK_TOKENS"),
 )
 
 
@@ -45,6 +46,8 @@ def identity(cfg: EngineConfig) -> dict[str, str]:
         "kv_budget_mb": f"{cfg.kv_budget_mb:g}",
         "device": torch.device(cfg.device).type,
         "collectives": cfg.collectives,
+        # Whether the ranks hold prefill weights; the chunk is the leader's alone.
+        "local_prefill": "on" if cfg.local_prefill else "off",
     }
 
 

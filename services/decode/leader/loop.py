@@ -1,10 +1,12 @@
 """The decode leader's loop thread: where every collective of the group runs.
 
 Callers enqueue commands (`call`) and wait on futures, or enqueue them without waiting
-(`post`). Each iteration applies the commands, expires leases, and runs one decode step for
-every running sequence (continuous batching: requests join and leave between steps); an idle
-group is pinged so its followers stay inside their collective timeout. When the loop stops,
-for whatever reason, every live choice and pending command ends with an error.
+(`post`). Each iteration applies the commands, expires leases, runs one decode step for
+every running sequence (continuous batching: requests join and leave between steps), then
+one piece of the prompts the group prefills itself (leader/local_prefill.py), so the running
+streams step between two pieces; an idle group is pinged so its followers stay inside their
+collective timeout. When the loop stops, for whatever reason, every live choice, queued
+prompt and pending command ends with an error.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from common.runtime.device import use_device
 from services.decode.group.start import RunningGroup
+from services.decode.leader.local_prefill import LocalPrefills
 from services.decode.leader.scheduler import DecodeSequence, Scheduler, SchedulerError
 from services.decode.leader.step import DecodeStep
 from services.decode.step_plan import PingPlan, send_plan
@@ -31,8 +34,15 @@ _IDLE_WAIT_S = 0.05
 
 
 class LeaderLoop:
-    def __init__(self, group: RunningGroup, scheduler: Scheduler, step: DecodeStep) -> None:
+    def __init__(
+        self,
+        group: RunningGroup,
+        scheduler: Scheduler,
+        step: DecodeStep,
+        prefills: LocalPrefills,
+    ) -> None:
         self.group, self.scheduler, self.step = group, scheduler, step
+        self.prefills = prefills
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -82,20 +92,25 @@ class LeaderLoop:
             use_device(self.group.runtime.device)
             while not self._stop.is_set():
                 self.group.processes.check()
-                self._drain_commands(block=not self.scheduler.has_work())
+                busy = self.scheduler.has_work() or self.prefills.pending()
+                self._drain_commands(block=not busy)
                 for rid in self.scheduler.expire_leases(time.monotonic()):
                     self.step.drop(rid)
                 batch = self.scheduler.schedule()
                 if batch:
                     self._step(batch)
-                elif tp > 1 and time.monotonic() >= self._next_ping:
+                if self.prefills.pending():
+                    self._timed(self.prefills.run)
+                elif not batch and tp > 1 and time.monotonic() >= self._next_ping:
                     self._ping()
             if tp > 1:
                 send_plan(None, self.group.runtime.comm)
         except BaseException as exc:  # a rank died or a collective timed out
             self.error = exc
         finally:
-            self.step.end_all(str(self.error) if self.error else "decode engine shut down")
+            message = str(self.error) if self.error else "decode engine shut down"
+            self.step.end_all(message)
+            self.prefills.fail_all(message)
             self._fail_pending_commands()
             if dist.is_initialized():
                 with contextlib.suppress(Exception):
@@ -132,21 +147,24 @@ class LeaderLoop:
             fut.set_exception(EngineError(f"decode group stopped: {self.error or 'shutdown'}"))
 
     def _step(self, batch: list[DecodeSequence]) -> None:
-        self._step_started = time.monotonic()
-        try:
+        def run() -> None:
             t0 = time.perf_counter()
             self.step.run(batch)
             self.step.probe.stepped(time.perf_counter() - t0, len(batch))
-        finally:
-            self._step_started = None
-            self._next_ping = time.monotonic() + self._ping_interval
+
+        self._timed(run)
 
     def _ping(self) -> None:
         """Keep an idle group's followers inside their collective timeout (`PingPlan`);
         timed like a step, so a rank that hangs while idle shows as a stalled group."""
+        self._timed(lambda: send_plan(PingPlan(), self.group.runtime.comm))
+
+    def _timed(self, work: Callable[[], None]) -> None:
+        """`work` on every rank (a step, a prefill piece, a ping): `step_running_for` says
+        how long it runs, so one that never ends shows as a stalled group."""
         self._step_started = time.monotonic()
         try:
-            send_plan(PingPlan(), self.group.runtime.comm)
+            work()
         finally:
             self._step_started = None
             self._next_ping = time.monotonic() + self._ping_interval

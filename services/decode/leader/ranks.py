@@ -13,7 +13,14 @@ from torch import Tensor
 
 from common.runtime.transfers import to_device
 from services.decode.group.start import RunningGroup
-from services.decode.step_plan import CopyPlan, DecodePlan, EpochPlan, Plan, send_plan
+from services.decode.step_plan import (
+    CopyPlan,
+    DecodePlan,
+    EpochPlan,
+    Plan,
+    PrefillPlan,
+    send_plan,
+)
 
 
 class Ranks:
@@ -44,6 +51,19 @@ class Ranks:
         parts = self.runtime.comm.gather(self.runtime.step(plan))
         assert parts is not None  # rank 0
         return parts
+
+    def prefill(self, plan: PrefillPlan) -> tuple[Tensor | None, Tensor | None]:
+        """A piece of prompts every rank prefills (rank/prefill_pass.py): the logits it asks
+        for [rows, V], gathered here, else None; and, where the group drafts with MTP, each
+        prompt's last hidden state [S, D] (whole on every rank: rank 0's)."""
+        self.send(plan)
+        out = self.runtime.prefill(plan)
+        hidden = self.runtime.prefilled_hidden()
+        if out is None:
+            return None, hidden
+        parts = self.runtime.comm.gather(out)
+        assert parts is not None  # rank 0
+        return self.logits(parts, parts.shape[1]), hidden
 
     def copy_blocks(self, plan: CopyPlan) -> None:
         """Every rank copies `plan`'s blocks."""

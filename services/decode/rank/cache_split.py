@@ -8,6 +8,10 @@ picked once by `cache_split`; the step never asks which layout it runs.
   local positions (`ParallelConfig.local_position`), and reads per-token slots; every rank
   attends with every head over its tokens, and the partials merge exactly across ranks
   (log-sum-exp, common/model/sp.py).
+
+A prompt the group prefills itself (rank/prefill_pass.py) attends over its cached past with
+the whole latent on every rank: `past` gathers it from the ranks' pieces (TPLA's latent
+slices, SP's chunks), and the prompt's rows are written where `write_slots` says.
 """
 
 from __future__ import annotations
@@ -37,8 +41,24 @@ class CacheSplit(ABC):
         self, positions: Tensor, tables: Tensor, block_size: int, trash_slot: int
     ) -> tuple[Tensor, CacheReads]:
         """Rows at `positions` [B] with block tables [B, W] -> where each row's new latent
-        goes on this rank (`trash_slot` where it must not be stored: a padding row, whose
-        table is all -1, or a token the rank does not cache) and what the rows read."""
+        goes on this rank (`write_slots`) and what the rows read."""
+
+    @abstractmethod
+    def write_slots(
+        self, positions: Tensor, tables: Tensor, block_size: int, trash_slot: int
+    ) -> Tensor:
+        """Where the latents of rows at `positions` [B] with block tables [B, W] go on this
+        rank: `trash_slot` where they must not be stored (a padding row, whose table is all
+        -1, or a token the rank does not cache)."""
+
+    @abstractmethod
+    def past(
+        self, cache: PagedLatentCache, table: Tensor, length: int, comm: Comm
+    ) -> tuple[Tensor, Tensor]:
+        """A sequence's first `length` tokens as every rank needs them to prefill after them:
+        the whole latent n [L, length, d_c] and k_pe [L, length, d_r] of every cache layer,
+        from this rank's block table [W] of the sequence. A collective where the rank holds
+        only a piece of them: every rank calls it for the same sequence."""
 
     @abstractmethod
     def check(self, reads: CacheReads) -> None:
@@ -66,9 +86,29 @@ class LatentColumns(CacheSplit):
     def address(
         self, positions: Tensor, tables: Tensor, block_size: int, trash_slot: int
     ) -> tuple[Tensor, CacheReads]:
-        slots = token_slots(tables, positions[:, None], block_size)[:, 0]
         reads = CacheReads.blocks(tables, positions + 1, block_size)
-        return torch.where(slots >= 0, slots, trash_slot), reads
+        return self.write_slots(positions, tables, block_size, trash_slot), reads
+
+    def write_slots(
+        self, positions: Tensor, tables: Tensor, block_size: int, trash_slot: int
+    ) -> Tensor:
+        slots = token_slots(tables, positions[:, None], block_size)[:, 0]
+        return torch.where(slots >= 0, slots, trash_slot)
+
+    def past(
+        self, cache: PagedLatentCache, table: Tensor, length: int, comm: Comm
+    ) -> tuple[Tensor, Tensor]:
+        """Every token's slice from each latent group: gathered when r > 1 (the ranks of
+        head group 0 hold the r slices in order); k_pe is replicated."""
+        positions = torch.arange(length, device=table.device)
+        rows = cache.kv[:, token_slots(table, positions, cache.layout.block_size)]
+        w = cache.layout.latent_width
+        par = self.parallel
+        if par.latent_groups == 1:
+            return rows[..., :w], rows[..., w:]
+        every = comm.all_gather(rows.contiguous())
+        slices = [every[i * par.head_groups, ..., :w] for i in range(par.latent_groups)]
+        return torch.cat(slices, dim=-1), rows[..., w:]
 
     def check(self, reads: CacheReads) -> None:
         """Block reads and per-token reads both serve it."""
@@ -96,14 +136,37 @@ class TokenChunks(CacheSplit):
     def address(
         self, positions: Tensor, tables: Tensor, block_size: int, trash_slot: int
     ) -> tuple[Tensor, CacheReads]:
-        par, rank = self.parallel, self.rank
-        lengths = par.local_length(positions + 1, rank)
+        lengths = self.parallel.local_length(positions + 1, self.rank)
+        reads = CacheReads.tokens(tables, lengths, block_size)
+        return self.write_slots(positions, tables, block_size, trash_slot), reads
+
+    def write_slots(
+        self, positions: Tensor, tables: Tensor, block_size: int, trash_slot: int
+    ) -> Tensor:
+        par = self.parallel
         local = par.local_position(positions)
         # Rows this rank does not own may index past its table (token_slots clamps).
-        keep = par.token_owner(positions) == rank
+        keep = par.token_owner(positions) == self.rank
         slots = token_slots(tables, local[:, None], block_size)[:, 0]
-        reads = CacheReads.tokens(tables, lengths, block_size)
-        return torch.where(keep & (slots >= 0), slots, trash_slot), reads
+        return torch.where(keep & (slots >= 0), slots, trash_slot)
+
+    def past(
+        self, cache: PagedLatentCache, table: Tensor, length: int, comm: Comm
+    ) -> tuple[Tensor, Tensor]:
+        """Every rank's own chunks, gathered and put back in position order. Each sends as
+        many rows as rank 0 holds (the most: it owns the first chunk); rows past its own
+        are padding, never read."""
+        par = self.parallel
+        device = table.device
+        most = par.local_length(length, 0)
+        local = torch.arange(most, device=device)
+        slots = token_slots(table, local, cache.layout.block_size).clamp(min=0)
+        every = comm.all_gather(cache.kv[:, slots].contiguous())  # [tp, L, most, W]
+        positions = torch.arange(length, device=device)
+        rows = every[par.token_owner(positions), :, par.local_position(positions)]
+        w = cache.layout.latent_width
+        rows = rows.transpose(0, 1)  # [L, length, W]
+        return rows[..., :w], rows[..., w:]
 
     def check(self, reads: CacheReads) -> None:
         if reads.slots is None or reads.valid is None:

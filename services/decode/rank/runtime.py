@@ -14,7 +14,7 @@ from datetime import timedelta
 import grpc
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from common.group.setup import open_comm
 from common.group.spec import GroupSpec
@@ -22,7 +22,7 @@ from common.kv.epochs import BlockEpochs, StaleEpoch
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
-from common.loading.serving_kernels import WeightKernels
+from common.loading.serving_kernels import PrefillKernels, WeightKernels
 from common.loading.serving_model import open_serving_weights
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
@@ -35,9 +35,18 @@ from services.decode.rank.backends import decode_backend, select_decode_kernel
 from services.decode.rank.block_tables import RankTables
 from services.decode.rank.draft_pass import draft_pass
 from services.decode.rank.graphs import StepGraphs, uncapturable
+from services.decode.rank.prefill_pass import PrefillPass
+from services.decode.rank.prefill_stack import RankPrefillStack
 from services.decode.rank.rank_model import RankModel
 from services.decode.rank.step_inputs import StepInputs
-from services.decode.step_plan import CopyPlan, DecodePlan, EpochPlan, WritePlan, token_rows
+from services.decode.step_plan import (
+    CopyPlan,
+    DecodePlan,
+    EpochPlan,
+    PrefillPlan,
+    WritePlan,
+    token_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +64,11 @@ class RankRuntime:
         attention = select_decode_kernel(cfg.kernels.decode_attention, self.device, dtype)
         weight_kernels = WeightKernels.select(cfg.kernels, self.device, dtype)
         self.kernels = (attention, *weight_kernels.choices)
+        # A group that prefills prompts itself runs the prefill worker's attention kernel.
+        prefill = None
+        if cfg.local_prefill:
+            prefill = PrefillKernels.select(cfg.kernels, self.device, dtype)
+            self.kernels = (*self.kernels, prefill.attention)
         # Only this rank's share is read from the checkpoint, straight onto its device.
         # The MTP module and its cache layer only where its drafts are asked for.
         mtp = cfg.speculative.method == "mtp"
@@ -72,6 +86,15 @@ class RankRuntime:
         # Which reservation may still push into each block (a late push's rows never land).
         self.epochs = BlockEpochs(num_blocks)
         self.comm = open_comm(group, rank, self.device)
+        self.prefills: PrefillPass | None = None
+        if prefill is not None:
+            stack = RankPrefillStack(
+                weights, self.model, cfg.parallel, self.comm, prefill.attention_backend()
+            )
+            weight_kernels.apply(nn.ModuleList(stack.layers))
+            self.prefills = PrefillPass(
+                stack, self.model.split, self.cache, self.comm, cfg.parallel
+            )
         self.inputs = StepInputs(self.device)
         # Every running sequence's block table, kept here; each plan brings its edits.
         positions = cfg.context_limit(weights.config.max_position_embeddings)
@@ -158,6 +181,18 @@ class RankRuntime:
             return logits
         # The leader learns the drafts with the logits: the tokens the rows were fed.
         return torch.cat((logits, token_rows(tokens, logits.shape[1], logits.dtype)))
+
+    def prefill(self, plan: PrefillPlan) -> Tensor | None:
+        """This rank's part of a prompt piece the group prefills itself (rank/prefill_pass.py):
+        the logits the plan asks for, else None."""
+        if self.prefills is None:
+            raise RuntimeError("this decode group was started without local prefill")
+        return self.prefills.run(plan)
+
+    def prefilled_hidden(self) -> Tensor | None:
+        """The last prefill piece's last hidden state of each prompt [S, D], where the rank
+        holds the MTP module (its drafts start from it); else None."""
+        return None if self.prefills is None else self.prefills.last_hidden
 
     def address(self, positions: Tensor, tables: Tensor) -> tuple[Tensor, CacheReads]:
         """Rows at `positions` with block tables [B, W] -> where each row's latent goes on

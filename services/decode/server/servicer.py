@@ -9,24 +9,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future
 from typing import TypeVar
 
 import grpc
 from opentelemetry.trace import SpanKind
 
 from common.kv.block_pool import OutOfBlocks
+from common.messages import PrefillResult
 from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
 from common.rpc.gen import common_pb2, decode_pb2, decode_pb2_grpc
+from common.rpc.prefill_limits import check_prefill
 from common.rpc.proto_mapping import (
     event_to_pb,
     load_to_pb,
     params_from_pb,
     reservation_to_pb,
+    result_to_pb,
     resumed_from_pb,
     token_from_pb,
 )
-from common.runtime.errors import InvalidRequest, Overloaded, TplaError, Unavailable
+from common.runtime.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    Overloaded,
+    TplaError,
+    Unavailable,
+)
 from common.runtime.spans import Parent, Spans, end
 from common.sampling.params import SamplingError
 from services.decode.engine import DecodeEngine
@@ -108,6 +118,62 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             ),
         )
         return reservation_to_pb(res)
+
+    def Prefill(
+        self, request: decode_pb2.LocalPrefillRequest, context: grpc.ServicerContext
+    ) -> common_pb2.PrefillResponse:
+        """The reserved prompt prefilled here (DecodeEngine.prefill), within the request's
+        deadline; a caller that goes away drops it between its pieces."""
+        if not self.spans.on:
+            return self._prefill(request, context)
+        attributes = {
+            "tpla.request_id": request.request_id,
+            "tpla.prompt_tokens": len(request.prompt_ids),
+            "tpla.n": request.n or 1,
+        }
+        span = self.spans.start(
+            "local_prefill", self._parent(context), attributes, kind=SpanKind.SERVER
+        )
+        try:
+            res = self._prefill(request, context)
+        except BaseException as exc:
+            end(span, error=call_error(context, exc))
+            raise
+        end(span, {"tpla.cached_tokens": res.cached_tokens})
+        return res
+
+    def _prefill(
+        self, request: decode_pb2.LocalPrefillRequest, context: grpc.ServicerContext
+    ) -> common_pb2.PrefillResponse:
+        n = request.n or 1
+        scored = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+
+        def submit() -> Future[PrefillResult]:
+            check_prefill(n, scored)
+            return self.engine.prefill(
+                request.request_id,
+                list(request.prompt_ids),
+                params_from_pb(request.params),
+                n,
+                request.num_output_tokens,
+                scored,
+            )
+
+        pending = self._call(context, submit)
+        context.add_callback(pending.cancel)
+        try:
+            result = pending.result(timeout=request.deadline_seconds or 60.0)
+        except CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, f"the prefill of {request.request_id} ended")
+        except TimeoutError:
+            err: TplaError = DeadlineExceeded(f"prefill of {request.request_id} timed out")
+            context.abort(err.grpc_code, err.message)
+        except Exception as exc:  # its own error, or the group's
+            err = as_tpla_error(exc)
+            context.abort(err.grpc_code, err.message)
+        finally:
+            pending.cancel()
+        return result_to_pb(result)
 
     def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext

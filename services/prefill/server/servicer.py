@@ -18,6 +18,7 @@ from common.rpc.aborted import call_error
 from common.rpc.auth import require_token
 from common.rpc.drain import DrainGate
 from common.rpc.gen import common_pb2, prefill_pb2, prefill_pb2_grpc
+from common.rpc.prefill_limits import check_prefill
 from common.rpc.proto_mapping import params_from_pb, reservation_from_pb, result_to_pb
 from common.runtime.errors import (
     DeadlineExceeded,
@@ -30,9 +31,6 @@ from common.runtime.spans import Spans, end
 from services.prefill.batch.job import PrefillJob
 from services.prefill.batch.job_trace import JobTrace
 from services.prefill.worker import PrefillWorker
-
-MAX_CHOICES = 128  # OpenAI's limit on n
-MAX_TOP_LOGPROBS = 20
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -54,7 +52,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
-    ) -> prefill_pb2.PrefillResponse:
+    ) -> common_pb2.PrefillResponse:
         if not self.spans.on:
             return self._prefill(request, context, None)
         parent = self.spans.parent_from(context.invocation_metadata() or ())
@@ -79,7 +77,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         request: prefill_pb2.PrefillRequest,
         context: grpc.ServicerContext,
         trace: JobTrace | None,
-    ) -> prefill_pb2.PrefillResponse:
+    ) -> common_pb2.PrefillResponse:
         self._guard(context)
         try:
             self.gate.enter()
@@ -95,7 +93,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         request: prefill_pb2.PrefillRequest,
         context: grpc.ServicerContext,
         trace: JobTrace | None,
-    ) -> prefill_pb2.PrefillResponse:
+    ) -> common_pb2.PrefillResponse:
         deadline = request.deadline_seconds or 60.0
         try:
             job = PrefillJob(
@@ -111,12 +109,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 ),
                 trace=trace,
             )
-            if not 1 <= job.n <= MAX_CHOICES:
-                raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {job.n}")
-            if job.prompt_logprobs is not None and job.prompt_logprobs > MAX_TOP_LOGPROBS:
-                raise InvalidRequest(
-                    f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {job.prompt_logprobs}"
-                )
+            check_prefill(job.n, job.prompt_logprobs)
             if not job.reservation.targets:
                 raise InvalidRequest("no KV targets: reserve on a decode group first")
             pending = self.worker.submit(job)

@@ -269,6 +269,7 @@ async def test_all_prefill_workers_fail(
 ) -> None:
     script = script_for(tokenizer)
     async with run_stack(model_dir, redis_url, script, prefill_fail=(True, True)) as stack:
+        stack.decode.local = "off"  # nor does the group prefill (router/test_disagg.py)
         # Non-streaming: nothing was sent yet, so the failure is the HTTP status.
         resp = await stack.client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 503
@@ -294,6 +295,7 @@ async def test_a_hung_abort_still_ends_the_request_with_its_error(
     # it (the lease frees the blocks) and the client still gets its 503, not a 500.
     script = script_for(tokenizer)
     async with run_stack(model_dir, redis_url, script, prefill_fail=(True, True)) as stack:
+        stack.decode.local = "off"
         stack.decode.abort_delay_s = 30.0
         t0 = time.monotonic()
         resp = await stack.client.post("/v1/chat/completions", json=chat_body())

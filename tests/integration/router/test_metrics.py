@@ -94,6 +94,7 @@ async def test_failed_requests_are_counted_by_error_type(
 ) -> None:
     script = script_for(tokenizer)
     async with run_stack(model_dir, redis_url, script, prefill_fail=(True, True)) as stack:
+        stack.decode.local = "off"
         resp = await stack.client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code >= 500
         error_type = resp.json()["error"]["type"]

@@ -285,3 +285,18 @@ def test_the_layout_and_the_planner_import_no_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(("tp", "r"), LAYOUTS)
+def test_prefill_heads_cut_each_head_group_by_latent_group(tp: int, r: int) -> None:
+    """A local prefill's heads: part i of rank (i, j)'s head group, so every head is one
+    rank's and the rank holds its query rows and o_proj columns already."""
+    par = ParallelConfig(tp, r)
+    parts = [par.prefill_heads(k, 128) for k in range(tp)]
+    assert _tiles(sorted(parts, key=lambda s: s.start), 128)
+    for k in range(tp):
+        group = par.heads(k, 128)
+        assert group.start <= parts[k].start and parts[k].stop <= group.stop
+        assert span(parts[k]) == 128 // tp
+    with pytest.raises(ParallelError, match="do not split"):
+        ParallelConfig(4, 4).prefill_heads(0, 6)

@@ -95,12 +95,12 @@ def test_round_robin_cycles() -> None:
 
 def test_no_workers_is_unavailable() -> None:
     empty = WorkerSnapshot()
-    assert empty.not_ready_reason() == "no healthy prefill worker is registered"
+    assert empty.not_ready_reason() == "no healthy decode group or prefill worker is registered"
     for policy in (LeastLoadedPolicy(), RoundRobinPolicy()):
         with pytest.raises(Unavailable, match="decode"):
             policy.choose_decode(empty, {})
         only_decode = WorkerSnapshot.from_records([decode("g1")])
-        assert only_decode.not_ready_reason() == "no healthy prefill worker is registered"
+        assert only_decode.not_ready_reason() is None  # it prefills itself: degraded
         with pytest.raises(Unavailable, match="prefill"):
             policy.choose_prefill(only_decode, {})
     with pytest.raises(ValueError, match="unknown routing policy"):
@@ -200,7 +200,7 @@ def test_draining_workers_get_no_new_work() -> None:
     alone = WorkerSnapshot.from_records([decode("g1", draining=True), draining])
     with pytest.raises(Unavailable):
         LeastLoadedPolicy().choose_decode(alone, {})
-    assert alone.not_ready_reason() == "no healthy prefill worker is registered"
+    assert alone.not_ready_reason() == "no healthy decode group or prefill worker is registered"
 
 
 def test_the_draining_flag_survives_redis() -> None:
