@@ -68,10 +68,17 @@ class WeightSource(Protocol):
         """Experts `experts`' down_proj columns `cols`: [|experts|, D, |cols|]."""
 
 
-def is_router(name: str) -> bool:
-    """A MoE router's tensor: read in float32 whatever the serving dtype, since its scores
-    (and V3's correction bias) pick the experts."""
-    return name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
+def kept_float32(name: str) -> bool:
+    """A tensor read in float32 whatever the serving dtype: a MoE router's, since its scores
+    (and V3's correction bias) pick the experts, and a DSA indexer's head weights, which HF
+    keeps in float32 (its scores pick the attended tokens)."""
+    return name.endswith(
+        (
+            "mlp.gate.weight",
+            "mlp.gate.e_score_correction_bias",
+            "self_attn.indexer.weights_proj.weight",
+        )
+    )
 
 
 def rotate_kv_a(kv_a: Tensor, r: Tensor) -> Tensor:
@@ -401,7 +408,7 @@ def fill_module(
         elif name in linears:
             value = src.linear(full)
         else:
-            value = src.tensor(full, dtype=torch.float32 if is_router(full) else None)
+            value = src.tensor(full, dtype=torch.float32 if kept_float32(full) else None)
         if isinstance(value, Fp8Weight):
             path, _, leaf = name.rpartition(".")
             if leaf == "weight":  # an nn.Linear: the FP8 weight takes the module's place

@@ -351,3 +351,9 @@ class _Recorder:
 
     def read(self, layer: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.inner.read(layer, positions)
+
+    def write_keys(self, layer: int, positions: Tensor, keys: Tensor) -> None:
+        self.inner.write_keys(layer, positions, keys)
+
+    def read_keys(self, layer: int, positions: Tensor) -> Tensor:
+        return self.inner.read_keys(layer, positions)

@@ -292,7 +292,7 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
     parts: dict[str, int] = {}
     for t in chosen:
         parts[t.part] = parts.get(t.part, 0) + weight_bytes([t], req.weight_dtype, req.fp8_block)
-    # load_model keeps the router in float32 too (common.loading.weights.is_router).
+    # load_model keeps the router in float32 too (common.loading.weights.kept_float32).
     full = rank_tensors(c, ParallelConfig(), 0, req.mtp_layers)
     prefill = req.prefill_layout()
     prefill.check(c)

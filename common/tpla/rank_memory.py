@@ -33,7 +33,7 @@ class RankTensor:
     count: int = 1
     quantized: bool = False  # a linear weight that DeepSeek's FP8 checkpoints store in fp8
     # The engine keeps it in float32 whatever the model dtype: the router, read from the
-    # checkpoint in float32 (common.loading.weights.is_router).
+    # checkpoint in float32 (common.loading.weights.kept_float32).
     float32: bool = False
 
     @property
