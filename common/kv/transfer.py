@@ -57,6 +57,7 @@ class Shard:
     # event alone, not for whatever the producing stream queued since (the next prefill).
     ready: torch.cuda.Event | None = None
     block_offset: int = 0  # token 0's slot in block_ids[0] (a chunk may start inside one)
+    index_keys: bool = False  # DSA: the rows are indexer keys, for the index-key pool
 
     @property
     def n(self) -> Tensor:
@@ -95,6 +96,7 @@ class Shard:
             block_ids=list(self.block_ids),
             peer=peer,
             block_offset=self.block_offset,
+            index_keys=self.index_keys,
         )
 
 

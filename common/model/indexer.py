@@ -15,6 +15,8 @@ tokens of highest I (common/model/topk.py). Math only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -74,13 +76,21 @@ class Indexer(nn.Module):
         return self.weights_proj(x) * self.n_heads**-0.5
 
 
-def index_scores(q: Tensor, w: Tensor, keys: Tensor, scale: float, tile: int = KEY_TILE) -> Tensor:
+def index_scores(
+    q: Tensor,
+    w: Tensor,
+    keys: Tensor,
+    scale: float,
+    decode: Callable[[Tensor], Tensor] = Tensor.float,
+    tile: int = KEY_TILE,
+) -> Tensor:
     """I [R, T] (fp32) of R queries q [R, H_I, d_I] with head weights w [R, H_I] over keys
-    [R, T, d_I] (each row its own) or [T, d_I] (shared), `tile` keys at a time."""
+    [R, T, *] (each row its own) or [T, *] (shared), `tile` keys at a time, each tile read
+    into fp32 [.., d_I] keys by `decode` (a cache row format's, common/model/index_keys.py)."""
     qf = q.float()
     out = torch.empty(q.shape[0], keys.shape[-2], dtype=torch.float32, device=q.device)
     for t0 in range(0, keys.shape[-2], tile):
-        k = keys[..., t0 : t0 + tile, :].float()
+        k = decode(keys[..., t0 : t0 + tile, :])
         s = torch.einsum("rhd,rtd->rht" if k.ndim == 3 else "rhd,td->rht", qf, k)
         out[:, t0 : t0 + k.shape[-2]] = torch.einsum("rh,rht->rt", w, (s * scale).relu_())
     return out
