@@ -18,6 +18,7 @@ import abc
 import torch
 from torch import Tensor
 
+from common.model.args import ModelConfig
 from common.model.fp8_index import act_quant, hadamard
 
 FORMATS = ("model", "fp8")
@@ -104,6 +105,13 @@ class Fp8Keys(IndexKeyFormat):
     def queries(self, q: Tensor) -> Tensor:
         q8, scale = act_quant(hadamard(q.to(self.model_dtype)))
         return q8.float() * scale
+
+
+def index_format(config: ModelConfig, name: str, model_dtype: torch.dtype) -> IndexKeyFormat | None:
+    """The key format `name` of a model's indexer keys; None for a model without DSA."""
+    if config.dsa is None:
+        return None
+    return key_format(name, config.dsa.index_head_dim, model_dtype)
 
 
 def key_format(name: str, head_dim: int, model_dtype: torch.dtype) -> IndexKeyFormat:
