@@ -1,5 +1,5 @@
 """A decode group's DeepSeek Sparse Attention, its ranks run side by side as threads of one
-process (real collectives): MLA-TP and SP give the single-process model's logits (which HF's
+process (tests/shard_checkpoints.py `run_group`): MLA-TP and SP give the single-process model's logits (which HF's
 hold: common/model tests) over a context far past index_topk; every MLA-TP and TPLA rank
 selects the same tokens; SP ranks' selections together are the single model's."""
 
@@ -20,7 +20,7 @@ from common.model.causal_lm import ContiguousLatentCache, PrefillOutput
 from common.parallel import ParallelConfig, ParallelMode
 from services.decode.rank.cache_split import Selection
 from services.decode.rank.rank_model import RankModel
-from tests.threaded_group import ThreadGroup
+from tests.shard_checkpoints import run_group
 from tests.tiny import DSA_VARIANTS, save_hf
 
 PROMPT, STEPS, BS, BLOCKS = 37, 5, 4, 24
@@ -81,9 +81,9 @@ class Rank:
 
 
 def _step(
-    ranks: list[Rank], comms: list[Comm], token: torch.Tensor, pos: torch.Tensor, width: int, r: int
+    ranks: list[Rank], token: torch.Tensor, pos: torch.Tensor, width: int, r: int, comm: Comm
 ) -> torch.Tensor:
-    return ranks[r].step(token, pos, width, comms[r])
+    return ranks[r].step(token, pos, width, comm)
 
 
 def _run(
@@ -98,8 +98,6 @@ def _run(
     ref.load_prefill(0, out, 0, PROMPT)
     src = CheckpointWeights(model_dir, torch.float32)
     ranks = [Rank(src, par, r, out) for r in range(par.tp)]
-    group = ThreadGroup(par.tp)
-    comms = group.comms()
     columns = par.vocab_columns(model.config.vocab_size)
     token = out.logits[0].argmax()[None]
     got, want = [], []
@@ -107,7 +105,7 @@ def _run(
     for s in range(STEPS):
         pos = torch.tensor([PROMPT + s])
         expected = model.decode(token, pos, ref)[0]
-        parts = group.run(partial(_step, ranks, comms, token, pos, width))
+        parts = run_group(par.tp, partial(_step, ranks, token, pos, width))
         got.append(torch.cat(parts, dim=1)[0, columns])
         want.append(expected)
         token = expected.argmax()[None]
@@ -151,6 +149,5 @@ def test_a_step_whose_tables_hold_at_most_index_topk_tokens_attends_densely(
     model = load_model(model_dir)
     out = model.prefill(torch.arange(2, 7), [5])
     rank = Rank(src, ParallelConfig(), 0, out, 5)
-    comm = ThreadGroup(1).comms()[0]
-    rank.step(torch.tensor([9]), torch.tensor([5]), 2, comm)  # 2 blocks of 4: 8 = index_topk
+    rank.step(torch.tensor([9]), torch.tensor([5]), 2, Comm(1))  # 2 blocks of 4: 8 = index_topk
     assert rank.picked and all(p is None for p in rank.picked)
