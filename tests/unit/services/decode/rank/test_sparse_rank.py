@@ -1,7 +1,8 @@
 """A decode group's DeepSeek Sparse Attention, its ranks run side by side as threads of one
-process (tests/shard_checkpoints.py `run_group`): MLA-TP and SP give the single-process model's logits (which HF's
-hold: common/model tests) over a context far past index_topk; every MLA-TP and TPLA rank
-selects the same tokens; SP ranks' selections together are the single model's."""
+process (tests/shard_checkpoints.py `run_group`): MLA-TP and SP give the single-process
+model's logits (which HF's hold: common/model tests) over a context far past index_topk;
+every MLA-TP and TPLA rank selects the same tokens; SP ranks' selections together are the
+single model's."""
 
 from __future__ import annotations
 
