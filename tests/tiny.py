@@ -179,6 +179,36 @@ def save_hf(variant: str, out: Path, **kwargs: Any) -> torch.nn.Module:
     return model
 
 
+def add_mtp_layer(out: Path, seed: int = 7) -> Path:
+    """A random MTP module appended to a saved tiny checkpoint as layer num_hidden_layers
+    (with its own indexer in a DSA model, as V3.2's and GLM-5's hold one), its embedding and
+    head the main model's (as V3 stores them)."""
+    from safetensors.torch import load_file, save_file
+
+    from common.model.args import ModelConfig
+    from common.model.mtp import MTPLayer
+
+    raw = json.loads((out / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_hf_dict(raw)
+    index = config.num_hidden_layers
+    with torch.device("meta"):
+        layer = MTPLayer(config, index)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in layer.state_dict().items():
+        mean, std = (1.0, 0.1) if "norm" in name else (0.0, 0.15)
+        value = mean + std * torch.randn(p.shape, generator=gen)
+        tensors[f"model.layers.{index}.{name}"] = value.to(p.dtype)
+    tensors[f"model.layers.{index}.embed_tokens.weight"] = tensors[
+        "model.embed_tokens.weight"
+    ].clone()
+    tensors[f"model.layers.{index}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
 def save_tokenizer(out: Path, vocab_size: int = 320) -> Path:
     """The tokenizer files of a model directory: tokenizer.json and a config with the chat
     template and the bos / eos tokens."""

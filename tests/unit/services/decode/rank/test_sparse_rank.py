@@ -13,16 +13,18 @@ import pytest
 import torch
 
 from common.group.comm import Comm
-from common.kv.paged_cache import PagedLatentCache
+from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.slots import token_slots
 from common.loading.loader import load_model
+from common.loading.mtp_weights import load_mtp_layers
 from common.loading.weights import CheckpointWeights
 from common.model.causal_lm import ContiguousLatentCache, PrefillOutput
+from common.model.mtp import mtp_prefill
 from common.parallel import ParallelConfig, ParallelMode
 from services.decode.rank.cache_split import Selection
 from services.decode.rank.rank_model import RankModel
 from tests.shard_checkpoints import run_group
-from tests.tiny import DSA_VARIANTS, save_hf
+from tests.tiny import DSA_VARIANTS, add_mtp_layer, save_hf
 
 PROMPT, STEPS, BS, BLOCKS = 37, 5, 4, 24
 MLA_TP = ParallelConfig(tp=2)
@@ -152,3 +154,30 @@ def test_a_step_whose_tables_hold_at_most_index_topk_tokens_attends_densely(
     rank = Rank(src, ParallelConfig(), 0, out, 5)
     rank.step(torch.tensor([9]), torch.tensor([5]), 2, Comm(1))  # 2 blocks of 4: 8 = index_topk
     assert rank.picked and all(p is None for p in rank.picked)
+
+
+def test_the_mtp_pass_over_a_prompt_is_the_whole_layers_prefill(tmp_path: Path) -> None:
+    """The MTP layer's own indexer: every row of the draft pass selects over its causal past
+    (a verify step's rows do the same), as the layer's sparse prefill does."""
+    save_hf("v32-sparse", tmp_path)
+    add_mtp_layer(tmp_path)
+    main = load_model(tmp_path)
+    (layer,) = load_mtp_layers(tmp_path, main=main)
+    ids = torch.randint(2, 160, (30,), generator=torch.Generator().manual_seed(6))
+    hidden = main.prefill(ids, [30]).hidden
+    assert hidden is not None
+    next_ids = torch.cat((ids[1:], torch.tensor([7])))
+    want = mtp_prefill(layer, main.rope, next_ids, hidden, [30], all_logits=True)
+    src = CheckpointWeights(tmp_path, torch.float32, mtp=True)
+    rank = RankModel(src, ParallelConfig(), 0, [None] * (main.config.num_hidden_layers + 1))
+    cache = PagedLatentCache(rank.cache_layout(BS, torch.float32), 16)
+    keys = rank.index_layout(BS, "model", torch.float32)
+    assert keys is not None
+    rank.bind_index_pool(PagedLatentCache(keys, 16))
+    positions = torch.arange(30)
+    tables = torch.arange(8).expand(30, 8)
+    slots = token_slots(tables, positions[:, None], BS)[:, 0]
+    reads = CacheReads.blocks(tables, positions + 1, BS)
+    h, drafts = rank.mtp_rows(next_ids, hidden, positions, slots, reads, cache, Comm(1))
+    torch.testing.assert_close(h, want.hidden, atol=1e-4, rtol=1e-4)
+    assert torch.equal(drafts, want.logits.argmax(-1))
