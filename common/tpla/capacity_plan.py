@@ -108,6 +108,7 @@ class PlanRequest:
     moe: MoeParallel = MoeParallel.TP  # routed experts: a slice of each, or whole ones (ep)
     prefill_gpus: int = 1  # ranks of one prefill group (TPLA_PREFILL_TP), on the same cards
     mtp_layers: int = 0  # MTP modules loaded (speculation `mtp`): weights and cache counted
+    index_cache_dtype: str = "model"  # DSA's indexer keys in the KV pools: model | fp8
 
     def __post_init__(self) -> None:
         if self.prefill_gpus < 1:
@@ -168,7 +169,9 @@ def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelCon
         weight_bytes(rank_tensors(c, layout, rank, req.mtp_layers), req.weight_dtype, req.fp8_block)
         for rank in range(layout.tp)
     )
-    stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype, req.mtp_layers)
+    stored = kv_bytes_per_stored_token(
+        c, layout, req.kv_dtype, req.mtp_layers, req.index_cache_dtype
+    )
     budget = hw.gpu_mem_bytes - weights - hw.reserve
     # As CacheLayout.blocks_for_budget, less the cache's trash block (never handed out).
     blocks = max(max(budget, 0) // (stored * bs) - 1, 0)

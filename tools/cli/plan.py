@@ -62,6 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         moe=parse_moe(args.moe_parallel),
         prefill_gpus=args.prefill_gpus,
         mtp_layers=mtp_loaded,
+        index_cache_dtype=args.index_cache_dtype,
     )
     plan = build_plan(ckpt.config, request)
     print(format_plan(plan, path, ckpt))
@@ -135,6 +136,16 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
         f"fits: {'yes' if plan.prefill_fits else 'NO'} (weights + reserve < GPU memory; "
         "activations of a prefill chunk come out of the reserve)",
     ]
+    if c.dsa is not None:
+        from common.tpla.rank_memory import index_key_bytes
+
+        keys = index_key_bytes(c, req.kv_dtype, req.mtp_layers, req.index_cache_dtype)
+        full = c.dsa.key_layers(c.num_hidden_layers + req.mtp_layers)
+        lines.append(
+            f"DSA: indexer keys ({req.index_cache_dtype}) of {full} full layers, {keys:,} bytes "
+            "a stored token on every rank that caches it, are in the KV bytes; each query "
+            f"attends over {c.dsa.index_topk} selected tokens."
+        )
     if req.weight_dtype == FP8:
         lines.append(
             "float8 weights: what a rank holds with TPLA_WEIGHT_DTYPE=float8 (auto on CUDA); "
@@ -200,6 +211,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default="none",
         help="mtp: the checkpoint's MTP layers are loaded, their weights and latent cache "
         "counted on every rank (ngram needs no weights)",
+    )
+    p.add_argument(
+        "--index-cache-dtype",
+        choices=("model", "fp8"),
+        default="model",
+        help="DSA models' indexer keys in the KV pools (TPLA_INDEX_CACHE_DTYPE): the KV dtype, "
+        "or DeepSeek's fp8 (d_I + 4 bytes a key)",
     )
     p.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     p.set_defaults(func=cmd_plan)
