@@ -253,6 +253,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.dsa:
+        from tools.bench.dsa_attn import run_dsa
+
+        return run_dsa(args)
     if args.kernel == "triton":
         from tools.bench.decode_attn_gpu import run_triton
 
@@ -309,5 +313,15 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo", default="models/demo", help="demo model dir for its shapes")
     p.add_argument("--shapes", nargs="+", help="subset of deepseek-v3 deepseek-v2-lite demo")
     p.add_argument("--plot", help="write a Figure-3-style PNG here (CPU kernels)")
+    p.add_argument(
+        "--dsa",
+        action="store_true",
+        help="DeepSeek Sparse Attention at V3.2's per-device shapes: the indexer and the "
+        "sparse attention timed apart, beside the dense attention (tools/bench/dsa_attn.py)",
+    )
+    p.add_argument(
+        "--contexts", type=int, nargs="+", default=[4096, 32768, 131072], help="with --dsa"
+    )
+    p.add_argument("--batch", type=int, default=1, help="with --dsa: sequences per call")
     p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
     p.set_defaults(func=_run)
