@@ -59,8 +59,6 @@ def _glm_moe_dsa(raw: RawConfig) -> RawConfig:
 def _dsa_defaults(index_n_heads: int) -> RawConfig:
     """HF's defaults for what a DSA config may leave out."""
     return {
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
         "index_topk": 2048,
         "index_head_dim": 128,
         "index_n_heads": index_n_heads,
@@ -69,15 +67,18 @@ def _dsa_defaults(index_n_heads: int) -> RawConfig:
 
 def _dsa_fixed(raw: RawConfig, types: list[str], indexer_rope_interleave: bool) -> RawConfig:
     """What HF's DSA models fix whatever the config says: MLA's RoPE interleaved, the
-    indexer's as the family lays it out, the q-LoRA and latent norms at eps 1e-6, the MoE
-    layers by `first_k_dense_replace` alone (HF reads `mlp_layer_types`, derived from it;
-    a config whose `mlp_layer_types` says otherwise is refused)."""
+    indexer's as the family lays it out, the q-LoRA and latent norms at eps 1e-6, V3's
+    router (sigmoid scores, the correction bias, group-limited top-k), the MoE layers by
+    `first_k_dense_replace` alone (HF reads `mlp_layer_types`, derived from it; a config
+    whose `mlp_layer_types` says otherwise is refused)."""
     layers = raw["num_hidden_layers"]
     dense = min(raw.get("first_k_dense_replace", 3), layers)
     derived = ["dense"] * dense + ["sparse"] * (layers - dense)
     if raw.get("mlp_layer_types", derived) != derived:
         raise DsaConfigError("mlp_layer_types other than first_k_dense_replace's are not served")
     return {
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
         "indexer_types": types,
         "indexer_rope_interleave": indexer_rope_interleave,
         "rope_interleave": True,

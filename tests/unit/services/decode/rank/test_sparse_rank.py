@@ -35,8 +35,11 @@ TPLA = ParallelConfig(tp=2, latent_groups=2)
 @pytest.fixture(scope="module", params=sorted(DSA_VARIANTS))
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp(request.param)
-    save_hf(request.param, path)
+    HF[path] = save_hf(request.param, path)
     return path
+
+
+HF: dict[Path, torch.nn.Module] = {}  # each checkpoint's HF transformers model
 
 
 class Rank:
@@ -116,11 +119,20 @@ def _run(
 
 
 @pytest.mark.parametrize("par", [MLA_TP, SP], ids=["mla-tp", "sp"])
-def test_the_group_gives_the_single_models_logits(model_dir: Path, par: ParallelConfig) -> None:
+def test_the_group_gives_hfs_logits(model_dir: Path, par: ParallelConfig) -> None:
+    """Each decode step's logits: the group's equal the single-process model's and HF
+    transformers' over the same sequence (its full forward at that position)."""
     steps, ranks = _run(model_dir, par)
     assert all(p is not None for r in ranks for p in r.picked)  # past index_topk: sparse
-    for got, want in steps:
+    prompt = torch.randint(2, 160, (PROMPT,), generator=torch.Generator().manual_seed(4))
+    fed = [int(want.argmax()) for _, want in steps[:-1]]
+    first = load_model(model_dir).prefill(prompt, [PROMPT]).logits[0].argmax()
+    sequence = torch.cat([prompt, torch.tensor([int(first), *fed])])
+    with torch.no_grad():
+        hf = HF[model_dir](sequence[None]).logits[0, PROMPT:]
+    for step, (got, want) in enumerate(steps):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got, hf[step], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("par", [MLA_TP, TPLA], ids=["mla-tp", "tpla"])
