@@ -31,18 +31,24 @@ from common.model.indexer import index_scores
 from common.model.sp import partial_attention
 from common.model.topk import candidates, mask_positions, threshold, topk_mask, within
 from common.model.tpla import fused_slice_attention
+from common.parallel import ParallelConfig, span
 from tools.bench.output import table_stream
 
 BLOCK, TOPK, INDEX_HEADS, D_I = 64, 2048, 64, 128
 D_C, D_R, D_N, D_V, HEADS = 512, 64, 128, 128, 128  # V3.2
-# layout -> (heads a rank attends with, its latent width, 1/share of the tokens it caches)
-LAYOUTS = {"mla-tp": (HEADS // 2, D_C, 1), "tpla": (HEADS, D_C // 2, 1), "sp": (HEADS, D_C, 2)}
+TP = 2
+# (name, layout): MLA-TP, TPLA at r = tp, SP, as plans set them side by side.
+LAYOUTS = [(mode.value, par) for mode, par in ParallelConfig.compared(TP, (TP,))]
 
 
-def _prepare(layout: str, context: int, batch: int) -> dict[str, Callable[[], object]]:
-    heads, width, share = LAYOUTS[layout]
+def _prepare(par: ParallelConfig, context: int, batch: int) -> dict[str, Callable[[], object]]:
+    # A rank attends with its head group's heads over its latent columns; in SP with every
+    # head over its own tokens (the queries are gathered).
+    every_token = par.caches_every_token
+    heads = span(par.heads(0, HEADS)) if every_token else HEADS
+    width = span(par.latent_columns(0, D_C))
     g = torch.Generator().manual_seed(0)
-    tokens = context // share
+    tokens = par.local_length(context, 0)
     per_seq = -(-tokens // BLOCK)
     pool = PagedLatentCache(CacheLayout(1, width, D_R, BLOCK), batch * per_seq + 1)
     keys = PagedLatentCache(CacheLayout(1, D_I, 0, BLOCK), batch * per_seq + 1)
@@ -51,9 +57,9 @@ def _prepare(layout: str, context: int, batch: int) -> dict[str, Callable[[], ob
     tables = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq)
     lengths = torch.full((batch,), tokens)
     reads = (
-        CacheReads.tokens(tables, lengths, BLOCK)
-        if share > 1
-        else CacheReads.blocks(tables, lengths, BLOCK)
+        CacheReads.blocks(tables, lengths, BLOCK)
+        if every_token
+        else CacheReads.tokens(tables, lengths, BLOCK)
     )
     q_i = torch.randn(batch, INDEX_HEADS, D_I, generator=g)
     w_i = torch.randn(batch, INDEX_HEADS, generator=g)
@@ -66,14 +72,14 @@ def _prepare(layout: str, context: int, batch: int) -> dict[str, Callable[[], ob
     picked: dict[str, torch.Tensor] = {}
 
     def indexer() -> None:
-        if share > 1:
+        if not every_token:
             assert reads.slots is not None and reads.valid is not None
             rows, valid = keys.gather(0, reads.slots)[0], reads.valid
         else:
             rows = keys.rows(0, reads.block_ids).read(0, per_seq * BLOCK)
             valid = torch.arange(rows.shape[1])[None] < lengths[:, None]
         scores = index_scores(q_i, w_i, rows, D_I**-0.5)
-        if share > 1:  # SP: this rank's offer and the threshold over a group of one
+        if not every_token:  # this rank's offer and the threshold over a group of one
             at = torch.arange(scores.shape[1]).expand_as(scores)
             best, pos = candidates(scores, valid, at, TOPK)
             mask = within(scores, at, valid, threshold(best, pos, TOPK))
@@ -84,7 +90,7 @@ def _prepare(layout: str, context: int, batch: int) -> dict[str, Callable[[], ob
 
     def sparse() -> torch.Tensor:
         slots, count = picked["slots"], picked["count"]
-        if share > 1:
+        if not every_token:
             n, k_pe = pool.gather(0, slots)
             valid = torch.arange(TOPK)[None] < count[:, None]
             return partial_attention(q_lat, q_pe, n, k_pe, valid, scale)[0]
@@ -93,7 +99,7 @@ def _prepare(layout: str, context: int, batch: int) -> dict[str, Callable[[], ob
         return fused_slice_attention(q_nope, q_pe, read, TOPK, TOPK, count, w_uk, w_uv, scale, 1.0)
 
     def dense() -> torch.Tensor:
-        if share > 1:
+        if not every_token:
             assert reads.slots is not None and reads.valid is not None
             n, k_pe = pool.gather(0, reads.slots)
             return partial_attention(q_lat, q_pe, n, k_pe, reads.valid, scale)[0]
@@ -119,8 +125,8 @@ def run_dsa(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for context in args.contexts:
-            for layout in LAYOUTS:
-                parts = _prepare(layout, context, args.batch)
+            for layout, par in LAYOUTS:
+                parts = _prepare(par, context, args.batch)
                 parts["indexer"]()  # warm-up, and the selection `sparse` reads
                 row: dict[str, Any] = {"layout": layout, "context": context, "batch": args.batch}
                 for name, fn in parts.items():
