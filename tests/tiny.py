@@ -209,6 +209,15 @@ def add_mtp_layer(out: Path, seed: int = 7) -> Path:
     return out
 
 
+def hf_greedy(hf: torch.nn.Module, ids: torch.Tensor, steps: int) -> list[int]:
+    """`steps` greedy tokens after `ids` by HF's whole forward over the sequence each step."""
+    seq = ids.tolist()
+    with torch.no_grad():
+        for _ in range(steps):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
 def save_tokenizer(out: Path, vocab_size: int = 320) -> Path:
     """The tokenizer files of a model directory: tokenizer.json and a config with the chat
     template and the bos / eos tokens."""

@@ -15,12 +15,11 @@ from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
 from common.model.generate import generate
 from common.parallel import ParallelConfig, ParallelMode
-from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
-from tests.stack import services_in_threads
+from tests.stack import reserve_prefill_generate, services_in_threads
 from tests.tiny import save_hf
 from tools.local_driver import collect, submit
 
@@ -72,21 +71,6 @@ def stack(request: pytest.FixtureRequest, model_dir: Path):  # type: ignore[no-u
         yield expected, svc.decode, svc.prefill
 
 
-async def _run(decode_addr: str, prefill_addr: str, rid: str, prompt: list[int], transport: str):  # type: ignore[no-untyped-def]
-    decode, prefill = DecodeClient(decode_addr), PrefillClient(prefill_addr)
-    try:
-        res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens, prompt_ids=prompt)
-        out = await prefill.prefill(rid, prompt, GREEDY, res, transport=transport)
-        tokens = [out.first_token.token_id]
-        async for event in decode.generate(rid, out.first_token, GREEDY):
-            if event.token is not None:
-                tokens.append(event.token.token_id)
-        return tokens, res.cached_tokens
-    finally:
-        await decode.close()
-        await prefill.close()
-
-
 def _reference(model_dir: Path, layout: str, prompts: list[list[int]]) -> list[list[int]]:
     if layout != "tpla":
         model = load_model(model_dir)
@@ -101,8 +85,12 @@ def test_served_greedy_equals_the_reference(stack, transport: str) -> None:  # t
     expected, decode_addr, prefills = stack
     addr = prefills[transport]
     base, longer = _prompts(transport)
-    first, held = asyncio.run(_run(decode_addr, addr, f"d1-{transport}", base, transport))
+    first, held, _ = asyncio.run(
+        reserve_prefill_generate(decode_addr, addr, f"d1-{transport}", base, GREEDY, transport)
+    )
     assert held == 0
-    more, held = asyncio.run(_run(decode_addr, addr, f"d2-{transport}", longer, transport))
+    more, held, _ = asyncio.run(
+        reserve_prefill_generate(decode_addr, addr, f"d2-{transport}", longer, GREEDY, transport)
+    )
     assert held == 24  # the decode group's blocks hold the prefix's latents and keys
     assert [first, more] == expected[transport]

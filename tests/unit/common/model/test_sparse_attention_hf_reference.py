@@ -16,7 +16,7 @@ from common.model import sparse_prefill
 from common.model.causal_lm import ContiguousLatentCache
 from common.model.generate import generate
 from common.sampling.params import SamplingParams
-from tests.tiny import DSA_VARIANTS, save_hf
+from tests.tiny import DSA_VARIANTS, hf_greedy, save_hf
 
 PROMPT_LEN = 40
 NEW_TOKENS = 12
@@ -85,21 +85,13 @@ def test_prefill_logits_match_hf(pair) -> None:
         torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
 
 
-def _hf_greedy(hf: torch.nn.Module, ids: torch.Tensor, steps: int) -> list[int]:
-    seq = ids.tolist()
-    with torch.no_grad():
-        for _ in range(steps):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids) :]
-
-
 @pytest.mark.parametrize("path", ["expanded", "absorbed"])
 def test_greedy_tokens_match_hf(pair, path: str) -> None:
     """`absorbed` decodes over the latent cache, each step's query selecting over the index
     keys cached so far; `expanded` prefills the whole sequence again every step."""
     hf, ours = pair
     ids = _prompt(3)
-    expected = _hf_greedy(hf, ids, NEW_TOKENS)
+    expected = hf_greedy(hf, ids, NEW_TOKENS)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert generate(ours, ids.tolist(), params, path=path).token_ids == expected
 
