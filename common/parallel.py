@@ -328,6 +328,20 @@ class ParallelConfig:
         c = self.chunk_size
         return (position // c // self.tp) * c + position % c
 
+    def global_position(self, local: Any, rank: int) -> Any:
+        """The sequence position of token `local` of rank `rank`'s own order (the inverse
+        of `local_position` on the tokens the rank caches)."""
+        if self.caches_every_token:
+            return local
+        c = self.chunk_size
+        return (local // c * self.tp + rank) * c + local % c
+
+    def most_tokens(self, local_tokens: int) -> int:
+        """The longest sequence whose tokens on every rank fit in `local_tokens` (a step's
+        table width): that many where every rank caches every token; in SP tp times as
+        many (rank 0, which caches the most of a sequence, holds at least 1/tp of it)."""
+        return local_tokens * self.token_ranks
+
     def local_length(self, total: Any, rank: int) -> Any:
         """How many of a sequence's first `total` tokens rank `rank` caches."""
         if self.caches_every_token:

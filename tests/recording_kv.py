@@ -28,6 +28,7 @@ class Receivers:
 
     def __init__(self, torch_pairs: bool = False, address: str = "") -> None:
         self.caches: dict[tuple[str, int], PagedLatentCache] = {}
+        self.index_caches: dict[tuple[str, int], PagedLatentCache] = {}  # DSA: indexer keys
         self._lock = threading.Lock()
         self.server = grpc.server(ThreadPoolExecutor(max_workers=8))
         store, self.torch_address = None, ""
@@ -56,11 +57,12 @@ class Receivers:
             check_dtype(header),
         )
         key = (header.request_id, header.rank)
+        caches = self.index_caches if header.index_keys else self.caches
         with self._lock:
-            cache = self.caches.get(key)
+            cache = caches.get(key)
             if cache is None:  # every block `targets` names, and the cache's trash block
                 cache = PagedLatentCache(layout, BLOCK_SPAN * header.rank + BLOCKS + 1, "cpu")
-                self.caches[key] = cache
+                caches[key] = cache
         return ShardTarget(cache, shard_slots(header))
 
 

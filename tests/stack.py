@@ -20,11 +20,13 @@ from pathlib import Path
 
 import grpc
 
+from common.messages import PrefillResult
 from common.parallel import ParallelConfig
-from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY
+from common.rpc.clients import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, DecodeClient, PrefillClient
 from common.rpc.gen import common_pb2, prefill_pb2_grpc
 from common.rpc.server import Lifetime
 from common.runtime.ports import SERVICE_PORT_OFFSETS, free_port, kv_port_offsets
+from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
 from services.decode.service import serve_decode
 from services.prefill.config import PrefillConfig, PrefillGroupConfig
@@ -146,3 +148,27 @@ def services_in_threads(
         stop.set()  # nothing may outlive the test
         for thread in threads:
             thread.join(timeout=30)
+
+
+async def reserve_prefill_generate(
+    decode_addr: str,
+    prefill_addr: str,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams,
+    transport: str,
+) -> tuple[list[int], int, PrefillResult]:
+    """One request through the services as the router sends it (Reserve, Prefill,
+    Generate): its tokens, the decode group's cached tokens and the prefill's result."""
+    decode, prefill = DecodeClient(decode_addr), PrefillClient(prefill_addr)
+    try:
+        res = await decode.reserve(rid, len(prompt), params.max_tokens, prompt_ids=prompt)
+        out = await prefill.prefill(rid, prompt, params, res, transport=transport)
+        tokens = [out.first_token.token_id]
+        async for event in decode.generate(rid, out.first_token, params):
+            if event.token is not None:
+                tokens.append(event.token.token_id)
+        return tokens, res.cached_tokens, out
+    finally:
+        await decode.close()
+        await prefill.close()

@@ -88,6 +88,42 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# DeepSeek Sparse Attention (V3.2, GLM-5): index_topk far below the tests' prompts, so the
+# indexer's selection decides what every query attends over. GLM's 4 layers run F F S F
+# (index_topk_freq 2 from layer 2): a shared layer reuses layer 1's selection.
+DSA = dict(q_lora_rank=24, index_topk=8, index_n_heads=16, index_head_dim=16)
+DSA_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v32-sparse": (
+        "v32",
+        dict(
+            DSA,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            rope_parameters=YARN,
+        ),
+    ),
+    "glm-shared": (
+        "glm",
+        dict(
+            DSA,
+            num_hidden_layers=4,
+            qk_nope_head_dim=24,
+            v_head_dim=20,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            rms_norm_eps=1e-5,
+            index_topk_freq=2,
+            index_skip_topk_offset=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
+}
+
+
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
@@ -130,19 +166,12 @@ def train_tokenizer(vocab_size: int, corpus: Sequence[str]) -> tokenizers.Tokeni
 
 
 def build_hf(variant: str, seed: int = 0, std: float = 0.15, **config: Any) -> torch.nn.Module:
-    from transformers import (
-        DeepseekV2Config,
-        DeepseekV2ForCausalLM,
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-    )
+    import transformers
 
-    kind, overrides = VARIANTS[variant]
-    cfg_cls, model_cls = (
-        (DeepseekV2Config, DeepseekV2ForCausalLM)
-        if kind == "v2"
-        else (DeepseekV3Config, DeepseekV3ForCausalLM)
-    )
+    kind, overrides = {**VARIANTS, **DSA_VARIANTS}[variant]
+    name = {"v2": "DeepseekV2", "v3": "DeepseekV3", "v32": "DeepseekV32", "glm": "GlmMoeDsa"}[kind]
+    cfg_cls = getattr(transformers, f"{name}Config")
+    model_cls = getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**BASE, **overrides, **config})).eval()
     with torch.no_grad():
@@ -161,6 +190,45 @@ def save_hf(variant: str, out: Path, **kwargs: Any) -> torch.nn.Module:
     model = build_hf(variant, **kwargs)
     model.save_pretrained(out)
     return model
+
+
+def add_mtp_layer(out: Path, seed: int = 7) -> Path:
+    """A random MTP module appended to a saved tiny checkpoint as layer num_hidden_layers
+    (with its own indexer in a DSA model, as V3.2's and GLM-5's hold one), its embedding and
+    head the main model's (as V3 stores them)."""
+    from safetensors.torch import load_file, save_file
+
+    from common.model.args import ModelConfig
+    from common.model.mtp import MTPLayer
+
+    raw = json.loads((out / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_hf_dict(raw)
+    index = config.num_hidden_layers
+    with torch.device("meta"):
+        layer = MTPLayer(config, index)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in layer.state_dict().items():
+        mean, std = (1.0, 0.1) if "norm" in name else (0.0, 0.15)
+        value = mean + std * torch.randn(p.shape, generator=gen)
+        tensors[f"model.layers.{index}.{name}"] = value.to(p.dtype)
+    tensors[f"model.layers.{index}.embed_tokens.weight"] = tensors[
+        "model.embed_tokens.weight"
+    ].clone()
+    tensors[f"model.layers.{index}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def hf_greedy(hf: torch.nn.Module, ids: torch.Tensor, steps: int) -> list[int]:
+    """`steps` greedy tokens after `ids` by HF's whole forward over the sequence each step."""
+    seq = ids.tolist()
+    with torch.no_grad():
+        for _ in range(steps):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
 
 
 def save_tokenizer(out: Path, vocab_size: int = 320) -> Path:

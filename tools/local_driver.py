@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.kv.index_shards import cut_index_chunk
 from common.kv.transfer import cut_shard
 from common.messages import Reservation, TokenEvent
 from common.model.causal_lm import DeepseekForCausalLM, PrefillOutput
@@ -76,10 +77,15 @@ def write_prompt(
 ) -> None:
     """Every rank's shard of a reserved prompt, rows [start, end) of a (packed) prefill's
     latents, written in process: what a prefill worker ships to the ranks over the network."""
-    rid = reservation.request_id
+    rid, bs = reservation.request_id, reservation.block_size
+    sparse = engine.runtime.model.sparse  # DSA: the indexer keys go with the latents
     for target in reservation.targets:
-        shard = cut_shard(out.n, out.k_pe, start, end, target, rid, reservation.block_size)
-        write_kv(engine, rid, target.rank, shard.n, shard.k_pe)
+        shard = cut_shard(out.n, out.k_pe, start, end, target, rid, bs)
+        keys = None
+        if sparse is not None and sparse.format is not None:
+            prompt = [k[start:end] for k in out.index_keys]
+            keys = cut_index_chunk(prompt, 0, end - start, target, rid, bs, sparse.format).kv
+        write_kv(engine, rid, target.rank, shard.n, shard.k_pe, keys)
 
 
 def collect(first: SampledToken, stream: TokenStream) -> LocalResult:

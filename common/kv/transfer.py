@@ -58,6 +58,7 @@ class Shard:
     ready: torch.cuda.Event | None = None
     block_offset: int = 0  # token 0's slot in block_ids[0] (a chunk may start inside one)
     epoch: int = 0  # the reservation's (KvTargetInfo.epoch)
+    index_keys: bool = False  # DSA: the rows are indexer keys, for the index-key pool
 
     @property
     def n(self) -> Tensor:
@@ -97,6 +98,7 @@ class Shard:
             peer=peer,
             block_offset=self.block_offset,
             epoch=self.epoch,
+            index_keys=self.index_keys,
         )
 
 

@@ -40,7 +40,12 @@ SEGMENT_BYTES = 4 * 2**20
 DIRECT_MIN_BYTES = 256 * 2**10
 # `KvHeader.dtype` names. Defined here, with TransferError, because the header checks below
 # need them and `common.kv.transfer` imports this module (it re-exports both).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "uint8": torch.uint8,  # packed rows: fp8 indexer keys with their scales
+}
 
 
 class TransferError(RuntimeError):

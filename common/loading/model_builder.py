@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from common.loading.weights import WeightSource, is_router
+from common.loading.weights import WeightSource, kept_float32
 from common.model.causal_lm import DecoderLayer, DeepseekForCausalLM
 from common.model.fp8 import DequantizedOnUse, Weight, share_workspace
 
@@ -50,7 +50,7 @@ def fill_module(
         elif name in linears:
             value = src.linear(full)
         else:
-            value = src.tensor(full, dtype=torch.float32 if is_router(full) else None)
+            value = src.tensor(full, dtype=torch.float32 if kept_float32(full) else None)
         if isinstance(value, DequantizedOnUse):
             path, _, leaf = name.rpartition(".")
             if leaf == "weight":  # an nn.Linear: the FP8 weight takes the module's place

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from common.loading.indexer_weights import load_indexer
 from common.loading.weights import WeightSource
 from common.model.causal_lm import DecoderLayer
 from common.model.fp8 import Fp8Weight, Weight, held
@@ -98,14 +99,15 @@ def head_attention(src: WeightSource, layer: int, heads: slice) -> MLAttention:
         place_linear(attn, "q_proj", src.linear(p + "q_proj.weight", q_rows))
     else:
         place_linear(attn, "q_a_proj", src.linear(p + "q_a_proj.weight"))
-        attn.q_a_layernorm = rank_norm(src, p + "q_a_layernorm.weight", c.rms_norm_eps)
+        attn.q_a_layernorm = rank_norm(src, p + "q_a_layernorm.weight", c.attention_norm_eps)
         place_linear(attn, "q_b_proj", src.linear(p + "q_b_proj.weight", q_rows))
     place_linear(attn, "kv_a_proj_with_mqa", src.linear(p + "kv_a_proj_with_mqa.weight"))
-    attn.kv_a_layernorm = rank_norm(src, p + "kv_a_layernorm.weight", c.rms_norm_eps)
+    attn.kv_a_layernorm = rank_norm(src, p + "kv_a_layernorm.weight", c.attention_norm_eps)
     kv_rows = slice(heads.start * kv, heads.stop * kv)
     place_linear(attn, "kv_b_proj", src.linear(p + "kv_b_proj.weight", kv_rows))
     o_cols = slice(heads.start * c.v_head_dim, heads.stop * c.v_head_dim)
     place_linear(attn, "o_proj", src.linear(p + "o_proj.weight", cols=o_cols))
+    attn.indexer = load_indexer(src, layer)  # DSA: whole on every rank
     return attn
 
 

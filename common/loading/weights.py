@@ -76,10 +76,17 @@ class WeightSource(Protocol):
         """Experts `experts`' down_proj columns `cols`: [|experts|, D, |cols|]."""
 
 
-def is_router(name: str) -> bool:
-    """A MoE router's tensor: read in float32 whatever the serving dtype, since its scores
-    (and V3's correction bias) pick the experts."""
-    return name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
+def kept_float32(name: str) -> bool:
+    """A tensor read in float32 whatever the serving dtype: a MoE router's, since its scores
+    (and V3's correction bias) pick the experts, and a DSA indexer's head weights, which HF
+    keeps in float32 (its scores pick the attended tokens)."""
+    return name.endswith(
+        (
+            "mlp.gate.weight",
+            "mlp.gate.e_score_correction_bias",
+            "self_attn.indexer.weights_proj.weight",
+        )
+    )
 
 
 def rotate_kv_a(kv_a: Tensor, r: Tensor) -> Tensor:

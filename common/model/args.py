@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.model.dsa_config import DsaConfig, DsaConfigError, dsa_from_raw
 from common.model.families import UnknownFamily, family_of
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -56,7 +57,8 @@ class YarnScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of one DeepSeek-V2/V3 model (names follow DESIGN §1 and the HF config)."""
+    """Architecture of one MLA model of a served family (names follow DESIGN §1 and the HF
+    config)."""
 
     model_type: str
     vocab_size: int
@@ -111,6 +113,11 @@ class ModelConfig:
     # Queries at position p times 1 + beta ln(1 + floor(p / period)) (Mistral 4); 0: none.
     query_scale_beta: float = 0.0
     query_scale_period: int = 1
+    # DeepSeek Sparse Attention (V3.2, GLM-5): each layer's lightning indexer; None: dense MLA.
+    dsa: DsaConfig | None = None
+    # The q-LoRA and latent RMSNorms' epsilon where a family fixes it apart from rms_norm_eps
+    # (HF builds them with 1e-6 whatever the config says); None: rms_norm_eps.
+    latent_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -145,6 +152,11 @@ class ModelConfig:
             raise ConfigError("the query scaling's original_max_position_embeddings must be > 0")
         if self.qk_rope_head_dim % 2:
             raise ConfigError("qk_rope_head_dim must be even (RoPE rotates pairs)")
+        if self.dsa is not None:
+            if self.q_lora_rank is None:
+                raise ConfigError("sparse attention's indexer reads the q-LoRA: q_lora_rank")
+            if self.dsa.index_head_dim < self.qk_rope_head_dim:
+                raise ConfigError("index_head_dim must hold the qk_rope_head_dim rotated dims")
         if self.n_routed_experts:
             if self.topk_method not in TOPK_METHODS:
                 raise ConfigError(f"topk_method {self.topk_method!r} is not one of {TOPK_METHODS}")
@@ -162,6 +174,11 @@ class ModelConfig:
                 raise ConfigError("moe_intermediate_size must be positive for a MoE model")
             if self.moe_layer_freq <= 0:
                 raise ConfigError("moe_layer_freq must be positive")
+
+    @property
+    def attention_norm_eps(self) -> float:
+        """The epsilon of the q-LoRA and latent RMSNorms."""
+        return self.rms_norm_eps if self.latent_norm_eps is None else self.latent_norm_eps
 
     @property
     def qk_head_dim(self) -> int:
@@ -203,7 +220,7 @@ class ModelConfig:
         model_type = raw.get("model_type")
         try:
             raw = family_of(model_type).normalize(raw)
-        except UnknownFamily as exc:
+        except (UnknownFamily, DsaConfigError) as exc:
             raise ConfigError(str(exc)) from None
         # quantization_config says how the weights are stored, not what the model is: the
         # loader reads it (`common.loading.checkpoint.Quantization`).
@@ -216,6 +233,10 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         n_routed = raw.get("n_routed_experts") or 0
+        try:
+            dsa = dsa_from_raw(raw, raw["num_hidden_layers"])
+        except DsaConfigError as exc:
+            raise ConfigError(str(exc)) from None
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -258,6 +279,8 @@ class ModelConfig:
             moe_output_norm=bool(raw.get("moe_output_norm", False)),
             query_scale_beta=float(raw.get("query_scale_beta", 0.0)),
             query_scale_period=int(raw.get("query_scale_period", 1)),
+            dsa=dsa,
+            latent_norm_eps=raw.get("latent_norm_eps"),
         )
 
     @classmethod

@@ -9,7 +9,8 @@ loop (`packed_prefill`) runs on a `LayerStack`: this model, or a prefill rank's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from itertools import pairwise
 from typing import Protocol, cast
 
@@ -23,6 +24,8 @@ from common.model.moe import MLP, MoE
 from common.model.past_attention import absorbed_over_past, expanded_over_past
 from common.model.prefill_attention import PrefillAttention, SdpaPrefillAttention
 from common.model.rope import RotaryEmbedding, scale_queries
+from common.model.sparse_attention import SelectionCarry, select_decode
+from common.model.sparse_prefill import SparsePrefill
 
 
 class LatentKV(Protocol):
@@ -34,6 +37,12 @@ class LatentKV(Protocol):
     def read(self, layer: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Return n [B, T, d_c], k_pe [B, T, d_r] and valid [B, T] covering 0..positions[b]."""
 
+    def write_keys(self, layer: int, positions: Tensor, keys: Tensor) -> None:
+        """DSA: store a full layer's indexer keys [B, d_I] of the new tokens at `positions`."""
+
+    def read_keys(self, layer: int, positions: Tensor) -> Tensor:
+        """DSA: a full layer's indexer keys [B, T, d_I] over the rows `read` returns."""
+
 
 @dataclass
 class PrefillOutput:
@@ -44,6 +53,8 @@ class PrefillOutput:
     # `logits` covers): what DeepSeek-V3's multi-token-prediction module reads
     # (common/model/mtp.py) over a whole prompt.
     hidden: Tensor | None = None
+    # DSA: per full layer (the index-key pool's rows), the new tokens' indexer keys [T, d_I].
+    index_keys: list[Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class PastLatents:
 
     n: list[Tensor]
     k_pe: list[Tensor]
+    index_keys: list[Tensor] = field(default_factory=list)  # DSA: per full layer, [P, d_I]
 
     @property
     def length(self) -> int:
@@ -63,7 +75,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config)
+        self.self_attn = MLAttention(config, config.dsa is not None and config.dsa.is_full(layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = (
             MoE(config)
@@ -163,8 +175,9 @@ class DeepseekForCausalLM(nn.Module):
         """One decode step for B sequences (one new token each) -> logits [B, V]."""
         cos, sin = self.rope.cos_sin(positions)
         h = self.model.embed_tokens(token_ids)
+        carry = SelectionCarry()
         for i, layer in enumerate(self.decoder_layers()):
-            h = decode_layer(layer, i, h, self.rope, (cos, sin), positions, kv)
+            h = decode_layer(layer, i, h, self.rope, (cos, sin), positions, kv, carry)
         return self.logits(h)
 
 
@@ -176,16 +189,27 @@ def decode_layer(
     cos_sin: tuple[Tensor, Tensor],
     positions: Tensor,
     kv: LatentKV,
+    carry: SelectionCarry | None = None,
 ) -> Tensor:
     """One layer of a decode step: write the new latents as cache layer `index`, attend over
-    the whole history (absorbed), then the FFN. h [B, D] -> [B, D]."""
+    the whole history (absorbed), then the FFN. h [B, D] -> [B, D]. A DSA layer attends only
+    over the tokens its indexer selects (a shared one: those of the full layer before it in
+    `carry`)."""
     cos, sin = cos_sin
     attn = layer.self_attn
     x = layer.input_layernorm(h)
-    q_nope, q_pe = scale_queries(*attn.queries(x, rope, cos, sin), rope.query_scale(positions))
+    q_latent = attn.q_latent(x) if attn.dsa is not None else None
+    queries = attn.queries(x, rope, cos, sin, q_latent)
+    q_nope, q_pe = scale_queries(*queries, rope.query_scale(positions))
     n_new, k_pe_new = attn.latents(x, rope, cos, sin)
     kv.write(index, positions, n_new, k_pe_new)
+    if attn.indexer is not None:
+        kv.write_keys(index, positions, attn.indexer.keys(x, cos, sin))
     n, k_pe, valid = kv.read(index, positions)
+    if q_latent is not None:
+        keys = kv.read_keys(index, positions) if attn.indexer is not None else n
+        carry = carry if carry is not None else SelectionCarry()
+        valid = select_decode(attn, x, q_latent, (cos, sin), keys, valid, carry)
     o = attn.absorbed(q_nope[:, None], q_pe[:, None], n, k_pe, valid[:, None])[:, 0]
     return layer.feed_forward(h + attn.output(o))
 
@@ -252,12 +276,26 @@ def packed_prefill(
     q_scale = rope.query_scale(positions)
     h = stack.embed(input_ids)
     all_n, all_k_pe = [], []
-    for index, layer in enumerate(stack.decoder_layers()):
+    layers = stack.decoder_layers()
+    dsa = layers[0].self_attn.dsa if layers else None
+    sparse = None
+    if dsa is not None:
+        past_keys = [p.index_keys if p is not None else None for p in pasts]
+        sparse = SparsePrefill(dsa.index_topk, cu, starts, past_keys)
+    for index, layer in enumerate(layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q_nope, q_pe = scale_queries(*attn.queries(x, rope, cos, sin), q_scale)
+        q_latent = attn.q_latent(x) if sparse is not None else None
+        q_nope, q_pe = scale_queries(*attn.queries(x, rope, cos, sin, q_latent), q_scale)
         n, k_pe = attn.latents(x, rope, cos, sin)
-        if any(starts):
+        if sparse is not None and q_latent is not None:
+            sparse.index(attn, x, q_latent, cos, sin)
+        if sparse is not None and sparse.any_sparse:
+            past_rows = [(p.n[index], p.k_pe[index]) if p is not None else None for p in pasts]
+            qkv = (q_nope, q_pe, n, k_pe)
+            dense = partial(_one_dense, attn, qkv, pasts, index, absorbed, backend)
+            o = sparse.attend_batch(attn, *qkv, past_rows, dense)
+        elif any(starts):
             o = _over_past(attn, q_nope, q_pe, n, k_pe, cu, pasts, index, absorbed, backend)
         elif absorbed:
             o = _absorbed_causal(attn, q_nope, q_pe, n, k_pe, cu)
@@ -268,7 +306,24 @@ def packed_prefill(
         all_n.append(n)
         all_k_pe.append(k_pe)
     last = h if all_logits else h[torch.tensor(cu[1:], device=h.device) - 1]
-    return PrefillOutput(stack.logits(last), all_n, all_k_pe, h)
+    keys = sparse.keys if sparse is not None else []
+    return PrefillOutput(stack.logits(last), all_n, all_k_pe, h, keys)
+
+
+def _one_dense(
+    attn: MLAttention,
+    qkv: tuple[Tensor, Tensor, Tensor, Tensor],
+    pasts: list[PastLatents | None],
+    layer: int,
+    absorbed: bool,
+    backend: PrefillAttention,
+    prompt: int,
+    rows: slice,
+) -> Tensor:
+    """One prompt's dense attention (its packed `rows` of q_nope, q_pe, n, k_pe)."""
+    q_nope, q_pe, n, k_pe = (t[rows] for t in qkv)
+    span = [0, rows.stop - rows.start]
+    return _over_past(attn, q_nope, q_pe, n, k_pe, span, [pasts[prompt]], layer, absorbed, backend)
 
 
 def _over_past(
@@ -340,43 +395,3 @@ def _absorbed_causal(
         )
         out.append(o[0])
     return torch.cat(out)
-
-
-class ContiguousLatentCache:
-    """A preallocated [B, max_len] latent cache per layer: the simple, unpaged `LatentKV`."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        batch: int,
-        max_len: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        layers = config.num_hidden_layers
-        self.n = torch.zeros(
-            layers, batch, max_len, config.kv_lora_rank, dtype=dtype, device=device
-        )
-        self.k_pe = torch.zeros(
-            layers, batch, max_len, config.qk_rope_head_dim, dtype=dtype, device=device
-        )
-        self.max_len = max_len
-
-    def load_prefill(self, row: int, out: PrefillOutput, start: int, end: int) -> None:
-        """Copy one prompt's packed prefill latents [start:end) into cache row `row`."""
-        for layer, (n, k_pe) in enumerate(zip(out.n, out.k_pe, strict=True)):
-            self.n[layer, row, : end - start] = n[start:end]
-            self.k_pe[layer, row, : end - start] = k_pe[start:end]
-
-    def write(self, layer: int, positions: Tensor, n: Tensor, k_pe: Tensor) -> None:
-        if int(positions.max()) >= self.max_len:
-            raise IndexError(f"position {int(positions.max())} exceeds cache length {self.max_len}")
-        rows = torch.arange(positions.shape[0], device=positions.device)
-        self.n[layer, rows, positions] = n
-        self.k_pe[layer, rows, positions] = k_pe
-
-    def read(self, layer: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        length = int(positions.max()) + 1
-        batch = positions.shape[0]
-        valid = torch.arange(length, device=positions.device)[None] <= positions[:, None]
-        return self.n[layer, :batch, :length], self.k_pe[layer, :batch, :length], valid

@@ -34,15 +34,17 @@ def prefill_in_chunks(
     step = chunk or total
     n: list[Tensor] = []
     k_pe: list[Tensor] = []
+    keys: list[Tensor] = []
     out = None
     for lo in range(0, total, step):
         piece = input_ids[lo : lo + step]
-        past = PastLatents(n, k_pe) if lo else None
+        past = PastLatents(n, k_pe, keys) if lo else None
         out = prefill(piece, [int(piece.shape[0])], absorbed=absorbed, past=[past])
         if lo:
             n = [torch.cat([a, b]) for a, b in zip(n, out.n, strict=True)]
             k_pe = [torch.cat([a, b]) for a, b in zip(k_pe, out.k_pe, strict=True)]
+            keys = [torch.cat([a, b]) for a, b in zip(keys, out.index_keys, strict=True)]
         else:
-            n, k_pe = list(out.n), list(out.k_pe)
+            n, k_pe, keys = list(out.n), list(out.k_pe), list(out.index_keys)
     assert out is not None, "an empty prompt"
-    return PrefillOutput(out.logits, n, k_pe)
+    return PrefillOutput(out.logits, n, k_pe, index_keys=keys)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.causal_lm import ContiguousLatentCache, DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
+from common.model.contiguous_cache import ContiguousLatentCache
 from common.sampling.keyed import DrawKey
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampledToken, request_seed, sample

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.args import ModelConfig
+from common.model.dsa_config import DsaConfig
+from common.model.indexer import Indexer
 from common.model.prefill_attention import PrefillAttention
 from common.model.rope import RotaryEmbedding
 
@@ -91,7 +93,8 @@ class MLAttention(nn.Module):
     # whole: an FP8 one dequantizes on use (common/model/fp8_gemm.py `assign_gemms`).
     dense_weights = ("kv_a_proj_with_mqa", "kv_b_proj")
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, indexer: bool = False) -> None:
+        """`indexer`: the layer runs its own DSA indexer (a full layer of a DSA model)."""
         super().__init__()
         c = config
         self.num_heads = c.num_attention_heads
@@ -108,24 +111,43 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
         else:
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.attention_norm_eps)
             self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False
         )
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.attention_norm_eps)
         self.kv_b_proj = nn.Linear(
             c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
+        # DSA: the model's sparse-attention config; a shared layer (no indexer of its own)
+        # reuses the selection of the full layer before it.
+        self.dsa: DsaConfig | None = c.dsa
+        self.indexer = Indexer(c) if indexer else None
 
     # -- projections shared by every path -------------------------------------------------
 
+    def q_latent(self, h: Tensor) -> Tensor:
+        """The q-LoRA output q_a_layernorm(q_a_proj(h)) [T, q_lora_rank] (what DSA's indexer
+        reads besides h)."""
+        return self.q_a_layernorm(self.q_a_proj(h))
+
     def queries(
-        self, h: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor
+        self,
+        h: Tensor,
+        rope: RotaryEmbedding,
+        cos: Tensor,
+        sin: Tensor,
+        q_latent: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """h [T, D] -> q_nope [T, H, d_n], rotated q_pe [T, H, d_r]."""
+        """h [T, D] -> q_nope [T, H, d_n], rotated q_pe [T, H, d_r]; from `q_latent` (the
+        q-LoRA output of h, already computed) when given."""
         # The projections are applied as modules: an FP8 weight's own GEMM (fp8.py) runs.
+        if q_latent is not None:
+            return project_queries(
+                q_latent, None, None, self.q_b_proj, (self.d_n, self.d_r), rope, cos, sin, _applied
+            )
         if self.q_lora:
             return project_queries(
                 h,

@@ -24,7 +24,7 @@ layer's latent cache, absorbed attention).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -119,6 +119,7 @@ class MTPOutput:
     hidden: Tensor  # [R, D]: the layer's output before shared_head.norm (chaining reads it)
     n: Tensor  # packed [T, d_c] (prefill) or [B, d_c] (decode): the layer's own latents
     k_pe: Tensor  # packed [T, d_r] or [B, d_r]
+    index_keys: list[Tensor] = field(default_factory=list)  # DSA: its indexer's, [T, d_I]
 
 
 class MTPStack:
@@ -166,8 +167,9 @@ def mtp_latents(
     next_ids: Tensor,
     seq_lens: list[int],
     past: Sequence[PastLatents | None] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The MTP layer's latents over packed prompts, n [T, d_c] and k_pe [T, d_r]: all that a
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The MTP layer's latents over packed prompts, n [T, d_c] and k_pe [T, d_r], and its
+    indexer keys [T, d_I] where it runs a DSA indexer (V3.2's and GLM-5's do): all that a
     prefill needs of the layer (the decode ranks' MTP cache). A layer's latents come from its
     input alone, so its attention and FFN, whose output only the draft logits read, are not
     run; `mtp_prefill` computes the same n and k_pe with the same operations (a test holds
@@ -176,7 +178,9 @@ def mtp_latents(
     cos, sin = stack.rope.cos_sin(positions)
     (layer,) = stack.decoder_layers()
     x = layer.input_layernorm(stack.embed(next_ids))
-    return layer.self_attn.latents(x, stack.rope, cos, sin)
+    n, k_pe = layer.self_attn.latents(x, stack.rope, cos, sin)
+    indexer = layer.self_attn.indexer
+    return n, k_pe, [indexer.keys(x, cos, sin)] if indexer is not None else []
 
 
 def mtp_prefill(
@@ -205,7 +209,7 @@ def mtp_prefill(
     hidden = out.hidden
     if not all_logits:
         hidden = hidden[torch.tensor(seq_lens, device=hidden.device).cumsum(0) - 1]
-    return MTPOutput(out.logits, hidden, out.n[0], out.k_pe[0])
+    return MTPOutput(out.logits, hidden, out.n[0], out.k_pe[0], out.index_keys)
 
 
 def prompt_next_ids(ids: Tensor, seq_lens: Sequence[int], firsts: Sequence[int]) -> Tensor:
@@ -248,8 +252,9 @@ def prefill_with_mtp(
     )
     assert out.hidden is not None
     own = None if past is None else [split_past(p, layers, layers + 1) for p in past]
-    n, k_pe = mtp_latents(mtp_stack(out.hidden), next_ids, seq_lens, own)
-    return PrefillOutput(out.logits, [*out.n, n], [*out.k_pe, k_pe], out.hidden)
+    n, k_pe, keys = mtp_latents(mtp_stack(out.hidden), next_ids, seq_lens, own)
+    index_keys = [*out.index_keys, *keys]
+    return PrefillOutput(out.logits, [*out.n, n], [*out.k_pe, k_pe], out.hidden, index_keys)
 
 
 def whole_prefill_with_mtp(
@@ -285,10 +290,15 @@ def prompt_own_next_ids(ids: Tensor, seq_lens: Sequence[int]) -> Tensor:
 
 
 def split_past(past: PastLatents | None, start: int, end: int) -> PastLatents | None:
-    """Layers [start, end) of a cached prefix's latents."""
+    """Layers [start, end) of a cached prefix's latents, and their indexer keys (DSA: the
+    layers from `start` on are the main model's last ones or MTP layers; each MTP layer
+    keeps one key layer, after the main model's)."""
     if past is None:
         return None
-    return PastLatents(past.n[start:end], past.k_pe[start:end])
+    keys, total = past.index_keys, len(past.n)
+    after = len(keys) - (total - end)  # the key layers of layers before `end`
+    before = len(keys) - (total - start) if start else 0
+    return PastLatents(past.n[start:end], past.k_pe[start:end], keys[before:after])
 
 
 def mtp_decode(
@@ -351,3 +361,9 @@ class _Recorder:
 
     def read(self, layer: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.inner.read(layer, positions)
+
+    def write_keys(self, layer: int, positions: Tensor, keys: Tensor) -> None:
+        self.inner.write_keys(layer, positions, keys)
+
+    def read_keys(self, layer: int, positions: Tensor) -> Tensor:
+        return self.inner.read_keys(layer, positions)

@@ -82,14 +82,20 @@ class RotaryEmbedding:
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotate x [..., T, (heads,) d_r]; cos/sin broadcast as [T, 1, d_r/2] or [T, d_r/2]."""
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        x1f, x2f = x1.float(), x2.float()
-        out = torch.cat((x1f * cos - x2f * sin, x2f * cos + x1f * sin), dim=-1)
-        return out.to(x.dtype)
+        return rotate(x, cos, sin, self.interleaved)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """x rotated by (cos, sin), its pairs laid out interleaved (x0, x1), (x2, x3), ... or as
+    halves; the output is in halves either way (the module's docstring)."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    x1f, x2f = x1.float(), x2.float()
+    out = torch.cat((x1f * cos - x2f * sin, x2f * cos + x1f * sin), dim=-1)
+    return out.to(x.dtype)
 
 
 def scale_queries(q_nope: Tensor, q_pe: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
         "installed, native on the CPU in fp32 where it builds; else sdpa) | sdpa | native "
         "(C++, fp32 CPU) | flash-attn; a named one that cannot run here stops the start-up",
     )
+    index_cache_dtype: str = Field(
+        "model",
+        pattern="^(model|fp8)$",
+        description="DeepSeek Sparse Attention models' indexer keys in the KV pools and on the "
+        "wire: model (the model's dtype, HF-exact) | fp8 (DeepSeek's: Hadamard-rotated e4m3 "
+        "with a power-of-two scale per key, 132 bytes a token a layer; benchmarks/fidelity.md)",
+    )
     decode_kernel: str = Field(
         "auto",
         description="decode backend: auto (native on the CPU in fp32, triton on CUDA, each "

@@ -143,6 +143,7 @@ class PlanRequest:
     max_batch: int = 32
     max_model_len: int | None = None
     draft_rows: int = 0
+    index_cache_dtype: str = "model"  # DSA's indexer keys in the KV pools: model | fp8
 
     def __post_init__(self) -> None:
         if self.prefill_gpus < 1:
@@ -211,7 +212,9 @@ def plan_layout(c: ModelConfig, req: PlanRequest, name: str, layout: ParallelCon
     weights = max(
         req.weight_bytes(rank_tensors(c, layout, rank, req.mtp_layers)) for rank in range(layout.tp)
     )
-    stored = kv_bytes_per_stored_token(c, layout, req.kv_dtype, req.mtp_layers)
+    stored = kv_bytes_per_stored_token(
+        c, layout, req.kv_dtype, req.mtp_layers, req.index_cache_dtype
+    )
     graphs, pool = graph_reserve(c, req, layout)
     nccl = NCCL_BYTES if layout.tp > 1 else 0
     # A reserve given explicitly is all of it; the default one has them on top.
@@ -373,7 +376,7 @@ def build_plan(c: ModelConfig, req: PlanRequest) -> Plan:
     parts: dict[str, int] = {}
     for t in chosen:
         parts[t.part] = parts.get(t.part, 0) + req.weight_bytes([t])
-    # load_model keeps the router in float32 too (common.loading.weights.is_router).
+    # load_model keeps the router in float32 too (common.loading.weights.kept_float32).
     full = rank_tensors(c, ParallelConfig(), 0, req.mtp_layers)
     prefill = req.prefill_layout()
     prefill.check(c)

@@ -23,6 +23,9 @@ FP8 = "float8"
 WEIGHT_DTYPES = (*DTYPE_BYTES, QUANTIZED, FP8)
 # The tensors an INT4 checkpoint (Kimi K2-Thinking / K2.5 / K2.6) stores in INT4.
 INT4_PARTS = frozenset({"routed_experts"})
+# DSA's indexer keys in a rank's key pool (common/model/index_keys.py): the model's dtype, or
+# DeepSeek's fp8 (d_I e4m3 bytes and a 4-byte scale).
+INDEX_CACHE_DTYPES = ("model", "fp8")
 
 
 class PlanError(ValueError):
@@ -38,7 +41,7 @@ class RankTensor:
     count: int = 1
     quantized: bool = False  # a linear weight that DeepSeek's FP8 checkpoints store in fp8
     # The engine keeps it in float32 whatever the model dtype: the router, read from the
-    # checkpoint in float32 (common.loading.weights.is_router).
+    # checkpoint in float32 (common.loading.weights.kept_float32).
     float32: bool = False
 
     @property
@@ -94,11 +97,26 @@ def _layer_tensors(
     return out
 
 
+def _indexer_tensors(c: ModelConfig, count: int) -> list[RankTensor]:
+    """`count` DSA indexers, whole on every rank: wq_b, wk (FP8 in V3.2's checkpoint), the
+    key norm's weight and bias, and weights_proj (float32, as HF and the engine keep it)."""
+    dsa, q_lora = c.dsa, c.q_lora_rank
+    if dsa is None or q_lora is None or not count:
+        return []
+    heads, d = dsa.index_n_heads, dsa.index_head_dim
+    return [
+        RankTensor("indexer", (heads * d, q_lora), count, quantized=True),
+        RankTensor("indexer", (d, c.hidden_size), count, quantized=True),
+        RankTensor("indexer", (d,), 2 * count),
+        RankTensor("indexer", (heads, c.hidden_size), count, float32=True),
+    ]
+
+
 def rank_tensors(
     c: ModelConfig, layout: ParallelConfig, rank: int, mtp_layers: int = 0
 ) -> list[RankTensor]:
     """Every tensor `RankModel(full, layout, rank, ...)` holds, and with `mtp_layers` > 0
-    the first that many MTP modules (`mtp_tensors`)."""
+    the first that many MTP modules (`mtp_tensors`); a DSA model's full layers' indexers."""
     layout.check(c)
     if not 0 <= rank < layout.tp:
         raise PlanError(f"rank {rank} is outside tp={layout.tp}")
@@ -109,6 +127,8 @@ def rank_tensors(
             out += [
                 replace(t, count=t.count * layers) for t in _layer_tensors(c, layout, rank, moe)
             ]
+    if c.dsa is not None:
+        out += _indexer_tensors(c, c.dsa.key_layers(c.num_hidden_layers))
     vocab_rows = span(layout.vocab_rows(rank, c.vocab_size))
     out += [
         RankTensor("embedding", (c.vocab_size, c.hidden_size)),  # replicated, whole vocab
@@ -138,6 +158,7 @@ def mtp_tensors(
             RankTensor("mtp", (d,), count=3),  # enorm, hnorm, shared_head.norm
             RankTensor("mtp", (d, 2 * d), quantized=True),  # eh_proj
         ]
+        out += [replace(t, part="mtp") for t in _indexer_tensors(c, 1)]  # DSA: its own
     return out
 
 
@@ -193,12 +214,35 @@ def weight_bytes(
 
 
 def kv_bytes_per_stored_token(
-    c: ModelConfig, layout: ParallelConfig, kv_dtype: str, mtp_layers: int = 0
+    c: ModelConfig,
+    layout: ParallelConfig,
+    kv_dtype: str,
+    mtp_layers: int = 0,
+    index_cache_dtype: str = "model",
 ) -> int:
     """Bytes one token takes in a rank's cache, all layers (each MTP module's layer keeps
-    its own latent of every position too): (latent slice + d_r) x layers x bytes."""
+    its own latent of every position too): (latent slice + d_r) x layers x bytes, and a
+    DSA model's indexer keys (`index_key_bytes`)."""
     if kv_dtype not in DTYPE_BYTES:
         raise PlanError(f"unknown KV dtype {kv_dtype!r}; choose one of {tuple(DTYPE_BYTES)}")
     width = span(layout.latent_columns(0, c.kv_lora_rank))  # alike on every rank
     layers = c.num_hidden_layers + mtp_layers
-    return (width + c.qk_rope_head_dim) * layers * DTYPE_BYTES[kv_dtype]
+    latents = (width + c.qk_rope_head_dim) * layers * DTYPE_BYTES[kv_dtype]
+    return latents + index_key_bytes(c, kv_dtype, mtp_layers, index_cache_dtype)
+
+
+def index_key_bytes(
+    c: ModelConfig, kv_dtype: str, mtp_layers: int = 0, index_cache_dtype: str = "model"
+) -> int:
+    """A DSA model's indexer keys of one token on a rank (every rank that caches the token
+    keeps its whole key, in every layout): one per full layer and MTP layer, d_I values of
+    the KV dtype, or d_I + 4 bytes in fp8; 0 without DSA."""
+    if index_cache_dtype not in INDEX_CACHE_DTYPES:
+        raise PlanError(
+            f"unknown index cache dtype {index_cache_dtype!r}; choose one of {INDEX_CACHE_DTYPES}"
+        )
+    if c.dsa is None:
+        return 0
+    d = c.dsa.index_head_dim
+    row = d + 4 if index_cache_dtype == "fp8" else d * DTYPE_BYTES[kv_dtype]
+    return row * c.dsa.key_layers(c.num_hidden_layers + mtp_layers)

@@ -83,6 +83,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "float32"
     weight_dtype: str = "auto"  # an FP8 checkpoint's weights: auto | float8 | dequantize
+    index_cache_dtype: str = "model"  # DSA's indexer keys: model | fp8 (index_keys.FORMATS)
     # "cpu" for every rank, or "cuda" / "cuda:N": rank k on GPU N + k (`rank_device`).
     device: str = "cpu"
     lease_seconds: float = 30.0
@@ -211,6 +212,7 @@ def engine_config(s: Settings) -> EngineConfig:
         max_model_len=s.max_model_len or None,
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
+        index_cache_dtype=s.index_cache_dtype,
         device=s.device,
         lease_seconds=s.lease_seconds,
         torch_threads=s.torch_threads,

@@ -78,10 +78,12 @@ class DecodeEngine:
         self.scheduler = Scheduler(self.pool, cfg.max_batch, max_len)
         self._step = DecodeStep(self.group, self.scheduler, self.eos_token_ids)
         self.controls, self.probe = self._step.controls, self._step.probe
+        # 0 where the ranks hold no prefill pass (asked for none, or a model it cannot run).
+        local_chunk = cfg.local_prefill_chunk_tokens if self.runtime.prefills is not None else 0
         self.prefills = LocalPrefills(
             self._step.ranks,
             self.scheduler,
-            cfg.local_prefill_chunk_tokens,
+            local_chunk,
             self.eos_token_ids,
             cfg.lease_seconds,
         )

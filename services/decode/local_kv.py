@@ -19,9 +19,17 @@ if TYPE_CHECKING:
     from services.decode.engine import DecodeEngine
 
 
-def write_kv(engine: DecodeEngine, request_id: str, rank: int, n: Tensor, k_pe: Tensor) -> None:
+def write_kv(
+    engine: DecodeEngine,
+    request_id: str,
+    rank: int,
+    n: Tensor,
+    k_pe: Tensor,
+    keys: Tensor | None = None,
+) -> None:
     """Write rank `rank`'s shard of the reserved request's prompt: n [L, N, w], k_pe
-    [L, N, d_r], layer-major, on the engine's loop thread (between two steps).
+    [L, N, d_r], layer-major, on the engine's loop thread (between two steps); with DSA its
+    indexer keys too, keys [L_I, N, width] as the index-key pool stores them.
 
     N is the prompt length after its cached prefix, or in SP mode the number of those
     tokens the rank owns. SchedulerError without an open reservation or for a shard of
@@ -43,6 +51,13 @@ def write_kv(engine: DecodeEngine, request_id: str, rank: int, n: Tensor, k_pe: 
             raise SchedulerError(
                 f"KV shard for rank {rank} has shape {tuple(n.shape)}, expected {expected}"
             )
+        index = runtime.index_cache
+        if (index is None) != (keys is None) or (
+            keys is not None
+            and index is not None
+            and tuple(keys.shape) != (index.layout.num_layers, tokens, index.layout.latent_width)
+        ):
+            raise SchedulerError(f"indexer keys for rank {rank} do not fit its key pool")
         scheduler.renew(request_id, time.monotonic() + cfg.lease_seconds)
         if tokens == 0:
             return  # an SP rank that owns none of a short prompt
@@ -52,11 +67,18 @@ def write_kv(engine: DecodeEngine, request_id: str, rank: int, n: Tensor, k_pe: 
         device, comm = runtime.device, runtime.comm
         n_ = n.to(device, layout.dtype).contiguous()
         k_ = k_pe.to(device, layout.dtype).contiguous()
+        keys_ = None
+        if keys is not None and index is not None:
+            keys_ = keys.to(device, index.layout.dtype).contiguous()
         if rank == 0:
             runtime.cache.write_all_layers(slots.to(device), n_, k_)
+            if keys_ is not None and index is not None:
+                index.write_all_layers(slots.to(device), keys_, keys_[..., :0])
         else:
             send_plan(WritePlan(rank, slots), comm)
             comm.send(n_, rank)
             comm.send(k_, rank)
+            if keys_ is not None:
+                comm.send(keys_, rank)
 
     engine.run_between_steps(run)

@@ -30,6 +30,7 @@ class PrefillGroupConfig:
     tp: int = 1
     dtype: str = "float32"
     weight_dtype: str = "auto"
+    index_cache_dtype: str = "model"  # DSA: the decode groups' indexer key format
     device: str = "cpu"  # "cpu", or "cuda" / "cuda:N": rank k on GPU N + k
     # What each kernel selector is asked for (TPLA_ATTENTION_BACKEND, TPLA_FP8_GEMM,
     # TPLA_EXPERTS_KERNEL): each rank chooses by it at start-up (`PrefillKernels`).
@@ -106,6 +107,7 @@ def prefill_group_config(s: Settings) -> PrefillGroupConfig:
         tp=tp,
         dtype=s.dtype,
         weight_dtype=s.weight_dtype,
+        index_cache_dtype=s.index_cache_dtype,
         device=s.device,
         kernels=kernel_config(s),
         moe_parallel=s.moe_parallel,

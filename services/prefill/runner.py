@@ -10,7 +10,7 @@ each decode rank acknowledged.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor
 from common.kv.transfer import KvSender
 from common.model.args import ModelConfig
 from common.model.causal_lm import DeepseekForCausalLM, PastLatents, PrefillOutput
+from common.model.index_keys import index_format
 from common.model.mtp import MTPLayer, whole_prefill_with_mtp
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan
 from services.prefill.shipping import Send, Shipper
@@ -45,10 +46,11 @@ class PrefillRunner(abc.ABC):
         k_pe: list[Tensor],
         timed: Callable[[int, str, Send], Send] | None = None,
         rows: tuple[int, int] | None = None,
+        keys: Sequence[Tensor] = (),
     ) -> list[Future[int]]:
         """Start `job`'s KV sends from its latents (positions `skip` on; only rows [lo, hi)
-        of them with `rows`, a chunk): each resolves to the bytes a decode rank acknowledged,
-        or fails with the send's error."""
+        of them with `rows`, a chunk), and a DSA model's indexer keys alike: each resolves to
+        the bytes a decode rank acknowledged, or fails with the send's error."""
 
     @property
     def failed(self) -> BaseException | None:
@@ -68,14 +70,20 @@ class LocalRunner(PrefillRunner):
     batch's output (`whole_prefill_with_mtp`), shipped and cached with the others."""
 
     def __init__(
-        self, model: DeepseekForCausalLM, sender: KvSender, mtp: MTPLayer | None = None
+        self,
+        model: DeepseekForCausalLM,
+        sender: KvSender,
+        mtp: MTPLayer | None = None,
+        index_cache_dtype: str = "model",
     ) -> None:
         self.model, self.mtp = model, mtp
         self.sends_hidden = mtp is not None
         self.config = model.config
         self.device = model.lm_head.weight.device
         self.transport = sender.name
-        self.shipper = Shipper(sender, self.device)
+        dtype = model.lm_head.weight.dtype
+        fmt = index_format(model.config, index_cache_dtype, dtype)
+        self.shipper = Shipper(sender, self.device, key_format=fmt)
 
     def prefill(self, plan: BatchPlan, past: list[PastLatents | None] | None) -> PrefillOutput:
         ids, model, layer = plan.ids(self.device), self.model, self.mtp
@@ -93,8 +101,9 @@ class LocalRunner(PrefillRunner):
         k_pe: list[Tensor],
         timed: Callable[[int, str, Send], Send] | None = None,
         rows: tuple[int, int] | None = None,
+        keys: Sequence[Tensor] = (),
     ) -> list[Future[int]]:
-        return self.shipper.ship(job.order, n, k_pe, timed=timed, rows=rows)
+        return self.shipper.ship(job.order, n, k_pe, timed=timed, rows=rows, keys=keys)
 
     def close(self) -> None:
         self.shipper.close()

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from common.kv.index_shards import cut_index_chunk
 from common.kv.transfer import KvSender, TransferError, cut_chunk
 from common.messages import KvTargetInfo
+from common.model.index_keys import IndexKeyFormat
 from common.runtime.device import use_device
 
 # The send a job's trace wraps: (shard, grpc address, torch address, timeout) -> bytes.
@@ -50,10 +52,18 @@ def ships(target_rank: int, rank: int, tp: int) -> bool:
 
 
 class Shipper:
-    """`sender` over a pool of pusher threads on `device` (each makes it current)."""
+    """`sender` over a pool of pusher threads on `device` (each makes it current); a DSA
+    model's indexer keys ship beside the latents in `key_format` (the decode groups')."""
 
-    def __init__(self, sender: KvSender, device: torch.device, threads: int = 8) -> None:
+    def __init__(
+        self,
+        sender: KvSender,
+        device: torch.device,
+        threads: int = 8,
+        key_format: IndexKeyFormat | None = None,
+    ) -> None:
         self.sender = sender
+        self.key_format = key_format
         self._pushers = ThreadPoolExecutor(
             threads, "kv-push", initializer=use_device, initargs=(device,)
         )
@@ -67,17 +77,26 @@ class Shipper:
         tp: int = 1,
         timed: Callable[[int, str, Send], Send] | None = None,
         rows: tuple[int, int] | None = None,
+        keys: Sequence[Tensor] = (),
     ) -> list[Future[int]]:
         """Start the sends of `order`'s shards that rank `rank` of `tp` ships; `n` / `k_pe`
         are the prompt's latents from position `skip` on, of which rows [lo, hi) `rows` go
         now (a chunk: each decode rank places them where its earlier rows end; None: all of
-        them). `timed` wraps each send (a job's trace)."""
+        them); `keys` a DSA model's indexer keys alike (per full layer), which go to the same
+        ranks as shards of their own. `timed` wraps each send (a job's trace)."""
         lo, hi = rows if rows is not None else (0, order.num_tokens - order.skip)
         mine = [t for t in order.targets if ships(t.rank, rank, tp)]
-        cut = [
-            cut_chunk(n, k_pe, lo, hi, shifted(t, order.skip), order.request_id, order.block_size)
-            for t in mine
-        ]
+        rid, bs = order.request_id, order.block_size
+        cut = [cut_chunk(n, k_pe, lo, hi, shifted(t, order.skip), rid, bs) for t in mine]
+        if keys:
+            fmt = self.key_format
+            assert fmt is not None, "indexer keys to ship, and no key format"
+            key_list = list(keys)
+            cut += [
+                cut_index_chunk(key_list, lo, hi, shifted(t, order.skip), rid, bs, fmt)
+                for t in mine
+            ]
+            mine = mine * 2
         sends = []
         for shard, t in zip(self.sender.prepare(cut), mine, strict=True):
             if not shard.n.shape[1]:  # an SP rank may own none of a short prompt

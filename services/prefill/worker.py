@@ -321,6 +321,7 @@ class PrefillWorker:
         progress: PromptProgress,
         n: list[Tensor],
         k_pe: list[Tensor],
+        keys: list[Tensor],
     ) -> None:
         """Push the rows of what the decode group lacks (`n` / `k_pe`: prompt positions from
         `job.cached_tokens` on) that are computed and not yet sent to every target rank,
@@ -337,7 +338,7 @@ class PrefillWorker:
         self._shipping.acquire()
         try:
             timed = job.trace.timed if job.trace is not None else None
-            futures = self.runner.ship(planned, n, k_pe, timed, (lo, hi))
+            futures = self.runner.ship(planned, n, k_pe, timed, (lo, hi), keys)
         except BaseException:  # e.g. the pool is shut down: the job fails, its slot is free
             self._shipping.release()
             raise

@@ -140,3 +140,23 @@ def test_gpu_check_without_a_gpu_skips_each_gpu_part_and_runs_the_leader_step(
     assert status["leader-step"][0] == "ok", status
     assert (tmp_path / "gpu_check.json").exists()
     assert (tmp_path / "leader_step_check.json").exists()
+
+
+def test_decode_attn_dsa_splits_the_indexer_from_the_sparse_attention() -> None:
+    result = run_bench("decode-attn", "--dsa", "--contexts", "4096", "--rounds", "1", "--json")
+    assert [r["layout"] for r in result["rows"]] == ["mla-tp", "tpla", "sp"]
+    for row in result["rows"]:
+        assert row["indexer_ms"] > 0 and row["sparse_attention_ms"] > 0
+        assert row["sparse_step_ms"] == pytest.approx(
+            row["indexer_ms"] + row["sparse_attention_ms"]
+        )
+
+
+def test_decode_step_on_the_dsa_bench_model() -> None:
+    """The named DSA model past its index_topk (2048): every layout's step, one host wait."""
+    result = run_bench(
+        "decode-step", "--model", "dsa-v32-bench", "--tp", "2", "--layouts", "mla-tp", "tpla",
+        "sp", "--batch", "1", "--context", "2600", "--steps", "2", "--reparam", "", "--json",
+    )  # fmt: skip
+    assert {r["layout"] for r in result["rows"]} == {"mla-tp", "tpla", "sp"}
+    assert all(r["host_syncs_per_step"] == 1 for r in result["rows"])

@@ -12,11 +12,10 @@ import pytest
 from common.loading.loader import load_model
 from common.model.generate import generate
 from common.parallel import ParallelConfig, ParallelMode
-from common.rpc.clients import DecodeClient, PrefillClient
 from common.runtime.ports import free_port, kv_port_offsets
 from common.sampling.params import SamplingParams
 from services.decode.config import EngineConfig
-from tests.stack import services_in_threads
+from tests.stack import reserve_prefill_generate, services_in_threads
 from tests.tiny import save_hf
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -45,21 +44,6 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         yield model_dir, svc.decode, svc.prefill
 
 
-async def _run(decode_addr: str, prefill_addr: str, rid: str, prompt: list[int], transport: str):  # type: ignore[no-untyped-def]
-    decode, prefill = DecodeClient(decode_addr), PrefillClient(prefill_addr)
-    try:
-        res = await decode.reserve(rid, len(prompt), GREEDY.max_tokens, prompt_ids=prompt)
-        out = await prefill.prefill(rid, prompt, GREEDY, res, transport=transport)
-        tokens = [out.first_token.token_id]
-        async for event in decode.generate(rid, out.first_token, GREEDY):
-            if event.token is not None:
-                tokens.append(event.token.token_id)
-        return tokens, res.cached_tokens, out
-    finally:
-        await decode.close()
-        await prefill.close()
-
-
 @pytest.mark.parametrize("transport", ["grpc", "torch"])
 def test_chunked_prefill_decodes_like_one_process(stack, transport: str) -> None:  # type: ignore[no-untyped-def]
     model_dir, decode_addr, prefills = stack
@@ -67,9 +51,13 @@ def test_chunked_prefill_decodes_like_one_process(stack, transport: str) -> None
     base = [5 + (7 * i + len(transport)) % 90 for i in range(29)]  # 3 full blocks of 8
     longer = [*base, *range(11, 24)]  # 42 tokens, 3 blocks shared with `base`
     addr = prefills[transport]
-    first, held, out = asyncio.run(_run(decode_addr, addr, f"c1-{transport}", base, transport))
+    first, held, out = asyncio.run(
+        reserve_prefill_generate(decode_addr, addr, f"c1-{transport}", base, GREEDY, transport)
+    )
     assert held == 0 and out.exposed_transfer_seconds > 0
-    more, held, _ = asyncio.run(_run(decode_addr, addr, f"c2-{transport}", longer, transport))
+    more, held, _ = asyncio.run(
+        reserve_prefill_generate(decode_addr, addr, f"c2-{transport}", longer, GREEDY, transport)
+    )
     assert held == 24  # the decode group holds 3 blocks: 18 tokens shipped, from position 24
     assert first == generate(model, base, GREEDY).token_ids
     assert more == generate(model, longer, GREEDY).token_ids

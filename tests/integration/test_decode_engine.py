@@ -15,7 +15,7 @@ from common.group.comm import ShmCollectives
 from common.loading.loader import load_model
 from common.loading.serving_model import load_prefill_model
 from common.messages import FailureScope, ResumedChoice
-from common.model.causal_lm import ContiguousLatentCache
+from common.model.contiguous_cache import ContiguousLatentCache
 from common.model.generate import generate
 from common.parallel import ParallelConfig, ParallelMode, RmsNormMode
 from common.runtime.kernel_choice import KernelConfig

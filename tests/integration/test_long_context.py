@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from common.loading.loader import load_model
-from common.model.causal_lm import ContiguousLatentCache
 from common.model.chunked import prefill_in_chunks
+from common.model.contiguous_cache import ContiguousLatentCache
 from common.parallel import ParallelConfig, ParallelMode
 from common.rpc.clients import DecodeClient, PrefillClient
 from common.rpc.server import Lifetime

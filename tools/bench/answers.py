@@ -114,7 +114,7 @@ def generate_batch(
     prompts[b] under params[b], with keyed draws as `generate` makes them."""
     import torch
 
-    from common.model.causal_lm import ContiguousLatentCache
+    from common.model.contiguous_cache import ContiguousLatentCache
     from common.sampling.keyed import DrawKey
     from common.sampling.logits import context_for
     from common.sampling.sampler import request_seed, sample_batch

@@ -51,6 +51,9 @@ from tools.bench.roofline import Roofline, measure_roofline, roofline_record
 
 COLD_BYTES = 96 * 2**20  # > the 32 MB L3 of the development VM, so each layer comes from DRAM
 
+# --dsa: V3.2 from a short context to its long ones.
+DSA_CONTEXTS = (4096, 32768, 131072)
+
 
 def prepare_attention(
     work: DeviceWork, kernel: str, seed: int = 0
@@ -253,6 +256,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.dsa:
+        from tools.bench.dsa_attn import run_dsa
+
+        args.contexts = args.contexts or list(DSA_CONTEXTS)
+        return run_dsa(args)
     if args.kernel == "triton":
         from tools.bench.decode_attn_gpu import run_triton
 
@@ -312,8 +320,16 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
         "--contexts",
         type=int,
         nargs="+",
-        help="--kernel triton: these contexts at batch 1 and 4 instead of the grid",
+        help="--kernel triton: these contexts at batch 1 and 4 instead of the grid; --dsa: "
+        f"these contexts (default {' '.join(map(str, DSA_CONTEXTS))})",
     )
     p.add_argument("--plot", help="write a Figure-3-style PNG here (CPU kernels)")
+    p.add_argument(
+        "--dsa",
+        action="store_true",
+        help="DeepSeek Sparse Attention at V3.2's per-device shapes: the indexer and the "
+        "sparse attention timed apart, beside the dense attention (tools/bench/dsa_attn.py)",
+    )
+    p.add_argument("--batch", type=int, default=1, help="with --dsa: sequences per call")
     p.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
     p.set_defaults(func=_run)

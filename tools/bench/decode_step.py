@@ -38,6 +38,7 @@ from common.sampling.grammar import GrammarSpec, allowed_now
 from common.sampling.params import SamplingParams
 from services.decode.config import DEFAULT_SPEC_TOKENS, PROPOSERS, EngineConfig, SpecConfig
 from services.decode.local_kv import write_kv
+from tools.bench.dsa_model import NAME, model_dir
 
 if TYPE_CHECKING:
     from services.decode.engine import DecodeEngine
@@ -57,7 +58,7 @@ class StepResult:
     median_ms: float
     step_ms: list[float]  # every timed step (full batch, after warm-up), in order
     cache_bytes_per_token_layer: int  # per rank, per cached token (SP: a rank caches ~1/tp)
-    cache_bytes_per_sequence: int  # rank 0's share of one sequence's cache at `context`
+    cache_bytes_per_sequence: int  # rank 0's share of one sequence's cache (DSA keys too)
     comm_bytes_per_step: int  # payload rank 0 puts into collectives per step (measured)
     parameter_bytes_rank0: int
     host_syncs_per_step: int  # the most on any rank in a full-batch step
@@ -98,13 +99,14 @@ def measure(
     from services.decode.engine import DecodeEngine  # not imported by `tpla --help`
 
     par = ParallelConfig.parse(layout, tp, r, chunk_size=chunk_size)
+    model = model_dir(model)
     cfg = EngineConfig(
         model=model,
         parallel=par,
         reparam=reparam if r > 1 else None,
         master_port=0,
         max_batch=max(batches),
-        kv_budget_mb=512,
+        kv_budget_mb=_budget_mb(model, par, max(batches), context),
         torch_threads=threads,
         kernels=KernelConfig(decode_attention=kernel),
         collectives=collectives,
@@ -121,11 +123,10 @@ def measure(
             timed = _full_steps(engine, batch, context, steps, tp, sampling)
             eager = engine.runtime.eager_steps - eager
             syncs = _count_syncs(engine, batch, context, tp, sampling)
-            per_seq = (
-                cache.bytes_per_token_per_layer
-                * cache.num_layers
-                * engine.pool.local_tokens(0, context)
-            )
+            keys = engine.runtime.index_cache  # DSA: the indexer keys' pool
+            pools = [cache] if keys is None else [cache, keys.layout]
+            per_token = sum(p.bytes_per_token_per_layer * p.num_layers for p in pools)
+            per_seq = per_token * engine.pool.local_tokens(0, context)
             results.append(
                 StepResult(
                     layout,
@@ -207,16 +208,34 @@ def _full_steps(
 
 
 def _reserve(engine: DecodeEngine, context: int, params: SamplingParams, tp: int) -> str:
-    """A request reserved with synthetic latents on every rank."""
-    cache = engine.runtime.layout
+    """A request reserved with synthetic latents (and a DSA model's indexer keys, in the
+    engine's key format) on every rank."""
+    cache, sparse = engine.runtime.layout, engine.runtime.model.sparse
     rid = uuid.uuid4().hex
     engine.reserve(rid, context, params.max_tokens)
     for rank in range(tp):
         tokens = engine.pool.local_tokens(rank, context)
         n = torch.randn(cache.num_layers, tokens, cache.latent_width) * 0.1
         k_pe = torch.randn(cache.num_layers, tokens, cache.rope_width) * 0.1
-        write_kv(engine, rid, rank, n, k_pe)
+        keys = None
+        if sparse is not None and sparse.format is not None:
+            layers = sparse.dsa.key_layers(sparse.layers)
+            keys = sparse.format.encode(torch.randn(layers, tokens, sparse.head_dim))
+        write_kv(engine, rid, rank, n, k_pe, keys)
     return rid
+
+
+def _budget_mb(model: str, par: ParallelConfig, batch: int, context: int) -> float:
+    """A KV budget per rank that holds `batch` sequences of `context` tokens (512 MB at
+    least): latents and a DSA model's keys in fp32, the busiest rank's share, with room for
+    the decoded tokens and the blocks' rounding."""
+    from common.model.args import ModelConfig
+    from common.tpla.rank_memory import kv_bytes_per_stored_token
+
+    c = ModelConfig.from_dir(model)
+    tokens = par.local_length(context + 256, 0) + 64
+    per_token = kv_bytes_per_stored_token(c, par, "float32")
+    return max(512.0, 1.1 * batch * tokens * per_token / 2**20)
 
 
 def _run(engine: DecodeEngine, rids: list[str], params: list[SamplingParams]) -> None:
@@ -332,7 +351,9 @@ def _report(rows: list[StepResult], table: TextIO) -> list[dict[str, object]]:
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ds = bsub.add_parser("decode-step", help="real engine step: MLA-TP vs TPLA vs SP")
-    ds.add_argument("--model", default="models/demo")
+    ds.add_argument(
+        "--model", default="models/demo", help=f"a model directory, or {NAME} (DSA, V3.2's shape)"
+    )
     ds.add_argument("--tp", type=int, default=2)
     ds.add_argument(
         "--layouts",

@@ -68,6 +68,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         # A drafting step: up to TPLA_SPEC_MAX_BATCH sequences of 1 + k rows each.
         draft_rows=args.spec_max_batch * (1 + DEFAULT_SPEC_TOKENS["mtp"]) if mtp_loaded else 0,
+        index_cache_dtype=args.index_cache_dtype,
     )
     plan = build_plan(ckpt.config, request)
     manifest = _manifest(plan, args.gpus_per_node)
@@ -131,7 +132,6 @@ def _gib(n: float) -> str:
 def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
     """The human-readable plan: one row per layout, then what the numbers mean."""
     from common.parallel import span
-    from common.tpla.rank_memory import FP8, QUANTIZED
 
     c, req = plan.config, plan.request
     hw, ctx = req.hardware, req.context
@@ -185,6 +185,24 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
         f"fits: {'yes' if plan.prefill_fits else 'NO'} (weights + reserve < GPU memory; "
         "activations of a prefill chunk come out of the reserve)",
     ]
+    lines += _notes(plan)
+    return "\n".join(lines)
+
+
+def _notes(plan: Plan) -> list[str]:
+    """What the plan's model and weights add to its reading: DSA's keys, quantized weights."""
+    from common.tpla.rank_memory import FP8, QUANTIZED, index_key_bytes
+
+    c, req = plan.config, plan.request
+    lines: list[str] = []
+    if c.dsa is not None:
+        keys = index_key_bytes(c, req.kv_dtype, req.mtp_layers, req.index_cache_dtype)
+        full = c.dsa.key_layers(c.num_hidden_layers + req.mtp_layers)
+        lines.append(
+            f"DSA: indexer keys ({req.index_cache_dtype}) of {full} full layers, {keys:,} bytes "
+            "a stored token on every rank that caches it, are in the KV bytes; each query "
+            f"attends over {c.dsa.index_topk} selected tokens."
+        )
     if req.weight_dtype in (QUANTIZED, FP8) and req.int4_group is not None:
         lines.append(
             f"{req.weight_dtype} weights: the checkpoint's INT4 routed experts at 4 bits a "
@@ -198,7 +216,7 @@ def format_plan(plan: Plan, path: Path, ckpt: Checkpoint) -> str:
             f"{req.weight_dtype} (auto on CUDA); with the weights dequantized at load, plan "
             "--weight-dtype bfloat16."
         )
-    return "\n".join(lines)
+    return lines
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -226,6 +244,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--context", type=int, required=True, help="tokens per sequence (prompt + max_tokens)"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="KV cache dtype")
+    p.add_argument(
+        "--index-cache-dtype",
+        choices=("model", "fp8"),
+        default="model",
+        help="DSA models' indexer keys in the KV pools (TPLA_INDEX_CACHE_DTYPE): the KV dtype, "
+        "or DeepSeek's fp8 (d_I + 4 bytes a key)",
+    )
     p.add_argument(
         "--weight-dtype",
         choices=[*sorted(DTYPES), "quantized", "float8"],

@@ -18,6 +18,8 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(settings.torch_threads)
     if args.mtp:
         return _train_mtp(args)
+    if args.dsa:
+        return _train_dsa(args)
     arch = DemoArch() if args.arch == "demo" else DemoArch.tiny()
     cfg = TrainConfig(
         out=Path(args.out),
@@ -54,6 +56,24 @@ def _train_mtp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_dsa(args: argparse.Namespace) -> int:
+    from tools.demo.train_dsa import DsaDemoConfig, run
+
+    cfg = DsaDemoConfig(
+        source=Path(args.source),
+        out=Path(args.out if args.out != "models/demo" else "models/demo-dsa"),
+        work_dir=Path(args.work_dir or Path("runs") / "train-dsa-demo"),
+        finetune_steps=args.finetune_steps,
+        indexer_steps=args.indexer_steps,
+        seq_len=min(args.seq_len, 512),
+        batch_size=args.batch_size,
+        eval_prompts=args.eval_prompts,
+    )
+    report = run(cfg)
+    print(json.dumps({"agreement": report["agreement"]}))
+    return 0
+
+
 def add_train_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     td = sub.add_parser("train-demo", help="train the small demo model on CPU (offline)")
     td.add_argument("--out", default="models/demo", help="HF-format output directory")
@@ -76,6 +96,16 @@ def add_train_demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
         action="store_true",
         help="train one DeepSeek-V3 MTP layer on the frozen model in --out and add it there",
     )
+    td.add_argument(
+        "--dsa",
+        action="store_true",
+        help="make the DSA demo (DeepSeek-V3.2 architecture) from the demo model in --source "
+        "into --out (default models/demo-dsa): tools/demo/train_dsa.py",
+    )
+    td.add_argument("--source", default="models/demo", help="with --dsa: the demo model")
+    td.add_argument("--finetune-steps", type=int, default=150, help="with --dsa")
+    td.add_argument("--indexer-steps", type=int, default=300, help="with --dsa")
+    td.add_argument("--eval-prompts", type=int, default=8, help="with --dsa: per length")
     td.add_argument("--threads", type=int)
     td.add_argument(
         "--prior-cpu-minutes",

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.model.causal_lm import ContiguousLatentCache, DeepseekForCausalLM
+from common.model.causal_lm import DeepseekForCausalLM
+from common.model.contiguous_cache import ContiguousLatentCache
 from common.model.mtp import MTPLayer, mtp_prefill
 
 

@@ -357,20 +357,9 @@ def measure(
     }
 
 
-def export(
-    cfg: TrainConfig,
-    model: DeepseekForCausalLM,
-    tok: Any,
-    hf_config: dict[str, Any],
-    streams: dict[str, torch.Tensor],
-    steps: int,
-    elapsed: float,
-    history: list[dict[str, Any]],
-    cpu_seconds: float = 0.0,
-) -> dict[str, Any]:
-    """Write HF-format files (bf16 weights, per-expert layout) and a measured model card."""
-    out = cfg.out
-    out.mkdir(parents=True, exist_ok=True)
+def save_hub_weights(model: torch.nn.Module, path: Path) -> None:
+    """The model's weights as the hub stores DeepSeek checkpoints: bf16, routed experts one
+    by one (`mlp.experts.{e}.gate_proj.weight`, ...)."""
     state = {}
     for name, tensor in model.state_dict().items():
         if name.endswith("experts.gate_up_proj"):
@@ -386,7 +375,24 @@ def export(
         else:
             state[name] = tensor
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def export(
+    cfg: TrainConfig,
+    model: DeepseekForCausalLM,
+    tok: Any,
+    hf_config: dict[str, Any],
+    streams: dict[str, torch.Tensor],
+    steps: int,
+    elapsed: float,
+    history: list[dict[str, Any]],
+    cpu_seconds: float = 0.0,
+) -> dict[str, Any]:
+    """Write HF-format files (bf16 weights, per-expert layout) and a measured model card."""
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    save_hub_weights(model, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     end = special_ids(tok)[END]
     gen_cfg = {

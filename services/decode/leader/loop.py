@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from common.runtime.device import use_device
+from common.runtime.errors import TplaError
 from services.decode.group.start import RunningGroup
 from services.decode.leader.local_prefill import LocalPrefills
 from services.decode.leader.scheduler import DecodeSequence, Scheduler, SchedulerError
@@ -127,7 +128,9 @@ class LeaderLoop:
             fn, fut = item
             try:
                 fut.set_result(fn())
-            except (SchedulerError, ValueError, RuntimeError) as exc:
+            except (SchedulerError, TplaError, ValueError, RuntimeError) as exc:
+                # The command's own error (a typed TplaError: the caller's request, never
+                # the group's), answered to its caller; the loop goes on.
                 fut.set_exception(exc)
             except BaseException as exc:
                 # The loop ends with it; its caller must not wait on a future never set.

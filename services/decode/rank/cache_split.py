@@ -17,6 +17,7 @@ slices, SP's chunks), and the prompt's rows are written where `write_slots` says
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -24,10 +25,21 @@ from torch import Tensor
 from common.group.comm import Comm
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.slots import token_slots
-from common.model.sp import merge_partials
+from common.model.sp import merge_partials, partial_attention
+from common.model.topk import candidates, threshold, topk_mask, within
+from common.model.tpla import fused_slice_attention
 from common.parallel import ParallelConfig, ParallelMode
 from services.decode.rank.backends import DecodeBackend
 from services.decode.rank.layers import RankAttention
+
+
+@dataclass(frozen=True)
+class Selection:
+    """DSA: the tokens a step's rows attend over on this rank: their cache slots [B, k]
+    (in position order) of which the first count [B] are real."""
+
+    slots: Tensor
+    count: Tensor
 
 
 class CacheSplit(ABC):
@@ -79,6 +91,39 @@ class CacheSplit(ABC):
         """[B, h, *] queries of the rank's heads over cache layer `index` -> this rank's
         partial hidden state [B, D], which the layer's all-reduce sums."""
 
+    # -- DeepSeek Sparse Attention (rank/sparse_rank.py) ---------------------------------------
+
+    def covers(self, reads: CacheReads, block_size: int, tokens: int) -> bool:
+        """Whether no row reading `reads` can hold more than `tokens` tokens of its sequence
+        (the tables' width says so: shapes only)."""
+        return self.parallel.most_tokens(reads.block_ids.shape[1] * block_size) <= tokens
+
+    @abstractmethod
+    def index_rows(
+        self, pool: PagedLatentCache, layer: int, reads: CacheReads
+    ) -> tuple[Tensor, Tensor]:
+        """The index keys the rank holds of the rows' histories, [B, T, width] of layer
+        `layer` of the key pool, and which are real [B, T]."""
+
+    @abstractmethod
+    def select(self, scores: Tensor, valid: Tensor, k: int, comm: Comm) -> Tensor:
+        """Index scores [B, T] of the rank's tokens -> those the rows attend over [B, T]:
+        the group's top k of each row (common/model/topk.py's rule) that the rank holds."""
+
+    @abstractmethod
+    def attend_selected(
+        self,
+        attn: RankAttention,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        cache: PagedLatentCache,
+        index: int,
+        selection: Selection,
+        comm: Comm,
+        backend: DecodeBackend,
+    ) -> Tensor:
+        """`attend` over the selected tokens only -> this rank's partial hidden state."""
+
 
 class LatentColumns(CacheSplit):
     """TPLA / MLA-TP: every token, this rank's latent columns."""
@@ -127,6 +172,46 @@ class LatentColumns(CacheSplit):
         """The rank's heads over its latent slice; `RankAttention.attend_reference` is the
         same math unfused."""
         o = backend.attention(attn, q_nope, q_pe, cache, index, reads)
+        return backend.linear(o.reshape(o.shape[0], -1), attn.w_o)
+
+    def index_rows(
+        self, pool: PagedLatentCache, layer: int, reads: CacheReads
+    ) -> tuple[Tensor, Tensor]:
+        rows = pool.rows(layer, reads.block_ids)
+        keys = rows.read(0, rows.total)
+        t = torch.arange(rows.total, device=keys.device)
+        return keys, t[None] < reads.lengths[:, None]
+
+    def select(self, scores: Tensor, valid: Tensor, k: int, comm: Comm) -> Tensor:
+        """Every rank scores every token alike: each takes its own top k."""
+        return topk_mask(scores, valid, k)
+
+    def attend_selected(
+        self,
+        attn: RankAttention,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        cache: PagedLatentCache,
+        index: int,
+        selection: Selection,
+        comm: Comm,
+        backend: DecodeBackend,
+    ) -> Tensor:
+        """The rank's heads over its latent slice of the gathered selected rows."""
+        rows = cache.kv[index][selection.slots]  # [B, k, w + d_r]
+        k = rows.shape[1]
+        o = fused_slice_attention(
+            q_nope,
+            q_pe,
+            lambda t0, t1: rows[:, t0:t1],
+            k,
+            k,
+            selection.count,
+            attn.w_uk,
+            attn.w_uv,
+            attn.scale,
+            attn.shard.beta,
+        )
         return backend.linear(o.reshape(o.shape[0], -1), attn.w_o)
 
 
@@ -184,12 +269,31 @@ class TokenChunks(CacheSplit):
         backend: DecodeBackend,
     ) -> Tensor:
         """Every head over this rank's chunks, merged exactly across ranks."""
-        b = q_nope.shape[0]
+        q_lat_all, q_pe_all = self._all_heads(attn, q_nope, q_pe, comm)
+        u, m, l = backend.partial_attention(q_lat_all, q_pe_all, cache, index, reads, attn.scale)
+        return self._merged(attn, u, m, l, comm, backend)
+
+    def _all_heads(
+        self, attn: RankAttention, q_nope: Tensor, q_pe: Tensor, comm: Comm
+    ) -> tuple[Tensor, Tensor]:
+        """Every head's absorbed query, q_lat [B, H, d_c] and q_pe [B, H, d_r]: every rank
+        needs them for its own tokens, so the head groups are gathered."""
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, attn.w_uk)
-        # Every rank needs every head's query for its own tokens: gather the head groups.
         q_all = comm.gather_heads(torch.cat((q_lat, q_pe), dim=-1))
         q_lat_all, q_pe_all = q_all.split([attn.d_c, attn.d_r], dim=-1)
-        u, m, l = backend.partial_attention(q_lat_all, q_pe_all, cache, index, reads, attn.scale)
+        return q_lat_all, q_pe_all
+
+    def _merged(
+        self,
+        attn: RankAttention,
+        u: Tensor,
+        m: Tensor,
+        l: Tensor,
+        comm: Comm,
+        backend: DecodeBackend,
+    ) -> Tensor:
+        """The ranks' partials merged exactly; this rank's heads' output through o_proj."""
+        b = u.shape[0]
         global_max = m.clone()
         comm.max_(global_max)
         u, l = merge_partials(u, m, l, global_max)  # fp32: summed and divided unrounded
@@ -199,6 +303,46 @@ class TokenChunks(CacheSplit):
         u_mine = packed[:, heads, : attn.d_c] / packed[:, heads, attn.d_c :]
         o = torch.einsum("bhc,hvc->bhv", u_mine.to(attn.w_uv.dtype), attn.w_uv)
         return backend.linear(o.reshape(b, -1), attn.w_o)
+
+    def index_rows(
+        self, pool: PagedLatentCache, layer: int, reads: CacheReads
+    ) -> tuple[Tensor, Tensor]:
+        assert reads.slots is not None and reads.valid is not None
+        keys, _ = pool.gather(layer, reads.slots)
+        return keys, reads.valid
+
+    def select(self, scores: Tensor, valid: Tensor, k: int, comm: Comm) -> Tensor:
+        """Each rank offers its own k best (score, global position); every rank takes the
+        k-th of all offers, the same on every rank, and keeps its tokens at or before it."""
+        local = torch.arange(scores.shape[1], device=scores.device)
+        positions = self.parallel.global_position(local, self.rank).expand_as(scores)
+        best, at = candidates(scores, valid, positions, k)
+        # One all-gather: the scores' bits ride in int64 beside the positions.
+        packed = torch.cat((best.view(torch.int32).long(), at), dim=-1)
+        offers = comm.all_gather(packed)  # [tp, B, 2k]
+        every = offers.transpose(0, 1).reshape(scores.shape[0], -1, 2 * k)
+        all_scores = every[..., :k].int().view(torch.float32).flatten(1)
+        kth = threshold(all_scores, every[..., k:].flatten(1), k)
+        return within(scores, positions, valid, kth)
+
+    def attend_selected(
+        self,
+        attn: RankAttention,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        cache: PagedLatentCache,
+        index: int,
+        selection: Selection,
+        comm: Comm,
+        backend: DecodeBackend,
+    ) -> Tensor:
+        """Every head over this rank's selected tokens, merged exactly across ranks."""
+        q_lat_all, q_pe_all = self._all_heads(attn, q_nope, q_pe, comm)
+        n, k_pe = cache.gather(index, selection.slots)
+        k = selection.slots.shape[1]
+        valid = torch.arange(k, device=n.device)[None] < selection.count[:, None]
+        u, m, l = partial_attention(q_lat_all, q_pe_all, n, k_pe, valid, attn.scale)
+        return self._merged(attn, u, m, l, comm, backend)
 
 
 SPLITS: dict[ParallelMode, type[CacheSplit]] = {

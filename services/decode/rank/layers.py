@@ -59,7 +59,7 @@ class RankAttention(nn.Module):
         if c.q_lora_rank is not None:
             self.q_a: nn.Parameter | Fp8Weight | None = held(src.linear(p + "q_a_proj.weight"))
             self.q_a_norm: RMSNorm | None = rank_norm(
-                src, p + "q_a_layernorm.weight", c.rms_norm_eps
+                src, p + "q_a_layernorm.weight", c.attention_norm_eps
             )
             self.q_b = held(src.linear(p + "q_b_proj.weight", rows))
         else:
@@ -73,7 +73,7 @@ class RankAttention(nn.Module):
         self.kv_a_latent = held(src.linear(kv_a, latent_rows))
         self.kv_a_rope = held(src.linear(kv_a, slice(self.d_c, None)))
         self.gamma = nn.Parameter(src.tensor(p + "kv_a_layernorm.weight"))
-        self.eps = c.rms_norm_eps
+        self.eps = c.attention_norm_eps
         # W_UK / W_UV of these heads, latent columns S_i: rows of kv_b_proj [h (d_n + d_v), w].
         kv = self.d_n + self.d_v
         w_kv = src.linear(

@@ -26,6 +26,7 @@ from common.loading.rank_slices import rank_ffn, rank_norm
 from common.loading.weights import ModelWeights, WeightSource
 from common.model.causal_lm import DeepseekForCausalLM
 from common.model.fp8 import Fp8Weight, share_workspace
+from common.model.index_keys import key_format
 from common.model.rope import RotaryEmbedding, scale_queries
 from common.model.tpla import latent_shard
 from common.parallel import ParallelConfig
@@ -33,6 +34,7 @@ from services.decode.rank.backends import DecodeBackend, TorchBackend
 from services.decode.rank.cache_split import cache_split
 from services.decode.rank.layers import RankAttention, RankLayer
 from services.decode.rank.mtp import RankMTP, global_argmax
+from services.decode.rank.sparse_rank import RankSparse
 
 
 class RankModel(nn.Module):
@@ -84,6 +86,8 @@ class RankModel(nn.Module):
         if len(shards) > c.num_hidden_layers:
             main = (self.embed.weight, self.lm_head)
             self.mtp = RankMTP(src, parallel, rank, shards[c.num_hidden_layers], main)
+        # DSA: every cache layer's indexer (rank/sparse_rank.py); its key pool is bound later.
+        self.sparse = RankSparse(src, len(shards)) if c.dsa is not None else None
         share_workspace(self)
         self.backend: DecodeBackend = TorchBackend()
         self.use_backend(backend or TorchBackend())
@@ -113,6 +117,20 @@ class RankModel(nn.Module):
             block_size,
             dtype,
         )
+
+    def index_layout(
+        self, block_size: int, key_dtype: str, dtype: torch.dtype
+    ) -> CacheLayout | None:
+        """DSA: the indexer keys' pool in format `key_dtype` (common/model/index_keys.py) of
+        a model computing in `dtype`; None without DSA."""
+        if self.sparse is None:
+            return None
+        return self.sparse.layout(key_format(key_dtype, self.sparse.head_dim, dtype), block_size)
+
+    def bind_index_pool(self, pool: PagedLatentCache) -> None:
+        """DSA: the index-key pool of the `index_layout` asked for last."""
+        assert self.sparse is not None
+        self.sparse.bind(pool)
 
     def parameter_bytes(self) -> int:
         """The weights' bytes: parameters, and FP8 weights' values and scales (buffers)."""
@@ -176,11 +194,18 @@ class RankModel(nn.Module):
     ) -> Tensor:
         """One layer (cache layer `index`) over the rows' hidden state h [B, D]; `angles`
         as `angles` gives them."""
-        be, rope = self.backend, self.rope
+        be, rope, split = self.backend, self.rope, self.split
         cos, sin, q_scale = angles
         q_nope, q_pe = be.attention_inputs(index, layer, rope, h, cos, sin, cache, write_slots)
         q_nope, q_pe = scale_queries(q_nope, q_pe, q_scale)
-        y = self.split.attend(layer.attn, q_nope, q_pe, cache, index, reads, comm, be)
+        picked = None
+        if self.sparse is not None:
+            at = (rope, cos, sin)
+            picked = self.sparse.select(index, layer, h, at, write_slots, reads, comm, split, be)
+        if picked is None:
+            y = split.attend(layer.attn, q_nope, q_pe, cache, index, reads, comm, be)
+        else:
+            y = split.attend_selected(layer.attn, q_nope, q_pe, cache, index, picked, comm, be)
         comm.sum_(y)
         h = h + y
         f = be.ffn(layer.ffn, be.rms_norm(layer.post_norm, h))

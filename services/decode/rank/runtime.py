@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from common.group.setup import open_comm
 from common.group.spec import GroupSpec
 from common.kv.epochs import BlockEpochs, StaleEpoch
+from common.kv.index_cache import blocks_for_budget
 from common.kv.paged_cache import CacheReads, PagedLatentCache
 from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
@@ -81,12 +82,24 @@ class RankRuntime:
         weight_kernels.apply(self.model)
         self.model.use_backend(decode_backend(attention.kernel))
         self.layout = self.model.cache_layout(cfg.block_size, dtype)
-        num_blocks = self.layout.blocks_for_budget(int(cfg.kv_budget_mb * 2**20))
+        keys = self.model.index_layout(cfg.block_size, cfg.index_cache_dtype, dtype)
+        layouts = [self.layout] if keys is None else [self.layout, keys]
+        num_blocks = blocks_for_budget(int(cfg.kv_budget_mb * 2**20), layouts)
         self.cache = PagedLatentCache(self.layout, num_blocks, self.device)
         # Which reservation may still push into each block (a late push's rows never land).
         self.epochs = BlockEpochs(num_blocks)
+        # DSA: the indexer keys' pool, in the same blocks (common/kv/index_cache.py).
+        self.index_cache = None if keys is None else PagedLatentCache(keys, num_blocks, self.device)
+        if self.index_cache is not None:
+            self.model.bind_index_pool(self.index_cache)
         self.comm = open_comm(group, rank, self.device)
         self.prefills: PrefillPass | None = None
+        if prefill is not None and weights.config.dsa is not None:
+            # The rank's prefill pass writes latents only, not the indexer keys a sparse
+            # layer selects by: the router sends this model's prompts to prefill workers.
+            if rank == 0:
+                log.info("local prefill off: the prefill pass does not write DSA indexer keys")
+            prefill = None
         if prefill is not None:
             stack = RankPrefillStack(
                 weights, self.model, cfg.parallel, self.comm, prefill.attention_backend()
@@ -210,7 +223,10 @@ class RankRuntime:
         Safe beside the step loop: the blocks belong to a reservation that is not running.
         The shard's landing is reported to `landed`, when set.
         """
-        lay = self.layout
+        cache = self.cache if not header.index_keys else self.index_cache
+        if cache is None:
+            raise TransferError("an index-key shard sent to a rank of a model without DSA")
+        lay = cache.layout
         if header.rank != self.rank:
             raise TransferError(f"shard for rank {header.rank} sent to rank {self.rank}")
         if (header.num_layers, header.latent_width, header.rope_width) != (
@@ -226,7 +242,7 @@ class RankRuntime:
         if header.block_size != lay.block_size:
             raise TransferError(f"block size {header.block_size} != {lay.block_size}")
         slots = shard_slots(header)
-        if len(slots) and int(slots.max()) >= self.cache.trash_slot:
+        if len(slots) and int(slots.max()) >= cache.trash_slot:
             raise TransferError("shard addresses blocks outside this rank's pool")
         blocks = torch.tensor(list(header.block_ids), dtype=torch.int64)
         if not self.epochs.live(blocks, header.epoch):
@@ -237,7 +253,7 @@ class RankRuntime:
             )
         landed, request_id = self.landed, header.request_id
         written = None if landed is None else lambda _seconds: landed(request_id)
-        return ShardTarget(self.cache, slots, written, self.epochs)
+        return ShardTarget(cache, slots, written, self.epochs)
 
     def start_kv_receiver(self) -> grpc.Server | None:
         """Serve KvReceiver (and a TCPStore for the torch transport) for this rank."""
@@ -279,7 +295,9 @@ class RankRuntime:
         """This rank's part of a block copy (forks of a prompt: see Scheduler)."""
         pairs = plan.rank_pairs(self.rank).to(self.device)
         if len(pairs):
-            self.cache.copy_blocks(pairs[:, 0], pairs[:, 1])
+            for cache in (self.cache, self.index_cache):
+                if cache is not None:
+                    cache.copy_blocks(pairs[:, 0], pairs[:, 1])
 
     def receive_write(self, plan: WritePlan) -> None:
         """Follower side of a local KV write: receive the shard from the leader."""
@@ -290,4 +308,11 @@ class RankRuntime:
         rope = torch.empty(lay.num_layers, n, lay.rope_width, dtype=lay.dtype, device=self.device)
         self.comm.recv(lat, 0)
         self.comm.recv(rope, 0)
-        self.cache.write_all_layers(plan.slots.to(self.device), lat, rope)
+        slots = plan.slots.to(self.device)
+        self.cache.write_all_layers(slots, lat, rope)
+        if (keys := self.index_cache) is not None:  # DSA: the indexer keys follow
+            lay = keys.layout
+            shape = (lay.num_layers, n, lay.latent_width)
+            rows = torch.empty(shape, dtype=lay.dtype, device=self.device)
+            self.comm.recv(rows, 0)
+            keys.write_all_layers(slots, rows, rows[..., :0])

@@ -33,7 +33,9 @@ class LatentPrefixCache:
         self.root = root
         self.budget_bytes = budget_bytes
         self.block_size = block_size
-        self._blocks: OrderedDict[int, Tensor] = OrderedDict()  # oldest use first
+        # Oldest use first: each block's latents [L, block_size, d_c + d_r] and, for a DSA
+        # model, its indexer keys [L_I, block_size, d_I] (else None).
+        self._blocks: OrderedDict[int, tuple[Tensor, Tensor | None]] = OrderedDict()
         self.bytes = 0
         self.d_c = 0  # the latent width, learned from the first stored block
         self._lock = threading.Lock()  # the index, against `recent` on another thread
@@ -48,7 +50,7 @@ class LatentPrefixCache:
         """The latents of the longest cached prefix, leaving at least the prompt's last token
         to compute (its logits give the first token); None on a miss."""
         usable = min(len(hashes), (prompt_len - 1) // self.block_size)
-        found: list[Tensor] = []
+        found: list[tuple[Tensor, Tensor | None]] = []
         with self._lock:
             for h in hashes[:usable]:
                 block = self._blocks.get(h)
@@ -59,10 +61,14 @@ class LatentPrefixCache:
                 self._blocks.move_to_end(h)
         if not found:
             return None
-        kv = torch.cat(found, dim=1)  # [L, P, d_c + d_r]
+        kv = torch.cat([latents for latents, _ in found], dim=1)  # [L, P, d_c + d_r]
         layers = range(kv.shape[0])
+        keys = [k for _, k in found if k is not None]
+        index_keys = list(torch.cat(keys, dim=1)) if keys else []  # per full layer [P, d_I]
         return PastLatents(
-            [kv[i, :, : self.d_c] for i in layers], [kv[i, :, self.d_c :] for i in layers]
+            [kv[i, :, : self.d_c] for i in layers],
+            [kv[i, :, self.d_c :] for i in layers],
+            index_keys,
         )
 
     def store(
@@ -72,9 +78,11 @@ class LatentPrefixCache:
         k_pe: list[Tensor],
         first: int,
         rows: int,
+        keys: Sequence[Tensor] = (),
     ) -> None:
-        """Keep the full blocks whose latents `n` / `k_pe` (per layer) hold, row `rows` + j
-        being prompt position `first` + j; blocks cached already are only touched."""
+        """Keep the full blocks whose latents `n` / `k_pe` (per layer; a DSA model's indexer
+        keys `keys` per full layer) hold, row `rows` + j being prompt position `first` + j;
+        blocks cached already are only touched."""
         if self.budget_bytes <= 0:
             return
         bs = self.block_size
@@ -93,14 +101,15 @@ class LatentPrefixCache:
                     for nl, kl in zip(n, k_pe, strict=True)
                 ]
             )
-            size = block.numel() * block.element_size()
+            key_block = torch.stack([k[lo : lo + bs] for k in keys]) if keys else None
+            size = _nbytes(block, key_block)
             if size > self.budget_bytes:
                 return
             with self._lock:
                 while self.bytes + size > self.budget_bytes:
                     _, old = self._blocks.popitem(last=False)
-                    self.bytes -= old.numel() * old.element_size()
-                self._blocks[h] = block
+                    self.bytes -= _nbytes(*old)
+                self._blocks[h] = (block, key_block)
                 self.bytes += size
         with self._lock:
             for h in reversed(hashes):  # parents end up more recent than children
@@ -112,3 +121,8 @@ class LatentPrefixCache:
         publishes for KV-aware routing)."""
         with self._lock:
             return list(itertools.islice(reversed(self._blocks), limit))
+
+
+def _nbytes(block: Tensor, keys: Tensor | None) -> int:
+    held = block.numel() * block.element_size()
+    return held + (keys.numel() * keys.element_size() if keys is not None else 0)

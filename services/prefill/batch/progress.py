@@ -11,6 +11,8 @@ prefix cache block by block and is what ships at the end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -38,6 +40,7 @@ class PromptProgress:
         self._past: PastLatents | None = None  # the cache hit, before any piece
         self._n: list[Tensor] = []  # per layer [length, d_c], once it takes several pieces
         self._k_pe: list[Tensor] = []
+        self._keys: list[Tensor] = []  # DSA: per full layer [length, d_I]
 
     def start(self, hashes: list[int], past: PastLatents | None) -> None:
         """Begin after the cached prefix `past` (None: from position 0)."""
@@ -61,22 +64,35 @@ class PromptProgress:
         """What the next piece attends over: the cache hit, then the pieces computed."""
         if not self._n:
             return self._past
-        return PastLatents([n[: self.done] for n in self._n], [k[: self.done] for k in self._k_pe])
+        done = self.done
+        return PastLatents(
+            [n[:done] for n in self._n],
+            [k[:done] for k in self._k_pe],
+            [k[:done] for k in self._keys],
+        )
 
-    def add(self, n: list[Tensor], k_pe: list[Tensor], row: int) -> None:
-        """Keep the piece just computed: rows row..row + piece() of each layer's n / k_pe."""
+    def add(
+        self, n: list[Tensor], k_pe: list[Tensor], row: int, keys: Sequence[Tensor] = ()
+    ) -> None:
+        """Keep the piece just computed: rows row..row + piece() of each layer's n / k_pe
+        (and of each full layer's indexer keys, DSA)."""
         size = self.piece()
         if not self._n:
             self._n = [_buffer(x, self.length) for x in n]
             self._k_pe = [_buffer(x, self.length) for x in k_pe]
+            self._keys = [_buffer(x, self.length) for x in keys]
             if self._past is not None:
-                for buf, x in zip(
-                    self._n + self._k_pe, self._past.n + self._past.k_pe, strict=True
-                ):
+                past = self._past
+                held = past.n + past.k_pe + past.index_keys
+                for buf, x in zip(self._buffers, held, strict=True):
                     buf[: self.cached] = x
-        for buf, x in zip(self._n + self._k_pe, n + k_pe, strict=True):
+        for buf, x in zip(self._buffers, [*n, *k_pe, *keys], strict=True):
             buf[self.done : self.done + size] = x[row : row + size]
         self.done += size
+
+    @property
+    def _buffers(self) -> list[Tensor]:
+        return self._n + self._k_pe + self._keys
 
     def advance(self, out: PrefillOutput, row: int, cache: LatentPrefixCache | None) -> None:
         """Take the piece just computed, rows row..row + piece() of `out`: a prompt computed
@@ -86,10 +102,10 @@ class PromptProgress:
         before = self.done
         if self.whole:
             if cache is not None:
-                cache.store(self.hashes, out.n, out.k_pe, before, row)
+                cache.store(self.hashes, out.n, out.k_pe, before, row, out.index_keys)
             self.done += self.piece()
             return
-        self.add(out.n, out.k_pe, row)
+        self.add(out.n, out.k_pe, row, out.index_keys)
         if cache is not None:
             self.store(cache, before)
 
@@ -102,7 +118,7 @@ class PromptProgress:
         after each 16K prompt: 40-56 MiB above the baseline stayed resident without the trim,
         2-7 MiB with it."""
         held = bool(self._n)
-        self._past, self._n, self._k_pe = None, [], []
+        self._past, self._n, self._k_pe, self._keys = None, [], [], []
         if held:
             trim_heap()
 
@@ -110,25 +126,40 @@ class PromptProgress:
         """Put the full blocks finished since position `before` into the prefix cache."""
         bs = cache.block_size
         first = before // bs * bs  # the block `before` ends inside was not full then
-        cache.store(self.hashes[: self.done // bs], self._n, self._k_pe, first, first)
+        hashes = self.hashes[: self.done // bs]
+        cache.store(hashes, self._n, self._k_pe, first, first, self._keys)
 
     def unshipped(
         self, out: PrefillOutput, row: int, skip: int
-    ) -> tuple[list[Tensor], list[Tensor]]:
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """Per layer, the finished prompt's latents from position `skip` (the decode group
-        holds the rest) to its end. A prompt computed whole has them in `out` from row `row`
-        (positions cached..length) and in its cached prefix; a chunked one in its buffer."""
+        holds the rest) to its end, and per full layer its indexer keys (DSA; else none). A
+        prompt computed whole has them in `out` from row `row` (positions cached..length)
+        and in its cached prefix; a chunked one in its buffer."""
         if self._n:
-            return [n[skip:] for n in self._n], [k[skip:] for k in self._k_pe]
+            return (
+                [n[skip:] for n in self._n],
+                [k[skip:] for k in self._k_pe],
+                [k[skip:] for k in self._keys],
+            )
         end = row + self.length - self.cached
         if skip >= self.cached:
             lo = row + skip - self.cached
-            return [n[lo:end] for n in out.n], [k[lo:end] for k in out.k_pe]
+            return (
+                [n[lo:end] for n in out.n],
+                [k[lo:end] for k in out.k_pe],
+                [k[lo:end] for k in out.index_keys],
+            )
         past = self._past
         assert past is not None
+
+        def joined(before: list[Tensor], new: list[Tensor]) -> list[Tensor]:
+            return [torch.cat([p[skip:], x[row:end]]) for p, x in zip(before, new, strict=True)]
+
         return (
-            [torch.cat([p[skip:], n[row:end]]) for p, n in zip(past.n, out.n, strict=True)],
-            [torch.cat([p[skip:], k[row:end]]) for p, k in zip(past.k_pe, out.k_pe, strict=True)],
+            joined(past.n, out.n),
+            joined(past.k_pe, out.k_pe),
+            joined(past.index_keys, out.index_keys),
         )
 
 

@@ -37,7 +37,9 @@ from common.group.local_ranks import LocalRanks
 from common.group.setup import open_comm, startup_barrier
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
+from common.loading.loader import serving_dtype
 from common.model.causal_lm import PrefillOutput
+from common.model.index_keys import index_format
 from common.runtime.device import rank_device
 from services.prefill.batch.batch_plan import BatchPlan, JobPlan, recv_plan
 from services.prefill.batch.progress import PromptProgress
@@ -74,7 +76,8 @@ class RankState:
         self.cfg, self.rank, self.comm, self.model, self.store = cfg, rank, comm, model, store
         self.device = rank_device(cfg.device, group_spec(cfg).local_index(rank))
         sender = make_sender(cfg.transport, f"{cfg.worker_id}-rank{rank}", cfg.token)
-        self.shipper = Shipper(sender, self.device)
+        fmt = index_format(model.config, cfg.index_cache_dtype, serving_dtype(cfg.dtype))
+        self.shipper = Shipper(sender, self.device, key_format=fmt)
         self.cache = prefix_cache(cfg)
         self.threads = PrefillThreads.of(cfg.torch_threads, cfg.prefill_threads)
         self.prompts: dict[str, PromptProgress] = {}
@@ -142,8 +145,8 @@ class RankState:
             sends: list[Future[int]] = []
             lo, hi = progress.sends.rows, progress.done - order.skip
             if hi > lo:
-                n, k_pe = progress.unshipped(out, row, order.skip)
-                sends = self.shipper.ship(order, n, k_pe, self.rank, tp, rows=(lo, hi))
+                n, k_pe, keys = progress.unshipped(out, row, order.skip)
+                sends = self.shipper.ship(order, n, k_pe, self.rank, tp, rows=(lo, hi), keys=keys)
                 progress.sends.add(sends, hi, time.perf_counter())
             report_when_sent(self.store, job.seq, self.rank, sends)
         if not progress.left:

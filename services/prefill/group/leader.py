@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -34,7 +34,9 @@ from common.group.processes import GroupProcesses
 from common.group.setup import create_shm_group, init_group, open_comm, startup_barrier
 from common.group.vocab import gather_vocab
 from common.kv.transfer import make_sender
+from common.loading.loader import serving_dtype
 from common.model.causal_lm import PastLatents, PrefillOutput
+from common.model.index_keys import index_format
 from common.runtime import group_files
 from common.runtime.device import rank_device
 from common.runtime.errors import Unavailable
@@ -69,7 +71,9 @@ class GroupRunner(PrefillRunner):
         self.sends_hidden = model.mtp is not None
         self.device = rank_device(cfg.device, 0)
         self.transport = cfg.transport
-        self.shipper = Shipper(make_sender(cfg.transport, cfg.worker_id, cfg.token), self.device)
+        sender = make_sender(cfg.transport, cfg.worker_id, cfg.token)
+        fmt = index_format(model.config, cfg.index_cache_dtype, serving_dtype(cfg.dtype))
+        self.shipper = Shipper(sender, self.device, key_format=fmt)
         self._error: BaseException | None = None
         self.reports = Reports(cfg.master_addr, cfg.master_port, lambda: self.failed)
         # Per piece of the batch in flight: the other ranks' reports, expected from the plan
@@ -160,7 +164,7 @@ class GroupRunner(PrefillRunner):
         except Exception as exc:
             raise self._fail(exc) from exc
         assert logits is not None  # rank 0
-        return PrefillOutput(logits, out.n, out.k_pe, out.hidden)
+        return PrefillOutput(logits, out.n, out.k_pe, out.hidden, out.index_keys)
 
     def _keep_alive(self) -> None:
         """Ping the ranks once no plan went out for `_ping_s`, until the group closes or
@@ -192,8 +196,9 @@ class GroupRunner(PrefillRunner):
         k_pe: list[Tensor],
         timed: Callable[[int, str, Send], Send] | None = None,
         rows: tuple[int, int] | None = None,
+        keys: Sequence[Tensor] = (),
     ) -> list[Future[int]]:
-        sends = self.shipper.ship(job.order, n, k_pe, 0, self.cfg.tp, timed, rows)
+        sends = self.shipper.ship(job.order, n, k_pe, 0, self.cfg.tp, timed, rows, keys)
         return sends + self._reports.pop(job.seq, [])
 
     def _expect(self, job: JobPlan) -> list[Future[int]]:

@@ -33,7 +33,8 @@ def start_runner(cfg: PrefillGroupConfig) -> PrefillRunner:
         layer = load_prefill_mtp(
             cfg.model, cfg.reparam, model, cfg.dtype, cfg.device, cfg.weight_dtype
         )
-    return LocalRunner(model, make_sender(cfg.transport, cfg.worker_id, cfg.token), layer)
+    sender = make_sender(cfg.transport, cfg.worker_id, cfg.token)
+    return LocalRunner(model, sender, layer, cfg.index_cache_dtype)
 
 
 def start_worker(cfg: PrefillConfig, metrics: PrefillMetrics) -> PrefillWorker:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.loading.loader import load_model
-from common.model.causal_lm import ContiguousLatentCache
+from common.model.contiguous_cache import ContiguousLatentCache
 from tests.tiny import save_hf
 
 CONTEXT = 520

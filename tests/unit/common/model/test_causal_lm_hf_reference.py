@@ -11,7 +11,7 @@ import torch
 from common.loading.loader import load_model
 from common.model.generate import generate
 from common.sampling.params import SamplingParams
-from tests.tiny import VARIANTS, save_hf
+from tests.tiny import VARIANTS, hf_greedy, save_hf
 from tests.tiny_families import FAMILY_VARIANTS, save_family
 
 PROMPT_LEN = 37
@@ -52,19 +52,11 @@ def test_batched_prefill_equals_single(pair) -> None:
     )
 
 
-def _hf_greedy(hf: torch.nn.Module, ids: torch.Tensor, steps: int) -> list[int]:
-    seq = ids.tolist()
-    with torch.no_grad():
-        for _ in range(steps):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids) :]
-
-
 @pytest.mark.parametrize("path", ["expanded", "absorbed"])
 def test_greedy_tokens_match_hf(pair, path: str) -> None:
     hf, ours = pair
     ids = _prompt(3)
-    expected = _hf_greedy(hf, ids, NEW_TOKENS)
+    expected = hf_greedy(hf, ids, NEW_TOKENS)
     got = generate(
         ours,
         ids.tolist(),

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from common.loading.loader import load_model
-from common.model.causal_lm import ContiguousLatentCache, PrefillOutput
+from common.model.causal_lm import PrefillOutput
 from common.model.chunked import prefill_in_chunks
+from common.model.contiguous_cache import ContiguousLatentCache
 from common.model.generate import generate
 from common.sampling.params import SamplingParams
 from tests.tiny import save_hf

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common.model.args import ModelConfig
-from common.model.causal_lm import ContiguousLatentCache, DeepseekForCausalLM, PastLatents
+from common.model.causal_lm import DeepseekForCausalLM, PastLatents
+from common.model.contiguous_cache import ContiguousLatentCache
 from common.model.mtp import (
     MTPLayer,
     MTPStack,
@@ -130,7 +131,7 @@ def test_the_latents_alone_equal_the_whole_layer_pass_bit_for_bit(models) -> Non
     next_ids, hidden, lens = torch.cat([a[1:], b[1:]]), torch.cat([ha, hb]), [11, 6]
     stack = MTPStack(layer, hidden, main.rope, SdpaPrefillAttention())
     whole = mtp_prefill(layer, main.rope, next_ids, hidden, lens)
-    n, k_pe = mtp_latents(stack, next_ids, lens)
+    n, k_pe, _ = mtp_latents(stack, next_ids, lens)
     assert torch.equal(n, whole.n) and torch.equal(k_pe, whole.k_pe)
     # Continuing cached prefixes of 5 and 2 positions: the rows' positions start after them.
     pasts = [
@@ -141,7 +142,7 @@ def test_the_latents_alone_equal_the_whole_layer_pass_bit_for_bit(models) -> Non
     rows = torch.cat([torch.arange(5, 11), torch.arange(11, 17), torch.arange(13, 17)])
     tail = MTPStack(layer, hidden[rows], main.rope, SdpaPrefillAttention())
     want = mtp_prefill(layer, main.rope, next_ids[rows], hidden[rows], [6, 6, 4], past=pasts)
-    n, k_pe = mtp_latents(tail, next_ids[rows], [6, 6, 4], pasts)
+    n, k_pe, _ = mtp_latents(tail, next_ids[rows], [6, 6, 4], pasts)
     assert torch.equal(n, want.n) and torch.equal(k_pe, want.k_pe)
     torch.testing.assert_close(k_pe, whole.k_pe[rows], rtol=0, atol=1e-12)
 
