@@ -46,7 +46,7 @@ def _layer(held: int, d: int, i: int, batch: int, seed: int = 0) -> tuple:
 
 
 def test_auto_runs_the_fp8_experts_on_the_triton_kernel() -> None:
-    assert select_experts_kernel("auto", CUDA, torch.bfloat16).kernel == "triton_fp8"
+    assert select_experts_kernel("auto", CUDA, torch.bfloat16).kernel == "triton"
 
 
 @pytest.mark.parametrize("gather", [False, True])
@@ -71,8 +71,8 @@ def test_the_compiled_kernel_equals_its_reference(rows: int, gather: bool) -> No
 @pytest.mark.parametrize(("held", "d", "i"), [(32, 7168, 2048), (256, 7168, 256)])
 def test_fp8_experts_equal_dequantize_then_gemm_without_a_sync(held: int, d: int, i: int) -> None:
     gate_up, down, x, ids, weights = _layer(held, d, i, batch=64)
-    kernel, how = settle("triton_fp8", gate_up, down)
-    assert how == "triton_fp8"
+    kernel, how = settle("triton", gate_up, down)
+    assert how == "triton (FP8 blocks)"
     r = route(ids, weights, held)
     with torch.inference_mode():
         want = grouped_experts(x, r, dense(gate_up), dense(down)).float()
@@ -88,7 +88,7 @@ def test_fp8_experts_equal_dequantize_then_gemm_without_a_sync(held: int, d: int
 
 def test_fp8_experts_replay_in_a_cuda_graph() -> None:
     gate_up, down, x, ids, weights = _layer(32, 7168, 2048, batch=16, seed=1)
-    kernel, _ = settle("triton_fp8", gate_up, down)
+    kernel, _ = settle("triton", gate_up, down)
     with torch.inference_mode():
         eager = kernel(x, route(ids, weights, 32), gate_up, down)
         stream = torch.cuda.Stream()
