@@ -9,24 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.expert_routing import route
-from common.model.experts import grouped_experts
 from common.model.experts_kernel import select_experts_kernel, settle
-from common.model.fp8 import dense, share_workspace
+from common.model.fp8 import share_workspace
 from common.model.int4 import Int4Weight
-from common.triton_kernels.fp8_blocks import unsupported
 from common.triton_kernels.int4_grouped_gemm import int4_grouped_mm, int4_grouped_mm_reference
-
-
-def _why_not() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    return unsupported(torch.device("cuda"))
-
+from tests.gpu.test_fp8_experts_gpu import check_graph_replay, run_without_a_sync, why_not
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
+    pytest.mark.skipif(why_not() is not None, reason=str(why_not())),
 ]
 
 CUDA = torch.device("cuda")
@@ -80,36 +71,10 @@ def test_the_compiled_kernel_equals_its_reference(rows: int, gather: bool) -> No
 
 @pytest.mark.parametrize(("held", "d", "i"), [(48, 7168, 2048), (384, 7168, 256)])
 def test_int4_experts_equal_dequantize_then_gemm_without_a_sync(held: int, d: int, i: int) -> None:
-    gate_up, down, x, ids, weights = _layer(held, d, i, batch=64)
-    kernel, how = settle("triton", gate_up, down)
-    assert how == "triton (INT4, groups of 32)"
-    r = route(ids, weights, held)
-    with torch.inference_mode():
-        want = grouped_experts(x, r, dense(gate_up), dense(down)).float()
-        kernel(x, r, gate_up, down)  # compiles
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = kernel(x, route(ids, weights, held), gate_up, down).float()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    got, want = run_without_a_sync(_layer(held, d, i, batch=64), "triton (INT4, groups of 32)")
     # Both bf16 GEMM pairs over the same bf16 weights: the sums' order and roundings only.
     assert (got - want).norm() <= 0.02 * want.norm()
 
 
 def test_int4_experts_replay_in_a_cuda_graph() -> None:
-    gate_up, down, x, ids, weights = _layer(48, 7168, 2048, batch=16, seed=1)
-    kernel, _ = settle("triton", gate_up, down)
-    with torch.inference_mode():
-        eager = kernel(x, route(ids, weights, 48), gate_up, down)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            kernel(x, route(ids, weights, 48), gate_up, down)  # warm-up on the side stream
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = kernel(x, route(ids, weights, 48), gate_up, down)
-        graph.replay()
-        torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    check_graph_replay(_layer(48, 7168, 2048, batch=16, seed=1))
