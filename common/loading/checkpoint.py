@@ -19,8 +19,8 @@ overlaps, for weights kept in FP8 (common/model/fp8.py).
 
 compressed-tensors' pack-quantized INT4 (Kimi's routed experts: `X.weight_packed`,
 `X.weight_scale`, `X.weight_shape`) is listed as `X.weight` with its logical shape; a read
-dequantizes its slice with `dequantize_int4` (common/model/int4.py), or `read_int4` gives the
-words and group scales as stored, for weights kept in INT4.
+dequantizes its slice with `dequantize_int4` (common/triton_kernels/int4_packing.py), or
+`read_int4` gives the words and group scales as stored, for weights kept in INT4.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from common.model.int4 import INT4_PACK, dequantize_int4
 from common.runtime.load_meter import current_meter
+from common.triton_kernels.int4_packing import INT4_PACK, dequantize_int4
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"

@@ -2,16 +2,17 @@
 
 `select_experts_kernel` is the selector (TPLA_EXPERTS_KERNEL, by the rule of
 common/runtime/kernel_choice.py), once per model for its device and compute dtype:
-`triton_fp8` (the Triton FP8 block-scaled grouped GEMM, common/model/fp8_experts.py) where it
-runs, `grouped` where this torch runs `grouped_mm` on the device in the dtype, else `loop`.
-`auto` tries triton_fp8 on CUDA only (on the CPU it runs under Triton's interpreter, named).
+`triton` (the Triton grouped GEMM over quantized experts: FP8 blocks,
+common/model/fp8_experts.py, or INT4 groups as W4A16, int4_experts.py) where it runs,
+`grouped` where this torch runs `grouped_mm` on the device in the dtype, else `loop`.
+`auto` tries triton on CUDA only (on the CPU it runs under Triton's interpreter, named).
 
-`settle` then decides, per layer and for its weights as placed, what runs: `triton_fp8` runs
-FP8 experts whose blocks it can read and falls back to `grouped` otherwise (weights that are
-not FP8, column blocks a 128-column group would straddle); `grouped` runs weights whose
-strides grouped_mm takes, else the loop. FP8 weights that no FP8 kernel runs are
-dequantized a bounded group of experts at a time (common/model/experts.py), and only there
-does a layer hold a dequantization buffer.
+`settle` then decides, per layer and for its weights as placed, what runs: `triton` runs
+FP8 experts whose blocks it can read and INT4 experts, and falls back to `grouped` otherwise
+(weights that are neither, column blocks a 128-column group would straddle); `grouped` runs
+weights whose strides grouped_mm takes, else the loop. Quantized weights that no Triton
+kernel runs are dequantized a bounded group of experts at a time (common/model/experts.py),
+and only there does a layer hold a dequantization buffer.
 """
 
 from __future__ import annotations
@@ -28,18 +29,21 @@ from common.model.experts import (
 )
 from common.model.fp8 import DequantizedOnUse, Fp8Weight, Weight
 from common.model.fp8_experts import Fp8GroupedExperts
+from common.model.int4 import Int4Weight
+from common.model.int4_experts import Int4GroupedExperts
 from common.runtime.kernel_choice import KernelChoice, choose_kernel, setting_of
-from common.triton_kernels.fp8_blocks import BlockFp8, unsupported
+from common.triton_kernels.fp8_blocks import unsupported
 
-EXPERTS_KERNELS = ("triton_fp8", "grouped", "loop")
-NOT_FP8 = "the experts are not FP8"
+EXPERTS_KERNELS = ("triton", "grouped", "loop")
+NOT_QUANTIZED = "the experts are neither FP8 nor INT4"
 
 
 def select_experts_kernel(asked: str, device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """The routed experts' kernel for weights on `device` computing in `dtype`
-    (TPLA_EXPERTS_KERNEL: auto | triton_fp8 | grouped | loop), by the kernel-choice rule."""
+    (TPLA_EXPERTS_KERNEL: auto | triton | grouped | loop), by the kernel-choice rule. The
+    Triton kernels are offered where both formats' steps run (FP8 tensor cores: sm_89+)."""
     checks = {
-        "triton_fp8": lambda: unsupported(device),
+        "triton": lambda: unsupported(device),
         "grouped": lambda: grouped_unsupported_on(device, dtype),
         "loop": lambda: None,
     }
@@ -47,10 +51,15 @@ def select_experts_kernel(asked: str, device: torch.device, dtype: torch.dtype) 
     return choose_kernel("experts", asked, checks, auto)
 
 
-def _fp8_blocks(gate_up: Weight, down: Weight) -> tuple[BlockFp8, BlockFp8] | str:
-    """Both weights as the Triton FP8 kernel reads them, or why it cannot."""
+def _triton_experts(gate_up: Weight, down: Weight) -> tuple[RoutedExperts, str] | str:
+    """The Triton kernel that reads both weights as stored and how it reads them, or why
+    none can."""
+    if isinstance(gate_up, Int4Weight) and isinstance(down, Int4Weight):
+        if len(gate_up.shape) != 3 or len(down.shape) != 3:
+            return "not stacks of experts"
+        return Int4GroupedExperts(gate_up, down), f"triton (INT4, groups of {gate_up.group})"
     if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)):
-        return NOT_FP8
+        return NOT_QUANTIZED
     if gate_up.values.dim() != 3 or down.values.dim() != 3:
         return "not stacks of experts"
     gate_up_blocks, down_blocks = gate_up.block_fp8(), down.block_fp8()
@@ -58,33 +67,34 @@ def _fp8_blocks(gate_up: Weight, down: Weight) -> tuple[BlockFp8, BlockFp8] | st
         return gate_up_blocks
     if isinstance(down_blocks, str):
         return down_blocks
-    return gate_up_blocks, down_blocks
+    return Fp8GroupedExperts(gate_up_blocks, down_blocks), "triton (FP8 blocks)"
 
 
 def loop_reason(kernel: str, gate_up: Weight, down: Weight) -> str | None:
     """Why these weights run the per-expert loop under the chosen `kernel`, or None."""
     if kernel == "loop":
         return f"the loop was chosen ({setting_of('experts')})"
-    if kernel == "triton_fp8" and not isinstance(_fp8_blocks(gate_up, down), str):
+    if kernel == "triton" and not isinstance(_triton_experts(gate_up, down), str):
         return None
     return grouped_unsupported(gate_up, down)
 
 
 def settle(kernel: str, gate_up: Weight, down: Weight) -> tuple[RoutedExperts, str]:
-    """What runs these weights under the chosen `kernel`, and how it reads: "triton_fp8",
-    "grouped" (FP8: with its dequantized group size) or "loop: why"."""
-    fp8_why = None
-    if kernel == "triton_fp8":
-        blocks = _fp8_blocks(gate_up, down)
-        if not isinstance(blocks, str):
-            return Fp8GroupedExperts(*blocks), "triton_fp8"
-        fp8_why = blocks
+    """What runs these weights under the chosen `kernel`, and how it reads: "triton (FP8
+    blocks)", "triton (INT4, groups of G)", "grouped" (quantized: with its dequantized group
+    size) or "loop: why"."""
+    triton_why = None
+    if kernel == "triton":
+        found = _triton_experts(gate_up, down)
+        if not isinstance(found, str):
+            return found
+        triton_why = found
     why = loop_reason(kernel, gate_up, down)
     if why is not None:
         return routed_experts, f"loop: {why}"
     how = "grouped"
     if isinstance(gate_up, DequantizedOnUse):
         how += f", dequantized {experts_per_group(gate_up, down)} experts at a time"
-    if fp8_why is not None and fp8_why != NOT_FP8:
-        how += f" (triton_fp8: {fp8_why})"
+    if triton_why is not None and triton_why != NOT_QUANTIZED:
+        how += f" (triton: {triton_why})"
     return grouped_experts, how

@@ -109,7 +109,7 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(d, i * config.n_shared_experts) if config.n_shared_experts else None
         )
-        # The choice (common/model/experts_kernel.py): triton_fp8 | grouped | loop.
+        # The choice (common/model/experts_kernel.py): triton | grouped | loop.
         self.experts_kernel = "grouped"
         self.sized = False
         self._kernel: RoutedExperts | None = None
@@ -125,7 +125,7 @@ class MoE(nn.Module):
         return loop_reason(self.experts_kernel, e.gate_up_proj, e.down_proj)
 
     def use_kernel(self, kernel: str) -> str:
-        """Run the routed experts on `kernel` (triton_fp8 | grouped | loop), settled now for
+        """Run the routed experts on `kernel` (triton | grouped | loop), settled now for
         the weights as placed; says what runs ("grouped", "loop: why", ...)."""
         self.experts_kernel = kernel
         self._kernel, how = settle(kernel, self.experts.gate_up_proj, self.experts.down_proj)
@@ -154,8 +154,8 @@ class MoE(nn.Module):
 
 def use_experts_kernel(model: nn.Module, kernel: str) -> dict[str, str]:
     """Give every MoE layer of `model` (placed on its device) the routed experts' kernel the
-    model was given (`select_experts_kernel`: triton_fp8 | grouped | loop), settled now;
-    logs how many layers run each and how. Returns, per layer, what runs ("triton_fp8",
+    model was given (`select_experts_kernel`: triton | grouped | loop), settled now;
+    logs how many layers run each and how. Returns, per layer, what runs ("triton (FP8 blocks)",
     "grouped", "loop: why", ...)."""
     chosen: dict[str, str] = {}
     for name, module in model.named_modules():

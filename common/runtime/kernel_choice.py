@@ -35,7 +35,7 @@ SELECTORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "decode_attention": ("TPLA_DECODE_KERNEL", ("torch", "native", "triton")),
     "prefill_attention": ("TPLA_ATTENTION_BACKEND", ("sdpa", "native", "flash-attn")),
     "fp8_gemm": ("TPLA_FP8_GEMM", ("scaled_mm", "triton", "dequantize")),
-    "experts": ("TPLA_EXPERTS_KERNEL", ("triton_fp8", "grouped", "loop")),
+    "experts": ("TPLA_EXPERTS_KERNEL", ("triton", "grouped", "loop")),
 }
 
 # Why a kernel cannot run here, or None where it can; called only when the rule asks.

@@ -94,15 +94,16 @@ class Settings(BaseSettings):
     )
     experts_kernel: str = Field(
         "auto",
-        description="a MoE layer's routed experts: auto (on CUDA triton_fp8 where it runs; "
-        "else grouped where this torch, device and dtype run grouped_mm: bf16 on CUDA sm_80+, "
-        "fp32 / bf16 on the CPU; else loop) | triton_fp8 (FP8 experts multiplied in FP8 by a "
-        "Triton block-scaled grouped GEMM, no dequantized copy: CUDA sm_89+, or the CPU under "
-        "TRITON_INTERPRET=1; a layer whose experts are not FP8 or whose column blocks it cannot "
-        "read runs grouped) | grouped (two grouped GEMMs, routed on the device) | loop (the "
-        "per-expert reference); FP8 experts without triton_fp8 are dequantized a few experts "
-        "at a time; a layer whose sizes grouped_mm cannot take runs the loop either way, with "
-        "the reason logged; a named kernel the device cannot run stops the start-up",
+        description="a MoE layer's routed experts: auto (on CUDA triton where it runs; else "
+        "grouped where this torch, device and dtype run grouped_mm: bf16 on CUDA sm_80+, fp32 / "
+        "bf16 on the CPU; else loop) | triton (the Triton grouped GEMM over quantized experts, "
+        "no dequantized copy: FP8 experts multiplied in FP8 over their blocks, INT4 experts as "
+        "W4A16 over their packed words and group scales; CUDA sm_89+, or the CPU under "
+        "TRITON_INTERPRET=1; a layer whose experts are neither, or whose FP8 column blocks it "
+        "cannot read, runs grouped) | grouped (two grouped GEMMs, routed on the device) | loop "
+        "(the per-expert reference); quantized experts without triton are dequantized a few "
+        "experts at a time; a layer whose sizes grouped_mm cannot take runs the loop either "
+        "way, with the reason logged; a named kernel the device cannot run stops the start-up",
     )
     cuda_graphs: str = Field(
         "auto",

@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of the Triton kernels for a CUDA target, on any machine: the
-decode-attention kernels (`compile_for`) and the FP8 grouped GEMM (`compile_fp8_grouped_gemm`).
+decode-attention kernels (`compile_for`) and the grouped GEMMs, FP8
+(`compile_fp8_grouped_gemm`) or W4A16 (`compile_int4_grouped_gemm`).
 
 `triton.compile` lowers a kernel to PTX and runs the ptxas that the triton wheel ships, so
 the Triton -> PTX -> cubin path for sm_80 / sm_90 is checked on a CPU-only machine. Register
@@ -30,8 +31,9 @@ from common.triton_kernels.decode_attention import (
     kernels,
 )
 from common.triton_kernels.fp8_blocks import GROUP
-from common.triton_kernels.fp8_grouped_gemm import BLOCK_N, NUM_STAGES, Tiles
-from common.triton_kernels.fp8_grouped_gemm import kernels as fp8_kernels
+from common.triton_kernels.fp8_grouped_gemm import block_step
+from common.triton_kernels.grouped_gemm import BLOCK_N, NUM_STAGES, Tiles, tile_loop
+from common.triton_kernels.int4_grouped_gemm import INT4_BLOCK_K, group_step
 from common.triton_kernels.triton_mode import interpreted_import, triton_installed
 
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -203,6 +205,47 @@ def _check_compilable() -> None:
         )
 
 
+def _grouped_gemm_source(
+    step: Any,
+    types: dict[str, str],
+    strides: dict[str, int],
+    n: int,
+    k: int,
+    tiles: Tiles,
+    out_dtype: torch.dtype,
+    gather: bool,
+    block_k: int,
+    scale_group: int,
+) -> Any:
+    """The shared tile loop over `step` as a launch with these pointer `types` (A, AScale,
+    W, WScale) and sample `strides` (the ones the format decides) would build it."""
+    if out_dtype not in TYPE_NAMES:
+        raise ValueError(f"unsupported output dtype {out_dtype}")
+    _check_compilable()
+    pointers = [
+        ("A", types["A"]),
+        ("AScale", types["AScale"]),
+        ("Rows", "*i32"),
+        ("W", types["W"]),
+        ("WScale", types["WScale"]),
+        ("WScaleRows", "*i32"),
+        ("WScaleCols", "*i32"),
+        ("Ends", "*i32"),
+        ("Out", f"*{TYPE_NAMES[out_dtype]}"),
+    ]
+    ints = [("N", n), ("K", k), *strides.items(), ("stride_out", n)]
+    constants = {
+        "GATHER": gather,
+        "STEP": step,
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": BLOCK_N,
+        "BLOCK_K": block_k,
+        "AS_FP32": False,
+        "SCALE_GROUP": scale_group,
+    }
+    return _source(tile_loop(), [*pointers, *ints], constants)
+
+
 def compile_fp8_grouped_gemm(
     target_arch: int, n: int, k: int, tiles: Tiles, out_dtype: torch.dtype, gather: bool
 ) -> CompiledKernelInfo:
@@ -210,42 +253,54 @@ def compile_fp8_grouped_gemm(
     [n, k] weights with `tiles` (`choose_tiles`), an `out_dtype` output and, with `gather`,
     each row's activation row read from `rows` would, without a GPU. Raises on a failed
     compile."""
-    if out_dtype not in TYPE_NAMES:
-        raise ValueError(f"unsupported output dtype {out_dtype}")
-    _check_compilable()
-    loop, step = fp8_kernels()
     groups = math.ceil(k / GROUP)
-    src = _source(
-        loop,
-        [
-            ("A", "*fp8e4nv"),
-            ("AScale", "*fp32"),
-            ("Rows", "*i32"),
-            ("W", "*fp8e4nv"),
-            ("WScale", "*fp32"),
-            ("WScaleRows", "*i32"),
-            ("WScaleCols", "*i32"),
-            ("Ends", "*i32"),
-            ("Out", f"*{TYPE_NAMES[out_dtype]}"),
-            ("N", n),
-            ("K", k),
-            ("stride_a", k),
-            ("stride_as_m", 1),  # quantize_groups' scales are column-major
-            ("stride_as_k", GENERIC_INT),
-            ("stride_we", n * k),
-            ("stride_wn", k),
-            ("stride_se", GENERIC_INT),
-            ("stride_sr", groups),
-            ("stride_sc", 1),
-            ("stride_out", n),
-        ],
-        {
-            "GATHER": gather,
-            "STEP": step,
-            "BLOCK_M": tiles.block_m,
-            "BLOCK_N": BLOCK_N,
-            "BLOCK_K": GROUP,
-            "FP8_AS_FP32": False,
-        },
+    types = {"A": "*fp8e4nv", "AScale": "*fp32", "W": "*fp8e4nv", "WScale": "*fp32"}
+    strides = {
+        "stride_a": k,
+        "stride_as_m": 1,  # quantize_groups' scales are column-major
+        "stride_as_k": GENERIC_INT,
+        "stride_we": n * k,
+        "stride_wn": k,
+        "stride_se": GENERIC_INT,
+        "stride_sr": groups,
+        "stride_sc": 1,
+    }
+    src = _grouped_gemm_source(
+        block_step(), types, strides, n, k, tiles, out_dtype, gather, GROUP, 1
+    )
+    return _compile(src, target_arch, tiles.num_warps, NUM_STAGES)
+
+
+def compile_int4_grouped_gemm(
+    target_arch: int,
+    n: int,
+    k: int,
+    group: int,
+    tiles: Tiles,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    gather: bool,
+) -> CompiledKernelInfo:
+    """Compile `int4_grouped_mm`'s kernel for sm_`target_arch` as a launch over groups of
+    [n, k] INT4 weights with bf16 scales every `group` columns, `dtype` activations, `tiles`,
+    an `out_dtype` output and, with `gather`, each row's activation row read from `rows`
+    would, without a GPU. Raises on a failed compile."""
+    if dtype not in TYPE_NAMES:
+        raise ValueError(f"unsupported activation dtype {dtype}")
+    t = f"*{TYPE_NAMES[dtype]}"
+    # A stands in for the activation scales it does not have (never read).
+    types = {"A": t, "AScale": t, "W": "*i32", "WScale": "*bf16"}
+    strides = {
+        "stride_a": k,
+        "stride_as_m": k,
+        "stride_as_k": 1,
+        "stride_we": n * k // 8,
+        "stride_wn": k // 8,
+        "stride_se": n * k // group,
+        "stride_sr": k // group,
+        "stride_sc": 1,
+    }
+    src = _grouped_gemm_source(
+        group_step(), types, strides, n, k, tiles, out_dtype, gather, INT4_BLOCK_K, group
     )
     return _compile(src, target_arch, tiles.num_warps, NUM_STAGES)

@@ -20,7 +20,7 @@ from common.triton_kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_m
 from tools.bench.moe_fp8_gpu import fp8_stack
 
 
-def _why_not() -> str | None:
+def why_not() -> str | None:
     if not torch.cuda.is_available():
         return "needs CUDA"
     return unsupported(torch.device("cuda"))
@@ -28,7 +28,7 @@ def _why_not() -> str | None:
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
+    pytest.mark.skipif(why_not() is not None, reason=str(why_not())),
 ]
 
 CUDA = torch.device("cuda")
@@ -46,7 +46,7 @@ def _layer(held: int, d: int, i: int, batch: int, seed: int = 0) -> tuple:
 
 
 def test_auto_runs_the_fp8_experts_on_the_triton_kernel() -> None:
-    assert select_experts_kernel("auto", CUDA, torch.bfloat16).kernel == "triton_fp8"
+    assert select_experts_kernel("auto", CUDA, torch.bfloat16).kernel == "triton"
 
 
 @pytest.mark.parametrize("gather", [False, True])
@@ -68,11 +68,13 @@ def test_the_compiled_kernel_equals_its_reference(rows: int, gather: bool) -> No
         assert (got - want).abs().max() <= 1e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize(("held", "d", "i"), [(32, 7168, 2048), (256, 7168, 256)])
-def test_fp8_experts_equal_dequantize_then_gemm_without_a_sync(held: int, d: int, i: int) -> None:
-    gate_up, down, x, ids, weights = _layer(held, d, i, batch=64)
-    kernel, how = settle("triton_fp8", gate_up, down)
-    assert how == "triton_fp8"
+def run_without_a_sync(layer: tuple, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's experts on the kernel `settle` gives them (said as `how`), once compiled,
+    under sync-debug "error", and dequantize-then-GEMM's answer, both in fp32."""
+    gate_up, down, x, ids, weights = layer
+    held = gate_up.shape[0]
+    kernel, settled = settle("triton", gate_up, down)
+    assert settled == how
     r = route(ids, weights, held)
     with torch.inference_mode():
         want = grouped_experts(x, r, dense(gate_up), dense(down)).float()
@@ -83,25 +85,37 @@ def test_fp8_experts_equal_dequantize_then_gemm_without_a_sync(held: int, d: int
             got = kernel(x, route(ids, weights, held), gate_up, down).float()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    return got, want
+
+
+def check_graph_replay(layer: tuple) -> None:
+    """The layer's experts on the Triton kernel, captured in a CUDA graph, replay as eager."""
+    gate_up, down, x, ids, weights = layer
+    held = gate_up.shape[0]
+    kernel, _ = settle("triton", gate_up, down)
+    with torch.inference_mode():
+        eager = kernel(x, route(ids, weights, held), gate_up, down)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            kernel(x, route(ids, weights, held), gate_up, down)  # warm-up on the side stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kernel(x, route(ids, weights, held), gate_up, down)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize(("held", "d", "i"), [(32, 7168, 2048), (256, 7168, 256)])
+def test_fp8_experts_equal_dequantize_then_gemm_without_a_sync(held: int, d: int, i: int) -> None:
+    got, want = run_without_a_sync(_layer(held, d, i, batch=64), "triton (FP8 blocks)")
     assert (got - want).norm() <= 0.06 * want.norm()
 
 
 def test_fp8_experts_replay_in_a_cuda_graph() -> None:
-    gate_up, down, x, ids, weights = _layer(32, 7168, 2048, batch=16, seed=1)
-    kernel, _ = settle("triton_fp8", gate_up, down)
-    with torch.inference_mode():
-        eager = kernel(x, route(ids, weights, 32), gate_up, down)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            kernel(x, route(ids, weights, 32), gate_up, down)  # warm-up on the side stream
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = kernel(x, route(ids, weights, 32), gate_up, down)
-        graph.replay()
-        torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    check_graph_replay(_layer(32, 7168, 2048, batch=16, seed=1))
 
 
 def test_an_fp8_linear_on_the_triton_kernel() -> None:

@@ -1,5 +1,5 @@
 """`tpla bench moe --fp8`: a MoE layer's FP8 routed experts on a CUDA GPU, the Triton FP8
-grouped GEMM (`TPLA_EXPERTS_KERNEL=triton_fp8`) against dequantize-then-GEMM, at
+grouped GEMM (`TPLA_EXPERTS_KERNEL=triton`) against dequantize-then-GEMM, at
 DeepSeek-V3's expert shapes, each row against the GPU's HBM roofline.
 
 Per shape and batch of T tokens (top-8 of 256 experts, random routing):
@@ -95,8 +95,8 @@ def prepare(shape: Fp8Shape, batch: int, device: torch.device) -> tuple[dict, in
     gate_up = fp8_stack(shape.held, 2 * i, d, device, "gate_up")
     down = fp8_stack(shape.held, d, i, device, "down")
     share_workspace(torch.nn.ModuleDict({"gate_up": gate_up, "down": down}))
-    kernel, how = settle("triton_fp8", gate_up, down)
-    assert how == "triton_fp8", how
+    kernel, how = settle("triton", gate_up, down)
+    assert how == "triton (FP8 blocks)", how
     bf16_up, bf16_down = gate_up.dequantize().clone(), down.dequantize().clone()
 
     def run_fp8() -> torch.Tensor:

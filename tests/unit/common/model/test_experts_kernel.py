@@ -29,13 +29,13 @@ def test_the_experts_kernel_is_chosen_by_the_rule(monkeypatch: pytest.MonkeyPatc
     # A CUDA-only choice: grouped_mm runs bf16 there, asked for in fp32.
     with pytest.raises(KernelUnavailable, match=r"TPLA_EXPERTS_KERNEL=grouped: .*CUDA runs bf16"):
         select_experts_kernel("grouped", CUDA, torch.float32)
-    with pytest.raises(ValueError, match="TPLA_EXPERTS_KERNEL=fast: not one of auto, triton_fp8"):
+    with pytest.raises(ValueError, match="TPLA_EXPERTS_KERNEL=fast: not one of auto, triton,"):
         select_experts_kernel("fast", CPU, torch.float32)
-    with pytest.raises(KernelUnavailable, match=r"TPLA_EXPERTS_KERNEL=triton_fp8: .*CUDA"):
-        select_experts_kernel("triton_fp8", CPU, torch.float32)
+    with pytest.raises(KernelUnavailable, match=r"TPLA_EXPERTS_KERNEL=triton: .*CUDA"):
+        select_experts_kernel("triton", CPU, torch.float32)
     pytest.importorskip("triton.language")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_experts_kernel("triton_fp8", CPU, torch.float32).kernel == "triton_fp8"
+    assert select_experts_kernel("triton", CPU, torch.float32).kernel == "triton"
     assert select_experts_kernel("auto", CPU, torch.float32).kernel == "grouped"
 
 
@@ -51,7 +51,7 @@ def fp8_stack(shape: tuple[int, int, int], col_offset: int = 0) -> Fp8Weight:
 def test_each_layer_settles_what_runs_its_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     dense_up, dense_down = torch.zeros(4, 64, 32), torch.zeros(4, 32, 32)
     assert settle("grouped", dense_up, dense_down) == (grouped_experts, "grouped")
-    assert settle("triton_fp8", dense_up, dense_down) == (grouped_experts, "grouped")
+    assert settle("triton", dense_up, dense_down) == (grouped_experts, "grouped")
     kernel, how = settle("loop", dense_up, dense_down)
     assert kernel is routed_experts and how == "loop: the loop was chosen (TPLA_EXPERTS_KERNEL)"
     odd_up, odd_down = torch.zeros(4, 6, 32), torch.zeros(4, 32, 3)  # 12-byte rows
@@ -67,8 +67,8 @@ def test_each_layer_settles_what_runs_its_weights(monkeypatch: pytest.MonkeyPatc
         "grouped, dequantized 3 experts at a time",
     )
     # Columns from inside a block: the kernel's 128-column groups would straddle two scales.
-    kernel, how = settle("triton_fp8", gate_up, fp8_stack((4, 256, 32), col_offset=32))
-    assert kernel is grouped_experts and "(triton_fp8: columns from 32 into a 128-wide" in how
-    assert loop_reason("triton_fp8", gate_up, down) is None
-    kernel, how = settle("triton_fp8", gate_up, down)
-    assert how == "triton_fp8" and type(kernel).__name__ == "Fp8GroupedExperts"
+    kernel, how = settle("triton", gate_up, fp8_stack((4, 256, 32), col_offset=32))
+    assert kernel is grouped_experts and "(triton: columns from 32 into a 128-wide" in how
+    assert loop_reason("triton", gate_up, down) is None
+    kernel, how = settle("triton", gate_up, down)
+    assert how == "triton (FP8 blocks)" and type(kernel).__name__ == "Fp8GroupedExperts"

@@ -87,8 +87,8 @@ def test_fp8_experts_equal_dequantize_then_gemm(
     checkpoint: CheckpointWeights, cols: slice, held: slice, sized: bool
 ) -> None:
     gate_up, down = experts(checkpoint, cols, held)
-    kernel, how = settle("triton_fp8", gate_up, down)
-    assert how == "triton_fp8" and isinstance(kernel, Fp8GroupedExperts)
+    kernel, how = settle("triton", gate_up, down)
+    assert how == "triton (FP8 blocks)" and isinstance(kernel, Fp8GroupedExperts)
     whole_up = gate_up.dequantize(out=torch.empty(gate_up.shape, device=DEVICE))
     whole_down = down.dequantize(out=torch.empty(down.shape, device=DEVICE))
     for t in (1, 7, 40):
@@ -113,6 +113,6 @@ def test_the_blocks_it_reads_and_why_it_declines(checkpoint: CheckpointWeights) 
     assert blocks.scale_rows.tolist() == [0] * 32 + [1] * 64 + [2] * 32 + [3] * 64
     why = down.block_fp8()  # its columns start at 96, inside a 128-column block
     assert isinstance(why, str) and "straddle" in why
-    kernel, how = settle("triton_fp8", gate_up, down)
+    kernel, how = settle("triton", gate_up, down)
     assert kernel is grouped_experts
-    assert how.startswith("grouped, dequantized 4 experts at a time (triton_fp8: columns from 96")
+    assert how.startswith("grouped, dequantized 4 experts at a time (triton: columns from 96")

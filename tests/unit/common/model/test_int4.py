@@ -1,6 +1,6 @@
-"""INT4-resident weights (common/model/int4.py): the unpacking is compressed-tensors'
-packing undone, dequantize-on-use equals the values the checkpoint means, the weights of one
-role share one workspace buffer, and stacked experts dequantize a bounded group at a time."""
+"""INT4-resident weights (common/model/int4.py): dequantize-on-use equals the values the
+checkpoint means, the weights of one role share one workspace buffer, and stacked experts
+dequantize a bounded group at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from common.model import experts
 from common.model.expert_routing import route
 from common.model.experts import experts_per_group, grouped_experts, routed_experts
 from common.model.fp8 import dense, share_workspace
-from common.model.int4 import Int4Weight, dequantize_int4, unpack_int4
+from common.model.int4 import Int4Weight
 from tests.tiny_families import pack_int4
 
 
@@ -21,14 +21,6 @@ def _weight(
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
     words, scale, dq = pack_int4(w, group)
     return Int4Weight(words, scale, group, torch.float32, "experts.down_proj"), dq
-
-
-def test_unpack_undoes_the_packing() -> None:
-    q = torch.randint(-8, 8, (3, 32), generator=torch.Generator().manual_seed(0))
-    words = (
-        (q + 8).view(3, 4, 8).to(torch.int32) << torch.arange(0, 32, 4, dtype=torch.int32)
-    ).sum(-1, dtype=torch.int32)
-    assert torch.equal(unpack_int4(words), q.to(torch.int8))
 
 
 def test_dequantize_on_use_is_the_checkpoints_values() -> None:
@@ -45,14 +37,6 @@ def test_dequantize_on_use_is_the_checkpoints_values() -> None:
     assert torch.equal(stacked.dequantize(), expected.expand(3, -1, -1))
     x = torch.randn(2, 64)
     torch.testing.assert_close(weight(x), x @ expected.T)
-
-
-def test_bfloat16_dequantization_rounds_once() -> None:
-    weight, expected = _weight(2)
-    out = torch.empty(weight.shape, dtype=torch.bfloat16)
-    assert torch.equal(
-        dequantize_int4(weight.packed, weight.scale, 16, out), expected.to(torch.bfloat16)
-    )
 
 
 def test_weights_of_one_role_share_a_buffer() -> None:

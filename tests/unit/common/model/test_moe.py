@@ -112,8 +112,8 @@ def test_the_model_runs_the_chosen_experts_kernel() -> None:
     assert layer.kernel is routed_experts
     assert use_experts_kernel(model, "grouped") == {"layer": "grouped"}
     assert layer.kernel is grouped_experts
-    # Weights that are not FP8 run grouped under triton_fp8, without a word about it.
-    assert use_experts_kernel(model, "triton_fp8") == {"layer": "grouped"}
+    # Weights that are not quantized run grouped under triton, without a word about it.
+    assert use_experts_kernel(model, "triton") == {"layer": "grouped"}
     assert layer.kernel is grouped_experts and layer.loop_reason() is None
 
 

@@ -23,13 +23,9 @@ import torch
 pytest.importorskip("triton.language")
 
 from common.model.fp8_gemm import quantize_groups
-from common.triton_kernels import fp8_blocks, fp8_grouped_gemm
+from common.triton_kernels import fp8_blocks
 from common.triton_kernels.fp8_blocks import BlockFp8
-from common.triton_kernels.fp8_grouped_gemm import (
-    choose_tiles,
-    fp8_grouped_mm,
-    fp8_grouped_mm_reference,
-)
+from common.triton_kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = Path(__file__).resolve().parents[4]
@@ -110,15 +106,6 @@ def test_own_rows_and_other_block_layouts(case: str) -> None:
     check(got, fp8_grouped_mm_reference(a, a_scale, end, w, torch.float32), rows, torch.float32)
 
 
-def test_tiles_follow_the_rows_per_group() -> None:
-    assert choose_tiles(8, 256) == fp8_grouped_gemm.Tiles(16, 1, 4)  # a decode step: few rows
-    assert choose_tiles(1024, 32) == fp8_grouped_gemm.Tiles(32, 1, 4)
-    tiles = choose_tiles(65536, 32)  # an 8K-token prefill chunk over 32 experts
-    assert tiles.block_m == 64 and tiles.num_warps == 8 and tiles.m_splits == 32
-    assert choose_tiles(10**7, 1).m_splits == fp8_grouped_gemm.MAX_M_SPLITS
-    assert choose_tiles(0, 4).block_m == 16
-
-
 def test_bad_inputs_are_named() -> None:
     w = weights(2, 128, 128)
     a, a_scale = activations(4, 128)
@@ -147,7 +134,8 @@ def test_the_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPa
 
 
 # Runs in a subprocess without TRITON_INTERPRET (this session's triton is the interpreter's):
-# argv[1] is the JSON list of (n, k, rows, groups, out dtype, gather).
+# argv[1] is the JSON list of cells, each (n, k, rows, groups, out dtype, gather, *rest);
+# argv[2] the compile call, of those names and `tiles`.
 _COMPILE = """
 import json, sys
 from dataclasses import asdict
@@ -158,36 +146,24 @@ try:
 except Exception as e:
     print(json.dumps({"skip": f"triton's ptxas is not available: {e}"}))
     sys.exit(0)
-from common.triton_kernels.compile import compile_fp8_grouped_gemm
-from common.triton_kernels.fp8_grouped_gemm import choose_tiles
+from common.triton_kernels.compile import compile_fp8_grouped_gemm, compile_int4_grouped_gemm
+from common.triton_kernels.grouped_gemm import choose_tiles
 dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
 rows = []
-for n, k, slots, groups, dtype, gather in json.loads(sys.argv[1]):
+for n, k, slots, groups, dtype, gather, *rest in json.loads(sys.argv[1]):
     tiles = choose_tiles(slots, groups)
-    info = compile_fp8_grouped_gemm(90, n, k, tiles, dtypes[dtype], gather)
+    info = eval(sys.argv[2])
     rows.append({"block_m": tiles.block_m, **asdict(info)})
 print(json.dumps({"rows": rows}))
 """
 
 
-def test_the_kernel_compiles_for_sm90_at_v3_expert_shapes() -> None:
-    """DeepSeek-V3's experts (hidden 7168, intermediate 2048) as an ep = 8 rank holds them (32
-    whole experts) and as a tp = 8 rank does (256 experts, 256 columns each), both
-    projections, a decode step's rows (16- and 32-row tiles on mma.sync) and an 8K-token
-    prefill chunk's (64-row tiles on wgmma): every compile fits sm_90 without spilling."""
-    cells = [
-        # (N, K, rows, groups, output, gather): ep = 8 at decode batch 128 (gate_up, which
-        # gathers each row's token) and an 8K prefill chunk's held slots (down).
-        (4096, 7168, 128 * 8, 32, "bf16", True),
-        (7168, 2048, 8192, 32, "bf16", False),
-        # tp = 8 at decode batch 1 and 32, and an 8K prefill chunk in fp32.
-        (512, 7168, 8, 256, "bf16", True),
-        (7168, 256, 32 * 8, 256, "bf16", False),
-        (7168, 256, 8192 * 8, 256, "fp32", False),
-    ]
+def check_compiles(cells: list[tuple[object, ...]], call: str) -> None:
+    """Compile the grouped GEMM for sm_90 at each cell (`call`: _COMPILE's) in a subprocess;
+    every compile fits sm_90 without spilling, on wgmma at 64-row tiles, else mma.sync."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(cells)],
+        [sys.executable, "-c", _COMPILE, json.dumps(cells), call],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -206,3 +182,21 @@ def test_the_kernel_compiles_for_sm90_at_v3_expert_shapes() -> None:
         assert info["tensor_cores"] == ("wgmma" if info["block_m"] == 64 else "mma.sync")
         lines.append(f"{cell} block_m={info['block_m']} {info}")
     print("\n" + "\n".join(lines))
+
+
+def test_the_kernel_compiles_for_sm90_at_v3_expert_shapes() -> None:
+    """DeepSeek-V3's experts (hidden 7168, intermediate 2048) as an ep = 8 rank holds them (32
+    whole experts) and as a tp = 8 rank does (256 experts, 256 columns each), both
+    projections, a decode step's rows (16- and 32-row tiles on mma.sync) and an 8K-token
+    prefill chunk's (64-row tiles on wgmma): every compile fits sm_90 without spilling."""
+    cells: list[tuple[object, ...]] = [
+        # (N, K, rows, groups, output, gather): ep = 8 at decode batch 128 (gate_up, which
+        # gathers each row's token) and an 8K prefill chunk's held slots (down).
+        (4096, 7168, 128 * 8, 32, "bf16", True),
+        (7168, 2048, 8192, 32, "bf16", False),
+        # tp = 8 at decode batch 1 and 32, and an 8K prefill chunk in fp32.
+        (512, 7168, 8, 256, "bf16", True),
+        (7168, 256, 32 * 8, 256, "bf16", False),
+        (7168, 256, 8192 * 8, 256, "fp32", False),
+    ]
+    check_compiles(cells, "compile_fp8_grouped_gemm(90, n, k, tiles, dtypes[dtype], gather)")
