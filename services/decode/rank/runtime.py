@@ -25,6 +25,7 @@ from common.kv.receiver import KvReceiverServicer, ShardTarget, add_kv_receiver
 from common.kv.wire import TransferError, shard_slots
 from common.loading.serving_kernels import PrefillKernels, WeightKernels
 from common.loading.serving_model import open_serving_weights
+from common.loading.weights import ModelWeights
 from common.rpc.clients import CHANNEL_OPTIONS
 from common.rpc.gen import kv_pb2
 from common.runtime.device import rank_device, use_device
@@ -93,21 +94,7 @@ class RankRuntime:
         if self.index_cache is not None:
             self.model.bind_index_pool(self.index_cache)
         self.comm = open_comm(group, rank, self.device)
-        self.prefills: PrefillPass | None = None
-        if prefill is not None and weights.config.dsa is not None:
-            # The rank's prefill pass writes latents only, not the indexer keys a sparse
-            # layer selects by: the router sends this model's prompts to prefill workers.
-            if rank == 0:
-                log.info("local prefill off: the prefill pass does not write DSA indexer keys")
-            prefill = None
-        if prefill is not None:
-            stack = RankPrefillStack(
-                weights, self.model, cfg.parallel, self.comm, prefill.attention_backend()
-            )
-            weight_kernels.apply(nn.ModuleList(stack.layers))
-            self.prefills = PrefillPass(
-                stack, self.model.split, self.cache, self.comm, cfg.parallel
-            )
+        self.prefills = self._prefill_pass(weights, prefill, weight_kernels)
         self.inputs = StepInputs(self.device)
         # Every running sequence's block table, kept here; each plan brings its edits.
         positions = cfg.context_limit(weights.config.max_position_embeddings)
@@ -139,6 +126,25 @@ class RankRuntime:
                 self.graphs = StepGraphs(self.device, self.decode, state)
             else:
                 log.warning("rank %d: decode steps run without CUDA graphs: %s", rank, blocked)
+
+    def _prefill_pass(
+        self, weights: ModelWeights, prefill: PrefillKernels | None, kernels: WeightKernels
+    ) -> PrefillPass | None:
+        """The rank's part of the prompts its group prefills itself, where asked (`prefill`:
+        the chosen kernels) and the model is one the pass runs."""
+        if prefill is not None and weights.config.dsa is not None:
+            # The pass writes latents only, not the indexer keys a sparse layer selects by:
+            # the router sends this model's prompts to prefill workers.
+            if self.rank == 0:
+                log.info("local prefill off: the prefill pass does not write DSA indexer keys")
+            return None
+        if prefill is None:
+            return None
+        stack = RankPrefillStack(
+            weights, self.model, self.cfg.parallel, self.comm, prefill.attention_backend()
+        )
+        kernels.apply(nn.ModuleList(stack.layers))
+        return PrefillPass(stack, self.model.split, self.cache, self.comm, self.cfg.parallel)
 
     def step(self, plan: DecodePlan) -> Tensor:
         """Run one decode step; returns this rank's padded logits slice [B, V/tp]. A plan
