@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from common.kv.paged_cache import CacheReads, PagedLatentCache
-from common.model.fp8 import Fp8Weight, Weight, linear
+from common.model.fp8 import DequantizedOnUse, Weight, linear
 from common.model.mla import RMSNorm
 from common.model.moe import MoE
 from common.model.rope import RotaryEmbedding
@@ -46,14 +46,14 @@ class NativeBackend(TorchBackend):
         # The native call binds its weights once: it cannot take weights dequantized per use.
         self._inputs = [
             None
-            if any(isinstance(m, Fp8Weight) for m in layer.attn.modules())
+            if any(isinstance(m, DequantizedOnUse) for m in layer.attn.modules())
             else decode_layer.AttentionInputs(_layer_weights(layer, rope))
             for layer in layers
         ]
 
     def linear(self, x: Tensor, w: Weight) -> Tensor:
-        # An FP8 weight dequantizes a bounded run of rows at a time (`Fp8Weight.forward`).
-        return linear(x, w) if isinstance(w, Fp8Weight) else small_gemm.linear(x, w)
+        # A quantized weight applies itself (an FP8 one a bounded run of rows at a time).
+        return linear(x, w) if isinstance(w, DequantizedOnUse) else small_gemm.linear(x, w)
 
     def rms_norm(self, norm: RMSNorm, x: Tensor) -> Tensor:
         return decode_layer.rms_norm(x, norm.weight, norm.eps)
@@ -63,19 +63,19 @@ class NativeBackend(TorchBackend):
             weights, ids = module.gate(x)
             experts = module.experts
             # The kernel runs every slot it is given; under expert parallelism most slots
-            # are other ranks', which `routed` skips. It takes a rank's experts whole: FP8
+            # are other ranks', which `routed` skips. It takes a rank's experts whole: quantized
             # ones run `routed`, which dequantizes a bounded group of them at a time.
             out = None
             gate_up, down = experts.gate_up_proj, experts.down_proj
-            if module.holds_all and not isinstance(gate_up, Fp8Weight):
-                assert not isinstance(down, Fp8Weight)  # the loader keeps both FP8, or neither
+            if module.holds_all and not isinstance(gate_up, DequantizedOnUse):
+                assert not isinstance(down, DequantizedOnUse)  # both quantized, or neither
                 out = small_gemm.moe_experts(x, ids, weights, gate_up, down)
             if out is None:
                 out = module.routed(x, ids, weights)
             if module.shared_experts is not None:
                 out = out + self.ffn(module.shared_experts, x)
             return out
-        if isinstance(module.gate_proj, Fp8Weight):
+        if isinstance(module.gate_proj, DequantizedOnUse):
             return module(x)  # its FP8 linears, each a bounded run of rows at a time
         return small_gemm.mlp(
             x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
