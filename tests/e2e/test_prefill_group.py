@@ -1,8 +1,9 @@
 """The stack with its prefill worker as a group of two ranks (`TPLA_PREFILL_TP=2`), through
 the official openai client: greedy answers equal `tpla generate` (one prefill process, the
 same decode) for every decode layout (TPLA r=2 over gRPC, MLA-TP over the torch transport, SP
-over gRPC); a prefill rank killed in the middle of a batch fails that request with a clear
-error, frees its decode blocks, and the worker exits and is restarted."""
+over gRPC); a prefill rank killed in the middle of a batch fails its worker, not the request
+(the decode group prefills it instead), frees no block twice, and the worker exits and is
+restarted."""
 
 from __future__ import annotations
 
@@ -104,17 +105,21 @@ def test_every_decode_layout_answers_as_one_prefill_process(tiny_model: Path, la
         s.stop()
 
 
-def test_a_rank_killed_mid_batch_fails_the_request_and_the_worker_restarts(
+def test_a_rank_killed_mid_batch_fails_the_worker_not_the_request(
     stack: LocalStack, reference: str
 ) -> None:
+    """The prefill group's failure ends its batch; the router prefills the prompt on the
+    decode group itself (services/router/prefilling.py: another worker, then the group), so
+    the request still answers as one prefill process; the worker exits and restarts."""
     [follower] = _followers(stack)
     [old] = [w for w in stack.workers() if w["role"] == "prefill"]
     os.kill(follower.pid, signal.SIGSTOP)  # the next batch waits for it in a collective
+    answers: list[str] = []
     errors: list[BaseException] = []
 
     def request() -> None:
         try:
-            _chat(stack)
+            answers.append(_chat(stack))
         except BaseException as exc:
             errors.append(exc)
 
@@ -124,9 +129,8 @@ def test_a_rank_killed_mid_batch_fails_the_request_and_the_worker_restarts(
     os.kill(follower.pid, signal.SIGKILL)
     thread.join(timeout=60)
     assert not thread.is_alive()
-    [error] = errors
-    assert isinstance(error, openai.APIStatusError) and error.status_code == 503, error
-    assert "prefill" in str(error)
+    assert not errors, errors
+    assert answers == [reference]
     _wait("the worker exits", lambda: "prefill-0 exited with code 1" in stack.log())
     # Its decode blocks are freed, and the restarted worker (a new group) serves.
     _wait(
