@@ -46,7 +46,8 @@ class DegradedMode:
             if why is not None:
                 log.warning("degraded: %s; the decode groups prefill every prompt", _WHY[why])
             else:
-                log.info("no longer degraded: prompts go to prefill workers again")
+                # A warning as the entry is: an operator reading warnings sees both ends.
+                log.warning("no longer degraded: prompts go to prefill workers again")
             self._now = why
             self._on_change(why is not None)
         return why

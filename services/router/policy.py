@@ -96,16 +96,16 @@ class WorkerSnapshot:
         if self.healthy_groups():
             return None
         if not self.healthy_prefill():
-            roles = self._loading(WorkerRole.DECODE) + self._loading(WorkerRole.PREFILL)
-            return "no healthy decode group or prefill worker is registered" + roles
+            loading = self._loading(WorkerRole.DECODE, WorkerRole.PREFILL)
+            return "no healthy decode group or prefill worker is registered" + loading
         return "no healthy decode group is registered" + self._loading(WorkerRole.DECODE)
 
-    def _loading(self, role: WorkerRole) -> str:
-        """The workers of `role` still loading, with their ranks' progress, in brackets."""
+    def _loading(self, *roles: WorkerRole) -> str:
+        """The workers of `roles` still loading, with their ranks' progress, in brackets."""
         loading = [
             f"{r.group_id or r.worker_id} loading: {r.loading}"
             for r in self.records
-            if r.role is role and r.loading
+            if r.role in roles and r.loading
         ]
         return f" ({'; '.join(loading)})" if loading else ""
 

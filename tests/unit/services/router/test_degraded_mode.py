@@ -28,6 +28,6 @@ def test_reasons_changes_and_never(caplog: pytest.LogCaptureFixture) -> None:
         circuit.failed()
         assert "circuit is open" in (mode.describe(one) or "")
     assert changes == [True, False, True]
-    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO", "WARNING"]
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING", "WARNING"]
     never = DegradedMode(DisaggConfig(DisaggPolicy.NEVER), circuit)
     assert never.reason(none) is None
