@@ -70,7 +70,6 @@ class RankRuntime:
         prefill = None
         if cfg.local_prefill:
             prefill = PrefillKernels.select(cfg.kernels, self.device, dtype)
-            self.kernels = (*self.kernels, prefill.attention)
         # Only this rank's share is read from the checkpoint, straight onto its device.
         # The MTP module and its cache layer only where its drafts are asked for.
         mtp = cfg.speculative.method == "mtp"
@@ -95,6 +94,8 @@ class RankRuntime:
             self.model.bind_index_pool(self.index_cache)
         self.comm = open_comm(group, rank, self.device)
         self.prefills = self._prefill_pass(weights, prefill, weight_kernels)
+        if self.prefills is not None and prefill is not None:
+            self.kernels = (*self.kernels, prefill.attention)
         self.inputs = StepInputs(self.device)
         # Every running sequence's block table, kept here; each plan brings its edits.
         positions = cfg.context_limit(weights.config.max_position_embeddings)
@@ -135,8 +136,11 @@ class RankRuntime:
         if prefill is not None and weights.config.dsa is not None:
             # The pass writes latents only, not the indexer keys a sparse layer selects by:
             # the router sends this model's prompts to prefill workers.
-            if self.rank == 0:
-                log.info("local prefill off: the prefill pass does not write DSA indexer keys")
+            if self.rank == 0:  # a warning: TPLA_DISAGG_POLICY auto / never get a worker
+                log.warning(
+                    "local prefill off: the prefill pass does not write DSA indexer keys, "
+                    "so prompts go to prefill workers whatever TPLA_DISAGG_POLICY says"
+                )
             return None
         if prefill is None:
             return None
