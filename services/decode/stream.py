@@ -38,13 +38,13 @@ class TokenStream:
     def batches(self) -> Iterator[list[TokenEvent]]:
         """The events in order, as lists of those ready together: it waits for one step's,
         then takes whatever else is already queued (other choices', later steps')."""
-        left = self.choices
-        while left:
+        ended: set[int] = set()  # each choice counted once, whatever a bug sends twice
+        while len(ended) < self.choices:
             ready, events = [], self._q.get()
             while True:
                 ready += events
-                left -= sum(e.finish_reason is not None for e in events)
-                if not left:
+                ended.update(e.index for e in events if e.finish_reason is not None)
+                if len(ended) >= self.choices:
                     break
                 try:
                     events = self._q.get_nowait()

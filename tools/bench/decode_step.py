@@ -72,7 +72,9 @@ class StepResult:
 # `sampled`: requests take turns at a seeded top-p draw, penalties, a JSON grammar and greedy,
 # so every logits processor and the grammar run in the counted steps.
 SAMPLINGS = ("greedy", "sampled")
-GRAMMAR = {"type": "string"}  # a long output fits it: the grammar never ends the request
+# A string far longer than any request here writes: the grammar never ends a request (one that
+# closed its string would have only EOS left, which ignore_eos refuses).
+GRAMMAR = {"type": "string", "minLength": 4096}
 
 
 def measure(
@@ -187,7 +189,7 @@ def _full_steps(
     are timed. Each request is long enough for `steps` of them plus warm-up, whatever the
     spread of joins."""
     comm = engine.runtime.comm
-    params = _params(sampling, steps + batch + WARMUP_STEPS + 2, batch)
+    params = _params(sampling, _max_tokens(engine, steps + batch + WARMUP_STEPS + 2), batch)
     rids = [_reserve(engine, context, p, tp) for p in params]
     steps_seen: list[tuple[float, int, int]] = []  # (seconds, batch, comm bytes after)
     before = comm.bytes
@@ -258,9 +260,16 @@ def _first_token(engine: DecodeEngine, params: SamplingParams) -> int:
     return int(allowed_now(matcher, vocab, "cpu")[0].nonzero()[0, 0])
 
 
+def _max_tokens(engine: DecodeEngine, steps: int) -> int:
+    """Tokens a request needs to stay for `steps` steps: a speculative step may keep every
+    draft, so as many more a step."""
+    spec = engine.cfg.speculative
+    return steps * (1 + (spec.tokens if spec.method != "none" else 0))
+
+
 def _count_syncs(engine: DecodeEngine, batch: int, context: int, tp: int, sampling: str) -> int:
     """The most host waits on any rank in a full-batch step (a short run, counted)."""
-    params = _params(sampling, batch + WARMUP_STEPS + COUNTED_STEPS, batch)
+    params = _params(sampling, _max_tokens(engine, batch + WARMUP_STEPS + COUNTED_STEPS), batch)
     rids = [_reserve(engine, context, p, tp) for p in params]
     counts: list[int] = []
 

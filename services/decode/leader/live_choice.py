@@ -37,7 +37,9 @@ class LiveChoice:
         spec: tuple[int, int] = (0, 0),
     ) -> TokenEvent:
         """Its event for `token`. A choice whose grammar failed ends without the token, which
-        the grammar did not allow (it is never sent), as the request's own failure."""
-        if self.controls.failed:
+        the grammar did not allow (it is never sent), as the request's own failure. Only the
+        event that ends it (`reason`) is that failure: the kept drafts before it in the same
+        step were allowed, and go out as tokens (the controls have already seen the run)."""
+        if reason is not None and self.controls.failed:
             return TokenEvent.failed(FailureScope.REQUEST, self.controls.failure, self.choice)
         return TokenEvent(token, reason, logits, self.choice, *spec)

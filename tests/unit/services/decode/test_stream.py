@@ -66,3 +66,13 @@ def test_iterating_yields_the_same_events_one_by_one() -> None:
     stream.put(_token(0), _token(1))
     stream.put(_token(2, reason="stop"))
     assert [e.token.token_id for e in stream] == [0, 1, 2]
+
+
+def test_a_choice_that_ends_twice_does_not_end_another() -> None:
+    """Each choice's end counts once: a second end of one choice (which the leader must not
+    send) neither ends the stream early nor leaves it waiting forever."""
+    stream = TokenStream(choices=2)
+    stream.put(_token(1, 0, "stop"))
+    stream.put(_token(2, 0, "stop"))
+    stream.put(_token(3, 1, "length"))
+    assert [[e.token.token_id for e in b] for b in stream.batches()] == [[1, 2, 3]]
