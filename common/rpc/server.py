@@ -28,7 +28,7 @@ from common.rpc.drain import wait_drained
 from common.rpc.status import Status
 from common.runtime.load_meter import metering
 from common.runtime.ports import PortUse, bind_grpc
-from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry
+from common.runtime.redis_state import Heartbeat, WorkerRecord, WorkerRegistry, sync_client
 from common.runtime.settings import Settings
 
 # While a service loads, its log gets each rank's progress this often.
@@ -90,7 +90,7 @@ def loading(
     service saying it loads, unhealthy) published with heartbeats; they go when it ends."""
     heartbeat = None
     if life.redis_url:
-        registry = WorkerRegistry(redis.Redis.from_url(life.redis_url), ttl_s=life.worker_ttl_s)
+        registry = WorkerRegistry(sync_client(life.redis_url), ttl_s=life.worker_ttl_s)
         heartbeat = Heartbeat(registry, records, life.heartbeat_s)
         with contextlib.suppress(redis.RedisError, OSError):  # Redis down: load anyway
             heartbeat.start()
@@ -156,7 +156,7 @@ def serve(
     drain = drain or threading.Event()
     heartbeat = None
     if life.redis_url:
-        registry = WorkerRegistry(redis.Redis.from_url(life.redis_url), ttl_s=life.worker_ttl_s)
+        registry = WorkerRegistry(sync_client(life.redis_url), ttl_s=life.worker_ttl_s)
         heartbeat = Heartbeat(registry, service.records, life.heartbeat_s).start()
     stop_on_signals(stop, drain)
     print(banner, flush=True)

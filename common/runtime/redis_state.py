@@ -25,10 +25,31 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.retry import Retry
 
 PREFIX = "tpla"
 WORKERS = f"{PREFIX}:workers"
 REQUEST_TTL_S = 24 * 3600
+
+
+# A pooled connection Redis closed (a restart, an idle timeout) fails its next command once;
+# a retry on a fresh connection is what a caller would do by hand, so the client does it.
+RETRIES = 2
+
+
+def sync_client(url: str) -> redis.Redis:
+    """A client whose commands retry on a dropped connection, reconnecting."""
+    retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
+    return redis.Redis.from_url(url, retry=retry, retry_on_error=[RedisConnectionError])
+
+
+def async_client(url: str) -> aioredis.Redis:
+    """`sync_client` for asyncio."""
+    retry = AsyncRetry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
+    return aioredis.Redis.from_url(url, retry=retry, retry_on_error=[RedisConnectionError])
 
 
 def worker_key(worker_id: str) -> str:

@@ -29,7 +29,14 @@ from fastapi.responses import JSONResponse, Response
 
 from common.runtime.errors import NotFound, TplaError
 from common.runtime.ports import PortInUse, PortUse, router_port
-from common.runtime.redis_state import RequestLog, WorkerRecord, WorkerRegistry, WorkerRole
+from common.runtime.redis_state import (
+    RequestLog,
+    WorkerRecord,
+    WorkerRegistry,
+    WorkerRole,
+    async_client,
+    sync_client,
+)
 from common.runtime.settings import Settings
 from common.runtime.spans import Spans
 from common.runtime.tracing import setup_tracing
@@ -301,8 +308,8 @@ def create_app(
     )
     log.info("%s", info.defaults.describe())
     token = settings.internal_token.get_secret_value() if settings.internal_token else None
-    sync_redis = redis.Redis.from_url(redis_url)
-    aredis = aioredis.Redis.from_url(redis_url)
+    sync_redis = sync_client(redis_url)
+    aredis = async_client(redis_url)
     directory = WorkerDirectory(
         WorkerRegistry(sync_redis, ttl_s=settings.worker_ttl_s), token=token, refresh_s=refresh_s
     )

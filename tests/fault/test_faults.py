@@ -627,6 +627,12 @@ def test_prefill_worker_killed_mid_prompt_leaves_nothing_held(stack: LocalStack)
     prompt = (
         f"{time.time_ns()} long prompt: " + "the quick brown fox jumps over the lazy dog. " * 24
     )
+    # The test before killed every prefill worker: the router prefills on the decode groups
+    # until its prefill circuit lets a remote prefill through again and the workers are back.
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while "degraded" in httpx.get(f"{stack.url}/ready", timeout=10).json():
+        assert time.monotonic() < deadline, "the router stayed degraded"
+        time.sleep(0.2)
     prefill = [
         w
         for w in workers(stack.url)

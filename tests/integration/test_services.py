@@ -278,7 +278,8 @@ def test_worker_metrics_parse(stack) -> None:
     attention = select_prefill_attention("auto", cpu, fp32).kernel
     experts = select_experts_kernel("auto", cpu, fp32).kernel
     for scraped, chosen in (
-        (decode, {"decode_attention": native}),
+        # The decode group prefills prompts itself when asked: the prefill worker's kernel.
+        (decode, {"decode_attention": native, "prefill_attention": attention}),
         (prefill, {"prefill_attention": attention}),
     ):
         chosen |= {"fp8_gemm": "dequantize", "experts": experts}
