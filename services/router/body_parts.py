@@ -19,11 +19,15 @@ from services.router.response_schemas import CompletionTokensDetails, PromptToke
 from services.router.text import TokenLogprob
 
 DONE_LINE = "data: [DONE]\n\n"
+# Line breaks to Python's str.splitlines (and so to httpx's iter_lines, which the OpenAI-style
+# clients read streams with) that JSON leaves raw: a token holding one would cut its event in
+# two. Escaped, the JSON means the same text.
+_RAW_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(body: BaseModel | dict[str, object]) -> str:
     payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
-    return f"data: {payload}\n\n"
+    return f"data: {payload.translate(_RAW_LINE_BREAKS)}\n\n"
 
 
 def sse_error(error: TplaError) -> str:

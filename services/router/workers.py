@@ -21,6 +21,9 @@ from common.runtime.redis_state import WorkerRegistry
 from services.router.policy import WorkerSnapshot
 
 log = logging.getLogger(__name__)
+# A replaced channel's calls went to a process that is gone: they fail within a transfer or
+# token timeout, well before this.
+RETIRED_CLOSE_S = 60.0
 
 
 class WorkerDirectory:
@@ -37,6 +40,11 @@ class WorkerDirectory:
         self._quarantine: dict[str, tuple[float, str]] = {}
         self._decode: dict[str, DecodeClient] = {}
         self._prefill: dict[str, PrefillClient] = {}
+        # The processes (worker id, pid) last seen serving at each address.
+        self._served_by: dict[str, set[tuple[str, int]]] = {}
+        # Channels to processes that are gone, closed once the calls on them surely ended
+        # (time.monotonic() when they were replaced).
+        self._retired: list[tuple[float, DecodeClient | PrefillClient]] = []
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> WorkerSnapshot:
@@ -54,7 +62,32 @@ class WorkerDirectory:
             return self.snapshot
         self.snapshot = snapshot
         self.last_error = None
+        await self._renew_channels()
         return self.snapshot
+
+    async def _renew_channels(self) -> None:
+        """A worker process new at an address (a restart) gets a new channel. The old one may
+        be in gRPC's reconnect backoff after the dead process refused it, failing every call
+        with that "connection refused" for up to a second after the new process serves: a
+        half-open prefill circuit's one trial then failed, and kept it open."""
+        listed: dict[str, set[tuple[str, int]]] = {}
+        for record in self.snapshot.records:
+            listed.setdefault(record.address, set()).add((record.worker_id, record.pid))
+        now = time.monotonic()
+        for address, processes in listed.items():
+            before = self._served_by.get(address)
+            if before is not None and processes - before:
+                for clients in (self._decode, self._prefill):
+                    if (client := clients.pop(address, None)) is not None:
+                        self._retired.append((now, client))
+        while self._retired and self._retired[0][0] < now - RETIRED_CLOSE_S:
+            await self._retired.pop(0)[1].close()
+        # An address that left the registry is remembered while a channel to it is pooled:
+        # its worker may come back after its record expired.
+        pooled = self._decode.keys() | self._prefill.keys()
+        self._served_by = {
+            a: p for a, p in self._served_by.items() if a in pooled and a not in listed
+        } | listed
 
     async def start(self) -> None:
         await self.refresh()
@@ -98,8 +131,10 @@ class WorkerDirectory:
         clients: list[DecodeClient | PrefillClient] = [
             *self._decode.values(),
             *self._prefill.values(),
+            *(client for _, client in self._retired),
         ]
         self._decode.clear()
         self._prefill.clear()
+        self._retired.clear()
         for client in clients:
             await client.close()

@@ -29,6 +29,7 @@ from tests.fault.test_faults import (
     complete,
     decode_groups,
     finish,
+    prefill_batches,
     run_clients,
     wait_progress,
     wait_recovered,
@@ -53,7 +54,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         PREFILL_WORKERS="2",
         LATENT_GROUPS="1",
         ROUTING_POLICY="least-loaded",
-        WORKER_TTL_S="3",
+        # Long enough for a stopped follower's beats to stay fresh while a burst reaches the
+        # prefill workers on a loaded 2-core machine.
+        WORKER_TTL_S="6",
         LEASE_SECONDS="10",
         DRAIN_GRACE_S=f"{DRAIN_GRACE_S:g}",
     )
@@ -102,29 +105,36 @@ def test_a_prefill_worker_told_to_go_finishes_its_queued_burst(stack: LocalStack
     wait_recovered(stack)
     victim = next(w for w in workers(stack.url) if w["role"] == "prefill")
     pid, before = victim["pid"], len(stack.log())
+    batches = prefill_batches(victim)
     prompts = [
         f"burst {i}: " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(12)
     ]
     # The decode followers stopped (for less than their beats take to go stale): every push
     # to them waits, so the burst's prefills are inside the workers when the SIGTERM comes.
     followers = [w["pid"] for w in workers(stack.url) if w["role"] == "decode" and w["rank"]]
-    for follower in followers:
-        os.kill(follower, signal.SIGSTOP)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as sends:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as sends:
+        for follower in followers:
+            os.kill(follower, signal.SIGSTOP)
+        try:
             burst = [sends.submit(send, stack.url, p, 4) for p in prompts]
-            time.sleep(1.5)  # every request prefilled, its push waiting
+            # Until the victim has prefilled some of them (their pushes now wait), and a little
+            # longer for the rest of the burst to be admitted.
+            deadline = time.monotonic() + 4.0
+            while prefill_batches(victim) == batches:
+                assert time.monotonic() < deadline, "no prompt reached the victim\n" + log_tail(
+                    stack
+                )
+                time.sleep(0.02)
+            time.sleep(0.3)
             os.kill(pid, signal.SIGTERM)
             time.sleep(0.5)
+        finally:  # before the pool waits for its sends
             for follower in followers:
                 os.kill(follower, signal.SIGCONT)
-            try:
-                results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}\n{log_tail(stack)}") from exc
-    finally:
-        for follower in followers:
-            os.kill(follower, signal.SIGCONT)
+        try:
+            results = [f.result(timeout=CLIENT_TIMEOUT_S) for f in burst]
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log_tail(stack)}") from exc
     exited_within(pid, DRAIN_GRACE_S)
     records = [record(stack.url, r["id"]) for r in results]
     assert all(r["choices"][0]["finish_reason"] == "length" for r in results)

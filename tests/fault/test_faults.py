@@ -569,7 +569,7 @@ def test_kill_every_prefill_worker_under_load(stack: LocalStack, reference: dict
     of the undisturbed stack (MLA-TP: a local prefill is the worker's, exactly); once the
     supervisor has restarted the workers, prompts go to them again."""
     prefill = [w for w in workers(stack.url) if w["role"] == "prefill" and _running(w["pid"])]
-    before = {w["worker_id"]: _prefill_batches(w) for w in prefill}
+    before = {w["worker_id"]: prefill_batches(w) for w in prefill}
     stamp = time.time_ns()
     long = [
         Client(stack.url, f"{stamp} {i} long: " + "the quick brown fox. " * 12, max_tokens=8)
@@ -578,7 +578,7 @@ def test_kill_every_prefill_worker_under_load(stack: LocalStack, reference: dict
     streaming = [Client(stack.url, p) for p in PROMPTS]
     pool, futures = run_clients([*streaming, *long])
     deadline = time.monotonic() + CLIENT_TIMEOUT_S
-    while sum(_prefill_batches(w) - before[w["worker_id"]] for w in prefill) < 4:
+    while sum(prefill_batches(w) - before[w["worker_id"]] for w in prefill) < 4:
         assert time.monotonic() < deadline, "the prompts never reached a prefill worker"
         time.sleep(0.01)
     for w in prefill:
@@ -606,7 +606,7 @@ def test_kill_every_prefill_worker_under_load(stack: LocalStack, reference: dict
     assert _routes(stack.url, again.result.request_id) == [("remote", "policy")]
 
 
-def _prefill_batches(worker: dict) -> float:
+def prefill_batches(worker: dict) -> float:
     """Batches the worker has prefilled (its `tpla:prefill_seconds` count)."""
     host, port = worker["address"].rsplit(":", 1)
     text = httpx.get(f"http://{host}:{int(port) + 1000}/metrics", timeout=10).text
@@ -638,7 +638,7 @@ def test_prefill_worker_killed_mid_prompt_leaves_nothing_held(stack: LocalStack)
         for w in workers(stack.url)
         if w["role"] == "prefill" and w["healthy"] and _running(w["pid"])
     ]
-    before = {w["worker_id"]: _prefill_batches(w) for w in prefill}
+    before = {w["worker_id"]: prefill_batches(w) for w in prefill}
     client = Client(stack.url, prompt, max_tokens=8)
     pool, futures = run_clients([client])
     deadline = time.monotonic() + CLIENT_TIMEOUT_S
@@ -646,7 +646,7 @@ def test_prefill_worker_killed_mid_prompt_leaves_nothing_held(stack: LocalStack)
     while victim is None:
         assert time.monotonic() < deadline, "no prefill worker started the prompt"
         victim = next(
-            (w for w in prefill if _prefill_batches(w) >= before[w["worker_id"]] + 3), None
+            (w for w in prefill if prefill_batches(w) >= before[w["worker_id"]] + 3), None
         )
     os.kill(victim["pid"], signal.SIGSTOP)
     kill(victim["pid"])
