@@ -166,8 +166,11 @@ class PlanRequest:
             )
 
     def weight_bytes(self, tensors: list[RankTensor]) -> int:
-        """Bytes of `tensors` in the request's weight dtype and the checkpoint's format."""
-        return weight_bytes(tensors, self.weight_dtype, self.fp8_block, self.int4_group)
+        """Bytes of `tensors` in the request's weight dtype and the checkpoint's format; a
+        quantized checkpoint's other weights in the model's dtype (the KV cache's)."""
+        return weight_bytes(
+            tensors, self.weight_dtype, self.fp8_block, self.int4_group, self.kv_dtype
+        )
 
     def layouts(self) -> list[tuple[str, ParallelConfig]]:
         """(row name, layout): every layout `ParallelConfig.compared` sets side by side, the

@@ -184,14 +184,15 @@ def weight_bytes(
     weight_dtype: str,
     fp8_block: tuple[int, int] = (128, 128),
     int4_group: int | None = None,
+    model_dtype: str = "bfloat16",
 ) -> int:
     """Bytes of `tensors` in `weight_dtype` (the router stays float32, as in the engine).
 
     Quantized weights count the checkpoint's layout (on the rank's own slice of each matrix):
     with `int4_group` (compressed-tensors' INT4 experts), the routed experts at 4 bits a value
-    plus a bf16 scale per group of a row and every other weight in bf16; else DeepSeek's FP8,
-    quantized linears at 1 byte plus an fp32 scale per block, norms, embedding and lm_head in
-    bf16.
+    plus a bf16 scale per group of a row; else DeepSeek's FP8, quantized linears at 1 byte
+    plus an fp32 scale per block. Every other weight (norms, embedding, lm_head, ...) is held
+    in `model_dtype`, the rank's compute dtype (TPLA_DTYPE), as the engine converts it.
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise PlanError(f"unknown weight dtype {weight_dtype!r}; choose one of {WEIGHT_DTYPES}")
@@ -209,7 +210,7 @@ def weight_bytes(
             blocks = math.ceil(rows / fp8_block[0]) * math.ceil(cols / fp8_block[1])
             total += t.numel + 4 * t.count * blocks
         else:
-            total += 2 * t.numel
+            total += DTYPE_BYTES[model_dtype] * t.numel
     return total
 
 

@@ -54,6 +54,7 @@ FP8_STEPS_CONFIG: dict[str, Any] = {
 PROMPT_TOKENS = (48, 17)  # the two requests' prompts
 MAX_TOKENS = 8  # tokens each request decodes
 KV_BUDGET_MB = 256.0  # per rank: EngineConfig's default
+STEPS_DTYPE = "float32"  # the group's compute dtype: the CPU's
 
 
 def vm_bytes(pid: int, key: str) -> int:
@@ -84,7 +85,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         master_port=0,
         kv_budget_mb=KV_BUDGET_MB,
         weight_dtype="float8",
-        dtype="float32",
+        dtype=STEPS_DTYPE,
     )
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from common.parallel import BASELINE, ParallelMode
-from tools.bench.follower_memory import FP8_STEPS_CONFIG, run_steps
+from tools.bench.follower_memory import FP8_STEPS_CONFIG, STEPS_DTYPE, run_steps
 from tools.bench.output import table_stream, write_result
 
 GIB = 2**30
@@ -321,9 +321,15 @@ def machine() -> dict[str, Any]:
 
 
 def planned_rank_bytes(
-    model_dir: Path, layout: str, rank: int, dtype: str, prefill: bool = False
+    model_dir: Path,
+    layout: str,
+    rank: int,
+    dtype: str,
+    prefill: bool = False,
+    model_dtype: str = "bfloat16",
 ) -> int:
-    """What `tpla plan` counts for this rank: a decode rank of `layout`, or a prefill rank."""
+    """What `tpla plan --weight-dtype dtype --dtype model_dtype` counts for this rank: a
+    decode rank of `layout`, or a prefill rank."""
     from common.loading.checkpoint import Quantization
     from common.model.args import ModelConfig
     from common.parallel import ParallelConfig
@@ -332,7 +338,7 @@ def planned_rank_bytes(
     c = ModelConfig.from_dir(model_dir)
     lay = ParallelConfig.parse(layout, tp=2, latent_groups=2)
     tensors = prefill_rank_tensors(c, lay, rank) if prefill else rank_tensors(c, lay, rank)
-    return weight_bytes(tensors, dtype, Quantization.from_dir(model_dir).block)
+    return weight_bytes(tensors, dtype, Quantization.from_dir(model_dir).block, None, model_dtype)
 
 
 def _plain_rows(tmp: Path, args: argparse.Namespace) -> list[dict]:
@@ -380,7 +386,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"V3-shaped FP8 checkpoint: {size / GIB:.2f} GiB", file=out)
             checkpoints["fp8-steps"] = size
             row = run_steps(tmp)
-            row["planned_bytes"] = planned_rank_bytes(tmp, "tpla", 1, "float8")
+            row["planned_bytes"] = planned_rank_bytes(
+                tmp, "tpla", 1, "float8", model_dtype=STEPS_DTYPE
+            )
             rows.append(row)
         overhead = rows[0]["peak_rss_bytes"] if rows[0]["mode"] == "overhead" else None
         for r in rows:

@@ -243,7 +243,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--context", type=int, required=True, help="tokens per sequence (prompt + max_tokens)"
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="KV cache dtype")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="the model's dtype (TPLA_DTYPE): its KV cache, and a quantized checkpoint's "
+        "unquantized weights",
+    )
     p.add_argument(
         "--index-cache-dtype",
         choices=("model", "fp8"),

@@ -155,20 +155,22 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "invalid choice: 'int8'" in capsys.readouterr().err
 
 
-def test_float8_resident_rank_model_holds_the_planned_bytes(tmp_path: Path) -> None:
-    """`--weight-dtype float8` counts what a rank keeps of an FP8 checkpoint: its linear
-    weights' e4m3 bytes and one fp32 scale per block of its slice, the rest in bf16 (blocks of
-    4 divide every slice here, so no slice starts inside a block)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_float8_resident_rank_model_holds_the_planned_bytes(dtype: str, tmp_path: Path) -> None:
+    """`--weight-dtype float8 --dtype D` counts what a rank computing in D keeps of an FP8
+    checkpoint: its linear weights' e4m3 bytes and one fp32 scale per block of its slice, the
+    rest in D (blocks of 4 divide every slice here, so no slice starts inside a block)."""
     save_hf("v3-noaux-yarn", tmp_path / "hf")
     fp8, _ = fp8_copy(tmp_path / "hf", tmp_path, block=4)
-    weights, _ = open_serving_weights(fp8, None, "bfloat16", weight_dtype="float8")
+    weights, _ = open_serving_weights(fp8, None, dtype, weight_dtype="float8")
     c = weights.config
     for (tp, r, mode), rmsnorm in itertools.product(LAYOUTS, RmsNormMode):
         parallel = ParallelConfig(tp, r, rmsnorm, ParallelMode(mode))
         for rank in range(tp):
             model = RankModel(weights, parallel, rank)
             assert isinstance(model.layers[1].ffn.experts.gate_up_proj, Fp8Weight)
-            planned = weight_bytes(rank_tensors(c, parallel, rank), "float8", (4, 4))
+            tensors = rank_tensors(c, parallel, rank)
+            planned = weight_bytes(tensors, "float8", (4, 4), model_dtype=dtype)
             assert model.parameter_bytes() == planned, (tp, r, mode, rmsnorm, rank)
 
 
