@@ -43,10 +43,12 @@ if TYPE_CHECKING:
     from common.group.comm import Comm
 
 HEADER_WORDS = 8
-# A plan is one broadcast where its payload fits after the header (a step's rows at batch
-# 256 and its usual edits do): each collective costs a round of wake-ups on every rank,
-# whatever its size. A larger payload follows in a second broadcast.
-INLINE_WORDS = 1024
+# A plan is one broadcast where its payload fits after the header: each collective costs a
+# round of wake-ups on every rank, whatever its size (a 32 KB message costs what an 8 KB one
+# does). 4096 words hold a step's rows at batch 256 with a joining sequence's whole table at
+# 32K context (block size 16, TPLA r = 2), so at that scale a step is one broadcast even as
+# sequences join. A larger payload follows in a second broadcast.
+INLINE_WORDS = 4096
 MESSAGE_WORDS = HEADER_WORDS + INLINE_WORDS
 MTP_SIZES = 5  # an MTP pass's sizes: rows, drafting sequences, seeds, seed width, chain
 
