@@ -21,36 +21,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-# DeepSeek-V3's architecture (q LoRA, decoupled RoPE, noaux_tc sigmoid routing over expert
-# groups, a shared expert, the first layer dense) at hidden 2048 with 32 experts of 4096.
-FP8_STEPS_CONFIG: dict[str, Any] = {
-    "model_type": "deepseek_v3",
-    "vocab_size": 32768,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 4096,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 16,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 32,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 8,
-    "topk_group": 4,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
-    "max_position_embeddings": 4096,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "tie_word_embeddings": False,
-}
+from tools.bench.v3_shapes import v3_shaped
+
+FP8_STEPS_CONFIG = v3_shaped(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=4096,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    n_routed_experts=32,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 PROMPT_TOKENS = (48, 17)  # the two requests' prompts
 MAX_TOKENS = 8  # tokens each request decodes
 KV_BUDGET_MB = 256.0  # per rank: EngineConfig's default

@@ -35,35 +35,20 @@ from typing import Any
 
 from common.parallel import BASELINE
 from tools.bench.output import table_stream
+from tools.bench.v3_shapes import v3_shaped
 
 # One rank's share of a DeepSeek-V3 layer, two layers (a dense one, then a MoE one).
-V3_RANK_CONFIG: dict[str, Any] = {
-    "model_type": "deepseek_v3",
-    "vocab_size": 16160,  # V3's 129,280 over 8 ranks
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 32,  # V3's 256 over 8 ranks: the experts' bytes one rank reads
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 8,
-    "topk_group": 4,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-}
+V3_RANK_CONFIG = v3_shaped(
+    vocab_size=16160,  # V3's 129,280 over 8 ranks
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_routed_experts=32,  # V3's 256 over 8 ranks: the experts' bytes one rank reads
+    max_position_embeddings=8192,
+)
 STEP_BATCHES = ("1", "32", "128")
 STEP_CONTEXT = 4096
 ATTN_CONTEXTS = ("4096", "32768", "131072")

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from common.parallel import BASELINE, ParallelMode
-from tools.bench.follower_memory import FP8_STEPS_CONFIG, STEPS_DTYPE, run_steps
+from tools.bench.follower_memory import FP8_STEPS_CONFIG, STEPS_DTYPE, run_steps, vm_bytes
 from tools.bench.output import table_stream, write_result
 
 GIB = 2**30
@@ -283,10 +283,10 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM). Not `ru_maxrss`: Linux carries a parent's
     peak over fork and exec into it, so a child of a big parent would report the parent's."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB too
+    try:
+        return vm_bytes(os.getpid(), "VmHWM")
+    except OSError:  # not Linux: no /proc
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB too
 
 
 def run_child(model_dir: Path, dtype: str, mode: str, layout: str = "-", rank: int = 0) -> dict:
