@@ -25,10 +25,10 @@ from tools.bench.loading import (
     GIB,
     WIDE_CONFIG,
     machine,
-    peak_rss_bytes,
     write_checkpoint,
 )
 from tools.bench.output import table_stream, write_result
+from tools.bench.proc_memory import peak_rss_bytes
 
 # `--calibrate`: random windows pushed through each layer (8 x 512 tokens by default).
 CALIBRATION_WINDOWS = 8

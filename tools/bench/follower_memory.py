@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tools.bench.proc_memory import vm_bytes
 from tools.bench.v3_shapes import v3_shaped
 
 FP8_STEPS_CONFIG = v3_shaped(
@@ -39,14 +40,6 @@ PROMPT_TOKENS = (48, 17)  # the two requests' prompts
 MAX_TOKENS = 8  # tokens each request decodes
 KV_BUDGET_MB = 256.0  # per rank: EngineConfig's default
 STEPS_DTYPE = "float32"  # the group's compute dtype: the CPU's
-
-
-def vm_bytes(pid: int, key: str) -> int:
-    """A /proc/PID/status size in bytes (VmRSS, VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} for process {pid}")
 
 
 def steps_child(model_dir: str) -> dict[str, Any]:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -44,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from common.parallel import BASELINE, ParallelMode
-from tools.bench.follower_memory import FP8_STEPS_CONFIG, STEPS_DTYPE, run_steps, vm_bytes
+from tools.bench.follower_memory import FP8_STEPS_CONFIG, STEPS_DTYPE, run_steps
 from tools.bench.output import table_stream, write_result
+from tools.bench.proc_memory import peak_rss_bytes
 
 GIB = 2**30
 PARTS = ("plain", "fp8", "fp8-steps")
@@ -278,15 +278,6 @@ def child(mode: str, model_dir: str, dtype: str, layout: str, rank: int) -> dict
         "parameter_bytes": kept,
         "load_seconds": round(seconds, 2),
     }
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM). Not `ru_maxrss`: Linux carries a parent's
-    peak over fork and exec into it, so a child of a big parent would report the parent's."""
-    try:
-        return vm_bytes(os.getpid(), "VmHWM")
-    except OSError:  # not Linux: no /proc
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB too
 
 
 def run_child(model_dir: Path, dtype: str, mode: str, layout: str = "-", rank: int = 0) -> dict:
