@@ -60,6 +60,8 @@ ROUTES = (
 class RouteDecision:
     route: PrefillRoute
     reason: RouteReason
+    # A remote prefill that is the half-open prefill circuit's one trial (prefill_circuit.py).
+    trial: bool = False
 
     @property
     def local(self) -> bool:

@@ -59,9 +59,10 @@ class PrefillCircuit:
         return True
 
     def ended(self) -> None:
-        """A remote prefill let through ended without a verdict on the workers (its request's
-        own error, its decode group's, its caller gone): a half-open circuit's trial is free
-        again."""
+        """The half-open circuit's trial ended, with or without a verdict on the workers (its
+        request's own error, its decode group's, its caller gone): the next one may try. Only
+        the trial calls it: a remote prefill let through while the circuit was closed, ending
+        now, must not free a second trial beside the running one."""
         self._trial = False
 
     def succeeded(self) -> None:

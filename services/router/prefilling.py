@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from opentelemetry.trace import Span, SpanKind
 
@@ -38,7 +39,7 @@ from services.router.disagg_policy import (
 from services.router.faults import GroupFailed, GroupFault, group_failure
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, Record, Run
-from services.router.prefill_circuit import PrefillCircuit
+from services.router.prefill_circuit import CircuitState, PrefillCircuit
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +109,13 @@ class Prefilling:
         degraded = self.degraded.reason(self.directory.snapshot)
         queued = self.load.local_prefill_tokens(run.group.group_id)
         decision = decide(self.disagg, uncached, queued, degraded)
-        if not decision.local and not self.circuit.try_remote():
-            decision = RouteDecision(PrefillRoute.LOCAL, RouteReason.CIRCUIT_OPEN)
-        return decision
+        if decision.local:
+            return decision
+        # Half open, the one prefill let through is the trial; only its end frees the next.
+        trial = self.circuit.state is CircuitState.HALF_OPEN
+        if not self.circuit.try_remote():
+            return RouteDecision(PrefillRoute.LOCAL, RouteReason.CIRCUIT_OPEN)
+        return replace(decision, trial=trial)
 
     def _routed(self, decision: RouteDecision, span: Span | None) -> None:
         self.metrics.prefill_routed(decision.route.value, decision.reason.value)
@@ -242,7 +247,8 @@ class Prefilling:
                 raise
             return await self._after_workers(run, prompt_ids, params, outputs, exc, span, tried)
         finally:
-            self.circuit.ended()
+            if decision.trial:
+                self.circuit.ended()
 
     def _another_worker(
         self, tried: list[str], prompt_ids: tuple[int, ...], exc: Unavailable
