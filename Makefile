@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 # The whole suite, every kind (CI runs this; the gpu tests skip with their reason without CUDA).
 test: install
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25 tests
 
 # One kind at a time, selected by the marker tests/conftest.py gives each test from its folder
 # (docs/design.md §11); test-quick is everything but the slow tests (e2e, fault, deploy and the
