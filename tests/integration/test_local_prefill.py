@@ -17,21 +17,16 @@ from torch import Tensor
 
 from common.loading.serving_model import load_prefill_model
 from common.model.causal_lm import DeepseekForCausalLM
-from common.parallel import ParallelConfig, ParallelMode
 from common.sampling.first_token import sample_first
 from common.sampling.grammar import GrammarSpec
 from common.sampling.params import SamplingParams
 from common.sampling.prompt_logprobs import prompt_logprobs
-from services.decode.config import EngineConfig, SpecConfig
+from services.decode.config import SpecConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
+from tests.tiny_engines import TINY_LAYOUTS, tiny_engine
 from tools.local_driver import write_prompt
 
-LAYOUTS = {
-    "tpla": {"tp": 2, "latent_groups": 2},
-    "mla-tp": {"tp": 2, "latent_groups": 1},
-    "sp": {"tp": 2, "latent_groups": 1, "mode": ParallelMode.SP, "chunk_size": 4},
-}
 CHUNK = 7
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -41,18 +36,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("local-prefill"), std=0.08)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=list(TINY_LAYOUTS))
 def engine(request: pytest.FixtureRequest, model_dir: Path):
-    cfg = EngineConfig(
-        model=str(model_dir),
-        parallel=ParallelConfig(**LAYOUTS[request.param]),
-        master_port=0,
-        kv_budget_mb=2,
-        block_size=4,
-        record_logits=True,
-        local_prefill_chunk_tokens=CHUNK,
-    )
-    with DecodeEngine(cfg) as eng:
+    parallel = TINY_LAYOUTS[request.param]
+    with tiny_engine(
+        model_dir, parallel, record_logits=True, local_prefill_chunk_tokens=CHUNK
+    ) as eng:
         yield eng
 
 

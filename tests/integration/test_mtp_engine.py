@@ -12,20 +12,15 @@ from pathlib import Path
 import pytest
 
 from common.loading.serving_model import load_prefill_model, load_prefill_mtp
-from common.parallel import ParallelConfig, ParallelMode
 from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.decode.config import EngineConfig, SpecConfig
 from services.decode.engine import DecodeEngine
 from tests.shard_checkpoints import MTP_CONFIG, mtp_state, random_state, save_checkpoint
+from tests.tiny_engines import TINY_LAYOUTS, tiny_engine
 from tools.local_driver import collect, submit
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
-LAYOUTS = {
-    "tpla": {"tp": 2, "latent_groups": 2},
-    "mla-tp": {"tp": 2, "latent_groups": 1},
-    "sp": {"tp": 2, "latent_groups": 1, "mode": ParallelMode.SP, "chunk_size": 4},
-}
 MTP = SpecConfig("mtp", tokens=3, max_batch=4)
 PLAIN = SpecConfig()
 TEXT = (
@@ -43,21 +38,14 @@ def tiny_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(
     scope="module",
-    params=[(m, lay) for m in ("demo", "tiny-v3") for lay in LAYOUTS],
+    params=[(m, lay) for m in ("demo", "tiny-v3") for lay in TINY_LAYOUTS],
     ids=lambda p: "-".join(p),
 )
 def engine(request: pytest.FixtureRequest, tiny_v3: Path):
     which, layout = request.param
-    cfg = EngineConfig(
-        model=str(DEMO if which == "demo" else tiny_v3),
-        parallel=ParallelConfig(**LAYOUTS[layout]),
-        master_port=0,
-        kv_budget_mb=4,
-        block_size=4,
-        max_batch=16,
-        speculative=MTP,
-    )
-    with DecodeEngine(cfg, eos_token_ids=(1,)) as eng:
+    model = DEMO if which == "demo" else tiny_v3
+    parallel = TINY_LAYOUTS[layout]
+    with tiny_engine(model, parallel, (1,), kv_budget_mb=4, max_batch=16, speculative=MTP) as eng:
         yield eng
 
 

@@ -15,20 +15,13 @@ import pytest
 import torch
 
 from common.loading.serving_model import load_prefill_model
-from common.parallel import ParallelConfig, ParallelMode
 from common.sampling.grammar import GrammarKind, GrammarSpec
 from common.sampling.params import SamplingParams
 from common.text.tokenizer import Tokenizer
-from services.decode.config import EngineConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
+from tests.tiny_engines import TINY_LAYOUTS, tiny_engine
 from tools.local_driver import collect, submit
-
-LAYOUTS = {
-    "tpla": {"tp": 2, "latent_groups": 2},
-    "mla-tp": {"tp": 2, "latent_groups": 1},
-    "sp": {"tp": 2, "latent_groups": 1, "mode": ParallelMode.SP, "chunk_size": 4},
-}
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +29,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("controls-model"), std=0.08)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=list(TINY_LAYOUTS))
 def engine(request: pytest.FixtureRequest, model_dir: Path):
-    cfg = EngineConfig(
-        model=str(model_dir),
-        parallel=ParallelConfig(**LAYOUTS[request.param]),
-        master_port=0,
-        kv_budget_mb=2,
-        block_size=4,
-        record_logits=True,
-    )
-    with DecodeEngine(cfg) as eng:
+    with tiny_engine(model_dir, TINY_LAYOUTS[request.param], record_logits=True) as eng:
         yield eng
 
 

@@ -15,23 +15,19 @@ import pytest
 import torch
 
 from common.loading.serving_model import load_prefill_model
-from common.parallel import ParallelConfig, ParallelMode
 from common.runtime.kernel_choice import KernelConfig
 from common.sampling.grammar import GrammarSpec
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import first_tokens
 from common.text.tokenizer import Tokenizer
-from services.decode.config import EngineConfig, SpecConfig
+from services.decode.config import SpecConfig
 from services.decode.engine import DecodeEngine
 from tests.tiny import save_tiny_chat_model
+from tests.tiny_engines import TINY_LAYOUTS, tiny_engine
 from tools.local_driver import collect, submit, write_prompt
 
-LAYOUTS = {
-    "tpla": {"tp": 2, "latent_groups": 2},
-    "mla-tp": {"tp": 2, "latent_groups": 1},
-    "sp": {"tp": 2, "latent_groups": 1, "mode": ParallelMode.SP, "chunk_size": 4},
-    "tpla-native": {"tp": 2, "latent_groups": 2},  # the C++ kernels run the rows as they are
-}
+# The C++ kernels run the rows as they are.
+LAYOUTS = {**TINY_LAYOUTS, "tpla-native": TINY_LAYOUTS["tpla"]}
 NGRAM = SpecConfig("ngram", tokens=4, max_batch=4)
 PLAIN = SpecConfig()
 # A prompt that repeats itself: its continuation tends to as well, so drafts are kept.
@@ -46,18 +42,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def engine(request: pytest.FixtureRequest, model_dir: Path):
-    cfg = EngineConfig(
-        model=str(model_dir),
-        parallel=ParallelConfig(**LAYOUTS[request.param]),
-        master_port=0,
-        kv_budget_mb=2,
-        block_size=4,
-        kernels=KernelConfig(
-            decode_attention="native" if request.param.endswith("native") else "torch"
-        ),
-        max_batch=16,
-    )
-    with DecodeEngine(cfg) as eng:
+    attention = "native" if request.param.endswith("native") else "torch"
+    kernels = KernelConfig(decode_attention=attention)
+    with tiny_engine(model_dir, LAYOUTS[request.param], kernels=kernels, max_batch=16) as eng:
         yield eng
 
 
