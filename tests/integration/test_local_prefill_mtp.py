@@ -9,12 +9,12 @@ import torch
 
 from common.loading.serving_model import load_prefill_model, load_prefill_mtp
 from common.model.mtp import prompt_own_next_ids, whole_prefill_with_mtp
-from common.parallel import ParallelConfig
 from common.sampling.params import SamplingParams
-from services.decode.config import EngineConfig, SpecConfig
+from services.decode.config import SpecConfig
 from services.decode.engine import DecodeEngine
-from tests.integration.test_local_prefill import CHUNK, LAYOUTS, rank0_rows
+from tests.integration.test_local_prefill import CHUNK, rank0_rows
 from tests.shard_checkpoints import MTP_CONFIG, mtp_state, random_state, save_checkpoint
+from tests.tiny_engines import TINY_LAYOUTS, tiny_engine
 from tools.local_driver import collect, submit
 
 
@@ -24,16 +24,15 @@ def mtp_engine(tmp_path_factory: pytest.TempPathFactory):
     path = save_checkpoint(
         {**main, **mtp_state(main, "equal")}, tmp_path_factory.mktemp("mtp"), **MTP_CONFIG
     )
-    cfg = EngineConfig(
-        model=str(path),
-        parallel=ParallelConfig(**LAYOUTS["tpla"]),
-        master_port=0,
+    spec = SpecConfig("mtp", tokens=2, max_batch=4)
+    with tiny_engine(
+        path,
+        TINY_LAYOUTS["tpla"],
+        (1,),
         kv_budget_mb=4,
-        block_size=4,
-        speculative=SpecConfig("mtp", tokens=2, max_batch=4),
+        speculative=spec,
         local_prefill_chunk_tokens=CHUNK,
-    )
-    with DecodeEngine(cfg, eos_token_ids=(1,)) as eng:
+    ) as eng:
         yield eng
 
 
