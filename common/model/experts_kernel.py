@@ -32,7 +32,7 @@ from common.model.fp8_experts import Fp8GroupedExperts
 from common.model.int4 import Int4Weight
 from common.model.int4_experts import Int4GroupedExperts
 from common.runtime.kernel_choice import KernelChoice, choose_kernel, setting_of
-from common.triton_kernels.fp8_blocks import unsupported
+from common.triton_kernels import fp8_blocks, int4_grouped_gemm
 
 EXPERTS_KERNELS = ("triton", "grouped", "loop")
 NOT_QUANTIZED = "the experts are neither FP8 nor INT4"
@@ -41,9 +41,10 @@ NOT_QUANTIZED = "the experts are neither FP8 nor INT4"
 def select_experts_kernel(asked: str, device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """The routed experts' kernel for weights on `device` computing in `dtype`
     (TPLA_EXPERTS_KERNEL: auto | triton | grouped | loop), by the kernel-choice rule. The
-    Triton kernels are offered where both formats' steps run (FP8 tensor cores: sm_89+)."""
+    Triton kernels are offered where the W4A16 one runs (sm_80+); the FP8 one needs FP8
+    tensor cores (sm_89+), and FP8 experts below that settle to `grouped`, saying why."""
     checks = {
-        "triton": lambda: unsupported(device),
+        "triton": lambda: int4_grouped_gemm.unsupported(device),
         "grouped": lambda: grouped_unsupported_on(device, dtype),
         "loop": lambda: None,
     }
@@ -60,6 +61,9 @@ def _triton_experts(gate_up: Weight, down: Weight) -> tuple[RoutedExperts, str] 
         return Int4GroupedExperts(gate_up, down), f"triton (INT4, groups of {gate_up.group})"
     if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)):
         return NOT_QUANTIZED
+    device = gate_up.values.device  # the selector has checked the rest of its environment
+    if device.type == "cuda" and (why := fp8_blocks.unsupported(device)) is not None:
+        return why  # a GPU with 16-bit tensor cores only (sm_80)
     if gate_up.values.dim() != 3 or down.values.dim() != 3:
         return "not stacks of experts"
     gate_up_blocks, down_blocks = gate_up.block_fp8(), down.block_fp8()

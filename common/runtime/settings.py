@@ -98,9 +98,10 @@ class Settings(BaseSettings):
         "grouped where this torch, device and dtype run grouped_mm: bf16 on CUDA sm_80+, fp32 / "
         "bf16 on the CPU; else loop) | triton (the Triton grouped GEMM over quantized experts, "
         "no dequantized copy: FP8 experts multiplied in FP8 over their blocks, INT4 experts as "
-        "W4A16 over their packed words and group scales; CUDA sm_89+, or the CPU under "
-        "TRITON_INTERPRET=1; a layer whose experts are neither, or whose FP8 column blocks it "
-        "cannot read, runs grouped) | grouped (two grouped GEMMs, routed on the device) | loop "
+        "W4A16 over their packed words and group scales; CUDA sm_80+ (FP8 experts sm_89+), or "
+        "the CPU under TRITON_INTERPRET=1; a layer whose experts are neither, whose FP8 column "
+        "blocks it cannot read, or FP8 on a GPU before sm_89, runs grouped) | grouped (two "
+        "grouped GEMMs, routed on the device) | loop "
         "(the per-expert reference); quantized experts without triton are dequantized a few "
         "experts at a time; a layer whose sizes grouped_mm cannot take runs the loop either "
         "way, with the reason logged; a named kernel the device cannot run stops the start-up",

@@ -133,14 +133,23 @@ class Tiles:
     num_warps: int
 
 
-def choose_tiles(rows: int, groups: int) -> Tiles:
-    """BLOCK_M: the average group's rows rounded up to a power of two in [16, 64] (tl.dot
-    needs 16; 64 fills Hopper's wgmma, whose 64 x 128 fp32 product and accumulator take two
-    warpgroups without spilling); one program per average group's tiles."""
+def choose_tiles(rows: int, groups: int, max_block_m: int = 64) -> Tiles:
+    """BLOCK_M: the average group's rows rounded up to a power of two in [16, max_block_m]
+    (tl.dot needs 16; 64 fills Hopper's wgmma, whose 64 x 128 fp32 product and accumulator
+    take two warpgroups without spilling); one program per average group's tiles."""
     per_group = math.ceil(rows / max(groups, 1))
-    block_m = min(64, max(16, 1 << (per_group - 1).bit_length()))
+    block_m = min(max_block_m, max(16, 1 << (per_group - 1).bit_length()))
     splits = max(1, min(MAX_M_SPLITS, math.ceil(per_group / block_m)))
     return Tiles(block_m, splits, 8 if block_m == 64 else 4)
+
+
+def max_block_m(device: torch.device) -> int:
+    """The largest row tile on `device`: 64 where wgmma runs it (sm_90+, and the CPU's
+    interpreter, which has no registers to spill); 32 on the GPUs before, whose mma.sync
+    tiles of 64 rows at 8 warps spill registers (ptxas: 396 bytes at sm_80)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return 32
+    return 64
 
 
 def check_groups(ends: Tensor, groups: int, rows: Tensor | None, tensors: list[Tensor]) -> None:
@@ -188,7 +197,7 @@ def launch(
     out = torch.empty(s, n, dtype=out_dtype, device=a.device)
     if s == 0 or groups == 0 or n == 0:
         return out
-    tiles = choose_tiles(s, groups)
+    tiles = choose_tiles(s, groups, max_block_m(a.device))
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         tile_loop()[(groups, math.ceil(n / BLOCK_N), tiles.m_splits)](
             a,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.triton_kernels import triton_mode
 from common.triton_kernels.grouped_gemm import Operands, check_groups, grouped_reference, launch
 from common.triton_kernels.int4_packing import INT4_PACK, dequantize_int4
 from common.triton_kernels.triton_mode import check_runnable, wrap
@@ -38,6 +39,15 @@ try:  # A CPU deployment without triton imports this module and never launches a
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without triton
     tl = None
+
+# 16-bit tensor-core products (mma from sm_80) as Triton compiles them: no FP8 is involved.
+MIN_CAPABILITY = (8, 0)
+
+
+def unsupported(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device` in this process, or None where it can."""
+    return triton_mode.unsupported(device, MIN_CAPABILITY, "16-bit tensor cores")
+
 
 # Columns per K step: the unpacked tile (BLOCK_K x 128 words, then values) stays in registers
 # beside a 64 x 128 fp32 accumulator.

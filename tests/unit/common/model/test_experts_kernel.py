@@ -12,6 +12,7 @@ from common.model.experts import grouped_experts, routed_experts
 from common.model.experts_kernel import loop_reason, select_experts_kernel, settle
 from common.model.fp8 import Fp8Weight, RowRun
 from common.runtime.kernel_choice import KernelUnavailable
+from common.triton_kernels import fp8_blocks
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -72,3 +73,21 @@ def test_each_layer_settles_what_runs_its_weights(monkeypatch: pytest.MonkeyPatc
     assert loop_reason("triton", gate_up, down) is None
     kernel, how = settle("triton", gate_up, down)
     assert how == "triton (FP8 blocks)" and type(kernel).__name__ == "Fp8GroupedExperts"
+
+
+@pytest.mark.parametrize(("capability", "offered"), [((7, 5), False), ((8, 0), True)])
+def test_triton_experts_are_offered_from_sm80(
+    capability: tuple[int, int], offered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W4A16 needs 16-bit tensor cores only (sm_80); the FP8 kernel needs FP8 ones (sm_89), and
+    an FP8 layer on an sm_80 GPU settles to grouped, saying why (`_triton_experts`)."""
+    pytest.importorskip("triton.language")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if offered:
+        assert select_experts_kernel("triton", CUDA, torch.bfloat16).kernel == "triton"
+    else:
+        with pytest.raises(KernelUnavailable, match="16-bit tensor cores need sm_80"):
+            select_experts_kernel("triton", CUDA, torch.bfloat16)
+    why = fp8_blocks.unsupported(CUDA) or ""
+    assert why.startswith(f"sm_{capability[0]}{capability[1]}: FP8 tensor cores need sm_89")

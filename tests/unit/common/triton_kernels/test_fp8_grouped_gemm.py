@@ -135,7 +135,7 @@ def test_the_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPa
 
 # Runs in a subprocess without TRITON_INTERPRET (this session's triton is the interpreter's):
 # argv[1] is the JSON list of cells, each (n, k, rows, groups, out dtype, gather, *rest);
-# argv[2] the compile call, of those names and `tiles`.
+# argv[2] the compile call, of those names, `arch` and `tiles`; argv[3] the architecture.
 _COMPILE = """
 import json, sys
 from dataclasses import asdict
@@ -151,19 +151,25 @@ from common.triton_kernels.grouped_gemm import choose_tiles
 dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
 rows = []
 for n, k, slots, groups, dtype, gather, *rest in json.loads(sys.argv[1]):
-    tiles = choose_tiles(slots, groups)
+    arch = int(sys.argv[3])
+    tiles = choose_tiles(slots, groups, 64 if arch >= 90 else 32)  # as max_block_m says
     info = eval(sys.argv[2])
     rows.append({"block_m": tiles.block_m, **asdict(info)})
 print(json.dumps({"rows": rows}))
 """
 
 
-def check_compiles(cells: list[tuple[object, ...]], call: str) -> None:
-    """Compile the grouped GEMM for sm_90 at each cell (`call`: _COMPILE's) in a subprocess;
-    every compile fits sm_90 without spilling, on wgmma at 64-row tiles, else mma.sync."""
+# The most shared memory one block may use: an H100 / H200's, an A100's.
+MAX_SHARED = {90: 227 * 1024, 80: 163 * 1024}
+
+
+def check_compiles(cells: list[tuple[object, ...]], call: str, arch: int = 90) -> None:
+    """Compile the grouped GEMM for sm_`arch` at each cell (`call`: _COMPILE's) in a
+    subprocess; every compile fits the architecture without spilling, on its tensor cores
+    (sm_90: wgmma at 64-row tiles, else mma.sync; sm_80: mma.sync)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(cells), call],
+        [sys.executable, "-c", _COMPILE, json.dumps(cells), call, str(arch)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -176,10 +182,11 @@ def check_compiles(cells: list[tuple[object, ...]], call: str) -> None:
         pytest.skip(result["skip"])
     lines = []
     for cell, info in zip(cells, result["rows"], strict=True):
-        assert info["name"] == "_grouped_gemm_kernel" and info["arch"] == 90
+        assert info["name"] == "_grouped_gemm_kernel" and info["arch"] == arch
         assert 0 < info["registers"] <= 255 and info["spill_stores"] == 0
-        assert info["shared"] <= 227 * 1024  # an H100 / H200 block's most
-        assert info["tensor_cores"] == ("wgmma" if info["block_m"] == 64 else "mma.sync")
+        assert info["shared"] <= MAX_SHARED[arch]
+        wgmma = arch == 90 and info["block_m"] == 64
+        assert info["tensor_cores"] == ("wgmma" if wgmma else "mma.sync")
         lines.append(f"{cell} block_m={info['block_m']} {info}")
     print("\n" + "\n".join(lines))
 
@@ -199,4 +206,4 @@ def test_the_kernel_compiles_for_sm90_at_v3_expert_shapes() -> None:
         (7168, 256, 32 * 8, 256, "bf16", False),
         (7168, 256, 8192 * 8, 256, "fp32", False),
     ]
-    check_compiles(cells, "compile_fp8_grouped_gemm(90, n, k, tiles, dtypes[dtype], gather)")
+    check_compiles(cells, "compile_fp8_grouped_gemm(arch, n, k, tiles, dtypes[dtype], gather)")
