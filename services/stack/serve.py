@@ -3,8 +3,10 @@
 Starts an embedded redis-server when TPLA_REDIS_URL is unset, then a decode group, a
 prefill worker and the router as child processes (each in its own process group, so a stop
 reaches every rank), waits for the router's /ready, and prints how to use it. A child that
-dies is reported and restarted (a few times; every service re-registers with Redis on start).
-SIGINT/SIGTERM stops every child within a few seconds, during start-up too.
+dies is reported and restarted (every service re-registers with Redis on start): at once
+whenever it had served (its port had opened: a fault, a kill, not a crash loop), and only
+`MAX_RESTARTS` times in a row while it dies before serving. SIGINT/SIGTERM stops every child
+within a few seconds, during start-up too.
 
 Start-up failures are not retried: every port the stack binds is checked before anything
 starts (a taken one is named with the setting that moves it), and a child that exits during
@@ -19,6 +21,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,7 +50,7 @@ from services.stack.embedded_redis import EmbeddedRedis
 
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 300.0
-MAX_RESTARTS = 3
+MAX_RESTARTS = 3  # in a row, of a child that dies before its port opens
 # `tpla` exits 2 after printing a configuration error (tools/cli/main.py main): a port in use, a
 # missing model. Restarting the child would only print it again.
 CONFIG_ERROR_EXIT = 2
@@ -59,11 +62,15 @@ DEFAULT_REDIS_PORT = 6399
 class Child:
     name: str
     args: list[str]
+    port: int  # its service's, which opens once it serves (after loading)
+    host: str = "127.0.0.1"  # where to reach that port
     proc: subprocess.Popen | None = None
-    restarts: list[float] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # over the stack's (its device)
+    served: bool = False  # its port has opened since its last start
+    failed_starts: int = 0  # starts in a row that died before serving
 
     def start(self, env: dict[str, str]) -> None:
+        self.served = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tools.cli", *self.args],
             env={**env, **self.env},
@@ -74,6 +81,13 @@ class Child:
         if self.proc is None or self.proc.poll() is not None:
             return
         _signal_group(self.proc, signal.SIGTERM)
+
+    def check_served(self) -> None:
+        """Note whether its port has opened (a connect to loopback, refused until then)."""
+        if not self.served:
+            with contextlib.suppress(OSError):
+                socket.create_connection((self.host, self.port), timeout=0.2).close()
+                self.served = True
 
     def remove_leftovers(self) -> None:
         """Once the process is gone: any shared-memory file a decode leader named after its
@@ -187,6 +201,7 @@ def stack_children(s: Settings, devices: StackDevices | None = None) -> list[Chi
     """The local stack's processes: decode groups, prefill workers, then the router. With
     `devices`, each decode group and prefill worker is started on its own (TPLA_DEVICE)."""
     ports = stack_ports(s)
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host  # bound to every address
 
     def on(device: str | None) -> dict[str, str]:
         return {"TPLA_DEVICE": device} if device else {}
@@ -197,6 +212,8 @@ def stack_children(s: Settings, devices: StackDevices | None = None) -> list[Chi
         Child(
             f"decode-{i}",
             ["decode", "--port", str(d), "--kv-port-base", str(k), "--dist-port", str(m)],
+            d,
+            host,
             env=on(device),
         )
         for i, (d, k, m, device) in enumerate(
@@ -204,12 +221,18 @@ def stack_children(s: Settings, devices: StackDevices | None = None) -> list[Chi
         )
     ]
     workers = [
-        Child(f"prefill-{j}", ["prefill", "--port", str(p), "--dist-port", str(m)], env=on(device))
+        Child(
+            f"prefill-{j}",
+            ["prefill", "--port", str(p), "--dist-port", str(m)],
+            p,
+            host,
+            env=on(device),
+        )
         for j, (p, m, device) in enumerate(
             zip(ports.prefill, ports.prefill_dist, prefill, strict=True)
         )
     ]
-    return [*groups, *workers, Child("router", ["router"])]
+    return [*groups, *workers, Child("router", ["router"], s.router_port, host)]
 
 
 def _exited(children: list[Child]) -> str | None:
@@ -299,7 +322,7 @@ def serve_stack(s: Settings, *, smoke: bool = False, devices: StackDevices | Non
                 print("tpla serve: embedded redis-server exited; restarting it", flush=True)
                 redis_server.stop()  # removes its data directory
                 redis_server = EmbeddedRedis(redis_server.port, redis_server.password)
-            _supervise(children, env)
+            supervise(children, env)
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
         if not stop.is_set():  # a requested stop is no failure
             print(f"tpla serve: {exc}", file=sys.stderr, flush=True)
@@ -311,21 +334,24 @@ def serve_stack(s: Settings, *, smoke: bool = False, devices: StackDevices | Non
     return code
 
 
-def _supervise(children: list[Child], env: dict[str, str]) -> None:
+def supervise(children: list[Child], env: dict[str, str]) -> None:
+    """One look at every child (the stack's loop calls it every second): a running one's port
+    checked until it serves, one that exited restarted, or the stack given up on (raises)."""
     for child in children:
-        if child.proc is None or child.proc.poll() is None:
+        if child.proc is None:
             continue
-        now = time.monotonic()
-        child.restarts = [t for t in child.restarts if now - t < 60]
+        if child.proc.poll() is None:
+            child.check_served()
+            continue
         code = child.proc.returncode
         print(f"tpla serve: {child.name} exited with code {code}", flush=True)
         _signal_group(child.proc, signal.SIGKILL)  # its ranks, if any, go with it
         child.remove_leftovers()
         if code == CONFIG_ERROR_EXIT:
             raise RuntimeError(f"{child.name} cannot start (its error is above); not restarting it")
-        if len(child.restarts) >= MAX_RESTARTS:
-            raise RuntimeError(f"{child.name} keeps failing; giving up")
-        child.restarts.append(now)
+        child.failed_starts = 0 if child.served else child.failed_starts + 1
+        if child.failed_starts >= MAX_RESTARTS:
+            raise RuntimeError(f"{child.name} keeps failing before it serves; giving up")
         print(f"tpla serve: restarting {child.name}", flush=True)
         child.start(env)
 
