@@ -83,7 +83,7 @@ class Child:
         _signal_group(self.proc, signal.SIGTERM)
 
     def check_served(self) -> None:
-        """Note whether its port has opened (a connect to loopback, refused until then)."""
+        """Note whether its port has opened (a TCP connect, refused until then)."""
         if not self.served:
             with contextlib.suppress(OSError):
                 socket.create_connection((self.host, self.port), timeout=0.2).close()
