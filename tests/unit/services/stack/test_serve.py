@@ -56,12 +56,14 @@ def quick_children(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _dies(child: Child) -> None:
-    """Supervise `child` while it runs, then once more after it exits (its restart)."""
-    assert child.proc is not None
-    while child.proc.poll() is None:
-        supervise([child], {})
-    child.proc.wait()
+    """Watch `child`'s port while it runs, then supervise it once after it exited (its
+    restart, or the stack giving up)."""
+    proc = child.proc
+    assert proc is not None
+    while proc.poll() is None:
+        child.check_served()
     supervise([child], {})
+    assert child.proc is not proc  # restarted
 
 
 @pytest.mark.usefixtures("quick_children")
